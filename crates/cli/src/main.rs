@@ -1,0 +1,181 @@
+//! `tessera`: the command-line front of Tessera. Thin by design: every command parses its
+//! flags and calls into the library crates.
+
+mod commands;
+mod output;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+use std::sync::Arc;
+use tessera_storage::{Store, StoreConfig};
+
+#[derive(Parser)]
+#[command(name = "tessera", version, about = "Tessera: a replicated, versioned SQL store")]
+struct Cli {
+    /// Where this node keeps its data.
+    #[arg(long, global = true, default_value = "./tessera-data", env = "TESSERA_DATA_DIR")]
+    data_dir: PathBuf,
+    #[command(flatten)]
+    store: StoreFlags,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Storage settings; defaults are documented in `StoreConfig`.
+#[derive(clap::Args, Clone)]
+struct StoreFlags {
+    /// Partitions of the hash ring (fixed when a store is created).
+    #[arg(long, global = true, default_value_t = 64)]
+    partitions: u32,
+    /// Checkpoint once in-memory components hold this many bytes.
+    #[arg(long, global = true, default_value_t = 64 << 20)]
+    memtable_flush_bytes: usize,
+    /// Publishes at least this large write components directly instead of the log.
+    #[arg(long, global = true, default_value_t = 8 << 20)]
+    bulk_publish_bytes: usize,
+    /// Merge a partition's components once it has more than this many.
+    #[arg(long, global = true, default_value_t = 8)]
+    merge_threshold: usize,
+}
+
+impl StoreFlags {
+    fn config(&self) -> StoreConfig {
+        StoreConfig {
+            partitions: self.partitions,
+            memtable_flush_bytes: self.memtable_flush_bytes,
+            bulk_publish_bytes: self.bulk_publish_bytes,
+            merge_threshold: self.merge_threshold,
+            ..StoreConfig::default()
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Load TPC-H into a local store, run queries with timings, and show time travel.
+    Demo {
+        #[arg(long, default_value_t = 0.1)]
+        sf: f64,
+    },
+    /// Run SQL: an interactive prompt, or the statements given with -c.
+    Sql {
+        /// Statements to run instead of starting the prompt.
+        #[arg(short = 'c', long = "command")]
+        command: Option<String>,
+        #[arg(long, value_enum, default_value_t = Format::Table)]
+        format: Format,
+    },
+    /// Generate a data set in-process and publish it.
+    Load {
+        #[command(subcommand)]
+        dataset: LoadDataset,
+    },
+    /// Publish rows from Parquet or CSV files as one new epoch.
+    Publish {
+        #[arg(long)]
+        table: String,
+        /// The files hold keys to delete instead of rows to upsert.
+        #[arg(long)]
+        delete: bool,
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
+    /// Flush memory to components and trim the log.
+    Checkpoint,
+    /// Tables, rows, components and the visible epoch.
+    Status,
+    /// Benchmarks that print Tessera against a baseline measured in the same run.
+    Bench {
+        #[command(subcommand)]
+        bench: BenchKind,
+    },
+    /// Tools for tests; not for production use.
+    #[command(hide = true)]
+    Debug {
+        #[command(subcommand)]
+        tool: DebugTool,
+    },
+}
+
+#[derive(Subcommand)]
+enum LoadDataset {
+    /// TPC-H at a scale factor.
+    Tpch {
+        #[arg(long, default_value_t = 1.0)]
+        sf: f64,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchKind {
+    /// All 22 TPC-H queries on Tessera and on plain DataFusion over the same data.
+    Tpch {
+        #[arg(long, default_value_t = 1.0)]
+        sf: f64,
+        /// Comma-separated query numbers (default: all 22).
+        #[arg(long, value_delimiter = ',')]
+        queries: Vec<usize>,
+        /// Timed runs per query and engine; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
+}
+
+#[derive(Subcommand)]
+enum DebugTool {
+    /// Publish numbered epochs to table `kv` forever, printing `ACK <n> <epoch>` for each.
+    PublishLoop {
+        #[arg(long, default_value_t = 64)]
+        rows: i64,
+        /// Every this many publishes, publish a large batch that takes the bulk path.
+        #[arg(long, default_value_t = 7)]
+        bulk_every: i64,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+pub enum Format {
+    Table,
+    Csv,
+    Json,
+}
+
+fn open_store(cli: &Cli) -> Result<Arc<Store>> {
+    Ok(Store::open(&cli.data_dir, cli.store.config())?)
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TESSERA_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    if let Err(error) = runtime.block_on(run(cli)) {
+        eprintln!("error: {error:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    match &cli.command {
+        Command::Demo { sf } => commands::demo::run(open_store(&cli)?, *sf).await,
+        Command::Sql { command, format } => commands::sql::run(open_store(&cli)?, command.as_deref(), *format).await,
+        Command::Load { dataset: LoadDataset::Tpch { sf } } => commands::load::tpch(open_store(&cli)?, *sf, true).await,
+        Command::Publish { table, delete, files } => commands::publish::run(open_store(&cli)?, table, *delete, files).await,
+        Command::Checkpoint => {
+            let store = open_store(&cli)?;
+            store.checkpoint()?;
+            println!("checkpoint done; visible epoch {}", store.visible_epoch());
+            Ok(())
+        }
+        Command::Status => commands::status::run(open_store(&cli)?),
+        Command::Bench { bench: BenchKind::Tpch { sf, queries, runs } } => {
+            commands::bench::tpch(&cli.data_dir, cli.store.config(), *sf, queries, *runs).await
+        }
+        Command::Debug { tool: DebugTool::PublishLoop { rows, bulk_every } } => {
+            commands::publish_loop::run(open_store(&cli)?, *rows, *bulk_every).await
+        }
+    }
+}

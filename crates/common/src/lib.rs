@@ -1,0 +1,15 @@
+//! Shared vocabulary of Tessera: identifiers (epochs, partitions, LSNs, component hashes),
+//! the stable partition hash that decides where a row lives, and the row-version columns
+//! every stored row carries.
+//!
+//! Everything here is part of Tessera's on-disk and on-wire contract: changing the partition
+//! hash or the version column names moves data, so both are fixed and tested against
+//! known vectors.
+
+pub mod ids;
+pub mod partitioning;
+pub mod version;
+
+pub use ids::{ComponentHash, Epoch, Lsn, PartitionId};
+pub use partitioning::{is_key_type, partition_key_hashes, PartitionRing, PartitioningError};
+pub use version::{RowOp, EPOCH_COLUMN, OP_COLUMN};

@@ -1,0 +1,112 @@
+//! Immutable on-disk components: Parquet files named by the BLAKE3 hash of their bytes.
+//!
+//! A component holds row versions of one (table, partition): the table's columns followed
+//! by the version columns. It is written whole in memory, hashed, written to a temporary
+//! file, fsynced and renamed to `<hash>.parquet`, so a component either exists complete
+//! under its name or not at all.
+
+use crate::error::{Result, StorageError};
+use crate::fsio;
+use arrow::array::RecordBatch;
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::{ArrowWriter, ProjectionMask};
+use parquet::basic::Compression;
+use parquet::file::properties::WriterProperties;
+use serde::{Deserialize, Serialize};
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use tessera_common::{ComponentHash, Epoch, Lsn};
+
+/// Rows per Parquet row group: small enough for statistics to prune, large enough to scan fast.
+pub const ROW_GROUP_ROWS: usize = 128 * 1024;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ComponentMeta {
+    pub hash: ComponentHash,
+    pub rows: u64,
+    pub bytes: u64,
+    pub min_lsn: Lsn,
+    pub max_lsn: Lsn,
+    pub min_epoch: Epoch,
+    pub max_epoch: Epoch,
+    /// No key occurs twice in the component, so it needs no dedup on its own.
+    pub unique_keys: bool,
+    pub tombstones: u64,
+}
+
+/// The writer settings for every component (and for the benchmark's baseline files, so
+/// both sides read identical layouts).
+pub fn writer_properties() -> WriterProperties {
+    WriterProperties::builder()
+        .set_compression(Compression::SNAPPY)
+        .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
+        .build()
+}
+
+pub fn component_path(dir: &Path, hash: &ComponentHash) -> PathBuf {
+    dir.join(format!("{}.parquet", hash.to_hex()))
+}
+
+/// Encodes `batches` as Parquet in memory.
+pub fn encode_parquet(batches: &[RecordBatch]) -> Result<Vec<u8>> {
+    let schema = batches.first().expect("a component has rows").schema();
+    let mut bytes = Vec::new();
+    let parquet_err = |source| StorageError::Parquet { path: PathBuf::from("<in memory>"), source };
+    let mut writer = ArrowWriter::try_new(&mut bytes, schema, Some(writer_properties())).map_err(parquet_err)?;
+    for batch in batches {
+        writer.write(batch).map_err(parquet_err)?;
+    }
+    writer.close().map_err(parquet_err)?;
+    Ok(bytes)
+}
+
+/// Writes Parquet bytes as a component named by their hash; returns the hash. Writing a
+/// component that already exists is a no-op: same name, same bytes.
+pub fn write_component(dir: &Path, bytes: &[u8]) -> Result<ComponentHash> {
+    let hash = ComponentHash::of_bytes(bytes);
+    let path = component_path(dir, &hash);
+    if path.exists() {
+        return Ok(hash);
+    }
+    let tmp = path.with_extension("parquet.tmp");
+    {
+        let mut file = File::create(&tmp).map_err(|e| StorageError::io(&tmp, e))?;
+        file.write_all(bytes).map_err(|e| StorageError::io(&tmp, e))?;
+        file.sync_all().map_err(|e| StorageError::io(&tmp, e))?;
+    }
+    fs::rename(&tmp, &path).map_err(|e| StorageError::io(&path, e))?;
+    fsio::sync_dir(dir)?;
+    Ok(hash)
+}
+
+/// Checks that a component's bytes hash to its name.
+pub fn verify_component(dir: &Path, hash: &ComponentHash) -> Result<()> {
+    let path = component_path(dir, hash);
+    let bytes = match fs::read(&path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(StorageError::MissingComponent { hash: *hash, path })
+        }
+        Err(e) => return Err(StorageError::io(&path, e)),
+    };
+    let actual = ComponentHash::of_bytes(&bytes);
+    if actual != *hash {
+        return Err(StorageError::CorruptComponent { hash: *hash, path, actual });
+    }
+    Ok(())
+}
+
+/// Reads a component, optionally only the given top-level columns.
+pub fn read_component(dir: &Path, hash: &ComponentHash, columns: Option<&[usize]>) -> Result<Vec<RecordBatch>> {
+    let path = component_path(dir, hash);
+    let parquet_err = |source| StorageError::Parquet { path: path.clone(), source };
+    let file = File::open(&path).map_err(|e| StorageError::io(&path, e))?;
+    let mut builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(parquet_err)?;
+    if let Some(columns) = columns {
+        let mask = ProjectionMask::roots(builder.parquet_schema(), columns.iter().copied());
+        builder = builder.with_projection(mask);
+    }
+    let reader = builder.with_batch_size(8192).build().map_err(parquet_err)?;
+    Ok(reader.collect::<std::result::Result<Vec<_>, _>>()?)
+}

@@ -1,0 +1,55 @@
+//! Errors a user, a peer or a disk can cause. Broken invariants panic instead.
+
+use std::path::PathBuf;
+use tessera_common::{ComponentHash, Epoch, PartitioningError};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum StorageError {
+    #[error("I/O error on {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("Arrow error: {0}")]
+    Arrow(#[from] arrow::error::ArrowError),
+    #[error("Parquet error in {path}: {source}")]
+    Parquet { path: PathBuf, source: parquet::errors::ParquetError },
+    #[error("table {0:?} does not exist")]
+    UnknownTable(String),
+    #[error("table {0:?} already exists")]
+    TableExists(String),
+    #[error("invalid table definition for {table:?}: {reason}")]
+    InvalidTable { table: String, reason: String },
+    #[error("batch for table {table:?} does not match its schema: {reason}")]
+    SchemaMismatch { table: String, reason: String },
+    #[error("duplicate primary key {key} in one publish to table {table:?}")]
+    DuplicateKey { table: String, key: String },
+    #[error("table {table:?} is append-only: {reason}")]
+    AppendOnly { table: String, reason: String },
+    #[error("{0}")]
+    Partitioning(#[from] PartitioningError),
+    #[error("publish of {bytes} bytes exceeds the limit of {limit} bytes (max_publish_bytes); split it into several publishes")]
+    PublishTooLarge { bytes: usize, limit: usize },
+    #[error("epoch {requested} is not visible yet: the visible epoch is {visible}")]
+    EpochNotVisible { requested: Epoch, visible: Epoch },
+    #[error("epoch {requested} is no longer retained: versions older than epoch {retained_from} may have been merged away")]
+    EpochNotRetained { requested: Epoch, retained_from: Epoch },
+    #[error("component {hash} is corrupt: {path} hashes to {actual}; the file's bytes do not match its name")]
+    CorruptComponent { hash: ComponentHash, path: PathBuf, actual: ComponentHash },
+    #[error("component {hash} is missing: {path} does not exist")]
+    MissingComponent { hash: ComponentHash, path: PathBuf },
+    #[error("write-ahead log {path} is corrupt at byte {offset}: {reason}; valid records follow, so this is not a torn tail and recovery stops rather than lose acknowledged epochs")]
+    CorruptLog { path: PathBuf, offset: u64, reason: String },
+    #[error("checkpoint {path} is unreadable: {reason}")]
+    CorruptCheckpoint { path: PathBuf, reason: String },
+    #[error("data directory {path} is in use by another Tessera process (lock held)")]
+    Locked { path: PathBuf },
+    #[error("the store stopped accepting writes after an I/O error ({0}); restart the node to recover from disk")]
+    Poisoned(String),
+}
+
+impl StorageError {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> StorageError {
+        StorageError::Io { path: path.into(), source }
+    }
+}
+
+pub type Result<T, E = StorageError> = std::result::Result<T, E>;

@@ -1,0 +1,40 @@
+//! A partition's manifest: the immutable components that hold its flushed rows.
+
+use crate::component::ComponentMeta;
+use serde::{Deserialize, Serialize};
+use tessera_common::{ComponentHash, Epoch, Lsn};
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    pub components: Vec<ComponentMeta>,
+    /// Every log record of this (table, partition) at or below this LSN is in a component.
+    pub max_lsn: Lsn,
+}
+
+impl Manifest {
+    /// The components holding any row version visible at `epoch`.
+    pub fn components_at(&self, epoch: Epoch) -> Vec<ComponentMeta> {
+        self.components.iter().filter(|c| c.min_epoch <= epoch).cloned().collect()
+    }
+
+    /// The manifest's own name: the BLAKE3 hash of its canonical JSON, restricted to what
+    /// is visible at `epoch`. Equal hashes mean equal contents, on any node.
+    pub fn hash_at(&self, epoch: Epoch) -> ComponentHash {
+        let visible = Manifest { components: self.components_at(epoch), max_lsn: self.max_lsn };
+        let json = serde_json::to_vec(&visible.components).expect("a manifest always serializes");
+        ComponentHash::of_bytes(&json)
+    }
+
+    pub fn add(&mut self, component: ComponentMeta) {
+        assert!(
+            component.max_lsn >= self.max_lsn || component.max_lsn == Lsn::ZERO,
+            "LSNs rise: a new component may not end below the manifest's max LSN"
+        );
+        self.max_lsn = self.max_lsn.max(component.max_lsn);
+        self.components.push(component);
+    }
+
+    pub fn row_count(&self) -> u64 {
+        self.components.iter().map(|c| c.rows).sum()
+    }
+}

@@ -1,0 +1,835 @@
+//! The store of one node: tables, their partitions, publishing epochs, snapshots for
+//! readers, checkpoints, merges and crash recovery.
+//!
+//! Concurrency: a publish through the log holds the *gate* shared, so publishes group-commit
+//! together; checkpoints, bulk publishes and DDL hold it exclusively, so they see no publish
+//! half done. Readers never take the gate: they copy what an epoch needs under the short
+//! state lock and read immutable components afterwards.
+//!
+//! Visibility: epochs are allocated in order and committed possibly out of order (group
+//! commit); the visible epoch advances only over a contiguous run of resolved (committed or
+//! aborted) epochs, so a visible epoch never moves back and never exposes a gap.
+
+use crate::catalog::TableDef;
+use crate::checkpoint::{Checkpoint, TableCheckpoint};
+use crate::component::{self, ComponentMeta};
+use crate::error::{Result, StorageError};
+use crate::fsio::{self, DirLock};
+use crate::manifest::Manifest;
+use crate::versions;
+use crate::wal::{self, Wal, WalRecord};
+use arrow::array::RecordBatch;
+use arrow::compute::concat_batches;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use tessera_common::{ComponentHash, Epoch, Lsn, PartitionId, PartitionRing, RowOp};
+
+/// Store settings, with defaults suited to a laptop or a small server.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Partitions of the hash ring; fixed when the store is created.
+    pub partitions: u32,
+    /// A checkpoint runs once the in-memory components hold this many bytes.
+    pub memtable_flush_bytes: usize,
+    /// Publishes at least this large bypass the log and write components directly.
+    pub bulk_publish_bytes: usize,
+    /// A partition with more components than this is merged at the next checkpoint.
+    pub merge_threshold: usize,
+    /// The largest publish accepted, in bytes of Arrow data.
+    pub max_publish_bytes: usize,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            partitions: 64,
+            memtable_flush_bytes: 64 << 20,
+            bulk_publish_bytes: 8 << 20,
+            merge_threshold: 8,
+            max_publish_bytes: 8 << 30,
+        }
+    }
+}
+
+/// One table's part of a publish: rows to upsert (the table's columns) and keys to delete
+/// (the primary-key columns).
+#[derive(Debug, Clone, Default)]
+pub struct TableChanges {
+    pub table: String,
+    pub upserts: Vec<RecordBatch>,
+    pub deletes: Vec<RecordBatch>,
+}
+
+/// Everything a reader needs to read one table at one epoch. Components it names are not
+/// deleted while the snapshot lives.
+impl std::fmt::Debug for TableSnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TableSnapshot").field("table", &self.def.name).field("epoch", &self.epoch).finish()
+    }
+}
+
+pub struct TableSnapshot {
+    pub def: TableDef,
+    pub epoch: Epoch,
+    pub partitions: Vec<PartitionSnapshot>,
+    _reader: ReaderGuard,
+}
+
+#[derive(Debug, Clone)]
+pub struct PartitionSnapshot {
+    pub partition: PartitionId,
+    pub components: Vec<ComponentMeta>,
+    /// In-memory row versions at or below the snapshot's epoch.
+    pub memtable: Vec<RecordBatch>,
+}
+
+impl PartitionSnapshot {
+    pub fn is_empty(&self) -> bool {
+        self.components.is_empty() && self.memtable.is_empty()
+    }
+
+    /// True if the partition's rows at `epoch` are exactly its single component's rows, so
+    /// a reader may scan the Parquet file directly without resolving versions.
+    pub fn is_plain_scan(&self, epoch: Epoch) -> bool {
+        match (self.components.as_slice(), self.memtable.is_empty()) {
+            ([only], true) => only.unique_keys && only.tombstones == 0 && only.max_epoch <= epoch,
+            _ => false,
+        }
+    }
+
+    pub fn estimated_rows(&self) -> u64 {
+        self.components.iter().map(|c| c.rows).sum::<u64>() + self.memtable.iter().map(|b| b.num_rows() as u64).sum::<u64>()
+    }
+}
+
+/// Per-table counts for `tessera status` and tests.
+#[derive(Debug, Clone)]
+pub struct TableStats {
+    pub name: String,
+    pub components: usize,
+    pub component_rows: u64,
+    pub memtable_rows: u64,
+    pub partitions_with_data: usize,
+}
+
+struct MemEntry {
+    lsn: Lsn,
+    epoch: Epoch,
+    batch: RecordBatch,
+}
+
+#[derive(Default)]
+struct PartitionState {
+    manifest: Manifest,
+    memtable: Vec<MemEntry>,
+}
+
+struct TableState {
+    def: TableDef,
+    partitions: Vec<PartitionState>,
+}
+
+struct State {
+    tables: BTreeMap<String, TableState>,
+    partition_next_lsn: Vec<Lsn>,
+    next_epoch: Epoch,
+    visible: Epoch,
+    resolved_above_visible: BTreeSet<Epoch>,
+    retained_from: Epoch,
+    memtable_bytes: usize,
+}
+
+impl State {
+    /// Marks an epoch committed or aborted and advances the visible epoch over every
+    /// contiguous resolved epoch.
+    fn resolve(&mut self, epoch: Epoch) {
+        assert!(epoch > self.visible, "an epoch is resolved once, above the visible epoch");
+        self.resolved_above_visible.insert(epoch);
+        while self.resolved_above_visible.remove(&self.visible.next()) {
+            self.visible = self.visible.next();
+        }
+    }
+
+    fn allocate_epoch(&mut self) -> Epoch {
+        let epoch = self.next_epoch;
+        self.next_epoch = epoch.next();
+        epoch
+    }
+
+    fn allocate_lsn(&mut self, partition: PartitionId) -> Lsn {
+        let slot = &mut self.partition_next_lsn[partition.0 as usize];
+        let lsn = *slot;
+        *slot = lsn.next();
+        lsn
+    }
+
+    fn table(&self, name: &str) -> Result<&TableState> {
+        self.tables.get(name).ok_or_else(|| StorageError::UnknownTable(name.to_string()))
+    }
+
+    fn to_checkpoint(&self, partition_count: u32) -> Checkpoint {
+        Checkpoint {
+            format: crate::checkpoint::FORMAT_VERSION,
+            partition_count,
+            next_epoch: self.next_epoch,
+            retained_from: self.retained_from,
+            partition_next_lsn: self.partition_next_lsn.clone(),
+            tables: self
+                .tables
+                .values()
+                .map(|t| TableCheckpoint { def: t.def.clone(), manifests: t.partitions.iter().map(|p| p.manifest.clone()).collect() })
+                .collect(),
+        }
+    }
+
+    fn referenced_components(&self) -> HashSet<ComponentHash> {
+        self.tables.values().flat_map(|t| t.partitions.iter()).flat_map(|p| p.manifest.components.iter().map(|c| c.hash)).collect()
+    }
+}
+
+/// Tracks live snapshots so merged-away components are deleted only once no reader can
+/// still open them.
+#[derive(Default)]
+struct ReaderRegistry {
+    generation: u64,
+    active: BTreeMap<u64, usize>,
+    /// Components dropped from manifests, with the generation at which they were dropped.
+    garbage: Vec<(u64, ComponentHash)>,
+}
+
+struct ReaderGuard {
+    registry: Arc<Mutex<ReaderRegistry>>,
+    generation: u64,
+}
+
+impl Drop for ReaderGuard {
+    fn drop(&mut self) {
+        let mut registry = self.registry.lock().expect("reader registry lock");
+        if let Some(count) = registry.active.get_mut(&self.generation) {
+            *count -= 1;
+            if *count == 0 {
+                registry.active.remove(&self.generation);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("dir", &self.dir).field("partitions", &self.ring.partition_count()).finish()
+    }
+}
+
+pub struct Store {
+    dir: PathBuf,
+    components_dir: PathBuf,
+    config: StoreConfig,
+    ring: PartitionRing,
+    state: Mutex<State>,
+    gate: RwLock<()>,
+    wal: Wal,
+    verified: Mutex<HashSet<ComponentHash>>,
+    readers: Arc<Mutex<ReaderRegistry>>,
+    poisoned: Mutex<Option<String>>,
+    _lock: DirLock,
+}
+
+/// What recovery did, for logs and tests.
+#[derive(Debug, Clone, Default)]
+pub struct RecoveryReport {
+    pub replayed_records: usize,
+    pub skipped_uncommitted_records: usize,
+    pub torn_bytes: u64,
+    pub visible_epoch: Epoch,
+}
+
+impl Store {
+    /// Opens (or creates) the store in `dir`, recovering from the last checkpoint and the log.
+    pub fn open(dir: &Path, config: StoreConfig) -> Result<Arc<Store>> {
+        Ok(Self::open_with_report(dir, config)?.0)
+    }
+
+    pub fn open_with_report(dir: &Path, mut config: StoreConfig) -> Result<(Arc<Store>, RecoveryReport)> {
+        fsio::create_dir_all(dir)?;
+        let lock = DirLock::acquire(dir)?;
+        let components_dir = dir.join("components");
+        let wal_dir = dir.join("wal");
+        fsio::create_dir_all(&components_dir)?;
+        fsio::create_dir_all(&wal_dir)?;
+        let checkpoint = match Checkpoint::load(dir)? {
+            Some(checkpoint) => checkpoint,
+            None => {
+                if !wal::list_segments(&wal_dir)?.is_empty() {
+                    return Err(StorageError::CorruptCheckpoint {
+                        path: dir.join(crate::checkpoint::CHECKPOINT_FILE),
+                        reason: "missing, yet the write-ahead log has segments; refusing to start empty over existing data".into(),
+                    });
+                }
+                let fresh = Checkpoint::empty(config.partitions);
+                fresh.store(dir)?;
+                fresh
+            }
+        };
+        if checkpoint.partition_count != config.partitions {
+            tracing::info!(stored = checkpoint.partition_count, configured = config.partitions, "using the partition count the store was created with");
+            config.partitions = checkpoint.partition_count;
+        }
+        let log = wal::recover(&wal_dir)?;
+        let (state, report) = replay(checkpoint, log.records, log.torn_bytes)?;
+        // Appending to the last segment is safe: recovery cut any torn tail off it.
+        let wal = Wal::start(&wal_dir, log.last_segment.max(1))?;
+        let store = Store {
+            dir: dir.to_path_buf(),
+            components_dir,
+            ring: PartitionRing::new(config.partitions),
+            config,
+            state: Mutex::new(state),
+            gate: RwLock::new(()),
+            wal,
+            verified: Mutex::new(HashSet::new()),
+            readers: Arc::new(Mutex::new(ReaderRegistry::default())),
+            poisoned: Mutex::new(None),
+            _lock: lock,
+        };
+        store.delete_unreferenced_component_files()?;
+        tracing::info!(dir = %dir.display(), visible_epoch = %report.visible_epoch, replayed = report.replayed_records, torn_bytes = report.torn_bytes, "store opened");
+        Ok((Arc::new(store), report))
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn components_dir(&self) -> &Path {
+        &self.components_dir
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    pub fn ring(&self) -> PartitionRing {
+        self.ring
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("store state lock")
+    }
+
+    pub fn visible_epoch(&self) -> Epoch {
+        self.state().visible
+    }
+
+    pub fn table_names(&self) -> Vec<String> {
+        self.state().tables.keys().cloned().collect()
+    }
+
+    pub fn table_def(&self, name: &str) -> Option<TableDef> {
+        self.state().tables.get(name).map(|t| t.def.clone())
+    }
+
+    fn check_poisoned(&self) -> Result<()> {
+        if let Some(reason) = self.poisoned.lock().expect("poison lock").clone().or_else(|| self.wal.poisoned()) {
+            return Err(StorageError::Poisoned(reason));
+        }
+        Ok(())
+    }
+
+    /// Runs a step whose failure leaves memory and disk possibly apart; on error the store
+    /// refuses further writes until restarted, when it recovers from what is on disk.
+    fn or_poison<T>(&self, result: Result<T>) -> Result<T> {
+        if let Err(e) = &result {
+            tracing::error!(error = %e, "store poisoned");
+            self.poisoned.lock().expect("poison lock").get_or_insert(e.to_string());
+        }
+        result
+    }
+
+    fn write_checkpoint(&self, state: &State) -> Result<()> {
+        let result = state.to_checkpoint(self.ring.partition_count()).store(&self.dir);
+        self.or_poison(result)
+    }
+
+    pub fn create_table(&self, mut def: TableDef) -> Result<()> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        let mut state = self.state();
+        if state.tables.contains_key(&def.name) {
+            return Err(StorageError::TableExists(def.name));
+        }
+        def.created_at = state.visible;
+        let partitions = (0..self.ring.partition_count()).map(|_| PartitionState::default()).collect();
+        state.tables.insert(def.name.clone(), TableState { def, partitions });
+        self.write_checkpoint(&state)
+    }
+
+    pub fn drop_table(&self, name: &str) -> Result<()> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        let mut state = self.state();
+        let table = state.tables.remove(name).ok_or_else(|| StorageError::UnknownTable(name.to_string()))?;
+        state.memtable_bytes -= table.partitions.iter().flat_map(|p| &p.memtable).map(|e| e.batch.get_array_memory_size()).sum::<usize>();
+        self.write_checkpoint(&state)?;
+        let dropped = table.partitions.iter().flat_map(|p| p.manifest.components.iter().map(|c| c.hash));
+        self.collect_garbage(dropped.collect(), &state)
+    }
+
+    /// Publishes a batch of changes as one new epoch, visible atomically once this returns.
+    pub fn publish(&self, changes: Vec<TableChanges>) -> Result<Epoch> {
+        self.check_poisoned()?;
+        let prepared = self.prepare(changes)?;
+        let bytes: usize = prepared.iter().map(|p| p.bytes()).sum();
+        if bytes > self.config.max_publish_bytes {
+            return Err(StorageError::PublishTooLarge { bytes, limit: self.config.max_publish_bytes });
+        }
+        let epoch = if bytes >= self.config.bulk_publish_bytes { self.publish_bulk(prepared)? } else { self.publish_logged(prepared)? };
+        if self.state().memtable_bytes >= self.config.memtable_flush_bytes {
+            self.checkpoint()?;
+        }
+        Ok(epoch)
+    }
+
+    /// Validates changes against the catalog: schemas, keys, duplicates within the publish.
+    fn prepare(&self, changes: Vec<TableChanges>) -> Result<Vec<PreparedChanges>> {
+        let mut prepared: Vec<PreparedChanges> = Vec::new();
+        for change in changes {
+            let def = self.table_def(&change.table).ok_or_else(|| StorageError::UnknownTable(change.table.clone()))?;
+            if def.append_only && change.deletes.iter().any(|b| b.num_rows() > 0) {
+                return Err(StorageError::AppendOnly { table: def.name.clone(), reason: "rows cannot be deleted from an append-only table".into() });
+            }
+            let upserts: Vec<RecordBatch> =
+                change.upserts.iter().filter(|b| b.num_rows() > 0).map(|b| versions::conform_to_schema(&def, b)).collect::<Result<_>>()?;
+            let deletes: Vec<RecordBatch> =
+                change.deletes.iter().filter(|b| b.num_rows() > 0).map(|b| versions::tombstone_rows(&def, b)).collect::<Result<_>>()?;
+            if let Some(existing) = prepared.iter_mut().find(|p| p.def.name == def.name) {
+                existing.upserts.extend(upserts);
+                existing.deletes.extend(deletes);
+            } else {
+                prepared.push(PreparedChanges { def, upserts, deletes });
+            }
+        }
+        for p in &prepared {
+            if p.def.append_only {
+                continue;
+            }
+            let all: Vec<RecordBatch> = p.upserts.iter().chain(&p.deletes).cloned().collect();
+            if let Some(first) = all.first() {
+                let combined = concat_batches(&first.schema(), &all)?;
+                if let Some(key) = versions::find_duplicate_key(&combined, &p.def.primary_key_indices())? {
+                    return Err(StorageError::DuplicateKey { table: p.def.name.clone(), key });
+                }
+            }
+        }
+        prepared.retain(|p| !p.upserts.is_empty() || !p.deletes.is_empty());
+        Ok(prepared)
+    }
+
+    /// The log path: row records and a commit record go to the log, group-committed.
+    fn publish_logged(&self, prepared: Vec<PreparedChanges>) -> Result<Epoch> {
+        let _gate = self.gate.read().expect("gate lock");
+        // Tables can only disappear under the exclusive gate; recheck now that we hold it.
+        let mut state = self.state();
+        for p in &prepared {
+            state.table(&p.def.name)?;
+        }
+        let epoch = state.allocate_epoch();
+        let encoded = (|| -> Result<(Vec<u8>, Vec<(String, PartitionId, MemEntry)>)> {
+            let mut frames = Vec::new();
+            let mut entries = Vec::new();
+            for p in &prepared {
+                for (partition, batch) in p.stamped_by_partition(epoch, &self.ring)? {
+                    let lsn = state.allocate_lsn(partition);
+                    let record = WalRecord::Rows { table: p.def.name.clone(), partition, lsn, epoch, batch };
+                    frames.extend(record.encode_frame()?);
+                    let WalRecord::Rows { batch, .. } = record else { unreachable!() };
+                    entries.push((p.def.name.clone(), partition, MemEntry { lsn, epoch, batch }));
+                }
+            }
+            frames.extend(WalRecord::Commit { epoch }.encode_frame()?);
+            Ok((frames, entries))
+        })();
+        let (frames, entries) = match encoded {
+            Ok(encoded) => encoded,
+            Err(e) => {
+                state.resolve(epoch);
+                return Err(e);
+            }
+        };
+        // Submitting under the state lock keeps the log in epoch and LSN order.
+        let ticket = self.wal.submit(frames);
+        drop(state);
+        let durable = ticket.wait();
+        let mut state = self.state();
+        if durable.is_ok() {
+            for (table, partition, entry) in entries {
+                state.memtable_bytes += entry.batch.get_array_memory_size();
+                let table = state.tables.get_mut(&table).expect("tables outlive publishes holding the gate");
+                table.partitions[partition.0 as usize].memtable.push(entry);
+            }
+        }
+        state.resolve(epoch);
+        durable.map(|()| epoch)
+    }
+
+    /// The bulk path: rows become components directly; the checkpoint that lists them is
+    /// the commit point.
+    fn publish_bulk(&self, prepared: Vec<PreparedChanges>) -> Result<Epoch> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        // Flushing first keeps LSNs rising within each manifest.
+        self.flush_memtables()?;
+        let epoch = {
+            let mut state = self.state();
+            for p in &prepared {
+                state.table(&p.def.name)?;
+            }
+            state.allocate_epoch()
+        };
+        let written = (|| -> Result<Vec<(String, PartitionId, ComponentMeta)>> {
+            let mut written = Vec::new();
+            for p in &prepared {
+                for (partition, batch) in p.stamped_by_partition(epoch, &self.ring)? {
+                    let lsn = self.state().allocate_lsn(partition);
+                    let meta = self.write_component(&p.def, &[batch], lsn, lsn)?;
+                    written.push((p.def.name.clone(), partition, meta));
+                }
+            }
+            Ok(written)
+        })();
+        let mut state = self.state();
+        let written = match written {
+            Ok(written) => written,
+            Err(e) => {
+                // Nothing references the new files: the epoch is aborted and stays invisible.
+                state.resolve(epoch);
+                return Err(e);
+            }
+        };
+        for (table, partition, meta) in written {
+            let table = state.tables.get_mut(&table).expect("tables outlive publishes holding the gate");
+            table.partitions[partition.0 as usize].manifest.add(meta);
+        }
+        state.resolve(epoch);
+        self.write_checkpoint(&state)?;
+        Ok(epoch)
+    }
+
+    fn write_component(&self, def: &TableDef, batches: &[RecordBatch], min_lsn: Lsn, max_lsn: Lsn) -> Result<ComponentMeta> {
+        let batch = concat_batches(&batches[0].schema(), batches)?;
+        let stats = versions::version_stats(&batch, &def.primary_key_indices(), def.append_only)?;
+        let bytes = component::encode_parquet(&[batch.clone()])?;
+        let hash = component::write_component(&self.components_dir, &bytes)?;
+        self.verified.lock().expect("verified lock").insert(hash);
+        Ok(ComponentMeta {
+            hash,
+            rows: batch.num_rows() as u64,
+            bytes: bytes.len() as u64,
+            min_lsn,
+            max_lsn,
+            min_epoch: stats.min_epoch,
+            max_epoch: stats.max_epoch,
+            unique_keys: stats.unique_keys,
+            tombstones: stats.tombstones,
+        })
+    }
+
+    /// Writes every in-memory component to disk and records the new manifests. Callers hold
+    /// the gate exclusively, so memtables do not change underneath.
+    fn flush_memtables(&self) -> Result<()> {
+        let work: Vec<(TableDef, PartitionId, Vec<RecordBatch>, Lsn, Lsn)> = {
+            let state = self.state();
+            state
+                .tables
+                .values()
+                .flat_map(|t| {
+                    t.partitions.iter().enumerate().filter(|(_, p)| !p.memtable.is_empty()).map(|(i, p)| {
+                        let batches = p.memtable.iter().map(|e| e.batch.clone()).collect();
+                        let min = p.memtable.iter().map(|e| e.lsn).min().expect("non-empty");
+                        let max = p.memtable.iter().map(|e| e.lsn).max().expect("non-empty");
+                        (t.def.clone(), PartitionId(i as u32), batches, min, max)
+                    })
+                })
+                .collect()
+        };
+        if work.is_empty() {
+            return Ok(());
+        }
+        let mut flushed = Vec::with_capacity(work.len());
+        for (def, partition, batches, min_lsn, max_lsn) in work {
+            let meta = self.or_poison(self.write_component(&def, &batches, min_lsn, max_lsn))?;
+            flushed.push((def.name, partition, meta));
+        }
+        let mut state = self.state();
+        for (table, partition, meta) in flushed {
+            let table = state.tables.get_mut(&table).expect("tables outlive the exclusive gate");
+            let partition = &mut table.partitions[partition.0 as usize];
+            partition.manifest.add(meta);
+            partition.memtable.clear();
+        }
+        state.memtable_bytes = 0;
+        self.write_checkpoint(&state)
+    }
+
+    /// Flushes memory to components, records manifests, drops log segments the checkpoint
+    /// covers, and merges partitions that have too many components.
+    pub fn checkpoint(&self) -> Result<()> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        self.flush_memtables()?;
+        {
+            // Epoch and LSN counters must be durable before the log that held them goes.
+            let state = self.state();
+            self.write_checkpoint(&state)?;
+        }
+        let segment = self.or_poison(self.wal.rotate())?;
+        self.or_poison(self.wal.delete_segments_before(segment))?;
+        self.merge_crowded_partitions()
+    }
+
+    fn merge_crowded_partitions(&self) -> Result<()> {
+        let (work, retained_from) = {
+            let state = self.state();
+            let work: Vec<(TableDef, PartitionId, Vec<ComponentMeta>)> = state
+                .tables
+                .values()
+                .flat_map(|t| {
+                    t.partitions
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, p)| p.manifest.components.len() > self.config.merge_threshold)
+                        .map(|(i, p)| (t.def.clone(), PartitionId(i as u32), p.manifest.components.clone()))
+                })
+                .collect();
+            (work, state.retained_from)
+        };
+        for (def, partition, inputs) in work {
+            let mut batches = Vec::new();
+            for input in &inputs {
+                self.verify_component(&input.hash)?;
+                batches.extend(component::read_component(&self.components_dir, &input.hash, None)?);
+            }
+            let merged = versions::merge_versions(&batches, &def.primary_key_indices(), retained_from, def.append_only)?;
+            let min_lsn = inputs.iter().map(|c| c.min_lsn).min().expect("a merge has inputs");
+            let max_lsn = inputs.iter().map(|c| c.max_lsn).max().expect("a merge has inputs");
+            let merged_meta = if merged.num_rows() > 0 { Some(self.write_component(&def, &[merged], min_lsn, max_lsn)?) } else { None };
+            let mut state = self.state();
+            let table = state.tables.get_mut(&def.name).expect("tables outlive the exclusive gate");
+            let manifest = &mut table.partitions[partition.0 as usize].manifest;
+            assert_eq!(manifest.components, inputs, "manifests change only under the exclusive gate");
+            manifest.components = merged_meta.into_iter().collect();
+            self.write_checkpoint(&state)?;
+            tracing::debug!(table = %def.name, %partition, inputs = inputs.len(), "merged components");
+            self.collect_garbage(inputs.iter().map(|c| c.hash).collect(), &state)?;
+        }
+        Ok(())
+    }
+
+    /// Queues components no manifest references for deletion once no snapshot can read them.
+    fn collect_garbage(&self, dropped: Vec<ComponentHash>, state: &State) -> Result<()> {
+        let referenced = state.referenced_components();
+        let mut registry = self.readers.lock().expect("reader registry lock");
+        let generation = registry.generation;
+        registry.generation += 1;
+        registry.garbage.extend(dropped.into_iter().filter(|h| !referenced.contains(h)).map(|h| (generation, h)));
+        let oldest_reader = registry.active.keys().next().copied().unwrap_or(u64::MAX);
+        let (deletable, kept): (Vec<_>, Vec<_>) = registry.garbage.drain(..).partition(|(g, _)| *g < oldest_reader);
+        registry.garbage = kept;
+        drop(registry);
+        for (_, hash) in deletable {
+            let path = component::component_path(&self.components_dir, &hash);
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(StorageError::io(&path, e)),
+            }
+            self.verified.lock().expect("verified lock").remove(&hash);
+        }
+        Ok(())
+    }
+
+    /// Files of crashed bulk publishes or merges that no manifest names are removed at start.
+    fn delete_unreferenced_component_files(&self) -> Result<()> {
+        let referenced = self.state().referenced_components();
+        let dir = &self.components_dir;
+        for entry in std::fs::read_dir(dir).map_err(|e| StorageError::io(dir, e))? {
+            let entry = entry.map_err(|e| StorageError::io(dir, e))?;
+            let name = entry.file_name().to_string_lossy().to_string();
+            let orphan = match name.strip_suffix(".parquet") {
+                Some(hex) => ComponentHash::from_hex(hex).is_some_and(|h| !referenced.contains(&h)),
+                None => name.ends_with(".tmp"),
+            };
+            if orphan {
+                let path = entry.path();
+                std::fs::remove_file(&path).map_err(|e| StorageError::io(&path, e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A consistent view of `table` at `epoch` (the visible epoch if `None`).
+    pub fn snapshot(&self, table: &str, epoch: Option<Epoch>) -> Result<Arc<TableSnapshot>> {
+        let state = self.state();
+        let epoch = epoch.unwrap_or(state.visible);
+        if epoch > state.visible {
+            return Err(StorageError::EpochNotVisible { requested: epoch, visible: state.visible });
+        }
+        if epoch < state.retained_from {
+            return Err(StorageError::EpochNotRetained { requested: epoch, retained_from: state.retained_from });
+        }
+        let table = state.table(table)?;
+        let partitions = table
+            .partitions
+            .iter()
+            .enumerate()
+            .map(|(i, p)| PartitionSnapshot {
+                partition: PartitionId(i as u32),
+                components: p.manifest.components_at(epoch),
+                memtable: p.memtable.iter().filter(|e| e.epoch <= epoch).map(|e| e.batch.clone()).collect(),
+            })
+            .collect();
+        let reader = {
+            let mut registry = self.readers.lock().expect("reader registry lock");
+            let generation = registry.generation;
+            *registry.active.entry(generation).or_insert(0) += 1;
+            ReaderGuard { registry: self.readers.clone(), generation }
+        };
+        Ok(Arc::new(TableSnapshot { def: table.def.clone(), epoch, partitions, _reader: reader }))
+    }
+
+    /// Checks, once per process, that a component's bytes hash to its name.
+    pub fn verify_component(&self, hash: &ComponentHash) -> Result<()> {
+        if self.verified.lock().expect("verified lock").contains(hash) {
+            return Ok(());
+        }
+        component::verify_component(&self.components_dir, hash)?;
+        self.verified.lock().expect("verified lock").insert(*hash);
+        Ok(())
+    }
+
+    /// The table version id at `epoch`: a hash over its partition manifests, equal on any
+    /// node holding the same data (Pond's version GUID). Rows still only in memory are not
+    /// part of a manifest, so call after a checkpoint for a stable id.
+    pub fn table_version(&self, table: &str, epoch: Epoch) -> Result<ComponentHash> {
+        let state = self.state();
+        let table = state.table(table)?;
+        let mut hasher = blake3::Hasher::new();
+        for partition in &table.partitions {
+            hasher.update(&partition.manifest.hash_at(epoch).0);
+        }
+        Ok(ComponentHash(*hasher.finalize().as_bytes()))
+    }
+
+    pub fn table_stats(&self) -> Vec<TableStats> {
+        let state = self.state();
+        state
+            .tables
+            .values()
+            .map(|t| TableStats {
+                name: t.def.name.clone(),
+                components: t.partitions.iter().map(|p| p.manifest.components.len()).sum(),
+                component_rows: t.partitions.iter().map(|p| p.manifest.row_count()).sum(),
+                memtable_rows: t.partitions.iter().flat_map(|p| &p.memtable).map(|e| e.batch.num_rows() as u64).sum(),
+                partitions_with_data: t.partitions.iter().filter(|p| !p.manifest.components.is_empty() || !p.memtable.is_empty()).count(),
+            })
+            .collect()
+    }
+}
+
+struct PreparedChanges {
+    def: TableDef,
+    upserts: Vec<RecordBatch>,
+    deletes: Vec<RecordBatch>,
+}
+
+impl PreparedChanges {
+    fn bytes(&self) -> usize {
+        self.upserts.iter().chain(&self.deletes).map(|b| b.get_array_memory_size()).sum()
+    }
+
+    /// Row versions of this publish, stamped with `epoch`, grouped by partition.
+    fn stamped_by_partition(&self, epoch: Epoch, ring: &PartitionRing) -> Result<Vec<(PartitionId, RecordBatch)>> {
+        let mut stamped = Vec::new();
+        for batch in &self.upserts {
+            stamped.push(versions::stamp(&self.def, batch, epoch, RowOp::Upsert)?);
+        }
+        for batch in &self.deletes {
+            stamped.push(versions::stamp(&self.def, batch, epoch, RowOp::Delete)?);
+        }
+        let mut by_partition: BTreeMap<PartitionId, Vec<RecordBatch>> = BTreeMap::new();
+        for batch in &stamped {
+            for (partition, rows) in versions::split_by_partition(&self.def, ring, batch)? {
+                by_partition.entry(partition).or_default().push(rows);
+            }
+        }
+        by_partition
+            .into_iter()
+            .map(|(partition, batches)| Ok((partition, concat_batches(&batches[0].schema(), &batches)?)))
+            .collect()
+    }
+}
+
+/// Rebuilds memory from a checkpoint and the log: committed row records above each
+/// manifest's max LSN go back into memtables; records of epochs without a commit record are
+/// aborted and skipped.
+fn replay(checkpoint: Checkpoint, records: Vec<WalRecord>, torn_bytes: u64) -> Result<(State, RecoveryReport)> {
+    let committed: HashSet<Epoch> = records
+        .iter()
+        .filter_map(|r| match r {
+            WalRecord::Commit { epoch } => Some(*epoch),
+            WalRecord::Rows { .. } => None,
+        })
+        .collect();
+    let mut state = State {
+        tables: checkpoint
+            .tables
+            .into_iter()
+            .map(|t| {
+                let partitions = t.manifests.into_iter().map(|manifest| PartitionState { manifest, memtable: Vec::new() }).collect();
+                (t.def.name.clone(), TableState { def: t.def, partitions })
+            })
+            .collect(),
+        partition_next_lsn: checkpoint.partition_next_lsn,
+        next_epoch: checkpoint.next_epoch,
+        visible: Epoch::ZERO,
+        resolved_above_visible: BTreeSet::new(),
+        retained_from: checkpoint.retained_from,
+        memtable_bytes: 0,
+    };
+    let mut report = RecoveryReport { torn_bytes, ..Default::default() };
+    let mut last_lsn: HashMap<(String, PartitionId), Lsn> = HashMap::new();
+    for record in records {
+        let WalRecord::Rows { table, partition, lsn, epoch, batch } = record else { continue };
+        state.next_epoch = state.next_epoch.max(epoch.next());
+        if let Some(next) = state.partition_next_lsn.get_mut(partition.0 as usize) {
+            *next = (*next).max(lsn.next());
+        }
+        if !committed.contains(&epoch) {
+            report.skipped_uncommitted_records += 1;
+            continue;
+        }
+        let Some(table_state) = state.tables.get_mut(&table) else { continue };
+        let Some(partition_state) = table_state.partitions.get_mut(partition.0 as usize) else {
+            return Err(StorageError::CorruptCheckpoint {
+                path: PathBuf::from(crate::checkpoint::CHECKPOINT_FILE),
+                reason: format!("log names partition {partition} of table {table:?}, beyond the partition count"),
+            });
+        };
+        if lsn <= partition_state.manifest.max_lsn {
+            continue;
+        }
+        let previous = last_lsn.insert((table.clone(), partition), lsn);
+        assert!(previous.is_none_or(|p| p < lsn), "LSNs rise within a partition's log");
+        state.memtable_bytes += batch.get_array_memory_size();
+        partition_state.memtable.push(MemEntry { lsn, epoch, batch });
+        report.replayed_records += 1;
+    }
+    for epoch in committed {
+        state.next_epoch = state.next_epoch.max(epoch.next());
+    }
+    // Every allocated epoch is now resolved: those with commit records are committed, the
+    // rest were in flight at the crash and are aborted.
+    state.visible = Epoch(state.next_epoch.0 - 1);
+    report.visible_epoch = state.visible;
+    Ok((state, report))
+}

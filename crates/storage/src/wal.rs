@@ -1,0 +1,461 @@
+//! The node's write-ahead log (DESIGN.md section 4; AsterixDB 3.4).
+//!
+//! The log is a sequence of segment files `wal/<seq>.wal`. Each holds frames:
+//!
+//! ```text
+//! [payload length: u32 LE][CRC32C of payload: u32 LE][payload]
+//! payload = 0x01 table-name-len:u16 table partition:u32 lsn:u64 epoch:u64 arrow-ipc-stream   (rows)
+//!         | 0x02 epoch:u64                                                             (commit)
+//! ```
+//!
+//! A publish appends its row frames and then its commit frame; the epoch is committed if and
+//! only if the commit frame is durable. One writer thread appends everything queued since its
+//! last fsync and then fsyncs once (group commit). After an I/O error the log is poisoned:
+//! nothing is acknowledged again until the node restarts and recovers from disk.
+//!
+//! On recovery a frame that fails its CRC or runs past the end of the last segment is a
+//! torn tail and is cut off; a bad frame followed by valid ones is corruption and an error.
+
+use crate::error::{Result, StorageError};
+use crate::fsio;
+use arrow::array::RecordBatch;
+use arrow::ipc::reader::StreamReader;
+use arrow::ipc::writer::StreamWriter;
+use std::fs::{self, File, OpenOptions};
+use std::io::{Cursor, Write};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread;
+use tessera_common::{Epoch, Lsn, PartitionId};
+
+/// Frames larger than this are refused when written and treated as garbage when read.
+pub const MAX_FRAME_BYTES: usize = 512 << 20;
+const FRAME_HEADER_BYTES: usize = 8;
+const KIND_ROWS: u8 = 1;
+const KIND_COMMIT: u8 = 2;
+
+#[derive(Debug, Clone)]
+pub enum WalRecord {
+    Rows { table: String, partition: PartitionId, lsn: Lsn, epoch: Epoch, batch: RecordBatch },
+    Commit { epoch: Epoch },
+}
+
+impl WalRecord {
+    /// Encodes the record as one frame, header included.
+    pub fn encode_frame(&self) -> Result<Vec<u8>> {
+        let mut payload = Vec::new();
+        match self {
+            WalRecord::Rows { table, partition, lsn, epoch, batch } => {
+                payload.push(KIND_ROWS);
+                let name = table.as_bytes();
+                let name_len = u16::try_from(name.len()).expect("table names are short");
+                payload.extend_from_slice(&name_len.to_le_bytes());
+                payload.extend_from_slice(name);
+                payload.extend_from_slice(&partition.0.to_le_bytes());
+                payload.extend_from_slice(&lsn.0.to_le_bytes());
+                payload.extend_from_slice(&epoch.0.to_le_bytes());
+                let mut writer = StreamWriter::try_new(&mut payload, &batch.schema())?;
+                writer.write(batch)?;
+                writer.finish()?;
+            }
+            WalRecord::Commit { epoch } => {
+                payload.push(KIND_COMMIT);
+                payload.extend_from_slice(&epoch.0.to_le_bytes());
+            }
+        }
+        assert!(payload.len() <= MAX_FRAME_BYTES, "callers split publishes below the frame limit");
+        let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + payload.len());
+        frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
+        frame.extend_from_slice(&payload);
+        Ok(frame)
+    }
+
+    fn decode_payload(payload: &[u8]) -> std::result::Result<WalRecord, String> {
+        let take = |at: usize, n: usize| -> std::result::Result<&[u8], String> {
+            payload.get(at..at + n).ok_or_else(|| format!("record truncated at byte {at}"))
+        };
+        let u64_at = |at: usize| -> std::result::Result<u64, String> {
+            Ok(u64::from_le_bytes(take(at, 8)?.try_into().expect("8 bytes")))
+        };
+        match payload.first() {
+            Some(&KIND_COMMIT) => Ok(WalRecord::Commit { epoch: Epoch(u64_at(1)?) }),
+            Some(&KIND_ROWS) => {
+                let name_len = u16::from_le_bytes(take(1, 2)?.try_into().expect("2 bytes")) as usize;
+                let table = String::from_utf8(take(3, name_len)?.to_vec())
+                    .map_err(|_| "table name is not UTF-8".to_string())?;
+                let at = 3 + name_len;
+                let partition = u32::from_le_bytes(take(at, 4)?.try_into().expect("4 bytes"));
+                let lsn = u64_at(at + 4)?;
+                let epoch = u64_at(at + 12)?;
+                let ipc = &payload[(at + 20).min(payload.len())..];
+                let mut reader = StreamReader::try_new(Cursor::new(ipc), None)
+                    .map_err(|e| format!("row batch unreadable: {e}"))?;
+                let batch = reader
+                    .next()
+                    .ok_or("row record holds no batch")?
+                    .map_err(|e| format!("row batch unreadable: {e}"))?;
+                Ok(WalRecord::Rows {
+                    table,
+                    partition: PartitionId(partition),
+                    lsn: Lsn(lsn),
+                    epoch: Epoch(epoch),
+                    batch,
+                })
+            }
+            Some(kind) => Err(format!("unknown record kind {kind}")),
+            None => Err("empty record".into()),
+        }
+    }
+}
+
+fn segment_path(dir: &Path, seq: u64) -> PathBuf {
+    dir.join(format!("{seq:016}.wal"))
+}
+
+/// Segment sequence numbers present in `dir`, ascending.
+pub fn list_segments(dir: &Path) -> Result<Vec<u64>> {
+    let mut seqs = Vec::new();
+    for entry in fs::read_dir(dir).map_err(|e| StorageError::io(dir, e))? {
+        let entry = entry.map_err(|e| StorageError::io(dir, e))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if let Some(seq) = name.strip_suffix(".wal").and_then(|s| s.parse::<u64>().ok()) {
+            seqs.push(seq);
+        }
+    }
+    seqs.sort_unstable();
+    Ok(seqs)
+}
+
+/// What recovery found in the log.
+pub struct RecoveredLog {
+    pub records: Vec<WalRecord>,
+    pub last_segment: u64,
+    /// Bytes cut off the end of the last segment as a torn tail.
+    pub torn_bytes: u64,
+}
+
+/// Reads every segment in order. A torn tail of the last segment is truncated on disk so
+/// that later appends never follow garbage.
+pub fn recover(dir: &Path) -> Result<RecoveredLog> {
+    fsio::create_dir_all(dir)?;
+    let segments = list_segments(dir)?;
+    let mut records = Vec::new();
+    let mut torn_bytes = 0;
+    for (i, &seq) in segments.iter().enumerate() {
+        let path = segment_path(dir, seq);
+        let bytes = fs::read(&path).map_err(|e| StorageError::io(&path, e))?;
+        let is_last = i + 1 == segments.len();
+        let valid_len = scan_segment(&path, &bytes, is_last, &mut records)?;
+        if valid_len < bytes.len() {
+            torn_bytes = (bytes.len() - valid_len) as u64;
+            tracing::warn!(path = %path.display(), offset = valid_len, torn_bytes, "cutting torn tail off the write-ahead log");
+            let file = OpenOptions::new().write(true).open(&path).map_err(|e| StorageError::io(&path, e))?;
+            file.set_len(valid_len as u64).map_err(|e| StorageError::io(&path, e))?;
+            file.sync_all().map_err(|e| StorageError::io(&path, e))?;
+        }
+    }
+    Ok(RecoveredLog { records, last_segment: segments.last().copied().unwrap_or(0), torn_bytes })
+}
+
+/// Parses frames; returns how many leading bytes are valid.
+fn scan_segment(path: &Path, bytes: &[u8], is_last: bool, out: &mut Vec<WalRecord>) -> Result<usize> {
+    let mut offset = 0;
+    while offset < bytes.len() {
+        match parse_frame(&bytes[offset..]) {
+            Ok((record, len)) => {
+                out.push(record);
+                offset += len;
+            }
+            Err(reason) => {
+                let valid_frame_follows = (offset + 1..bytes.len()).any(|at| parse_frame(&bytes[at..]).is_ok());
+                if is_last && !valid_frame_follows {
+                    return Ok(offset);
+                }
+                return Err(StorageError::CorruptLog { path: path.to_path_buf(), offset: offset as u64, reason });
+            }
+        }
+    }
+    Ok(offset)
+}
+
+fn parse_frame(bytes: &[u8]) -> std::result::Result<(WalRecord, usize), String> {
+    if bytes.len() < FRAME_HEADER_BYTES {
+        return Err("frame header cut short".into());
+    }
+    let len = u32::from_le_bytes(bytes[0..4].try_into().expect("4 bytes")) as usize;
+    let crc = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
+    if len > MAX_FRAME_BYTES || len == 0 {
+        return Err(format!("implausible frame length {len}"));
+    }
+    let payload = bytes
+        .get(FRAME_HEADER_BYTES..FRAME_HEADER_BYTES + len)
+        .ok_or_else(|| format!("frame of {len} bytes runs past the end of the segment"))?;
+    if !matches!(payload[0], KIND_ROWS | KIND_COMMIT) {
+        return Err(format!("unknown record kind {}", payload[0]));
+    }
+    let actual = crc32c::crc32c(payload);
+    if actual != crc {
+        return Err(format!("CRC32C mismatch (stored {crc:#010x}, computed {actual:#010x})"));
+    }
+    let record = WalRecord::decode_payload(payload)?;
+    Ok((record, FRAME_HEADER_BYTES + len))
+}
+
+enum Request {
+    Append { frames: Vec<u8>, done: mpsc::SyncSender<Result<(), String>> },
+    Rotate { done: mpsc::SyncSender<Result<u64, String>> },
+}
+
+/// A durable-append handle. Cloning is cheap; all clones feed one writer thread.
+#[derive(Clone)]
+pub struct Wal {
+    dir: PathBuf,
+    requests: mpsc::Sender<Request>,
+    poisoned: Arc<Mutex<Option<String>>>,
+}
+
+/// A pending append; `wait` returns once the frames are on disk.
+pub struct AppendTicket {
+    done: mpsc::Receiver<Result<(), String>>,
+}
+
+impl AppendTicket {
+    pub fn wait(self) -> Result<()> {
+        match self.done.recv() {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(reason)) => Err(StorageError::Poisoned(reason)),
+            Err(_) => Err(StorageError::Poisoned("log writer thread stopped".into())),
+        }
+    }
+}
+
+impl Wal {
+    /// Starts a writer appending to segment `first_segment` (created if absent).
+    pub fn start(dir: &Path, first_segment: u64) -> Result<Wal> {
+        let file = open_segment(dir, first_segment)?;
+        let (tx, rx) = mpsc::channel();
+        let poisoned = Arc::new(Mutex::new(None));
+        let writer = SegmentWriter { dir: dir.to_path_buf(), seq: first_segment, file, poisoned: poisoned.clone() };
+        thread::Builder::new()
+            .name("tessera-wal".into())
+            .spawn(move || writer.run(rx))
+            .map_err(|e| StorageError::io(dir, e))?;
+        Ok(Wal { dir: dir.to_path_buf(), requests: tx, poisoned })
+    }
+
+    /// Queues frames for the next group commit. Frames queued by one caller before another
+    /// reach the disk in that order.
+    pub fn submit(&self, frames: Vec<u8>) -> AppendTicket {
+        let (done, rx) = mpsc::sync_channel(1);
+        if self.requests.send(Request::Append { frames, done: done.clone() }).is_err() {
+            let _ = done.send(Err("log writer thread stopped".into()));
+        }
+        AppendTicket { done: rx }
+    }
+
+    /// Starts a new segment; returns its number. Earlier segments may then be deleted by
+    /// the caller once everything in them is checkpointed.
+    pub fn rotate(&self) -> Result<u64> {
+        let (done, rx) = mpsc::sync_channel(1);
+        self.requests
+            .send(Request::Rotate { done })
+            .map_err(|_| StorageError::Poisoned("log writer thread stopped".into()))?;
+        match rx.recv() {
+            Ok(Ok(seq)) => Ok(seq),
+            Ok(Err(reason)) => Err(StorageError::Poisoned(reason)),
+            Err(_) => Err(StorageError::Poisoned("log writer thread stopped".into())),
+        }
+    }
+
+    pub fn delete_segments_before(&self, seq: u64) -> Result<()> {
+        for old in list_segments(&self.dir)?.into_iter().filter(|&s| s < seq) {
+            let path = segment_path(&self.dir, old);
+            fs::remove_file(&path).map_err(|e| StorageError::io(&path, e))?;
+        }
+        fsio::sync_dir(&self.dir)
+    }
+
+    pub fn poisoned(&self) -> Option<String> {
+        self.poisoned.lock().expect("poison flag lock").clone()
+    }
+}
+
+fn open_segment(dir: &Path, seq: u64) -> Result<File> {
+    let path = segment_path(dir, seq);
+    let file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(|e| StorageError::io(&path, e))?;
+    fsio::sync_dir(dir)?;
+    Ok(file)
+}
+
+struct SegmentWriter {
+    dir: PathBuf,
+    seq: u64,
+    file: File,
+    poisoned: Arc<Mutex<Option<String>>>,
+}
+
+impl SegmentWriter {
+    fn run(mut self, requests: mpsc::Receiver<Request>) {
+        while let Ok(first) = requests.recv() {
+            // Group commit: everything queued by now shares one fsync.
+            let mut group = vec![first];
+            while let Ok(more) = requests.try_recv() {
+                group.push(more);
+            }
+            let mut waiting = Vec::new();
+            let mut result: Result<(), String> = self.poison_reason().map_or(Ok(()), Err);
+            for request in group {
+                match request {
+                    Request::Append { frames, done } => {
+                        if result.is_ok() {
+                            result = self.file.write_all(&frames).map_err(|e| format!("write to log segment {} failed: {e}", self.seq));
+                        }
+                        waiting.push(done);
+                    }
+                    Request::Rotate { done } => {
+                        // Appends queued before the rotation are made durable first.
+                        if result.is_ok() {
+                            result = self.sync();
+                        }
+                        let rotated = result.clone().and_then(|()| self.rotate());
+                        if let Err(reason) = &rotated {
+                            result = Err(reason.clone());
+                        }
+                        let _ = done.send(rotated);
+                    }
+                }
+            }
+            if result.is_ok() && !waiting.is_empty() {
+                result = self.sync();
+            }
+            if let Err(reason) = &result {
+                tracing::error!(%reason, "write-ahead log poisoned");
+                self.poisoned.lock().expect("poison flag lock").get_or_insert(reason.clone());
+            }
+            for done in waiting {
+                let _ = done.send(result.clone());
+            }
+        }
+    }
+
+    fn poison_reason(&self) -> Option<String> {
+        self.poisoned.lock().expect("poison flag lock").clone()
+    }
+
+    fn sync(&mut self) -> Result<(), String> {
+        // fsync failure cannot be retried safely (the kernel may have dropped the pages), so
+        // it poisons the log rather than risk acknowledging what is not on disk.
+        self.file.sync_data().map_err(|e| format!("fsync of log segment {} failed: {e}", self.seq))
+    }
+
+    fn rotate(&mut self) -> Result<u64, String> {
+        let next = self.seq + 1;
+        self.file = open_segment(&self.dir, next).map_err(|e| e.to_string())?;
+        self.seq = next;
+        Ok(next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Int64Array, UInt64Array};
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    fn rows(lsn: u64, epoch: u64) -> WalRecord {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int64, false),
+            Field::new("v", DataType::UInt64, false),
+        ]));
+        let batch = RecordBatch::try_new(
+            schema,
+            vec![Arc::new(Int64Array::from(vec![1, 2, 3])), Arc::new(UInt64Array::from(vec![lsn; 3]))],
+        )
+        .unwrap();
+        WalRecord::Rows { table: "t".into(), partition: PartitionId(3), lsn: Lsn(lsn), epoch: Epoch(epoch), batch }
+    }
+
+    fn write_log(dir: &Path, records: &[WalRecord]) {
+        let wal = Wal::start(dir, 1).unwrap();
+        let frames: Vec<u8> = records.iter().flat_map(|r| r.encode_frame().unwrap()).collect();
+        wal.submit(frames).wait().unwrap();
+    }
+
+    fn segment_bytes(dir: &Path) -> Vec<u8> {
+        fs::read(segment_path(dir, 1)).unwrap()
+    }
+
+    #[test]
+    fn records_round_trip_through_a_segment() {
+        let dir = tempfile::tempdir().unwrap();
+        write_log(dir.path(), &[rows(1, 1), WalRecord::Commit { epoch: Epoch(1) }, rows(2, 2)]);
+        let log = recover(dir.path()).unwrap();
+        assert_eq!(log.records.len(), 3);
+        assert_eq!(log.torn_bytes, 0);
+        match &log.records[2] {
+            WalRecord::Rows { lsn, epoch, batch, table, partition } => {
+                assert_eq!((lsn.0, epoch.0, table.as_str(), partition.0, batch.num_rows()), (2, 2, "t", 3, 3));
+            }
+            other => panic!("expected rows, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_truncation_of_the_tail_recovers_a_prefix() {
+        let dir = tempfile::tempdir().unwrap();
+        write_log(dir.path(), &[rows(1, 1), WalRecord::Commit { epoch: Epoch(1) }, rows(2, 2)]);
+        let full = segment_bytes(dir.path());
+        let first_two = rows(1, 1).encode_frame().unwrap().len() + WalRecord::Commit { epoch: Epoch(1) }.encode_frame().unwrap().len();
+        for cut in (first_two..full.len()).step_by(7) {
+            fs::write(segment_path(dir.path(), 1), &full[..cut]).unwrap();
+            let log = recover(dir.path()).unwrap();
+            assert_eq!(log.records.len(), 2, "cut at {cut}");
+            assert_eq!(fs::metadata(segment_path(dir.path(), 1)).unwrap().len() as usize, first_two, "torn tail is cut off on disk");
+        }
+    }
+
+    #[test]
+    fn garbage_after_the_last_frame_is_a_torn_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        write_log(dir.path(), &[rows(1, 1), WalRecord::Commit { epoch: Epoch(1) }]);
+        let mut bytes = segment_bytes(dir.path());
+        bytes.extend_from_slice(&[0xAB; 100]);
+        fs::write(segment_path(dir.path(), 1), &bytes).unwrap();
+        let log = recover(dir.path()).unwrap();
+        assert_eq!(log.records.len(), 2);
+        assert_eq!(log.torn_bytes, 100);
+    }
+
+    #[test]
+    fn a_flipped_bit_before_valid_frames_is_corruption_not_a_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        write_log(dir.path(), &[rows(1, 1), WalRecord::Commit { epoch: Epoch(1) }, rows(2, 2)]);
+        let mut bytes = segment_bytes(dir.path());
+        bytes[20] ^= 0x40;
+        fs::write(segment_path(dir.path(), 1), &bytes).unwrap();
+        match recover(dir.path()) {
+            Err(StorageError::CorruptLog { offset, .. }) => assert_eq!(offset, 0),
+            Err(other) => panic!("expected CorruptLog, got {other}"),
+            Ok(_) => panic!("expected CorruptLog, got a recovery"),
+        }
+    }
+
+    #[test]
+    fn rotation_starts_a_new_segment_and_old_ones_can_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = Wal::start(dir.path(), 1).unwrap();
+        wal.submit(rows(1, 1).encode_frame().unwrap()).wait().unwrap();
+        assert_eq!(wal.rotate().unwrap(), 2);
+        wal.submit(rows(2, 2).encode_frame().unwrap()).wait().unwrap();
+        wal.delete_segments_before(2).unwrap();
+        assert_eq!(list_segments(dir.path()).unwrap(), vec![2]);
+        assert_eq!(recover(dir.path()).unwrap().records.len(), 1);
+    }
+}

@@ -1,0 +1,143 @@
+//! TPC-H for tests and benchmarks: the eight tables generated in-process (tpchgen), their
+//! keys as Tessera declares them, the 22 queries, and a comparator that decides whether two
+//! answers are the same.
+//!
+//! The query texts follow the TPC-H specification with its validation parameters. Where
+//! the specification's ORDER BY leaves ties (Q3, Q10, Q11, Q18), a final key column is
+//! added so that every engine must return one exact answer.
+
+pub mod compare;
+
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use arrow::error::ArrowError;
+use tpchgen::generators::{
+    CustomerGenerator, LineItemGenerator, NationGenerator, OrderGenerator, PartGenerator, PartSuppGenerator, RegionGenerator,
+    SupplierGenerator,
+};
+use tpchgen_arrow::{CustomerArrow, LineItemArrow, NationArrow, OrderArrow, PartArrow, PartSuppArrow, RegionArrow, SupplierArrow};
+
+/// One TPC-H table as Tessera stores it.
+#[derive(Debug, Clone, Copy)]
+pub struct TpchTable {
+    pub name: &'static str,
+    pub primary_key: &'static [&'static str],
+    /// A prefix of the primary key; orders and lineitem share the order key so they co-locate.
+    pub partition_key: &'static [&'static str],
+    /// Rows at scale factor 1, for progress bars.
+    pub rows_at_sf1: u64,
+}
+
+pub const TABLES: [TpchTable; 8] = [
+    TpchTable { name: "region", primary_key: &["r_regionkey"], partition_key: &["r_regionkey"], rows_at_sf1: 5 },
+    TpchTable { name: "nation", primary_key: &["n_nationkey"], partition_key: &["n_nationkey"], rows_at_sf1: 25 },
+    TpchTable { name: "supplier", primary_key: &["s_suppkey"], partition_key: &["s_suppkey"], rows_at_sf1: 10_000 },
+    TpchTable { name: "customer", primary_key: &["c_custkey"], partition_key: &["c_custkey"], rows_at_sf1: 150_000 },
+    TpchTable { name: "part", primary_key: &["p_partkey"], partition_key: &["p_partkey"], rows_at_sf1: 200_000 },
+    TpchTable { name: "partsupp", primary_key: &["ps_partkey", "ps_suppkey"], partition_key: &["ps_partkey"], rows_at_sf1: 800_000 },
+    TpchTable { name: "orders", primary_key: &["o_orderkey"], partition_key: &["o_orderkey"], rows_at_sf1: 1_500_000 },
+    TpchTable { name: "lineitem", primary_key: &["l_orderkey", "l_linenumber"], partition_key: &["l_orderkey"], rows_at_sf1: 6_001_215 },
+];
+
+impl TpchTable {
+    pub fn schema(&self) -> SchemaRef {
+        match self.name {
+            "region" => RegionArrow::schema_ref(),
+            "nation" => NationArrow::schema_ref(),
+            "supplier" => SupplierArrow::schema_ref(),
+            "customer" => CustomerArrow::schema_ref(),
+            "part" => PartArrow::schema_ref(),
+            "partsupp" => PartSuppArrow::schema_ref(),
+            "orders" => OrderArrow::schema_ref(),
+            "lineitem" => LineItemArrow::schema_ref(),
+            other => unreachable!("TABLES lists no table {other}"),
+        }
+    }
+
+    /// Approximate row count at `sf` (exact for the scaled tables).
+    pub fn estimated_rows(&self, sf: f64) -> u64 {
+        match self.name {
+            "region" | "nation" => self.rows_at_sf1,
+            _ => ((self.rows_at_sf1 as f64) * sf).ceil() as u64,
+        }
+    }
+
+    /// The table's rows at scale factor `sf`, in batches of `batch_rows`.
+    pub fn generate(&self, sf: f64, batch_rows: usize) -> Box<dyn Iterator<Item = Result<RecordBatch, ArrowError>> + Send> {
+        match self.name {
+            "region" => Box::new(RegionArrow::new(RegionGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
+            "nation" => Box::new(NationArrow::new(NationGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
+            "supplier" => Box::new(SupplierArrow::new(SupplierGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
+            "customer" => Box::new(CustomerArrow::new(CustomerGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
+            "part" => Box::new(PartArrow::new(PartGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
+            "partsupp" => Box::new(PartSuppArrow::new(PartSuppGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
+            "orders" => Box::new(OrderArrow::new(OrderGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
+            "lineitem" => Box::new(LineItemArrow::new(LineItemGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
+            other => unreachable!("TABLES lists no table {other}"),
+        }
+    }
+}
+
+pub fn table(name: &str) -> Option<TpchTable> {
+    TABLES.iter().copied().find(|t| t.name == name)
+}
+
+/// `CREATE TABLE` for a TPC-H table, with its primary and partition keys.
+pub fn create_table_sql(table: &TpchTable) -> String {
+    let columns: Vec<String> = table
+        .schema()
+        .fields()
+        .iter()
+        .map(|f| format!("{} {}{}", f.name(), sql_type(f.data_type()), if f.is_nullable() { "" } else { " NOT NULL" }))
+        .collect();
+    format!(
+        "CREATE TABLE {} ({}, PRIMARY KEY ({})) PARTITION BY ({})",
+        table.name,
+        columns.join(", "),
+        table.primary_key.join(", "),
+        table.partition_key.join(", ")
+    )
+}
+
+fn sql_type(data_type: &arrow::datatypes::DataType) -> String {
+    use arrow::datatypes::DataType::*;
+    match data_type {
+        Int32 => "INT".into(),
+        Int64 => "BIGINT".into(),
+        Decimal128(p, s) => format!("DECIMAL({p}, {s})"),
+        Date32 => "DATE".into(),
+        Utf8 | Utf8View | LargeUtf8 => "VARCHAR".into(),
+        other => unreachable!("TPC-H has no column of type {other}"),
+    }
+}
+
+const QUERIES: [&str; 22] = [
+    include_str!("../queries/q1.sql"),
+    include_str!("../queries/q2.sql"),
+    include_str!("../queries/q3.sql"),
+    include_str!("../queries/q4.sql"),
+    include_str!("../queries/q5.sql"),
+    include_str!("../queries/q6.sql"),
+    include_str!("../queries/q7.sql"),
+    include_str!("../queries/q8.sql"),
+    include_str!("../queries/q9.sql"),
+    include_str!("../queries/q10.sql"),
+    include_str!("../queries/q11.sql"),
+    include_str!("../queries/q12.sql"),
+    include_str!("../queries/q13.sql"),
+    include_str!("../queries/q14.sql"),
+    include_str!("../queries/q15.sql"),
+    include_str!("../queries/q16.sql"),
+    include_str!("../queries/q17.sql"),
+    include_str!("../queries/q18.sql"),
+    include_str!("../queries/q19.sql"),
+    include_str!("../queries/q20.sql"),
+    include_str!("../queries/q21.sql"),
+    include_str!("../queries/q22.sql"),
+];
+
+/// The text of TPC-H query `n` (1 to 22).
+pub fn query(n: usize) -> &'static str {
+    assert!((1..=22).contains(&n), "TPC-H has queries 1 to 22, not {n}");
+    QUERIES[n - 1]
+}
