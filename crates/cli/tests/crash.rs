@@ -68,7 +68,7 @@ fn kill_at_random_and_check(data: &Path, rng: &mut impl Rng, max_acked: &mut i64
 }
 
 fn iterations() -> usize {
-    std::env::var("TESSERA_CRASH_ITERATIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(12)
+    std::env::var("TESSERA_CRASH_ITERATIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(25)
 }
 
 #[test]

@@ -512,6 +512,13 @@ impl Store {
         }
         state.resolve(epoch);
         self.write_checkpoint(&state)?;
+        drop(state);
+        // Memtables were just flushed, so checkpointing now is cheap: it trims the log and
+        // merges the partitions this publish crowded. The epoch is committed either way; a
+        // failure here poisons the store or is retried by the next checkpoint.
+        if let Err(error) = self.checkpoint_holding_gate() {
+            tracing::error!(%error, %epoch, "checkpoint after bulk publish failed");
+        }
         Ok(epoch)
     }
 
@@ -576,6 +583,11 @@ impl Store {
     pub fn checkpoint(&self) -> Result<()> {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
+        self.checkpoint_holding_gate()
+    }
+
+    /// The body of [`Store::checkpoint`], for callers already holding the gate exclusively.
+    fn checkpoint_holding_gate(&self) -> Result<()> {
         self.flush_memtables()?;
         {
             // Epoch and LSN counters must be durable before the log that held them goes.
