@@ -11,10 +11,19 @@ use std::sync::Arc;
 use tessera_storage::{Store, StoreConfig};
 
 #[derive(Parser)]
-#[command(name = "tessera", version, about = "Tessera: a replicated, versioned SQL store")]
+#[command(
+    name = "tessera",
+    version,
+    about = "Tessera: a replicated, versioned SQL store"
+)]
 struct Cli {
     /// Where this node keeps its data.
-    #[arg(long, global = true, default_value = "./tessera-data", env = "TESSERA_DATA_DIR")]
+    #[arg(
+        long,
+        global = true,
+        default_value = "./tessera-data",
+        env = "TESSERA_DATA_DIR"
+    )]
     data_dir: PathBuf,
     #[command(flatten)]
     store: StoreFlags,
@@ -147,11 +156,17 @@ fn open_store(cli: &Cli) -> Result<Arc<Store>> {
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TESSERA_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TESSERA_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
     if let Err(error) = runtime.block_on(run(cli)) {
         eprintln!("error: {error:#}");
         std::process::exit(1);
@@ -161,9 +176,17 @@ fn main() {
 async fn run(cli: Cli) -> Result<()> {
     match &cli.command {
         Command::Demo { sf } => commands::demo::run(open_store(&cli)?, *sf).await,
-        Command::Sql { command, format } => commands::sql::run(open_store(&cli)?, command.as_deref(), *format).await,
-        Command::Load { dataset: LoadDataset::Tpch { sf } } => commands::load::tpch(open_store(&cli)?, *sf, true).await,
-        Command::Publish { table, delete, files } => commands::publish::run(open_store(&cli)?, table, *delete, files).await,
+        Command::Sql { command, format } => {
+            commands::sql::run(open_store(&cli)?, command.as_deref(), *format).await
+        }
+        Command::Load {
+            dataset: LoadDataset::Tpch { sf },
+        } => commands::load::tpch(open_store(&cli)?, *sf, true).await,
+        Command::Publish {
+            table,
+            delete,
+            files,
+        } => commands::publish::run(open_store(&cli)?, table, *delete, files).await,
         Command::Checkpoint => {
             let store = open_store(&cli)?;
             store.checkpoint()?;
@@ -171,11 +194,11 @@ async fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Status => commands::status::run(open_store(&cli)?),
-        Command::Bench { bench: BenchKind::Tpch { sf, queries, runs } } => {
-            commands::bench::tpch(&cli.data_dir, cli.store.config(), *sf, queries, *runs).await
-        }
-        Command::Debug { tool: DebugTool::PublishLoop { rows, bulk_every } } => {
-            commands::publish_loop::run(open_store(&cli)?, *rows, *bulk_every).await
-        }
+        Command::Bench {
+            bench: BenchKind::Tpch { sf, queries, runs },
+        } => commands::bench::tpch(&cli.data_dir, cli.store.config(), *sf, queries, *runs).await,
+        Command::Debug {
+            tool: DebugTool::PublishLoop { rows, bulk_every },
+        } => commands::publish_loop::run(open_store(&cli)?, *rows, *bulk_every).await,
     }
 }

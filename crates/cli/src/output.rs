@@ -20,7 +20,12 @@ pub fn print_output(output: &StatementOutput, format: Format, out: &mut impl Wri
     }
 }
 
-pub fn print_rows(schema: &SchemaRef, batches: &[RecordBatch], format: Format, out: &mut impl Write) -> Result<()> {
+pub fn print_rows(
+    schema: &SchemaRef,
+    batches: &[RecordBatch],
+    format: Format,
+    out: &mut impl Write,
+) -> Result<()> {
     match format {
         Format::Table => {
             let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
@@ -28,12 +33,18 @@ pub fn print_rows(schema: &SchemaRef, batches: &[RecordBatch], format: Format, o
                 let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
                 writeln!(out, "({})\n(0 rows)", names.join(", "))?;
             } else {
-                writeln!(out, "{}", arrow::util::pretty::pretty_format_batches(batches)?)?;
+                writeln!(
+                    out,
+                    "{}",
+                    arrow::util::pretty::pretty_format_batches(batches)?
+                )?;
                 writeln!(out, "({rows} row{})", if rows == 1 { "" } else { "s" })?;
             }
         }
         Format::Csv => {
-            let mut writer = arrow::csv::WriterBuilder::new().with_header(true).build(&mut *out);
+            let mut writer = arrow::csv::WriterBuilder::new()
+                .with_header(true)
+                .build(&mut *out);
             if batches.is_empty() {
                 writer.write(&RecordBatch::new_empty(schema.clone()))?;
             }

@@ -5,7 +5,9 @@ use std::fmt;
 
 /// An immutable, numbered version of the whole store. Epoch 0 is the empty store that
 /// exists before anything is published.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
+)]
 pub struct Epoch(pub u64);
 
 impl Epoch {
@@ -34,7 +36,9 @@ impl fmt::Display for PartitionId {
 
 /// A log sequence number. LSNs are per partition and assigned by the partition's primary,
 /// so the same LSN means the same record on every replica.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
+)]
 pub struct Lsn(pub u64);
 
 impl Lsn {
@@ -66,7 +70,9 @@ impl ComponentHash {
     }
 
     pub fn from_hex(hex: &str) -> Option<ComponentHash> {
-        blake3::Hash::from_hex(hex).ok().map(|h| ComponentHash(*h.as_bytes()))
+        blake3::Hash::from_hex(hex)
+            .ok()
+            .map(|h| ComponentHash(*h.as_bytes()))
     }
 }
 

@@ -90,7 +90,9 @@ pub fn partition_key_hashes(
             encode_value(column, row, &mut encoding);
         }
         let digest = blake3::hash(&encoding);
-        let first8: [u8; 8] = digest.as_bytes()[..8].try_into().expect("BLAKE3 has 32 bytes");
+        let first8: [u8; 8] = digest.as_bytes()[..8]
+            .try_into()
+            .expect("BLAKE3 has 32 bytes");
         hashes.push(u64::from_le_bytes(first8));
     }
     Ok(hashes)
@@ -99,8 +101,23 @@ pub fn partition_key_hashes(
 fn check_key_type(column: &str, data_type: &DataType) -> Result<(), PartitioningError> {
     use DataType::*;
     match data_type {
-        Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32 | UInt64 | Utf8 | LargeUtf8
-        | Utf8View | Date32 | Date64 | Decimal128(_, _) | Boolean | Binary | LargeBinary
+        Int8
+        | Int16
+        | Int32
+        | Int64
+        | UInt8
+        | UInt16
+        | UInt32
+        | UInt64
+        | Utf8
+        | LargeUtf8
+        | Utf8View
+        | Date32
+        | Date64
+        | Decimal128(_, _)
+        | Boolean
+        | Binary
+        | LargeBinary
         | BinaryView => Ok(()),
         other => Err(PartitioningError::UnsupportedKeyType {
             column: column.to_string(),
@@ -138,9 +155,36 @@ fn encode_value(column: &ArrayRef, row: usize, out: &mut Vec<u8>) {
         UInt16 => unsigned(column.as_primitive::<UInt16Type>().value(row) as u64, out),
         UInt32 => unsigned(column.as_primitive::<UInt32Type>().value(row) as u64, out),
         UInt64 => unsigned(column.as_primitive::<UInt64Type>().value(row), out),
-        Utf8 => encode_bytes(0x03, column.as_any().downcast_ref::<StringArray>().expect("Utf8").value(row).as_bytes(), out),
-        LargeUtf8 => encode_bytes(0x03, column.as_any().downcast_ref::<LargeStringArray>().expect("LargeUtf8").value(row).as_bytes(), out),
-        Utf8View => encode_bytes(0x03, column.as_any().downcast_ref::<StringViewArray>().expect("Utf8View").value(row).as_bytes(), out),
+        Utf8 => encode_bytes(
+            0x03,
+            column
+                .as_any()
+                .downcast_ref::<StringArray>()
+                .expect("Utf8")
+                .value(row)
+                .as_bytes(),
+            out,
+        ),
+        LargeUtf8 => encode_bytes(
+            0x03,
+            column
+                .as_any()
+                .downcast_ref::<LargeStringArray>()
+                .expect("LargeUtf8")
+                .value(row)
+                .as_bytes(),
+            out,
+        ),
+        Utf8View => encode_bytes(
+            0x03,
+            column
+                .as_any()
+                .downcast_ref::<StringViewArray>()
+                .expect("Utf8View")
+                .value(row)
+                .as_bytes(),
+            out,
+        ),
         Date32 => {
             out.push(0x04);
             out.extend_from_slice(&column.as_primitive::<Date32Type>().value(row).to_be_bytes());
@@ -152,16 +196,48 @@ fn encode_value(column: &ArrayRef, row: usize, out: &mut Vec<u8>) {
         Decimal128(_, scale) => {
             out.push(0x06);
             out.push(*scale as u8);
-            out.extend_from_slice(&column.as_primitive::<Decimal128Type>().value(row).to_be_bytes());
+            out.extend_from_slice(
+                &column
+                    .as_primitive::<Decimal128Type>()
+                    .value(row)
+                    .to_be_bytes(),
+            );
         }
         Boolean => {
             out.push(0x07);
-            let array = column.as_any().downcast_ref::<BooleanArray>().expect("Boolean");
+            let array = column
+                .as_any()
+                .downcast_ref::<BooleanArray>()
+                .expect("Boolean");
             out.push(array.value(row) as u8);
         }
-        Binary => encode_bytes(0x08, column.as_any().downcast_ref::<BinaryArray>().expect("Binary").value(row), out),
-        LargeBinary => encode_bytes(0x08, column.as_any().downcast_ref::<LargeBinaryArray>().expect("LargeBinary").value(row), out),
-        BinaryView => encode_bytes(0x08, column.as_any().downcast_ref::<BinaryViewArray>().expect("BinaryView").value(row), out),
+        Binary => encode_bytes(
+            0x08,
+            column
+                .as_any()
+                .downcast_ref::<BinaryArray>()
+                .expect("Binary")
+                .value(row),
+            out,
+        ),
+        LargeBinary => encode_bytes(
+            0x08,
+            column
+                .as_any()
+                .downcast_ref::<LargeBinaryArray>()
+                .expect("LargeBinary")
+                .value(row),
+            out,
+        ),
+        BinaryView => encode_bytes(
+            0x08,
+            column
+                .as_any()
+                .downcast_ref::<BinaryViewArray>()
+                .expect("BinaryView")
+                .value(row),
+            out,
+        ),
         other => unreachable!("key type {other} was checked before encoding"),
     }
 }
@@ -184,12 +260,18 @@ mod tests {
         let mut expected = vec![0x01];
         expected.extend_from_slice(&42i64.to_be_bytes());
         let digest = blake3::hash(&expected);
-        assert_eq!(int_key, u64::from_le_bytes(digest.as_bytes()[..8].try_into().unwrap()));
+        assert_eq!(
+            int_key,
+            u64::from_le_bytes(digest.as_bytes()[..8].try_into().unwrap())
+        );
         let str_key = hash_one(Arc::new(StringArray::from(vec!["tessera"])));
         let mut expected = vec![0x03, 0, 0, 0, 7];
         expected.extend_from_slice(b"tessera");
         let digest = blake3::hash(&expected);
-        assert_eq!(str_key, u64::from_le_bytes(digest.as_bytes()[..8].try_into().unwrap()));
+        assert_eq!(
+            str_key,
+            u64::from_le_bytes(digest.as_bytes()[..8].try_into().unwrap())
+        );
     }
 
     #[test]

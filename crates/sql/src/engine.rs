@@ -5,7 +5,7 @@
 //! executed here: their input rows are collected and published as one epoch.
 
 use crate::error::{from_datafusion, Result, SqlError};
-use crate::provider::TesseraSchema;
+use crate::provider::{ScanLayout, TesseraSchema};
 use crate::scan::read_visible_partition;
 use crate::time_travel::rewrite_as_of_epoch;
 use arrow::array::RecordBatch;
@@ -33,7 +33,10 @@ pub const MAX_DML_ROWS: usize = 50_000_000;
 /// What one statement produced.
 #[derive(Debug)]
 pub enum StatementOutput {
-    Rows { schema: SchemaRef, batches: Vec<RecordBatch> },
+    Rows {
+        schema: SchemaRef,
+        batches: Vec<RecordBatch>,
+    },
     /// A statement that returns no rows: a tag such as `INSERT 3` and, for writes, the epoch
     /// that made them visible.
     Done { tag: String, epoch: Option<Epoch> },
@@ -50,11 +53,20 @@ impl Engine {
     }
 
     pub fn with_config(store: Arc<Store>, config: SessionConfig) -> Engine {
-        let config = config.with_information_schema(true).with_default_catalog_and_schema("tessera", "public");
+        Self::with_layout(store, config, ScanLayout::default())
+    }
+
+    pub fn with_layout(store: Arc<Store>, config: SessionConfig, layout: ScanLayout) -> Engine {
+        let config = config
+            .with_information_schema(true)
+            .with_default_catalog_and_schema("tessera", "public");
         let ctx = SessionContext::new_with_config(config);
         let catalog = MemoryCatalogProvider::new();
         catalog
-            .register_schema("public", Arc::new(TesseraSchema::new(store.clone())))
+            .register_schema(
+                "public",
+                Arc::new(TesseraSchema::new(store.clone(), layout)),
+            )
             .expect("a fresh catalog accepts a schema");
         ctx.register_catalog("tessera", Arc::new(catalog));
         Engine { store, ctx }
@@ -71,10 +83,14 @@ impl Engine {
     /// Runs every statement in `sql`, in order, stopping at the first error.
     pub async fn execute(&self, sql: &str) -> Result<Vec<StatementOutput>> {
         if sql.len() > MAX_SQL_BYTES {
-            return Err(SqlError::TooLarge { bytes: sql.len(), limit: MAX_SQL_BYTES });
+            return Err(SqlError::TooLarge {
+                bytes: sql.len(),
+                limit: MAX_SQL_BYTES,
+            });
         }
         let sql = rewrite_as_of_epoch(sql)?;
-        let statements = DFParser::parse_sql_with_dialect(&sql, &GenericDialect {}).map_err(|e| SqlError::DataFusion(e.into()))?;
+        let statements = DFParser::parse_sql_with_dialect(&sql, &GenericDialect {})
+            .map_err(|e| SqlError::DataFusion(e.into()))?;
         let mut outputs = Vec::with_capacity(statements.len());
         for statement in statements {
             outputs.push(self.execute_statement(statement).await?);
@@ -86,7 +102,9 @@ impl Engine {
     pub async fn query(&self, sql: &str) -> Result<Vec<RecordBatch>> {
         match self.execute(sql).await?.pop() {
             Some(StatementOutput::Rows { batches, .. }) => Ok(batches),
-            Some(StatementOutput::Done { tag, .. }) => Err(SqlError::Unsupported(format!("expected a query returning rows, got {tag}"))),
+            Some(StatementOutput::Done { tag, .. }) => Err(SqlError::Unsupported(format!(
+                "expected a query returning rows, got {tag}"
+            ))),
             None => Err(SqlError::Unsupported("no statement given".into())),
         }
     }
@@ -95,18 +113,29 @@ impl Engine {
         let mut partition_by = None;
         if let DFStatement::Statement(inner) = &mut statement {
             match inner.as_mut() {
-                SqlStatement::CreateTable(create) => partition_by = create.partition_by.take().map(|e| partition_columns(&e)).transpose()?,
+                SqlStatement::CreateTable(create) => {
+                    partition_by = create
+                        .partition_by
+                        .take()
+                        .map(|e| partition_columns(&e))
+                        .transpose()?
+                }
                 SqlStatement::Update(update) => self.reject_key_updates(update)?,
                 _ => {}
             }
         }
         let state = self.ctx.state();
-        let plan = state.statement_to_plan(statement).await.map_err(from_datafusion)?;
+        let plan = state
+            .statement_to_plan(statement)
+            .await
+            .map_err(from_datafusion)?;
         match plan {
             LogicalPlan::Ddl(DdlStatement::CreateMemoryTable(create)) => {
                 let name = create.name.table().to_string();
                 if create.or_replace {
-                    return Err(SqlError::Unsupported("CREATE OR REPLACE TABLE; drop the table first".into()));
+                    return Err(SqlError::Unsupported(
+                        "CREATE OR REPLACE TABLE; drop the table first".into(),
+                    ));
                 }
                 if create.if_not_exists && self.store.table_def(&name).is_some() {
                     return Ok(done("CREATE TABLE", None));
@@ -116,7 +145,12 @@ impl Engine {
                     .constraints
                     .iter()
                     .find_map(|c| match c {
-                        Constraint::PrimaryKey(indices) => Some(indices.iter().map(|&i| schema.field(i).name().clone()).collect()),
+                        Constraint::PrimaryKey(indices) => Some(
+                            indices
+                                .iter()
+                                .map(|&i| schema.field(i).name().clone())
+                                .collect(),
+                        ),
                         Constraint::Unique(_) => None,
                     })
                     .unwrap_or_default();
@@ -139,7 +173,11 @@ impl Engine {
             }
             LogicalPlan::Dml(dml) => self.execute_dml(dml).await,
             plan => {
-                let frame = self.ctx.execute_logical_plan(plan).await.map_err(from_datafusion)?;
+                let frame = self
+                    .ctx
+                    .execute_logical_plan(plan)
+                    .await
+                    .map_err(from_datafusion)?;
                 let schema: SchemaRef = Arc::new(frame.schema().as_arrow().clone());
                 let batches = frame.collect().await.map_err(from_datafusion)?;
                 Ok(StatementOutput::Rows { schema, batches })
@@ -148,10 +186,21 @@ impl Engine {
     }
 
     fn reject_key_updates(&self, update: &datafusion::sql::sqlparser::ast::Update) -> Result<()> {
-        let table = update.table.relation.to_string().trim_matches('"').to_lowercase();
-        let Some(def) = self.store.table_def(&table) else { return Ok(()) };
+        let table = update
+            .table
+            .relation
+            .to_string()
+            .trim_matches('"')
+            .to_lowercase();
+        let Some(def) = self.store.table_def(&table) else {
+            return Ok(());
+        };
         for assignment in &update.assignments {
-            let target = assignment.target.to_string().trim_matches('"').to_lowercase();
+            let target = assignment
+                .target
+                .to_string()
+                .trim_matches('"')
+                .to_lowercase();
             let column = target.rsplit('.').next().unwrap_or(&target).to_string();
             if def.primary_key.iter().any(|k| k.to_lowercase() == column) {
                 return Err(SqlError::Unsupported(format!(
@@ -163,7 +212,11 @@ impl Engine {
     }
 
     async fn collect(&self, plan: LogicalPlan) -> Result<Vec<RecordBatch>> {
-        let frame = self.ctx.execute_logical_plan(plan).await.map_err(from_datafusion)?;
+        let frame = self
+            .ctx
+            .execute_logical_plan(plan)
+            .await
+            .map_err(from_datafusion)?;
         let batches = frame.collect().await.map_err(from_datafusion)?;
         let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
         if rows > MAX_DML_ROWS {
@@ -174,7 +227,9 @@ impl Engine {
 
     async fn execute_dml(&self, dml: DmlStatement) -> Result<StatementOutput> {
         let table = dml.table_name.table().to_string();
-        let def = self.store.table_def(&table).ok_or_else(|| SqlError::Storage(tessera_storage::StorageError::UnknownTable(table.clone())))?;
+        let def = self.store.table_def(&table).ok_or_else(|| {
+            SqlError::Storage(tessera_storage::StorageError::UnknownTable(table.clone()))
+        })?;
         let batches = self.collect(dml.input.as_ref().clone()).await?;
         let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
         match dml.op {
@@ -183,19 +238,38 @@ impl Engine {
                 Ok(done(&format!("INSERT {rows}"), epoch))
             }
             WriteOp::Update => {
-                let epoch = self.publish(TableChanges { table, upserts: batches, deletes: vec![] }, rows)?;
+                let epoch = self.publish(
+                    TableChanges {
+                        table,
+                        upserts: batches,
+                        deletes: vec![],
+                    },
+                    rows,
+                )?;
                 Ok(done(&format!("UPDATE {rows}"), epoch))
             }
             WriteOp::Delete => {
                 if def.append_only {
-                    return Err(SqlError::Storage(tessera_storage::StorageError::AppendOnly {
-                        table,
-                        reason: "rows cannot be deleted from an append-only table".into(),
-                    }));
+                    return Err(SqlError::Storage(
+                        tessera_storage::StorageError::AppendOnly {
+                            table,
+                            reason: "rows cannot be deleted from an append-only table".into(),
+                        },
+                    ));
                 }
                 let key = def.primary_key_indices();
-                let keys = batches.iter().map(|b| b.project(&key)).collect::<std::result::Result<Vec<_>, _>>()?;
-                let epoch = self.publish(TableChanges { table, upserts: vec![], deletes: keys }, rows)?;
+                let keys = batches
+                    .iter()
+                    .map(|b| b.project(&key))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                let epoch = self.publish(
+                    TableChanges {
+                        table,
+                        upserts: vec![],
+                        deletes: keys,
+                    },
+                    rows,
+                )?;
                 Ok(done(&format!("DELETE {rows}"), epoch))
             }
             other => Err(SqlError::Unsupported(format!("{other} statements"))),
@@ -210,12 +284,20 @@ impl Engine {
     }
 
     /// INSERT: publishes new rows, refusing keys that already exist at the visible epoch.
-    async fn insert(&self, table: &str, batches: Vec<RecordBatch>) -> Result<(usize, Option<Epoch>)> {
+    async fn insert(
+        &self,
+        table: &str,
+        batches: Vec<RecordBatch>,
+    ) -> Result<(usize, Option<Epoch>)> {
         let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
         if rows == 0 {
             return Ok((0, None));
         }
-        let def = self.store.table_def(table).ok_or_else(|| SqlError::Storage(tessera_storage::StorageError::UnknownTable(table.to_string())))?;
+        let def = self.store.table_def(table).ok_or_else(|| {
+            SqlError::Storage(tessera_storage::StorageError::UnknownTable(
+                table.to_string(),
+            ))
+        })?;
         if !def.append_only {
             let store = self.store.clone();
             let new_rows = batches.clone();
@@ -223,20 +305,36 @@ impl Engine {
                 .await
                 .map_err(|e| SqlError::Unsupported(format!("key check task failed: {e}")))??;
         }
-        let epoch = self.publish(TableChanges { table: table.to_string(), upserts: batches, deletes: vec![] }, rows)?;
+        let epoch = self.publish(
+            TableChanges {
+                table: table.to_string(),
+                upserts: batches,
+                deletes: vec![],
+            },
+            rows,
+        )?;
         Ok((rows, epoch))
     }
 }
 
 fn done(tag: &str, epoch: Option<Epoch>) -> StatementOutput {
-    StatementOutput::Done { tag: tag.to_string(), epoch }
+    StatementOutput::Done {
+        tag: tag.to_string(),
+        epoch,
+    }
 }
 
 /// `PARTITION BY (a, b)` or `PARTITION BY a` in CREATE TABLE: the partition key columns.
 fn partition_columns(expr: &SqlExpr) -> Result<Vec<String>> {
     let column = |e: &SqlExpr| match e {
-        SqlExpr::Identifier(ident) => Ok(if ident.quote_style.is_some() { ident.value.clone() } else { ident.value.to_lowercase() }),
-        other => Err(SqlError::Unsupported(format!("PARTITION BY takes column names, got {other}"))),
+        SqlExpr::Identifier(ident) => Ok(if ident.quote_style.is_some() {
+            ident.value.clone()
+        } else {
+            ident.value.to_lowercase()
+        }),
+        other => Err(SqlError::Unsupported(format!(
+            "PARTITION BY takes column names, got {other}"
+        ))),
     };
     match expr {
         SqlExpr::Nested(inner) => partition_columns(inner),
@@ -248,21 +346,53 @@ fn partition_columns(expr: &SqlExpr) -> Result<Vec<String>> {
 /// Fails if any key in `new_rows` already has a live row at the visible epoch.
 fn reject_existing_keys(store: &Store, def: &TableDef, new_rows: &[RecordBatch]) -> Result<()> {
     let schema = stored_user_schema(def);
-    let conformed: Vec<RecordBatch> = new_rows.iter().map(|b| tessera_storage::versions::conform_to_schema(def, b)).collect::<std::result::Result<_, _>>()?;
+    let conformed: Vec<RecordBatch> = new_rows
+        .iter()
+        .map(|b| tessera_storage::versions::conform_to_schema(def, b))
+        .collect::<std::result::Result<_, _>>()?;
     let new_rows = concat_batches(&schema, &conformed)?;
     let key = def.primary_key_indices();
-    let fields: Vec<SortField> = key.iter().map(|&i| SortField::new(schema.field(i).data_type().clone())).collect();
+    let fields: Vec<SortField> = key
+        .iter()
+        .map(|&i| SortField::new(schema.field(i).data_type().clone()))
+        .collect();
     let converter = RowConverter::new(fields)?;
-    let new_keys = converter.convert_columns(&key.iter().map(|&i| new_rows.column(i).clone()).collect::<Vec<_>>())?;
+    let new_keys = converter.convert_columns(
+        &key.iter()
+            .map(|&i| new_rows.column(i).clone())
+            .collect::<Vec<_>>(),
+    )?;
     let wanted: HashSet<_> = new_keys.iter().collect();
     let snapshot = store.snapshot(&def.name, None)?;
-    let stamped_placeholder = tessera_storage::versions::stamp(def, &new_rows, Epoch::ZERO, tessera_common::RowOp::Upsert)?;
-    let touched: HashSet<u32> = split_by_partition(def, &store.ring(), &stamped_placeholder)?.into_iter().map(|(p, _)| p.0).collect();
-    for partition in snapshot.partitions.iter().filter(|p| touched.contains(&p.partition.0)) {
-        let Some(existing) = read_visible_partition(store.components_dir(), def, snapshot.epoch, partition, &key)? else { continue };
+    let stamped_placeholder = tessera_storage::versions::stamp(
+        def,
+        &new_rows,
+        Epoch::ZERO,
+        tessera_common::RowOp::Upsert,
+    )?;
+    let touched: HashSet<u32> = split_by_partition(def, &store.ring(), &stamped_placeholder)?
+        .into_iter()
+        .map(|(p, _)| p.0)
+        .collect();
+    for partition in snapshot
+        .partitions
+        .iter()
+        .filter(|p| touched.contains(&p.partition.0))
+    {
+        let Some(existing) =
+            read_visible_partition(store.components_dir(), def, snapshot.epoch, partition, &key)?
+        else {
+            continue;
+        };
         let existing_keys = converter.convert_columns(existing.columns())?;
-        if let Some(row) = (0..existing.num_rows()).find(|&i| wanted.contains(&existing_keys.row(i))) {
-            let values: Vec<String> = existing.columns().iter().map(|c| arrow::util::display::array_value_to_string(c, row).unwrap_or_default()).collect();
+        if let Some(row) =
+            (0..existing.num_rows()).find(|&i| wanted.contains(&existing_keys.row(i)))
+        {
+            let values: Vec<String> = existing
+                .columns()
+                .iter()
+                .map(|c| arrow::util::display::array_value_to_string(c, row).unwrap_or_default())
+                .collect();
             return Err(SqlError::Constraint(format!(
                 "duplicate key ({}) violates the primary key of table {:?}; use UPDATE to change an existing row",
                 values.join(", "),

@@ -35,7 +35,9 @@ pub fn from_datafusion(error: DataFusionError) -> SqlError {
             Err(other) => SqlError::DataFusion(DataFusionError::External(other)),
         },
         DataFusionError::Context(context, inner) => match from_datafusion(*inner) {
-            SqlError::DataFusion(inner) => SqlError::DataFusion(DataFusionError::Context(context, Box::new(inner))),
+            SqlError::DataFusion(inner) => {
+                SqlError::DataFusion(DataFusionError::Context(context, Box::new(inner)))
+            }
             storage => storage,
         },
         other => SqlError::DataFusion(other),

@@ -14,3 +14,4 @@ pub mod time_travel;
 
 pub use engine::{Engine, StatementOutput};
 pub use error::SqlError;
+pub use provider::ScanLayout;

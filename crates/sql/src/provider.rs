@@ -7,9 +7,10 @@ use crate::time_travel::split_epoch_name;
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
-use datafusion::common::stats::Precision;
 use datafusion::common::{Constraint, Constraints, DFSchema, Result, Statistics};
 use datafusion::datasource::listing::PartitionedFile;
+use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
+use datafusion::datasource::physical_plan::parquet::CachedParquetFileReaderFactory;
 use datafusion::datasource::physical_plan::{FileGroup, FileScanConfigBuilder, ParquetSource};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::execution::object_store::ObjectStoreUrl;
@@ -18,21 +19,76 @@ use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
 use datafusion::physical_plan::empty::EmptyExec;
 use datafusion::physical_plan::union::UnionExec;
 use datafusion::physical_plan::ExecutionPlan;
-use std::sync::Arc;
+use parquet::file::reader::{FileReader, SerializedFileReader};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tessera_common::ComponentHash;
 use tessera_common::Epoch;
 use tessera_storage::component::component_path;
 use tessera_storage::versions::{stored_schema, stored_user_schema};
 use tessera_storage::{Store, TableDef};
 
+/// How a scan lays storage partitions out as DataFusion output partitions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ScanLayout {
+    /// Plain components are packed into as many groups as the session has target
+    /// partitions (cores): the fastest layout for a query that runs on this node.
+    #[default]
+    Packed,
+    /// Exactly one output partition per non-empty storage partition, so that a partition's
+    /// rows can be placed, shipped or re-read on their own (distributed execution).
+    PerStoragePartition,
+}
+
 /// The `public` schema: every table in the store.
 #[derive(Debug)]
 pub struct TesseraSchema {
     store: Arc<Store>,
+    layout: ScanLayout,
+    statistics: Arc<ComponentStatistics>,
 }
 
 impl TesseraSchema {
-    pub fn new(store: Arc<Store>) -> Self {
-        TesseraSchema { store }
+    pub fn new(store: Arc<Store>, layout: ScanLayout) -> Self {
+        TesseraSchema {
+            store,
+            layout,
+            statistics: Arc::default(),
+        }
+    }
+}
+
+/// Column statistics (row count, min, max, nulls) of components, read once from their
+/// Parquet footers: a component never changes, so neither do its statistics. They let
+/// DataFusion's optimizer choose join sides and orders as it does for its own tables.
+#[derive(Debug, Default)]
+pub struct ComponentStatistics {
+    by_hash: Mutex<HashMap<ComponentHash, Arc<Statistics>>>,
+}
+
+impl ComponentStatistics {
+    fn get(
+        &self,
+        store: &Store,
+        hash: &ComponentHash,
+        stored: &SchemaRef,
+    ) -> Result<Arc<Statistics>> {
+        if let Some(stats) = self.by_hash.lock().expect("statistics lock").get(hash) {
+            return Ok(stats.clone());
+        }
+        let path = component_path(store.components_dir(), hash);
+        let file = std::fs::File::open(&path)
+            .map_err(|e| SqlError::to_datafusion(tessera_storage::StorageError::io(&path, e)))?;
+        let reader = SerializedFileReader::new(file)?;
+        let stats = Arc::new(DFParquetMetadata::statistics_from_parquet_metadata(
+            reader.metadata(),
+            stored,
+        )?);
+        self.by_hash
+            .lock()
+            .expect("statistics lock")
+            .insert(*hash, stats.clone());
+        Ok(stats)
     }
 }
 
@@ -47,12 +103,22 @@ impl SchemaProvider for TesseraSchema {
             Some((table, epoch)) => (table, Some(Epoch(epoch))),
             None => (name, None),
         };
-        let Some(def) = self.store.table_def(table) else { return Ok(None) };
+        let Some(def) = self.store.table_def(table) else {
+            return Ok(None);
+        };
         if let Some(epoch) = epoch {
             // Fail at planning, with the store's own message, rather than mid-query.
-            self.store.snapshot(table, Some(epoch)).map_err(SqlError::to_datafusion)?;
+            self.store
+                .snapshot(table, Some(epoch))
+                .map_err(SqlError::to_datafusion)?;
         }
-        Ok(Some(Arc::new(TesseraTable::new(self.store.clone(), def, epoch))))
+        Ok(Some(Arc::new(TesseraTable::new(
+            self.store.clone(),
+            def,
+            epoch,
+            self.layout,
+            self.statistics.clone(),
+        ))))
     }
 
     fn table_exist(&self, name: &str) -> bool {
@@ -67,19 +133,35 @@ pub struct TesseraTable {
     store: Arc<Store>,
     def: TableDef,
     epoch: Option<Epoch>,
+    layout: ScanLayout,
+    statistics: Arc<ComponentStatistics>,
     schema: SchemaRef,
     constraints: Constraints,
 }
 
 impl TesseraTable {
-    pub fn new(store: Arc<Store>, def: TableDef, epoch: Option<Epoch>) -> Self {
+    pub fn new(
+        store: Arc<Store>,
+        def: TableDef,
+        epoch: Option<Epoch>,
+        layout: ScanLayout,
+        statistics: Arc<ComponentStatistics>,
+    ) -> Self {
         let schema = stored_user_schema(&def);
         let constraints = if def.primary_key.is_empty() {
             Constraints::default()
         } else {
             Constraints::new_unverified(vec![Constraint::PrimaryKey(def.primary_key_indices())])
         };
-        TesseraTable { store, def, epoch, schema, constraints }
+        TesseraTable {
+            store,
+            def,
+            epoch,
+            layout,
+            statistics,
+            schema,
+            constraints,
+        }
     }
 }
 
@@ -97,22 +179,38 @@ impl TableProvider for TesseraTable {
         TableType::Base
     }
 
-    fn supports_filters_pushdown(&self, filters: &[&Expr]) -> Result<Vec<TableProviderFilterPushDown>> {
+    fn supports_filters_pushdown(
+        &self,
+        filters: &[&Expr],
+    ) -> Result<Vec<TableProviderFilterPushDown>> {
         // Filters prune Parquet row groups but DataFusion still applies them: a filter on a
         // non-key column must not hide an old version before a newer one replaces it.
         Ok(vec![TableProviderFilterPushDown::Inexact; filters.len()])
     }
 
-    async fn scan(&self, state: &dyn Session, projection: Option<&Vec<usize>>, filters: &[Expr], limit: Option<usize>) -> Result<Arc<dyn ExecutionPlan>> {
-        let snapshot = self.store.snapshot(&self.def.name, self.epoch).map_err(SqlError::to_datafusion)?;
+    async fn scan(
+        &self,
+        state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        limit: Option<usize>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let snapshot = self
+            .store
+            .snapshot(&self.def.name, self.epoch)
+            .map_err(SqlError::to_datafusion)?;
         let epoch = snapshot.epoch;
         let stored = stored_schema(&self.def);
-        let projection: Vec<usize> = projection.cloned().unwrap_or_else(|| (0..self.schema.fields().len()).collect());
+        let projection: Vec<usize> = projection
+            .cloned()
+            .unwrap_or_else(|| (0..self.schema.fields().len()).collect());
         let mut plain = Vec::new();
         let mut versioned = Vec::new();
         for partition in snapshot.partitions.iter().filter(|p| !p.is_empty()) {
             for component in &partition.components {
-                self.store.verify_component(&component.hash).map_err(SqlError::to_datafusion)?;
+                self.store
+                    .verify_component(&component.hash)
+                    .map_err(SqlError::to_datafusion)?;
             }
             if partition.is_plain_scan(epoch) {
                 plain.push(partition.components[0].clone());
@@ -122,37 +220,89 @@ impl TableProvider for TesseraTable {
         }
         let mut children: Vec<Arc<dyn ExecutionPlan>> = Vec::new();
         if !plain.is_empty() {
-            let mut source = ParquetSource::new(stored.clone());
+            // The same reader settings as DataFusion's own Parquet tables: the session's
+            // Parquet options and the runtime's footer cache (components never change, so a
+            // cached footer is always valid).
+            let object_store = state
+                .runtime_env()
+                .object_store(ObjectStoreUrl::local_filesystem())?;
+            let footer_cache = state.runtime_env().cache_manager.get_file_metadata_cache();
+            let mut options = state.table_options().parquet.clone();
+            // Components are written with one row group per ~128k rows and are read whole
+            // or pruned by row-group statistics; the page index would cost a read per file
+            // per query for little pruning.
+            options.global.enable_page_index = false;
+            let mut source = ParquetSource::new(stored.clone())
+                .with_table_parquet_options(options)
+                .with_parquet_file_reader_factory(Arc::new(CachedParquetFileReaderFactory::new(
+                    object_store,
+                    footer_cache,
+                )));
             if let Some(predicate) = conjunction(filters.to_vec()) {
                 let df_schema = DFSchema::try_from(stored.as_ref().clone())?;
                 source = source.with_predicate(state.create_physical_expr(predicate, &df_schema)?);
             }
-            let groups: Vec<FileGroup> = plain
-                .iter()
-                .map(|c| {
-                    let path = component_path(self.store.components_dir(), &c.hash);
-                    let location = path.to_string_lossy().trim_start_matches('/').to_string();
-                    FileGroup::new(vec![PartitionedFile::new(location, c.bytes)])
-                })
-                .collect();
-            let mut statistics = Statistics::new_unknown(&stored);
-            statistics.num_rows = Precision::Exact(plain.iter().map(|c| c.rows as usize).sum());
-            statistics.total_byte_size = Precision::Inexact(plain.iter().map(|c| c.bytes as usize).sum());
-            let config = FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source))
-                .with_file_groups(groups)
-                .with_statistics(statistics)
-                .with_projection_indices(Some(projection.clone()))?
-                .with_limit(limit)
-                .build();
+            let mut file_statistics = Vec::with_capacity(plain.len());
+            let mut files = Vec::with_capacity(plain.len());
+            for component in &plain {
+                let path = component_path(self.store.components_dir(), &component.hash);
+                let location = path.to_string_lossy().trim_start_matches('/').to_string();
+                let stats = self.statistics.get(&self.store, &component.hash, &stored)?;
+                file_statistics.push(stats.clone());
+                files.push(PartitionedFile::new(location, component.bytes).with_statistics(stats));
+            }
+            let groups = match self.layout {
+                ScanLayout::PerStoragePartition => {
+                    files.into_iter().map(|f| FileGroup::new(vec![f])).collect()
+                }
+                ScanLayout::Packed => pack_files(files, state.config().target_partitions()),
+            };
+            let statistics =
+                Statistics::try_merge_iter(file_statistics.iter().map(|s| s.as_ref()), &stored)?;
+            let config =
+                FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source))
+                    .with_file_groups(groups)
+                    .with_statistics(statistics)
+                    .with_projection_indices(Some(projection.clone()))?
+                    .with_limit(limit)
+                    .build();
             children.push(DataSourceExec::from_data_source(config));
         }
         if !versioned.is_empty() {
             let dir = self.store.components_dir().to_path_buf();
-            children.push(Arc::new(VersionedScanExec::new(snapshot.clone(), versioned, projection.clone(), dir)?));
+            children.push(Arc::new(VersionedScanExec::new(
+                snapshot.clone(),
+                versioned,
+                projection.clone(),
+                dir,
+            )?));
         }
         if children.is_empty() {
-            return Ok(Arc::new(EmptyExec::new(Arc::new(stored.project(&projection)?))));
+            return Ok(Arc::new(EmptyExec::new(Arc::new(
+                stored.project(&projection)?,
+            ))));
         }
         UnionExec::try_new(children)
     }
+}
+
+/// Packs files into at most `groups` groups of about equal bytes (largest first, each into
+/// the lightest group), keeping every file whole.
+fn pack_files(mut files: Vec<PartitionedFile>, groups: usize) -> Vec<FileGroup> {
+    let groups = groups.clamp(1, files.len().max(1));
+    files.sort_by_key(|f| std::cmp::Reverse(f.object_meta.size));
+    let mut packed: Vec<(u64, Vec<PartitionedFile>)> = vec![(0, Vec::new()); groups];
+    for file in files {
+        let lightest = packed
+            .iter_mut()
+            .min_by_key(|(bytes, _)| *bytes)
+            .expect("at least one group");
+        lightest.0 += file.object_meta.size;
+        lightest.1.push(file);
+    }
+    packed
+        .into_iter()
+        .filter(|(_, f)| !f.is_empty())
+        .map(|(_, f)| FileGroup::new(f))
+        .collect()
 }

@@ -17,7 +17,9 @@ use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::statistics::StatisticsArgs;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
-use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties};
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
+};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tessera_common::{Epoch, EPOCH_COLUMN, OP_COLUMN};
@@ -35,21 +37,44 @@ pub fn read_visible_partition(
     columns: &[usize],
 ) -> Result<Option<RecordBatch>, SqlError> {
     let stored = stored_schema(def);
-    let epoch_index = stored.index_of(EPOCH_COLUMN).expect("stored schema has the epoch column");
-    let op_index = stored.index_of(OP_COLUMN).expect("stored schema has the op column");
-    let mut read: Vec<usize> = columns.iter().copied().chain(def.primary_key_indices()).chain([epoch_index, op_index]).collect();
+    let epoch_index = stored
+        .index_of(EPOCH_COLUMN)
+        .expect("stored schema has the epoch column");
+    let op_index = stored
+        .index_of(OP_COLUMN)
+        .expect("stored schema has the op column");
+    let mut read: Vec<usize> = columns
+        .iter()
+        .copied()
+        .chain(def.primary_key_indices())
+        .chain([epoch_index, op_index])
+        .collect();
     read.sort_unstable();
     read.dedup();
     let mut batches = Vec::new();
     for component in &partition.components {
-        batches.extend(read_component(components_dir, &component.hash, Some(&read))?);
+        batches.extend(read_component(
+            components_dir,
+            &component.hash,
+            Some(&read),
+        )?);
     }
     for batch in &partition.memtable {
         batches.push(batch.project(&read)?);
     }
-    let position = |column: usize| read.iter().position(|&c| c == column).expect("read covers every needed column");
-    let key: Vec<usize> = def.primary_key_indices().into_iter().map(position).collect();
-    let Some(visible) = visible_rows(&batches, &key, epoch, def.append_only)? else { return Ok(None) };
+    let position = |column: usize| {
+        read.iter()
+            .position(|&c| c == column)
+            .expect("read covers every needed column")
+    };
+    let key: Vec<usize> = def
+        .primary_key_indices()
+        .into_iter()
+        .map(position)
+        .collect();
+    let Some(visible) = visible_rows(&batches, &key, epoch, def.append_only)? else {
+        return Ok(None);
+    };
     let output: Vec<usize> = columns.iter().map(|&c| position(c)).collect();
     Ok(Some(visible.project(&output)?))
 }
@@ -67,8 +92,16 @@ pub struct VersionedScanExec {
 }
 
 impl VersionedScanExec {
-    pub fn new(snapshot: Arc<TableSnapshot>, partitions: Vec<PartitionSnapshot>, projection: Vec<usize>, components_dir: PathBuf) -> Result<Self> {
-        assert!(!partitions.is_empty(), "a versioned scan covers at least one partition");
+    pub fn new(
+        snapshot: Arc<TableSnapshot>,
+        partitions: Vec<PartitionSnapshot>,
+        projection: Vec<usize>,
+        components_dir: PathBuf,
+    ) -> Result<Self> {
+        assert!(
+            !partitions.is_empty(),
+            "a versioned scan covers at least one partition"
+        );
         let schema = Arc::new(stored_schema(&snapshot.def).project(&projection)?);
         let properties = Arc::new(PlanProperties::new(
             EquivalenceProperties::new(schema.clone()),
@@ -76,14 +109,31 @@ impl VersionedScanExec {
             EmissionType::Incremental,
             Boundedness::Bounded,
         ));
-        Ok(VersionedScanExec { snapshot, partitions, projection, schema, components_dir, properties })
+        Ok(VersionedScanExec {
+            snapshot,
+            partitions,
+            projection,
+            schema,
+            components_dir,
+            properties,
+        })
     }
 }
 
 impl DisplayAs for VersionedScanExec {
     fn fmt_as(&self, _t: DisplayFormatType, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        let partitions: Vec<String> = self.partitions.iter().map(|p| p.partition.to_string()).collect();
-        write!(f, "VersionedScanExec: table={}, epoch={}, partitions=[{}]", self.snapshot.def.name, self.snapshot.epoch, partitions.join(", "))
+        let partitions: Vec<String> = self
+            .partitions
+            .iter()
+            .map(|p| p.partition.to_string())
+            .collect();
+        write!(
+            f,
+            "VersionedScanExec: table={}, epoch={}, partitions=[{}]",
+            self.snapshot.def.name,
+            self.snapshot.epoch,
+            partitions.join(", ")
+        )
     }
 }
 
@@ -100,26 +150,40 @@ impl ExecutionPlan for VersionedScanExec {
         vec![]
     }
 
-    fn apply_expressions(&self, _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>) -> Result<TreeNodeRecursion> {
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
         Ok(TreeNodeRecursion::Continue)
     }
 
-    fn with_new_children(self: Arc<Self>, _children: Vec<Arc<dyn ExecutionPlan>>) -> Result<Arc<dyn ExecutionPlan>> {
+    fn with_new_children(
+        self: Arc<Self>,
+        _children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
         Ok(self)
     }
 
-    fn execute(&self, partition: usize, _context: Arc<TaskContext>) -> Result<SendableRecordBatchStream> {
+    fn execute(
+        &self,
+        partition: usize,
+        _context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
         let part = self.partitions.get(partition).cloned().ok_or_else(|| {
-            datafusion::error::DataFusionError::Internal(format!("VersionedScanExec has no partition {partition}"))
+            datafusion::error::DataFusionError::Internal(format!(
+                "VersionedScanExec has no partition {partition}"
+            ))
         })?;
         let snapshot = self.snapshot.clone();
         let projection = self.projection.clone();
         let dir = self.components_dir.clone();
         let read = async move {
-            let batch = tokio::task::spawn_blocking(move || read_visible_partition(&dir, &snapshot.def, snapshot.epoch, &part, &projection))
-                .await
-                .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?
-                .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?;
+            let batch = tokio::task::spawn_blocking(move || {
+                read_visible_partition(&dir, &snapshot.def, snapshot.epoch, &part, &projection)
+            })
+            .await
+            .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?
+            .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?;
             Ok::<_, datafusion::error::DataFusionError>(batch)
         };
         let schema = self.schema.clone();
@@ -134,9 +198,17 @@ impl ExecutionPlan for VersionedScanExec {
         Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
     }
 
-    fn statistics_from_inputs(&self, _input_stats: &[Arc<Statistics>], args: &StatisticsArgs) -> Result<Arc<Statistics>> {
+    fn statistics_from_inputs(
+        &self,
+        _input_stats: &[Arc<Statistics>],
+        args: &StatisticsArgs,
+    ) -> Result<Arc<Statistics>> {
         let rows: u64 = match args.partition() {
-            Some(i) => self.partitions.get(i).map(|p| p.estimated_rows()).unwrap_or(0),
+            Some(i) => self
+                .partitions
+                .get(i)
+                .map(|p| p.estimated_rows())
+                .unwrap_or(0),
             None => self.partitions.iter().map(|p| p.estimated_rows()).sum(),
         };
         let mut stats = Statistics::new_unknown(&self.schema);

@@ -29,8 +29,15 @@ pub fn rewrite_as_of_epoch(sql: &str) -> Result<String> {
     }
     let tokens = Tokenizer::new(&GenericDialect {}, sql)
         .tokenize()
-        .map_err(|e| SqlError::DataFusion(datafusion::error::DataFusionError::SQL(Box::new(e.into()), None)))?;
-    let significant: Vec<usize> = (0..tokens.len()).filter(|&i| !matches!(tokens[i], Token::Whitespace(_))).collect();
+        .map_err(|e| {
+            SqlError::DataFusion(datafusion::error::DataFusionError::SQL(
+                Box::new(e.into()),
+                None,
+            ))
+        })?;
+    let significant: Vec<usize> = (0..tokens.len())
+        .filter(|&i| !matches!(tokens[i], Token::Whitespace(_)))
+        .collect();
     let mut out: Vec<Token> = Vec::with_capacity(tokens.len());
     let mut skip_until = 0;
     let mut rewritten = false;
@@ -39,7 +46,9 @@ pub fn rewrite_as_of_epoch(sql: &str) -> Result<String> {
             continue;
         }
         let at = |offset: usize| significant.get(pos + offset).map(|&j| &tokens[j]);
-        let is_clause = is_word(&tokens[i], "AS") && at(1).is_some_and(|t| is_word(t, "OF")) && at(2).is_some_and(|t| is_word(t, "EPOCH"));
+        let is_clause = is_word(&tokens[i], "AS")
+            && at(1).is_some_and(|t| is_word(t, "OF"))
+            && at(2).is_some_and(|t| is_word(t, "EPOCH"));
         if !is_clause {
             // Copy this token and the whitespace after it.
             let end = significant.get(pos + 1).copied().unwrap_or(tokens.len());
@@ -47,11 +56,15 @@ pub fn rewrite_as_of_epoch(sql: &str) -> Result<String> {
             continue;
         }
         let epoch = match at(3) {
-            Some(Token::Number(n, _)) => n.parse::<u64>().map_err(|_| SqlError::Unsupported(format!("AS OF EPOCH needs a whole epoch number, got {n}")))?,
+            Some(Token::Number(n, _)) => n.parse::<u64>().map_err(|_| {
+                SqlError::Unsupported(format!("AS OF EPOCH needs a whole epoch number, got {n}"))
+            })?,
             other => {
                 return Err(SqlError::Unsupported(format!(
                     "AS OF EPOCH needs an epoch number, got {}",
-                    other.map(|t| t.to_string()).unwrap_or_else(|| "end of statement".into())
+                    other
+                        .map(|t| t.to_string())
+                        .unwrap_or_else(|| "end of statement".into())
                 )))
             }
         };
@@ -60,21 +73,45 @@ pub fn rewrite_as_of_epoch(sql: &str) -> Result<String> {
             out.pop();
         }
         let Some(Token::Word(table)) = out.pop() else {
-            return Err(SqlError::Unsupported("AS OF EPOCH must follow a table name".into()));
+            return Err(SqlError::Unsupported(
+                "AS OF EPOCH must follow a table name".into(),
+            ));
         };
-        let plain_name = if table.quote_style.is_some() { table.value.clone() } else { table.value.to_lowercase() };
-        out.push(Token::Word(Word { value: format!("{plain_name}{EPOCH_SEPARATOR}{epoch}"), quote_style: Some('"'), keyword: Keyword::NoKeyword }));
+        let plain_name = if table.quote_style.is_some() {
+            table.value.clone()
+        } else {
+            table.value.to_lowercase()
+        };
+        out.push(Token::Word(Word {
+            value: format!("{plain_name}{EPOCH_SEPARATOR}{epoch}"),
+            quote_style: Some('"'),
+            keyword: Keyword::NoKeyword,
+        }));
         let has_alias = match at(4) {
             Some(Token::Word(w)) => w.keyword == Keyword::AS || w.keyword == Keyword::NoKeyword,
             _ => false,
         };
         if !has_alias {
-            out.push(Token::Whitespace(datafusion::sql::sqlparser::tokenizer::Whitespace::Space));
-            out.push(Token::Word(Word { value: "AS".into(), quote_style: None, keyword: Keyword::AS }));
-            out.push(Token::Whitespace(datafusion::sql::sqlparser::tokenizer::Whitespace::Space));
-            out.push(Token::Word(Word { value: plain_name, quote_style: Some('"'), keyword: Keyword::NoKeyword }));
+            out.push(Token::Whitespace(
+                datafusion::sql::sqlparser::tokenizer::Whitespace::Space,
+            ));
+            out.push(Token::Word(Word {
+                value: "AS".into(),
+                quote_style: None,
+                keyword: Keyword::AS,
+            }));
+            out.push(Token::Whitespace(
+                datafusion::sql::sqlparser::tokenizer::Whitespace::Space,
+            ));
+            out.push(Token::Word(Word {
+                value: plain_name,
+                quote_style: Some('"'),
+                keyword: Keyword::NoKeyword,
+            }));
         }
-        out.push(Token::Whitespace(datafusion::sql::sqlparser::tokenizer::Whitespace::Space));
+        out.push(Token::Whitespace(
+            datafusion::sql::sqlparser::tokenizer::Whitespace::Space,
+        ));
         skip_until = significant.get(pos + 4).copied().unwrap_or(tokens.len());
         rewritten = true;
     }
@@ -90,13 +127,21 @@ mod tests {
 
     #[test]
     fn rewrites_the_clause_and_keeps_the_table_name_as_alias() {
-        assert_eq!(rewrite_as_of_epoch("SELECT * FROM t AS OF EPOCH 3").unwrap(), r#"SELECT * FROM "t@3" AS "t" "#);
+        assert_eq!(
+            rewrite_as_of_epoch("SELECT * FROM t AS OF EPOCH 3").unwrap(),
+            r#"SELECT * FROM "t@3" AS "t" "#
+        );
         assert_eq!(
             rewrite_as_of_epoch("select a from T as of epoch 12 x where x.a > 1").unwrap(),
             r#"select a from "t@12" x where x.a > 1"#
         );
-        assert_eq!(rewrite_as_of_epoch("select 1 from a as of epoch 1 as b join c as of epoch 2 on b.k = c.k").unwrap(),
-            r#"select 1 from "a@1" as b join "c@2" AS "c" on b.k = c.k"#);
+        assert_eq!(
+            rewrite_as_of_epoch(
+                "select 1 from a as of epoch 1 as b join c as of epoch 2 on b.k = c.k"
+            )
+            .unwrap(),
+            r#"select 1 from "a@1" as b join "c@2" AS "c" on b.k = c.k"#
+        );
     }
 
     #[test]
@@ -107,7 +152,10 @@ mod tests {
 
     #[test]
     fn names_bad_epochs() {
-        assert!(rewrite_as_of_epoch("SELECT * FROM t AS OF EPOCH x").unwrap_err().to_string().contains("epoch number"));
+        assert!(rewrite_as_of_epoch("SELECT * FROM t AS OF EPOCH x")
+            .unwrap_err()
+            .to_string()
+            .contains("epoch number"));
         assert!(rewrite_as_of_epoch("SELECT * FROM t AS OF EPOCH -1").is_err());
         assert_eq!(split_epoch_name("orders@7"), Some(("orders", 7)));
         assert_eq!(split_epoch_name("orders"), None);

@@ -23,7 +23,9 @@ fn pairs(batches: &[RecordBatch]) -> BTreeMap<i64, i64> {
 
 async fn write(engine: &Engine, sql: &str) -> Epoch {
     match engine.execute(sql).await.unwrap().pop().unwrap() {
-        StatementOutput::Done { epoch: Some(epoch), .. } => epoch,
+        StatementOutput::Done {
+            epoch: Some(epoch), ..
+        } => epoch,
         other => panic!("{sql} published nothing: {other:?}"),
     }
 }
@@ -31,10 +33,17 @@ async fn write(engine: &Engine, sql: &str) -> Epoch {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_epoch_answers_as_it_was() {
     let dir = tempfile::tempdir().unwrap();
-    let config = StoreConfig { partitions: 8, merge_threshold: 2, ..StoreConfig::default() };
+    let config = StoreConfig {
+        partitions: 8,
+        merge_threshold: 2,
+        ..StoreConfig::default()
+    };
     let store = Store::open(dir.path(), config.clone()).unwrap();
     let engine = Engine::new(store.clone());
-    engine.execute("CREATE TABLE accounts (id BIGINT, balance BIGINT NOT NULL, PRIMARY KEY (id))").await.unwrap();
+    engine
+        .execute("CREATE TABLE accounts (id BIGINT, balance BIGINT NOT NULL, PRIMARY KEY (id))")
+        .await
+        .unwrap();
 
     // The model: epoch -> expected contents.
     let mut model: BTreeMap<Epoch, BTreeMap<i64, i64>> = BTreeMap::new();
@@ -42,11 +51,19 @@ async fn every_epoch_answers_as_it_was() {
     let before_any = store.visible_epoch();
     model.insert(before_any, current.clone());
 
-    let e = write(&engine, "INSERT INTO accounts VALUES (1, 100), (2, 200), (3, 300), (4, 400)").await;
+    let e = write(
+        &engine,
+        "INSERT INTO accounts VALUES (1, 100), (2, 200), (3, 300), (4, 400)",
+    )
+    .await;
     current.extend([(1, 100), (2, 200), (3, 300), (4, 400)]);
     model.insert(e, current.clone());
 
-    let e = write(&engine, "UPDATE accounts SET balance = balance + 5 WHERE id >= 3").await;
+    let e = write(
+        &engine,
+        "UPDATE accounts SET balance = balance + 5 WHERE id >= 3",
+    )
+    .await;
     current.insert(3, 305);
     current.insert(4, 405);
     model.insert(e, current.clone());
@@ -62,7 +79,11 @@ async fn every_epoch_answers_as_it_was() {
     model.insert(e, current.clone());
     store.checkpoint().unwrap();
 
-    let e = write(&engine, "UPDATE accounts SET balance = 0 WHERE balance > 300").await;
+    let e = write(
+        &engine,
+        "UPDATE accounts SET balance = 0 WHERE balance > 300",
+    )
+    .await;
     for v in current.values_mut().filter(|v| **v > 300) {
         *v = 0;
     }
@@ -73,10 +94,22 @@ async fn every_epoch_answers_as_it_was() {
     let check = |engine: Engine, model: BTreeMap<Epoch, BTreeMap<i64, i64>>| async move {
         for (epoch, expected) in &model {
             let sql = format!("SELECT id, balance FROM accounts AS OF EPOCH {epoch} ORDER BY id");
-            assert_eq!(&pairs(&engine.query(&sql).await.unwrap()), expected, "AS OF EPOCH {epoch}");
+            assert_eq!(
+                &pairs(&engine.query(&sql).await.unwrap()),
+                expected,
+                "AS OF EPOCH {epoch}"
+            );
         }
         let latest = model.values().last().unwrap();
-        assert_eq!(&pairs(&engine.query("SELECT id, balance FROM accounts").await.unwrap()), latest);
+        assert_eq!(
+            &pairs(
+                &engine
+                    .query("SELECT id, balance FROM accounts")
+                    .await
+                    .unwrap()
+            ),
+            latest
+        );
         // Two epochs in one query, joined on the key.
         let first = model.keys().nth(1).unwrap();
         let sql = format!("SELECT a.id, b.balance - a.balance FROM accounts AS OF EPOCH {first} a JOIN accounts b ON a.id = b.id");
@@ -91,6 +124,9 @@ async fn every_epoch_answers_as_it_was() {
     check(Engine::new(reopened.clone()), model.clone()).await;
 
     let future = model.keys().last().unwrap().0 + 10;
-    let err = Engine::new(reopened).query(&format!("SELECT * FROM accounts AS OF EPOCH {future}")).await.unwrap_err();
+    let err = Engine::new(reopened)
+        .query(&format!("SELECT * FROM accounts AS OF EPOCH {future}"))
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("not visible yet"), "{err}");
 }

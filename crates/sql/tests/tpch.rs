@@ -2,15 +2,18 @@
 //! same generated data.
 
 use datafusion::datasource::MemTable;
-use datafusion::prelude::SessionContext;
+use datafusion::prelude::{SessionConfig, SessionContext};
 use std::sync::Arc;
-use tessera_sql::Engine;
+use tessera_sql::{Engine, ScanLayout};
 use tessera_storage::{Store, StoreConfig, TableChanges};
 
 async fn oracle(sf: f64) -> SessionContext {
     let ctx = SessionContext::new();
     for table in tessera_tpch::TABLES {
-        let batches: Vec<_> = table.generate(sf, 64 * 1024).collect::<Result<_, _>>().unwrap();
+        let batches: Vec<_> = table
+            .generate(sf, 64 * 1024)
+            .collect::<Result<_, _>>()
+            .unwrap();
         let mem = MemTable::try_new(table.schema(), vec![batches]).unwrap();
         ctx.register_table(table.name, Arc::new(mem)).unwrap();
     }
@@ -20,9 +23,16 @@ async fn oracle(sf: f64) -> SessionContext {
 /// Loads TPC-H into `engine`, publishing each table in chunks of `chunk_rows` rows.
 async fn load(engine: &Engine, sf: f64, chunk_rows: usize) {
     for table in tessera_tpch::TABLES {
-        engine.execute(&tessera_tpch::create_table_sql(&table)).await.unwrap();
+        engine
+            .execute(&tessera_tpch::create_table_sql(&table))
+            .await
+            .unwrap();
         for batch in table.generate(sf, chunk_rows) {
-            let changes = TableChanges { table: table.name.into(), upserts: vec![batch.unwrap()], deletes: vec![] };
+            let changes = TableChanges {
+                table: table.name.into(),
+                upserts: vec![batch.unwrap()],
+                deletes: vec![],
+            };
             engine.store().publish(vec![changes]).unwrap();
         }
     }
@@ -33,14 +43,24 @@ async fn assert_all_queries_match(engine: &Engine, oracle: &SessionContext) {
     for q in 1..=22 {
         let sql = tessera_tpch::query(q);
         let expected = oracle.sql(sql).await.unwrap().collect().await.unwrap();
-        let actual = engine.query(sql).await.unwrap_or_else(|e| panic!("Q{q} failed on Tessera: {e}"));
+        let actual = engine
+            .query(sql)
+            .await
+            .unwrap_or_else(|e| panic!("Q{q} failed on Tessera: {e}"));
         let rows: usize = expected.iter().map(|b| b.num_rows()).sum();
-        assert!(rows > 0 || q == 15 || q == 20 || q == 21, "Q{q} returns rows at this scale, so the comparison means something");
+        assert!(
+            rows > 0 || q == 15 || q == 20 || q == 21,
+            "Q{q} returns rows at this scale, so the comparison means something"
+        );
         if let Err(diff) = tessera_tpch::compare::same_answer(&expected, &actual, 1e-9) {
             failures.push(format!("Q{q}: {diff}"));
         }
     }
-    assert!(failures.is_empty(), "answers differ from DataFusion:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "answers differ from DataFusion:\n{}",
+        failures.join("\n")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -50,9 +70,21 @@ async fn all_22_queries_match_datafusion_at_sf_0_1() {
     let engine = Engine::new(store.clone());
     // One publish per table: the bulk path, one plain component per partition.
     for table in tessera_tpch::TABLES {
-        engine.execute(&tessera_tpch::create_table_sql(&table)).await.unwrap();
-        let batches: Vec<_> = table.generate(0.1, 64 * 1024).collect::<Result<_, _>>().unwrap();
-        store.publish(vec![TableChanges { table: table.name.into(), upserts: batches, deletes: vec![] }]).unwrap();
+        engine
+            .execute(&tessera_tpch::create_table_sql(&table))
+            .await
+            .unwrap();
+        let batches: Vec<_> = table
+            .generate(0.1, 64 * 1024)
+            .collect::<Result<_, _>>()
+            .unwrap();
+        store
+            .publish(vec![TableChanges {
+                table: table.name.into(),
+                upserts: batches,
+                deletes: vec![],
+            }])
+            .unwrap();
     }
     assert_all_queries_match(&engine, &oracle(0.1).await).await;
 }
@@ -62,7 +94,11 @@ async fn all_22_queries_match_through_the_log_memtables_and_merges() {
     let dir = tempfile::tempdir().unwrap();
     // Small publishes through the log; small memtables force checkpoints; a low merge
     // threshold forces merges: every read path is exercised, including reopening.
-    let config = StoreConfig { memtable_flush_bytes: 2 << 20, merge_threshold: 3, ..StoreConfig::default() };
+    let config = StoreConfig {
+        memtable_flush_bytes: 2 << 20,
+        merge_threshold: 3,
+        ..StoreConfig::default()
+    };
     let sf = 0.01;
     {
         let store = Store::open(dir.path(), config.clone()).unwrap();
@@ -70,9 +106,15 @@ async fn all_22_queries_match_through_the_log_memtables_and_merges() {
         load(&engine, sf, 5_000).await;
         let stats = store.table_stats();
         let lineitem = stats.iter().find(|t| t.name == "lineitem").unwrap();
-        assert!(lineitem.memtable_rows > 0, "some rows are still only in memory and the log");
+        assert!(
+            lineitem.memtable_rows > 0,
+            "some rows are still only in memory and the log"
+        );
         assert_all_queries_match(&engine, &oracle(sf).await).await;
     }
+    // After a restart, and with one scan partition per storage partition, as distributed
+    // execution will read them.
     let store = Store::open(dir.path(), config).unwrap();
-    assert_all_queries_match(&Engine::new(store), &oracle(sf).await).await;
+    let engine = Engine::with_layout(store, SessionConfig::new(), ScanLayout::PerStoragePartition);
+    assert_all_queries_match(&engine, &oracle(sf).await).await;
 }

@@ -33,21 +33,31 @@ impl TableDef {
         primary_key: Vec<String>,
         partition_key: Option<Vec<String>>,
     ) -> Result<TableDef> {
-        let invalid = |reason: String| StorageError::InvalidTable { table: name.to_string(), reason };
+        let invalid = |reason: String| StorageError::InvalidTable {
+            table: name.to_string(),
+            reason,
+        };
         if name.is_empty() || name.contains('@') || name.contains('/') {
-            return Err(invalid("table names may not be empty or contain '@' or '/'".into()));
+            return Err(invalid(
+                "table names may not be empty or contain '@' or '/'".into(),
+            ));
         }
         if schema.fields().is_empty() {
             return Err(invalid("a table needs at least one column".into()));
         }
         for field in schema.fields() {
             if is_reserved_column(field.name()) {
-                return Err(invalid(format!("column name {:?} is reserved", field.name())));
+                return Err(invalid(format!(
+                    "column name {:?} is reserved",
+                    field.name()
+                )));
             }
         }
         for column in &primary_key {
             if schema.field_with_name(column).is_err() {
-                return Err(invalid(format!("primary key column {column:?} is not a column")));
+                return Err(invalid(format!(
+                    "primary key column {column:?} is not a column"
+                )));
             }
         }
         let append_only = primary_key.is_empty();
@@ -56,7 +66,10 @@ impl TableDef {
                 if append_only {
                     return Err(invalid("a partition key needs a primary key".into()));
                 }
-                if key.is_empty() || key.len() > primary_key.len() || key[..] != primary_key[..key.len()] {
+                if key.is_empty()
+                    || key.len() > primary_key.len()
+                    || key[..] != primary_key[..key.len()]
+                {
                     return Err(invalid(format!(
                         "partition key {key:?} must be a non-empty prefix of the primary key {primary_key:?}"
                     )));
@@ -108,14 +121,22 @@ impl TableDef {
     }
 
     pub fn column_index(&self, name: &str) -> usize {
-        self.schema.index_of(name).expect("key columns are validated at table creation")
+        self.schema
+            .index_of(name)
+            .expect("key columns are validated at table creation")
     }
 
     pub fn primary_key_indices(&self) -> Vec<usize> {
-        self.primary_key.iter().map(|c| self.column_index(c)).collect()
+        self.primary_key
+            .iter()
+            .map(|c| self.column_index(c))
+            .collect()
     }
 
     pub fn partition_key_indices(&self) -> Vec<usize> {
-        self.partition_key.iter().map(|c| self.column_index(c)).collect()
+        self.partition_key
+            .iter()
+            .map(|c| self.column_index(c))
+            .collect()
     }
 }

@@ -55,14 +55,28 @@ impl Checkpoint {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(StorageError::io(&path, e)),
         };
-        let corrupt = |reason: String| StorageError::CorruptCheckpoint { path: path.clone(), reason };
-        let checkpoint: Checkpoint = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
+        let corrupt = |reason: String| StorageError::CorruptCheckpoint {
+            path: path.clone(),
+            reason,
+        };
+        let checkpoint: Checkpoint =
+            serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
         if checkpoint.format != FORMAT_VERSION {
-            return Err(corrupt(format!("format version {} is not supported (this build reads {FORMAT_VERSION})", checkpoint.format)));
+            return Err(corrupt(format!(
+                "format version {} is not supported (this build reads {FORMAT_VERSION})",
+                checkpoint.format
+            )));
         }
         let partitions = checkpoint.partition_count as usize;
-        if checkpoint.partition_next_lsn.len() != partitions || checkpoint.tables.iter().any(|t| t.manifests.len() != partitions) {
-            return Err(corrupt(format!("partition lists do not match the partition count {partitions}")));
+        if checkpoint.partition_next_lsn.len() != partitions
+            || checkpoint
+                .tables
+                .iter()
+                .any(|t| t.manifests.len() != partitions)
+        {
+            return Err(corrupt(format!(
+                "partition lists do not match the partition count {partitions}"
+            )));
         }
         Ok(Some(checkpoint))
     }

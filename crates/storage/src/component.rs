@@ -52,8 +52,12 @@ pub fn component_path(dir: &Path, hash: &ComponentHash) -> PathBuf {
 pub fn encode_parquet(batches: &[RecordBatch]) -> Result<Vec<u8>> {
     let schema = batches.first().expect("a component has rows").schema();
     let mut bytes = Vec::new();
-    let parquet_err = |source| StorageError::Parquet { path: PathBuf::from("<in memory>"), source };
-    let mut writer = ArrowWriter::try_new(&mut bytes, schema, Some(writer_properties())).map_err(parquet_err)?;
+    let parquet_err = |source| StorageError::Parquet {
+        path: PathBuf::from("<in memory>"),
+        source,
+    };
+    let mut writer =
+        ArrowWriter::try_new(&mut bytes, schema, Some(writer_properties())).map_err(parquet_err)?;
     for batch in batches {
         writer.write(batch).map_err(parquet_err)?;
     }
@@ -72,7 +76,8 @@ pub fn write_component(dir: &Path, bytes: &[u8]) -> Result<ComponentHash> {
     let tmp = path.with_extension("parquet.tmp");
     {
         let mut file = File::create(&tmp).map_err(|e| StorageError::io(&tmp, e))?;
-        file.write_all(bytes).map_err(|e| StorageError::io(&tmp, e))?;
+        file.write_all(bytes)
+            .map_err(|e| StorageError::io(&tmp, e))?;
         file.sync_all().map_err(|e| StorageError::io(&tmp, e))?;
     }
     fs::rename(&tmp, &path).map_err(|e| StorageError::io(&path, e))?;
@@ -92,15 +97,26 @@ pub fn verify_component(dir: &Path, hash: &ComponentHash) -> Result<()> {
     };
     let actual = ComponentHash::of_bytes(&bytes);
     if actual != *hash {
-        return Err(StorageError::CorruptComponent { hash: *hash, path, actual });
+        return Err(StorageError::CorruptComponent {
+            hash: *hash,
+            path,
+            actual,
+        });
     }
     Ok(())
 }
 
 /// Reads a component, optionally only the given top-level columns.
-pub fn read_component(dir: &Path, hash: &ComponentHash, columns: Option<&[usize]>) -> Result<Vec<RecordBatch>> {
+pub fn read_component(
+    dir: &Path,
+    hash: &ComponentHash,
+    columns: Option<&[usize]>,
+) -> Result<Vec<RecordBatch>> {
     let path = component_path(dir, hash);
-    let parquet_err = |source| StorageError::Parquet { path: path.clone(), source };
+    let parquet_err = |source| StorageError::Parquet {
+        path: path.clone(),
+        source,
+    };
     let file = File::open(&path).map_err(|e| StorageError::io(&path, e))?;
     let mut builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(parquet_err)?;
     if let Some(columns) = columns {

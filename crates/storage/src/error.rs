@@ -7,11 +7,17 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum StorageError {
     #[error("I/O error on {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("Arrow error: {0}")]
     Arrow(#[from] arrow::error::ArrowError),
     #[error("Parquet error in {path}: {source}")]
-    Parquet { path: PathBuf, source: parquet::errors::ParquetError },
+    Parquet {
+        path: PathBuf,
+        source: parquet::errors::ParquetError,
+    },
     #[error("table {0:?} does not exist")]
     UnknownTable(String),
     #[error("table {0:?} already exists")]
@@ -31,13 +37,24 @@ pub enum StorageError {
     #[error("epoch {requested} is not visible yet: the visible epoch is {visible}")]
     EpochNotVisible { requested: Epoch, visible: Epoch },
     #[error("epoch {requested} is no longer retained: versions older than epoch {retained_from} may have been merged away")]
-    EpochNotRetained { requested: Epoch, retained_from: Epoch },
+    EpochNotRetained {
+        requested: Epoch,
+        retained_from: Epoch,
+    },
     #[error("component {hash} is corrupt: {path} hashes to {actual}; the file's bytes do not match its name")]
-    CorruptComponent { hash: ComponentHash, path: PathBuf, actual: ComponentHash },
+    CorruptComponent {
+        hash: ComponentHash,
+        path: PathBuf,
+        actual: ComponentHash,
+    },
     #[error("component {hash} is missing: {path} does not exist")]
     MissingComponent { hash: ComponentHash, path: PathBuf },
     #[error("write-ahead log {path} is corrupt at byte {offset}: {reason}; valid records follow, so this is not a torn tail and recovery stops rather than lose acknowledged epochs")]
-    CorruptLog { path: PathBuf, offset: u64, reason: String },
+    CorruptLog {
+        path: PathBuf,
+        offset: u64,
+        reason: String,
+    },
     #[error("checkpoint {path} is unreadable: {reason}")]
     CorruptCheckpoint { path: PathBuf, reason: String },
     #[error("data directory {path} is in use by another Tessera process (lock held)")]
@@ -48,7 +65,10 @@ pub enum StorageError {
 
 impl StorageError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> StorageError {
-        StorageError::Io { path: path.into(), source }
+        StorageError::Io {
+            path: path.into(),
+            source,
+        }
     }
 }
 

@@ -11,7 +11,8 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     {
         let mut file = File::create(&tmp).map_err(|e| StorageError::io(&tmp, e))?;
-        file.write_all(bytes).map_err(|e| StorageError::io(&tmp, e))?;
+        file.write_all(bytes)
+            .map_err(|e| StorageError::io(&tmp, e))?;
         file.sync_all().map_err(|e| StorageError::io(&tmp, e))?;
     }
     fs::rename(&tmp, path).map_err(|e| StorageError::io(path, e))?;
@@ -19,7 +20,9 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 pub fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| StorageError::io(dir, e))
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| StorageError::io(dir, e))
 }
 
 pub fn create_dir_all(dir: &Path) -> Result<()> {
@@ -44,7 +47,9 @@ impl DirLock {
         // SAFETY: flock on a file descriptor we own; no memory is shared.
         let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
         if rc != 0 {
-            return Err(StorageError::Locked { path: dir.to_path_buf() });
+            return Err(StorageError::Locked {
+                path: dir.to_path_buf(),
+            });
         }
         Ok(DirLock { _file: file })
     }

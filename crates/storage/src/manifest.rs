@@ -14,13 +14,20 @@ pub struct Manifest {
 impl Manifest {
     /// The components holding any row version visible at `epoch`.
     pub fn components_at(&self, epoch: Epoch) -> Vec<ComponentMeta> {
-        self.components.iter().filter(|c| c.min_epoch <= epoch).cloned().collect()
+        self.components
+            .iter()
+            .filter(|c| c.min_epoch <= epoch)
+            .cloned()
+            .collect()
     }
 
     /// The manifest's own name: the BLAKE3 hash of its canonical JSON, restricted to what
     /// is visible at `epoch`. Equal hashes mean equal contents, on any node.
     pub fn hash_at(&self, epoch: Epoch) -> ComponentHash {
-        let visible = Manifest { components: self.components_at(epoch), max_lsn: self.max_lsn };
+        let visible = Manifest {
+            components: self.components_at(epoch),
+            max_lsn: self.max_lsn,
+        };
         let json = serde_json::to_vec(&visible.components).expect("a manifest always serializes");
         ComponentHash::of_bytes(&json)
     }

@@ -65,7 +65,10 @@ pub struct TableChanges {
 /// deleted while the snapshot lives.
 impl std::fmt::Debug for TableSnapshot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TableSnapshot").field("table", &self.def.name).field("epoch", &self.epoch).finish()
+        f.debug_struct("TableSnapshot")
+            .field("table", &self.def.name)
+            .field("epoch", &self.epoch)
+            .finish()
     }
 }
 
@@ -99,7 +102,12 @@ impl PartitionSnapshot {
     }
 
     pub fn estimated_rows(&self) -> u64 {
-        self.components.iter().map(|c| c.rows).sum::<u64>() + self.memtable.iter().map(|b| b.num_rows() as u64).sum::<u64>()
+        self.components.iter().map(|c| c.rows).sum::<u64>()
+            + self
+                .memtable
+                .iter()
+                .map(|b| b.num_rows() as u64)
+                .sum::<u64>()
     }
 }
 
@@ -144,7 +152,10 @@ impl State {
     /// Marks an epoch committed or aborted and advances the visible epoch over every
     /// contiguous resolved epoch.
     fn resolve(&mut self, epoch: Epoch) {
-        assert!(epoch > self.visible, "an epoch is resolved once, above the visible epoch");
+        assert!(
+            epoch > self.visible,
+            "an epoch is resolved once, above the visible epoch"
+        );
         self.resolved_above_visible.insert(epoch);
         while self.resolved_above_visible.remove(&self.visible.next()) {
             self.visible = self.visible.next();
@@ -165,7 +176,9 @@ impl State {
     }
 
     fn table(&self, name: &str) -> Result<&TableState> {
-        self.tables.get(name).ok_or_else(|| StorageError::UnknownTable(name.to_string()))
+        self.tables
+            .get(name)
+            .ok_or_else(|| StorageError::UnknownTable(name.to_string()))
     }
 
     fn to_checkpoint(&self, partition_count: u32) -> Checkpoint {
@@ -178,13 +191,20 @@ impl State {
             tables: self
                 .tables
                 .values()
-                .map(|t| TableCheckpoint { def: t.def.clone(), manifests: t.partitions.iter().map(|p| p.manifest.clone()).collect() })
+                .map(|t| TableCheckpoint {
+                    def: t.def.clone(),
+                    manifests: t.partitions.iter().map(|p| p.manifest.clone()).collect(),
+                })
                 .collect(),
         }
     }
 
     fn referenced_components(&self) -> HashSet<ComponentHash> {
-        self.tables.values().flat_map(|t| t.partitions.iter()).flat_map(|p| p.manifest.components.iter().map(|c| c.hash)).collect()
+        self.tables
+            .values()
+            .flat_map(|t| t.partitions.iter())
+            .flat_map(|p| p.manifest.components.iter().map(|c| c.hash))
+            .collect()
     }
 }
 
@@ -217,7 +237,10 @@ impl Drop for ReaderGuard {
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").field("dir", &self.dir).field("partitions", &self.ring.partition_count()).finish()
+        f.debug_struct("Store")
+            .field("dir", &self.dir)
+            .field("partitions", &self.ring.partition_count())
+            .finish()
     }
 }
 
@@ -250,8 +273,13 @@ impl Store {
         Ok(Self::open_with_report(dir, config)?.0)
     }
 
-    pub fn open_with_report(dir: &Path, mut config: StoreConfig) -> Result<(Arc<Store>, RecoveryReport)> {
+    pub fn open_with_report(
+        dir: &Path,
+        mut config: StoreConfig,
+    ) -> Result<(Arc<Store>, RecoveryReport)> {
         fsio::create_dir_all(dir)?;
+        // Absolute paths: components are handed to readers (and, later, peers) by path.
+        let dir = &dir.canonicalize().map_err(|e| StorageError::io(dir, e))?;
         let lock = DirLock::acquire(dir)?;
         let components_dir = dir.join("components");
         let wal_dir = dir.join("wal");
@@ -272,7 +300,11 @@ impl Store {
             }
         };
         if checkpoint.partition_count != config.partitions {
-            tracing::info!(stored = checkpoint.partition_count, configured = config.partitions, "using the partition count the store was created with");
+            tracing::info!(
+                stored = checkpoint.partition_count,
+                configured = config.partitions,
+                "using the partition count the store was created with"
+            );
             config.partitions = checkpoint.partition_count;
         }
         let log = wal::recover(&wal_dir)?;
@@ -330,7 +362,13 @@ impl Store {
     }
 
     fn check_poisoned(&self) -> Result<()> {
-        if let Some(reason) = self.poisoned.lock().expect("poison lock").clone().or_else(|| self.wal.poisoned()) {
+        if let Some(reason) = self
+            .poisoned
+            .lock()
+            .expect("poison lock")
+            .clone()
+            .or_else(|| self.wal.poisoned())
+        {
             return Err(StorageError::Poisoned(reason));
         }
         Ok(())
@@ -341,13 +379,18 @@ impl Store {
     fn or_poison<T>(&self, result: Result<T>) -> Result<T> {
         if let Err(e) = &result {
             tracing::error!(error = %e, "store poisoned");
-            self.poisoned.lock().expect("poison lock").get_or_insert(e.to_string());
+            self.poisoned
+                .lock()
+                .expect("poison lock")
+                .get_or_insert(e.to_string());
         }
         result
     }
 
     fn write_checkpoint(&self, state: &State) -> Result<()> {
-        let result = state.to_checkpoint(self.ring.partition_count()).store(&self.dir);
+        let result = state
+            .to_checkpoint(self.ring.partition_count())
+            .store(&self.dir);
         self.or_poison(result)
     }
 
@@ -359,8 +402,12 @@ impl Store {
             return Err(StorageError::TableExists(def.name));
         }
         def.created_at = state.visible;
-        let partitions = (0..self.ring.partition_count()).map(|_| PartitionState::default()).collect();
-        state.tables.insert(def.name.clone(), TableState { def, partitions });
+        let partitions = (0..self.ring.partition_count())
+            .map(|_| PartitionState::default())
+            .collect();
+        state
+            .tables
+            .insert(def.name.clone(), TableState { def, partitions });
         self.write_checkpoint(&state)
     }
 
@@ -368,10 +415,21 @@ impl Store {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
         let mut state = self.state();
-        let table = state.tables.remove(name).ok_or_else(|| StorageError::UnknownTable(name.to_string()))?;
-        state.memtable_bytes -= table.partitions.iter().flat_map(|p| &p.memtable).map(|e| e.batch.get_array_memory_size()).sum::<usize>();
+        let table = state
+            .tables
+            .remove(name)
+            .ok_or_else(|| StorageError::UnknownTable(name.to_string()))?;
+        state.memtable_bytes -= table
+            .partitions
+            .iter()
+            .flat_map(|p| &p.memtable)
+            .map(|e| e.batch.get_array_memory_size())
+            .sum::<usize>();
         self.write_checkpoint(&state)?;
-        let dropped = table.partitions.iter().flat_map(|p| p.manifest.components.iter().map(|c| c.hash));
+        let dropped = table
+            .partitions
+            .iter()
+            .flat_map(|p| p.manifest.components.iter().map(|c| c.hash));
         self.collect_garbage(dropped.collect(), &state)
     }
 
@@ -381,9 +439,16 @@ impl Store {
         let prepared = self.prepare(changes)?;
         let bytes: usize = prepared.iter().map(|p| p.bytes()).sum();
         if bytes > self.config.max_publish_bytes {
-            return Err(StorageError::PublishTooLarge { bytes, limit: self.config.max_publish_bytes });
+            return Err(StorageError::PublishTooLarge {
+                bytes,
+                limit: self.config.max_publish_bytes,
+            });
         }
-        let epoch = if bytes >= self.config.bulk_publish_bytes { self.publish_bulk(prepared)? } else { self.publish_logged(prepared)? };
+        let epoch = if bytes >= self.config.bulk_publish_bytes {
+            self.publish_bulk(prepared)?
+        } else {
+            self.publish_logged(prepared)?
+        };
         if self.state().memtable_bytes >= self.config.memtable_flush_bytes {
             self.checkpoint()?;
         }
@@ -394,19 +459,36 @@ impl Store {
     fn prepare(&self, changes: Vec<TableChanges>) -> Result<Vec<PreparedChanges>> {
         let mut prepared: Vec<PreparedChanges> = Vec::new();
         for change in changes {
-            let def = self.table_def(&change.table).ok_or_else(|| StorageError::UnknownTable(change.table.clone()))?;
+            let def = self
+                .table_def(&change.table)
+                .ok_or_else(|| StorageError::UnknownTable(change.table.clone()))?;
             if def.append_only && change.deletes.iter().any(|b| b.num_rows() > 0) {
-                return Err(StorageError::AppendOnly { table: def.name.clone(), reason: "rows cannot be deleted from an append-only table".into() });
+                return Err(StorageError::AppendOnly {
+                    table: def.name.clone(),
+                    reason: "rows cannot be deleted from an append-only table".into(),
+                });
             }
-            let upserts: Vec<RecordBatch> =
-                change.upserts.iter().filter(|b| b.num_rows() > 0).map(|b| versions::conform_to_schema(&def, b)).collect::<Result<_>>()?;
-            let deletes: Vec<RecordBatch> =
-                change.deletes.iter().filter(|b| b.num_rows() > 0).map(|b| versions::tombstone_rows(&def, b)).collect::<Result<_>>()?;
+            let upserts: Vec<RecordBatch> = change
+                .upserts
+                .iter()
+                .filter(|b| b.num_rows() > 0)
+                .map(|b| versions::conform_to_schema(&def, b))
+                .collect::<Result<_>>()?;
+            let deletes: Vec<RecordBatch> = change
+                .deletes
+                .iter()
+                .filter(|b| b.num_rows() > 0)
+                .map(|b| versions::tombstone_rows(&def, b))
+                .collect::<Result<_>>()?;
             if let Some(existing) = prepared.iter_mut().find(|p| p.def.name == def.name) {
                 existing.upserts.extend(upserts);
                 existing.deletes.extend(deletes);
             } else {
-                prepared.push(PreparedChanges { def, upserts, deletes });
+                prepared.push(PreparedChanges {
+                    def,
+                    upserts,
+                    deletes,
+                });
             }
         }
         for p in &prepared {
@@ -416,8 +498,13 @@ impl Store {
             let all: Vec<RecordBatch> = p.upserts.iter().chain(&p.deletes).cloned().collect();
             if let Some(first) = all.first() {
                 let combined = concat_batches(&first.schema(), &all)?;
-                if let Some(key) = versions::find_duplicate_key(&combined, &p.def.primary_key_indices())? {
-                    return Err(StorageError::DuplicateKey { table: p.def.name.clone(), key });
+                if let Some(key) =
+                    versions::find_duplicate_key(&combined, &p.def.primary_key_indices())?
+                {
+                    return Err(StorageError::DuplicateKey {
+                        table: p.def.name.clone(),
+                        key,
+                    });
                 }
             }
         }
@@ -440,10 +527,22 @@ impl Store {
             for p in &prepared {
                 for (partition, batch) in p.stamped_by_partition(epoch, &self.ring)? {
                     let lsn = state.allocate_lsn(partition);
-                    let record = WalRecord::Rows { table: p.def.name.clone(), partition, lsn, epoch, batch };
+                    let record = WalRecord::Rows {
+                        table: p.def.name.clone(),
+                        partition,
+                        lsn,
+                        epoch,
+                        batch,
+                    };
                     frames.extend(record.encode_frame()?);
-                    let WalRecord::Rows { batch, .. } = record else { unreachable!() };
-                    entries.push((p.def.name.clone(), partition, MemEntry { lsn, epoch, batch }));
+                    let WalRecord::Rows { batch, .. } = record else {
+                        unreachable!()
+                    };
+                    entries.push((
+                        p.def.name.clone(),
+                        partition,
+                        MemEntry { lsn, epoch, batch },
+                    ));
                 }
             }
             frames.extend(WalRecord::Commit { epoch }.encode_frame()?);
@@ -464,7 +563,10 @@ impl Store {
         if durable.is_ok() {
             for (table, partition, entry) in entries {
                 state.memtable_bytes += entry.batch.get_array_memory_size();
-                let table = state.tables.get_mut(&table).expect("tables outlive publishes holding the gate");
+                let table = state
+                    .tables
+                    .get_mut(&table)
+                    .expect("tables outlive publishes holding the gate");
                 table.partitions[partition.0 as usize].memtable.push(entry);
             }
         }
@@ -507,7 +609,10 @@ impl Store {
             }
         };
         for (table, partition, meta) in written {
-            let table = state.tables.get_mut(&table).expect("tables outlive publishes holding the gate");
+            let table = state
+                .tables
+                .get_mut(&table)
+                .expect("tables outlive publishes holding the gate");
             table.partitions[partition.0 as usize].manifest.add(meta);
         }
         state.resolve(epoch);
@@ -522,7 +627,13 @@ impl Store {
         Ok(epoch)
     }
 
-    fn write_component(&self, def: &TableDef, batches: &[RecordBatch], min_lsn: Lsn, max_lsn: Lsn) -> Result<ComponentMeta> {
+    fn write_component(
+        &self,
+        def: &TableDef,
+        batches: &[RecordBatch],
+        min_lsn: Lsn,
+        max_lsn: Lsn,
+    ) -> Result<ComponentMeta> {
         let batch = concat_batches(&batches[0].schema(), batches)?;
         let stats = versions::version_stats(&batch, &def.primary_key_indices(), def.append_only)?;
         let bytes = component::encode_parquet(&[batch.clone()])?;
@@ -550,12 +661,16 @@ impl Store {
                 .tables
                 .values()
                 .flat_map(|t| {
-                    t.partitions.iter().enumerate().filter(|(_, p)| !p.memtable.is_empty()).map(|(i, p)| {
-                        let batches = p.memtable.iter().map(|e| e.batch.clone()).collect();
-                        let min = p.memtable.iter().map(|e| e.lsn).min().expect("non-empty");
-                        let max = p.memtable.iter().map(|e| e.lsn).max().expect("non-empty");
-                        (t.def.clone(), PartitionId(i as u32), batches, min, max)
-                    })
+                    t.partitions
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, p)| !p.memtable.is_empty())
+                        .map(|(i, p)| {
+                            let batches = p.memtable.iter().map(|e| e.batch.clone()).collect();
+                            let min = p.memtable.iter().map(|e| e.lsn).min().expect("non-empty");
+                            let max = p.memtable.iter().map(|e| e.lsn).max().expect("non-empty");
+                            (t.def.clone(), PartitionId(i as u32), batches, min, max)
+                        })
                 })
                 .collect()
         };
@@ -569,7 +684,10 @@ impl Store {
         }
         let mut state = self.state();
         for (table, partition, meta) in flushed {
-            let table = state.tables.get_mut(&table).expect("tables outlive the exclusive gate");
+            let table = state
+                .tables
+                .get_mut(&table)
+                .expect("tables outlive the exclusive gate");
             let partition = &mut table.partitions[partition.0 as usize];
             partition.manifest.add(meta);
             partition.memtable.clear();
@@ -610,7 +728,13 @@ impl Store {
                         .iter()
                         .enumerate()
                         .filter(|(_, p)| p.manifest.components.len() > self.config.merge_threshold)
-                        .map(|(i, p)| (t.def.clone(), PartitionId(i as u32), p.manifest.components.clone()))
+                        .map(|(i, p)| {
+                            (
+                                t.def.clone(),
+                                PartitionId(i as u32),
+                                p.manifest.components.clone(),
+                            )
+                        })
                 })
                 .collect();
             (work, state.retained_from)
@@ -619,16 +743,43 @@ impl Store {
             let mut batches = Vec::new();
             for input in &inputs {
                 self.verify_component(&input.hash)?;
-                batches.extend(component::read_component(&self.components_dir, &input.hash, None)?);
+                batches.extend(component::read_component(
+                    &self.components_dir,
+                    &input.hash,
+                    None,
+                )?);
             }
-            let merged = versions::merge_versions(&batches, &def.primary_key_indices(), retained_from, def.append_only)?;
-            let min_lsn = inputs.iter().map(|c| c.min_lsn).min().expect("a merge has inputs");
-            let max_lsn = inputs.iter().map(|c| c.max_lsn).max().expect("a merge has inputs");
-            let merged_meta = if merged.num_rows() > 0 { Some(self.write_component(&def, &[merged], min_lsn, max_lsn)?) } else { None };
+            let merged = versions::merge_versions(
+                &batches,
+                &def.primary_key_indices(),
+                retained_from,
+                def.append_only,
+            )?;
+            let min_lsn = inputs
+                .iter()
+                .map(|c| c.min_lsn)
+                .min()
+                .expect("a merge has inputs");
+            let max_lsn = inputs
+                .iter()
+                .map(|c| c.max_lsn)
+                .max()
+                .expect("a merge has inputs");
+            let merged_meta = if merged.num_rows() > 0 {
+                Some(self.write_component(&def, &[merged], min_lsn, max_lsn)?)
+            } else {
+                None
+            };
             let mut state = self.state();
-            let table = state.tables.get_mut(&def.name).expect("tables outlive the exclusive gate");
+            let table = state
+                .tables
+                .get_mut(&def.name)
+                .expect("tables outlive the exclusive gate");
             let manifest = &mut table.partitions[partition.0 as usize].manifest;
-            assert_eq!(manifest.components, inputs, "manifests change only under the exclusive gate");
+            assert_eq!(
+                manifest.components, inputs,
+                "manifests change only under the exclusive gate"
+            );
             manifest.components = merged_meta.into_iter().collect();
             self.write_checkpoint(&state)?;
             tracing::debug!(table = %def.name, %partition, inputs = inputs.len(), "merged components");
@@ -643,9 +794,17 @@ impl Store {
         let mut registry = self.readers.lock().expect("reader registry lock");
         let generation = registry.generation;
         registry.generation += 1;
-        registry.garbage.extend(dropped.into_iter().filter(|h| !referenced.contains(h)).map(|h| (generation, h)));
+        registry.garbage.extend(
+            dropped
+                .into_iter()
+                .filter(|h| !referenced.contains(h))
+                .map(|h| (generation, h)),
+        );
         let oldest_reader = registry.active.keys().next().copied().unwrap_or(u64::MAX);
-        let (deletable, kept): (Vec<_>, Vec<_>) = registry.garbage.drain(..).partition(|(g, _)| *g < oldest_reader);
+        let (deletable, kept): (Vec<_>, Vec<_>) = registry
+            .garbage
+            .drain(..)
+            .partition(|(g, _)| *g < oldest_reader);
         registry.garbage = kept;
         drop(registry);
         for (_, hash) in deletable {
@@ -684,10 +843,16 @@ impl Store {
         let state = self.state();
         let epoch = epoch.unwrap_or(state.visible);
         if epoch > state.visible {
-            return Err(StorageError::EpochNotVisible { requested: epoch, visible: state.visible });
+            return Err(StorageError::EpochNotVisible {
+                requested: epoch,
+                visible: state.visible,
+            });
         }
         if epoch < state.retained_from {
-            return Err(StorageError::EpochNotRetained { requested: epoch, retained_from: state.retained_from });
+            return Err(StorageError::EpochNotRetained {
+                requested: epoch,
+                retained_from: state.retained_from,
+            });
         }
         let table = state.table(table)?;
         let partitions = table
@@ -697,16 +862,29 @@ impl Store {
             .map(|(i, p)| PartitionSnapshot {
                 partition: PartitionId(i as u32),
                 components: p.manifest.components_at(epoch),
-                memtable: p.memtable.iter().filter(|e| e.epoch <= epoch).map(|e| e.batch.clone()).collect(),
+                memtable: p
+                    .memtable
+                    .iter()
+                    .filter(|e| e.epoch <= epoch)
+                    .map(|e| e.batch.clone())
+                    .collect(),
             })
             .collect();
         let reader = {
             let mut registry = self.readers.lock().expect("reader registry lock");
             let generation = registry.generation;
             *registry.active.entry(generation).or_insert(0) += 1;
-            ReaderGuard { registry: self.readers.clone(), generation }
+            ReaderGuard {
+                registry: self.readers.clone(),
+                generation,
+            }
         };
-        Ok(Arc::new(TableSnapshot { def: table.def.clone(), epoch, partitions, _reader: reader }))
+        Ok(Arc::new(TableSnapshot {
+            def: table.def.clone(),
+            epoch,
+            partitions,
+            _reader: reader,
+        }))
     }
 
     /// Checks, once per process, that a component's bytes hash to its name.
@@ -739,10 +917,23 @@ impl Store {
             .values()
             .map(|t| TableStats {
                 name: t.def.name.clone(),
-                components: t.partitions.iter().map(|p| p.manifest.components.len()).sum(),
+                components: t
+                    .partitions
+                    .iter()
+                    .map(|p| p.manifest.components.len())
+                    .sum(),
                 component_rows: t.partitions.iter().map(|p| p.manifest.row_count()).sum(),
-                memtable_rows: t.partitions.iter().flat_map(|p| &p.memtable).map(|e| e.batch.num_rows() as u64).sum(),
-                partitions_with_data: t.partitions.iter().filter(|p| !p.manifest.components.is_empty() || !p.memtable.is_empty()).count(),
+                memtable_rows: t
+                    .partitions
+                    .iter()
+                    .flat_map(|p| &p.memtable)
+                    .map(|e| e.batch.num_rows() as u64)
+                    .sum(),
+                partitions_with_data: t
+                    .partitions
+                    .iter()
+                    .filter(|p| !p.manifest.components.is_empty() || !p.memtable.is_empty())
+                    .count(),
             })
             .collect()
     }
@@ -756,11 +947,19 @@ struct PreparedChanges {
 
 impl PreparedChanges {
     fn bytes(&self) -> usize {
-        self.upserts.iter().chain(&self.deletes).map(|b| b.get_array_memory_size()).sum()
+        self.upserts
+            .iter()
+            .chain(&self.deletes)
+            .map(|b| b.get_array_memory_size())
+            .sum()
     }
 
     /// Row versions of this publish, stamped with `epoch`, grouped by partition.
-    fn stamped_by_partition(&self, epoch: Epoch, ring: &PartitionRing) -> Result<Vec<(PartitionId, RecordBatch)>> {
+    fn stamped_by_partition(
+        &self,
+        epoch: Epoch,
+        ring: &PartitionRing,
+    ) -> Result<Vec<(PartitionId, RecordBatch)>> {
         let mut stamped = Vec::new();
         for batch in &self.upserts {
             stamped.push(versions::stamp(&self.def, batch, epoch, RowOp::Upsert)?);
@@ -776,7 +975,9 @@ impl PreparedChanges {
         }
         by_partition
             .into_iter()
-            .map(|(partition, batches)| Ok((partition, concat_batches(&batches[0].schema(), &batches)?)))
+            .map(|(partition, batches)| {
+                Ok((partition, concat_batches(&batches[0].schema(), &batches)?))
+            })
             .collect()
     }
 }
@@ -784,7 +985,11 @@ impl PreparedChanges {
 /// Rebuilds memory from a checkpoint and the log: committed row records above each
 /// manifest's max LSN go back into memtables; records of epochs without a commit record are
 /// aborted and skipped.
-fn replay(checkpoint: Checkpoint, records: Vec<WalRecord>, torn_bytes: u64) -> Result<(State, RecoveryReport)> {
+fn replay(
+    checkpoint: Checkpoint,
+    records: Vec<WalRecord>,
+    torn_bytes: u64,
+) -> Result<(State, RecoveryReport)> {
     let committed: HashSet<Epoch> = records
         .iter()
         .filter_map(|r| match r {
@@ -797,8 +1002,21 @@ fn replay(checkpoint: Checkpoint, records: Vec<WalRecord>, torn_bytes: u64) -> R
             .tables
             .into_iter()
             .map(|t| {
-                let partitions = t.manifests.into_iter().map(|manifest| PartitionState { manifest, memtable: Vec::new() }).collect();
-                (t.def.name.clone(), TableState { def: t.def, partitions })
+                let partitions = t
+                    .manifests
+                    .into_iter()
+                    .map(|manifest| PartitionState {
+                        manifest,
+                        memtable: Vec::new(),
+                    })
+                    .collect();
+                (
+                    t.def.name.clone(),
+                    TableState {
+                        def: t.def,
+                        partitions,
+                    },
+                )
             })
             .collect(),
         partition_next_lsn: checkpoint.partition_next_lsn,
@@ -808,10 +1026,22 @@ fn replay(checkpoint: Checkpoint, records: Vec<WalRecord>, torn_bytes: u64) -> R
         retained_from: checkpoint.retained_from,
         memtable_bytes: 0,
     };
-    let mut report = RecoveryReport { torn_bytes, ..Default::default() };
+    let mut report = RecoveryReport {
+        torn_bytes,
+        ..Default::default()
+    };
     let mut last_lsn: HashMap<(String, PartitionId), Lsn> = HashMap::new();
     for record in records {
-        let WalRecord::Rows { table, partition, lsn, epoch, batch } = record else { continue };
+        let WalRecord::Rows {
+            table,
+            partition,
+            lsn,
+            epoch,
+            batch,
+        } = record
+        else {
+            continue;
+        };
         state.next_epoch = state.next_epoch.max(epoch.next());
         if let Some(next) = state.partition_next_lsn.get_mut(partition.0 as usize) {
             *next = (*next).max(lsn.next());
@@ -820,7 +1050,9 @@ fn replay(checkpoint: Checkpoint, records: Vec<WalRecord>, torn_bytes: u64) -> R
             report.skipped_uncommitted_records += 1;
             continue;
         }
-        let Some(table_state) = state.tables.get_mut(&table) else { continue };
+        let Some(table_state) = state.tables.get_mut(&table) else {
+            continue;
+        };
         let Some(partition_state) = table_state.partitions.get_mut(partition.0 as usize) else {
             return Err(StorageError::CorruptCheckpoint {
                 path: PathBuf::from(crate::checkpoint::CHECKPOINT_FILE),
@@ -831,9 +1063,14 @@ fn replay(checkpoint: Checkpoint, records: Vec<WalRecord>, torn_bytes: u64) -> R
             continue;
         }
         let previous = last_lsn.insert((table.clone(), partition), lsn);
-        assert!(previous.is_none_or(|p| p < lsn), "LSNs rise within a partition's log");
+        assert!(
+            previous.is_none_or(|p| p < lsn),
+            "LSNs rise within a partition's log"
+        );
         state.memtable_bytes += batch.get_array_memory_size();
-        partition_state.memtable.push(MemEntry { lsn, epoch, batch });
+        partition_state
+            .memtable
+            .push(MemEntry { lsn, epoch, batch });
         report.replayed_records += 1;
     }
     for epoch in committed {

@@ -9,7 +9,9 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef, UInt64Type, UInt8Type
 use arrow::row::{RowConverter, SortField};
 use std::collections::HashMap;
 use std::sync::Arc;
-use tessera_common::{partition_key_hashes, Epoch, PartitionId, PartitionRing, RowOp, EPOCH_COLUMN, OP_COLUMN};
+use tessera_common::{
+    partition_key_hashes, Epoch, PartitionId, PartitionRing, RowOp, EPOCH_COLUMN, OP_COLUMN,
+};
 
 /// The table's columns as stored: non-key columns are nullable, because a delete tombstone
 /// carries only its key.
@@ -38,20 +40,32 @@ pub fn stored_schema(def: &TableDef) -> SchemaRef {
 
 /// Tombstone rows for the given keys: key columns from `keys`, NULL elsewhere.
 pub fn tombstone_rows(def: &TableDef, keys: &RecordBatch) -> Result<RecordBatch> {
-    let mismatch = |reason: String| StorageError::SchemaMismatch { table: def.name.clone(), reason };
+    let mismatch = |reason: String| StorageError::SchemaMismatch {
+        table: def.name.clone(),
+        reason,
+    };
     let schema = stored_user_schema(def);
     let mut columns = Vec::with_capacity(schema.fields().len());
     for field in schema.fields() {
         if def.primary_key.iter().any(|k| k == field.name()) {
-            let index = keys.schema().index_of(field.name()).map_err(|_| mismatch(format!("delete keys lack key column {:?}", field.name())))?;
+            let index = keys
+                .schema()
+                .index_of(field.name())
+                .map_err(|_| mismatch(format!("delete keys lack key column {:?}", field.name())))?;
             let column = arrow::compute::cast(keys.column(index), field.data_type())
                 .map_err(|e| mismatch(format!("delete key column {:?}: {e}", field.name())))?;
             if column.null_count() > 0 {
-                return Err(mismatch(format!("delete key column {:?} has NULLs", field.name())));
+                return Err(mismatch(format!(
+                    "delete key column {:?} has NULLs",
+                    field.name()
+                )));
             }
             columns.push(column);
         } else {
-            columns.push(arrow::array::new_null_array(field.data_type(), keys.num_rows()));
+            columns.push(arrow::array::new_null_array(
+                field.data_type(),
+                keys.num_rows(),
+            ));
         }
     }
     Ok(RecordBatch::try_new(schema, columns)?)
@@ -67,7 +81,11 @@ pub fn stamp(def: &TableDef, batch: &RecordBatch, epoch: Epoch, op: RowOp) -> Re
 }
 
 /// Splits a stamped batch into one batch per partition it touches, in partition order.
-pub fn split_by_partition(def: &TableDef, ring: &PartitionRing, batch: &RecordBatch) -> Result<Vec<(PartitionId, RecordBatch)>> {
+pub fn split_by_partition(
+    def: &TableDef,
+    ring: &PartitionRing,
+    batch: &RecordBatch,
+) -> Result<Vec<(PartitionId, RecordBatch)>> {
     let key_columns: Vec<(&str, &ArrayRef)> = def
         .partition_key
         .iter()
@@ -84,13 +102,19 @@ pub fn split_by_partition(def: &TableDef, ring: &PartitionRing, batch: &RecordBa
             continue;
         }
         let indices = UInt32Array::from(rows);
-        out.push((PartitionId(partition as u32), take_record_batch(batch, &indices)?));
+        out.push((
+            PartitionId(partition as u32),
+            take_record_batch(batch, &indices)?,
+        ));
     }
     Ok(out)
 }
 
 fn key_converter(schema: &Schema, key: &[usize]) -> Result<RowConverter> {
-    let fields = key.iter().map(|&i| SortField::new(schema.field(i).data_type().clone())).collect();
+    let fields = key
+        .iter()
+        .map(|&i| SortField::new(schema.field(i).data_type().clone()))
+        .collect();
     Ok(RowConverter::new(fields)?)
 }
 
@@ -107,7 +131,10 @@ pub fn find_duplicate_key(batch: &RecordBatch, key: &[usize]) -> Result<Option<S
         if !seen.insert(row) {
             let values: Vec<String> = key
                 .iter()
-                .map(|&c| arrow::util::display::array_value_to_string(batch.column(c), i).unwrap_or_default())
+                .map(|&c| {
+                    arrow::util::display::array_value_to_string(batch.column(c), i)
+                        .unwrap_or_default()
+                })
                 .collect();
             return Ok(Some(format!("({})", values.join(", "))));
         }
@@ -116,12 +143,18 @@ pub fn find_duplicate_key(batch: &RecordBatch, key: &[usize]) -> Result<Option<S
 }
 
 fn epochs(batch: &RecordBatch) -> &arrow::array::PrimitiveArray<UInt64Type> {
-    let index = batch.schema().index_of(EPOCH_COLUMN).expect("stored batches carry the epoch column");
+    let index = batch
+        .schema()
+        .index_of(EPOCH_COLUMN)
+        .expect("stored batches carry the epoch column");
     batch.column(index).as_primitive::<UInt64Type>()
 }
 
 fn ops(batch: &RecordBatch) -> &arrow::array::PrimitiveArray<UInt8Type> {
-    let index = batch.schema().index_of(OP_COLUMN).expect("stored batches carry the op column");
+    let index = batch
+        .schema()
+        .index_of(OP_COLUMN)
+        .expect("stored batches carry the op column");
     batch.column(index).as_primitive::<UInt8Type>()
 }
 
@@ -133,20 +166,40 @@ pub struct VersionStats {
     pub tombstones: u64,
 }
 
-pub fn version_stats(batch: &RecordBatch, key: &[usize], append_only: bool) -> Result<VersionStats> {
+pub fn version_stats(
+    batch: &RecordBatch,
+    key: &[usize],
+    append_only: bool,
+) -> Result<VersionStats> {
     let epochs = epochs(batch);
     let min_epoch = Epoch(arrow::compute::min(epochs).unwrap_or(0));
     let max_epoch = Epoch(arrow::compute::max(epochs).unwrap_or(0));
-    let tombstones = ops(batch).values().iter().filter(|&&op| op == RowOp::Delete as u8).count() as u64;
+    let tombstones = ops(batch)
+        .values()
+        .iter()
+        .filter(|&&op| op == RowOp::Delete as u8)
+        .count() as u64;
     let unique_keys = append_only || find_duplicate_key(batch, key)?.is_none();
-    Ok(VersionStats { min_epoch, max_epoch, unique_keys, tombstones })
+    Ok(VersionStats {
+        min_epoch,
+        max_epoch,
+        unique_keys,
+        tombstones,
+    })
 }
 
 /// The rows a reader at `epoch` sees: for each key its newest version at or below `epoch`,
 /// unless that version is a tombstone. Append-only tables keep every row at or below
 /// `epoch`. Output keeps input order, so it is deterministic.
-pub fn visible_rows(batches: &[RecordBatch], key: &[usize], epoch: Epoch, append_only: bool) -> Result<Option<RecordBatch>> {
-    let Some(first) = batches.first() else { return Ok(None) };
+pub fn visible_rows(
+    batches: &[RecordBatch],
+    key: &[usize],
+    epoch: Epoch,
+    append_only: bool,
+) -> Result<Option<RecordBatch>> {
+    let Some(first) = batches.first() else {
+        return Ok(None);
+    };
     let batch = concat_batches(&first.schema(), batches)?;
     let epochs = epochs(&batch);
     let ops = ops(&batch);
@@ -157,7 +210,8 @@ pub fn visible_rows(batches: &[RecordBatch], key: &[usize], epoch: Epoch, append
         let converter = key_converter(&batch.schema(), key)?;
         let rows = converter.convert_columns(&key_columns(&batch, key))?;
         // key -> (epoch, row) of the newest version at or below `epoch`
-        let mut newest: HashMap<arrow::row::Row<'_>, (u64, u32)> = HashMap::with_capacity(batch.num_rows());
+        let mut newest: HashMap<arrow::row::Row<'_>, (u64, u32)> =
+            HashMap::with_capacity(batch.num_rows());
         for (i, row) in rows.iter().enumerate() {
             let version = epochs.value(i);
             if version > epoch.0 {
@@ -165,12 +219,20 @@ pub fn visible_rows(batches: &[RecordBatch], key: &[usize], epoch: Epoch, append
             }
             let slot = newest.entry(row).or_insert((version, i as u32));
             // Two versions of one key in one epoch cannot exist: publishes reject them.
-            debug_assert!(slot.1 == i as u32 || slot.0 != version, "one version per key per epoch");
+            debug_assert!(
+                slot.1 == i as u32 || slot.0 != version,
+                "one version per key per epoch"
+            );
             if version > slot.0 {
                 *slot = (version, i as u32);
             }
         }
-        keep.extend(newest.into_values().filter(|&(_, i)| ops.value(i as usize) == RowOp::Upsert as u8).map(|(_, i)| i));
+        keep.extend(
+            newest
+                .into_values()
+                .filter(|&(_, i)| ops.value(i as usize) == RowOp::Upsert as u8)
+                .map(|(_, i)| i),
+        );
         keep.sort_unstable();
     }
     Ok(Some(take_record_batch(&batch, &UInt32Array::from(keep))?))
@@ -179,7 +241,12 @@ pub fn visible_rows(batches: &[RecordBatch], key: &[usize], epoch: Epoch, append
 /// Merges row versions, dropping only those no retained epoch (`>= retain_from`) can see:
 /// a key keeps every version above `retain_from` plus its newest version at or below it,
 /// unless that is a tombstone. Output is ordered by key, then epoch.
-pub fn merge_versions(batches: &[RecordBatch], key: &[usize], retain_from: Epoch, append_only: bool) -> Result<RecordBatch> {
+pub fn merge_versions(
+    batches: &[RecordBatch],
+    key: &[usize],
+    retain_from: Epoch,
+    append_only: bool,
+) -> Result<RecordBatch> {
     let first = batches.first().expect("a merge has inputs");
     let batch = concat_batches(&first.schema(), batches)?;
     if append_only {
@@ -190,12 +257,19 @@ pub fn merge_versions(batches: &[RecordBatch], key: &[usize], retain_from: Epoch
     let converter = key_converter(&batch.schema(), key)?;
     let rows = converter.convert_columns(&key_columns(&batch, key))?;
     let mut order: Vec<u32> = (0..batch.num_rows() as u32).collect();
-    order.sort_by(|&a, &b| rows.row(a as usize).cmp(&rows.row(b as usize)).then(epochs.value(a as usize).cmp(&epochs.value(b as usize))));
+    order.sort_by(|&a, &b| {
+        rows.row(a as usize)
+            .cmp(&rows.row(b as usize))
+            .then(epochs.value(a as usize).cmp(&epochs.value(b as usize)))
+    });
     let mut keep = Vec::with_capacity(order.len());
     for (pos, &i) in order.iter().enumerate() {
         let version = epochs.value(i as usize);
-        let next_same_key = order.get(pos + 1).filter(|&&n| rows.row(n as usize) == rows.row(i as usize));
-        let superseded_before_retention = next_same_key.is_some_and(|&n| epochs.value(n as usize) <= retain_from.0);
+        let next_same_key = order
+            .get(pos + 1)
+            .filter(|&&n| rows.row(n as usize) == rows.row(i as usize));
+        let superseded_before_retention =
+            next_same_key.is_some_and(|&n| epochs.value(n as usize) <= retain_from.0);
         if version > retain_from.0 {
             keep.push(i);
         } else if !superseded_before_retention && ops.value(i as usize) == RowOp::Upsert as u8 {
@@ -207,30 +281,63 @@ pub fn merge_versions(batches: &[RecordBatch], key: &[usize], retain_from: Epoch
 
 /// Casts a user batch to the table's schema, naming the first column that does not fit.
 pub fn conform_to_schema(def: &TableDef, batch: &RecordBatch) -> Result<RecordBatch> {
-    let mismatch = |reason: String| StorageError::SchemaMismatch { table: def.name.clone(), reason };
+    let mismatch = |reason: String| StorageError::SchemaMismatch {
+        table: def.name.clone(),
+        reason,
+    };
     let given = batch.schema();
     let mut columns = Vec::with_capacity(def.schema.fields().len());
     for field in def.schema.fields() {
-        let index = given.index_of(field.name()).map_err(|_| mismatch(format!("column {:?} is missing", field.name())))?;
+        let index = given
+            .index_of(field.name())
+            .map_err(|_| mismatch(format!("column {:?} is missing", field.name())))?;
         let column = batch.column(index);
         let column = if column.data_type() == field.data_type() {
             column.clone()
         } else if arrow::compute::can_cast_types(column.data_type(), field.data_type()) {
-            let options = arrow::compute::CastOptions { safe: false, ..Default::default() };
+            let options = arrow::compute::CastOptions {
+                safe: false,
+                ..Default::default()
+            };
             arrow::compute::cast_with_options(column, field.data_type(), &options).map_err(|e| {
-                mismatch(format!("column {:?} of type {} cannot be stored as {}: {e}", field.name(), column.data_type(), field.data_type()))
+                mismatch(format!(
+                    "column {:?} of type {} cannot be stored as {}: {e}",
+                    field.name(),
+                    column.data_type(),
+                    field.data_type()
+                ))
             })?
         } else {
-            return Err(mismatch(format!("column {:?} has type {}, expected {}", field.name(), column.data_type(), field.data_type())));
+            return Err(mismatch(format!(
+                "column {:?} has type {}, expected {}",
+                field.name(),
+                column.data_type(),
+                field.data_type()
+            )));
         };
         if !field.is_nullable() && column.null_count() > 0 {
-            let what = if def.primary_key.iter().any(|k| k == field.name()) { "a primary key column" } else { "NOT NULL" };
-            return Err(mismatch(format!("column {:?} is {what} but {} rows are NULL", field.name(), column.null_count())));
+            let what = if def.primary_key.iter().any(|k| k == field.name()) {
+                "a primary key column"
+            } else {
+                "NOT NULL"
+            };
+            return Err(mismatch(format!(
+                "column {:?} is {what} but {} rows are NULL",
+                field.name(),
+                column.null_count()
+            )));
         }
         columns.push(column);
     }
-    for extra in given.fields().iter().filter(|f| def.schema.field_with_name(f.name()).is_err()) {
-        return Err(mismatch(format!("column {:?} is not in the table", extra.name())));
+    for extra in given
+        .fields()
+        .iter()
+        .filter(|f| def.schema.field_with_name(f.name()).is_err())
+    {
+        return Err(mismatch(format!(
+            "column {:?} is not in the table",
+            extra.name()
+        )));
     }
     Ok(RecordBatch::try_new(stored_user_schema(def), columns)?)
 }
@@ -242,7 +349,10 @@ mod tests {
     use proptest::prelude::*;
 
     fn def() -> TableDef {
-        let schema = Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Int64, true)]);
+        let schema = Schema::new(vec![
+            Field::new("k", DataType::Int64, false),
+            Field::new("v", DataType::Int64, true),
+        ]);
         TableDef::new("t", schema, vec!["k".into()], None).unwrap()
     }
 
@@ -251,21 +361,35 @@ mod tests {
         let batch = RecordBatch::try_new(
             def.schema_ref(),
             vec![
-                Arc::new(Int64Array::from(rows.iter().map(|r| r.0).collect::<Vec<_>>())),
-                Arc::new(Int64Array::from(rows.iter().map(|r| r.1).collect::<Vec<_>>())),
+                Arc::new(Int64Array::from(
+                    rows.iter().map(|r| r.0).collect::<Vec<_>>(),
+                )),
+                Arc::new(Int64Array::from(
+                    rows.iter().map(|r| r.1).collect::<Vec<_>>(),
+                )),
             ],
         )
         .unwrap();
         let mut columns = batch.columns().to_vec();
-        columns.push(Arc::new(UInt64Array::from(rows.iter().map(|r| r.2).collect::<Vec<_>>())));
-        columns.push(Arc::new(UInt8Array::from(rows.iter().map(|r| r.3 as u8).collect::<Vec<_>>())));
+        columns.push(Arc::new(UInt64Array::from(
+            rows.iter().map(|r| r.2).collect::<Vec<_>>(),
+        )));
+        columns.push(Arc::new(UInt8Array::from(
+            rows.iter().map(|r| r.3 as u8).collect::<Vec<_>>(),
+        )));
         RecordBatch::try_new(stored_schema(&def), columns).unwrap()
     }
 
     fn pairs(batch: &RecordBatch) -> Vec<(i64, i64)> {
-        let k = batch.column(0).as_primitive::<arrow::datatypes::Int64Type>();
-        let v = batch.column(1).as_primitive::<arrow::datatypes::Int64Type>();
-        let mut out: Vec<_> = (0..batch.num_rows()).map(|i| (k.value(i), v.value(i))).collect();
+        let k = batch
+            .column(0)
+            .as_primitive::<arrow::datatypes::Int64Type>();
+        let v = batch
+            .column(1)
+            .as_primitive::<arrow::datatypes::Int64Type>();
+        let mut out: Vec<_> = (0..batch.num_rows())
+            .map(|i| (k.value(i), v.value(i)))
+            .collect();
         out.sort();
         out
     }
@@ -286,9 +410,14 @@ mod tests {
 
     fn history() -> impl Strategy<Value = Vec<(i64, i64, u64, RowOp)>> {
         // Unique (key, epoch) pairs, as publishes guarantee.
-        proptest::collection::btree_map((0i64..8, 1u64..10), (any::<i64>(), any::<bool>()), 0..40).prop_map(|m| {
-            m.into_iter().map(|((k, e), (v, del))| (k, v, e, if del { RowOp::Delete } else { RowOp::Upsert })).collect()
-        })
+        proptest::collection::btree_map((0i64..8, 1u64..10), (any::<i64>(), any::<bool>()), 0..40)
+            .prop_map(|m| {
+                m.into_iter()
+                    .map(|((k, e), (v, del))| {
+                        (k, v, e, if del { RowOp::Delete } else { RowOp::Upsert })
+                    })
+                    .collect()
+            })
     }
 
     proptest! {
@@ -312,14 +441,27 @@ mod tests {
 
     #[test]
     fn merge_drops_versions_no_retained_epoch_sees() {
-        let rows = [(1, 10, 1, RowOp::Upsert), (1, 11, 2, RowOp::Upsert), (1, 12, 5, RowOp::Upsert), (2, 20, 1, RowOp::Upsert), (2, 0, 3, RowOp::Delete)];
+        let rows = [
+            (1, 10, 1, RowOp::Upsert),
+            (1, 11, 2, RowOp::Upsert),
+            (1, 12, 5, RowOp::Upsert),
+            (2, 20, 1, RowOp::Upsert),
+            (2, 0, 3, RowOp::Delete),
+        ];
         let merged = merge_versions(&[versions(&rows)], &[0], Epoch(4), false).unwrap();
         assert_eq!(pairs(&merged), vec![(1, 11), (1, 12)]);
     }
 
     #[test]
     fn duplicate_keys_are_named() {
-        let batch = versions(&[(1, 1, 1, RowOp::Upsert), (7, 2, 1, RowOp::Upsert), (7, 3, 1, RowOp::Upsert)]);
-        assert_eq!(find_duplicate_key(&batch, &[0]).unwrap(), Some("(7)".to_string()));
+        let batch = versions(&[
+            (1, 1, 1, RowOp::Upsert),
+            (7, 2, 1, RowOp::Upsert),
+            (7, 3, 1, RowOp::Upsert),
+        ]);
+        assert_eq!(
+            find_duplicate_key(&batch, &[0]).unwrap(),
+            Some("(7)".to_string())
+        );
     }
 }

@@ -37,8 +37,16 @@ const KIND_COMMIT: u8 = 2;
 
 #[derive(Debug, Clone)]
 pub enum WalRecord {
-    Rows { table: String, partition: PartitionId, lsn: Lsn, epoch: Epoch, batch: RecordBatch },
-    Commit { epoch: Epoch },
+    Rows {
+        table: String,
+        partition: PartitionId,
+        lsn: Lsn,
+        epoch: Epoch,
+        batch: RecordBatch,
+    },
+    Commit {
+        epoch: Epoch,
+    },
 }
 
 impl WalRecord {
@@ -46,7 +54,13 @@ impl WalRecord {
     pub fn encode_frame(&self) -> Result<Vec<u8>> {
         let mut payload = Vec::new();
         match self {
-            WalRecord::Rows { table, partition, lsn, epoch, batch } => {
+            WalRecord::Rows {
+                table,
+                partition,
+                lsn,
+                epoch,
+                batch,
+            } => {
                 payload.push(KIND_ROWS);
                 let name = table.as_bytes();
                 let name_len = u16::try_from(name.len()).expect("table names are short");
@@ -64,7 +78,10 @@ impl WalRecord {
                 payload.extend_from_slice(&epoch.0.to_le_bytes());
             }
         }
-        assert!(payload.len() <= MAX_FRAME_BYTES, "callers split publishes below the frame limit");
+        assert!(
+            payload.len() <= MAX_FRAME_BYTES,
+            "callers split publishes below the frame limit"
+        );
         let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + payload.len());
         frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
         frame.extend_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
@@ -74,15 +91,22 @@ impl WalRecord {
 
     fn decode_payload(payload: &[u8]) -> std::result::Result<WalRecord, String> {
         let take = |at: usize, n: usize| -> std::result::Result<&[u8], String> {
-            payload.get(at..at + n).ok_or_else(|| format!("record truncated at byte {at}"))
+            payload
+                .get(at..at + n)
+                .ok_or_else(|| format!("record truncated at byte {at}"))
         };
         let u64_at = |at: usize| -> std::result::Result<u64, String> {
-            Ok(u64::from_le_bytes(take(at, 8)?.try_into().expect("8 bytes")))
+            Ok(u64::from_le_bytes(
+                take(at, 8)?.try_into().expect("8 bytes"),
+            ))
         };
         match payload.first() {
-            Some(&KIND_COMMIT) => Ok(WalRecord::Commit { epoch: Epoch(u64_at(1)?) }),
+            Some(&KIND_COMMIT) => Ok(WalRecord::Commit {
+                epoch: Epoch(u64_at(1)?),
+            }),
             Some(&KIND_ROWS) => {
-                let name_len = u16::from_le_bytes(take(1, 2)?.try_into().expect("2 bytes")) as usize;
+                let name_len =
+                    u16::from_le_bytes(take(1, 2)?.try_into().expect("2 bytes")) as usize;
                 let table = String::from_utf8(take(3, name_len)?.to_vec())
                     .map_err(|_| "table name is not UTF-8".to_string())?;
                 let at = 3 + name_len;
@@ -121,7 +145,10 @@ pub fn list_segments(dir: &Path) -> Result<Vec<u64>> {
         let entry = entry.map_err(|e| StorageError::io(dir, e))?;
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        if let Some(seq) = name.strip_suffix(".wal").and_then(|s| s.parse::<u64>().ok()) {
+        if let Some(seq) = name
+            .strip_suffix(".wal")
+            .and_then(|s| s.parse::<u64>().ok())
+        {
             seqs.push(seq);
         }
     }
@@ -152,16 +179,29 @@ pub fn recover(dir: &Path) -> Result<RecoveredLog> {
         if valid_len < bytes.len() {
             torn_bytes = (bytes.len() - valid_len) as u64;
             tracing::warn!(path = %path.display(), offset = valid_len, torn_bytes, "cutting torn tail off the write-ahead log");
-            let file = OpenOptions::new().write(true).open(&path).map_err(|e| StorageError::io(&path, e))?;
-            file.set_len(valid_len as u64).map_err(|e| StorageError::io(&path, e))?;
+            let file = OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .map_err(|e| StorageError::io(&path, e))?;
+            file.set_len(valid_len as u64)
+                .map_err(|e| StorageError::io(&path, e))?;
             file.sync_all().map_err(|e| StorageError::io(&path, e))?;
         }
     }
-    Ok(RecoveredLog { records, last_segment: segments.last().copied().unwrap_or(0), torn_bytes })
+    Ok(RecoveredLog {
+        records,
+        last_segment: segments.last().copied().unwrap_or(0),
+        torn_bytes,
+    })
 }
 
 /// Parses frames; returns how many leading bytes are valid.
-fn scan_segment(path: &Path, bytes: &[u8], is_last: bool, out: &mut Vec<WalRecord>) -> Result<usize> {
+fn scan_segment(
+    path: &Path,
+    bytes: &[u8],
+    is_last: bool,
+    out: &mut Vec<WalRecord>,
+) -> Result<usize> {
     let mut offset = 0;
     while offset < bytes.len() {
         match parse_frame(&bytes[offset..]) {
@@ -170,11 +210,16 @@ fn scan_segment(path: &Path, bytes: &[u8], is_last: bool, out: &mut Vec<WalRecor
                 offset += len;
             }
             Err(reason) => {
-                let valid_frame_follows = (offset + 1..bytes.len()).any(|at| parse_frame(&bytes[at..]).is_ok());
+                let valid_frame_follows =
+                    (offset + 1..bytes.len()).any(|at| parse_frame(&bytes[at..]).is_ok());
                 if is_last && !valid_frame_follows {
                     return Ok(offset);
                 }
-                return Err(StorageError::CorruptLog { path: path.to_path_buf(), offset: offset as u64, reason });
+                return Err(StorageError::CorruptLog {
+                    path: path.to_path_buf(),
+                    offset: offset as u64,
+                    reason,
+                });
             }
         }
     }
@@ -198,15 +243,22 @@ fn parse_frame(bytes: &[u8]) -> std::result::Result<(WalRecord, usize), String> 
     }
     let actual = crc32c::crc32c(payload);
     if actual != crc {
-        return Err(format!("CRC32C mismatch (stored {crc:#010x}, computed {actual:#010x})"));
+        return Err(format!(
+            "CRC32C mismatch (stored {crc:#010x}, computed {actual:#010x})"
+        ));
     }
     let record = WalRecord::decode_payload(payload)?;
     Ok((record, FRAME_HEADER_BYTES + len))
 }
 
 enum Request {
-    Append { frames: Vec<u8>, done: mpsc::SyncSender<Result<(), String>> },
-    Rotate { done: mpsc::SyncSender<Result<u64, String>> },
+    Append {
+        frames: Vec<u8>,
+        done: mpsc::SyncSender<Result<(), String>>,
+    },
+    Rotate {
+        done: mpsc::SyncSender<Result<u64, String>>,
+    },
 }
 
 /// A durable-append handle. Cloning is cheap; all clones feed one writer thread.
@@ -238,19 +290,35 @@ impl Wal {
         let file = open_segment(dir, first_segment)?;
         let (tx, rx) = mpsc::channel();
         let poisoned = Arc::new(Mutex::new(None));
-        let writer = SegmentWriter { dir: dir.to_path_buf(), seq: first_segment, file, poisoned: poisoned.clone() };
+        let writer = SegmentWriter {
+            dir: dir.to_path_buf(),
+            seq: first_segment,
+            file,
+            poisoned: poisoned.clone(),
+        };
         thread::Builder::new()
             .name("tessera-wal".into())
             .spawn(move || writer.run(rx))
             .map_err(|e| StorageError::io(dir, e))?;
-        Ok(Wal { dir: dir.to_path_buf(), requests: tx, poisoned })
+        Ok(Wal {
+            dir: dir.to_path_buf(),
+            requests: tx,
+            poisoned,
+        })
     }
 
     /// Queues frames for the next group commit. Frames queued by one caller before another
     /// reach the disk in that order.
     pub fn submit(&self, frames: Vec<u8>) -> AppendTicket {
         let (done, rx) = mpsc::sync_channel(1);
-        if self.requests.send(Request::Append { frames, done: done.clone() }).is_err() {
+        if self
+            .requests
+            .send(Request::Append {
+                frames,
+                done: done.clone(),
+            })
+            .is_err()
+        {
             let _ = done.send(Err("log writer thread stopped".into()));
         }
         AppendTicket { done: rx }
@@ -315,7 +383,9 @@ impl SegmentWriter {
                 match request {
                     Request::Append { frames, done } => {
                         if result.is_ok() {
-                            result = self.file.write_all(&frames).map_err(|e| format!("write to log segment {} failed: {e}", self.seq));
+                            result = self.file.write_all(&frames).map_err(|e| {
+                                format!("write to log segment {} failed: {e}", self.seq)
+                            });
                         }
                         waiting.push(done);
                     }
@@ -337,7 +407,10 @@ impl SegmentWriter {
             }
             if let Err(reason) = &result {
                 tracing::error!(%reason, "write-ahead log poisoned");
-                self.poisoned.lock().expect("poison flag lock").get_or_insert(reason.clone());
+                self.poisoned
+                    .lock()
+                    .expect("poison flag lock")
+                    .get_or_insert(reason.clone());
             }
             for done in waiting {
                 let _ = done.send(result.clone());
@@ -352,7 +425,9 @@ impl SegmentWriter {
     fn sync(&mut self) -> Result<(), String> {
         // fsync failure cannot be retried safely (the kernel may have dropped the pages), so
         // it poisons the log rather than risk acknowledging what is not on disk.
-        self.file.sync_data().map_err(|e| format!("fsync of log segment {} failed: {e}", self.seq))
+        self.file
+            .sync_data()
+            .map_err(|e| format!("fsync of log segment {} failed: {e}", self.seq))
     }
 
     fn rotate(&mut self) -> Result<u64, String> {
@@ -376,15 +451,27 @@ mod tests {
         ]));
         let batch = RecordBatch::try_new(
             schema,
-            vec![Arc::new(Int64Array::from(vec![1, 2, 3])), Arc::new(UInt64Array::from(vec![lsn; 3]))],
+            vec![
+                Arc::new(Int64Array::from(vec![1, 2, 3])),
+                Arc::new(UInt64Array::from(vec![lsn; 3])),
+            ],
         )
         .unwrap();
-        WalRecord::Rows { table: "t".into(), partition: PartitionId(3), lsn: Lsn(lsn), epoch: Epoch(epoch), batch }
+        WalRecord::Rows {
+            table: "t".into(),
+            partition: PartitionId(3),
+            lsn: Lsn(lsn),
+            epoch: Epoch(epoch),
+            batch,
+        }
     }
 
     fn write_log(dir: &Path, records: &[WalRecord]) {
         let wal = Wal::start(dir, 1).unwrap();
-        let frames: Vec<u8> = records.iter().flat_map(|r| r.encode_frame().unwrap()).collect();
+        let frames: Vec<u8> = records
+            .iter()
+            .flat_map(|r| r.encode_frame().unwrap())
+            .collect();
         wal.submit(frames).wait().unwrap();
     }
 
@@ -395,13 +482,35 @@ mod tests {
     #[test]
     fn records_round_trip_through_a_segment() {
         let dir = tempfile::tempdir().unwrap();
-        write_log(dir.path(), &[rows(1, 1), WalRecord::Commit { epoch: Epoch(1) }, rows(2, 2)]);
+        write_log(
+            dir.path(),
+            &[
+                rows(1, 1),
+                WalRecord::Commit { epoch: Epoch(1) },
+                rows(2, 2),
+            ],
+        );
         let log = recover(dir.path()).unwrap();
         assert_eq!(log.records.len(), 3);
         assert_eq!(log.torn_bytes, 0);
         match &log.records[2] {
-            WalRecord::Rows { lsn, epoch, batch, table, partition } => {
-                assert_eq!((lsn.0, epoch.0, table.as_str(), partition.0, batch.num_rows()), (2, 2, "t", 3, 3));
+            WalRecord::Rows {
+                lsn,
+                epoch,
+                batch,
+                table,
+                partition,
+            } => {
+                assert_eq!(
+                    (
+                        lsn.0,
+                        epoch.0,
+                        table.as_str(),
+                        partition.0,
+                        batch.num_rows()
+                    ),
+                    (2, 2, "t", 3, 3)
+                );
             }
             other => panic!("expected rows, got {other:?}"),
         }
@@ -410,21 +519,39 @@ mod tests {
     #[test]
     fn every_truncation_of_the_tail_recovers_a_prefix() {
         let dir = tempfile::tempdir().unwrap();
-        write_log(dir.path(), &[rows(1, 1), WalRecord::Commit { epoch: Epoch(1) }, rows(2, 2)]);
+        write_log(
+            dir.path(),
+            &[
+                rows(1, 1),
+                WalRecord::Commit { epoch: Epoch(1) },
+                rows(2, 2),
+            ],
+        );
         let full = segment_bytes(dir.path());
-        let first_two = rows(1, 1).encode_frame().unwrap().len() + WalRecord::Commit { epoch: Epoch(1) }.encode_frame().unwrap().len();
+        let first_two = rows(1, 1).encode_frame().unwrap().len()
+            + WalRecord::Commit { epoch: Epoch(1) }
+                .encode_frame()
+                .unwrap()
+                .len();
         for cut in (first_two..full.len()).step_by(7) {
             fs::write(segment_path(dir.path(), 1), &full[..cut]).unwrap();
             let log = recover(dir.path()).unwrap();
             assert_eq!(log.records.len(), 2, "cut at {cut}");
-            assert_eq!(fs::metadata(segment_path(dir.path(), 1)).unwrap().len() as usize, first_two, "torn tail is cut off on disk");
+            assert_eq!(
+                fs::metadata(segment_path(dir.path(), 1)).unwrap().len() as usize,
+                first_two,
+                "torn tail is cut off on disk"
+            );
         }
     }
 
     #[test]
     fn garbage_after_the_last_frame_is_a_torn_tail() {
         let dir = tempfile::tempdir().unwrap();
-        write_log(dir.path(), &[rows(1, 1), WalRecord::Commit { epoch: Epoch(1) }]);
+        write_log(
+            dir.path(),
+            &[rows(1, 1), WalRecord::Commit { epoch: Epoch(1) }],
+        );
         let mut bytes = segment_bytes(dir.path());
         bytes.extend_from_slice(&[0xAB; 100]);
         fs::write(segment_path(dir.path(), 1), &bytes).unwrap();
@@ -436,7 +563,14 @@ mod tests {
     #[test]
     fn a_flipped_bit_before_valid_frames_is_corruption_not_a_tail() {
         let dir = tempfile::tempdir().unwrap();
-        write_log(dir.path(), &[rows(1, 1), WalRecord::Commit { epoch: Epoch(1) }, rows(2, 2)]);
+        write_log(
+            dir.path(),
+            &[
+                rows(1, 1),
+                WalRecord::Commit { epoch: Epoch(1) },
+                rows(2, 2),
+            ],
+        );
         let mut bytes = segment_bytes(dir.path());
         bytes[20] ^= 0x40;
         fs::write(segment_path(dir.path(), 1), &bytes).unwrap();
@@ -447,13 +581,47 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// The log parser reads bytes from disk: arbitrary damage to a valid log yields a
+        /// prefix of its records or a `CorruptLog` error, never a panic or a wrong record.
+        #[test]
+        fn damaged_logs_yield_a_prefix_or_an_error(flips in proptest::collection::vec((0usize..4096, 1u8..=255), 0..4), cut in 0usize..4096) {
+            let dir = tempfile::tempdir().unwrap();
+            let records = [rows(1, 1), WalRecord::Commit { epoch: Epoch(1) }, rows(2, 2), WalRecord::Commit { epoch: Epoch(2) }];
+            write_log(dir.path(), &records);
+            let mut bytes = segment_bytes(dir.path());
+            for (at, mask) in &flips {
+                let len = bytes.len();
+                bytes[at % len] ^= mask;
+            }
+            bytes.truncate(bytes.len().saturating_sub(cut % 64));
+            fs::write(segment_path(dir.path(), 1), &bytes).unwrap();
+            match recover(dir.path()) {
+                Ok(log) => {
+                    proptest::prop_assert!(log.records.len() <= records.len());
+                    for (got, want) in log.records.iter().zip(&records) {
+                        proptest::prop_assert_eq!(format!("{got:?}"), format!("{want:?}"));
+                    }
+                }
+                Err(StorageError::CorruptLog { .. }) => {}
+                Err(other) => proptest::prop_assert!(false, "unexpected error {}", other),
+            }
+        }
+    }
+
     #[test]
     fn rotation_starts_a_new_segment_and_old_ones_can_go() {
         let dir = tempfile::tempdir().unwrap();
         let wal = Wal::start(dir.path(), 1).unwrap();
-        wal.submit(rows(1, 1).encode_frame().unwrap()).wait().unwrap();
+        wal.submit(rows(1, 1).encode_frame().unwrap())
+            .wait()
+            .unwrap();
         assert_eq!(wal.rotate().unwrap(), 2);
-        wal.submit(rows(2, 2).encode_frame().unwrap()).wait().unwrap();
+        wal.submit(rows(2, 2).encode_frame().unwrap())
+            .wait()
+            .unwrap();
         wal.delete_segments_before(2).unwrap();
         assert_eq!(list_segments(dir.path()).unwrap(), vec![2]);
         assert_eq!(recover(dir.path()).unwrap().records.len(), 1);

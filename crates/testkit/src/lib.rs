@@ -85,7 +85,11 @@ pub fn sql_csv(binary: &Path, data_dir: &Path, extra: &[&str], sql: &str) -> Vec
     let mut args: Vec<&str> = extra.to_vec();
     args.extend(["sql", "--format", "csv", "-c", sql]);
     let output = run(binary, data_dir, &args);
-    assert!(output.status.success(), "`{sql}` failed: {}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "`{sql}` failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     String::from_utf8_lossy(&output.stdout)
         .lines()
         .skip(1)

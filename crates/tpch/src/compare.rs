@@ -25,7 +25,9 @@ impl Cell {
     fn matches(&self, other: &Cell, rel_tol: f64) -> bool {
         match (self, other) {
             (Cell::Float(a), Cell::Float(b)) => {
-                a == b || (a - b).abs() <= rel_tol * a.abs().max(b.abs()) || (a.is_nan() && b.is_nan())
+                a == b
+                    || (a - b).abs() <= rel_tol * a.abs().max(b.abs())
+                    || (a.is_nan() && b.is_nan())
             }
             (a, b) => a == b,
         }
@@ -37,15 +39,40 @@ fn cells(column: &ArrayRef) -> Result<Vec<Cell>, String> {
     match column.data_type() {
         DataType::Float64 => {
             let a = column.as_primitive::<Float64Type>();
-            Ok((0..len).map(|i| if a.is_null(i) { Cell::Null } else { Cell::Float(a.value(i)) }).collect())
+            Ok((0..len)
+                .map(|i| {
+                    if a.is_null(i) {
+                        Cell::Null
+                    } else {
+                        Cell::Float(a.value(i))
+                    }
+                })
+                .collect())
         }
         DataType::Float32 => {
             let a = column.as_primitive::<Float32Type>();
-            Ok((0..len).map(|i| if a.is_null(i) { Cell::Null } else { Cell::Float(a.value(i) as f64) }).collect())
+            Ok((0..len)
+                .map(|i| {
+                    if a.is_null(i) {
+                        Cell::Null
+                    } else {
+                        Cell::Float(a.value(i) as f64)
+                    }
+                })
+                .collect())
         }
         _ => {
-            let formatter = ArrayFormatter::try_new(column.as_ref(), &FormatOptions::default()).map_err(|e| e.to_string())?;
-            Ok((0..len).map(|i| if column.is_null(i) { Cell::Null } else { Cell::Exact(formatter.value(i).to_string()) }).collect())
+            let formatter = ArrayFormatter::try_new(column.as_ref(), &FormatOptions::default())
+                .map_err(|e| e.to_string())?;
+            Ok((0..len)
+                .map(|i| {
+                    if column.is_null(i) {
+                        Cell::Null
+                    } else {
+                        Cell::Exact(formatter.value(i).to_string())
+                    }
+                })
+                .collect())
         }
     }
 }
@@ -53,7 +80,11 @@ fn cells(column: &ArrayRef) -> Result<Vec<Cell>, String> {
 fn rows(batches: &[RecordBatch]) -> Result<Vec<Vec<Cell>>, String> {
     let mut out: Vec<Vec<Cell>> = Vec::new();
     for batch in batches {
-        let columns: Vec<Vec<Cell>> = batch.columns().iter().map(cells).collect::<Result<_, _>>()?;
+        let columns: Vec<Vec<Cell>> = batch
+            .columns()
+            .iter()
+            .map(cells)
+            .collect::<Result<_, _>>()?;
         for row in 0..batch.num_rows() {
             out.push(columns.iter().map(|c| c[row].clone()).collect());
         }
@@ -63,15 +94,27 @@ fn rows(batches: &[RecordBatch]) -> Result<Vec<Vec<Cell>>, String> {
 }
 
 /// `Ok` if `actual` holds the same rows as `expected`; otherwise the first difference.
-pub fn same_answer(expected: &[RecordBatch], actual: &[RecordBatch], rel_tol: f64) -> Result<(), String> {
+pub fn same_answer(
+    expected: &[RecordBatch],
+    actual: &[RecordBatch],
+    rel_tol: f64,
+) -> Result<(), String> {
     let expected = rows(expected)?;
     let actual = rows(actual)?;
     if expected.len() != actual.len() {
-        return Err(format!("expected {} rows, got {}", expected.len(), actual.len()));
+        return Err(format!(
+            "expected {} rows, got {}",
+            expected.len(),
+            actual.len()
+        ));
     }
     for (i, (e, a)) in expected.iter().zip(&actual).enumerate() {
         if e.len() != a.len() {
-            return Err(format!("row {i}: expected {} columns, got {}", e.len(), a.len()));
+            return Err(format!(
+                "row {i}: expected {} columns, got {}",
+                e.len(),
+                a.len()
+            ));
         }
         if !e.iter().zip(a).all(|(x, y)| x.matches(y, rel_tol)) {
             return Err(format!("row {i} differs: expected {e:?}, got {a:?}"));
@@ -88,8 +131,18 @@ mod tests {
     use std::sync::Arc;
 
     fn batch(k: Vec<i64>, v: Vec<f64>) -> RecordBatch {
-        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Float64, false)]));
-        RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from(k)), Arc::new(Float64Array::from(v))]).unwrap()
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int64, false),
+            Field::new("v", DataType::Float64, false),
+        ]));
+        RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(Int64Array::from(k)),
+                Arc::new(Float64Array::from(v)),
+            ],
+        )
+        .unwrap()
     }
 
     #[test]
@@ -100,6 +153,8 @@ mod tests {
         let c = batch(vec![1, 2], vec![0.31, 5.0]);
         assert!(same_answer(&[a.clone()], &[c], 1e-9).is_err());
         let d = batch(vec![1], vec![0.3]);
-        assert!(same_answer(&[a], &[d], 1e-9).unwrap_err().contains("expected 2 rows"));
+        assert!(same_answer(&[a], &[d], 1e-9)
+            .unwrap_err()
+            .contains("expected 2 rows"));
     }
 }

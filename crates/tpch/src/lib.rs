@@ -12,10 +12,13 @@ use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use arrow::error::ArrowError;
 use tpchgen::generators::{
-    CustomerGenerator, LineItemGenerator, NationGenerator, OrderGenerator, PartGenerator, PartSuppGenerator, RegionGenerator,
-    SupplierGenerator,
+    CustomerGenerator, LineItemGenerator, NationGenerator, OrderGenerator, PartGenerator,
+    PartSuppGenerator, RegionGenerator, SupplierGenerator,
 };
-use tpchgen_arrow::{CustomerArrow, LineItemArrow, NationArrow, OrderArrow, PartArrow, PartSuppArrow, RegionArrow, SupplierArrow};
+use tpchgen_arrow::{
+    CustomerArrow, LineItemArrow, NationArrow, OrderArrow, PartArrow, PartSuppArrow, RegionArrow,
+    SupplierArrow,
+};
 
 /// One TPC-H table as Tessera stores it.
 #[derive(Debug, Clone, Copy)]
@@ -29,14 +32,54 @@ pub struct TpchTable {
 }
 
 pub const TABLES: [TpchTable; 8] = [
-    TpchTable { name: "region", primary_key: &["r_regionkey"], partition_key: &["r_regionkey"], rows_at_sf1: 5 },
-    TpchTable { name: "nation", primary_key: &["n_nationkey"], partition_key: &["n_nationkey"], rows_at_sf1: 25 },
-    TpchTable { name: "supplier", primary_key: &["s_suppkey"], partition_key: &["s_suppkey"], rows_at_sf1: 10_000 },
-    TpchTable { name: "customer", primary_key: &["c_custkey"], partition_key: &["c_custkey"], rows_at_sf1: 150_000 },
-    TpchTable { name: "part", primary_key: &["p_partkey"], partition_key: &["p_partkey"], rows_at_sf1: 200_000 },
-    TpchTable { name: "partsupp", primary_key: &["ps_partkey", "ps_suppkey"], partition_key: &["ps_partkey"], rows_at_sf1: 800_000 },
-    TpchTable { name: "orders", primary_key: &["o_orderkey"], partition_key: &["o_orderkey"], rows_at_sf1: 1_500_000 },
-    TpchTable { name: "lineitem", primary_key: &["l_orderkey", "l_linenumber"], partition_key: &["l_orderkey"], rows_at_sf1: 6_001_215 },
+    TpchTable {
+        name: "region",
+        primary_key: &["r_regionkey"],
+        partition_key: &["r_regionkey"],
+        rows_at_sf1: 5,
+    },
+    TpchTable {
+        name: "nation",
+        primary_key: &["n_nationkey"],
+        partition_key: &["n_nationkey"],
+        rows_at_sf1: 25,
+    },
+    TpchTable {
+        name: "supplier",
+        primary_key: &["s_suppkey"],
+        partition_key: &["s_suppkey"],
+        rows_at_sf1: 10_000,
+    },
+    TpchTable {
+        name: "customer",
+        primary_key: &["c_custkey"],
+        partition_key: &["c_custkey"],
+        rows_at_sf1: 150_000,
+    },
+    TpchTable {
+        name: "part",
+        primary_key: &["p_partkey"],
+        partition_key: &["p_partkey"],
+        rows_at_sf1: 200_000,
+    },
+    TpchTable {
+        name: "partsupp",
+        primary_key: &["ps_partkey", "ps_suppkey"],
+        partition_key: &["ps_partkey"],
+        rows_at_sf1: 800_000,
+    },
+    TpchTable {
+        name: "orders",
+        primary_key: &["o_orderkey"],
+        partition_key: &["o_orderkey"],
+        rows_at_sf1: 1_500_000,
+    },
+    TpchTable {
+        name: "lineitem",
+        primary_key: &["l_orderkey", "l_linenumber"],
+        partition_key: &["l_orderkey"],
+        rows_at_sf1: 6_001_215,
+    },
 ];
 
 impl TpchTable {
@@ -63,16 +106,36 @@ impl TpchTable {
     }
 
     /// The table's rows at scale factor `sf`, in batches of `batch_rows`.
-    pub fn generate(&self, sf: f64, batch_rows: usize) -> Box<dyn Iterator<Item = Result<RecordBatch, ArrowError>> + Send> {
+    pub fn generate(
+        &self,
+        sf: f64,
+        batch_rows: usize,
+    ) -> Box<dyn Iterator<Item = Result<RecordBatch, ArrowError>> + Send> {
         match self.name {
-            "region" => Box::new(RegionArrow::new(RegionGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
-            "nation" => Box::new(NationArrow::new(NationGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
-            "supplier" => Box::new(SupplierArrow::new(SupplierGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
-            "customer" => Box::new(CustomerArrow::new(CustomerGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
-            "part" => Box::new(PartArrow::new(PartGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
-            "partsupp" => Box::new(PartSuppArrow::new(PartSuppGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
-            "orders" => Box::new(OrderArrow::new(OrderGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
-            "lineitem" => Box::new(LineItemArrow::new(LineItemGenerator::new(sf, 1, 1)).with_batch_size(batch_rows)),
+            "region" => Box::new(
+                RegionArrow::new(RegionGenerator::new(sf, 1, 1)).with_batch_size(batch_rows),
+            ),
+            "nation" => Box::new(
+                NationArrow::new(NationGenerator::new(sf, 1, 1)).with_batch_size(batch_rows),
+            ),
+            "supplier" => Box::new(
+                SupplierArrow::new(SupplierGenerator::new(sf, 1, 1)).with_batch_size(batch_rows),
+            ),
+            "customer" => Box::new(
+                CustomerArrow::new(CustomerGenerator::new(sf, 1, 1)).with_batch_size(batch_rows),
+            ),
+            "part" => {
+                Box::new(PartArrow::new(PartGenerator::new(sf, 1, 1)).with_batch_size(batch_rows))
+            }
+            "partsupp" => Box::new(
+                PartSuppArrow::new(PartSuppGenerator::new(sf, 1, 1)).with_batch_size(batch_rows),
+            ),
+            "orders" => {
+                Box::new(OrderArrow::new(OrderGenerator::new(sf, 1, 1)).with_batch_size(batch_rows))
+            }
+            "lineitem" => Box::new(
+                LineItemArrow::new(LineItemGenerator::new(sf, 1, 1)).with_batch_size(batch_rows),
+            ),
             other => unreachable!("TABLES lists no table {other}"),
         }
     }
@@ -88,7 +151,14 @@ pub fn create_table_sql(table: &TpchTable) -> String {
         .schema()
         .fields()
         .iter()
-        .map(|f| format!("{} {}{}", f.name(), sql_type(f.data_type()), if f.is_nullable() { "" } else { " NOT NULL" }))
+        .map(|f| {
+            format!(
+                "{} {}{}",
+                f.name(),
+                sql_type(f.data_type()),
+                if f.is_nullable() { "" } else { " NOT NULL" }
+            )
+        })
         .collect();
     format!(
         "CREATE TABLE {} ({}, PRIMARY KEY ({})) PARTITION BY ({})",

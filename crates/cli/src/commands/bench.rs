@@ -16,8 +16,18 @@ use tessera_sql::Engine;
 use tessera_storage::component::writer_properties;
 use tessera_storage::{Store, StoreConfig};
 
-pub async fn tpch(data_dir: &Path, config: StoreConfig, sf: f64, queries: &[usize], runs: usize) -> Result<()> {
-    let queries: Vec<usize> = if queries.is_empty() { (1..=22).collect() } else { queries.to_vec() };
+pub async fn tpch(
+    data_dir: &Path,
+    config: StoreConfig,
+    sf: f64,
+    queries: &[usize],
+    runs: usize,
+) -> Result<()> {
+    let queries: Vec<usize> = if queries.is_empty() {
+        (1..=22).collect()
+    } else {
+        queries.to_vec()
+    };
     if let Some(bad) = queries.iter().find(|q| !(1..=22).contains(*q)) {
         bail!("TPC-H has queries 1 to 22, not {bad}");
     }
@@ -35,7 +45,10 @@ pub async fn tpch(data_dir: &Path, config: StoreConfig, sf: f64, queries: &[usiz
 
     println!();
     println!("TPC-H SF {sf}: median of {runs} run(s); ratio = Tessera / DataFusion");
-    println!("{:>5} {:>13} {:>15} {:>7}  answer", "query", "tessera (ms)", "datafusion (ms)", "ratio");
+    println!(
+        "{:>5} {:>13} {:>15} {:>7}  answer",
+        "query", "tessera (ms)", "datafusion (ms)", "ratio"
+    );
     let mut log_ratio_sum = 0.0;
     let mut mismatches = Vec::new();
     for &q in &queries {
@@ -63,9 +76,18 @@ pub async fn tpch(data_dir: &Path, config: StoreConfig, sf: f64, queries: &[usiz
         let theirs_ms = median(&mut datafusion_times).as_secs_f64() * 1e3;
         let ratio = ours_ms / theirs_ms;
         log_ratio_sum += ratio.ln();
-        println!("{:>5} {:>13.1} {:>15.1} {:>7.3}  {answer}", format!("Q{q}"), ours_ms, theirs_ms, ratio);
+        println!(
+            "{:>5} {:>13.1} {:>15.1} {:>7.3}  {answer}",
+            format!("Q{q}"),
+            ours_ms,
+            theirs_ms,
+            ratio
+        );
     }
-    println!("geometric mean ratio: {:.3}", (log_ratio_sum / queries.len() as f64).exp());
+    println!(
+        "geometric mean ratio: {:.3}",
+        (log_ratio_sum / queries.len() as f64).exp()
+    );
     if !mismatches.is_empty() {
         bail!("answers differ from DataFusion for queries {mismatches:?}");
     }
@@ -85,14 +107,23 @@ async fn baseline_context(dir: &Path, sf: f64) -> Result<SessionContext> {
         let path = dir.join(format!("{}.parquet", table.name));
         if !path.exists() {
             let tmp = path.with_extension("parquet.tmp");
-            let mut writer = ArrowWriter::try_new(File::create(&tmp)?, table.schema(), Some(writer_properties()))?;
+            let mut writer = ArrowWriter::try_new(
+                File::create(&tmp)?,
+                table.schema(),
+                Some(writer_properties()),
+            )?;
             for batch in table.generate(sf, 64 * 1024) {
                 writer.write(&batch?)?;
             }
             writer.close()?;
             std::fs::rename(&tmp, &path)?;
         }
-        ctx.register_parquet(table.name, path.to_string_lossy().as_ref(), ParquetReadOptions::default()).await?;
+        ctx.register_parquet(
+            table.name,
+            path.to_string_lossy().as_ref(),
+            ParquetReadOptions::default(),
+        )
+        .await?;
     }
     Ok(ctx)
 }

@@ -16,7 +16,10 @@ pub async fn run(store: Arc<Store>, sf: f64) -> Result<()> {
     if store.table_def("lineitem").is_none() {
         load::tpch(store.clone(), sf, true).await?;
     } else {
-        println!("TPC-H already loaded (visible epoch {}); reusing it", store.visible_epoch());
+        println!(
+            "TPC-H already loaded (visible epoch {}); reusing it",
+            store.visible_epoch()
+        );
     }
     let engine = Engine::new(store.clone());
     let mut stdout = std::io::stdout();
@@ -30,14 +33,26 @@ pub async fn run(store: Arc<Store>, sf: f64) -> Result<()> {
         let started = Instant::now();
         let batches = engine.query(tessera_tpch::query(q)).await?;
         let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
-        println!("{:>5} {:>8} {:>10.1}", format!("Q{q}"), rows, started.elapsed().as_secs_f64() * 1e3);
+        println!(
+            "{:>5} {:>8} {:>10.1}",
+            format!("Q{q}"),
+            rows,
+            started.elapsed().as_secs_f64() * 1e3
+        );
     }
 
     println!("\nTime travel: every write is a new epoch; older epochs stay readable.");
     let before = store.visible_epoch();
     let tag = format!("changed by the demo at epoch {}", before.next());
-    let outputs = engine.execute(&format!("UPDATE nation SET n_comment = '{tag}' WHERE n_nationkey = 0")).await?;
-    if let Some(StatementOutput::Done { epoch: Some(epoch), .. }) = outputs.first() {
+    let outputs = engine
+        .execute(&format!(
+            "UPDATE nation SET n_comment = '{tag}' WHERE n_nationkey = 0"
+        ))
+        .await?;
+    if let Some(StatementOutput::Done {
+        epoch: Some(epoch), ..
+    }) = outputs.first()
+    {
         println!("UPDATE nation ... committed as epoch {epoch}");
     }
     for sql in [

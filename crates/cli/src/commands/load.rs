@@ -17,14 +17,26 @@ pub async fn tpch(store: Arc<Store>, sf: f64, report: bool) -> Result<()> {
     let engine = Engine::new(store.clone());
     for table in tessera_tpch::TABLES {
         if store.table_def(table.name).is_some() {
-            bail!("table {:?} already exists; load into a fresh --data-dir or DROP TABLE {} first", table.name, table.name);
+            bail!(
+                "table {:?} already exists; load into a fresh --data-dir or DROP TABLE {} first",
+                table.name,
+                table.name
+            );
         }
     }
     let started = Instant::now();
     for table in tessera_tpch::TABLES {
-        engine.execute(&tessera_tpch::create_table_sql(&table)).await?;
+        engine
+            .execute(&tessera_tpch::create_table_sql(&table))
+            .await?;
         let progress = ProgressBar::new(table.estimated_rows(sf));
-        progress.set_style(ProgressStyle::with_template("{msg:>10} [{bar:40}] {human_pos}/{human_len} rows ({per_sec})").expect("valid template").progress_chars("=> "));
+        progress.set_style(
+            ProgressStyle::with_template(
+                "{msg:>10} [{bar:40}] {human_pos}/{human_len} rows ({per_sec})",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
         progress.set_message(table.name);
         let mut batches = Vec::new();
         let mut rows = 0u64;
@@ -36,14 +48,27 @@ pub async fn tpch(store: Arc<Store>, sf: f64, report: bool) -> Result<()> {
         }
         progress.set_message(format!("{} (publishing)", table.name));
         let store = store.clone();
-        let epoch = tokio::task::spawn_blocking(move || store.publish(vec![TableChanges { table: table.name.into(), upserts: batches, deletes: vec![] }])).await??;
+        let epoch = tokio::task::spawn_blocking(move || {
+            store.publish(vec![TableChanges {
+                table: table.name.into(),
+                upserts: batches,
+                deletes: vec![],
+            }])
+        })
+        .await??;
         progress.finish_and_clear();
         if report {
-            println!("loaded {:>10} rows into {:<9} as epoch {epoch}", rows, table.name);
+            println!(
+                "loaded {:>10} rows into {:<9} as epoch {epoch}",
+                rows, table.name
+            );
         }
     }
     if report {
-        println!("TPC-H SF {sf} loaded in {:.1} s", started.elapsed().as_secs_f64());
+        println!(
+            "TPC-H SF {sf} loaded in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
     }
     Ok(())
 }

@@ -10,24 +10,42 @@ use tessera_storage::versions::stored_user_schema;
 use tessera_storage::{Store, TableChanges, TableDef};
 
 pub async fn run(store: Arc<Store>, table: &str, delete: bool, files: &[PathBuf]) -> Result<()> {
-    let Some(def) = store.table_def(table) else { bail!("table {table:?} does not exist; CREATE TABLE it first") };
+    let Some(def) = store.table_def(table) else {
+        bail!("table {table:?} does not exist; CREATE TABLE it first")
+    };
     let mut batches = Vec::new();
     for file in files {
-        batches.extend(read_file(&def, file, delete).with_context(|| format!("reading {}", file.display()))?);
+        batches.extend(
+            read_file(&def, file, delete).with_context(|| format!("reading {}", file.display()))?,
+        );
     }
     let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
     let changes = if delete {
-        TableChanges { table: table.into(), upserts: vec![], deletes: batches }
+        TableChanges {
+            table: table.into(),
+            upserts: vec![],
+            deletes: batches,
+        }
     } else {
-        TableChanges { table: table.into(), upserts: batches, deletes: vec![] }
+        TableChanges {
+            table: table.into(),
+            upserts: batches,
+            deletes: vec![],
+        }
     };
     let epoch = tokio::task::spawn_blocking(move || store.publish(vec![changes])).await??;
-    println!("published {rows} {} to {table} as epoch {epoch}", if delete { "deletes" } else { "rows" });
+    println!(
+        "published {rows} {} to {table} as epoch {epoch}",
+        if delete { "deletes" } else { "rows" }
+    );
     Ok(())
 }
 
 fn read_file(def: &TableDef, path: &Path, delete: bool) -> Result<Vec<RecordBatch>> {
-    let extension = path.extension().and_then(|e| e.to_str()).map(|e| e.to_ascii_lowercase());
+    let extension = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(|e| e.to_ascii_lowercase());
     match extension.as_deref() {
         Some("parquet") => {
             let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(path)?)?.build()?;
@@ -39,7 +57,9 @@ fn read_file(def: &TableDef, path: &Path, delete: bool) -> Result<Vec<RecordBatc
             } else {
                 stored_user_schema(def)
             };
-            let reader = arrow::csv::ReaderBuilder::new(schema).with_header(true).build(File::open(path)?)?;
+            let reader = arrow::csv::ReaderBuilder::new(schema)
+                .with_header(true)
+                .build(File::open(path)?)?;
             Ok(reader.collect::<Result<Vec<_>, _>>()?)
         }
         _ => bail!("unsupported file type: expected .parquet or .csv"),

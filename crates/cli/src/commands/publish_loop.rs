@@ -33,7 +33,13 @@ pub async fn run(store: Arc<Store>, rows: i64, bulk_every: i64) -> Result<()> {
     let mut n = counter
         .iter()
         .find(|b| b.num_rows() > 0)
-        .map(|b| b.column(0).as_any().downcast_ref::<Int64Array>().expect("tag is BIGINT").value(0))
+        .map(|b| {
+            b.column(0)
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .expect("tag is BIGINT")
+                .value(0)
+        })
         .unwrap_or(0)
         + 1;
     let schema = Arc::new(Schema::new(vec![
@@ -51,16 +57,27 @@ pub async fn run(store: Arc<Store>, rows: i64, bulk_every: i64) -> Result<()> {
         let values: Vec<String> = keys.iter().map(|k| format!("value-{k:012}")).collect();
         let upserts = RecordBatch::try_new(
             schema.clone(),
-            vec![Arc::new(Int64Array::from(keys)), Arc::new(Int64Array::from(tags)), Arc::new(StringArray::from(values))],
+            vec![
+                Arc::new(Int64Array::from(keys)),
+                Arc::new(Int64Array::from(tags)),
+                Arc::new(StringArray::from(values)),
+            ],
         )?;
         let mut deletes = vec![];
         if n > 3 {
             let old = n - 3;
             let half = rows_in(old, rows, bulk_every) / 2;
             let keys: Vec<i64> = (0..half).map(|j| old * KEY_STRIDE + j).collect();
-            deletes.push(RecordBatch::try_new(key_schema.clone(), vec![Arc::new(Int64Array::from(keys))])?);
+            deletes.push(RecordBatch::try_new(
+                key_schema.clone(),
+                vec![Arc::new(Int64Array::from(keys))],
+            )?);
         }
-        let changes = vec![TableChanges { table: "kv".into(), upserts: vec![upserts], deletes }];
+        let changes = vec![TableChanges {
+            table: "kv".into(),
+            upserts: vec![upserts],
+            deletes,
+        }];
         let publisher = store.clone();
         let epoch = tokio::task::spawn_blocking(move || publisher.publish(changes)).await??;
         writeln!(stdout, "ACK {n} {epoch}")?;

@@ -29,7 +29,15 @@ pub async fn run(store: Arc<Store>, command: Option<&str>, format: Format) -> Re
     let mut lines = stdin.lock().lines();
     loop {
         if interactive {
-            write!(stdout, "{}", if pending.is_empty() { "tessera> " } else { "     ... " })?;
+            write!(
+                stdout,
+                "{}",
+                if pending.is_empty() {
+                    "tessera> "
+                } else {
+                    "     ... "
+                }
+            )?;
             stdout.flush()?;
         }
         let Some(line) = lines.next() else { break };
@@ -60,7 +68,10 @@ pub async fn run(store: Arc<Store>, command: Option<&str>, format: Format) -> Re
         pending.clear();
     }
     if !pending.trim().is_empty() {
-        bail!("input ended inside a statement (missing ';'): {}", pending.trim());
+        bail!(
+            "input ended inside a statement (missing ';'): {}",
+            pending.trim()
+        );
     }
     if failures > 0 && !interactive {
         bail!("{failures} statement(s) failed");

@@ -1,0 +1,200 @@
+//! The `tessera` command as a user runs it: relative data directories, the prompt on
+//! standard input, output formats, publishing files, and clear errors.
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tessera");
+
+fn tessera(cwd: &Path, args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(BIN)
+        .current_dir(cwd)
+        .args(["--data-dir", "data", "--partitions", "4"])
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(stdin.unwrap_or("").as_bytes()).unwrap();
+    drop(input);
+    child.wait_with_output().unwrap()
+}
+
+fn stdout_of(output: &Output) -> String {
+    assert!(
+        output.status.success(),
+        "failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).to_string()
+}
+
+#[test]
+fn a_relative_data_dir_works_across_checkpoints_and_formats() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let setup = "CREATE TABLE t (k BIGINT, v VARCHAR, PRIMARY KEY (k)); INSERT INTO t VALUES (1, 'a'), (2, 'b');";
+    assert!(stdout_of(&tessera(cwd, &["sql", "-c", setup], None)).contains("INSERT 2 (epoch 1)"));
+    stdout_of(&tessera(cwd, &["checkpoint"], None));
+    let csv = stdout_of(&tessera(
+        cwd,
+        &[
+            "sql",
+            "--format",
+            "csv",
+            "-c",
+            "SELECT k, v FROM t ORDER BY k",
+        ],
+        None,
+    ));
+    assert_eq!(csv, "k,v\n1,a\n2,b\n");
+    let json = stdout_of(&tessera(
+        cwd,
+        &[
+            "sql",
+            "--format",
+            "json",
+            "-c",
+            "SELECT k FROM t WHERE v = 'b'",
+        ],
+        None,
+    ));
+    assert_eq!(json.trim(), r#"[{"k":2}]"#);
+    let explain = stdout_of(&tessera(
+        cwd,
+        &["sql", "-c", "EXPLAIN SELECT v FROM t WHERE k > 1"],
+        None,
+    ));
+    assert!(
+        explain.contains("DataSourceExec"),
+        "plain components are scanned as Parquet: {explain}"
+    );
+}
+
+#[test]
+fn the_prompt_runs_statements_from_stdin_and_reports_failures() {
+    let tmp = tempfile::tempdir().unwrap();
+    let script = "CREATE TABLE t (k BIGINT PRIMARY KEY, v BIGINT);\nINSERT INTO t\n  VALUES (1, 10);\nSELECT nonsense;\nSELECT v FROM t;\n";
+    let output = tessera(tmp.path(), &["sql"], Some(script));
+    assert!(
+        !output.status.success(),
+        "a failed statement makes a script fail"
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stdout.contains("| 10 |"),
+        "statements after the failure still run: {stdout}"
+    );
+    assert!(
+        stderr.contains("nonsense"),
+        "the error names the problem: {stderr}"
+    );
+    let unfinished = tessera(tmp.path(), &["sql"], Some("SELECT 1"));
+    assert!(String::from_utf8_lossy(&unfinished.stderr).contains("missing ';'"));
+}
+
+#[test]
+fn publish_reads_csv_upserts_and_deletes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    stdout_of(&tessera(
+        cwd,
+        &[
+            "sql",
+            "-c",
+            "CREATE TABLE t (k BIGINT, v VARCHAR, PRIMARY KEY (k))",
+        ],
+        None,
+    ));
+    std::fs::write(cwd.join("rows.csv"), "k,v\n1,one\n2,two\n3,three\n").unwrap();
+    std::fs::write(cwd.join("keys.csv"), "k\n2\n").unwrap();
+    assert!(stdout_of(&tessera(
+        cwd,
+        &["publish", "--table", "t", "rows.csv"],
+        None
+    ))
+    .contains("published 3 rows to t as epoch 1"));
+    assert!(stdout_of(&tessera(
+        cwd,
+        &["publish", "--table", "t", "--delete", "keys.csv"],
+        None
+    ))
+    .contains("epoch 2"));
+    let csv = stdout_of(&tessera(
+        cwd,
+        &["sql", "--format", "csv", "-c", "SELECT k FROM t ORDER BY k"],
+        None,
+    ));
+    assert_eq!(csv, "k\n1\n3\n");
+    std::fs::write(cwd.join("bad.csv"), "k,v\nnot-a-number,x\n").unwrap();
+    let bad = tessera(cwd, &["publish", "--table", "t", "bad.csv"], None);
+    assert!(!bad.status.success());
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        stderr.contains("bad.csv") && stderr.contains("not-a-number"),
+        "{stderr}"
+    );
+    let unknown = tessera(cwd, &["publish", "--table", "nope", "rows.csv"], None);
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("\"nope\" does not exist"));
+}
+
+#[test]
+fn a_second_process_on_the_same_data_dir_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut holder = Command::new(BIN)
+        .current_dir(tmp.path())
+        .args(["--data-dir", "data", "sql"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The holder has the lock once its data directory holds a checkpoint.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !tmp.path().join("data/checkpoint.json").exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first process never opened its store"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let second = tessera(tmp.path(), &["status"], None);
+    let _ = holder.kill();
+    let _ = holder.wait();
+    assert!(String::from_utf8_lossy(&second.stderr).contains("in use by another Tessera process"));
+}
+
+#[test]
+fn the_benchmark_command_runs_and_checks_answers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let output = tessera(
+        tmp.path(),
+        &[
+            "bench",
+            "tpch",
+            "--sf",
+            "0.01",
+            "--runs",
+            "1",
+            "--queries",
+            "1,3,6",
+        ],
+        None,
+    );
+    let stdout = stdout_of(&output);
+    assert_eq!(
+        stdout.matches("  same").count(),
+        3,
+        "every benchmarked answer equals DataFusion's: {stdout}"
+    );
+    assert!(stdout.contains("geometric mean ratio"), "{stdout}");
+    let bad = tessera(
+        tmp.path(),
+        &["bench", "tpch", "--sf", "0.01", "--queries", "23"],
+        None,
+    );
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not 23"));
+}
