@@ -126,6 +126,10 @@ fn sigkill_during_publishing_loses_no_acknowledged_epoch_and_shows_no_partial_on
         max_acked >= iterations() as i64,
         "each run acknowledged at least one publish"
     );
+    eprintln!(
+        "{} SIGKILLs; {max_acked} publishes acknowledged, every one present after restart",
+        iterations()
+    );
     let status = run(Path::new(BIN), &data, &["status"]);
     assert!(status.status.success());
 }

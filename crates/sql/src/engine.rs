@@ -120,7 +120,6 @@ impl Engine {
                         .map(|e| partition_columns(&e))
                         .transpose()?
                 }
-                SqlStatement::Update(update) => self.reject_key_updates(update)?,
                 _ => {}
             }
         }
@@ -185,32 +184,6 @@ impl Engine {
         }
     }
 
-    fn reject_key_updates(&self, update: &datafusion::sql::sqlparser::ast::Update) -> Result<()> {
-        let table = update
-            .table
-            .relation
-            .to_string()
-            .trim_matches('"')
-            .to_lowercase();
-        let Some(def) = self.store.table_def(&table) else {
-            return Ok(());
-        };
-        for assignment in &update.assignments {
-            let target = assignment
-                .target
-                .to_string()
-                .trim_matches('"')
-                .to_lowercase();
-            let column = target.rsplit('.').next().unwrap_or(&target).to_string();
-            if def.primary_key.iter().any(|k| k.to_lowercase() == column) {
-                return Err(SqlError::Unsupported(format!(
-                    "UPDATE of primary key column {column:?} of table {table:?}; DELETE the row and INSERT it with the new key instead"
-                )));
-            }
-        }
-        Ok(())
-    }
-
     async fn collect(&self, plan: LogicalPlan) -> Result<Vec<RecordBatch>> {
         let frame = self
             .ctx
@@ -230,6 +203,9 @@ impl Engine {
         let def = self.store.table_def(&table).ok_or_else(|| {
             SqlError::Storage(tessera_storage::StorageError::UnknownTable(table.clone()))
         })?;
+        if matches!(dml.op, WriteOp::Update) {
+            reject_key_updates(&def, &dml.input)?;
+        }
         let batches = self.collect(dml.input.as_ref().clone()).await?;
         let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
         match dml.op {
@@ -322,6 +298,28 @@ fn done(tag: &str, epoch: Option<Epoch>) -> StatementOutput {
         tag: tag.to_string(),
         epoch,
     }
+}
+
+/// UPDATE changes rows in place, so it may not change a key: DataFusion plans UPDATE as a
+/// projection in which every column not assigned is a plain reference to itself.
+fn reject_key_updates(def: &TableDef, input: &LogicalPlan) -> Result<()> {
+    let LogicalPlan::Projection(projection) = input else {
+        return Err(SqlError::Unsupported("this form of UPDATE".into()));
+    };
+    for (expr, field) in projection.expr.iter().zip(projection.schema.fields()) {
+        if !def.primary_key.iter().any(|k| k == field.name()) {
+            continue;
+        }
+        let unchanged = matches!(expr.clone().unalias(), datafusion::logical_expr::Expr::Column(c) if c.name == *field.name());
+        if !unchanged {
+            return Err(SqlError::Unsupported(format!(
+                "UPDATE of primary key column {:?} of table {:?}; DELETE the row and INSERT it with the new key instead",
+                field.name(),
+                def.name
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// `PARTITION BY (a, b)` or `PARTITION BY a` in CREATE TABLE: the partition key columns.

@@ -163,3 +163,33 @@ async fn append_only_tables_keep_every_row_and_refuse_deletes() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_publishes_are_refused_with_the_limit_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = StoreConfig {
+        partitions: 4,
+        max_publish_bytes: 64 << 10,
+        ..StoreConfig::default()
+    };
+    let store = Store::open(dir.path(), config).unwrap();
+    let engine = Engine::new(store.clone());
+    engine
+        .execute("CREATE TABLE people (id BIGINT, name VARCHAR NOT NULL, PRIMARY KEY (id))")
+        .await
+        .unwrap();
+    engine
+        .execute("INSERT INTO people VALUES (1, 'ada')")
+        .await
+        .unwrap();
+    let epoch = store.visible_epoch();
+    let err = expect_error(
+        &engine,
+        "INSERT INTO people SELECT value, 'x' FROM generate_series(2, 100000)",
+        "max_publish_bytes",
+    )
+    .await;
+    assert!(err.to_string().contains("65536"), "{err}");
+    assert_eq!(store.visible_epoch(), epoch);
+    assert!(contents(&engine).await.contains("ada"));
+}
