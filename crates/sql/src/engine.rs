@@ -226,12 +226,9 @@ impl Engine {
             }
             WriteOp::Delete => {
                 if def.append_only {
-                    return Err(SqlError::Storage(
-                        tessera_storage::StorageError::AppendOnly {
-                            table,
-                            reason: "rows cannot be deleted from an append-only table".into(),
-                        },
-                    ));
+                    return Err(
+                        tessera_storage::StorageError::delete_from_append_only(&table).into(),
+                    );
                 }
                 let key = def.primary_key_indices();
                 let keys = batches

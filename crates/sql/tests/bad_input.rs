@@ -3,6 +3,17 @@
 use tessera_sql::{Engine, SqlError};
 use tessera_storage::{Store, StoreConfig};
 
+fn small_store(dir: &std::path::Path) -> std::sync::Arc<Store> {
+    Store::open(
+        dir,
+        StoreConfig {
+            partitions: 4,
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap()
+}
+
 async fn contents(engine: &Engine) -> String {
     let batches = engine
         .query("SELECT id, name FROM people ORDER BY id")
@@ -27,14 +38,7 @@ async fn expect_error(engine: &Engine, sql: &str, needle: &str) -> SqlError {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_statements_are_refused_and_nothing_changes() {
     let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(
-        dir.path(),
-        StoreConfig {
-            partitions: 4,
-            ..StoreConfig::default()
-        },
-    )
-    .unwrap();
+    let store = small_store(dir.path());
     let engine = Engine::new(store.clone());
     engine
         .execute("CREATE TABLE people (id BIGINT, name VARCHAR NOT NULL, PRIMARY KEY (id))")
@@ -123,14 +127,7 @@ async fn bad_statements_are_refused_and_nothing_changes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn append_only_tables_keep_every_row_and_refuse_deletes() {
     let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(
-        dir.path(),
-        StoreConfig {
-            partitions: 4,
-            ..StoreConfig::default()
-        },
-    )
-    .unwrap();
+    let store = small_store(dir.path());
     let engine = Engine::new(store);
     engine
         .execute("CREATE TABLE events (kind VARCHAR, amount DOUBLE)")

@@ -64,6 +64,14 @@ pub enum StorageError {
 }
 
 impl StorageError {
+    /// A delete aimed at an append-only table.
+    pub fn delete_from_append_only(table: &str) -> StorageError {
+        StorageError::AppendOnly {
+            table: table.to_string(),
+            reason: "rows cannot be deleted from an append-only table".into(),
+        }
+    }
+
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> StorageError {
         StorageError::Io {
             path: path.into(),

@@ -463,10 +463,7 @@ impl Store {
                 .table_def(&change.table)
                 .ok_or_else(|| StorageError::UnknownTable(change.table.clone()))?;
             if def.append_only && change.deletes.iter().any(|b| b.num_rows() > 0) {
-                return Err(StorageError::AppendOnly {
-                    table: def.name.clone(),
-                    reason: "rows cannot be deleted from an append-only table".into(),
-                });
+                return Err(StorageError::delete_from_append_only(&def.name));
             }
             let upserts: Vec<RecordBatch> = change
                 .upserts
