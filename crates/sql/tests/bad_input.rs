@@ -14,6 +14,13 @@ fn small_store(dir: &std::path::Path) -> std::sync::Arc<Store> {
     .unwrap()
 }
 
+async fn create_people(engine: &Engine) {
+    engine
+        .execute("CREATE TABLE people (id BIGINT, name VARCHAR NOT NULL, PRIMARY KEY (id))")
+        .await
+        .unwrap();
+}
+
 async fn contents(engine: &Engine) -> String {
     let batches = engine
         .query("SELECT id, name FROM people ORDER BY id")
@@ -40,10 +47,7 @@ async fn bad_statements_are_refused_and_nothing_changes() {
     let dir = tempfile::tempdir().unwrap();
     let store = small_store(dir.path());
     let engine = Engine::new(store.clone());
-    engine
-        .execute("CREATE TABLE people (id BIGINT, name VARCHAR NOT NULL, PRIMARY KEY (id))")
-        .await
-        .unwrap();
+    create_people(&engine).await;
     engine
         .execute("INSERT INTO people VALUES (1, 'ada'), (2, 'grace')")
         .await
@@ -171,10 +175,7 @@ async fn oversized_publishes_are_refused_with_the_limit_named() {
     };
     let store = Store::open(dir.path(), config).unwrap();
     let engine = Engine::new(store.clone());
-    engine
-        .execute("CREATE TABLE people (id BIGINT, name VARCHAR NOT NULL, PRIMARY KEY (id))")
-        .await
-        .unwrap();
+    create_people(&engine).await;
     engine
         .execute("INSERT INTO people VALUES (1, 'ada')")
         .await
