@@ -6,6 +6,7 @@ mod output;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand, ValueEnum};
+use commands::target::Target;
 use std::path::PathBuf;
 use std::sync::Arc;
 use tessera_storage::{Store, StoreConfig};
@@ -25,6 +26,10 @@ struct Cli {
         env = "TESSERA_DATA_DIR"
     )]
     data_dir: PathBuf,
+    /// Work against a running cluster through the node at this address (host:port)
+    /// instead of the local data directory (sql, load, publish, status).
+    #[arg(long, global = true, env = "TESSERA_NODE")]
+    node: Option<String>,
     #[command(flatten)]
     store: StoreFlags,
     #[command(subcommand)]
@@ -92,8 +97,30 @@ enum Command {
     },
     /// Flush memory to components and trim the log.
     Checkpoint,
-    /// Tables, rows, components and the visible epoch.
+    /// Tables, rows, components and the visible epoch; with --node, the cluster: nodes,
+    /// liveness, partitions, primaries, replicas and epochs.
     Status,
+    /// Run one node of a cluster, configured by a TOML file (see the README).
+    Node {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Move a node's partitions to the other members and retire it (needs --node).
+    Decommission {
+        /// The node to retire.
+        id: u64,
+    },
+    /// Start a local cluster of node processes on 127.0.0.1, data under --data-dir.
+    Up {
+        #[arg(long, default_value_t = 3)]
+        nodes: u64,
+        /// Node i listens on base-port + i - 1.
+        #[arg(long, default_value_t = 7001)]
+        base_port: u16,
+        /// Copies of each partition.
+        #[arg(long, default_value_t = 3)]
+        replication: u32,
+    },
     /// Benchmarks that print Tessera against a baseline measured in the same run.
     Bench {
         #[command(subcommand)]
@@ -113,6 +140,9 @@ enum LoadDataset {
     Tpch {
         #[arg(long, default_value_t = 1.0)]
         sf: f64,
+        /// Comma-separated tables to load (default: all eight).
+        #[arg(long, value_delimiter = ',')]
+        tables: Vec<String>,
     },
 }
 
@@ -126,6 +156,14 @@ enum BenchKind {
         #[arg(long, value_delimiter = ',')]
         queries: Vec<usize>,
         /// Timed runs per query and engine; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
+    /// Cluster formation time, leader failover time, and publish rows/s on 1 vs 3 nodes.
+    Cluster {
+        /// Scale factor of the lineitem rows published.
+        #[arg(long, default_value_t = 0.1)]
+        sf: f64,
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
@@ -154,11 +192,19 @@ fn open_store(cli: &Cli) -> Result<Arc<Store>> {
     Ok(Store::open(&cli.data_dir, cli.store.config())?)
 }
 
+/// The cluster node named by --node, or the local store.
+fn target(cli: &Cli) -> Result<Target> {
+    Ok(match &cli.node {
+        Some(addr) => Target::cluster(addr),
+        None => Target::local(open_store(cli)?),
+    })
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("TESSERA_LOG")
-                .unwrap_or_else(|_| "warn".into()),
+                .unwrap_or_else(|_| "warn,openraft=error".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -177,26 +223,56 @@ async fn run(cli: Cli) -> Result<()> {
     match &cli.command {
         Command::Demo { sf } => commands::demo::run(open_store(&cli)?, *sf).await,
         Command::Sql { command, format } => {
-            commands::sql::run(open_store(&cli)?, command.as_deref(), *format).await
+            commands::sql::run(target(&cli)?, command.as_deref(), *format).await
         }
         Command::Load {
-            dataset: LoadDataset::Tpch { sf },
-        } => commands::load::tpch(open_store(&cli)?, *sf, true).await,
+            dataset: LoadDataset::Tpch { sf, tables },
+        } => commands::load::tpch(&target(&cli)?, *sf, tables, true).await,
         Command::Publish {
             table,
             delete,
             files,
-        } => commands::publish::run(open_store(&cli)?, table, *delete, files).await,
+        } => commands::publish::run(target(&cli)?, table, *delete, files).await,
+        Command::Node { config } => commands::node::run(config).await,
+        Command::Decommission { id } => {
+            let Some(addr) = &cli.node else {
+                anyhow::bail!("decommission works on a cluster: give --node ADDR of any member");
+            };
+            tessera_cluster::ClusterClient::new(addr)
+                .decommission(*id)
+                .await?;
+            println!("node {id} is leaving: its partitions are moving to the other members; `tessera --node {addr} status` shows it removed when done");
+            Ok(())
+        }
+        Command::Up {
+            nodes,
+            base_port,
+            replication,
+        } => {
+            let options = commands::up::UpOptions {
+                nodes: *nodes,
+                base_port: *base_port,
+                partitions: cli.store.partitions,
+                replication: *replication,
+            };
+            commands::up::run(&cli.data_dir, options).await
+        }
         Command::Checkpoint => {
             let store = open_store(&cli)?;
             store.checkpoint()?;
             println!("checkpoint done; visible epoch {}", store.visible_epoch());
             Ok(())
         }
-        Command::Status => commands::status::run(open_store(&cli)?),
+        Command::Status => match &cli.node {
+            Some(addr) => commands::cluster_status::run(addr).await,
+            None => commands::status::run(open_store(&cli)?),
+        },
         Command::Bench {
             bench: BenchKind::Tpch { sf, queries, runs },
         } => commands::bench::tpch(&cli.data_dir, cli.store.config(), *sf, queries, *runs).await,
+        Command::Bench {
+            bench: BenchKind::Cluster { sf, runs },
+        } => commands::bench_cluster::run(&cli.data_dir, *sf, cli.store.partitions, *runs).await,
         Command::Debug {
             tool: DebugTool::PublishLoop { rows, bulk_every },
         } => commands::publish_loop::run(open_store(&cli)?, *rows, *bulk_every).await,

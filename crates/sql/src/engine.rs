@@ -4,9 +4,9 @@
 //! UPDATE expressions and DELETE predicates mean what DataFusion says they mean) and then
 //! executed here: their input rows are collected and published as one epoch.
 
+use crate::backend::{Backend, LocalBackend};
 use crate::error::{from_datafusion, Result, SqlError};
-use crate::provider::{ScanLayout, TesseraSchema};
-use crate::scan::read_visible_partition;
+use crate::provider::ScanLayout;
 use crate::time_travel::rewrite_as_of_epoch;
 use arrow::array::RecordBatch;
 use arrow::compute::concat_batches;
@@ -21,7 +21,7 @@ use datafusion::sql::sqlparser::ast::{Expr as SqlExpr, Statement as SqlStatement
 use datafusion::sql::sqlparser::dialect::GenericDialect;
 use std::collections::HashSet;
 use std::sync::Arc;
-use tessera_common::Epoch;
+use tessera_common::{Epoch, PartitionId};
 use tessera_storage::versions::{split_by_partition, stored_user_schema};
 use tessera_storage::{Store, TableChanges, TableDef};
 
@@ -43,11 +43,12 @@ pub enum StatementOutput {
 }
 
 pub struct Engine {
-    store: Arc<Store>,
+    backend: Arc<dyn Backend>,
     ctx: SessionContext,
 }
 
 impl Engine {
+    /// An engine over one local store.
     pub fn new(store: Arc<Store>) -> Engine {
         Self::with_config(store, SessionConfig::new())
     }
@@ -57,23 +58,25 @@ impl Engine {
     }
 
     pub fn with_layout(store: Arc<Store>, config: SessionConfig, layout: ScanLayout) -> Engine {
+        Self::with_backend(Arc::new(LocalBackend::new(store, layout)), config)
+    }
+
+    /// An engine over any backend: a local store or a cluster.
+    pub fn with_backend(backend: Arc<dyn Backend>, config: SessionConfig) -> Engine {
         let config = config
             .with_information_schema(true)
             .with_default_catalog_and_schema("tessera", "public");
         let ctx = SessionContext::new_with_config(config);
         let catalog = MemoryCatalogProvider::new();
         catalog
-            .register_schema(
-                "public",
-                Arc::new(TesseraSchema::new(store.clone(), layout)),
-            )
+            .register_schema("public", backend.schema_provider())
             .expect("a fresh catalog accepts a schema");
         ctx.register_catalog("tessera", Arc::new(catalog));
-        Engine { store, ctx }
+        Engine { backend, ctx }
     }
 
-    pub fn store(&self) -> &Arc<Store> {
-        &self.store
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
     }
 
     pub fn session(&self) -> &SessionContext {
@@ -123,6 +126,7 @@ impl Engine {
                 _ => {}
             }
         }
+        self.backend.begin_statement().await;
         let state = self.ctx.state();
         let plan = state
             .statement_to_plan(statement)
@@ -136,7 +140,7 @@ impl Engine {
                         "CREATE OR REPLACE TABLE; drop the table first".into(),
                     ));
                 }
-                if create.if_not_exists && self.store.table_def(&name).is_some() {
+                if create.if_not_exists && self.backend.table_def(&name).is_some() {
                     return Ok(done("CREATE TABLE", None));
                 }
                 let schema = create.input.schema().as_arrow().clone();
@@ -154,7 +158,7 @@ impl Engine {
                     })
                     .unwrap_or_default();
                 let def = TableDef::new(&name, schema, primary_key, partition_by)?;
-                self.store.create_table(def)?;
+                self.backend.create_table(def).await?;
                 if matches!(create.input.as_ref(), LogicalPlan::EmptyRelation(_)) {
                     return Ok(done("CREATE TABLE", None));
                 }
@@ -164,10 +168,10 @@ impl Engine {
             }
             LogicalPlan::Ddl(DdlStatement::DropTable(drop)) => {
                 let name = drop.name.table().to_string();
-                if drop.if_exists && self.store.table_def(&name).is_none() {
+                if drop.if_exists && self.backend.table_def(&name).is_none() {
                     return Ok(done("DROP TABLE", None));
                 }
-                self.store.drop_table(&name)?;
+                self.backend.drop_table(&name).await?;
                 Ok(done("DROP TABLE", None))
             }
             LogicalPlan::Dml(dml) => self.execute_dml(dml).await,
@@ -200,7 +204,7 @@ impl Engine {
 
     async fn execute_dml(&self, dml: DmlStatement) -> Result<StatementOutput> {
         let table = dml.table_name.table().to_string();
-        let def = self.store.table_def(&table).ok_or_else(|| {
+        let def = self.backend.table_def(&table).ok_or_else(|| {
             SqlError::Storage(tessera_storage::StorageError::UnknownTable(table.clone()))
         })?;
         if matches!(dml.op, WriteOp::Update) {
@@ -214,14 +218,16 @@ impl Engine {
                 Ok(done(&format!("INSERT {rows}"), epoch))
             }
             WriteOp::Update => {
-                let epoch = self.publish(
-                    TableChanges {
-                        table,
-                        upserts: batches,
-                        deletes: vec![],
-                    },
-                    rows,
-                )?;
+                let epoch = self
+                    .publish(
+                        TableChanges {
+                            table,
+                            upserts: batches,
+                            deletes: vec![],
+                        },
+                        rows,
+                    )
+                    .await?;
                 Ok(done(&format!("UPDATE {rows}"), epoch))
             }
             WriteOp::Delete => {
@@ -235,25 +241,27 @@ impl Engine {
                     .iter()
                     .map(|b| b.project(&key))
                     .collect::<std::result::Result<Vec<_>, _>>()?;
-                let epoch = self.publish(
-                    TableChanges {
-                        table,
-                        upserts: vec![],
-                        deletes: keys,
-                    },
-                    rows,
-                )?;
+                let epoch = self
+                    .publish(
+                        TableChanges {
+                            table,
+                            upserts: vec![],
+                            deletes: keys,
+                        },
+                        rows,
+                    )
+                    .await?;
                 Ok(done(&format!("DELETE {rows}"), epoch))
             }
             other => Err(SqlError::Unsupported(format!("{other} statements"))),
         }
     }
 
-    fn publish(&self, changes: TableChanges, rows: usize) -> Result<Option<Epoch>> {
+    async fn publish(&self, changes: TableChanges, rows: usize) -> Result<Option<Epoch>> {
         if rows == 0 {
             return Ok(None);
         }
-        Ok(Some(self.store.publish(vec![changes])?))
+        Ok(Some(self.backend.publish(vec![changes]).await?))
     }
 
     /// INSERT: publishes new rows, refusing keys that already exist at the visible epoch.
@@ -266,26 +274,24 @@ impl Engine {
         if rows == 0 {
             return Ok((0, None));
         }
-        let def = self.store.table_def(table).ok_or_else(|| {
+        let def = self.backend.table_def(table).ok_or_else(|| {
             SqlError::Storage(tessera_storage::StorageError::UnknownTable(
                 table.to_string(),
             ))
         })?;
         if !def.append_only {
-            let store = self.store.clone();
-            let new_rows = batches.clone();
-            tokio::task::spawn_blocking(move || reject_existing_keys(&store, &def, &new_rows))
-                .await
-                .map_err(|e| SqlError::Unsupported(format!("key check task failed: {e}")))??;
+            reject_existing_keys(self.backend.as_ref(), &def, &batches).await?;
         }
-        let epoch = self.publish(
-            TableChanges {
-                table: table.to_string(),
-                upserts: batches,
-                deletes: vec![],
-            },
-            rows,
-        )?;
+        let epoch = self
+            .publish(
+                TableChanges {
+                    table: table.to_string(),
+                    upserts: batches,
+                    deletes: vec![],
+                },
+                rows,
+            )
+            .await?;
         Ok((rows, epoch))
     }
 }
@@ -339,7 +345,11 @@ fn partition_columns(expr: &SqlExpr) -> Result<Vec<String>> {
 }
 
 /// Fails if any key in `new_rows` already has a live row at the visible epoch.
-fn reject_existing_keys(store: &Store, def: &TableDef, new_rows: &[RecordBatch]) -> Result<()> {
+async fn reject_existing_keys(
+    backend: &dyn Backend,
+    def: &TableDef,
+    new_rows: &[RecordBatch],
+) -> Result<()> {
     let schema = stored_user_schema(def);
     let conformed: Vec<RecordBatch> = new_rows
         .iter()
@@ -358,27 +368,17 @@ fn reject_existing_keys(store: &Store, def: &TableDef, new_rows: &[RecordBatch])
             .collect::<Vec<_>>(),
     )?;
     let wanted: HashSet<_> = new_keys.iter().collect();
-    let snapshot = store.snapshot(&def.name, None)?;
     let stamped_placeholder = tessera_storage::versions::stamp(
         def,
         &new_rows,
         Epoch::ZERO,
         tessera_common::RowOp::Upsert,
     )?;
-    let touched: HashSet<u32> = split_by_partition(def, &store.ring(), &stamped_placeholder)?
+    let touched: Vec<PartitionId> = split_by_partition(def, &backend.ring(), &stamped_placeholder)?
         .into_iter()
-        .map(|(p, _)| p.0)
+        .map(|(p, _)| p)
         .collect();
-    for partition in snapshot
-        .partitions
-        .iter()
-        .filter(|p| touched.contains(&p.partition.0))
-    {
-        let Some(existing) =
-            read_visible_partition(store.components_dir(), def, snapshot.epoch, partition, &key)?
-        else {
-            continue;
-        };
+    for existing in backend.read_partitions(def, touched, key.clone()).await? {
         let existing_keys = converter.convert_columns(existing.columns())?;
         if let Some(row) =
             (0..existing.num_rows()).find(|&i| wanted.contains(&existing_keys.row(i)))

@@ -16,6 +16,9 @@ pub enum SqlError {
     Unsupported(String),
     #[error("{0}")]
     Constraint(String),
+    /// A failure of the cluster: an unreachable node, a lost leader, an aborted epoch.
+    #[error("{0}")]
+    Cluster(String),
     #[error("SQL text of {bytes} bytes exceeds the limit of {limit} bytes")]
     TooLarge { bytes: usize, limit: usize },
 }

@@ -6,12 +6,14 @@
 //! versioned store: CREATE/DROP TABLE, INSERT, UPDATE and DELETE, each write becoming one
 //! published epoch.
 
+pub mod backend;
 pub mod engine;
 pub mod error;
 pub mod provider;
 pub mod scan;
 pub mod time_travel;
 
+pub use backend::{Backend, LocalBackend};
 pub use engine::{Engine, StatementOutput};
 pub use error::SqlError;
 pub use provider::ScanLayout;

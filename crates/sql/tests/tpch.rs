@@ -33,7 +33,7 @@ async fn load(engine: &Engine, sf: f64, chunk_rows: usize) {
                 upserts: vec![batch.unwrap()],
                 deletes: vec![],
             };
-            engine.store().publish(vec![changes]).unwrap();
+            engine.backend().publish(vec![changes]).await.unwrap();
         }
     }
 }

@@ -21,6 +21,10 @@ pub struct TableDef {
     pub append_only: bool,
     /// The visible epoch when the table was created.
     pub created_at: Epoch,
+    /// In a cluster, the metadata log index that created the table, so replaying an old
+    /// CREATE or DROP never touches a newer table of the same name; 0 in a local store.
+    #[serde(default)]
+    pub generation: u64,
 }
 
 impl TableDef {
@@ -113,6 +117,7 @@ impl TableDef {
             partition_key,
             append_only,
             created_at: Epoch::ZERO,
+            generation: 0,
         })
     }
 

@@ -1,7 +1,7 @@
 //! Errors a user, a peer or a disk can cause. Broken invariants panic instead.
 
 use std::path::PathBuf;
-use tessera_common::{ComponentHash, Epoch, PartitioningError};
+use tessera_common::{ComponentHash, Epoch, PartitionId, PartitioningError};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -28,6 +28,12 @@ pub enum StorageError {
     SchemaMismatch { table: String, reason: String },
     #[error("duplicate primary key {key} in one publish to table {table:?}")]
     DuplicateKey { table: String, key: String },
+    #[error("rows of table {table:?} sent to partition {sent_to} belong to partition {belongs_to}: the sender's partition map disagrees with this node's hash")]
+    MisroutedRows {
+        table: String,
+        sent_to: PartitionId,
+        belongs_to: PartitionId,
+    },
     #[error("table {table:?} is append-only: {reason}")]
     AppendOnly { table: String, reason: String },
     #[error("{0}")]

@@ -20,4 +20,6 @@ pub use catalog::TableDef;
 pub use component::ComponentMeta;
 pub use error::StorageError;
 pub use manifest::Manifest;
-pub use store::{PartitionSnapshot, Store, StoreConfig, TableChanges, TableSnapshot};
+pub use store::{
+    PartitionChanges, PartitionSnapshot, Store, StoreConfig, TableChanges, TableSnapshot,
+};

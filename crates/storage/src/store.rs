@@ -121,6 +121,25 @@ pub struct TableStats {
     pub partitions_with_data: usize,
 }
 
+/// One partition's part of a cluster publish, as the coordinator routed it: rows to upsert
+/// (the table's columns) and keys to delete.
+#[derive(Debug, Clone)]
+pub struct PartitionChanges {
+    pub table: String,
+    pub partition: PartitionId,
+    pub upserts: Vec<RecordBatch>,
+    pub deletes: Vec<RecordBatch>,
+}
+
+/// Prepared rows of a cluster epoch that is not yet decided.
+struct PendingEntry {
+    /// Position among the epoch's entries; a commit assigns LSNs in this order.
+    seq: u32,
+    table: String,
+    partition: PartitionId,
+    batch: RecordBatch,
+}
+
 struct MemEntry {
     lsn: Lsn,
     epoch: Epoch,
@@ -146,6 +165,10 @@ struct State {
     resolved_above_visible: BTreeSet<Epoch>,
     retained_from: Epoch,
     memtable_bytes: usize,
+    /// Cluster epochs prepared here and not yet committed or aborted by the metadata service.
+    pending: BTreeMap<Epoch, Vec<PendingEntry>>,
+    /// The next sequence number of each pending epoch's entries.
+    next_prepare_seq: HashMap<Epoch, u32>,
 }
 
 impl State {
@@ -160,6 +183,16 @@ impl State {
         while self.resolved_above_visible.remove(&self.visible.next()) {
             self.visible = self.visible.next();
         }
+    }
+
+    /// Cluster mode: epochs are decided by the metadata service, so the store's visible
+    /// epoch only rises to what it is told.
+    fn advance_visible_to(&mut self, epoch: Epoch) {
+        if epoch > self.visible {
+            self.visible = epoch;
+            self.resolved_above_visible.retain(|e| *e > epoch);
+        }
+        self.next_epoch = self.next_epoch.max(epoch.next());
     }
 
     fn allocate_epoch(&mut self) -> Epoch {
@@ -693,6 +726,260 @@ impl Store {
         self.write_checkpoint(&state)
     }
 
+    /// Creates a table exactly as the cluster catalog defines it. A table of that name and
+    /// the same or a newer generation makes this a no-op (a replayed metadata entry); an
+    /// older one is replaced.
+    pub fn ensure_table(&self, def: TableDef) -> Result<()> {
+        if let Some(existing) = self.table_def(&def.name) {
+            if existing.generation >= def.generation {
+                return Ok(());
+            }
+            self.drop_table_generation(&def.name, existing.generation)?;
+        }
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        let mut state = self.state();
+        let partitions = (0..self.ring.partition_count())
+            .map(|_| PartitionState::default())
+            .collect();
+        state
+            .tables
+            .insert(def.name.clone(), TableState { def, partitions });
+        self.write_checkpoint(&state)
+    }
+
+    /// Drops the table if it exists with a generation at or below `generation`.
+    pub fn drop_table_generation(&self, name: &str, generation: u64) -> Result<()> {
+        match self.table_def(name) {
+            Some(existing) if existing.generation <= generation => self.drop_table(name),
+            _ => Ok(()),
+        }
+    }
+
+    /// Durably logs the rows a coordinator routed here for cluster epoch `epoch`. They stay
+    /// invisible until [`Store::commit_epoch`]; [`Store::abort_epoch`] discards them. A
+    /// large publish may arrive in several calls; each adds to the epoch's rows.
+    pub fn prepare_epoch(&self, epoch: Epoch, changes: Vec<PartitionChanges>) -> Result<()> {
+        self.check_poisoned()?;
+        let mut grouped: BTreeMap<(String, PartitionId), Vec<RecordBatch>> = BTreeMap::new();
+        for change in changes {
+            let def = self
+                .table_def(&change.table)
+                .ok_or_else(|| StorageError::UnknownTable(change.table.clone()))?;
+            let prepared = PreparedChanges {
+                upserts: change
+                    .upserts
+                    .iter()
+                    .filter(|b| b.num_rows() > 0)
+                    .map(|b| versions::conform_to_schema(&def, b))
+                    .collect::<Result<_>>()?,
+                deletes: change
+                    .deletes
+                    .iter()
+                    .filter(|b| b.num_rows() > 0)
+                    .map(|b| versions::tombstone_rows(&def, b))
+                    .collect::<Result<_>>()?,
+                def,
+            };
+            for (partition, batch) in prepared.stamped_by_partition(epoch, &self.ring)? {
+                if partition != change.partition {
+                    return Err(StorageError::MisroutedRows {
+                        table: change.table.clone(),
+                        sent_to: change.partition,
+                        belongs_to: partition,
+                    });
+                }
+                grouped
+                    .entry((change.table.clone(), partition))
+                    .or_default()
+                    .push(batch);
+            }
+        }
+        let _gate = self.gate.read().expect("gate lock");
+        let mut state = self.state();
+        let next_seq = state.next_prepare_seq.entry(epoch).or_insert(0);
+        let first_seq = *next_seq;
+        *next_seq += grouped.len() as u32;
+        let mut entries = Vec::with_capacity(grouped.len());
+        for (i, ((table, partition), batches)) in grouped.into_iter().enumerate() {
+            state.table(&table)?;
+            entries.push(PendingEntry {
+                seq: first_seq + i as u32,
+                table,
+                partition,
+                batch: concat_batches(&batches[0].schema(), &batches)?,
+            });
+        }
+        let mut frames = Vec::new();
+        for entry in &entries {
+            frames.extend(
+                WalRecord::Prepared {
+                    table: entry.table.clone(),
+                    partition: entry.partition,
+                    epoch,
+                    seq: entry.seq,
+                    batch: entry.batch.clone(),
+                }
+                .encode_frame()?,
+            );
+        }
+        state.next_epoch = state.next_epoch.max(epoch.next());
+        let ticket = self.wal.submit(frames);
+        drop(state);
+        let durable = ticket.wait();
+        let mut state = self.state();
+        let slot = state.pending.entry(epoch).or_default();
+        if durable.is_ok() {
+            slot.extend(entries);
+            slot.sort_by_key(|e| e.seq);
+        }
+        durable
+    }
+
+    /// Makes the rows prepared for `epoch` part of their partitions. Returns whether this
+    /// node had any; committing an epoch it never prepared (or already committed) is a no-op.
+    pub fn commit_epoch(&self, epoch: Epoch) -> Result<bool> {
+        self.check_poisoned()?;
+        let _gate = self.gate.read().expect("gate lock");
+        let mut state = self.state();
+        state.advance_visible_to(epoch);
+        state.next_prepare_seq.remove(&epoch);
+        let Some(entries) = state.pending.remove(&epoch) else {
+            return Ok(false);
+        };
+        debug_assert!(
+            entries.windows(2).all(|w| w[0].seq < w[1].seq),
+            "entries sorted by seq"
+        );
+        let mut lsns = Vec::with_capacity(entries.len());
+        let mut assigned = Vec::with_capacity(entries.len());
+        for entry in entries {
+            let lsn = state.allocate_lsn(entry.partition);
+            lsns.push((entry.table.clone(), entry.partition, lsn));
+            assigned.push((entry, lsn));
+        }
+        let frame = WalRecord::CommitPrepared { epoch, lsns }.encode_frame()?;
+        let ticket = self.wal.submit(frame);
+        drop(state);
+        self.or_poison(ticket.wait())?;
+        let mut state = self.state();
+        for (entry, lsn) in assigned {
+            let Some(table) = state.tables.get_mut(&entry.table) else {
+                continue;
+            };
+            let bytes = entry.batch.get_array_memory_size();
+            table.partitions[entry.partition.0 as usize]
+                .memtable
+                .push(MemEntry {
+                    lsn,
+                    epoch,
+                    batch: entry.batch,
+                });
+            state.memtable_bytes += bytes;
+        }
+        Ok(true)
+    }
+
+    /// Discards the rows prepared for `epoch`, if any.
+    pub fn abort_epoch(&self, epoch: Epoch) -> Result<()> {
+        self.check_poisoned()?;
+        let _gate = self.gate.read().expect("gate lock");
+        let mut state = self.state();
+        state.advance_visible_to(epoch);
+        state.next_prepare_seq.remove(&epoch);
+        if state.pending.remove(&epoch).is_none() {
+            return Ok(());
+        }
+        let ticket = self.wal.submit(WalRecord::Abort { epoch }.encode_frame()?);
+        drop(state);
+        self.or_poison(ticket.wait())
+    }
+
+    /// Every stored row version of one partition of `table` (the stored schema, version
+    /// columns included): what a new replica needs to serve the partition.
+    pub fn partition_versions(
+        &self,
+        table: &str,
+        partition: PartitionId,
+    ) -> Result<Vec<RecordBatch>> {
+        let snapshot = self.snapshot(table, None)?;
+        let part = snapshot
+            .partitions
+            .get(partition.0 as usize)
+            .ok_or_else(|| StorageError::InvalidTable {
+                table: table.to_string(),
+                reason: format!("no partition {partition}"),
+            })?;
+        let mut batches = Vec::new();
+        for component in &part.components {
+            self.verify_component(&component.hash)?;
+            batches.extend(component::read_component(
+                &self.components_dir,
+                &component.hash,
+                None,
+            )?);
+        }
+        batches.extend(part.memtable.iter().cloned());
+        Ok(batches)
+    }
+
+    /// Replaces one partition of `table` with the given row versions (copied from a
+    /// replica), as one durable component.
+    pub fn install_partition(
+        &self,
+        table: &str,
+        partition: PartitionId,
+        versions: Vec<RecordBatch>,
+    ) -> Result<()> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        let def = self.state().table(table)?.def.clone();
+        let versions: Vec<RecordBatch> =
+            versions.into_iter().filter(|b| b.num_rows() > 0).collect();
+        let meta = if versions.is_empty() {
+            None
+        } else {
+            let lsn = self.state().allocate_lsn(partition);
+            Some(self.or_poison(self.write_component(&def, &versions, lsn, lsn))?)
+        };
+        let mut state = self.state();
+        let table_state = state
+            .tables
+            .get_mut(table)
+            .expect("tables outlive the exclusive gate");
+        let part = &mut table_state.partitions[partition.0 as usize];
+        let dropped: Vec<ComponentHash> = part.manifest.components.iter().map(|c| c.hash).collect();
+        let freed: usize = part
+            .memtable
+            .iter()
+            .map(|e| e.batch.get_array_memory_size())
+            .sum();
+        part.memtable.clear();
+        part.manifest.components.clear();
+        if let Some(meta) = meta {
+            part.manifest.add(meta);
+        }
+        state.memtable_bytes -= freed;
+        self.write_checkpoint(&state)?;
+        self.collect_garbage(dropped, &state)
+    }
+
+    /// Cluster epochs prepared here whose fate this node has not yet learnt.
+    pub fn undecided_epochs(&self) -> Vec<Epoch> {
+        self.state().pending.keys().copied().collect()
+    }
+
+    /// Lets readers ask for any epoch up to `epoch`: in a cluster the metadata service, not
+    /// this store, decides which epochs are visible.
+    pub fn advance_visible(&self, epoch: Epoch) {
+        self.state().advance_visible_to(epoch);
+    }
+
+    /// True once memory holds enough rows that a checkpoint should run.
+    pub fn wants_checkpoint(&self) -> bool {
+        self.state().memtable_bytes >= self.config.memtable_flush_bytes
+    }
+
     /// Flushes memory to components, records manifests, drops log segments the checkpoint
     /// covers, and merges partitions that have too many components.
     pub fn checkpoint(&self) -> Result<()> {
@@ -710,6 +997,29 @@ impl Store {
             self.write_checkpoint(&state)?;
         }
         let segment = self.or_poison(self.wal.rotate())?;
+        // Undecided cluster epochs must outlive the segments about to be deleted.
+        let relogged = {
+            let state = self.state();
+            let mut frames = Vec::new();
+            for (epoch, entries) in &state.pending {
+                for entry in entries {
+                    frames.extend(
+                        WalRecord::Prepared {
+                            table: entry.table.clone(),
+                            partition: entry.partition,
+                            epoch: *epoch,
+                            seq: entry.seq,
+                            batch: entry.batch.clone(),
+                        }
+                        .encode_frame()?,
+                    );
+                }
+            }
+            frames
+        };
+        if !relogged.is_empty() {
+            self.or_poison(self.wal.submit(relogged).wait())?;
+        }
         self.or_poison(self.wal.delete_segments_before(segment))?;
         self.merge_crowded_partitions()
     }
@@ -991,7 +1301,7 @@ fn replay(
         .iter()
         .filter_map(|r| match r {
             WalRecord::Commit { epoch } => Some(*epoch),
-            WalRecord::Rows { .. } => None,
+            _ => None,
         })
         .collect();
     let mut state = State {
@@ -1022,6 +1332,8 @@ fn replay(
         resolved_above_visible: BTreeSet::new(),
         retained_from: checkpoint.retained_from,
         memtable_bytes: 0,
+        pending: BTreeMap::new(),
+        next_prepare_seq: HashMap::new(),
     };
     let mut report = RecoveryReport {
         torn_bytes,
@@ -1029,15 +1341,82 @@ fn replay(
     };
     let mut last_lsn: HashMap<(String, PartitionId), Lsn> = HashMap::new();
     for record in records {
-        let WalRecord::Rows {
-            table,
-            partition,
-            lsn,
-            epoch,
-            batch,
-        } = record
-        else {
-            continue;
+        let (table, partition, lsn, epoch, batch) = match record {
+            WalRecord::Rows {
+                table,
+                partition,
+                lsn,
+                epoch,
+                batch,
+            } => (table, partition, lsn, epoch, batch),
+            WalRecord::Prepared {
+                table,
+                partition,
+                epoch,
+                seq,
+                batch,
+            } => {
+                state.next_epoch = state.next_epoch.max(epoch.next());
+                // A checkpoint re-logs undecided rows, so the same entry may appear twice.
+                let entries = state.pending.entry(epoch).or_default();
+                entries.retain(|e| e.seq != seq);
+                entries.push(PendingEntry {
+                    seq,
+                    table,
+                    partition,
+                    batch,
+                });
+                entries.sort_by_key(|e| e.seq);
+                continue;
+            }
+            WalRecord::Abort { epoch } => {
+                state.pending.remove(&epoch);
+                continue;
+            }
+            WalRecord::CommitPrepared { epoch, lsns } => {
+                let entries = state.pending.remove(&epoch).unwrap_or_default();
+                if !entries.is_empty() && entries.len() != lsns.len() {
+                    return Err(StorageError::CorruptCheckpoint {
+                        path: PathBuf::from("wal"),
+                        reason: format!(
+                            "commit of epoch {epoch} assigns {} LSNs to {} prepared entries",
+                            lsns.len(),
+                            entries.len()
+                        ),
+                    });
+                }
+                for (entry, (table, partition, lsn)) in entries.into_iter().zip(&lsns) {
+                    if *table != entry.table || *partition != entry.partition {
+                        return Err(StorageError::CorruptCheckpoint {
+                            path: PathBuf::from("wal"),
+                            reason: format!("commit of epoch {epoch} names {table:?} partition {partition} where rows of {:?} partition {} were prepared", entry.table, entry.partition),
+                        });
+                    }
+                    if let Some(next) = state.partition_next_lsn.get_mut(entry.partition.0 as usize)
+                    {
+                        *next = (*next).max(lsn.next());
+                    }
+                    let Some(partition_state) = state
+                        .tables
+                        .get_mut(&entry.table)
+                        .and_then(|t| t.partitions.get_mut(entry.partition.0 as usize))
+                    else {
+                        continue;
+                    };
+                    if *lsn <= partition_state.manifest.max_lsn {
+                        continue;
+                    }
+                    state.memtable_bytes += entry.batch.get_array_memory_size();
+                    partition_state.memtable.push(MemEntry {
+                        lsn: *lsn,
+                        epoch,
+                        batch: entry.batch,
+                    });
+                    report.replayed_records += 1;
+                }
+                continue;
+            }
+            WalRecord::Commit { .. } => continue,
         };
         state.next_epoch = state.next_epoch.max(epoch.next());
         if let Some(next) = state.partition_next_lsn.get_mut(partition.0 as usize) {
@@ -1072,6 +1451,10 @@ fn replay(
     }
     for epoch in committed {
         state.next_epoch = state.next_epoch.max(epoch.next());
+    }
+    for (epoch, entries) in &state.pending {
+        let next = entries.iter().map(|e| e.seq + 1).max().unwrap_or(0);
+        state.next_prepare_seq.insert(*epoch, next);
     }
     // Every allocated epoch is now resolved: those with commit records are committed, the
     // rest were in flight at the crash and are aborted.

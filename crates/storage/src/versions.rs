@@ -104,10 +104,35 @@ pub fn split_by_partition(
         let indices = UInt32Array::from(rows);
         out.push((
             PartitionId(partition as u32),
-            take_record_batch(batch, &indices)?,
+            compact_views(take_record_batch(batch, &indices)?)?,
         ));
     }
     Ok(out)
+}
+
+/// Copies the string and binary views of `batch` into buffers of their own. `take` keeps a
+/// view array's data buffers whole, so every piece of a split batch would otherwise carry
+/// (and the log, the network and IPC would otherwise copy) all of the original's bytes.
+pub fn compact_views(batch: RecordBatch) -> Result<RecordBatch> {
+    if !batch
+        .columns()
+        .iter()
+        .any(|c| matches!(c.data_type(), DataType::Utf8View | DataType::BinaryView))
+    {
+        return Ok(batch);
+    }
+    let columns: Vec<ArrayRef> = batch
+        .columns()
+        .iter()
+        .map(|c| -> ArrayRef {
+            match c.data_type() {
+                DataType::Utf8View => Arc::new(c.as_string_view().gc()),
+                DataType::BinaryView => Arc::new(c.as_binary_view().gc()),
+                _ => c.clone(),
+            }
+        })
+        .collect();
+    Ok(RecordBatch::try_new(batch.schema(), columns)?)
 }
 
 fn key_converter(schema: &Schema, key: &[usize]) -> Result<RowConverter> {

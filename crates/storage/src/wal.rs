@@ -34,6 +34,9 @@ pub const MAX_FRAME_BYTES: usize = 512 << 20;
 const FRAME_HEADER_BYTES: usize = 8;
 const KIND_ROWS: u8 = 1;
 const KIND_COMMIT: u8 = 2;
+const KIND_PREPARED: u8 = 3;
+const KIND_ABORT: u8 = 4;
+const KIND_COMMIT_PREPARED: u8 = 5;
 
 #[derive(Debug, Clone)]
 pub enum WalRecord {
@@ -46,6 +49,27 @@ pub enum WalRecord {
     },
     Commit {
         epoch: Epoch,
+    },
+    /// Rows of a cluster epoch, durable but not yet decided: the metadata service commits or
+    /// aborts the epoch. LSNs are assigned when the commit record is written, in log order,
+    /// so a replay assigns the same ones.
+    Prepared {
+        table: String,
+        partition: PartitionId,
+        epoch: Epoch,
+        /// The entry's position among the epoch's prepared entries on this node.
+        seq: u32,
+        batch: RecordBatch,
+    },
+    /// A cluster epoch's prepared rows are discarded.
+    Abort {
+        epoch: Epoch,
+    },
+    /// A cluster epoch's prepared rows are committed, with the LSN each (table, partition)
+    /// received, so a replay deduplicates against flushed components exactly.
+    CommitPrepared {
+        epoch: Epoch,
+        lsns: Vec<(String, PartitionId, Lsn)>,
     },
 }
 
@@ -60,19 +84,49 @@ impl WalRecord {
                 lsn,
                 epoch,
                 batch,
-            } => {
-                payload.push(KIND_ROWS);
-                let name = table.as_bytes();
-                let name_len = u16::try_from(name.len()).expect("table names are short");
-                payload.extend_from_slice(&name_len.to_le_bytes());
-                payload.extend_from_slice(name);
-                payload.extend_from_slice(&partition.0.to_le_bytes());
-                payload.extend_from_slice(&lsn.0.to_le_bytes());
+            } => encode_rows(
+                &mut payload,
+                KIND_ROWS,
+                table,
+                *partition,
+                *lsn,
+                *epoch,
+                batch,
+            )?,
+            // A prepared entry has no LSN yet; its slot carries the entry's sequence number.
+            WalRecord::Prepared {
+                table,
+                partition,
+                epoch,
+                seq,
+                batch,
+            } => encode_rows(
+                &mut payload,
+                KIND_PREPARED,
+                table,
+                *partition,
+                Lsn(*seq as u64),
+                *epoch,
+                batch,
+            )?,
+            WalRecord::Abort { epoch } => {
+                payload.push(KIND_ABORT);
                 payload.extend_from_slice(&epoch.0.to_le_bytes());
-                let mut writer = StreamWriter::try_new(&mut payload, &batch.schema())?;
-                writer.write(batch)?;
-                writer.finish()?;
             }
+            WalRecord::CommitPrepared { epoch, lsns } => {
+                payload.push(KIND_COMMIT_PREPARED);
+                payload.extend_from_slice(&epoch.0.to_le_bytes());
+                payload.extend_from_slice(&(lsns.len() as u32).to_le_bytes());
+                for (table, partition, lsn) in lsns {
+                    let name = table.as_bytes();
+                    let name_len = u16::try_from(name.len()).expect("table names are short");
+                    payload.extend_from_slice(&name_len.to_le_bytes());
+                    payload.extend_from_slice(name);
+                    payload.extend_from_slice(&partition.0.to_le_bytes());
+                    payload.extend_from_slice(&lsn.0.to_le_bytes());
+                }
+            }
+
             WalRecord::Commit { epoch } => {
                 payload.push(KIND_COMMIT);
                 payload.extend_from_slice(&epoch.0.to_le_bytes());
@@ -104,7 +158,28 @@ impl WalRecord {
             Some(&KIND_COMMIT) => Ok(WalRecord::Commit {
                 epoch: Epoch(u64_at(1)?),
             }),
-            Some(&KIND_ROWS) => {
+            Some(&KIND_COMMIT_PREPARED) => {
+                let epoch = Epoch(u64_at(1)?);
+                let count = u32::from_le_bytes(take(9, 4)?.try_into().expect("4 bytes"));
+                let mut at = 13;
+                let mut lsns = Vec::new();
+                for _ in 0..count {
+                    let name_len =
+                        u16::from_le_bytes(take(at, 2)?.try_into().expect("2 bytes")) as usize;
+                    let table = String::from_utf8(take(at + 2, name_len)?.to_vec())
+                        .map_err(|_| "table name is not UTF-8".to_string())?;
+                    at += 2 + name_len;
+                    let partition = u32::from_le_bytes(take(at, 4)?.try_into().expect("4 bytes"));
+                    let lsn = u64_at(at + 4)?;
+                    at += 12;
+                    lsns.push((table, PartitionId(partition), Lsn(lsn)));
+                }
+                Ok(WalRecord::CommitPrepared { epoch, lsns })
+            }
+            Some(&KIND_ABORT) => Ok(WalRecord::Abort {
+                epoch: Epoch(u64_at(1)?),
+            }),
+            Some(&kind @ (KIND_ROWS | KIND_PREPARED)) => {
                 let name_len =
                     u16::from_le_bytes(take(1, 2)?.try_into().expect("2 bytes")) as usize;
                 let table = String::from_utf8(take(3, name_len)?.to_vec())
@@ -120,18 +195,56 @@ impl WalRecord {
                     .next()
                     .ok_or("row record holds no batch")?
                     .map_err(|e| format!("row batch unreadable: {e}"))?;
-                Ok(WalRecord::Rows {
-                    table,
-                    partition: PartitionId(partition),
-                    lsn: Lsn(lsn),
-                    epoch: Epoch(epoch),
-                    batch,
+                let partition = PartitionId(partition);
+                let epoch = Epoch(epoch);
+                Ok(if kind == KIND_ROWS {
+                    WalRecord::Rows {
+                        table,
+                        partition,
+                        lsn: Lsn(lsn),
+                        epoch,
+                        batch,
+                    }
+                } else {
+                    WalRecord::Prepared {
+                        table,
+                        partition,
+                        epoch,
+                        seq: u32::try_from(lsn)
+                            .map_err(|_| "prepared entry number out of range")?,
+                        batch,
+                    }
                 })
             }
             Some(kind) => Err(format!("unknown record kind {kind}")),
             None => Err("empty record".into()),
         }
     }
+}
+
+/// The payload of a row-carrying record: kind, table name, partition, LSN, epoch, then the
+/// batch as Arrow IPC.
+fn encode_rows(
+    payload: &mut Vec<u8>,
+    kind: u8,
+    table: &str,
+    partition: PartitionId,
+    lsn: Lsn,
+    epoch: Epoch,
+    batch: &RecordBatch,
+) -> Result<()> {
+    payload.push(kind);
+    let name = table.as_bytes();
+    let name_len = u16::try_from(name.len()).expect("table names are short");
+    payload.extend_from_slice(&name_len.to_le_bytes());
+    payload.extend_from_slice(name);
+    payload.extend_from_slice(&partition.0.to_le_bytes());
+    payload.extend_from_slice(&lsn.0.to_le_bytes());
+    payload.extend_from_slice(&epoch.0.to_le_bytes());
+    let mut writer = StreamWriter::try_new(&mut *payload, &batch.schema())?;
+    writer.write(batch)?;
+    writer.finish()?;
+    Ok(())
 }
 
 fn segment_path(dir: &Path, seq: u64) -> PathBuf {

@@ -103,3 +103,139 @@ pub fn temp_data_dir() -> (tempfile::TempDir, PathBuf) {
     let data = dir.path().join("data");
     (dir, data)
 }
+
+/// `n` TCP ports on 127.0.0.1 that were free a moment ago.
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let listeners: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port"))
+        .collect();
+    listeners
+        .iter()
+        .map(|l| l.local_addr().expect("local address").port())
+        .collect()
+}
+
+/// Node processes of one cluster on loopback, each configured by its own `node.toml` under
+/// `root/node-<id>`. Nodes are started, killed and restarted by id; all are killed on drop.
+pub struct LocalCluster {
+    binary: PathBuf,
+    root: PathBuf,
+    cluster_id: String,
+    partitions: u32,
+    replication: u32,
+    /// Address of node `id` at index `id - 1`.
+    addrs: Vec<String>,
+    /// The founding members, listed as peers in every configuration.
+    founders: usize,
+    processes: Vec<Option<TesseraProcess>>,
+}
+
+impl LocalCluster {
+    /// Writes the configurations of a `nodes`-node cluster; starts nothing.
+    pub fn configure(
+        binary: &Path,
+        root: &Path,
+        nodes: usize,
+        partitions: u32,
+        replication: u32,
+    ) -> LocalCluster {
+        let cluster = LocalCluster {
+            binary: binary.to_path_buf(),
+            root: root.to_path_buf(),
+            cluster_id: format!("test-{}", std::process::id()),
+            partitions,
+            replication,
+            addrs: free_ports(nodes)
+                .into_iter()
+                .map(|p| format!("127.0.0.1:{p}"))
+                .collect(),
+            founders: nodes,
+            processes: (0..nodes).map(|_| None).collect(),
+        };
+        for id in 1..=nodes as u64 {
+            cluster.write_config(id, &cluster.cluster_id.clone());
+        }
+        cluster
+    }
+
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    /// The configuration text of node `id` in cluster `cluster_id`.
+    pub fn config_text(&self, id: u64, cluster_id: &str) -> String {
+        let mut peers = String::new();
+        let listed: Vec<u64> = (1..=self.founders as u64)
+            .chain((id > self.founders as u64).then_some(id))
+            .collect();
+        for peer in listed {
+            peers.push_str(&format!(
+                "\n[[peers]]\nid = {peer}\naddr = \"{}\"\n",
+                self.addr(peer)
+            ));
+        }
+        format!(
+            "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\ndata_dir = \"data\"\npartitions = {}\nreplication = {}\n{peers}",
+            self.addr(id),
+            self.partitions,
+            self.replication
+        )
+    }
+
+    fn write_config(&self, id: u64, cluster_id: &str) -> PathBuf {
+        let dir = self.root.join(format!("node-{id}"));
+        std::fs::create_dir_all(&dir).expect("node directory");
+        let path = dir.join("node.toml");
+        std::fs::write(&path, self.config_text(id, cluster_id)).expect("write node.toml");
+        path
+    }
+
+    pub fn config_path(&self, id: u64) -> PathBuf {
+        self.root.join(format!("node-{id}")).join("node.toml")
+    }
+
+    pub fn addr(&self, id: u64) -> &str {
+        &self.addrs[id as usize - 1]
+    }
+
+    pub fn node_ids(&self) -> Vec<u64> {
+        (1..=self.addrs.len() as u64).collect()
+    }
+
+    /// Configures one more node, which will join the running cluster when started.
+    pub fn add_node(&mut self) -> u64 {
+        let port = free_ports(1)[0];
+        self.addrs.push(format!("127.0.0.1:{port}"));
+        self.processes.push(None);
+        let id = self.addrs.len() as u64;
+        self.write_config(id, &self.cluster_id.clone());
+        id
+    }
+
+    pub fn start(&mut self, id: u64) {
+        let config = self.config_path(id);
+        let process = TesseraProcess::spawn(
+            &self.binary,
+            &self.root,
+            &["node", "--config", config.to_str().expect("UTF-8 path")],
+        );
+        self.processes[id as usize - 1] = Some(process);
+    }
+
+    pub fn start_all(&mut self) {
+        for id in self.node_ids() {
+            self.start(id);
+        }
+    }
+
+    /// SIGKILLs node `id`.
+    pub fn kill9(&mut self, id: u64) {
+        if let Some(mut process) = self.processes[id as usize - 1].take() {
+            process.kill9();
+        }
+    }
+
+    pub fn is_running(&self, id: u64) -> bool {
+        self.processes[id as usize - 1].is_some()
+    }
+}

@@ -38,7 +38,7 @@ pub async fn tpch(
     let store = Store::open(&bench_dir.join("tessera"), config)?;
     if store.table_names().is_empty() {
         println!("loading TPC-H SF {sf} into {}", bench_dir.display());
-        load::tpch(store.clone(), sf, true).await?;
+        load::tpch(&super::target::Target::local(store.clone()), sf, &[], true).await?;
     }
     let baseline = baseline_context(&bench_dir.join("datafusion"), sf).await?;
     let engine = Engine::new(store);

@@ -14,7 +14,7 @@ const DEMO_QUERIES: [usize; 8] = [1, 3, 5, 6, 10, 12, 14, 19];
 pub async fn run(store: Arc<Store>, sf: f64) -> Result<()> {
     println!("Tessera demo: data in {}", store.dir().display());
     if store.table_def("lineitem").is_none() {
-        load::tpch(store.clone(), sf, true).await?;
+        load::tpch(&super::target::Target::local(store.clone()), sf, &[], true).await?;
     } else {
         println!(
             "TPC-H already loaded (visible epoch {}); reusing it",

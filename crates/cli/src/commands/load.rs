@@ -1,22 +1,30 @@
 //! `tessera load tpch`: generate TPC-H in-process and publish each table as one epoch.
 
+use super::target::Target;
 use anyhow::{bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use std::sync::Arc;
 use std::time::Instant;
-use tessera_sql::Engine;
-use tessera_storage::{Store, TableChanges};
+use tessera_storage::TableChanges;
 
 /// Rows per generated batch.
 const GENERATE_BATCH_ROWS: usize = 64 * 1024;
 
-pub async fn tpch(store: Arc<Store>, sf: f64, report: bool) -> Result<()> {
+/// Loads the TPC-H tables named in `only` (all eight if empty).
+pub async fn tpch(engine: &Target, sf: f64, only: &[String], report: bool) -> Result<()> {
     if !(sf > 0.0 && sf <= 1000.0) {
         bail!("scale factor must be in (0, 1000], got {sf}");
     }
-    let engine = Engine::new(store.clone());
-    for table in tessera_tpch::TABLES {
-        if store.table_def(table.name).is_some() {
+    for name in only {
+        if !tessera_tpch::TABLES.iter().any(|t| t.name == name) {
+            bail!("{name:?} is not a TPC-H table");
+        }
+    }
+    let tables: Vec<_> = tessera_tpch::TABLES
+        .into_iter()
+        .filter(|t| only.is_empty() || only.iter().any(|n| n == t.name))
+        .collect();
+    for table in &tables {
+        if engine.table_def(table.name).await?.is_some() {
             bail!(
                 "table {:?} already exists; load into a fresh --data-dir or DROP TABLE {} first",
                 table.name,
@@ -25,7 +33,7 @@ pub async fn tpch(store: Arc<Store>, sf: f64, report: bool) -> Result<()> {
         }
     }
     let started = Instant::now();
-    for table in tessera_tpch::TABLES {
+    for table in tables {
         engine
             .execute(&tessera_tpch::create_table_sql(&table))
             .await?;
@@ -47,15 +55,13 @@ pub async fn tpch(store: Arc<Store>, sf: f64, report: bool) -> Result<()> {
             batches.push(batch);
         }
         progress.set_message(format!("{} (publishing)", table.name));
-        let store = store.clone();
-        let epoch = tokio::task::spawn_blocking(move || {
-            store.publish(vec![TableChanges {
+        let epoch = engine
+            .publish(TableChanges {
                 table: table.name.into(),
                 upserts: batches,
                 deletes: vec![],
-            }])
-        })
-        .await??;
+            })
+            .await?;
         progress.finish_and_clear();
         if report {
             println!(

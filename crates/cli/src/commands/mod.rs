@@ -1,9 +1,14 @@
 //! One module per `tessera` subcommand.
 
 pub mod bench;
+pub mod bench_cluster;
+pub mod cluster_status;
 pub mod demo;
 pub mod load;
+pub mod node;
 pub mod publish;
 pub mod publish_loop;
 pub mod sql;
 pub mod status;
+pub mod target;
+pub mod up;

@@ -1,5 +1,6 @@
 //! `tessera publish`: rows from Parquet or CSV files become one new epoch.
 
+use super::target::Target;
 use anyhow::{bail, Context, Result};
 use arrow::array::RecordBatch;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
@@ -7,10 +8,10 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tessera_storage::versions::stored_user_schema;
-use tessera_storage::{Store, TableChanges, TableDef};
+use tessera_storage::{TableChanges, TableDef};
 
-pub async fn run(store: Arc<Store>, table: &str, delete: bool, files: &[PathBuf]) -> Result<()> {
-    let Some(def) = store.table_def(table) else {
+pub async fn run(target: Target, table: &str, delete: bool, files: &[PathBuf]) -> Result<()> {
+    let Some(def) = target.table_def(table).await? else {
         bail!("table {table:?} does not exist; CREATE TABLE it first")
     };
     let mut batches = Vec::new();
@@ -33,7 +34,7 @@ pub async fn run(store: Arc<Store>, table: &str, delete: bool, files: &[PathBuf]
             deletes: vec![],
         }
     };
-    let epoch = tokio::task::spawn_blocking(move || store.publish(vec![changes])).await??;
+    let epoch = target.publish(changes).await?;
     println!(
         "published {rows} {} to {table} as epoch {epoch}",
         if delete { "deletes" } else { "rows" }

@@ -1,17 +1,14 @@
 //! `tessera sql`: run statements from -c, or an interactive prompt reading `;`-terminated
 //! statements from standard input.
 
+use super::target::Target;
 use crate::output::print_output;
 use crate::Format;
 use anyhow::{bail, Result};
 use std::io::{BufRead, IsTerminal, Write};
-use std::sync::Arc;
 use std::time::Instant;
-use tessera_sql::Engine;
-use tessera_storage::Store;
 
-pub async fn run(store: Arc<Store>, command: Option<&str>, format: Format) -> Result<()> {
-    let engine = Engine::new(store);
+pub async fn run(engine: Target, command: Option<&str>, format: Format) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     if let Some(sql) = command {
         for output in engine.execute(sql).await? {

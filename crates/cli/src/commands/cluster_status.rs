@@ -1,0 +1,101 @@
+//! `tessera --node ADDR status`: the cluster as one node sees it.
+
+use anyhow::Result;
+use std::collections::BTreeMap;
+use tessera_cluster::ClusterClient;
+
+pub async fn run(addr: &str) -> Result<()> {
+    let status = ClusterClient::new(addr).status().await?;
+    let meta = &status.meta;
+    println!("cluster:        {}", meta.cluster_id);
+    println!("asked node:     {} ({})", status.node_id, status.listen);
+    match status.leader {
+        Some(leader) => println!("metadata leader: node {leader} (term {})", status.term),
+        None => println!("metadata leader: none (election running)"),
+    }
+    println!("visible epoch:  {}", meta.visible);
+    println!("next epoch:     {}", meta.next_epoch);
+    if !meta.open.is_empty() {
+        for (epoch, open) in &meta.open {
+            println!(
+                "open epoch {epoch}: coordinator node {}, tables {:?}",
+                open.coordinator, open.tables
+            );
+        }
+    }
+    println!();
+    println!(
+        "{:<6} {:<22} {:<8} {:>9} {:>9}",
+        "node", "address", "state", "primary", "replica"
+    );
+    for node in meta.nodes.values() {
+        let primary = meta
+            .map
+            .partitions
+            .iter()
+            .filter(|p| p.primary == Some(node.id))
+            .count();
+        let replica = meta
+            .map
+            .partitions
+            .iter()
+            .filter(|p| p.replicas.contains(&node.id))
+            .count();
+        let state = if node.decommissioned {
+            "removed"
+        } else if node.alive {
+            "alive"
+        } else {
+            "failed"
+        };
+        println!(
+            "{:<6} {:<22} {:<8} {:>9} {:>9}",
+            node.id, node.addr, state, primary, replica
+        );
+    }
+    println!();
+    println!(
+        "partition map version {} ({} partitions, replication {}):",
+        meta.map.version, meta.partition_count, meta.replication
+    );
+    // Runs of partitions with the same placement, to keep the listing short.
+    let mut runs: BTreeMap<usize, (usize, String)> = BTreeMap::new();
+    let mut start = 0;
+    for (i, placement) in meta.map.partitions.iter().enumerate() {
+        let describe = format!(
+            "primary {} replicas {:?}{}",
+            placement
+                .primary
+                .map_or("none".to_string(), |p| p.to_string()),
+            placement.replicas,
+            if placement.stale.is_empty() {
+                String::new()
+            } else {
+                format!(" stale {:?}", placement.stale)
+            }
+        );
+        match runs.get_mut(&start) {
+            Some((end, text)) if *text == describe => *end = i,
+            _ => {
+                start = i;
+                runs.insert(i, (i, describe));
+            }
+        }
+    }
+    for (first, (last, text)) in runs {
+        println!("  partitions {first:>4}..={last:<4} {text}");
+    }
+    println!();
+    println!("tables:");
+    for def in meta.tables.values() {
+        let local = status.tables.iter().find(|t| t.name == def.name);
+        println!(
+            "  {:<20} key {:?}, created at epoch {}; rows on this node: {}",
+            def.name,
+            def.primary_key,
+            def.created_at,
+            local.map_or(0, |t| t.rows)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,57 @@
+//! Where a command sends its work: a store in this process (`--data-dir`), or a running
+//! cluster through one of its nodes (`--node`).
+
+use anyhow::{bail, Result};
+use std::sync::Arc;
+use tessera_cluster::ClusterClient;
+use tessera_common::Epoch;
+use tessera_sql::{Engine, StatementOutput};
+use tessera_storage::{Store, TableChanges, TableDef};
+
+pub enum Target {
+    Local(Engine),
+    Cluster(ClusterClient),
+}
+
+impl Target {
+    pub fn local(store: Arc<Store>) -> Target {
+        Target::Local(Engine::new(store))
+    }
+
+    pub fn cluster(addr: &str) -> Target {
+        Target::Cluster(ClusterClient::new(addr))
+    }
+
+    pub async fn execute(&self, sql: &str) -> Result<Vec<StatementOutput>> {
+        Ok(match self {
+            Target::Local(engine) => engine.execute(sql).await?,
+            Target::Cluster(client) => client.sql(sql).await?,
+        })
+    }
+
+    pub async fn table_def(&self, name: &str) -> Result<Option<TableDef>> {
+        Ok(match self {
+            Target::Local(engine) => engine.backend().table_def(name),
+            Target::Cluster(client) => client.status().await?.meta.tables.get(name).cloned(),
+        })
+    }
+
+    /// Publishes one table's upserts or deletes as a new epoch.
+    pub async fn publish(&self, changes: TableChanges) -> Result<Epoch> {
+        match self {
+            Target::Local(engine) => Ok(engine.backend().publish(vec![changes]).await?),
+            Target::Cluster(client) => {
+                let deletes = !changes.deletes.is_empty();
+                if deletes && !changes.upserts.is_empty() {
+                    bail!("publish upserts and deletes separately to a cluster");
+                }
+                let rows = if deletes {
+                    changes.deletes
+                } else {
+                    changes.upserts
+                };
+                Ok(client.publish(&changes.table, rows, deletes).await?)
+            }
+        }
+    }
+}

@@ -1,0 +1,494 @@
+//! Multi-process clusters on loopback: real `tessera node` processes, real Raft, real
+//! SIGKILL. Every node must answer every TPC-H query exactly as plain DataFusion does.
+
+use arrow::array::{Int64Array, RecordBatch};
+use arrow::datatypes::{DataType, Field, Schema};
+use datafusion::datasource::MemTable;
+use datafusion::prelude::SessionContext;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tessera_cluster::ClusterClient;
+use tessera_testkit::LocalCluster;
+
+const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
+const PARTITIONS: u32 = 16;
+
+async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until node `via` sees a leader and exactly `alive` live nodes.
+async fn wait_formed(cluster: &LocalCluster, via: u64, alive: usize) {
+    let client = ClusterClient::new(cluster.addr(via));
+    wait_until("the cluster to form", Duration::from_secs(60), || async {
+        let status = client.status().await.ok()?;
+        (status.leader.is_some() && status.meta.live_nodes().count() == alive).then_some(())
+    })
+    .await
+}
+
+async fn leader_of(cluster: &LocalCluster, via: u64) -> u64 {
+    let client = ClusterClient::new(cluster.addr(via));
+    wait_until("a leader", Duration::from_secs(30), || async {
+        client.status().await.ok()?.leader
+    })
+    .await
+}
+
+fn oracle(sf: f64) -> SessionContext {
+    let ctx = SessionContext::new();
+    for table in tessera_tpch::TABLES {
+        let batches: Vec<_> = table
+            .generate(sf, 64 * 1024)
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let mem = MemTable::try_new(table.schema(), vec![batches]).unwrap();
+        ctx.register_table(table.name, Arc::new(mem)).unwrap();
+    }
+    ctx
+}
+
+/// Creates and publishes the TPC-H tables, each through a different coordinator.
+async fn load_tpch(cluster: &LocalCluster, sf: f64) {
+    let ids = cluster.node_ids();
+    for (i, table) in tessera_tpch::TABLES.iter().enumerate() {
+        let ddl = ClusterClient::new(cluster.addr(ids[i % ids.len()]));
+        ddl.sql(&tessera_tpch::create_table_sql(table))
+            .await
+            .unwrap();
+        let coordinator = ClusterClient::new(cluster.addr(ids[(i + 1) % ids.len()]));
+        let batches: Vec<RecordBatch> = table
+            .generate(sf, 64 * 1024)
+            .collect::<Result<_, _>>()
+            .unwrap();
+        coordinator
+            .publish(table.name, batches, false)
+            .await
+            .unwrap();
+    }
+}
+
+async fn assert_tpch_answers(cluster: &LocalCluster, nodes: &[u64], oracle: &SessionContext) {
+    let mut failures = Vec::new();
+    for q in 1..=22 {
+        let sql = tessera_tpch::query(q);
+        let expected = oracle.sql(sql).await.unwrap().collect().await.unwrap();
+        for &id in nodes {
+            let client = ClusterClient::new(cluster.addr(id));
+            let actual = client
+                .query(sql)
+                .await
+                .unwrap_or_else(|e| panic!("Q{q} failed on node {id}: {e}"));
+            if let Err(diff) = tessera_tpch::compare::same_answer(&expected, &actual, 1e-9) {
+                failures.push(format!("Q{q} on node {id}: {diff}"));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "answers differ:\n{}",
+        failures.join("\n")
+    );
+}
+
+async fn tpch_cluster(nodes: usize) {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), nodes, PARTITIONS, 3);
+    cluster.start_all();
+    wait_formed(&cluster, 1, nodes).await;
+    load_tpch(&cluster, 0.1).await;
+    let oracle = oracle(0.1);
+    assert_tpch_answers(&cluster, &cluster.node_ids(), &oracle).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_answer_all_tpch_queries_exactly() {
+    tpch_cluster(3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_nodes_answer_all_tpch_queries_exactly() {
+    tpch_cluster(5).await;
+}
+
+fn kv_batch(from: i64, to: i64) -> RecordBatch {
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("k", DataType::Int64, false),
+        Field::new("v", DataType::Int64, false),
+    ]));
+    RecordBatch::try_new(
+        schema,
+        vec![
+            Arc::new(Int64Array::from_iter_values(from..to)),
+            Arc::new(Int64Array::from_iter_values((from..to).map(|k| k * 10))),
+        ],
+    )
+    .unwrap()
+}
+
+async fn count_and_sum(client: &ClusterClient) -> (i64, i64) {
+    let batches = client
+        .query("SELECT count(*) AS n, coalesce(sum(v), 0) AS s FROM kv")
+        .await
+        .unwrap();
+    let n = batches[0]
+        .column(0)
+        .as_any()
+        .downcast_ref::<Int64Array>()
+        .unwrap()
+        .value(0);
+    let s = batches[0]
+        .column(1)
+        .as_any()
+        .downcast_ref::<Int64Array>()
+        .unwrap()
+        .value(0);
+    (n, s)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_leader_loses_no_committed_epoch() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    let first = ClusterClient::new(cluster.addr(1));
+    first
+        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .await
+        .unwrap();
+    let mut rows = 0;
+    for (i, id) in [1u64, 2, 3, 1, 2].into_iter().enumerate() {
+        let client = ClusterClient::new(cluster.addr(id));
+        let from = i as i64 * 1000;
+        client
+            .publish("kv", vec![kv_batch(from, from + 1000)], false)
+            .await
+            .unwrap();
+        rows += 1000;
+    }
+    let leader = leader_of(&cluster, 1).await;
+    cluster.kill9(leader);
+    let killed_at = Instant::now();
+    let survivor = cluster
+        .node_ids()
+        .into_iter()
+        .find(|id| *id != leader)
+        .unwrap();
+    let client = ClusterClient::new(cluster.addr(survivor));
+    // A new leader takes over and the dead node is declared failed within 2 s.
+    let new_leader = wait_until("a new leader", Duration::from_secs(10), || async {
+        let status = client.status().await.ok()?;
+        status.leader.filter(|l| *l != leader)
+    })
+    .await;
+    wait_until(
+        "the dead node declared failed",
+        Duration::from_secs(5),
+        || async {
+            let status = client.status().await.ok()?;
+            (!status.meta.nodes[&leader].alive).then_some(())
+        },
+    )
+    .await;
+    let detected = killed_at.elapsed();
+    assert!(
+        detected < Duration::from_millis(2500),
+        "failure detected after {detected:?}"
+    );
+    assert_ne!(new_leader, leader);
+    assert_eq!(
+        count_and_sum(&client).await.0,
+        rows,
+        "committed rows survive the leader"
+    );
+    // Publishes and queries go on without the old leader.
+    client
+        .publish("kv", vec![kv_batch(5000, 6000)], false)
+        .await
+        .unwrap();
+    rows += 1000;
+    let expected_sum: i64 = (0..rows).map(|k| k * 10).sum();
+    for id in cluster.node_ids().into_iter().filter(|id| *id != leader) {
+        let node = ClusterClient::new(cluster.addr(id));
+        assert_eq!(
+            count_and_sum(&node).await,
+            (rows, expected_sum),
+            "node {id}"
+        );
+    }
+    // The old leader rejoins and answers exactly, reading what it missed from its peers.
+    cluster.start(leader);
+    wait_formed(&cluster, survivor, 3).await;
+    let returned = ClusterClient::new(cluster.addr(leader));
+    let answer = wait_until(
+        "the returned node to answer",
+        Duration::from_secs(20),
+        || async {
+            returned
+                .query("SELECT count(*) FROM kv")
+                .await
+                .ok()
+                .map(|_| ())
+        },
+    )
+    .await;
+    let () = answer;
+    assert_eq!(count_and_sum(&returned).await, (rows, expected_sum));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_killed_mid_publish_leaves_its_epoch_invisible() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    let client = ClusterClient::new(cluster.addr(1));
+    client
+        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .await
+        .unwrap();
+    client
+        .publish("kv", vec![kv_batch(0, 100)], false)
+        .await
+        .unwrap();
+    // A large publish coordinated by node 3, killed while it ships rows.
+    let doomed = ClusterClient::new(cluster.addr(3));
+    let publish = tokio::spawn(async move {
+        let batches: Vec<RecordBatch> = (0..40)
+            .map(|i| kv_batch(1_000 + i * 50_000, 1_000 + (i + 1) * 50_000))
+            .collect();
+        doomed.publish("kv", batches, false).await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cluster.kill9(3);
+    let outcome = publish.await.unwrap();
+    assert!(
+        outcome.is_err(),
+        "the coordinator died, so the publish cannot have been acknowledged"
+    );
+    wait_until(
+        "the coordinator declared failed",
+        Duration::from_secs(5),
+        || async {
+            let status = client.status().await.ok()?;
+            (!status.meta.nodes[&3].alive && status.meta.open.is_empty()).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        count_and_sum(&client).await.0,
+        100,
+        "no row of the aborted epoch is visible"
+    );
+    // The table takes writes again: the dead coordinator's lease went with its epoch.
+    client
+        .publish("kv", vec![kv_batch(100, 200)], false)
+        .await
+        .unwrap();
+    assert_eq!(count_and_sum(&client).await.0, 200);
+}
+
+fn node_error(cluster: &LocalCluster, config: &Path, env: &[(&str, &str)]) -> String {
+    let mut command = std::process::Command::new(BINARY);
+    command.args(["node", "--config", config.to_str().unwrap()]);
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    let child = command
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(
+        !output.status.success(),
+        "a bad node must not start ({})",
+        cluster.cluster_id()
+    );
+    String::from_utf8_lossy(&output.stderr).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_configurations_are_refused_with_clear_errors() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
+    let bad = root.path().join("bad.toml");
+
+    // A voter that is not a peer.
+    let text = format!(
+        "voters = [1, 9]\n{}",
+        cluster.config_text(1, cluster.cluster_id())
+    );
+    std::fs::write(&bad, text).unwrap();
+    let error = node_error(&cluster, &bad, &[]);
+    assert!(error.contains("voter 9 is not a known peer"), "{error}");
+
+    // Unparseable values name the field.
+    let text = cluster
+        .config_text(1, cluster.cluster_id())
+        .replace("partitions = 16", "partitions = \"many\"");
+    std::fs::write(&bad, text).unwrap();
+    let error = node_error(&cluster, &bad, &[]);
+    assert!(error.contains("partitions"), "{error}");
+
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+
+    // A port in use: node 1's configuration again, in another data directory.
+    let text = cluster
+        .config_text(1, cluster.cluster_id())
+        .replace("data_dir = \"data\"", "data_dir = \"other\"");
+    std::fs::write(&bad, text).unwrap();
+    let error = node_error(&cluster, &bad, &[]);
+    assert!(
+        error.contains("cannot listen on") && error.contains(cluster.addr(1)),
+        "{error}"
+    );
+
+    // A fourth node configured for another cluster, next to this cluster's nodes.
+    let mut other = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
+    let stranger = other.add_node();
+    let text = other
+        .config_text(stranger, "someone-else")
+        .replace(other.addr(1), cluster.addr(1))
+        .replace(other.addr(2), cluster.addr(2))
+        .replace(other.addr(3), cluster.addr(3));
+    std::fs::write(&bad, text).unwrap();
+    let error = node_error(&cluster, &bad, &[]);
+    assert!(
+        error.contains("belongs to cluster") && error.contains("someone-else"),
+        "{error}"
+    );
+
+    // A node speaking another protocol version.
+    let newcomer = cluster.add_node();
+    let error = node_error(
+        &cluster,
+        &cluster.config_path(newcomer),
+        &[("TESSERA_PROTOCOL_VERSION_FOR_TESTS", "99")],
+    );
+    assert!(error.contains("protocol version"), "{error}");
+
+    // A data directory of another node.
+    let text = cluster.config_text(newcomer, cluster.cluster_id()).replace(
+        "data_dir = \"data\"",
+        &format!("data_dir = {:?}", root.path().join("node-1").join("data")),
+    );
+    std::fs::write(&bad, text).unwrap();
+    let error = node_error(&cluster, &bad, &[]);
+    assert!(error.contains("belongs to node 1"), "{error}");
+}
+
+async fn replicas_held_by(client: &ClusterClient, id: u64) -> usize {
+    let status = client.status().await.unwrap();
+    status
+        .meta
+        .map
+        .partitions
+        .iter()
+        .filter(|p| p.replicas.contains(&id))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_node_takes_its_share_while_queries_stay_exact() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 2);
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    let client = ClusterClient::new(cluster.addr(1));
+    client
+        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .await
+        .unwrap();
+    client
+        .publish("kv", vec![kv_batch(0, 20_000)], false)
+        .await
+        .unwrap();
+    client
+        .sql("UPDATE kv SET v = v + 1 WHERE k < 100")
+        .await
+        .unwrap();
+    let expected = (20_000, (0..20_000).map(|k| k * 10).sum::<i64>() + 100);
+    let before = client.status().await.unwrap().meta.visible;
+
+    let newcomer = cluster.add_node();
+    cluster.start(newcomer);
+    // Queries keep returning the exact answer while partitions move.
+    let moved = wait_until(
+        "the new node to hold partitions",
+        Duration::from_secs(60),
+        || async {
+            assert_eq!(count_and_sum(&client).await, expected);
+            (replicas_held_by(&client, newcomer).await > 0).then_some(())
+        },
+    )
+    .await;
+    let () = moved;
+    let share = replicas_held_by(&client, newcomer).await;
+    assert_eq!(
+        share,
+        PARTITIONS as usize * 2 / 4,
+        "uniform share of 16 partitions x 2 replicas over 4 nodes"
+    );
+    for id in cluster.node_ids() {
+        let node = ClusterClient::new(cluster.addr(id));
+        assert_eq!(count_and_sum(&node).await, expected, "node {id}");
+    }
+    // Time travel still works across the move.
+    let old = client
+        .query(&format!(
+            "SELECT sum(v) FROM kv AS OF EPOCH {}",
+            before.0 - 1
+        ))
+        .await
+        .unwrap();
+    let old_sum = old[0]
+        .column(0)
+        .as_any()
+        .downcast_ref::<Int64Array>()
+        .unwrap()
+        .value(0);
+    assert_eq!(old_sum, (0..20_000).map(|k| k * 10).sum::<i64>());
+    // Publishes after the move reach the new replicas.
+    let newcomer_client = ClusterClient::new(cluster.addr(newcomer));
+    newcomer_client
+        .publish("kv", vec![kv_batch(20_000, 21_000)], false)
+        .await
+        .unwrap();
+    let expected = (
+        21_000,
+        expected.1 + (20_000..21_000).map(|k| k * 10).sum::<i64>(),
+    );
+    assert_eq!(count_and_sum(&client).await, expected);
+
+    // Decommissioning moves its partitions back and retires it.
+    newcomer_client.decommission(newcomer).await.unwrap();
+    wait_until(
+        "the node to be decommissioned",
+        Duration::from_secs(60),
+        || async {
+            let status = client.status().await.ok()?;
+            status.meta.nodes[&newcomer].decommissioned.then_some(())
+        },
+    )
+    .await;
+    assert_eq!(replicas_held_by(&client, newcomer).await, 0);
+    assert_eq!(count_and_sum(&client).await, expected);
+    // A metadata voter cannot be decommissioned.
+    let error = client.decommission(1).await.unwrap_err().to_string();
+    assert!(error.contains("votes in the metadata group"), "{error}");
+}

@@ -1,0 +1,528 @@
+//! The SQL engine's view of the cluster: the catalog from the metadata, scans that read each
+//! partition from its primary (here or over Flight), and publishes through the coordinator.
+//!
+//! At this stage a query gathers the partitions' live rows at the node it runs on and
+//! executes there; distributed execution is a later layer.
+
+use crate::error::ClusterError;
+use crate::meta::{MetaState, MetaView};
+use crate::node::Node;
+use crate::rpc::ScanRequest;
+use crate::NodeId;
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use async_trait::async_trait;
+use datafusion::catalog::{SchemaProvider, Session, TableProvider};
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::{Constraint, Constraints, DataFusionError, Result as DfResult};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
+use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_plan::empty::EmptyExec;
+use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
+};
+use futures::{StreamExt, TryStreamExt};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use tessera_common::{Epoch, PartitionId, PartitionRing};
+use tessera_sql::time_travel::split_epoch_name;
+use tessera_sql::{Backend, SqlError};
+use tessera_storage::versions::stored_user_schema;
+use tessera_storage::{StorageError, TableChanges, TableDef};
+
+fn external(error: ClusterError) -> DataFusionError {
+    match error {
+        ClusterError::Storage(e) => SqlError::to_datafusion(e),
+        other => DataFusionError::External(Box::new(other)),
+    }
+}
+
+/// The cluster as one database, seen from `node`.
+pub struct ClusterBackend {
+    node: Arc<Node>,
+    /// The metadata a statement runs against, fixed when it starts.
+    pinned: Arc<Mutex<Option<Arc<MetaView>>>>,
+}
+
+impl ClusterBackend {
+    pub fn new(node: Arc<Node>) -> ClusterBackend {
+        ClusterBackend {
+            node,
+            pinned: Arc::default(),
+        }
+    }
+
+    fn view(&self) -> Arc<MetaView> {
+        self.pinned
+            .lock()
+            .expect("pinned lock")
+            .clone()
+            .unwrap_or_else(|| self.node.view())
+    }
+}
+
+#[async_trait]
+impl Backend for ClusterBackend {
+    fn table_def(&self, name: &str) -> Option<TableDef> {
+        self.view().state.tables.get(name).cloned()
+    }
+
+    fn ring(&self) -> PartitionRing {
+        PartitionRing::new(self.view().state.partition_count)
+    }
+
+    fn schema_provider(&self) -> Arc<dyn SchemaProvider> {
+        Arc::new(ClusterSchema {
+            node: self.node.clone(),
+            pinned: self.pinned.clone(),
+        })
+    }
+
+    async fn begin_statement(&self) {
+        let view = self.node.catch_up_with_leader().await;
+        *self.pinned.lock().expect("pinned lock") = Some(view);
+    }
+
+    async fn create_table(&self, def: TableDef) -> tessera_sql::error::Result<()> {
+        self.node
+            .write(crate::meta::MetaCommand::CreateTable { def })
+            .await?;
+        self.begin_statement().await;
+        Ok(())
+    }
+
+    async fn drop_table(&self, name: &str) -> tessera_sql::error::Result<()> {
+        self.node
+            .write(crate::meta::MetaCommand::DropTable {
+                name: name.to_string(),
+            })
+            .await?;
+        self.begin_statement().await;
+        Ok(())
+    }
+
+    async fn publish(&self, changes: Vec<TableChanges>) -> tessera_sql::error::Result<Epoch> {
+        let epoch = crate::publish::publish(&self.node, changes).await?;
+        self.begin_statement().await;
+        Ok(epoch)
+    }
+
+    async fn read_partitions(
+        &self,
+        def: &TableDef,
+        partitions: Vec<PartitionId>,
+        columns: Vec<usize>,
+    ) -> tessera_sql::error::Result<Vec<RecordBatch>> {
+        let view = self.view();
+        let scan = ClusterScanExec::new(
+            self.node.clone(),
+            &view.state,
+            def.clone(),
+            view.state.visible,
+            &partitions,
+            columns,
+        )
+        .map_err(ClusterError::from)?;
+        let mut batches = Vec::new();
+        for i in 0..scan.groups.len() {
+            let stream = scan.execute_group(i);
+            batches.extend(
+                stream
+                    .try_collect::<Vec<_>>()
+                    .await
+                    .map_err(tessera_sql::error::from_datafusion)?,
+            );
+        }
+        Ok(batches)
+    }
+}
+
+/// The `public` schema of the cluster.
+#[derive(Debug)]
+struct ClusterSchema {
+    node: Arc<Node>,
+    pinned: Arc<Mutex<Option<Arc<MetaView>>>>,
+}
+
+impl ClusterSchema {
+    fn view(&self) -> Arc<MetaView> {
+        self.pinned
+            .lock()
+            .expect("pinned lock")
+            .clone()
+            .unwrap_or_else(|| self.node.view())
+    }
+}
+
+#[async_trait]
+impl SchemaProvider for ClusterSchema {
+    fn table_names(&self) -> Vec<String> {
+        self.view().state.tables.keys().cloned().collect()
+    }
+
+    async fn table(&self, name: &str) -> DfResult<Option<Arc<dyn TableProvider>>> {
+        let (table, epoch) = match split_epoch_name(name) {
+            Some((table, epoch)) => (table, Some(Epoch(epoch))),
+            None => (name, None),
+        };
+        let view = self.view();
+        let Some(def) = view.state.tables.get(table).cloned() else {
+            return Ok(None);
+        };
+        let epoch = epoch.unwrap_or(view.state.visible);
+        if epoch > view.state.visible {
+            return Err(SqlError::to_datafusion(StorageError::EpochNotVisible {
+                requested: epoch,
+                visible: view.state.visible,
+            }));
+        }
+        Ok(Some(Arc::new(ClusterTable::new(
+            self.node.clone(),
+            view,
+            def,
+            epoch,
+        ))))
+    }
+
+    fn table_exist(&self, name: &str) -> bool {
+        let table = split_epoch_name(name).map(|(t, _)| t).unwrap_or(name);
+        self.view().state.tables.contains_key(table)
+    }
+}
+
+#[derive(Debug)]
+struct ClusterTable {
+    node: Arc<Node>,
+    view: Arc<MetaView>,
+    def: TableDef,
+    epoch: Epoch,
+    schema: SchemaRef,
+    constraints: Constraints,
+}
+
+impl ClusterTable {
+    fn new(node: Arc<Node>, view: Arc<MetaView>, def: TableDef, epoch: Epoch) -> Self {
+        let constraints = if def.primary_key.is_empty() {
+            Constraints::default()
+        } else {
+            Constraints::new_unverified(vec![Constraint::PrimaryKey(def.primary_key_indices())])
+        };
+        ClusterTable {
+            node,
+            view,
+            schema: stored_user_schema(&def),
+            def,
+            epoch,
+            constraints,
+        }
+    }
+}
+
+#[async_trait]
+impl TableProvider for ClusterTable {
+    fn schema(&self) -> SchemaRef {
+        self.schema.clone()
+    }
+
+    fn constraints(&self) -> Option<&Constraints> {
+        Some(&self.constraints)
+    }
+
+    fn table_type(&self) -> TableType {
+        TableType::Base
+    }
+
+    fn supports_filters_pushdown(
+        &self,
+        filters: &[&Expr],
+    ) -> DfResult<Vec<TableProviderFilterPushDown>> {
+        Ok(vec![
+            TableProviderFilterPushDown::Unsupported;
+            filters.len()
+        ])
+    }
+
+    async fn scan(
+        &self,
+        _state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        _filters: &[Expr],
+        _limit: Option<usize>,
+    ) -> DfResult<Arc<dyn ExecutionPlan>> {
+        let columns: Vec<usize> = match projection {
+            Some(p) => p.clone(),
+            None => (0..self.schema.fields().len()).collect(),
+        };
+        let all: Vec<PartitionId> = (0..self.view.state.partition_count)
+            .map(PartitionId)
+            .collect();
+        let scan = ClusterScanExec::new(
+            self.node.clone(),
+            &self.view.state,
+            self.def.clone(),
+            self.epoch,
+            &all,
+            columns,
+        )
+        .map_err(external)?;
+        if scan.groups.is_empty() {
+            return Ok(Arc::new(EmptyExec::new(scan.schema.clone())));
+        }
+        Ok(Arc::new(scan))
+    }
+}
+
+/// Partitions read from one node.
+#[derive(Debug, Clone)]
+struct ReadGroup {
+    node: NodeId,
+    partitions: Vec<PartitionId>,
+    /// For each partition, the other replicas able to serve it, in ring order.
+    fallbacks: Vec<Vec<NodeId>>,
+}
+
+/// Reads a table's live rows at an epoch: one output partition per node holding primaries.
+#[derive(Debug)]
+pub struct ClusterScanExec {
+    node: Arc<Node>,
+    def: TableDef,
+    epoch: Epoch,
+    columns: Vec<usize>,
+    schema: SchemaRef,
+    groups: Vec<ReadGroup>,
+    properties: Arc<PlanProperties>,
+}
+
+impl ClusterScanExec {
+    fn new(
+        node: Arc<Node>,
+        state: &MetaState,
+        def: TableDef,
+        epoch: Epoch,
+        partitions: &[PartitionId],
+        columns: Vec<usize>,
+    ) -> Result<Self, ClusterError> {
+        let schema = Arc::new(stored_user_schema(&def).project(&columns)?);
+        let mut by_node: BTreeMap<NodeId, ReadGroup> = BTreeMap::new();
+        for &partition in partitions {
+            let placement = &state.map.partitions[partition.0 as usize];
+            let reader = placement.primary.ok_or_else(|| {
+                ClusterError::Rejected(format!(
+                    "partition {partition} of table {:?} has no live replica holding every epoch (replicas {:?}); it is unavailable until one returns",
+                    def.name, placement.replicas
+                ))
+            })?;
+            let fallbacks = placement
+                .replicas
+                .iter()
+                .copied()
+                .filter(|id| {
+                    *id != reader
+                        && !placement.stale.contains(id)
+                        && state.nodes.get(id).is_some_and(|n| n.alive)
+                })
+                .collect();
+            let group = by_node.entry(reader).or_insert_with(|| ReadGroup {
+                node: reader,
+                partitions: Vec::new(),
+                fallbacks: Vec::new(),
+            });
+            group.partitions.push(partition);
+            group.fallbacks.push(fallbacks);
+        }
+        let groups: Vec<ReadGroup> = by_node.into_values().collect();
+        let properties = Arc::new(PlanProperties::new(
+            EquivalenceProperties::new(schema.clone()),
+            Partitioning::UnknownPartitioning(groups.len().max(1)),
+            EmissionType::Incremental,
+            Boundedness::Bounded,
+        ));
+        Ok(ClusterScanExec {
+            node,
+            def,
+            epoch,
+            columns,
+            schema,
+            groups,
+            properties,
+        })
+    }
+
+    /// Streams one group's rows; if its node cannot be reached before it sends anything,
+    /// each partition is read from its next replica instead.
+    fn execute_group(&self, index: usize) -> SendableRecordBatchStream {
+        let group = self.groups[index].clone();
+        let node = self.node.clone();
+        let def = self.def.clone();
+        let epoch = self.epoch;
+        let columns = self.columns.clone();
+        let read = async move {
+            match read_from(&node, group.node, &def, epoch, &group.partitions, &columns).await {
+                Ok(batches) => Ok(batches),
+                Err(error) if group.node != node.id() && is_unreachable(&error) => {
+                    tracing::warn!(from = group.node, %error, "replica unreachable; reading its partitions from the next replica");
+                    node.suspect(group.node);
+                    let mut batches = Vec::new();
+                    for (partition, fallbacks) in group.partitions.iter().zip(&group.fallbacks) {
+                        let mut last = error.to_string();
+                        let mut done = false;
+                        for replica in fallbacks {
+                            match read_from(&node, *replica, &def, epoch, &[*partition], &columns)
+                                .await
+                            {
+                                Ok(more) => {
+                                    batches.extend(more);
+                                    done = true;
+                                    break;
+                                }
+                                Err(e) => last = e.to_string(),
+                            }
+                        }
+                        if !done {
+                            return Err(ClusterError::Rejected(format!(
+                                "no replica of partition {partition} could be read: {last}"
+                            )));
+                        }
+                    }
+                    Ok(batches)
+                }
+                Err(error) => Err(error),
+            }
+        };
+        let stream = futures::stream::once(read)
+            .map(|result| match result {
+                Ok(batches) => futures::stream::iter(batches.into_iter().map(Ok)).boxed(),
+                Err(error) => futures::stream::once(async move { Err(external(error)) }).boxed(),
+            })
+            .flatten();
+        Box::pin(RecordBatchStreamAdapter::new(self.schema.clone(), stream))
+    }
+}
+
+fn is_unreachable(error: &ClusterError) -> bool {
+    matches!(error, ClusterError::Unreachable { .. })
+}
+
+/// The live rows of `partitions` held by node `from` (this node or another).
+async fn read_from(
+    node: &Arc<Node>,
+    from: NodeId,
+    def: &TableDef,
+    epoch: Epoch,
+    partitions: &[PartitionId],
+    columns: &[usize],
+) -> Result<Vec<RecordBatch>, ClusterError> {
+    if from == node.id() {
+        let (store, def, partitions, columns) = (
+            node.store.clone(),
+            def.clone(),
+            partitions.to_vec(),
+            columns.to_vec(),
+        );
+        return tokio::task::spawn_blocking(move || {
+            tessera_sql::backend::read_local_partitions(
+                &store,
+                &def,
+                Some(epoch),
+                &partitions,
+                &columns,
+            )
+        })
+        .await
+        .map_err(|e| ClusterError::Rejected(e.to_string()))?
+        .map_err(ClusterError::from);
+    }
+    let addr = node
+        .addr_of(from)
+        .ok_or_else(|| ClusterError::Unreachable {
+            node: from,
+            addr: "?".into(),
+            reason: "no known address".into(),
+        })?;
+    let unreachable = |reason: String| ClusterError::Unreachable {
+        node: from,
+        addr: addr.clone(),
+        reason,
+    };
+    let request = ScanRequest {
+        table: def.name.clone(),
+        generation: def.generation,
+        epoch,
+        partitions: partitions.to_vec(),
+        columns: columns.to_vec(),
+    };
+    let classify = |e: crate::rpc::CallError| {
+        if e.is_transport() {
+            unreachable(e.to_string())
+        } else {
+            ClusterError::Rejected(format!("node {from}: {e}"))
+        }
+    };
+    let stream = node
+        .clients
+        .get(&addr, crate::rpc::GetRequest::Scan(request))
+        .await
+        .map_err(classify)?;
+    stream.map_err(classify).try_collect().await
+}
+
+impl DisplayAs for ClusterScanExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        let groups: Vec<String> = self
+            .groups
+            .iter()
+            .map(|g| format!("node {}: {} partitions", g.node, g.partitions.len()))
+            .collect();
+        write!(
+            f,
+            "ClusterScanExec: table={}, epoch={}, [{}]",
+            self.def.name,
+            self.epoch,
+            groups.join(", ")
+        )
+    }
+}
+
+impl ExecutionPlan for ClusterScanExec {
+    fn name(&self) -> &str {
+        "ClusterScanExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![]
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> DfResult<TreeNodeRecursion>,
+    ) -> DfResult<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        _children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> DfResult<Arc<dyn ExecutionPlan>> {
+        Ok(self)
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        _context: Arc<TaskContext>,
+    ) -> DfResult<SendableRecordBatchStream> {
+        if partition >= self.groups.len() {
+            return Err(DataFusionError::Internal(format!(
+                "ClusterScanExec has no partition {partition}"
+            )));
+        }
+        Ok(self.execute_group(partition))
+    }
+}

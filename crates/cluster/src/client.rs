@@ -1,0 +1,153 @@
+//! A client of a running cluster, for the CLI and tests: SQL, publishes and status through
+//! any node.
+
+use crate::error::{ClusterError, Result};
+use crate::rpc::{
+    CallError, Clients, PutRequest, SqlOutput, ACTION_SQL, ACTION_STATUS, PROTOCOL_VERSION,
+};
+use crate::server::NodeStatus;
+use arrow::array::RecordBatch;
+use std::time::Duration;
+use tessera_common::Epoch;
+use tessera_sql::StatementOutput;
+
+pub struct ClusterClient {
+    addr: String,
+    clients: Clients,
+}
+
+impl ClusterClient {
+    /// A client of the node at `addr`, whatever cluster it belongs to.
+    pub fn new(addr: &str) -> ClusterClient {
+        ClusterClient {
+            addr: addr.to_string(),
+            clients: Clients::new(crate::rpc::ANY_CLUSTER, PROTOCOL_VERSION),
+        }
+    }
+
+    fn call_error(&self, error: CallError) -> ClusterError {
+        match error {
+            CallError::Refused(crate::rpc::Refusal::WrongCluster {
+                node_id,
+                cluster_id,
+            }) => ClusterError::WrongCluster {
+                node: node_id,
+                addr: self.addr.clone(),
+                ours: self.clients.cluster_id().to_string(),
+                theirs: cluster_id,
+            },
+            CallError::Transport(reason) => ClusterError::Unreachable {
+                node: 0,
+                addr: self.addr.clone(),
+                reason,
+            },
+            other => ClusterError::Rejected(other.to_string()),
+        }
+    }
+
+    pub async fn sql(&self, sql: &str) -> Result<Vec<StatementOutput>> {
+        let reply: std::result::Result<
+            std::result::Result<Vec<SqlOutput>, crate::rpc::Refusal>,
+            CallError,
+        > = self
+            .clients
+            .action(&self.addr, ACTION_SQL, sql, Duration::from_secs(3600))
+            .await;
+        let outputs = match reply.map_err(|e| self.call_error(e))? {
+            Ok(outputs) => outputs,
+            Err(refusal) => return Err(self.call_error(CallError::Refused(refusal))),
+        };
+        outputs
+            .into_iter()
+            .map(|output| match output {
+                SqlOutput::Done { tag, epoch } => Ok(StatementOutput::Done { tag, epoch }),
+                SqlOutput::Rows { ipc_hex } => {
+                    let bytes = from_hex(&ipc_hex).ok_or_else(|| {
+                        ClusterError::Rejected("the node sent undecodable rows".into())
+                    })?;
+                    let reader = arrow::ipc::reader::StreamReader::try_new(
+                        std::io::Cursor::new(bytes),
+                        None,
+                    )?;
+                    let schema = reader.schema();
+                    let batches = reader.collect::<std::result::Result<Vec<_>, _>>()?;
+                    Ok(StatementOutput::Rows { schema, batches })
+                }
+            })
+            .collect()
+    }
+
+    /// Runs SQL whose last statement returns rows.
+    pub async fn query(&self, sql: &str) -> Result<Vec<RecordBatch>> {
+        match self.sql(sql).await?.pop() {
+            Some(StatementOutput::Rows { batches, .. }) => Ok(batches),
+            other => Err(ClusterError::Rejected(format!(
+                "expected rows, got {other:?}"
+            ))),
+        }
+    }
+
+    /// Publishes rows of one table as a new epoch, coordinated by this client's node.
+    pub async fn publish(
+        &self,
+        table: &str,
+        rows: Vec<RecordBatch>,
+        deletes: bool,
+    ) -> Result<Epoch> {
+        let request = PutRequest::Publish {
+            table: table.to_string(),
+            deletes,
+        };
+        let metadata = self
+            .clients
+            .put(&self.addr, request, rows)
+            .await
+            .map_err(|e| self.call_error(e))?;
+        serde_json::from_slice(&metadata)
+            .map_err(|e| ClusterError::Rejected(format!("undecodable publish reply: {e}")))
+    }
+
+    /// Starts moving node `id`'s partitions away; the cluster then retires it.
+    pub async fn decommission(&self, id: u64) -> Result<()> {
+        let reply: std::result::Result<std::result::Result<(), crate::rpc::Refusal>, CallError> =
+            self.clients
+                .action(
+                    &self.addr,
+                    crate::rpc::ACTION_DECOMMISSION,
+                    id,
+                    Duration::from_secs(30),
+                )
+                .await;
+        match reply.map_err(|e| self.call_error(e))? {
+            Ok(()) => Ok(()),
+            Err(refusal) => Err(self.call_error(CallError::Refused(refusal))),
+        }
+    }
+
+    pub async fn status(&self) -> Result<NodeStatus> {
+        self.clients
+            .action(&self.addr, ACTION_STATUS, (), Duration::from_secs(5))
+            .await
+            .map_err(|e| self.call_error(e))
+    }
+}
+
+pub fn to_hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(DIGITS[(b >> 4) as usize] as char);
+        out.push(DIGITS[(b & 15) as usize] as char);
+    }
+    out
+}
+
+pub fn from_hex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}

@@ -1,0 +1,77 @@
+//! Errors of the cluster layer, each naming the node, address or setting at fault.
+
+use tessera_common::Epoch;
+use tessera_storage::StorageError;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ClusterError {
+    #[error("invalid node configuration {path}: {reason}")]
+    Config { path: String, reason: String },
+    #[error("cannot listen on {addr}: {reason}")]
+    Listen { addr: String, reason: String },
+    #[error("node {node} at {addr} belongs to cluster {theirs:?}, but this node is configured for cluster {ours:?}")]
+    WrongCluster {
+        node: u64,
+        addr: String,
+        ours: String,
+        theirs: String,
+    },
+    #[error("node {node} at {addr} speaks protocol version {theirs}, this node speaks version {ours}; run the same Tessera release on every node")]
+    VersionMismatch {
+        node: u64,
+        addr: String,
+        ours: u32,
+        theirs: u32,
+    },
+    #[error("the address {addr} answers as node {theirs}, but the configuration says node {expected} is there")]
+    WrongNode {
+        addr: String,
+        expected: u64,
+        theirs: u64,
+    },
+    #[error("data directory {dir}: {reason}")]
+    DataDir { dir: String, reason: String },
+    #[error("node {node} ({addr}) is unreachable: {reason}")]
+    Unreachable {
+        node: u64,
+        addr: String,
+        reason: String,
+    },
+    #[error("no metadata leader is known yet; the cluster may still be electing one (a majority of voters must be up)")]
+    NoLeader,
+    #[error("this node does not lead the metadata group (leader: {0:?})")]
+    NotLeader(Option<u64>),
+    #[error("metadata: {0}")]
+    Raft(String),
+    #[error("{0}")]
+    Rejected(String),
+    #[error("{0}")]
+    TableBusy(String),
+    #[error("epoch {epoch} aborted: {reason}")]
+    Aborted { epoch: Epoch, reason: String },
+    #[error("{0}")]
+    Storage(#[from] StorageError),
+    #[error("{0}")]
+    Arrow(#[from] arrow::error::ArrowError),
+    #[error("{0}")]
+    Sql(#[from] tessera_sql::SqlError),
+}
+
+impl ClusterError {
+    pub fn raft(error: impl std::fmt::Display) -> ClusterError {
+        ClusterError::Raft(error.to_string())
+    }
+}
+
+impl From<ClusterError> for tessera_sql::SqlError {
+    fn from(error: ClusterError) -> Self {
+        match error {
+            ClusterError::Storage(e) => tessera_sql::SqlError::Storage(e),
+            ClusterError::Sql(e) => e,
+            other => tessera_sql::SqlError::Cluster(other.to_string()),
+        }
+    }
+}
+
+pub type Result<T, E = ClusterError> = std::result::Result<T, E>;

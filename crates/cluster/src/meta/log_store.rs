@@ -1,0 +1,265 @@
+//! The Raft log on disk: one append-only file of CRC-checked frames, plus a small file for
+//! the vote, the committed log id and the purge point.
+//!
+//! Appends are fsynced before openraft is told they are durable. A torn tail (a crash in
+//! the middle of an append) is cut off at start. Truncation and purging rewrite the file
+//! atomically; both are rare (conflict resolution, after a snapshot).
+
+use super::TypeConfig;
+use crate::NodeId;
+use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
+use openraft::{
+    AnyError, Entry, LogId, OptionalSend, RaftLogReader, StorageError, StorageIOError, Vote,
+};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::ops::RangeBounds;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+const LOG_FILE: &str = "raft-log";
+const STATE_FILE: &str = "raft-state.json";
+
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+struct LogMeta {
+    vote: Option<Vote<NodeId>>,
+    committed: Option<LogId<NodeId>>,
+    last_purged: Option<LogId<NodeId>>,
+}
+
+struct Inner {
+    dir: PathBuf,
+    file: File,
+    entries: BTreeMap<u64, Entry<TypeConfig>>,
+    meta: LogMeta,
+}
+
+/// Shared by the log storage and its readers.
+#[derive(Clone)]
+pub struct LogStore {
+    inner: Arc<Mutex<Inner>>,
+}
+
+fn io_error(e: impl std::fmt::Display) -> StorageError<NodeId> {
+    StorageIOError::write_logs(AnyError::error(e.to_string())).into()
+}
+
+fn encode_frame(entry: &Entry<TypeConfig>) -> std::io::Result<Vec<u8>> {
+    let payload = serde_json::to_vec(entry)?;
+    let mut frame = Vec::with_capacity(payload.len() + 8);
+    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
+    frame.extend_from_slice(&payload);
+    Ok(frame)
+}
+
+/// Reads every whole, intact frame; returns the entries and the length they span.
+fn read_frames(bytes: &[u8]) -> (Vec<Entry<TypeConfig>>, usize) {
+    let mut entries = Vec::new();
+    let mut at = 0;
+    while at + 8 <= bytes.len() {
+        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
+        let crc = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().expect("4 bytes"));
+        let Some(payload) = bytes.get(at + 8..at + 8 + len) else {
+            break;
+        };
+        if crc32c::crc32c(payload) != crc {
+            break;
+        }
+        let Ok(entry) = serde_json::from_slice(payload) else {
+            break;
+        };
+        entries.push(entry);
+        at += 8 + len;
+    }
+    (entries, at)
+}
+
+fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = dir.join(format!("{name}.tmp"));
+    let mut file = File::create(&tmp)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, dir.join(name))?;
+    File::open(dir)?.sync_all()
+}
+
+impl LogStore {
+    pub fn open(dir: &Path) -> std::io::Result<LogStore> {
+        std::fs::create_dir_all(dir)?;
+        let meta: LogMeta = match std::fs::read(dir.join(STATE_FILE)) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{} is corrupt: {e}", dir.join(STATE_FILE).display()),
+                )
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => LogMeta::default(),
+            Err(e) => return Err(e),
+        };
+        let path = dir.join(LOG_FILE);
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e),
+        };
+        let (frames, valid) = read_frames(&bytes);
+        let file = OpenOptions::new().create(true).append(true).open(&path)?;
+        if valid < bytes.len() {
+            tracing::warn!(path = %path.display(), torn_bytes = bytes.len() - valid, "cutting a torn tail off the metadata log");
+            file.set_len(valid as u64)?;
+            file.sync_all()?;
+        }
+        let purged = meta.last_purged.map(|l| l.index);
+        let mut entries = BTreeMap::new();
+        for entry in frames {
+            if purged.is_none_or(|p| entry.log_id.index > p) {
+                // A later frame for an index replaces an earlier one (written after a truncate
+                // whose rewrite did not finish is impossible: rewrites are atomic).
+                entries.split_off(&entry.log_id.index);
+                entries.insert(entry.log_id.index, entry);
+            }
+        }
+        Ok(LogStore {
+            inner: Arc::new(Mutex::new(Inner {
+                dir: dir.to_path_buf(),
+                file,
+                entries,
+                meta,
+            })),
+        })
+    }
+
+    fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().expect("raft log lock")
+    }
+}
+
+impl Inner {
+    fn save_meta(&self) -> std::io::Result<()> {
+        write_atomically(&self.dir, STATE_FILE, &serde_json::to_vec(&self.meta)?)
+    }
+
+    /// Rewrites the log file with exactly the entries held in memory.
+    fn rewrite(&mut self) -> std::io::Result<()> {
+        let mut bytes = Vec::new();
+        for entry in self.entries.values() {
+            bytes.extend(encode_frame(entry)?);
+        }
+        write_atomically(&self.dir, LOG_FILE, &bytes)?;
+        self.file = OpenOptions::new()
+            .append(true)
+            .open(self.dir.join(LOG_FILE))?;
+        Ok(())
+    }
+}
+
+impl RaftLogReader<TypeConfig> for LogStore {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<Entry<TypeConfig>>, StorageError<NodeId>> {
+        Ok(self
+            .inner()
+            .entries
+            .range(range)
+            .map(|(_, e)| e.clone())
+            .collect())
+    }
+}
+
+impl RaftLogStorage<TypeConfig> for LogStore {
+    type LogReader = LogStore;
+
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<NodeId>> {
+        let inner = self.inner();
+        let last_purged_log_id = inner.meta.last_purged;
+        let last_log_id = inner
+            .entries
+            .values()
+            .next_back()
+            .map(|e| e.log_id)
+            .or(last_purged_log_id);
+        Ok(LogState {
+            last_purged_log_id,
+            last_log_id,
+        })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError<NodeId>> {
+        let mut inner = self.inner();
+        inner.meta.vote = Some(*vote);
+        inner.save_meta().map_err(io_error)
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError<NodeId>> {
+        Ok(self.inner().meta.vote)
+    }
+
+    async fn save_committed(
+        &mut self,
+        committed: Option<LogId<NodeId>>,
+    ) -> Result<(), StorageError<NodeId>> {
+        let mut inner = self.inner();
+        inner.meta.committed = committed;
+        inner.save_meta().map_err(io_error)
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
+        Ok(self.inner().meta.committed)
+    }
+
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<TypeConfig>,
+    ) -> Result<(), StorageError<NodeId>>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut inner = self.inner();
+        let mut bytes = Vec::new();
+        let mut appended = Vec::new();
+        for entry in entries {
+            bytes.extend(encode_frame(&entry).map_err(io_error)?);
+            appended.push(entry);
+        }
+        let result = inner
+            .file
+            .write_all(&bytes)
+            .and_then(|()| inner.file.sync_data());
+        if result.is_ok() {
+            for entry in appended {
+                inner.entries.insert(entry.log_id.index, entry);
+            }
+        }
+        let failed = result.as_ref().err().map(|e| e.to_string());
+        callback.log_io_completed(result);
+        match failed {
+            Some(e) => Err(io_error(e)),
+            None => Ok(()),
+        }
+    }
+
+    async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+        let mut inner = self.inner();
+        inner.entries.split_off(&log_id.index);
+        inner.rewrite().map_err(io_error)
+    }
+
+    async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+        let mut inner = self.inner();
+        inner.meta.last_purged = Some(log_id);
+        inner.save_meta().map_err(io_error)?;
+        inner.entries = inner.entries.split_off(&(log_id.index + 1));
+        inner.rewrite().map_err(io_error)
+    }
+}

@@ -1,0 +1,583 @@
+//! The replicated metadata: what every node agrees on through Raft.
+//!
+//! [`MetaState::apply`] is deterministic: every node applies the same commands in the same
+//! order and reaches the same state. What applying a command means for the local store
+//! (create a table, commit an epoch's prepared rows) is returned as [`LocalEffect`]s for the
+//! state machine to carry out.
+
+use crate::NodeId;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use tessera_common::{Epoch, PartitionId};
+use tessera_storage::TableDef;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct NodeInfo {
+    pub id: NodeId,
+    pub addr: String,
+    pub alive: bool,
+    /// A decommissioned node holds no partitions and is no longer a member.
+    pub decommissioned: bool,
+    /// Asked to leave: its partitions move to the other members, then it is decommissioned.
+    #[serde(default)]
+    pub leaving: bool,
+}
+
+/// Where one partition lives (chained declustering: `replicas` are consecutive ring nodes
+/// starting at `original`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Placement {
+    pub original: NodeId,
+    pub replicas: Vec<NodeId>,
+    /// The first live replica that holds every committed epoch; `None` while none does.
+    pub primary: Option<NodeId>,
+    /// Replicas that missed a committed epoch of this partition and may not serve it until
+    /// they catch up.
+    pub stale: BTreeSet<NodeId>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct PartitionMap {
+    /// Rises whenever any placement or primary changes.
+    pub version: u64,
+    pub partitions: Vec<Placement>,
+}
+
+impl PartitionMap {
+    /// Uniform contiguous ranges over the ring, nodes ordered by id, `replication` replicas
+    /// on consecutive nodes.
+    pub fn uniform(partition_count: u32, replication: u32, nodes: &[NodeId]) -> PartitionMap {
+        assert!(!nodes.is_empty(), "a partition map needs nodes");
+        let mut nodes = nodes.to_vec();
+        nodes.sort_unstable();
+        let n = nodes.len() as u64;
+        let copies = (replication as usize).min(nodes.len());
+        let partitions = (0..partition_count as u64)
+            .map(|p| {
+                let first = (p * n / partition_count as u64) as usize;
+                let replicas: Vec<NodeId> = (0..copies)
+                    .map(|k| nodes[(first + k) % nodes.len()])
+                    .collect();
+                Placement {
+                    original: replicas[0],
+                    primary: Some(replicas[0]),
+                    replicas,
+                    stale: BTreeSet::new(),
+                }
+            })
+            .collect();
+        PartitionMap {
+            version: 1,
+            partitions,
+        }
+    }
+
+    /// The node to read partition `p` from, if any replica can serve it.
+    pub fn reader_of(&self, partition: PartitionId) -> Option<NodeId> {
+        self.partitions.get(partition.0 as usize)?.primary
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub enum MetaCommand {
+    /// The first entry: the cluster's identity, its founding nodes and their partition map.
+    Bootstrap {
+        cluster_id: String,
+        partition_count: u32,
+        replication: u32,
+        nodes: Vec<(NodeId, String)>,
+    },
+    /// A node asks to be a member (a no-op for one already known at this address).
+    RegisterNode {
+        id: NodeId,
+        addr: String,
+    },
+    /// The metadata leader's failure detector (or a returning node's heartbeat) speaks.
+    SetLiveness {
+        id: NodeId,
+        alive: bool,
+    },
+    CreateTable {
+        def: TableDef,
+    },
+    DropTable {
+        name: String,
+    },
+    /// Allocates an epoch for `coordinator`, which holds the ownership lease of `tables`
+    /// until the epoch is decided.
+    AllocateEpoch {
+        coordinator: NodeId,
+        tables: Vec<String>,
+    },
+    /// Every touched partition has durably logged its rows on the replicas not in `missed`.
+    CommitEpoch {
+        epoch: Epoch,
+        missed: Vec<(PartitionId, NodeId)>,
+    },
+    AbortEpoch {
+        epoch: Epoch,
+        reason: String,
+    },
+    /// Replaces the partition map (membership change), in one entry.
+    SetPartitionMap {
+        map: PartitionMap,
+    },
+    /// Starts moving a node's partitions away.
+    Leave {
+        id: NodeId,
+    },
+    /// Retires a node that holds no partitions.
+    Decommission {
+        id: NodeId,
+    },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub enum MetaResponse {
+    Done,
+    Epoch(Epoch),
+    /// The command was refused; the state is unchanged.
+    Refused(String),
+    /// A table is leased to another writer; retrying later may succeed.
+    TableBusy(String),
+}
+
+/// What an applied command asks of the local store.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LocalEffect {
+    EnsureTable(TableDef),
+    DropTable { name: String, generation: u64 },
+    Commit(Epoch),
+    Abort(Epoch),
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct OpenEpoch {
+    pub coordinator: NodeId,
+    pub tables: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct MetaState {
+    pub cluster_id: String,
+    pub partition_count: u32,
+    pub replication: u32,
+    pub nodes: BTreeMap<NodeId, NodeInfo>,
+    pub map: PartitionMap,
+    pub tables: BTreeMap<String, TableDef>,
+    pub next_epoch: Epoch,
+    /// Every epoch at or below it is committed or aborted.
+    pub visible: Epoch,
+    pub open: BTreeMap<Epoch, OpenEpoch>,
+    /// Decided epochs above `visible`, waiting for the epochs below them.
+    pub decided_above_visible: BTreeSet<Epoch>,
+    /// Aborted epochs, so a node can tell an in-doubt prepare's fate after a restart.
+    pub aborted: BTreeSet<Epoch>,
+}
+
+impl MetaState {
+    pub fn is_bootstrapped(&self) -> bool {
+        !self.cluster_id.is_empty()
+    }
+
+    /// Whether `epoch` was committed (as opposed to aborted or still open).
+    pub fn is_committed(&self, epoch: Epoch) -> bool {
+        epoch < self.next_epoch && !self.open.contains_key(&epoch) && !self.aborted.contains(&epoch)
+    }
+
+    pub fn live_nodes(&self) -> impl Iterator<Item = &NodeInfo> {
+        self.nodes.values().filter(|n| n.alive && !n.decommissioned)
+    }
+
+    /// Applies one command. `index` is the command's log index, used as the generation of
+    /// tables it creates.
+    pub fn apply(&mut self, index: u64, command: MetaCommand) -> (MetaResponse, Vec<LocalEffect>) {
+        match self.try_apply(index, command) {
+            Ok(applied) => applied,
+            Err(reason) => (MetaResponse::Refused(reason), Vec::new()),
+        }
+    }
+
+    fn try_apply(
+        &mut self,
+        index: u64,
+        command: MetaCommand,
+    ) -> Result<(MetaResponse, Vec<LocalEffect>), String> {
+        if !self.is_bootstrapped() && !matches!(command, MetaCommand::Bootstrap { .. }) {
+            return Err("the cluster is not bootstrapped yet".into());
+        }
+        let mut effects = Vec::new();
+        let response = match command {
+            MetaCommand::Bootstrap {
+                cluster_id,
+                partition_count,
+                replication,
+                nodes,
+            } => {
+                if self.is_bootstrapped() {
+                    return Err(format!(
+                        "cluster {:?} is already bootstrapped",
+                        self.cluster_id
+                    ));
+                }
+                self.cluster_id = cluster_id;
+                self.partition_count = partition_count;
+                self.replication = replication;
+                self.next_epoch = Epoch(1);
+                for (id, addr) in &nodes {
+                    self.nodes.insert(
+                        *id,
+                        NodeInfo {
+                            id: *id,
+                            addr: addr.clone(),
+                            alive: true,
+                            decommissioned: false,
+                            leaving: false,
+                        },
+                    );
+                }
+                let ids: Vec<NodeId> = nodes.iter().map(|(id, _)| *id).collect();
+                self.map = PartitionMap::uniform(partition_count, replication, &ids);
+                MetaResponse::Done
+            }
+            MetaCommand::RegisterNode { id, addr } => {
+                if let Some(existing) = self.nodes.get(&id) {
+                    if existing.addr != addr {
+                        return Err(format!(
+                            "node {id} is already a member at {}, not {addr}",
+                            existing.addr
+                        ));
+                    }
+                } else {
+                    self.nodes.insert(
+                        id,
+                        NodeInfo {
+                            id,
+                            addr,
+                            alive: true,
+                            decommissioned: false,
+                            leaving: false,
+                        },
+                    );
+                }
+                MetaResponse::Done
+            }
+            MetaCommand::SetLiveness { id, alive } => {
+                let node = self
+                    .nodes
+                    .get_mut(&id)
+                    .ok_or_else(|| format!("unknown node {id}"))?;
+                node.alive = alive;
+                if !alive {
+                    // A dead coordinator cannot finish its publishes: abort them.
+                    let orphaned: Vec<Epoch> = self
+                        .open
+                        .iter()
+                        .filter(|(_, open)| open.coordinator == id)
+                        .map(|(epoch, _)| *epoch)
+                        .collect();
+                    for epoch in orphaned {
+                        self.decide(epoch, false);
+                        effects.push(LocalEffect::Abort(epoch));
+                    }
+                }
+                self.recompute_primaries();
+                MetaResponse::Done
+            }
+            MetaCommand::CreateTable { mut def } => {
+                if self.tables.contains_key(&def.name) {
+                    return Err(format!("table {:?} already exists", def.name));
+                }
+                def.created_at = self.visible;
+                def.generation = index;
+                self.tables.insert(def.name.clone(), def.clone());
+                effects.push(LocalEffect::EnsureTable(def));
+                MetaResponse::Done
+            }
+            MetaCommand::DropTable { name } => {
+                if let Some(open) = self.open.values().find(|o| o.tables.contains(&name)) {
+                    return Err(format!(
+                        "table {name:?} is being published by node {}; try again when it finishes",
+                        open.coordinator
+                    ));
+                }
+                let def = self
+                    .tables
+                    .remove(&name)
+                    .ok_or_else(|| format!("table {name:?} does not exist"))?;
+                effects.push(LocalEffect::DropTable {
+                    name,
+                    generation: def.generation,
+                });
+                MetaResponse::Done
+            }
+            MetaCommand::AllocateEpoch {
+                coordinator,
+                tables,
+            } => {
+                if !self.nodes.get(&coordinator).is_some_and(|n| n.alive) {
+                    return Err(format!("node {coordinator} is not a live member"));
+                }
+                for table in &tables {
+                    if !self.tables.contains_key(table) {
+                        return Err(format!("table {table:?} does not exist"));
+                    }
+                    if let Some((epoch, open)) =
+                        self.open.iter().find(|(_, o)| o.tables.contains(table))
+                    {
+                        return Ok((
+                            MetaResponse::TableBusy(format!(
+                                "table {table:?} is owned by node {} while it publishes epoch {epoch}; one writer at a time",
+                                open.coordinator
+                            )),
+                            vec![],
+                        ));
+                    }
+                }
+                let epoch = self.next_epoch;
+                self.next_epoch = epoch.next();
+                self.open.insert(
+                    epoch,
+                    OpenEpoch {
+                        coordinator,
+                        tables,
+                    },
+                );
+                MetaResponse::Epoch(epoch)
+            }
+            MetaCommand::CommitEpoch { epoch, missed } => {
+                if !self.open.contains_key(&epoch) {
+                    return Err(format!("epoch {epoch} is not open (already decided?)"));
+                }
+                for (partition, node) in missed {
+                    if let Some(placement) = self.map.partitions.get_mut(partition.0 as usize) {
+                        placement.stale.insert(node);
+                    }
+                }
+                self.decide(epoch, true);
+                self.recompute_primaries();
+                effects.push(LocalEffect::Commit(epoch));
+                MetaResponse::Epoch(epoch)
+            }
+            MetaCommand::AbortEpoch { epoch, reason } => {
+                if !self.open.contains_key(&epoch) {
+                    return Err(format!("epoch {epoch} is not open (already decided?)"));
+                }
+                tracing::info!(%epoch, %reason, "epoch aborted");
+                self.decide(epoch, false);
+                effects.push(LocalEffect::Abort(epoch));
+                MetaResponse::Done
+            }
+            MetaCommand::SetPartitionMap { map } => {
+                if map.partitions.len() != self.partition_count as usize {
+                    return Err(format!(
+                        "a partition map must place {} partitions, this one places {}",
+                        self.partition_count,
+                        map.partitions.len()
+                    ));
+                }
+                self.map = PartitionMap {
+                    version: self.map.version + 1,
+                    partitions: map.partitions,
+                };
+                self.recompute_primaries();
+                MetaResponse::Done
+            }
+            MetaCommand::Leave { id } => {
+                let node = self
+                    .nodes
+                    .get_mut(&id)
+                    .ok_or_else(|| format!("unknown node {id}"))?;
+                if node.decommissioned {
+                    return Err(format!("node {id} is already decommissioned"));
+                }
+                node.leaving = true;
+                let remaining = self
+                    .nodes
+                    .values()
+                    .filter(|n| !n.decommissioned && !n.leaving)
+                    .count();
+                if remaining == 0 {
+                    self.nodes.get_mut(&id).expect("checked").leaving = false;
+                    return Err("the last member cannot leave".into());
+                }
+                MetaResponse::Done
+            }
+            MetaCommand::Decommission { id } => {
+                let holds = self.map.partitions.iter().any(|p| p.replicas.contains(&id));
+                if holds {
+                    return Err(format!(
+                        "node {id} still holds partitions; move them off it first"
+                    ));
+                }
+                let node = self
+                    .nodes
+                    .get_mut(&id)
+                    .ok_or_else(|| format!("unknown node {id}"))?;
+                node.decommissioned = true;
+                MetaResponse::Done
+            }
+        };
+        Ok((response, effects))
+    }
+
+    fn decide(&mut self, epoch: Epoch, committed: bool) {
+        self.open.remove(&epoch);
+        if !committed {
+            self.aborted.insert(epoch);
+        }
+        self.decided_above_visible.insert(epoch);
+        while self.decided_above_visible.remove(&self.visible.next()) {
+            self.visible = self.visible.next();
+        }
+    }
+
+    /// Each partition's primary is its first live replica that missed nothing.
+    fn recompute_primaries(&mut self) {
+        let mut changed = false;
+        for placement in &mut self.map.partitions {
+            let primary = placement.replicas.iter().copied().find(|id| {
+                !placement.stale.contains(id)
+                    && self
+                        .nodes
+                        .get(id)
+                        .is_some_and(|n| n.alive && !n.decommissioned)
+            });
+            if primary != placement.primary {
+                placement.primary = primary;
+                changed = true;
+            }
+        }
+        if changed {
+            self.map.version += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    fn bootstrapped(nodes: u64) -> MetaState {
+        let mut state = MetaState::default();
+        let (response, _) = state.apply(
+            1,
+            MetaCommand::Bootstrap {
+                cluster_id: "c".into(),
+                partition_count: 8,
+                replication: 3,
+                nodes: (1..=nodes)
+                    .map(|id| (id, format!("127.0.0.1:{id}")))
+                    .collect(),
+            },
+        );
+        assert_eq!(response, MetaResponse::Done);
+        let def = TableDef::new(
+            "t",
+            Schema::new(vec![Field::new("k", DataType::Int64, false)]),
+            vec!["k".into()],
+            None,
+        )
+        .unwrap();
+        state.apply(2, MetaCommand::CreateTable { def });
+        state
+    }
+
+    fn allocate(state: &mut MetaState, coordinator: NodeId) -> Epoch {
+        match state
+            .apply(
+                3,
+                MetaCommand::AllocateEpoch {
+                    coordinator,
+                    tables: vec!["t".into()],
+                },
+            )
+            .0
+        {
+            MetaResponse::Epoch(e) => e,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn uniform_map_uses_chained_declustering() {
+        let map = PartitionMap::uniform(8, 3, &[3, 1, 2, 4]);
+        assert_eq!(map.partitions[0].replicas, vec![1, 2, 3]);
+        assert_eq!(map.partitions[7].replicas, vec![4, 1, 2]);
+        // Contiguous, uniform runs: two partitions per node.
+        let originals: Vec<NodeId> = map.partitions.iter().map(|p| p.original).collect();
+        assert_eq!(originals, vec![1, 1, 2, 2, 3, 3, 4, 4]);
+    }
+
+    #[test]
+    fn visible_epoch_waits_for_every_earlier_epoch() {
+        let mut state = bootstrapped(3);
+        let first = allocate(&mut state, 1);
+        state.apply(
+            4,
+            MetaCommand::AbortEpoch {
+                epoch: first,
+                reason: "test".into(),
+            },
+        );
+        let second = allocate(&mut state, 2);
+        let _third = {
+            // Another table would be needed for a concurrent epoch; t is leased by `second`.
+            let refused = state.apply(
+                5,
+                MetaCommand::AllocateEpoch {
+                    coordinator: 3,
+                    tables: vec!["t".into()],
+                },
+            );
+            assert!(
+                matches!(refused.0, MetaResponse::TableBusy(ref r) if r.contains("one writer at a time"))
+            );
+        };
+        assert_eq!(state.visible, first);
+        state.apply(
+            6,
+            MetaCommand::CommitEpoch {
+                epoch: second,
+                missed: vec![],
+            },
+        );
+        assert_eq!(state.visible, second);
+        assert!(state.is_committed(second));
+        assert!(!state.is_committed(first));
+    }
+
+    #[test]
+    fn a_dead_coordinator_aborts_its_open_epochs_and_moves_primaries() {
+        let mut state = bootstrapped(3);
+        let epoch = allocate(&mut state, 1);
+        let (_, effects) = state.apply(
+            7,
+            MetaCommand::SetLiveness {
+                id: 1,
+                alive: false,
+            },
+        );
+        assert_eq!(effects, vec![LocalEffect::Abort(epoch)]);
+        assert_eq!(state.visible, epoch);
+        assert!(state.map.partitions.iter().all(|p| p.primary != Some(1)));
+        assert!(state.map.partitions.iter().all(|p| p.primary.is_some()));
+    }
+
+    #[test]
+    fn a_replica_that_missed_an_epoch_is_not_read() {
+        let mut state = bootstrapped(3);
+        let epoch = allocate(&mut state, 2);
+        state.apply(
+            8,
+            MetaCommand::CommitEpoch {
+                epoch,
+                missed: vec![(PartitionId(0), 1)],
+            },
+        );
+        assert_eq!(state.map.partitions[0].primary, Some(2));
+        state.apply(9, MetaCommand::SetLiveness { id: 1, alive: true });
+        assert_eq!(state.map.partitions[0].primary, Some(2));
+    }
+}

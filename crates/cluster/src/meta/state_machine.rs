@@ -1,0 +1,276 @@
+//! The Raft state machine: applies metadata commands to [`MetaState`], carries out their
+//! local effects on this node's store, publishes each new state to the node's readers, and
+//! builds and installs snapshots.
+//!
+//! The state lives in memory and in snapshots; entries after the last snapshot are applied
+//! again at start (the log store keeps the committed index), and every local effect is
+//! idempotent, so a replay changes nothing that was already done.
+
+use super::state::{LocalEffect, MetaResponse, MetaState};
+use super::TypeConfig;
+use crate::NodeId;
+use openraft::storage::{RaftStateMachine, Snapshot};
+use openraft::{
+    AnyError, BasicNode, Entry, EntryPayload, LogId, OptionalSend, RaftSnapshotBuilder,
+    SnapshotMeta, StorageError, StorageIOError, StoredMembership,
+};
+use serde::{Deserialize, Serialize};
+use std::io::Cursor;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tessera_storage::Store;
+use tokio::sync::watch;
+
+const SNAPSHOT_FILE: &str = "raft-snapshot.json";
+
+/// What readers on this node see of the metadata: the state after `applied_index`.
+#[derive(Debug, Clone, Default)]
+pub struct MetaView {
+    pub state: MetaState,
+    pub applied_index: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredSnapshot {
+    meta: SnapshotMeta<NodeId, BasicNode>,
+    state: MetaState,
+}
+
+pub struct StateMachine {
+    dir: PathBuf,
+    state: MetaState,
+    last_applied: Option<LogId<NodeId>>,
+    membership: StoredMembership<NodeId, BasicNode>,
+    store: Arc<Store>,
+    view: watch::Sender<Arc<MetaView>>,
+}
+
+fn sm_error(e: impl std::fmt::Display) -> StorageError<NodeId> {
+    StorageIOError::write_state_machine(AnyError::error(e.to_string())).into()
+}
+
+impl StateMachine {
+    /// Loads the last snapshot (if any) and brings the local store in line with it.
+    pub fn open(
+        dir: &Path,
+        store: Arc<Store>,
+    ) -> std::io::Result<(StateMachine, watch::Receiver<Arc<MetaView>>)> {
+        let (state, last_applied, membership) = match std::fs::read(dir.join(SNAPSHOT_FILE)) {
+            Ok(bytes) => {
+                let stored: StoredSnapshot = serde_json::from_slice(&bytes).map_err(|e| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("{} is corrupt: {e}", dir.join(SNAPSHOT_FILE).display()),
+                    )
+                })?;
+                (
+                    stored.state,
+                    stored.meta.last_log_id,
+                    stored.meta.last_membership,
+                )
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                (MetaState::default(), None, StoredMembership::default())
+            }
+            Err(e) => return Err(e),
+        };
+        let (view, receiver) = watch::channel(Arc::new(MetaView {
+            state: state.clone(),
+            applied_index: last_applied.map_or(0, |l| l.index),
+        }));
+        let machine = StateMachine {
+            dir: dir.to_path_buf(),
+            state,
+            last_applied,
+            membership,
+            store,
+            view,
+        };
+        machine
+            .reconcile_store()
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        Ok((machine, receiver))
+    }
+
+    fn publish_view(&self) {
+        self.view.send_replace(Arc::new(MetaView {
+            state: self.state.clone(),
+            applied_index: self.last_applied.map_or(0, |l| l.index),
+        }));
+    }
+
+    fn run_effects(&self, effects: Vec<LocalEffect>) -> tessera_storage::error::Result<()> {
+        let store = &self.store;
+        tokio::task::block_in_place(|| {
+            for effect in effects {
+                match effect {
+                    LocalEffect::EnsureTable(def) => store.ensure_table(def)?,
+                    LocalEffect::DropTable { name, generation } => {
+                        store.drop_table_generation(&name, generation)?
+                    }
+                    LocalEffect::Commit(epoch) => {
+                        store.commit_epoch(epoch)?;
+                    }
+                    LocalEffect::Abort(epoch) => store.abort_epoch(epoch)?,
+                }
+            }
+            store.advance_visible(self.state.visible);
+            Ok(())
+        })
+    }
+
+    /// Makes the store agree with the metadata after a snapshot: the same tables, and every
+    /// epoch prepared here and since decided, committed or aborted accordingly.
+    fn reconcile_store(&self) -> tessera_storage::error::Result<()> {
+        let mut effects = Vec::new();
+        for name in self.store.table_names() {
+            let local = self.store.table_def(&name).expect("listed table");
+            match self.state.tables.get(&name) {
+                Some(def) if def.generation == local.generation => {}
+                _ => effects.push(LocalEffect::DropTable {
+                    name,
+                    generation: local.generation,
+                }),
+            }
+        }
+        for def in self.state.tables.values() {
+            effects.push(LocalEffect::EnsureTable(def.clone()));
+        }
+        for epoch in self.store.undecided_epochs() {
+            if self.state.open.contains_key(&epoch) || epoch >= self.state.next_epoch {
+                continue;
+            }
+            effects.push(if self.state.is_committed(epoch) {
+                LocalEffect::Commit(epoch)
+            } else {
+                LocalEffect::Abort(epoch)
+            });
+        }
+        self.run_effects(effects)
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachine {
+    type SnapshotBuilder = SnapshotBuilder;
+
+    async fn applied_state(
+        &mut self,
+    ) -> Result<(Option<LogId<NodeId>>, StoredMembership<NodeId, BasicNode>), StorageError<NodeId>>
+    {
+        Ok((self.last_applied, self.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<MetaResponse>, StorageError<NodeId>>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut responses = Vec::new();
+        for entry in entries {
+            self.last_applied = Some(entry.log_id);
+            let response = match entry.payload {
+                EntryPayload::Blank => MetaResponse::Done,
+                EntryPayload::Membership(membership) => {
+                    self.membership = StoredMembership::new(Some(entry.log_id), membership);
+                    MetaResponse::Done
+                }
+                EntryPayload::Normal(command) => {
+                    let (response, effects) = self.state.apply(entry.log_id.index, command);
+                    self.run_effects(effects).map_err(sm_error)?;
+                    response
+                }
+            };
+            responses.push(response);
+        }
+        self.publish_view();
+        Ok(responses)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        SnapshotBuilder {
+            dir: self.dir.clone(),
+            state: self.state.clone(),
+            last_applied: self.last_applied,
+            membership: self.membership.clone(),
+        }
+    }
+
+    async fn begin_receiving_snapshot(
+        &mut self,
+    ) -> Result<Box<Cursor<Vec<u8>>>, StorageError<NodeId>> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<NodeId, BasicNode>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError<NodeId>> {
+        let stored: StoredSnapshot =
+            serde_json::from_slice(snapshot.get_ref()).map_err(sm_error)?;
+        write_snapshot_file(&self.dir, snapshot.get_ref()).map_err(sm_error)?;
+        self.state = stored.state;
+        self.last_applied = meta.last_log_id;
+        self.membership = meta.last_membership.clone();
+        self.reconcile_store().map_err(sm_error)?;
+        self.publish_view();
+        Ok(())
+    }
+
+    async fn get_current_snapshot(
+        &mut self,
+    ) -> Result<Option<Snapshot<TypeConfig>>, StorageError<NodeId>> {
+        match std::fs::read(self.dir.join(SNAPSHOT_FILE)) {
+            Ok(bytes) => {
+                let stored: StoredSnapshot = serde_json::from_slice(&bytes).map_err(sm_error)?;
+                Ok(Some(Snapshot {
+                    meta: stored.meta,
+                    snapshot: Box::new(Cursor::new(bytes)),
+                }))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(sm_error(e)),
+        }
+    }
+}
+
+fn write_snapshot_file(dir: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let tmp = dir.join(format!("{SNAPSHOT_FILE}.tmp"));
+    let mut file = std::fs::File::create(&tmp)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, dir.join(SNAPSHOT_FILE))?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+pub struct SnapshotBuilder {
+    dir: PathBuf,
+    state: MetaState,
+    last_applied: Option<LogId<NodeId>>,
+    membership: StoredMembership<NodeId, BasicNode>,
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
+        let meta = SnapshotMeta {
+            last_log_id: self.last_applied,
+            last_membership: self.membership.clone(),
+            snapshot_id: format!(
+                "{}-{}",
+                self.last_applied.map_or(0, |l| l.leader_id.term),
+                self.last_applied.map_or(0, |l| l.index)
+            ),
+        };
+        let stored = StoredSnapshot {
+            meta: meta.clone(),
+            state: self.state.clone(),
+        };
+        let bytes = serde_json::to_vec(&stored).map_err(sm_error)?;
+        write_snapshot_file(&self.dir, &bytes).map_err(sm_error)?;
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(bytes)),
+        })
+    }
+}

@@ -1,0 +1,107 @@
+//! Raft messages between nodes, carried as Flight actions.
+
+use crate::meta::TypeConfig;
+use crate::rpc::{CallError, Clients, ACTION_RAFT_APPEND, ACTION_RAFT_SNAPSHOT, ACTION_RAFT_VOTE};
+use crate::NodeId;
+use openraft::error::{
+    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
+};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use openraft::{AnyError, BasicNode};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::sync::Arc;
+
+/// The shortest time a Raft message is given to be answered.
+const RPC_TIMEOUT_FLOOR: std::time::Duration = std::time::Duration::from_millis(500);
+
+#[derive(Clone)]
+pub struct Network {
+    pub clients: Arc<Clients>,
+}
+
+pub struct Connection {
+    clients: Arc<Clients>,
+    target: NodeId,
+    addr: String,
+}
+
+impl RaftNetworkFactory<TypeConfig> for Network {
+    type Network = Connection;
+
+    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> Connection {
+        Connection {
+            clients: self.clients.clone(),
+            target,
+            addr: node.addr.clone(),
+        }
+    }
+}
+
+impl Connection {
+    async fn call<Req, Resp, E>(
+        &self,
+        kind: &str,
+        request: Req,
+        option: &RPCOption,
+    ) -> Result<Resp, RPCError<NodeId, BasicNode, RaftError<NodeId, E>>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        E: std::error::Error + DeserializeOwned,
+    {
+        // openraft's deadline is one heartbeat interval; a busy machine can miss that
+        // without anything being wrong, so allow a little more.
+        let timeout = option.hard_ttl().max(RPC_TIMEOUT_FLOOR);
+        let reply: Result<Result<Resp, RaftError<NodeId, E>>, CallError> = self
+            .clients
+            .action(&self.addr, kind, request, timeout)
+            .await;
+        match reply {
+            Ok(Ok(response)) => Ok(response),
+            Ok(Err(raft_error)) => Err(RPCError::RemoteError(RemoteError::new(
+                self.target,
+                raft_error,
+            ))),
+            Err(CallError::Transport(reason)) => Err(RPCError::Unreachable(Unreachable::new(
+                &AnyError::error(format!("node {} at {}: {reason}", self.target, self.addr)),
+            ))),
+            Err(other) => Err(RPCError::Network(NetworkError::new(&AnyError::error(
+                format!("node {} at {}: {other}", self.target, self.addr),
+            )))),
+        }
+    }
+}
+
+impl RaftNetwork<TypeConfig> for Connection {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        self.call(ACTION_RAFT_APPEND, rpc, &option).await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<
+        InstallSnapshotResponse<NodeId>,
+        RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
+    > {
+        self.call(ACTION_RAFT_SNAPSHOT, rpc, &option).await
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        self.call(ACTION_RAFT_VOTE, rpc, &option).await
+    }
+}

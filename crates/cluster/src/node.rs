@@ -1,0 +1,715 @@
+//! One node: its store, its member of the metadata group, its RPC server, and the loops
+//! that keep it in the cluster (heartbeats, failure detection, membership, checkpoints).
+
+use crate::config::NodeConfig;
+use crate::error::{ClusterError, Result};
+use crate::meta::log_store::LogStore;
+use crate::meta::state_machine::StateMachine;
+use crate::meta::{MetaCommand, MetaResponse, MetaView, Raft};
+use crate::network::Network;
+use crate::rpc::{
+    CallError, Clients, Heartbeat, Identity, Refusal, ACTION_HEARTBEAT, ACTION_HELLO,
+    ACTION_META_WRITE, PROTOCOL_VERSION,
+};
+use crate::NodeId;
+use openraft::{BasicNode, ServerState};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tessera_common::Epoch;
+use tessera_storage::{Store, StoreConfig};
+use tokio::sync::watch;
+
+/// The format of a node's data directory; bumped on incompatible changes.
+pub const DATA_FORMAT_VERSION: u32 = 1;
+const IDENTITY_FILE: &str = "node.json";
+/// How long a metadata write keeps looking for a leader.
+const META_WRITE_PATIENCE: Duration = Duration::from_secs(15);
+
+/// Written into the data directory on first start, checked on every later one.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct DataIdentity {
+    cluster_id: String,
+    node_id: NodeId,
+    format: u32,
+}
+
+pub struct Node {
+    pub config: NodeConfig,
+    pub store: Arc<Store>,
+    pub raft: Raft,
+    pub clients: Arc<Clients>,
+    meta: watch::Receiver<Arc<MetaView>>,
+    /// The leader's failure detector: when each node was last heard from.
+    last_seen: Mutex<HashMap<NodeId, Instant>>,
+    /// Nodes another node reported a dropped connection to; probed at once.
+    suspects: Mutex<BTreeSet<NodeId>>,
+    checkpointing: AtomicBool,
+    rebalancing: AtomicBool,
+    protocol: u32,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("id", &self.config.node_id)
+            .finish()
+    }
+}
+
+/// Checks (or records) which cluster and node a data directory belongs to.
+fn check_data_identity(dir: &Path, config: &NodeConfig) -> Result<()> {
+    let data_error = |reason: String| ClusterError::DataDir {
+        dir: dir.display().to_string(),
+        reason,
+    };
+    std::fs::create_dir_all(dir).map_err(|e| data_error(e.to_string()))?;
+    let path = dir.join(IDENTITY_FILE);
+    let ours = DataIdentity {
+        cluster_id: config.cluster_id.clone(),
+        node_id: config.node_id,
+        format: DATA_FORMAT_VERSION,
+    };
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            let found: DataIdentity = serde_json::from_slice(&bytes)
+                .map_err(|e| data_error(format!("{IDENTITY_FILE} is unreadable: {e}")))?;
+            if found.format != DATA_FORMAT_VERSION {
+                return Err(data_error(format!(
+                    "written by data format version {}, this build reads version {DATA_FORMAT_VERSION}",
+                    found.format
+                )));
+            }
+            if found.cluster_id != ours.cluster_id {
+                return Err(data_error(format!(
+                    "belongs to cluster {:?}, but the configuration names cluster {:?}",
+                    found.cluster_id, ours.cluster_id
+                )));
+            }
+            if found.node_id != ours.node_id {
+                return Err(data_error(format!(
+                    "belongs to node {}, but the configuration says this is node {}",
+                    found.node_id, ours.node_id
+                )));
+            }
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let bytes = serde_json::to_vec_pretty(&ours).expect("identity serializes");
+            std::fs::write(&path, bytes).map_err(|e| data_error(e.to_string()))
+        }
+        Err(e) => Err(data_error(e.to_string())),
+    }
+}
+
+impl Node {
+    /// Starts a node: checks its data directory and its peers, opens its store, joins the
+    /// metadata group and serves RPC on `config.listen` until the process ends.
+    pub async fn start(config: NodeConfig) -> Result<Arc<Node>> {
+        Self::start_with_protocol(config, PROTOCOL_VERSION).await
+    }
+
+    /// As [`Node::start`], speaking a given protocol version (tests of version checks).
+    pub async fn start_with_protocol(config: NodeConfig, protocol: u32) -> Result<Arc<Node>> {
+        check_data_identity(&config.data_dir, &config)?;
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|e| ClusterError::Listen {
+                addr: config.listen.to_string(),
+                reason: e.to_string(),
+            })?;
+        let clients = Arc::new(Clients::new(&config.cluster_id, protocol));
+        check_peers(&config, &clients, protocol).await?;
+
+        let mut store_config = StoreConfig {
+            partitions: config.partitions,
+            ..StoreConfig::default()
+        };
+        if let Some(bytes) = config.memtable_flush_bytes {
+            store_config.memtable_flush_bytes = bytes;
+        }
+        let store_dir = config.data_dir.join("store");
+        let store = tokio::task::spawn_blocking(move || Store::open(&store_dir, store_config))
+            .await
+            .map_err(|e| ClusterError::Rejected(e.to_string()))??;
+        if store.ring().partition_count() != config.partitions {
+            return Err(ClusterError::DataDir {
+                dir: config.data_dir.display().to_string(),
+                reason: format!(
+                    "holds {} partitions, the configuration says {}",
+                    store.ring().partition_count(),
+                    config.partitions
+                ),
+            });
+        }
+
+        let raft_dir = config.data_dir.join("raft");
+        let data_error = |e: std::io::Error| ClusterError::DataDir {
+            dir: raft_dir.display().to_string(),
+            reason: e.to_string(),
+        };
+        let log_store = LogStore::open(&raft_dir).map_err(data_error)?;
+        let (state_machine, meta) =
+            StateMachine::open(&raft_dir, store.clone()).map_err(data_error)?;
+        let raft_config = openraft::Config {
+            cluster_name: config.cluster_id.clone(),
+            heartbeat_interval: 150,
+            election_timeout_min: 500,
+            election_timeout_max: 1000,
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(1000),
+            max_in_snapshot_log_to_keep: 200,
+            ..Default::default()
+        };
+        let raft_config = Arc::new(raft_config.validate().map_err(ClusterError::raft)?);
+        let network = Network {
+            clients: clients.clone(),
+        };
+        let raft = Raft::new(
+            config.node_id,
+            raft_config,
+            network,
+            log_store,
+            state_machine,
+        )
+        .await
+        .map_err(ClusterError::raft)?;
+
+        let node = Arc::new(Node {
+            config,
+            store,
+            raft,
+            clients,
+            meta,
+            last_seen: Mutex::new(HashMap::new()),
+            suspects: Mutex::new(BTreeSet::new()),
+            checkpointing: AtomicBool::new(false),
+            rebalancing: AtomicBool::new(false),
+            protocol,
+        });
+        crate::server::serve(node.clone(), listener);
+        node.initialize_if_founder().await?;
+        tokio::spawn(node.clone().heartbeat_loop());
+        tokio::spawn(node.clone().duty_loop());
+        tokio::spawn(node.clone().registration_loop());
+        tracing::info!(node = node.config.node_id, listen = %node.config.listen, "node started");
+        Ok(node)
+    }
+
+    /// Stops taking part in the metadata group (a clean stop; the store needs nothing).
+    pub async fn shutdown(&self) {
+        if let Err(error) = self.raft.shutdown().await {
+            tracing::warn!(%error, "metadata shutdown");
+        }
+    }
+
+    pub fn id(&self) -> NodeId {
+        self.config.node_id
+    }
+
+    pub fn protocol(&self) -> u32 {
+        self.protocol
+    }
+
+    /// The metadata as this node last applied it.
+    pub fn view(&self) -> Arc<MetaView> {
+        self.meta.borrow().clone()
+    }
+
+    pub fn identity(&self) -> Identity {
+        Identity {
+            node_id: self.id(),
+            cluster_id: self.config.cluster_id.clone(),
+            protocol: self.protocol,
+        }
+    }
+
+    pub fn leader(&self) -> Option<NodeId> {
+        self.raft.metrics().borrow().current_leader
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.raft.metrics().borrow().state == ServerState::Leader
+    }
+
+    /// Where node `id` listens, from the metadata, Raft membership or the configuration.
+    pub fn addr_of(&self, id: NodeId) -> Option<String> {
+        if let Some(node) = self.view().state.nodes.get(&id) {
+            return Some(node.addr.clone());
+        }
+        let metrics = self.raft.metrics().borrow().clone();
+        if let Some(node) = metrics.membership_config.nodes().find(|(n, _)| **n == id) {
+            return Some(node.1.addr.clone());
+        }
+        self.config.peer(id).map(|p| p.addr.to_string())
+    }
+
+    /// The lowest-id voter of a fresh cluster proposes the founding membership.
+    async fn initialize_if_founder(&self) -> Result<()> {
+        let voters = self.config.voter_ids();
+        if voters.iter().next() != Some(&self.id())
+            || self
+                .raft
+                .is_initialized()
+                .await
+                .map_err(ClusterError::raft)?
+        {
+            return Ok(());
+        }
+        let members: BTreeMap<NodeId, BasicNode> = voters
+            .iter()
+            .filter_map(|id| self.config.peer(*id))
+            .map(|p| (p.id, BasicNode::new(p.addr.to_string())))
+            .collect();
+        match self.raft.initialize(members).await {
+            Ok(()) => Ok(()),
+            Err(openraft::error::RaftError::APIError(
+                openraft::error::InitializeError::NotAllowed(_),
+            )) => Ok(()),
+            Err(e) => Err(ClusterError::raft(e)),
+        }
+    }
+
+    /// Proposes a metadata command through the leader, wherever it is, retrying while an
+    /// election runs. A refusal by the state machine is an error naming why.
+    pub async fn write(&self, command: MetaCommand) -> Result<MetaResponse> {
+        let deadline = Instant::now() + META_WRITE_PATIENCE;
+        let mut last_error = ClusterError::NoLeader;
+        while Instant::now() < deadline {
+            match self.write_once(&command).await {
+                Ok(MetaResponse::Refused(reason)) => return Err(ClusterError::Rejected(reason)),
+                Ok(MetaResponse::TableBusy(reason)) => return Err(ClusterError::TableBusy(reason)),
+                Ok(response) => return Ok(response),
+                Err(e) => last_error = e,
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(last_error)
+    }
+
+    async fn write_once(&self, command: &MetaCommand) -> Result<MetaResponse> {
+        let leader = match self.leader() {
+            Some(leader) => leader,
+            // Not yet in the metadata group (a joining node): ask the configured peers.
+            None => return self.write_via_peers(command).await,
+        };
+        if leader == self.id() {
+            return self.write_as_leader(command.clone()).await;
+        }
+        self.write_at(leader, command).await
+    }
+
+    async fn write_via_peers(&self, command: &MetaCommand) -> Result<MetaResponse> {
+        for peer in self.config.peers.iter().filter(|p| p.id != self.id()) {
+            match self.write_at(peer.id, command).await {
+                Err(ClusterError::NotLeader(Some(leader))) => {
+                    return self.write_at(leader, command).await
+                }
+                Err(_) => continue,
+                done => return done,
+            }
+        }
+        Err(ClusterError::NoLeader)
+    }
+
+    async fn write_at(&self, leader: NodeId, command: &MetaCommand) -> Result<MetaResponse> {
+        let addr = self.addr_of(leader).ok_or(ClusterError::NoLeader)?;
+        let reply: std::result::Result<std::result::Result<MetaResponse, Refusal>, CallError> =
+            self.clients
+                .action(&addr, ACTION_META_WRITE, command, Duration::from_secs(10))
+                .await;
+        match reply {
+            Ok(Ok(response)) => Ok(response),
+            Ok(Err(Refusal::NotLeader { leader })) => Err(ClusterError::NotLeader(leader)),
+            Ok(Err(refusal)) => Err(ClusterError::Raft(format!("{refusal:?}"))),
+            Err(e) => Err(ClusterError::Unreachable {
+                node: leader,
+                addr,
+                reason: e.to_string(),
+            }),
+        }
+    }
+
+    /// Runs a command on this node if it leads.
+    pub async fn write_as_leader(&self, command: MetaCommand) -> Result<MetaResponse> {
+        match self.raft.client_write(command).await {
+            Ok(response) => Ok(response.data),
+            Err(e) => Err(ClusterError::raft(e)),
+        }
+    }
+
+    /// Waits until this node has applied every metadata entry the leader had committed when
+    /// asked, so a read here sees every publish acknowledged anywhere before it. Falls back to
+    /// the local view if no leader answers in time (an election is running).
+    pub async fn catch_up_with_leader(&self) -> Arc<MetaView> {
+        let target = if self.is_leader() {
+            self.raft
+                .ensure_linearizable()
+                .await
+                .ok()
+                .flatten()
+                .map(|l| l.index)
+        } else if let Some(addr) = self.leader().and_then(|l| self.addr_of(l)) {
+            let reply: std::result::Result<std::result::Result<u64, Refusal>, CallError> = self
+                .clients
+                .action(
+                    &addr,
+                    crate::rpc::ACTION_READ_INDEX,
+                    (),
+                    Duration::from_secs(2),
+                )
+                .await;
+            reply.ok().and_then(|r| r.ok())
+        } else {
+            None
+        };
+        if let Some(index) = target {
+            let mut meta = self.meta.clone();
+            let reached = tokio::time::timeout(
+                Duration::from_secs(5),
+                meta.wait_for(|view| view.applied_index >= index),
+            )
+            .await
+            .is_ok_and(|r| r.is_ok());
+            if !reached {
+                tracing::warn!(index, "metadata did not catch up with the leader in time");
+            }
+        }
+        self.view()
+    }
+
+    /// Waits until this node's metadata shows `epoch` visible (scans at an epoch).
+    pub async fn wait_for_epoch(&self, epoch: Epoch, timeout: Duration) -> Result<()> {
+        let mut meta = self.meta.clone();
+        let reached =
+            tokio::time::timeout(timeout, meta.wait_for(|view| view.state.visible >= epoch))
+                .await
+                .is_ok_and(|r| r.is_ok());
+        match reached {
+            true => Ok(()),
+            false => Err(ClusterError::Rejected(format!(
+                "node {} has not yet learnt that epoch {epoch} is visible (it sees epoch {})",
+                self.id(),
+                self.view().state.visible
+            ))),
+        }
+    }
+
+    /// Records a heartbeat (on the leader).
+    pub fn heard_from(&self, heartbeat: &Heartbeat) {
+        self.last_seen
+            .lock()
+            .expect("last_seen lock")
+            .insert(heartbeat.node_id, Instant::now());
+    }
+
+    /// Reports a dropped connection to `node`: the leader checks it at once.
+    pub fn suspect(&self, node: NodeId) {
+        self.suspects.lock().expect("suspects lock").insert(node);
+    }
+
+    async fn heartbeat_loop(self: Arc<Self>) {
+        let mut ticker = tokio::time::interval(self.config.heartbeat());
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            let heartbeat = Heartbeat { node_id: self.id() };
+            match self.leader() {
+                Some(leader) if leader == self.id() => self.heard_from(&heartbeat),
+                Some(leader) => {
+                    if let Some(addr) = self.addr_of(leader) {
+                        let suspects: Vec<NodeId> =
+                            std::mem::take(&mut *self.suspects.lock().expect("suspects lock"))
+                                .into_iter()
+                                .collect();
+                        let _: std::result::Result<std::result::Result<(), Refusal>, CallError> =
+                            self.clients
+                                .action(
+                                    &addr,
+                                    ACTION_HEARTBEAT,
+                                    (heartbeat, suspects),
+                                    self.config.heartbeat(),
+                                )
+                                .await;
+                    }
+                }
+                None => {}
+            }
+        }
+    }
+
+    /// Leader duties (bootstrap, membership, failure detection) and local checkpoints.
+    async fn duty_loop(self: Arc<Self>) {
+        let mut ticker = tokio::time::interval(Duration::from_millis(100));
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut was_leader = false;
+        loop {
+            ticker.tick().await;
+            let leading = self.is_leader();
+            if leading && !was_leader {
+                // A new leader has heard from nobody yet. It checks every node at once (the
+                // old leader, if it died, answers nobody) and gives the rest a full timeout.
+                let now = Instant::now();
+                let mut seen = self.last_seen.lock().expect("last_seen lock");
+                let mut suspects = self.suspects.lock().expect("suspects lock");
+                for id in self
+                    .view()
+                    .state
+                    .nodes
+                    .keys()
+                    .filter(|id| **id != self.id())
+                {
+                    seen.insert(*id, now);
+                    suspects.insert(*id);
+                }
+            }
+            was_leader = leading;
+            if leading {
+                if let Err(error) = self.lead().await {
+                    tracing::debug!(%error, "leader duty failed; retrying");
+                }
+            }
+            self.maybe_checkpoint();
+        }
+    }
+
+    /// A node missing from the metadata (one joining a running cluster) asks to be added,
+    /// until it sees itself listed.
+    async fn registration_loop(self: Arc<Self>) {
+        let voter = self.config.voter_ids().contains(&self.id());
+        loop {
+            let view = self.view();
+            if view.state.nodes.contains_key(&self.id()) {
+                return;
+            }
+            // A founding voter is listed by the bootstrap entry; others must ask.
+            if view.state.is_bootstrapped() || !voter {
+                let command = MetaCommand::RegisterNode {
+                    id: self.id(),
+                    addr: self.config.listen.to_string(),
+                };
+                match self.write(command).await {
+                    Ok(_) => tracing::info!("registered with the cluster"),
+                    Err(error) => tracing::info!(%error, "could not register with the cluster yet"),
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    async fn lead(self: &Arc<Self>) -> Result<()> {
+        let state = self.view().state.clone();
+        if !state.is_bootstrapped() {
+            let nodes = self
+                .config
+                .peers
+                .iter()
+                .map(|p| (p.id, p.addr.to_string()))
+                .collect();
+            self.write_as_leader(MetaCommand::Bootstrap {
+                cluster_id: self.config.cluster_id.clone(),
+                partition_count: self.config.partitions,
+                replication: self.config.replication,
+                nodes,
+            })
+            .await?;
+            return Ok(());
+        }
+        // Every member takes part in Raft: voters as configured, the rest as learners.
+        let metrics = self.raft.metrics().borrow().clone();
+        let in_raft: BTreeSet<NodeId> = metrics
+            .membership_config
+            .nodes()
+            .map(|(id, _)| *id)
+            .collect();
+        for node in state
+            .nodes
+            .values()
+            .filter(|n| !n.decommissioned && !n.leaving)
+        {
+            if !in_raft.contains(&node.id) {
+                self.raft
+                    .add_learner(node.id, BasicNode::new(node.addr.clone()), false)
+                    .await
+                    .map_err(ClusterError::raft)?;
+            }
+        }
+        self.move_partitions(&state, &metrics).await?;
+        // Failure detection.
+        let now = Instant::now();
+        let timeout = self.config.failure_timeout();
+        let suspects: BTreeSet<NodeId> =
+            std::mem::take(&mut *self.suspects.lock().expect("suspects lock"));
+        let seen = {
+            // A node not heard from yet (one that just joined) starts its timeout now.
+            let mut seen = self.last_seen.lock().expect("last_seen lock");
+            for id in state.nodes.keys() {
+                seen.entry(*id).or_insert(now);
+            }
+            seen.clone()
+        };
+        for node in state
+            .nodes
+            .values()
+            .filter(|n| !n.decommissioned && n.id != self.id())
+        {
+            let silent = seen
+                .get(&node.id)
+                .is_some_and(|t| now.duration_since(*t) > timeout);
+            let alive = if node.alive && suspects.contains(&node.id) {
+                self.probe(node.id, &node.addr).await
+            } else {
+                !silent
+            };
+            if alive != node.alive {
+                tracing::warn!(node = node.id, alive, "node liveness changed");
+                self.write_as_leader(MetaCommand::SetLiveness { id: node.id, alive })
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Membership changes: rebalance onto joined nodes and off leaving ones, then retire
+    /// nodes left holding nothing.
+    async fn move_partitions(
+        self: &Arc<Self>,
+        state: &crate::meta::MetaState,
+        metrics: &openraft::RaftMetrics<NodeId, BasicNode>,
+    ) -> Result<()> {
+        if crate::rebalance::wanted_map(state).is_some()
+            && !self.rebalancing.swap(true, Ordering::SeqCst)
+        {
+            let node = self.clone();
+            tokio::spawn(async move {
+                if let Err(error) = crate::rebalance::rebalance(&node).await {
+                    tracing::warn!(%error, "rebalance failed; retrying");
+                }
+                node.rebalancing.store(false, Ordering::SeqCst);
+            });
+        }
+        for node in state
+            .nodes
+            .values()
+            .filter(|n| n.leaving && !n.decommissioned)
+        {
+            if state
+                .map
+                .partitions
+                .iter()
+                .any(|p| p.replicas.contains(&node.id))
+            {
+                continue;
+            }
+            self.write_as_leader(MetaCommand::Decommission { id: node.id })
+                .await?;
+            let voters: BTreeSet<NodeId> =
+                metrics.membership_config.membership().voter_ids().collect();
+            if !voters.contains(&node.id) {
+                self.raft
+                    .change_membership(
+                        openraft::ChangeMembers::RemoveNodes(BTreeSet::from([node.id])),
+                        false,
+                    )
+                    .await
+                    .map_err(ClusterError::raft)?;
+            }
+            tracing::info!(node = node.id, "node decommissioned");
+        }
+        Ok(())
+    }
+
+    /// Asks a node to leave: refuses metadata voters, whose departure would change the
+    /// quorum.
+    pub async fn decommission(&self, id: NodeId) -> Result<()> {
+        let metrics = self.raft.metrics().borrow().clone();
+        if metrics
+            .membership_config
+            .membership()
+            .voter_ids()
+            .any(|v| v == id)
+        {
+            return Err(ClusterError::Rejected(format!(
+                "node {id} votes in the metadata group; only non-voting nodes can be decommissioned"
+            )));
+        }
+        self.write(MetaCommand::Leave { id }).await.map(|_| ())
+    }
+
+    /// Asks a suspected node who it is; a prompt answer clears the suspicion.
+    async fn probe(&self, id: NodeId, addr: &str) -> bool {
+        let reply: std::result::Result<Identity, CallError> = self
+            .clients
+            .action(addr, ACTION_HELLO, (), Duration::from_millis(300))
+            .await;
+        let alive = reply.is_ok_and(|identity| identity.node_id == id);
+        if alive {
+            self.heard_from(&Heartbeat { node_id: id });
+        }
+        alive
+    }
+
+    fn maybe_checkpoint(self: &Arc<Self>) {
+        if !self.store.wants_checkpoint() || self.checkpointing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let node = self.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(error) = node.store.checkpoint() {
+                tracing::error!(%error, "checkpoint failed");
+            }
+            node.checkpointing.store(false, Ordering::SeqCst);
+        });
+    }
+}
+
+/// Refuses to start next to peers of another cluster, another protocol version, or at an
+/// address where another node answers. Peers that do not answer are fine: they may start
+/// later.
+async fn check_peers(config: &NodeConfig, clients: &Clients, protocol: u32) -> Result<()> {
+    for peer in config.peers.iter().filter(|p| p.id != config.node_id) {
+        let addr = peer.addr.to_string();
+        let reply: std::result::Result<Identity, CallError> = clients
+            .action(&addr, ACTION_HELLO, (), Duration::from_millis(500))
+            .await;
+        let identity = match reply {
+            Ok(identity) => identity,
+            Err(CallError::Refused(Refusal::WrongCluster {
+                node_id,
+                cluster_id,
+            })) => {
+                return Err(ClusterError::WrongCluster {
+                    node: node_id,
+                    addr,
+                    ours: config.cluster_id.clone(),
+                    theirs: cluster_id,
+                })
+            }
+            Err(CallError::Refused(Refusal::VersionMismatch {
+                node_id,
+                protocol: theirs,
+            })) => {
+                return Err(ClusterError::VersionMismatch {
+                    node: node_id,
+                    addr,
+                    ours: protocol,
+                    theirs,
+                })
+            }
+            Err(error) => {
+                tracing::info!(peer = peer.id, %addr, %error, "peer not reachable yet");
+                continue;
+            }
+        };
+        if identity.node_id != peer.id {
+            return Err(ClusterError::WrongNode {
+                addr,
+                expected: peer.id,
+                theirs: identity.node_id,
+            });
+        }
+    }
+    Ok(())
+}

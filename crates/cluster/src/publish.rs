@@ -1,0 +1,284 @@
+//! The publish coordinator. Any node coordinates: it checks and routes the rows, takes an
+//! epoch (and the tables' ownership lease) from the metadata, has every live replica of each
+//! touched partition log its rows durably (prepare), and then commits the epoch in Raft. An
+//! epoch whose coordinator dies before the commit is aborted by the metadata leader, and
+//! its prepared rows are discarded everywhere.
+
+use crate::error::{ClusterError, Result};
+use crate::meta::{MetaCommand, MetaResponse, MetaState};
+use crate::node::Node;
+use crate::rpc::{CallError, PrepareRequest, PARTITION_COLUMN};
+use crate::NodeId;
+use arrow::array::{ArrayRef, RecordBatch, UInt32Array};
+use arrow::compute::concat_batches;
+use arrow::datatypes::{DataType, Field, Schema};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use tessera_common::{Epoch, PartitionId, PartitionRing};
+use tessera_storage::{versions, StorageError, TableChanges, TableDef};
+
+/// One table's rows routed to partitions: upserts (table columns) and deletes (key columns).
+#[derive(Default)]
+struct Routed {
+    upserts: BTreeMap<PartitionId, Vec<RecordBatch>>,
+    deletes: BTreeMap<PartitionId, Vec<RecordBatch>>,
+}
+
+/// Checks a publish the way a single store would (schema, keys, duplicates, append-only) and
+/// routes each row to its partition.
+fn route(state: &MetaState, changes: Vec<TableChanges>) -> Result<BTreeMap<String, Routed>> {
+    let ring = PartitionRing::new(state.partition_count);
+    let mut routed: BTreeMap<String, Routed> = BTreeMap::new();
+    let mut checked: BTreeMap<String, (TableDef, Vec<RecordBatch>)> = BTreeMap::new();
+    for change in changes {
+        let def = state
+            .tables
+            .get(&change.table)
+            .ok_or_else(|| StorageError::UnknownTable(change.table.clone()))?;
+        if def.append_only && change.deletes.iter().any(|b| b.num_rows() > 0) {
+            return Err(StorageError::delete_from_append_only(&def.name).into());
+        }
+        let entry = routed.entry(def.name.clone()).or_default();
+        let all_rows = &mut checked
+            .entry(def.name.clone())
+            .or_insert_with(|| (def.clone(), Vec::new()))
+            .1;
+        for batch in change.upserts.iter().filter(|b| b.num_rows() > 0) {
+            let rows = versions::conform_to_schema(def, batch)?;
+            all_rows.push(rows.clone());
+            for (partition, part) in versions::split_by_partition(def, &ring, &rows)? {
+                entry.upserts.entry(partition).or_default().push(part);
+            }
+        }
+        let key = def.primary_key_indices();
+        for batch in change.deletes.iter().filter(|b| b.num_rows() > 0) {
+            let rows = versions::tombstone_rows(def, batch)?;
+            all_rows.push(rows.clone());
+            for (partition, part) in versions::split_by_partition(def, &ring, &rows)? {
+                entry
+                    .deletes
+                    .entry(partition)
+                    .or_default()
+                    .push(part.project(&key)?);
+            }
+        }
+    }
+    for (def, rows) in checked.values() {
+        if def.append_only || rows.is_empty() {
+            continue;
+        }
+        let combined = concat_batches(&rows[0].schema(), rows)?;
+        if let Some(key) = versions::find_duplicate_key(&combined, &def.primary_key_indices())? {
+            return Err(StorageError::DuplicateKey {
+                table: def.name.clone(),
+                key,
+            }
+            .into());
+        }
+    }
+    Ok(routed)
+}
+
+/// Prepends the partition column to one partition's rows.
+fn with_partition_column(partition: PartitionId, batch: &RecordBatch) -> Result<RecordBatch> {
+    let mut fields = vec![Arc::new(Field::new(
+        PARTITION_COLUMN,
+        DataType::UInt32,
+        false,
+    ))];
+    fields.extend(batch.schema().fields().iter().cloned());
+    let mut columns: Vec<ArrayRef> = vec![Arc::new(UInt32Array::from(vec![
+        partition.0;
+        batch.num_rows()
+    ]))];
+    columns.extend(batch.columns().iter().cloned());
+    Ok(RecordBatch::try_new(
+        Arc::new(Schema::new(fields)),
+        columns,
+    )?)
+}
+
+/// One prepare stream: a node, a table, upserts or deletes, and the partitions it carries.
+struct Shipment {
+    node: NodeId,
+    request: PrepareRequest,
+    partitions: Vec<PartitionId>,
+    batches: Vec<RecordBatch>,
+}
+
+/// Publishes `changes` as one epoch across the cluster; returns once it is committed.
+pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epoch> {
+    let started = std::time::Instant::now();
+    let state = node.catch_up_with_leader().await.state.clone();
+    let routed = route(&state, changes)?;
+    let routed_at = started.elapsed();
+    let tables: Vec<String> = routed.keys().cloned().collect();
+    let epoch = allocate_epoch(node, tables).await?;
+    let allocated_at = started.elapsed();
+    match prepare_everywhere(node, &state, epoch, routed).await {
+        Ok(missed) => {
+            let prepared_at = started.elapsed();
+            node.write(MetaCommand::CommitEpoch { epoch, missed })
+                .await?;
+            tracing::info!(
+                %epoch,
+                routed_ms = routed_at.as_millis() as u64,
+                allocated_ms = allocated_at.as_millis() as u64,
+                prepared_ms = prepared_at.as_millis() as u64,
+                committed_ms = started.elapsed().as_millis() as u64,
+                "epoch committed"
+            );
+            Ok(epoch)
+        }
+        Err(error) => {
+            let reason = error.to_string();
+            if let Err(abort_error) = node
+                .write(MetaCommand::AbortEpoch {
+                    epoch,
+                    reason: reason.clone(),
+                })
+                .await
+            {
+                tracing::warn!(%epoch, %abort_error, "could not abort epoch; the leader aborts it when this node is declared failed");
+            }
+            Err(ClusterError::Aborted { epoch, reason })
+        }
+    }
+}
+
+/// How long a publish waits for another writer of its tables (or a partition move) to finish.
+const LEASE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Takes an epoch and the ownership lease of `tables`, waiting while another writer holds
+/// one of them.
+pub async fn allocate_epoch(node: &Arc<Node>, tables: Vec<String>) -> Result<Epoch> {
+    let deadline = std::time::Instant::now() + LEASE_PATIENCE;
+    loop {
+        let command = MetaCommand::AllocateEpoch {
+            coordinator: node.id(),
+            tables: tables.clone(),
+        };
+        match node.write(command).await {
+            Ok(MetaResponse::Epoch(epoch)) => return Ok(epoch),
+            Ok(other) => return Err(ClusterError::Raft(format!("unexpected reply {other:?}"))),
+            Err(ClusterError::TableBusy(reason)) if std::time::Instant::now() < deadline => {
+                tracing::debug!(%reason, "waiting for the table lease");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+/// Sends every partition's rows to its live replicas. Returns the (partition, replica)
+/// pairs that did not log them (unreachable replicas); fails if a partition got no copy.
+async fn prepare_everywhere(
+    node: &Arc<Node>,
+    state: &MetaState,
+    epoch: Epoch,
+    routed: BTreeMap<String, Routed>,
+) -> Result<Vec<(PartitionId, NodeId)>> {
+    let live = |id: &NodeId| {
+        state
+            .nodes
+            .get(id)
+            .is_some_and(|n| n.alive && !n.decommissioned)
+    };
+    let mut shipments: BTreeMap<(NodeId, String, bool), Shipment> = BTreeMap::new();
+    let mut touched: BTreeSet<PartitionId> = BTreeSet::new();
+    for (table, routed) in routed {
+        for (deletes, by_partition) in [(false, routed.upserts), (true, routed.deletes)] {
+            for (partition, batches) in by_partition {
+                touched.insert(partition);
+                let placement = &state.map.partitions[partition.0 as usize];
+                let targets: Vec<NodeId> = placement
+                    .replicas
+                    .iter()
+                    .copied()
+                    .filter(|id| live(id) && !placement.stale.contains(id))
+                    .collect();
+                if targets.is_empty() {
+                    return Err(ClusterError::Rejected(format!(
+                        "partition {partition} has no live, up-to-date replica (replicas {:?}); it cannot take writes until one returns",
+                        placement.replicas
+                    )));
+                }
+                let rows: Vec<RecordBatch> = batches
+                    .iter()
+                    .map(|b| with_partition_column(partition, b))
+                    .collect::<Result<_>>()?;
+                for target in targets {
+                    let shipment = shipments
+                        .entry((target, table.clone(), deletes))
+                        .or_insert_with(|| Shipment {
+                            node: target,
+                            request: PrepareRequest {
+                                epoch,
+                                table: table.clone(),
+                                deletes,
+                            },
+                            partitions: Vec::new(),
+                            batches: Vec::new(),
+                        });
+                    shipment.partitions.push(partition);
+                    shipment.batches.extend(rows.iter().cloned());
+                }
+            }
+        }
+    }
+    let sends = shipments.into_values().map(|shipment| async move {
+        let result = match node.addr_of(shipment.node) {
+            Some(addr) => {
+                node.clients
+                    .prepare(&addr, shipment.request, shipment.batches)
+                    .await
+            }
+            None => Err(CallError::Transport(format!(
+                "node {} has no address",
+                shipment.node
+            ))),
+        };
+        (shipment.node, shipment.partitions, result)
+    });
+    let results = futures::future::join_all(sends).await;
+    let mut failed: BTreeSet<(PartitionId, NodeId)> = BTreeSet::new();
+    for (target, partitions, result) in results {
+        match result {
+            Ok(()) => {}
+            Err(error) if error.is_transport() => {
+                tracing::warn!(node = target, %epoch, %error, "replica unreachable during publish");
+                node.suspect(target);
+                failed.extend(partitions.into_iter().map(|p| (p, target)));
+            }
+            Err(error) => {
+                return Err(ClusterError::Rejected(format!(
+                    "node {target} refused the rows: {error}"
+                )))
+            }
+        }
+    }
+    for partition in &touched {
+        let placement = &state.map.partitions[partition.0 as usize];
+        let logged = placement
+            .replicas
+            .iter()
+            .filter(|id| live(id) && !placement.stale.contains(id))
+            .any(|id| !failed.contains(&(*partition, *id)));
+        if !logged {
+            return Err(ClusterError::Rejected(format!(
+                "no replica of partition {partition} logged the rows"
+            )));
+        }
+    }
+    // A replica that was not sent the rows (dead or stale) also missed the epoch.
+    let mut missed: BTreeSet<(PartitionId, NodeId)> = failed;
+    for partition in touched {
+        let placement = &state.map.partitions[partition.0 as usize];
+        for id in &placement.replicas {
+            if !live(id) {
+                missed.insert((partition, *id));
+            }
+        }
+    }
+    Ok(missed.into_iter().collect())
+}

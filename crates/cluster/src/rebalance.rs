@@ -1,0 +1,202 @@
+//! Membership changes move whole partitions (DESIGN §3): when the members change, the
+//! metadata leader computes the uniform map over them, has each new replica copy its
+//! partitions from a current one, and switches the map in one Raft entry.
+//!
+//! While partitions move, the leader holds the ownership lease of every table (an open
+//! epoch), so no publish can land between the copy and the switch; publishes wait.
+
+use crate::error::{ClusterError, Result};
+use crate::meta::{MetaCommand, MetaResponse, MetaState, PartitionMap};
+use crate::node::Node;
+use crate::rpc::{CallError, CopyRequest, GetRequest, Refusal, ACTION_COPY_PARTITIONS};
+use crate::NodeId;
+use futures::TryStreamExt;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_common::PartitionId;
+
+/// The members that should hold partitions: every live node that is not leaving.
+fn members(state: &MetaState) -> Vec<NodeId> {
+    state
+        .nodes
+        .values()
+        .filter(|n| !n.decommissioned && !n.leaving)
+        .map(|n| n.id)
+        .collect()
+}
+
+/// The map the members should have, if it differs from the current one and every member
+/// is alive (moving data off or onto a dead node has to wait for it).
+pub fn wanted_map(state: &MetaState) -> Option<PartitionMap> {
+    let members = members(state);
+    if members.is_empty() || members.iter().any(|id| !state.nodes[id].alive) {
+        return None;
+    }
+    let wanted = PartitionMap::uniform(state.partition_count, state.replication, &members);
+    let same = wanted
+        .partitions
+        .iter()
+        .zip(&state.map.partitions)
+        .all(|(w, c)| w.replicas == c.replicas);
+    (!same).then_some(wanted)
+}
+
+/// Moves partitions to match [`wanted_map`]; run by the metadata leader.
+pub async fn rebalance(node: &Arc<Node>) -> Result<()> {
+    let state = node.view().state.clone();
+    let Some(mut wanted) = wanted_map(&state) else {
+        return Ok(());
+    };
+    let tables: Vec<String> = state.tables.keys().cloned().collect();
+    let epoch = crate::publish::allocate_epoch(node, tables).await?;
+    // Every epoch before ours is decided (we hold every table's lease): copy as of then.
+    let state = node.catch_up_with_leader().await.state.clone();
+    let generations: Vec<(String, u64)> = state
+        .tables
+        .values()
+        .map(|d| (d.name.clone(), d.generation))
+        .collect();
+    let mut copies: BTreeMap<NodeId, Vec<(PartitionId, NodeId)>> = BTreeMap::new();
+    for (i, (target, current)) in wanted
+        .partitions
+        .iter_mut()
+        .zip(&state.map.partitions)
+        .enumerate()
+    {
+        let partition = PartitionId(i as u32);
+        for replica in &target.replicas {
+            if current.replicas.contains(replica) && !current.stale.contains(replica) {
+                continue;
+            }
+            let Some(source) = current.primary else {
+                let _ = abort(node, epoch, "a partition has no readable replica").await;
+                return Err(ClusterError::Rejected(format!(
+                    "partition {partition} has no readable replica to copy from"
+                )));
+            };
+            copies
+                .entry(*replica)
+                .or_default()
+                .push((partition, source));
+        }
+        // Replicas kept from the current map keep their staleness; copies are complete.
+        target.stale = current
+            .stale
+            .iter()
+            .copied()
+            .filter(|id| {
+                target.replicas.contains(id)
+                    && copies
+                        .get(id)
+                        .is_none_or(|m| !m.iter().any(|(p, _)| *p == partition))
+            })
+            .collect();
+    }
+    let moved: usize = copies.values().map(Vec::len).sum();
+    tracing::info!(%epoch, moved, "rebalancing partitions");
+    let sends = copies.into_iter().map(|(target, moves)| {
+        let request = CopyRequest {
+            moves,
+            tables: generations.clone(),
+        };
+        async move {
+            if target == node.id() {
+                return copy_partitions(node, request).await;
+            }
+            let addr = node.addr_of(target).ok_or(ClusterError::NoLeader)?;
+            let reply: std::result::Result<std::result::Result<(), Refusal>, CallError> = node
+                .clients
+                .action(
+                    &addr,
+                    ACTION_COPY_PARTITIONS,
+                    request,
+                    Duration::from_secs(3600),
+                )
+                .await;
+            match reply {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(refusal)) => Err(ClusterError::Rejected(format!(
+                    "node {target}: {refusal:?}"
+                ))),
+                Err(e) => Err(ClusterError::Unreachable {
+                    node: target,
+                    addr,
+                    reason: e.to_string(),
+                }),
+            }
+        }
+    });
+    if let Err(error) = futures::future::try_join_all(sends).await {
+        let _ = abort(node, epoch, &error.to_string()).await;
+        return Err(error);
+    }
+    node.write(MetaCommand::SetPartitionMap { map: wanted })
+        .await?;
+    node.write(MetaCommand::CommitEpoch {
+        epoch,
+        missed: vec![],
+    })
+    .await?;
+    tracing::info!(%epoch, moved, "partition map switched");
+    Ok(())
+}
+
+async fn abort(
+    node: &Arc<Node>,
+    epoch: tessera_common::Epoch,
+    reason: &str,
+) -> Result<MetaResponse> {
+    node.write(MetaCommand::AbortEpoch {
+        epoch,
+        reason: reason.to_string(),
+    })
+    .await
+}
+
+/// Copies the named partitions of every table from their sources into this node's store.
+pub async fn copy_partitions(node: &Arc<Node>, request: CopyRequest) -> Result<()> {
+    // The tables must exist here first: wait for the metadata that created them.
+    let view = node.catch_up_with_leader().await;
+    for (table, generation) in &request.tables {
+        if !view
+            .state
+            .tables
+            .get(table)
+            .is_some_and(|d| d.generation == *generation)
+        {
+            return Err(ClusterError::Rejected(format!(
+                "table {table:?} generation {generation} is unknown on node {}",
+                node.id()
+            )));
+        }
+    }
+    for (partition, source) in &request.moves {
+        let addr = node.addr_of(*source).ok_or(ClusterError::NoLeader)?;
+        for (table, generation) in &request.tables {
+            let versions = node
+                .clients
+                .get(
+                    &addr,
+                    GetRequest::Versions {
+                        table: table.clone(),
+                        generation: *generation,
+                        partition: *partition,
+                    },
+                )
+                .await
+                .map_err(|e| ClusterError::Rejected(format!("copy from node {source}: {e}")))?
+                .try_collect::<Vec<_>>()
+                .await
+                .map_err(|e| ClusterError::Rejected(format!("copy from node {source}: {e}")))?;
+            let store = node.store.clone();
+            let (table, partition) = (table.clone(), *partition);
+            tokio::task::spawn_blocking(move || {
+                store.install_partition(&table, partition, versions)
+            })
+            .await
+            .map_err(|e| ClusterError::Rejected(e.to_string()))??;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,361 @@
+//! The node-to-node protocol: Arrow Flight over gRPC.
+//!
+//! - `do_action` carries small JSON requests: `hello`, the Raft messages, metadata writes,
+//!   heartbeats and status.
+//! - `do_put` carries a publish's rows to a replica (`prepare`): batches of one table whose
+//!   first column names each row's partition.
+//! - `do_get` streams a table's live rows from some partitions at an epoch (`scan`).
+//!
+//! Every request names the cluster id and protocol version, and a node refuses requests
+//! meant for another cluster or spoken in another version.
+
+use crate::error::{ClusterError, Result};
+use crate::NodeId;
+use arrow::array::RecordBatch;
+use arrow_flight::decode::FlightRecordBatchStream;
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::flight_service_client::FlightServiceClient;
+use arrow_flight::{Action, FlightClient, FlightDescriptor, Ticket};
+use bytes::Bytes;
+use futures::{Stream, StreamExt, TryStreamExt};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+use tessera_common::{Epoch, PartitionId};
+use tonic::transport::{Channel, Endpoint};
+
+/// Bumped whenever a request or reply changes shape.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// The largest gRPC message accepted.
+pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+
+/// The cluster id a client may send when it does not know it (SQL, publish, status).
+pub const ANY_CLUSTER: &str = "*";
+
+pub const ACTION_HELLO: &str = "hello";
+pub const ACTION_RAFT_APPEND: &str = "raft-append";
+pub const ACTION_RAFT_VOTE: &str = "raft-vote";
+pub const ACTION_RAFT_SNAPSHOT: &str = "raft-snapshot";
+pub const ACTION_META_WRITE: &str = "meta-write";
+pub const ACTION_HEARTBEAT: &str = "heartbeat";
+pub const ACTION_STATUS: &str = "status";
+pub const ACTION_READ_INDEX: &str = "read-index";
+
+/// Every request's wrapper: who it is for.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Envelope<T> {
+    pub cluster_id: String,
+    pub protocol: u32,
+    pub body: T,
+}
+
+/// A node's answer to `hello`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Identity {
+    pub node_id: NodeId,
+    pub cluster_id: String,
+    pub protocol: u32,
+}
+
+/// The rows of one table a coordinator sends one replica for an epoch.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PrepareRequest {
+    pub epoch: Epoch,
+    pub table: String,
+    /// Upserts carry the table's columns; deletes its key columns.
+    pub deletes: bool,
+}
+
+/// What a `do_put` stream carries.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum PutRequest {
+    /// A coordinator's rows for one replica.
+    Prepare(PrepareRequest),
+    /// A client's rows for one table, to publish as a new epoch (this node coordinates).
+    Publish { table: String, deletes: bool },
+}
+
+/// What a client's SQL produced, statement by statement.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum SqlOutput {
+    /// Rows as an Arrow IPC stream, hex-encoded.
+    Rows {
+        ipc_hex: String,
+    },
+    Done {
+        tag: String,
+        epoch: Option<Epoch>,
+    },
+}
+
+pub const ACTION_SQL: &str = "sql";
+pub const ACTION_DECOMMISSION: &str = "decommission";
+
+/// The first column of every `prepare` batch: the partition of each row.
+pub const PARTITION_COLUMN: &str = "__tessera_partition";
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ScanRequest {
+    pub table: String,
+    pub generation: u64,
+    pub epoch: Epoch,
+    pub partitions: Vec<PartitionId>,
+    /// User column indices to return.
+    pub columns: Vec<usize>,
+}
+
+/// What a `do_get` stream returns.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum GetRequest {
+    /// Live rows at an epoch, for queries.
+    Scan(ScanRequest),
+    /// Every stored row version of one partition, for a new replica.
+    Versions {
+        table: String,
+        generation: u64,
+        partition: PartitionId,
+    },
+}
+
+/// The leader asks a node to copy partitions it is about to hold.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CopyRequest {
+    /// (partition, the node to copy it from).
+    pub moves: Vec<(PartitionId, NodeId)>,
+    /// (table, generation) of every table.
+    pub tables: Vec<(String, u64)>,
+}
+
+pub const ACTION_COPY_PARTITIONS: &str = "copy-partitions";
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub node_id: NodeId,
+}
+
+/// A refusal that the caller can act on, sent as the message of a gRPC error.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Refusal {
+    WrongCluster { node_id: NodeId, cluster_id: String },
+    VersionMismatch { node_id: NodeId, protocol: u32 },
+    NotLeader { leader: Option<NodeId> },
+    Failed(String),
+}
+
+impl Refusal {
+    pub fn into_status(self) -> tonic::Status {
+        let code = match self {
+            Refusal::Failed(_) => tonic::Code::Internal,
+            _ => tonic::Code::FailedPrecondition,
+        };
+        tonic::Status::new(
+            code,
+            serde_json::to_string(&self).expect("refusals serialize"),
+        )
+    }
+
+    pub fn from_status(status: &tonic::Status) -> Refusal {
+        serde_json::from_str(status.message())
+            .unwrap_or_else(|_| Refusal::Failed(status.message().to_string()))
+    }
+}
+
+/// Connections to other nodes, one channel per address, made lazily and reused.
+pub struct Clients {
+    cluster_id: String,
+    protocol: u32,
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+impl Clients {
+    pub fn new(cluster_id: &str, protocol: u32) -> Clients {
+        Clients {
+            cluster_id: cluster_id.to_string(),
+            protocol,
+            channels: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    fn channel(&self, addr: &str) -> Result<Channel> {
+        let mut channels = self.channels.lock().expect("channels lock");
+        if let Some(channel) = channels.get(addr) {
+            return Ok(channel.clone());
+        }
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| ClusterError::Rejected(format!("bad node address {addr:?}: {e}")))?
+            .connect_timeout(Duration::from_millis(500))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_millis(500))
+            .keep_alive_timeout(Duration::from_secs(2));
+        let channel = endpoint.connect_lazy();
+        channels.insert(addr.to_string(), channel.clone());
+        Ok(channel)
+    }
+
+    /// Forgets a connection after an error so the next call reconnects.
+    pub fn reset(&self, addr: &str) {
+        self.channels.lock().expect("channels lock").remove(addr);
+    }
+
+    fn client(&self, addr: &str) -> Result<FlightClient> {
+        let inner = FlightServiceClient::new(self.channel(addr)?)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        Ok(FlightClient::new_from_inner(inner))
+    }
+
+    fn envelope<T: Serialize>(&self, body: T) -> Vec<u8> {
+        serde_json::to_vec(&Envelope {
+            cluster_id: self.cluster_id.clone(),
+            protocol: self.protocol,
+            body,
+        })
+        .expect("requests serialize")
+    }
+
+    /// Sends a JSON action and decodes its JSON reply.
+    pub async fn action<Req: Serialize, Resp: DeserializeOwned>(
+        &self,
+        addr: &str,
+        kind: &str,
+        body: Req,
+        timeout: Duration,
+    ) -> std::result::Result<Resp, CallError> {
+        let call = async {
+            let mut client = self.client(addr).map_err(CallError::Local)?;
+            let action = Action::new(kind, Bytes::from(self.envelope(body)));
+            let mut replies = client
+                .do_action(action)
+                .await
+                .map_err(CallError::from_flight)?;
+            let reply = replies
+                .next()
+                .await
+                .ok_or_else(|| CallError::Transport("empty reply".into()))?
+                .map_err(CallError::from_flight)?;
+            serde_json::from_slice(&reply)
+                .map_err(|e| CallError::Transport(format!("undecodable reply to {kind}: {e}")))
+        };
+        let result = match tokio::time::timeout(timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(CallError::Transport(format!(
+                "no reply to {kind} within {} ms",
+                timeout.as_millis()
+            ))),
+        };
+        if matches!(result, Err(CallError::Transport(_))) {
+            self.reset(addr);
+        }
+        result
+    }
+
+    /// Sends rows for an epoch to a replica; returns once it has logged them durably.
+    pub async fn prepare(
+        &self,
+        addr: &str,
+        request: PrepareRequest,
+        batches: Vec<RecordBatch>,
+    ) -> std::result::Result<(), CallError> {
+        self.put(addr, PutRequest::Prepare(request), batches)
+            .await
+            .map(|_| ())
+    }
+
+    /// Sends a `do_put` stream; returns the reply's metadata.
+    pub async fn put(
+        &self,
+        addr: &str,
+        request: PutRequest,
+        batches: Vec<RecordBatch>,
+    ) -> std::result::Result<Bytes, CallError> {
+        let mut client = self.client(addr).map_err(CallError::Local)?;
+        let descriptor = FlightDescriptor::new_cmd(self.envelope(request));
+        let stream = FlightDataEncoderBuilder::new()
+            .with_flight_descriptor(Some(descriptor))
+            .build(futures::stream::iter(batches.into_iter().map(Ok)));
+        let result = async {
+            let replies = client
+                .do_put(stream)
+                .await
+                .map_err(CallError::from_flight)?;
+            let replies = replies
+                .try_collect::<Vec<_>>()
+                .await
+                .map_err(CallError::from_flight)?;
+            Ok(replies
+                .into_iter()
+                .next()
+                .map(|r| r.app_metadata)
+                .unwrap_or_default())
+        }
+        .await;
+        if matches!(result, Err(CallError::Transport(_))) {
+            self.reset(addr);
+        }
+        result
+    }
+
+    /// Streams rows from a node: live rows for a scan, or a partition's versions.
+    pub async fn get(
+        &self,
+        addr: &str,
+        request: GetRequest,
+    ) -> std::result::Result<
+        impl Stream<Item = std::result::Result<RecordBatch, CallError>>,
+        CallError,
+    > {
+        let mut client = self.client(addr).map_err(CallError::Local)?;
+        let ticket = Ticket::new(self.envelope(request));
+        let stream: FlightRecordBatchStream = client
+            .do_get(ticket)
+            .await
+            .map_err(CallError::from_flight)?;
+        Ok(stream.map_err(CallError::from_flight))
+    }
+}
+
+/// Why a call to another node failed.
+#[derive(Debug)]
+pub enum CallError {
+    /// The node could not be reached or did not answer: it may be down.
+    Transport(String),
+    /// The node answered and refused.
+    Refused(Refusal),
+    Local(ClusterError),
+}
+
+impl CallError {
+    fn from_flight(error: arrow_flight::error::FlightError) -> CallError {
+        match error {
+            arrow_flight::error::FlightError::Tonic(status) => match status.code() {
+                tonic::Code::Unavailable
+                | tonic::Code::DeadlineExceeded
+                | tonic::Code::Cancelled
+                | tonic::Code::Unknown => CallError::Transport(status.to_string()),
+                _ => CallError::Refused(Refusal::from_status(&status)),
+            },
+            other => CallError::Transport(other.to_string()),
+        }
+    }
+
+    pub fn is_transport(&self) -> bool {
+        matches!(self, CallError::Transport(_))
+    }
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CallError::Transport(reason) => write!(f, "{reason}"),
+            CallError::Refused(Refusal::Failed(reason)) => write!(f, "{reason}"),
+            CallError::Refused(refusal) => write!(f, "{refusal:?}"),
+            CallError::Local(e) => write!(f, "{e}"),
+        }
+    }
+}

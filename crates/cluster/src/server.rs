@@ -1,0 +1,515 @@
+//! The RPC server of a node: the Flight service behind [`crate::rpc`].
+
+use crate::meta::{MetaCommand, MetaResponse, MetaState};
+use crate::node::Node;
+use crate::rpc::*;
+use crate::NodeId;
+use arrow::array::{Array, RecordBatch, UInt32Array};
+use arrow_flight::decode::FlightRecordBatchStream;
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
+use arrow_flight::{
+    Action, ActionType, Criteria, Empty, FlightData, FlightDescriptor, FlightInfo,
+    HandshakeRequest, HandshakeResponse, PollInfo, PutResult, SchemaResult, Ticket,
+};
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_common::PartitionId;
+use tessera_storage::versions::stored_user_schema;
+use tessera_storage::{PartitionChanges, TableChanges};
+use tonic::{Request, Response, Status, Streaming};
+
+/// Rows a replica collects before logging them (bounds its memory per publish stream).
+const PREPARE_CHUNK_BYTES: usize = 32 << 20;
+
+/// What `tessera status` shows of one node.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub node_id: NodeId,
+    pub listen: String,
+    pub leader: Option<NodeId>,
+    pub term: u64,
+    pub applied_index: u64,
+    pub meta: MetaState,
+    pub tables: Vec<TableCount>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TableCount {
+    pub name: String,
+    pub rows: u64,
+    pub partitions_with_data: usize,
+}
+
+/// Serves the node's RPC on `listener` in the background.
+pub fn serve(node: Arc<Node>, listener: tokio::net::TcpListener) {
+    let service = FlightServiceServer::new(NodeService { node })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    tokio::spawn(async move {
+        if let Err(error) = tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(incoming)
+            .await
+        {
+            tracing::error!(%error, "RPC server stopped");
+        }
+    });
+}
+
+struct NodeService {
+    node: Arc<Node>,
+}
+
+fn failed(error: impl std::fmt::Display) -> Status {
+    Refusal::Failed(error.to_string()).into_status()
+}
+
+fn reply<T: Serialize>(
+    value: &T,
+) -> Result<Response<BoxStream<'static, Result<arrow_flight::Result, Status>>>, Status> {
+    let body = serde_json::to_vec(value).map_err(failed)?;
+    let item = arrow_flight::Result {
+        body: Bytes::from(body),
+    };
+    Ok(Response::new(
+        futures::stream::once(async { Ok(item) }).boxed(),
+    ))
+}
+
+impl NodeService {
+    /// Opens a node-to-node request, refusing one for another cluster or protocol version.
+    fn open<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, Status> {
+        let envelope = self.open_envelope(bytes)?;
+        self.check_cluster(&envelope.cluster_id, false)?;
+        Ok(envelope.body)
+    }
+
+    /// Opens a client request: clients may leave the cluster id open (`*`).
+    fn open_from_client<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, Status> {
+        let envelope = self.open_envelope(bytes)?;
+        self.check_cluster(&envelope.cluster_id, true)?;
+        Ok(envelope.body)
+    }
+
+    fn open_envelope<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<Envelope<T>, Status> {
+        let envelope: Envelope<T> =
+            serde_json::from_slice(bytes).map_err(|e| failed(format!("malformed request: {e}")))?;
+        if envelope.protocol != self.node.protocol() {
+            return Err(Refusal::VersionMismatch {
+                node_id: self.node.id(),
+                protocol: self.node.protocol(),
+            }
+            .into_status());
+        }
+        Ok(envelope)
+    }
+
+    fn check_cluster(&self, cluster_id: &str, any_allowed: bool) -> Result<(), Status> {
+        if cluster_id == self.node.config.cluster_id || (any_allowed && cluster_id == ANY_CLUSTER) {
+            return Ok(());
+        }
+        Err(Refusal::WrongCluster {
+            node_id: self.node.id(),
+            cluster_id: self.node.config.cluster_id.clone(),
+        }
+        .into_status())
+    }
+
+    async fn action(
+        &self,
+        action: Action,
+    ) -> Result<Response<BoxStream<'static, Result<arrow_flight::Result, Status>>>, Status> {
+        let node = &self.node;
+        let body = action.body.as_ref();
+        match action.r#type.as_str() {
+            ACTION_HELLO => {
+                self.open::<()>(body)?;
+                reply(&node.identity())
+            }
+            ACTION_RAFT_APPEND => reply(&node.raft.append_entries(self.open(body)?).await),
+            ACTION_RAFT_VOTE => reply(&node.raft.vote(self.open(body)?).await),
+            ACTION_RAFT_SNAPSHOT => reply(&node.raft.install_snapshot(self.open(body)?).await),
+            ACTION_META_WRITE => {
+                let command: MetaCommand = self.open(body)?;
+                let result: Result<MetaResponse, Refusal> = if node.is_leader() {
+                    node.write_as_leader(command)
+                        .await
+                        .map_err(|e| Refusal::Failed(e.to_string()))
+                } else {
+                    Err(Refusal::NotLeader {
+                        leader: node.leader(),
+                    })
+                };
+                reply(&result)
+            }
+            ACTION_READ_INDEX => {
+                self.open::<()>(body)?;
+                let result: Result<u64, Refusal> = match node.raft.ensure_linearizable().await {
+                    Ok(log_id) => Ok(log_id.map_or(0, |l| l.index)),
+                    Err(e) => Err(Refusal::Failed(e.to_string())),
+                };
+                reply(&result)
+            }
+            ACTION_HEARTBEAT => {
+                let (heartbeat, suspects): (Heartbeat, Vec<NodeId>) = self.open(body)?;
+                node.heard_from(&heartbeat);
+                for suspect in suspects {
+                    node.suspect(suspect);
+                }
+                reply(&Ok::<(), Refusal>(()))
+            }
+            ACTION_SQL => {
+                let sql: String = self.open_from_client(body)?;
+                let engine = tessera_sql::Engine::with_backend(
+                    Arc::new(crate::ClusterBackend::new(node.clone())),
+                    datafusion::prelude::SessionConfig::new(),
+                );
+                let result: Result<Vec<SqlOutput>, Refusal> = match engine.execute(&sql).await {
+                    Ok(outputs) => outputs
+                        .into_iter()
+                        .map(sql_output)
+                        .collect::<Result<_, _>>()
+                        .map_err(|e| Refusal::Failed(e.to_string())),
+                    Err(e) => Err(Refusal::Failed(e.to_string())),
+                };
+                reply(&result)
+            }
+            ACTION_DECOMMISSION => {
+                let id: NodeId = self.open_from_client(body)?;
+                let result = node
+                    .decommission(id)
+                    .await
+                    .map_err(|e| Refusal::Failed(e.to_string()));
+                reply(&result)
+            }
+            ACTION_COPY_PARTITIONS => {
+                let request: CopyRequest = self.open(body)?;
+                let result = crate::rebalance::copy_partitions(node, request)
+                    .await
+                    .map_err(|e| Refusal::Failed(e.to_string()));
+                reply(&result)
+            }
+            ACTION_STATUS => {
+                self.open_from_client::<()>(body)?;
+                let metrics = node.raft.metrics().borrow().clone();
+                let view = node.view();
+                let status = NodeStatus {
+                    node_id: node.id(),
+                    listen: node.config.listen.to_string(),
+                    leader: metrics.current_leader,
+                    term: metrics.current_term,
+                    applied_index: view.applied_index,
+                    meta: view.state.clone(),
+                    tables: node
+                        .store
+                        .table_stats()
+                        .into_iter()
+                        .map(|t| TableCount {
+                            name: t.name,
+                            rows: t.component_rows + t.memtable_rows,
+                            partitions_with_data: t.partitions_with_data,
+                        })
+                        .collect(),
+                };
+                reply(&status)
+            }
+            other => Err(Status::unimplemented(format!("unknown action {other:?}"))),
+        }
+    }
+
+    /// Logs the rows of one publish stream durably, in chunks.
+    async fn prepare(
+        &self,
+        request: PrepareRequest,
+        stream: FlightRecordBatchStream,
+    ) -> Result<(), Status> {
+        let mut stream = stream;
+        let mut chunk: Vec<PartitionChanges> = Vec::new();
+        let mut chunk_bytes = 0;
+        while let Some(batch) = stream.try_next().await.map_err(failed)? {
+            let (partition, rows) = split_partition_column(&batch).map_err(failed)?;
+            chunk_bytes += rows.get_array_memory_size();
+            let (upserts, deletes) = if request.deletes {
+                (vec![], vec![rows])
+            } else {
+                (vec![rows], vec![])
+            };
+            chunk.push(PartitionChanges {
+                table: request.table.clone(),
+                partition,
+                upserts,
+                deletes,
+            });
+            if chunk_bytes >= PREPARE_CHUNK_BYTES {
+                self.prepare_chunk(&request, std::mem::take(&mut chunk))
+                    .await?;
+                chunk_bytes = 0;
+            }
+        }
+        if !chunk.is_empty() {
+            self.prepare_chunk(&request, chunk).await?;
+        }
+        Ok(())
+    }
+
+    async fn prepare_chunk(
+        &self,
+        request: &PrepareRequest,
+        chunk: Vec<PartitionChanges>,
+    ) -> Result<(), Status> {
+        let store = self.node.store.clone();
+        let epoch = request.epoch;
+        tokio::task::spawn_blocking(move || store.prepare_epoch(epoch, chunk))
+            .await
+            .map_err(failed)?
+            .map_err(failed)
+    }
+}
+
+fn sql_output(output: tessera_sql::StatementOutput) -> Result<SqlOutput, arrow::error::ArrowError> {
+    Ok(match output {
+        tessera_sql::StatementOutput::Rows { schema, batches } => {
+            let mut ipc = Vec::new();
+            let mut writer = arrow::ipc::writer::StreamWriter::try_new(&mut ipc, &schema)?;
+            for batch in &batches {
+                writer.write(batch)?;
+            }
+            writer.finish()?;
+            drop(writer);
+            SqlOutput::Rows {
+                ipc_hex: crate::client::to_hex(&ipc),
+            }
+        }
+        tessera_sql::StatementOutput::Done { tag, epoch } => SqlOutput::Done { tag, epoch },
+    })
+}
+
+impl NodeService {
+    fn local_table(
+        &self,
+        table: &str,
+        generation: u64,
+    ) -> Result<tessera_storage::TableDef, Status> {
+        self.node
+            .store
+            .table_def(table)
+            .filter(|d| d.generation == generation)
+            .ok_or_else(|| {
+                failed(format!(
+                    "table {table:?} (generation {generation}) is not on node {}",
+                    self.node.id()
+                ))
+            })
+    }
+
+    async fn scan(
+        &self,
+        scan: ScanRequest,
+    ) -> Result<(arrow::datatypes::SchemaRef, Vec<RecordBatch>), Status> {
+        let node = self.node.clone();
+        node.wait_for_epoch(scan.epoch, Duration::from_secs(10))
+            .await
+            .map_err(failed)?;
+        let def = self.local_table(&scan.table, scan.generation)?;
+        let schema = Arc::new(
+            stored_user_schema(&def)
+                .project(&scan.columns)
+                .map_err(failed)?,
+        );
+        let store = node.store.clone();
+        let batches = tokio::task::spawn_blocking(move || {
+            tessera_sql::backend::read_local_partitions(
+                &store,
+                &def,
+                Some(scan.epoch),
+                &scan.partitions,
+                &scan.columns,
+            )
+        })
+        .await
+        .map_err(failed)?
+        .map_err(failed)?;
+        Ok((schema, batches))
+    }
+}
+
+/// A prepare batch's rows without the partition column, and that (single) partition.
+fn split_partition_column(batch: &RecordBatch) -> Result<(PartitionId, RecordBatch), String> {
+    let partitions = batch
+        .column(0)
+        .as_any()
+        .downcast_ref::<UInt32Array>()
+        .filter(|_| batch.schema().field(0).name() == PARTITION_COLUMN)
+        .ok_or_else(|| {
+            format!("prepare batches start with a UInt32 column {PARTITION_COLUMN:?}")
+        })?;
+    if partitions.null_count() > 0 || partitions.is_empty() {
+        return Err("a prepare batch needs rows, each naming its partition".into());
+    }
+    let first = partitions.value(0);
+    if partitions.values().iter().any(|p| *p != first) {
+        return Err("a prepare batch holds rows of one partition".into());
+    }
+    let columns: Vec<usize> = (1..batch.num_columns()).collect();
+    Ok((
+        PartitionId(first),
+        batch.project(&columns).map_err(|e| e.to_string())?,
+    ))
+}
+
+#[tonic::async_trait]
+impl FlightService for NodeService {
+    type HandshakeStream = BoxStream<'static, Result<HandshakeResponse, Status>>;
+    type ListFlightsStream = BoxStream<'static, Result<FlightInfo, Status>>;
+    type DoGetStream = BoxStream<'static, Result<FlightData, Status>>;
+    type DoPutStream = BoxStream<'static, Result<PutResult, Status>>;
+    type DoActionStream = BoxStream<'static, Result<arrow_flight::Result, Status>>;
+    type ListActionsStream = BoxStream<'static, Result<ActionType, Status>>;
+    type DoExchangeStream = BoxStream<'static, Result<FlightData, Status>>;
+
+    async fn handshake(
+        &self,
+        _request: Request<Streaming<HandshakeRequest>>,
+    ) -> Result<Response<Self::HandshakeStream>, Status> {
+        Err(Status::unimplemented("handshake"))
+    }
+
+    async fn list_flights(
+        &self,
+        _request: Request<Criteria>,
+    ) -> Result<Response<Self::ListFlightsStream>, Status> {
+        Err(Status::unimplemented("list_flights"))
+    }
+
+    async fn get_flight_info(
+        &self,
+        _request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        Err(Status::unimplemented("get_flight_info"))
+    }
+
+    async fn poll_flight_info(
+        &self,
+        _request: Request<FlightDescriptor>,
+    ) -> Result<Response<PollInfo>, Status> {
+        Err(Status::unimplemented("poll_flight_info"))
+    }
+
+    async fn get_schema(
+        &self,
+        _request: Request<FlightDescriptor>,
+    ) -> Result<Response<SchemaResult>, Status> {
+        Err(Status::unimplemented("get_schema"))
+    }
+
+    async fn do_get(
+        &self,
+        request: Request<Ticket>,
+    ) -> Result<Response<Self::DoGetStream>, Status> {
+        let (schema, batches) = match self.open(&request.into_inner().ticket)? {
+            GetRequest::Scan(scan) => self.scan(scan).await?,
+            GetRequest::Versions {
+                table,
+                generation,
+                partition,
+            } => {
+                let def = self.local_table(&table, generation)?;
+                let store = self.node.store.clone();
+                let batches = tokio::task::spawn_blocking(move || {
+                    store.partition_versions(&table, partition)
+                })
+                .await
+                .map_err(failed)?
+                .map_err(failed)?;
+                (tessera_storage::versions::stored_schema(&def), batches)
+            }
+        };
+        let stream = FlightDataEncoderBuilder::new()
+            .with_schema(schema)
+            .build(futures::stream::iter(batches.into_iter().map(Ok)))
+            .map_err(failed);
+        Ok(Response::new(stream.boxed()))
+    }
+
+    async fn do_put(
+        &self,
+        request: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoPutStream>, Status> {
+        let mut input = request.into_inner();
+        let first = input
+            .message()
+            .await?
+            .ok_or_else(|| failed("empty prepare stream"))?;
+        let descriptor = first
+            .flight_descriptor
+            .clone()
+            .ok_or_else(|| failed("a prepare stream starts with a descriptor"))?;
+        let envelope: Envelope<PutRequest> = self.open_envelope(&descriptor.cmd)?;
+        self.check_cluster(
+            &envelope.cluster_id,
+            matches!(envelope.body, PutRequest::Publish { .. }),
+        )?;
+        let request = envelope.body;
+        let rest = input.map_err(arrow_flight::error::FlightError::from);
+        let data = futures::stream::once(async { Ok(first) }).chain(rest);
+        let batches = FlightRecordBatchStream::new_from_flight_data(data);
+        let app_metadata = match request {
+            PutRequest::Prepare(prepare) => {
+                self.prepare(prepare, batches).await?;
+                Bytes::new()
+            }
+            PutRequest::Publish { table, deletes } => {
+                let rows: Vec<RecordBatch> = batches.try_collect().await.map_err(failed)?;
+                let changes = if deletes {
+                    TableChanges {
+                        table,
+                        upserts: vec![],
+                        deletes: rows,
+                    }
+                } else {
+                    TableChanges {
+                        table,
+                        upserts: rows,
+                        deletes: vec![],
+                    }
+                };
+                let epoch = crate::publish::publish(&self.node, vec![changes])
+                    .await
+                    .map_err(failed)?;
+                Bytes::from(serde_json::to_vec(&epoch).map_err(failed)?)
+            }
+        };
+        let done = PutResult { app_metadata };
+        Ok(Response::new(
+            futures::stream::once(async { Ok(done) }).boxed(),
+        ))
+    }
+
+    async fn do_exchange(
+        &self,
+        _request: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoExchangeStream>, Status> {
+        Err(Status::unimplemented("do_exchange"))
+    }
+
+    async fn do_action(
+        &self,
+        request: Request<Action>,
+    ) -> Result<Response<Self::DoActionStream>, Status> {
+        self.action(request.into_inner()).await
+    }
+
+    async fn list_actions(
+        &self,
+        _request: Request<Empty>,
+    ) -> Result<Response<Self::ListActionsStream>, Status> {
+        Err(Status::unimplemented("list_actions"))
+    }
+}

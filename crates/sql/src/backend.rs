@@ -1,0 +1,142 @@
+//! Where the engine's tables live: one local store, or a cluster. The engine plans and
+//! checks statements the same way for both; a backend supplies the catalog, the scans and
+//! the publish path.
+
+use crate::error::Result;
+use crate::provider::{ScanLayout, TesseraSchema};
+use crate::scan::read_visible_partition;
+use arrow::array::RecordBatch;
+use async_trait::async_trait;
+use datafusion::catalog::SchemaProvider;
+use std::sync::Arc;
+use tessera_common::{Epoch, PartitionId, PartitionRing};
+use tessera_storage::{Store, TableChanges, TableDef};
+
+#[async_trait]
+pub trait Backend: Send + Sync + 'static {
+    fn table_def(&self, name: &str) -> Option<TableDef>;
+
+    fn ring(&self) -> PartitionRing;
+
+    /// The tables as DataFusion sees them.
+    fn schema_provider(&self) -> Arc<dyn SchemaProvider>;
+
+    /// Called before each statement is planned: a backend may fix the catalog and epoch the
+    /// statement sees here.
+    async fn begin_statement(&self) {}
+
+    async fn create_table(&self, def: TableDef) -> Result<()>;
+
+    async fn drop_table(&self, name: &str) -> Result<()>;
+
+    /// Publishes the changes as one epoch, visible when this returns.
+    async fn publish(&self, changes: Vec<TableChanges>) -> Result<Epoch>;
+
+    /// The live rows of `partitions` of `def` at the visible epoch, keeping the user columns
+    /// `columns`.
+    async fn read_partitions(
+        &self,
+        def: &TableDef,
+        partitions: Vec<PartitionId>,
+        columns: Vec<usize>,
+    ) -> Result<Vec<RecordBatch>>;
+}
+
+/// Tables in one store on this machine.
+pub struct LocalBackend {
+    store: Arc<Store>,
+    schema: Arc<TesseraSchema>,
+}
+
+impl LocalBackend {
+    pub fn new(store: Arc<Store>, layout: ScanLayout) -> LocalBackend {
+        LocalBackend {
+            schema: Arc::new(TesseraSchema::new(store.clone(), layout)),
+            store,
+        }
+    }
+
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+}
+
+/// Runs blocking storage work off the async threads.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| crate::SqlError::Unsupported(format!("storage task failed: {e}")))?
+}
+
+#[async_trait]
+impl Backend for LocalBackend {
+    fn table_def(&self, name: &str) -> Option<TableDef> {
+        self.store.table_def(name)
+    }
+
+    fn ring(&self) -> PartitionRing {
+        self.store.ring()
+    }
+
+    fn schema_provider(&self) -> Arc<dyn SchemaProvider> {
+        self.schema.clone()
+    }
+
+    async fn create_table(&self, def: TableDef) -> Result<()> {
+        let store = self.store.clone();
+        blocking(move || Ok(store.create_table(def)?)).await
+    }
+
+    async fn drop_table(&self, name: &str) -> Result<()> {
+        let (store, name) = (self.store.clone(), name.to_string());
+        blocking(move || Ok(store.drop_table(&name)?)).await
+    }
+
+    async fn publish(&self, changes: Vec<TableChanges>) -> Result<Epoch> {
+        let store = self.store.clone();
+        blocking(move || Ok(store.publish(changes)?)).await
+    }
+
+    async fn read_partitions(
+        &self,
+        def: &TableDef,
+        partitions: Vec<PartitionId>,
+        columns: Vec<usize>,
+    ) -> Result<Vec<RecordBatch>> {
+        let (store, def) = (self.store.clone(), def.clone());
+        blocking(move || read_local_partitions(&store, &def, None, &partitions, &columns)).await
+    }
+}
+
+/// The live rows of some partitions of a table in a local store at `epoch` (the store's
+/// visible epoch if `None`).
+pub fn read_local_partitions(
+    store: &Store,
+    def: &TableDef,
+    epoch: Option<Epoch>,
+    partitions: &[PartitionId],
+    columns: &[usize],
+) -> Result<Vec<RecordBatch>> {
+    let snapshot = store.snapshot(&def.name, epoch)?;
+    let mut batches = Vec::new();
+    for partition in partitions {
+        let Some(partition) = snapshot.partitions.get(partition.0 as usize) else {
+            continue;
+        };
+        for component in &partition.components {
+            store.verify_component(&component.hash)?;
+        }
+        if let Some(batch) = read_visible_partition(
+            store.components_dir(),
+            def,
+            snapshot.epoch,
+            partition,
+            columns,
+        )? {
+            batches.push(batch);
+        }
+    }
+    Ok(batches)
+}
