@@ -12,6 +12,16 @@ use tessera_cluster::ClusterClient;
 use tessera_testkit::LocalCluster;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
+
+/// Clusters run one at a time: several at once would starve each other of the CPU and
+/// make the timing checks (failure detection within 2 s) meaningless.
+static ONE_CLUSTER_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    ONE_CLUSTER_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 const PARTITIONS: u32 = 16;
 
 async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
@@ -115,11 +125,13 @@ async fn tpch_cluster(nodes: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_answer_all_tpch_queries_exactly() {
+    let _exclusive = exclusive();
     tpch_cluster(3).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_nodes_answer_all_tpch_queries_exactly() {
+    let _exclusive = exclusive();
     tpch_cluster(5).await;
 }
 
@@ -160,6 +172,7 @@ async fn count_and_sum(client: &ClusterClient) -> (i64, i64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_leader_loses_no_committed_epoch() {
+    let _exclusive = exclusive();
     let root = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
     cluster.start_all();
@@ -247,10 +260,16 @@ async fn killing_the_leader_loses_no_committed_epoch() {
     .await;
     let () = answer;
     assert_eq!(count_and_sum(&returned).await, (rows, expected_sum));
+    // It recovered every row it had logged before the kill from its own disk (with three
+    // nodes and three replicas it holds every partition); what it missed it does not have.
+    let local = returned.status().await.unwrap();
+    let kept = local.tables.iter().find(|t| t.name == "kv").map_or(0, |t| t.rows);
+    assert_eq!(kept, 5000, "rows the killed node had acknowledged before it died");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_coordinator_killed_mid_publish_leaves_its_epoch_invisible() {
+    let _exclusive = exclusive();
     let root = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
     cluster.start_all();
@@ -323,6 +342,7 @@ fn node_error(cluster: &LocalCluster, config: &Path, env: &[(&str, &str)]) -> St
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_configurations_are_refused_with_clear_errors() {
+    let _exclusive = exclusive();
     let root = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
     let bad = root.path().join("bad.toml");
@@ -405,6 +425,7 @@ async fn replicas_held_by(client: &ClusterClient, id: u64) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_joining_node_takes_its_share_while_queries_stay_exact() {
+    let _exclusive = exclusive();
     let root = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 2);
     cluster.start_all();

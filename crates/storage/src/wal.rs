@@ -351,7 +351,10 @@ fn parse_frame(bytes: &[u8]) -> std::result::Result<(WalRecord, usize), String> 
     let payload = bytes
         .get(FRAME_HEADER_BYTES..FRAME_HEADER_BYTES + len)
         .ok_or_else(|| format!("frame of {len} bytes runs past the end of the segment"))?;
-    if !matches!(payload[0], KIND_ROWS | KIND_COMMIT) {
+    if !matches!(
+        payload[0],
+        KIND_ROWS | KIND_COMMIT | KIND_PREPARED | KIND_ABORT | KIND_COMMIT_PREPARED
+    ) {
         return Err(format!("unknown record kind {}", payload[0]));
     }
     let actual = crc32c::crc32c(payload);
@@ -590,6 +593,40 @@ mod tests {
 
     fn segment_bytes(dir: &Path) -> Vec<u8> {
         fs::read(segment_path(dir, 1)).unwrap()
+    }
+
+    #[test]
+    fn cluster_records_round_trip_through_a_segment() {
+        let dir = tempfile::tempdir().unwrap();
+        let WalRecord::Rows { batch, .. } = rows(1, 1) else {
+            unreachable!()
+        };
+        let prepared = WalRecord::Prepared {
+            table: "t".into(),
+            partition: PartitionId(2),
+            epoch: Epoch(7),
+            seq: 4,
+            batch,
+        };
+        let commit = WalRecord::CommitPrepared {
+            epoch: Epoch(7),
+            lsns: vec![("t".into(), PartitionId(2), Lsn(9))],
+        };
+        write_log(
+            dir.path(),
+            &[prepared, commit, WalRecord::Abort { epoch: Epoch(8) }],
+        );
+        let log = recover(dir.path()).unwrap();
+        assert_eq!(log.torn_bytes, 0, "every kind is a known kind");
+        assert!(matches!(
+            &log.records[0],
+            WalRecord::Prepared { epoch: Epoch(7), seq: 4, partition: PartitionId(2), batch, .. } if batch.num_rows() == 3
+        ));
+        assert!(matches!(
+            &log.records[1],
+            WalRecord::CommitPrepared { epoch: Epoch(7), lsns } if lsns == &vec![("t".to_string(), PartitionId(2), Lsn(9))]
+        ));
+        assert!(matches!(&log.records[2], WalRecord::Abort { epoch: Epoch(8) }));
     }
 
     #[test]

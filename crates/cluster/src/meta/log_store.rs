@@ -263,3 +263,69 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         inner.rewrite().map_err(io_error)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use openraft::{CommittedLeaderId, EntryPayload};
+
+    fn entry(index: u64) -> Entry<TypeConfig> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            payload: EntryPayload::Blank,
+        }
+    }
+
+    fn write_entries(dir: &Path, indices: std::ops::Range<u64>) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        for i in indices {
+            bytes.extend(encode_frame(&entry(i)).unwrap());
+        }
+        std::fs::write(dir.join(LOG_FILE), &bytes).unwrap();
+        bytes
+    }
+
+    #[tokio::test]
+    async fn a_torn_tail_is_cut_off_and_whole_entries_survive() {
+        let dir = tempfile::tempdir().unwrap();
+        let whole = write_entries(dir.path(), 1..6);
+        let mut torn = whole.clone();
+        torn.extend(&encode_frame(&entry(6)).unwrap()[..10]);
+        std::fs::write(dir.path().join(LOG_FILE), &torn).unwrap();
+        let mut store = LogStore::open(dir.path()).unwrap();
+        let state = store.get_log_state().await.unwrap();
+        assert_eq!(state.last_log_id.unwrap().index, 5);
+        let entries = store.try_get_log_entries(1..).await.unwrap();
+        assert_eq!(entries.len(), 5);
+        assert_eq!(
+            std::fs::metadata(dir.path().join(LOG_FILE)).unwrap().len(),
+            whole.len() as u64,
+            "the torn bytes are gone from the file"
+        );
+    }
+
+    #[tokio::test]
+    async fn truncate_and_purge_survive_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        write_entries(dir.path(), 1..11);
+        {
+            let mut store = LogStore::open(dir.path()).unwrap();
+            store.truncate(entry(8).log_id).await.unwrap();
+            store.purge(entry(3).log_id).await.unwrap();
+            let vote = Vote::new(2, 1);
+            store.save_vote(&vote).await.unwrap();
+        }
+        let mut store = LogStore::open(dir.path()).unwrap();
+        let indices: Vec<u64> = store
+            .try_get_log_entries(0..)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| e.log_id.index)
+            .collect();
+        assert_eq!(indices, vec![4, 5, 6, 7]);
+        let state = store.get_log_state().await.unwrap();
+        assert_eq!(state.last_purged_log_id.unwrap().index, 3);
+        assert_eq!(store.read_vote().await.unwrap(), Some(Vote::new(2, 1)));
+    }
+}
