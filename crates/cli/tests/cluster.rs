@@ -263,8 +263,15 @@ async fn killing_the_leader_loses_no_committed_epoch() {
     // It recovered every row it had logged before the kill from its own disk (with three
     // nodes and three replicas it holds every partition); what it missed it does not have.
     let local = returned.status().await.unwrap();
-    let kept = local.tables.iter().find(|t| t.name == "kv").map_or(0, |t| t.rows);
-    assert_eq!(kept, 5000, "rows the killed node had acknowledged before it died");
+    let kept = local
+        .tables
+        .iter()
+        .find(|t| t.name == "kv")
+        .map_or(0, |t| t.rows);
+    assert_eq!(
+        kept, 5000,
+        "rows the killed node had acknowledged before it died"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -626,7 +626,10 @@ mod tests {
             &log.records[1],
             WalRecord::CommitPrepared { epoch: Epoch(7), lsns } if lsns == &vec![("t".to_string(), PartitionId(2), Lsn(9))]
         ));
-        assert!(matches!(&log.records[2], WalRecord::Abort { epoch: Epoch(8) }));
+        assert!(matches!(
+            &log.records[2],
+            WalRecord::Abort { epoch: Epoch(8) }
+        ));
     }
 
     #[test]

@@ -66,14 +66,27 @@ fn keys(store: &Store, epoch: Epoch) -> Vec<i64> {
         let mut batches: Vec<RecordBatch> = part.memtable.clone();
         for component in &part.components {
             batches.extend(
-                tessera_storage::component::read_component(store.components_dir(), &component.hash, None)
-                    .unwrap(),
+                tessera_storage::component::read_component(
+                    store.components_dir(),
+                    &component.hash,
+                    None,
+                )
+                .unwrap(),
             );
         }
-        if let Some(live) =
-            tessera_storage::versions::visible_rows(&batches, &def.primary_key_indices(), epoch, false).unwrap()
+        if let Some(live) = tessera_storage::versions::visible_rows(
+            &batches,
+            &def.primary_key_indices(),
+            epoch,
+            false,
+        )
+        .unwrap()
         {
-            let column = live.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+            let column = live
+                .column(0)
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .unwrap();
             keys.extend(column.values().iter().copied());
         }
     }
@@ -89,12 +102,21 @@ fn prepared_rows_are_invisible_until_committed_and_survive_restarts() {
         store.ensure_table(def()).unwrap();
         store.prepare_epoch(Epoch(3), routed(&rows(0, 10))).unwrap();
         // A large publish arrives in several calls; they add up.
-        store.prepare_epoch(Epoch(3), routed(&rows(10, 20))).unwrap();
-        assert!(keys(&store, Epoch(3)).is_empty(), "prepared rows are not visible");
+        store
+            .prepare_epoch(Epoch(3), routed(&rows(10, 20)))
+            .unwrap();
+        assert!(
+            keys(&store, Epoch(3)).is_empty(),
+            "prepared rows are not visible"
+        );
         assert!(store.commit_epoch(Epoch(3)).unwrap());
         assert_eq!(keys(&store, Epoch(3)), (0..20).collect::<Vec<_>>());
-        store.prepare_epoch(Epoch(5), routed(&rows(100, 110))).unwrap();
-        store.prepare_epoch(Epoch(6), routed(&rows(200, 210))).unwrap();
+        store
+            .prepare_epoch(Epoch(5), routed(&rows(100, 110)))
+            .unwrap();
+        store
+            .prepare_epoch(Epoch(6), routed(&rows(200, 210)))
+            .unwrap();
         store.abort_epoch(Epoch(6)).unwrap();
     }
     // Restart: epoch 3 committed, 5 undecided, 6 aborted.
@@ -113,7 +135,11 @@ fn prepared_rows_are_invisible_until_committed_and_survive_restarts() {
     let store = Store::open(dir.path(), config()).unwrap();
     let expected: Vec<i64> = (0..20).chain(100..110).collect();
     assert_eq!(keys(&store, Epoch(6)), expected);
-    assert_eq!(keys(&store, Epoch(4)), (0..20).collect::<Vec<_>>(), "time travel below epoch 5");
+    assert_eq!(
+        keys(&store, Epoch(4)),
+        (0..20).collect::<Vec<_>>(),
+        "time travel below epoch 5"
+    );
     assert!(store.undecided_epochs().is_empty());
 }
 
@@ -125,7 +151,10 @@ fn rows_sent_to_the_wrong_partition_are_refused() {
     let mut changes = routed(&rows(0, 50));
     let wrong = PartitionId((changes[0].partition.0 + 1) % 4);
     changes[0].partition = wrong;
-    let error = store.prepare_epoch(Epoch(1), changes).unwrap_err().to_string();
+    let error = store
+        .prepare_epoch(Epoch(1), changes)
+        .unwrap_err()
+        .to_string();
     assert!(error.contains("belong to partition"), "{error}");
     assert!(store.undecided_epochs().is_empty(), "nothing was logged");
 }

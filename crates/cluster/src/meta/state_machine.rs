@@ -123,14 +123,22 @@ impl StateMachine {
     /// epoch prepared here and since decided, committed or aborted accordingly.
     fn reconcile_store(&self) -> tessera_storage::error::Result<()> {
         let mut effects = Vec::new();
+        let applied = self.last_applied.map_or(0, |l| l.index);
         for name in self.store.table_names() {
             let local = self.store.table_def(&name).expect("listed table");
-            match self.state.tables.get(&name) {
-                Some(def) if def.generation == local.generation => {}
-                _ => effects.push(LocalEffect::DropTable {
+            // A table created by an entry after the snapshot is not in it yet: the entry is
+            // applied again. One created before and missing from the snapshot was dropped.
+            let dropped = local.generation <= applied
+                && self
+                    .state
+                    .tables
+                    .get(&name)
+                    .is_none_or(|def| def.generation != local.generation);
+            if dropped {
+                effects.push(LocalEffect::DropTable {
                     name,
                     generation: local.generation,
-                }),
+                });
             }
         }
         for def in self.state.tables.values() {
