@@ -14,7 +14,7 @@ use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
 use datafusion::common::tree_node::TreeNodeRecursion;
-use datafusion::common::{Constraint, Constraints, DataFusionError, Result as DfResult};
+use datafusion::common::{Constraints, DataFusionError, Result as DfResult};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
@@ -205,11 +205,7 @@ struct ClusterTable {
 
 impl ClusterTable {
     fn new(node: Arc<Node>, view: Arc<MetaView>, def: TableDef, epoch: Epoch) -> Self {
-        let constraints = if def.primary_key.is_empty() {
-            Constraints::default()
-        } else {
-            Constraints::new_unverified(vec![Constraint::PrimaryKey(def.primary_key_indices())])
-        };
+        let constraints = tessera_sql::provider::primary_key_constraints(&def);
         ClusterTable {
             node,
             view,

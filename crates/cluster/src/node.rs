@@ -156,9 +156,10 @@ impl Node {
             StateMachine::open(&raft_dir, store.clone()).map_err(data_error)?;
         let raft_config = openraft::Config {
             cluster_name: config.cluster_id.clone(),
-            heartbeat_interval: 150,
-            election_timeout_min: 500,
-            election_timeout_max: 1000,
+            // Elections finish well inside the 2 s failure-detection budget.
+            heartbeat_interval: 100,
+            election_timeout_min: 300,
+            election_timeout_max: 600,
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(1000),
             max_in_snapshot_log_to_keep: 200,
             ..Default::default()

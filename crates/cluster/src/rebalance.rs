@@ -4,6 +4,10 @@
 //!
 //! While partitions move, the leader holds the ownership lease of every table (an open
 //! epoch), so no publish can land between the copy and the switch; publishes wait.
+//!
+//! A replica that missed epochs while it was down is brought back the same way: it copies
+//! its partitions whole from the primary. (Fetching only the missed delta is the failback
+//! protocol's job.)
 
 use crate::error::{ClusterError, Result};
 use crate::meta::{MetaCommand, MetaResponse, MetaState, PartitionMap};
@@ -26,8 +30,9 @@ fn members(state: &MetaState) -> Vec<NodeId> {
         .collect()
 }
 
-/// The map the members should have, if it differs from the current one and every member
-/// is alive (moving data off or onto a dead node has to wait for it).
+/// The map the members should have, if it differs from the current one or a live replica
+/// is stale (it missed epochs while it was away), and every member is alive (moving data
+/// off or onto a dead node has to wait for it).
 pub fn wanted_map(state: &MetaState) -> Option<PartitionMap> {
     let members = members(state);
     if members.is_empty() || members.iter().any(|id| !state.nodes[id].alive) {
@@ -39,7 +44,12 @@ pub fn wanted_map(state: &MetaState) -> Option<PartitionMap> {
         .iter()
         .zip(&state.map.partitions)
         .all(|(w, c)| w.replicas == c.replicas);
-    (!same).then_some(wanted)
+    let stale_but_back = state.map.partitions.iter().any(|p| {
+        p.stale
+            .iter()
+            .any(|id| state.nodes.get(id).is_some_and(|n| n.alive))
+    });
+    (!same || stale_but_back).then_some(wanted)
 }
 
 /// Moves partitions to match [`wanted_map`]; run by the metadata leader.

@@ -127,6 +127,15 @@ impl SchemaProvider for TesseraSchema {
     }
 }
 
+/// The primary key as DataFusion's constraint (none for an append-only table).
+pub fn primary_key_constraints(def: &TableDef) -> Constraints {
+    if def.primary_key.is_empty() {
+        Constraints::default()
+    } else {
+        Constraints::new_unverified(vec![Constraint::PrimaryKey(def.primary_key_indices())])
+    }
+}
+
 /// One table, read at a fixed epoch or at whatever epoch is visible when a scan starts.
 #[derive(Debug)]
 pub struct TesseraTable {
@@ -148,11 +157,7 @@ impl TesseraTable {
         statistics: Arc<ComponentStatistics>,
     ) -> Self {
         let schema = stored_user_schema(&def);
-        let constraints = if def.primary_key.is_empty() {
-            Constraints::default()
-        } else {
-            Constraints::new_unverified(vec![Constraint::PrimaryKey(def.primary_key_indices())])
-        };
+        let constraints = primary_key_constraints(&def);
         TesseraTable {
             store,
             def,

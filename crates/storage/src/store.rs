@@ -498,27 +498,12 @@ impl Store {
             if def.append_only && change.deletes.iter().any(|b| b.num_rows() > 0) {
                 return Err(StorageError::delete_from_append_only(&def.name));
             }
-            let upserts: Vec<RecordBatch> = change
-                .upserts
-                .iter()
-                .filter(|b| b.num_rows() > 0)
-                .map(|b| versions::conform_to_schema(&def, b))
-                .collect::<Result<_>>()?;
-            let deletes: Vec<RecordBatch> = change
-                .deletes
-                .iter()
-                .filter(|b| b.num_rows() > 0)
-                .map(|b| versions::tombstone_rows(&def, b))
-                .collect::<Result<_>>()?;
-            if let Some(existing) = prepared.iter_mut().find(|p| p.def.name == def.name) {
-                existing.upserts.extend(upserts);
-                existing.deletes.extend(deletes);
+            let checked = PreparedChanges::checked(def, &change.upserts, &change.deletes)?;
+            if let Some(existing) = prepared.iter_mut().find(|p| p.def.name == checked.def.name) {
+                existing.upserts.extend(checked.upserts);
+                existing.deletes.extend(checked.deletes);
             } else {
-                prepared.push(PreparedChanges {
-                    def,
-                    upserts,
-                    deletes,
-                });
+                prepared.push(checked);
             }
         }
         for p in &prepared {
@@ -766,21 +751,7 @@ impl Store {
             let def = self
                 .table_def(&change.table)
                 .ok_or_else(|| StorageError::UnknownTable(change.table.clone()))?;
-            let prepared = PreparedChanges {
-                upserts: change
-                    .upserts
-                    .iter()
-                    .filter(|b| b.num_rows() > 0)
-                    .map(|b| versions::conform_to_schema(&def, b))
-                    .collect::<Result<_>>()?,
-                deletes: change
-                    .deletes
-                    .iter()
-                    .filter(|b| b.num_rows() > 0)
-                    .map(|b| versions::tombstone_rows(&def, b))
-                    .collect::<Result<_>>()?,
-                def,
-            };
+            let prepared = PreparedChanges::checked(def, &change.upserts, &change.deletes)?;
             for (partition, batch) in prepared.stamped_by_partition(epoch, &self.ring)? {
                 if partition != change.partition {
                     return Err(StorageError::MisroutedRows {
@@ -1253,6 +1224,24 @@ struct PreparedChanges {
 }
 
 impl PreparedChanges {
+    /// Upserts conformed to the table's schema and deletes turned into tombstones; empty
+    /// batches dropped.
+    fn checked(def: TableDef, upserts: &[RecordBatch], deletes: &[RecordBatch]) -> Result<Self> {
+        Ok(PreparedChanges {
+            upserts: upserts
+                .iter()
+                .filter(|b| b.num_rows() > 0)
+                .map(|b| versions::conform_to_schema(&def, b))
+                .collect::<Result<_>>()?,
+            deletes: deletes
+                .iter()
+                .filter(|b| b.num_rows() > 0)
+                .map(|b| versions::tombstone_rows(&def, b))
+                .collect::<Result<_>>()?,
+            def,
+        })
+    }
+
     fn bytes(&self) -> usize {
         self.upserts
             .iter()
