@@ -153,10 +153,12 @@ const LEASE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120);
 /// one of them.
 pub async fn allocate_epoch(node: &Arc<Node>, tables: Vec<String>) -> Result<Epoch> {
     let deadline = std::time::Instant::now() + LEASE_PATIENCE;
+    let request: u64 = rand::random();
     loop {
         let command = MetaCommand::AllocateEpoch {
             coordinator: node.id(),
             tables: tables.clone(),
+            request,
         };
         match node.write(command).await {
             Ok(MetaResponse::Epoch(epoch)) => return Ok(epoch),

@@ -108,6 +108,9 @@ pub enum MetaCommand {
     AllocateEpoch {
         coordinator: NodeId,
         tables: Vec<String>,
+        /// Chosen by the coordinator, so a retried request (its reply was lost in a leader
+        /// change) gets the same epoch instead of leaking a second one that holds the lease.
+        request: u64,
     },
     /// Every touched partition has durably logged its rows on the replicas not in `missed`.
     CommitEpoch {
@@ -155,6 +158,8 @@ pub enum LocalEffect {
 pub struct OpenEpoch {
     pub coordinator: NodeId,
     pub tables: Vec<String>,
+    #[serde(default)]
+    pub request: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
@@ -314,7 +319,15 @@ impl MetaState {
             MetaCommand::AllocateEpoch {
                 coordinator,
                 tables,
+                request,
             } => {
+                if let Some((epoch, _)) = self
+                    .open
+                    .iter()
+                    .find(|(_, o)| o.coordinator == coordinator && o.request == request)
+                {
+                    return Ok((MetaResponse::Epoch(*epoch), vec![]));
+                }
                 if !self.nodes.get(&coordinator).is_some_and(|n| n.alive) {
                     return Err(format!("node {coordinator} is not a live member"));
                 }
@@ -341,13 +354,18 @@ impl MetaState {
                     OpenEpoch {
                         coordinator,
                         tables,
+                        request,
                     },
                 );
                 MetaResponse::Epoch(epoch)
             }
             MetaCommand::CommitEpoch { epoch, missed } => {
+                if self.is_committed(epoch) {
+                    // A retried commit whose first reply was lost.
+                    return Ok((MetaResponse::Epoch(epoch), vec![]));
+                }
                 if !self.open.contains_key(&epoch) {
-                    return Err(format!("epoch {epoch} is not open (already decided?)"));
+                    return Err(format!("epoch {epoch} was aborted (its coordinator was declared failed, or the publish failed)"));
                 }
                 for (partition, node) in missed {
                     if let Some(placement) = self.map.partitions.get_mut(partition.0 as usize) {
@@ -360,8 +378,11 @@ impl MetaState {
                 MetaResponse::Epoch(epoch)
             }
             MetaCommand::AbortEpoch { epoch, reason } => {
+                if self.aborted.contains(&epoch) {
+                    return Ok((MetaResponse::Done, vec![]));
+                }
                 if !self.open.contains_key(&epoch) {
-                    return Err(format!("epoch {epoch} is not open (already decided?)"));
+                    return Err(format!("epoch {epoch} is already committed"));
                 }
                 tracing::info!(%epoch, %reason, "epoch aborted");
                 self.decide(epoch, false);
@@ -491,6 +512,7 @@ mod tests {
                 MetaCommand::AllocateEpoch {
                     coordinator,
                     tables: vec!["t".into()],
+                    request: 7,
                 },
             )
             .0
@@ -498,6 +520,33 @@ mod tests {
             MetaResponse::Epoch(e) => e,
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn retried_allocations_and_commits_are_idempotent() {
+        let mut state = bootstrapped(3);
+        let first = allocate(&mut state, 1);
+        assert_eq!(
+            allocate(&mut state, 1),
+            first,
+            "the same request gets the same epoch"
+        );
+        assert_eq!(state.open.len(), 1);
+        let commit = MetaCommand::CommitEpoch {
+            epoch: first,
+            missed: vec![],
+        };
+        assert_eq!(state.apply(5, commit.clone()).0, MetaResponse::Epoch(first));
+        assert_eq!(state.apply(6, commit).0, MetaResponse::Epoch(first));
+        let abort = state.apply(
+            7,
+            MetaCommand::AbortEpoch {
+                epoch: first,
+                reason: "late".into(),
+            },
+        );
+        assert!(matches!(abort.0, MetaResponse::Refused(ref r) if r.contains("already committed")));
+        assert!(state.is_committed(first));
     }
 
     #[test]
@@ -529,6 +578,7 @@ mod tests {
                 MetaCommand::AllocateEpoch {
                     coordinator: 3,
                     tables: vec!["t".into()],
+                    request: 8,
                 },
             );
             assert!(
