@@ -3,7 +3,6 @@
 
 use arrow::array::{Int64Array, RecordBatch};
 use arrow::datatypes::{DataType, Field, Schema};
-use datafusion::datasource::MemTable;
 use datafusion::prelude::SessionContext;
 use std::path::Path;
 use std::sync::Arc;
@@ -57,19 +56,6 @@ async fn leader_of(cluster: &LocalCluster, via: u64) -> u64 {
     .await
 }
 
-fn oracle(sf: f64) -> SessionContext {
-    let ctx = SessionContext::new();
-    for table in tessera_tpch::TABLES {
-        let batches: Vec<_> = table
-            .generate(sf, 64 * 1024)
-            .collect::<Result<_, _>>()
-            .unwrap();
-        let mem = MemTable::try_new(table.schema(), vec![batches]).unwrap();
-        ctx.register_table(table.name, Arc::new(mem)).unwrap();
-    }
-    ctx
-}
-
 /// Creates and publishes the TPC-H tables, each through a different coordinator.
 async fn load_tpch(cluster: &LocalCluster, sf: f64) {
     let ids = cluster.node_ids();
@@ -119,7 +105,7 @@ async fn tpch_cluster(nodes: usize) {
     cluster.start_all();
     wait_formed(&cluster, 1, nodes).await;
     load_tpch(&cluster, 0.1).await;
-    let oracle = oracle(0.1);
+    let oracle = tessera_tpch::oracle::oracle(0.1).unwrap();
     assert_tpch_answers(&cluster, &cluster.node_ids(), &oracle).await;
 }
 

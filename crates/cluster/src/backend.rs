@@ -40,27 +40,46 @@ fn external(error: ClusterError) -> DataFusionError {
     }
 }
 
-/// The cluster as one database, seen from `node`.
-pub struct ClusterBackend {
+/// The metadata a statement runs against: pinned when it starts, or else the node's latest.
+#[derive(Debug, Clone)]
+struct StatementView {
     node: Arc<Node>,
-    /// The metadata a statement runs against, fixed when it starts.
     pinned: Arc<Mutex<Option<Arc<MetaView>>>>,
 }
 
-impl ClusterBackend {
-    pub fn new(node: Arc<Node>) -> ClusterBackend {
-        ClusterBackend {
-            node,
-            pinned: Arc::default(),
-        }
-    }
-
-    fn view(&self) -> Arc<MetaView> {
+impl StatementView {
+    fn get(&self) -> Arc<MetaView> {
         self.pinned
             .lock()
             .expect("pinned lock")
             .clone()
             .unwrap_or_else(|| self.node.view())
+    }
+
+    fn pin(&self, view: Arc<MetaView>) {
+        *self.pinned.lock().expect("pinned lock") = Some(view);
+    }
+}
+
+/// The cluster as one database, seen from `node`.
+pub struct ClusterBackend {
+    node: Arc<Node>,
+    view: StatementView,
+}
+
+impl ClusterBackend {
+    pub fn new(node: Arc<Node>) -> ClusterBackend {
+        ClusterBackend {
+            view: StatementView {
+                node: node.clone(),
+                pinned: Arc::default(),
+            },
+            node,
+        }
+    }
+
+    fn view(&self) -> Arc<MetaView> {
+        self.view.get()
     }
 }
 
@@ -77,13 +96,12 @@ impl Backend for ClusterBackend {
     fn schema_provider(&self) -> Arc<dyn SchemaProvider> {
         Arc::new(ClusterSchema {
             node: self.node.clone(),
-            pinned: self.pinned.clone(),
+            view: self.view.clone(),
         })
     }
 
     async fn begin_statement(&self) {
-        let view = self.node.catch_up_with_leader().await;
-        *self.pinned.lock().expect("pinned lock") = Some(view);
+        self.view.pin(self.node.catch_up_with_leader().await);
     }
 
     async fn create_table(&self, def: TableDef) -> tessera_sql::error::Result<()> {
@@ -144,16 +162,12 @@ impl Backend for ClusterBackend {
 #[derive(Debug)]
 struct ClusterSchema {
     node: Arc<Node>,
-    pinned: Arc<Mutex<Option<Arc<MetaView>>>>,
+    view: StatementView,
 }
 
 impl ClusterSchema {
     fn view(&self) -> Arc<MetaView> {
-        self.pinned
-            .lock()
-            .expect("pinned lock")
-            .clone()
-            .unwrap_or_else(|| self.node.view())
+        self.view.get()
     }
 }
 

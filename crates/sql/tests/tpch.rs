@@ -1,24 +1,9 @@
 //! Correctness oracle: every TPC-H query on Tessera returns DataFusion's answer over the
 //! same generated data.
 
-use datafusion::datasource::MemTable;
 use datafusion::prelude::{SessionConfig, SessionContext};
-use std::sync::Arc;
 use tessera_sql::{Engine, ScanLayout};
 use tessera_storage::{Store, StoreConfig, TableChanges};
-
-async fn oracle(sf: f64) -> SessionContext {
-    let ctx = SessionContext::new();
-    for table in tessera_tpch::TABLES {
-        let batches: Vec<_> = table
-            .generate(sf, 64 * 1024)
-            .collect::<Result<_, _>>()
-            .unwrap();
-        let mem = MemTable::try_new(table.schema(), vec![batches]).unwrap();
-        ctx.register_table(table.name, Arc::new(mem)).unwrap();
-    }
-    ctx
-}
 
 /// Loads TPC-H into `engine`, publishing each table in chunks of `chunk_rows` rows.
 async fn load(engine: &Engine, sf: f64, chunk_rows: usize) {
@@ -86,7 +71,7 @@ async fn all_22_queries_match_datafusion_at_sf_0_1() {
             }])
             .unwrap();
     }
-    assert_all_queries_match(&engine, &oracle(0.1).await).await;
+    assert_all_queries_match(&engine, &tessera_tpch::oracle::oracle(0.1).unwrap()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -110,11 +95,11 @@ async fn all_22_queries_match_through_the_log_memtables_and_merges() {
             lineitem.memtable_rows > 0,
             "some rows are still only in memory and the log"
         );
-        assert_all_queries_match(&engine, &oracle(sf).await).await;
+        assert_all_queries_match(&engine, &tessera_tpch::oracle::oracle(sf).unwrap()).await;
     }
     // After a restart, and with one scan partition per storage partition, as distributed
     // execution will read them.
     let store = Store::open(dir.path(), config).unwrap();
     let engine = Engine::with_layout(store, SessionConfig::new(), ScanLayout::PerStoragePartition);
-    assert_all_queries_match(&engine, &oracle(sf).await).await;
+    assert_all_queries_match(&engine, &tessera_tpch::oracle::oracle(sf).unwrap()).await;
 }

@@ -427,6 +427,13 @@ impl Store {
         self.or_poison(result)
     }
 
+    fn empty_table(&self, def: TableDef) -> TableState {
+        let partitions = (0..self.ring.partition_count())
+            .map(|_| PartitionState::default())
+            .collect();
+        TableState { def, partitions }
+    }
+
     pub fn create_table(&self, mut def: TableDef) -> Result<()> {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
@@ -435,12 +442,7 @@ impl Store {
             return Err(StorageError::TableExists(def.name));
         }
         def.created_at = state.visible;
-        let partitions = (0..self.ring.partition_count())
-            .map(|_| PartitionState::default())
-            .collect();
-        state
-            .tables
-            .insert(def.name.clone(), TableState { def, partitions });
+        state.tables.insert(def.name.clone(), self.empty_table(def));
         self.write_checkpoint(&state)
     }
 
@@ -724,12 +726,7 @@ impl Store {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
         let mut state = self.state();
-        let partitions = (0..self.ring.partition_count())
-            .map(|_| PartitionState::default())
-            .collect();
-        state
-            .tables
-            .insert(def.name.clone(), TableState { def, partitions });
+        state.tables.insert(def.name.clone(), self.empty_table(def));
         self.write_checkpoint(&state)
     }
 

@@ -118,12 +118,7 @@ impl WalRecord {
                 payload.extend_from_slice(&epoch.0.to_le_bytes());
                 payload.extend_from_slice(&(lsns.len() as u32).to_le_bytes());
                 for (table, partition, lsn) in lsns {
-                    let name = table.as_bytes();
-                    let name_len = u16::try_from(name.len()).expect("table names are short");
-                    payload.extend_from_slice(&name_len.to_le_bytes());
-                    payload.extend_from_slice(name);
-                    payload.extend_from_slice(&partition.0.to_le_bytes());
-                    payload.extend_from_slice(&lsn.0.to_le_bytes());
+                    push_table_partition_lsn(&mut payload, table, *partition, *lsn);
                 }
             }
 
@@ -222,6 +217,17 @@ impl WalRecord {
     }
 }
 
+/// The table name (u16 length, UTF-8), partition and LSN, as row and commit records write
+/// them.
+fn push_table_partition_lsn(payload: &mut Vec<u8>, table: &str, partition: PartitionId, lsn: Lsn) {
+    let name = table.as_bytes();
+    let name_len = u16::try_from(name.len()).expect("table names are short");
+    payload.extend_from_slice(&name_len.to_le_bytes());
+    payload.extend_from_slice(name);
+    payload.extend_from_slice(&partition.0.to_le_bytes());
+    payload.extend_from_slice(&lsn.0.to_le_bytes());
+}
+
 /// The payload of a row-carrying record: kind, table name, partition, LSN, epoch, then the
 /// batch as Arrow IPC.
 fn encode_rows(
@@ -234,12 +240,7 @@ fn encode_rows(
     batch: &RecordBatch,
 ) -> Result<()> {
     payload.push(kind);
-    let name = table.as_bytes();
-    let name_len = u16::try_from(name.len()).expect("table names are short");
-    payload.extend_from_slice(&name_len.to_le_bytes());
-    payload.extend_from_slice(name);
-    payload.extend_from_slice(&partition.0.to_le_bytes());
-    payload.extend_from_slice(&lsn.0.to_le_bytes());
+    push_table_partition_lsn(payload, table, partition, lsn);
     payload.extend_from_slice(&epoch.0.to_le_bytes());
     let mut writer = StreamWriter::try_new(&mut *payload, &batch.schema())?;
     writer.write(batch)?;

@@ -7,6 +7,7 @@
 //! added so that every engine must return one exact answer.
 
 pub mod compare;
+pub mod oracle;
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
