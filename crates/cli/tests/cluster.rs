@@ -520,3 +520,84 @@ async fn a_joining_node_takes_its_share_while_queries_stay_exact() {
     let error = client.decommission(1).await.unwrap_err().to_string();
     assert!(error.contains("votes in the metadata group"), "{error}");
 }
+
+/// A run of three consecutive free loopback ports.
+fn three_free_ports() -> u16 {
+    for _ in 0..100 {
+        let base = tessera_testkit::free_ports(1)[0];
+        if base > u16::MAX - 3 {
+            continue;
+        }
+        if (0..3).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
+            return base;
+        }
+    }
+    panic!("no three consecutive free ports");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_starts_a_local_cluster_and_stops_it_cleanly() {
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let base = three_free_ports();
+    let data = root.path().join("data");
+    let base_arg = base.to_string();
+    let mut up = tessera_testkit::TesseraProcess::spawn(
+        Path::new(BINARY),
+        &data,
+        &[
+            "--partitions",
+            "8",
+            "up",
+            "--nodes",
+            "3",
+            "--base-port",
+            &base_arg,
+        ],
+    );
+    let mut printed = Vec::new();
+    while let Some(line) = up.next_line(Duration::from_secs(60)) {
+        let done = line.contains("Ctrl-C stops the cluster");
+        printed.push(line);
+        if done {
+            break;
+        }
+    }
+    let text = printed.join("\n");
+    assert!(text.contains("cluster of 3 nodes up"), "{text}");
+    for i in 0..3 {
+        assert!(
+            text.contains(&format!("listening on 127.0.0.1:{}", base + i)),
+            "{text}"
+        );
+    }
+    let client = ClusterClient::new(&format!("127.0.0.1:{}", base + 1));
+    client
+        .sql("CREATE TABLE t (k INT PRIMARY KEY)")
+        .await
+        .unwrap();
+    client.sql("INSERT INTO t VALUES (1), (2)").await.unwrap();
+    let status = client.status().await.unwrap();
+    assert_eq!(status.meta.live_nodes().count(), 3);
+    assert_eq!(status.meta.partition_count, 8);
+    // Ctrl-C stops every node.
+    // SAFETY: kill(2) on the pid of a child we own and have not reaped.
+    unsafe {
+        libc::kill(up.pid() as libc::pid_t, libc::SIGINT);
+    }
+    let mut stopped = false;
+    while let Some(line) = up.next_line(Duration::from_secs(30)) {
+        if line.contains("cluster stopped") {
+            stopped = true;
+            break;
+        }
+    }
+    assert!(stopped, "up reports the cluster stopped");
+    for i in 0..3 {
+        assert!(
+            std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok(),
+            "node {} released its port",
+            i + 1
+        );
+    }
+}

@@ -76,19 +76,16 @@ fn free_base_port(n: u64) -> Result<u16> {
     bail!("found no run of {n} free ports")
 }
 
-async fn wait_formed(client: &ClusterClient, nodes: usize, timeout: Duration) -> Result<()> {
+async fn wait_formed(addrs: &[String], timeout: Duration) -> Result<()> {
+    let clients: Vec<ClusterClient> = addrs.iter().map(|a| ClusterClient::new(a)).collect();
     let deadline = Instant::now() + timeout;
-    loop {
-        if let Ok(status) = client.status().await {
-            if status.leader.is_some() && status.meta.live_nodes().count() == nodes {
-                return Ok(());
-            }
-        }
+    while !super::up::formed(&clients).await {
         if Instant::now() > deadline {
             bail!("the cluster did not form within {timeout:?}");
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    Ok(())
 }
 
 struct Measured {
@@ -109,7 +106,7 @@ async fn measure(
     let started = Instant::now();
     let mut cluster = Nodes::start(root, nodes, partitions)?;
     let client = ClusterClient::new(&cluster.addrs[0]);
-    wait_formed(&client, nodes as usize, Duration::from_secs(60)).await?;
+    wait_formed(&cluster.addrs, Duration::from_secs(60)).await?;
     let formation = started.elapsed();
     let lineitem = tessera_tpch::table("lineitem").expect("lineitem");
     client

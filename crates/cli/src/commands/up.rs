@@ -107,10 +107,13 @@ pub async fn run(root: &Path, options: UpOptions) -> Result<()> {
     result
 }
 
-/// Waits until every node answers and the metadata lists them all alive.
+/// Waits until every node answers, each knows the leader, and the metadata lists them all
+/// alive.
 async fn wait_until_formed(configs: &[PathBuf], children: &mut [Child]) -> Result<()> {
-    let first = NodeConfig::load(&configs[0])?;
-    let client = ClusterClient::new(&first.listen.to_string());
+    let clients: Vec<ClusterClient> = configs
+        .iter()
+        .map(|c| Ok(ClusterClient::new(&NodeConfig::load(c)?.listen.to_string())))
+        .collect::<Result<_>>()?;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         for (child, config) in children.iter_mut().zip(configs) {
@@ -121,17 +124,27 @@ async fn wait_until_formed(configs: &[PathBuf], children: &mut [Child]) -> Resul
                 );
             }
         }
-        if let Ok(status) = client.status().await {
-            let alive = status.meta.live_nodes().count();
-            if status.leader.is_some() && alive == configs.len() {
-                return Ok(());
-            }
+        if formed(&clients).await {
+            return Ok(());
         }
         if Instant::now() > deadline {
             bail!("the cluster did not form within 60 s");
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// True when every node answers, knows a leader, and sees all of them alive.
+pub async fn formed(clients: &[ClusterClient]) -> bool {
+    for client in clients {
+        match client.status().await {
+            Ok(status)
+                if status.leader.is_some() && status.meta.live_nodes().count() == clients.len() => {
+            }
+            _ => return false,
+        }
+    }
+    true
 }
 
 /// Stops every node with SIGTERM, then SIGKILL after a grace period.
