@@ -542,7 +542,7 @@ async fn up_starts_a_local_cluster_and_stops_it_cleanly() {
     let base = three_free_ports();
     let data = root.path().join("data");
     let base_arg = base.to_string();
-    let mut up = tessera_testkit::TesseraProcess::spawn(
+    let up = tessera_testkit::TesseraProcess::spawn(
         Path::new(BINARY),
         &data,
         &[

@@ -108,6 +108,7 @@ impl Backend for ClusterBackend {
         self.node
             .write(crate::meta::MetaCommand::CreateTable { def })
             .await?;
+        // CREATE TABLE AS inserts next, within this statement: it must see the new table.
         self.begin_statement().await;
         Ok(())
     }
@@ -123,9 +124,8 @@ impl Backend for ClusterBackend {
     }
 
     async fn publish(&self, changes: Vec<TableChanges>) -> tessera_sql::error::Result<Epoch> {
-        let epoch = crate::publish::publish(&self.node, changes).await?;
-        self.begin_statement().await;
-        Ok(epoch)
+        // No re-pin afterwards: the next statement catches up with the leader anyway.
+        Ok(crate::publish::publish(&self.node, changes).await?)
     }
 
     async fn read_partitions(

@@ -10,7 +10,6 @@ use crate::node::Node;
 use crate::rpc::{CallError, PrepareRequest, PARTITION_COLUMN};
 use crate::NodeId;
 use arrow::array::{ArrayRef, RecordBatch, UInt32Array};
-use arrow::compute::concat_batches;
 use arrow::datatypes::{DataType, Field, Schema};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -64,17 +63,7 @@ fn route(state: &MetaState, changes: Vec<TableChanges>) -> Result<BTreeMap<Strin
         }
     }
     for (def, rows) in checked.values() {
-        if def.append_only || rows.is_empty() {
-            continue;
-        }
-        let combined = concat_batches(&rows[0].schema(), rows)?;
-        if let Some(key) = versions::find_duplicate_key(&combined, &def.primary_key_indices())? {
-            return Err(StorageError::DuplicateKey {
-                table: def.name.clone(),
-                key,
-            }
-            .into());
-        }
+        versions::reject_duplicate_keys(def, rows)?;
     }
     Ok(routed)
 }

@@ -509,21 +509,8 @@ impl Store {
             }
         }
         for p in &prepared {
-            if p.def.append_only {
-                continue;
-            }
             let all: Vec<RecordBatch> = p.upserts.iter().chain(&p.deletes).cloned().collect();
-            if let Some(first) = all.first() {
-                let combined = concat_batches(&first.schema(), &all)?;
-                if let Some(key) =
-                    versions::find_duplicate_key(&combined, &p.def.primary_key_indices())?
-                {
-                    return Err(StorageError::DuplicateKey {
-                        table: p.def.name.clone(),
-                        key,
-                    });
-                }
-            }
+            versions::reject_duplicate_keys(&p.def, &all)?;
         }
         prepared.retain(|p| !p.upserts.is_empty() || !p.deletes.is_empty());
         Ok(prepared)

@@ -147,6 +147,22 @@ fn key_columns(batch: &RecordBatch, key: &[usize]) -> Vec<ArrayRef> {
     key.iter().map(|&i| batch.column(i).clone()).collect()
 }
 
+/// Refuses a publish that names one key of `def` twice across `rows` (upserts and
+/// tombstones alike); append-only tables have no keys to repeat.
+pub fn reject_duplicate_keys(def: &TableDef, rows: &[RecordBatch]) -> Result<()> {
+    if def.append_only || rows.is_empty() {
+        return Ok(());
+    }
+    let combined = concat_batches(&rows[0].schema(), rows)?;
+    match find_duplicate_key(&combined, &def.primary_key_indices())? {
+        Some(key) => Err(StorageError::DuplicateKey {
+            table: def.name.clone(),
+            key,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Describes the first repeated key in `batch`, if any.
 pub fn find_duplicate_key(batch: &RecordBatch, key: &[usize]) -> Result<Option<String>> {
     let converter = key_converter(&batch.schema(), key)?;
