@@ -209,7 +209,11 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    // More workers than cores: a long CPU-bound poll (a query operator, a large batch) then
+    // cannot starve the tasks that answer heartbeats and Raft, and the OS shares the cores.
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cores.max(4) * 2)
         .enable_all()
         .build()
         .expect("tokio runtime");

@@ -48,6 +48,8 @@ pub enum ClusterError {
     Rejected(String),
     #[error("{0}")]
     TableBusy(String),
+    #[error("this node was declared failed: {0}")]
+    Fenced(String),
     #[error("epoch {epoch} aborted: {reason}")]
     Aborted { epoch: Epoch, reason: String },
     #[error("{0}")]

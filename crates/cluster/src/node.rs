@@ -219,6 +219,18 @@ impl Node {
         self.meta.borrow().clone()
     }
 
+    /// Waits (up to `patience`) until the metadata shows this node alive; after a false
+    /// suspicion the next heartbeat revives it.
+    pub async fn wait_until_alive(&self, patience: Duration) {
+        let mut meta = self.meta.clone();
+        let id = self.id();
+        let _ = tokio::time::timeout(
+            patience,
+            meta.wait_for(|view| view.state.nodes.get(&id).is_some_and(|n| n.alive)),
+        )
+        .await;
+    }
+
     pub fn identity(&self) -> Identity {
         Identity {
             node_id: self.id(),
@@ -282,6 +294,7 @@ impl Node {
             match self.write_once(&command).await {
                 Ok(MetaResponse::Refused(reason)) => return Err(ClusterError::Rejected(reason)),
                 Ok(MetaResponse::TableBusy(reason)) => return Err(ClusterError::TableBusy(reason)),
+                Ok(MetaResponse::Fenced(reason)) => return Err(ClusterError::Fenced(reason)),
                 Ok(response) => return Ok(response),
                 Err(e) => last_error = e,
             }

@@ -95,12 +95,37 @@ struct Shipment {
     batches: Vec<RecordBatch>,
 }
 
+/// How many times a publish is retried after this node was declared failed while it
+/// coordinated (a false suspicion: a node starved of CPU misses heartbeats). Each retry takes
+/// a new epoch; the aborted one is never visible.
+const FENCED_RETRIES: usize = 3;
+
 /// Publishes `changes` as one epoch across the cluster; returns once it is committed.
 pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epoch> {
+    let state = node.catch_up_with_leader().await.state.clone();
+    // Routing is CPU work proportional to the rows; keep it off the threads that answer
+    // heartbeats and Raft.
+    let routed = tokio::task::spawn_blocking(move || route(&state, changes))
+        .await
+        .map_err(|e| ClusterError::Rejected(format!("routing the rows failed: {e}")))??;
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match publish_routed(node, &routed).await {
+            Err(ClusterError::Fenced(reason)) if attempt <= FENCED_RETRIES => {
+                tracing::warn!(%reason, attempt, "publish fenced; retrying once this node is alive again");
+                node.wait_until_alive(std::time::Duration::from_secs(10))
+                    .await;
+            }
+            done => return done,
+        }
+    }
+}
+
+/// One attempt at publishing routed rows: an epoch, prepares on every live replica, commit.
+async fn publish_routed(node: &Arc<Node>, routed: &BTreeMap<String, Routed>) -> Result<Epoch> {
     let started = std::time::Instant::now();
     let state = node.catch_up_with_leader().await.state.clone();
-    let routed = route(&state, changes)?;
-    let routed_at = started.elapsed();
     let tables: Vec<String> = routed.keys().cloned().collect();
     let epoch = allocate_epoch(node, tables).await?;
     let allocated_at = started.elapsed();
@@ -111,7 +136,6 @@ pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epo
                 .await?;
             tracing::info!(
                 %epoch,
-                routed_ms = routed_at.as_millis() as u64,
                 allocated_ms = allocated_at.as_millis() as u64,
                 prepared_ms = prepared_at.as_millis() as u64,
                 committed_ms = started.elapsed().as_millis() as u64,
@@ -167,7 +191,7 @@ async fn prepare_everywhere(
     node: &Arc<Node>,
     state: &MetaState,
     epoch: Epoch,
-    routed: BTreeMap<String, Routed>,
+    routed: &BTreeMap<String, Routed>,
 ) -> Result<Vec<(PartitionId, NodeId)>> {
     let live = |id: &NodeId| {
         state
@@ -178,8 +202,8 @@ async fn prepare_everywhere(
     let mut shipments: BTreeMap<(NodeId, String, bool), Shipment> = BTreeMap::new();
     let mut touched: BTreeSet<PartitionId> = BTreeSet::new();
     for (table, routed) in routed {
-        for (deletes, by_partition) in [(false, routed.upserts), (true, routed.deletes)] {
-            for (partition, batches) in by_partition {
+        for (deletes, by_partition) in [(false, &routed.upserts), (true, &routed.deletes)] {
+            for (&partition, batches) in by_partition {
                 touched.insert(partition);
                 let placement = &state.map.partitions[partition.0 as usize];
                 let targets: Vec<NodeId> = placement

@@ -143,6 +143,9 @@ pub enum MetaResponse {
     Refused(String),
     /// A table is leased to another writer; retrying later may succeed.
     TableBusy(String),
+    /// The coordinator was declared failed (perhaps falsely, if it was only slow): it may not
+    /// take an epoch, and its open epochs were aborted. Once it is alive again it may retry.
+    Fenced(String),
 }
 
 /// What an applied command asks of the local store.
@@ -329,7 +332,10 @@ impl MetaState {
                     return Ok((MetaResponse::Epoch(*epoch), vec![]));
                 }
                 if !self.nodes.get(&coordinator).is_some_and(|n| n.alive) {
-                    return Err(format!("node {coordinator} is not a live member"));
+                    return Ok((
+                        MetaResponse::Fenced(format!("node {coordinator} is not a live member")),
+                        vec![],
+                    ));
                 }
                 for table in &tables {
                     if !self.tables.contains_key(table) {
@@ -365,7 +371,14 @@ impl MetaState {
                     return Ok((MetaResponse::Epoch(epoch), vec![]));
                 }
                 if !self.open.contains_key(&epoch) {
-                    return Err(format!("epoch {epoch} was aborted (its coordinator was declared failed, or the publish failed)"));
+                    // A coordinator never commits an epoch it aborted itself: the leader
+                    // aborted it when it declared the coordinator failed.
+                    return Ok((
+                        MetaResponse::Fenced(format!(
+                            "epoch {epoch} was aborted because its coordinator was declared failed"
+                        )),
+                        vec![],
+                    ));
                 }
                 for (partition, node) in missed {
                     if let Some(placement) = self.map.partitions.get_mut(partition.0 as usize) {
