@@ -331,7 +331,7 @@ impl ClusterScanExec {
                 .copied()
                 .filter(|id| {
                     *id != reader
-                        && !placement.stale.contains(id)
+                        && !placement.stale.contains_key(id)
                         && state.nodes.get(id).is_some_and(|n| n.alive)
                 })
                 .collect();

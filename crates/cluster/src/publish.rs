@@ -210,7 +210,7 @@ async fn prepare_everywhere(
                     .replicas
                     .iter()
                     .copied()
-                    .filter(|id| live(id) && !placement.stale.contains(id))
+                    .filter(|id| live(id) && !placement.stale.contains_key(id))
                     .collect();
                 if targets.is_empty() {
                     return Err(ClusterError::Rejected(format!(
@@ -277,7 +277,7 @@ async fn prepare_everywhere(
         let logged = placement
             .replicas
             .iter()
-            .filter(|id| live(id) && !placement.stale.contains(id))
+            .filter(|id| live(id) && !placement.stale.contains_key(id))
             .any(|id| !failed.contains(&(*partition, *id)));
         if !logged {
             return Err(ClusterError::Rejected(format!(

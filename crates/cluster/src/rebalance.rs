@@ -5,20 +5,23 @@
 //! While partitions move, the leader holds the ownership lease of every table (an open
 //! epoch), so no publish can land between the copy and the switch; publishes wait.
 //!
-//! A replica that missed epochs while it was down is brought back the same way: it copies
-//! its partitions whole from the primary. (Fetching only the missed delta is the failback
-//! protocol's job.)
+//! A replica that missed epochs while it was down is brought back the same way, but with
+//! delta recovery: it fetches from the primary only the versions from the first epoch it
+//! missed, and keeps everything older (DESIGN §6, failback). If it fails again midway, the
+//! map still lists it as stale from the same epoch, and the next attempt redoes the delta.
 
 use crate::error::{ClusterError, Result};
 use crate::meta::{MetaCommand, MetaResponse, MetaState, PartitionMap};
 use crate::node::Node;
-use crate::rpc::{CallError, CopyRequest, GetRequest, Refusal, ACTION_COPY_PARTITIONS};
+use crate::rpc::{
+    CallError, CopyRequest, GetRequest, PartitionMove, Refusal, ACTION_COPY_PARTITIONS,
+};
 use crate::NodeId;
 use futures::TryStreamExt;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
-use tessera_common::PartitionId;
+use tessera_common::{Epoch, PartitionId};
 
 /// The members that should hold partitions: every live node that is not leaving.
 fn members(state: &MetaState) -> Vec<NodeId> {
@@ -47,7 +50,7 @@ pub fn wanted_map(state: &MetaState) -> Option<PartitionMap> {
     let stale_but_back = state.map.partitions.iter().any(|p| {
         p.stale
             .iter()
-            .any(|id| state.nodes.get(id).is_some_and(|n| n.alive))
+            .any(|(id, _)| state.nodes.get(id).is_some_and(|n| n.alive))
     });
     (!same || stale_but_back).then_some(wanted)
 }
@@ -67,7 +70,7 @@ pub async fn rebalance(node: &Arc<Node>) -> Result<()> {
         .values()
         .map(|d| (d.name.clone(), d.generation))
         .collect();
-    let mut copies: BTreeMap<NodeId, Vec<(PartitionId, NodeId)>> = BTreeMap::new();
+    let mut copies: BTreeMap<NodeId, Vec<PartitionMove>> = BTreeMap::new();
     for (i, (target, current)) in wanted
         .partitions
         .iter_mut()
@@ -76,30 +79,33 @@ pub async fn rebalance(node: &Arc<Node>) -> Result<()> {
     {
         let partition = PartitionId(i as u32);
         for replica in &target.replicas {
-            if current.replicas.contains(replica) && !current.stale.contains(replica) {
-                continue;
-            }
+            let since = match current.stale.get(replica) {
+                Some(first_missed) if current.replicas.contains(replica) => *first_missed,
+                None if current.replicas.contains(replica) => continue,
+                _ => Epoch::ZERO,
+            };
             let Some(source) = current.primary else {
                 let _ = abort(node, epoch, "a partition has no readable replica").await;
                 return Err(ClusterError::Rejected(format!(
                     "partition {partition} has no readable replica to copy from"
                 )));
             };
-            copies
-                .entry(*replica)
-                .or_default()
-                .push((partition, source));
+            copies.entry(*replica).or_default().push(PartitionMove {
+                partition,
+                source,
+                since,
+            });
         }
         // Replicas kept from the current map keep their staleness; copies are complete.
         target.stale = current
             .stale
             .iter()
-            .copied()
-            .filter(|id| {
+            .map(|(id, since)| (*id, *since))
+            .filter(|(id, _)| {
                 target.replicas.contains(id)
                     && copies
                         .get(id)
-                        .is_none_or(|m| !m.iter().any(|(p, _)| *p == partition))
+                        .is_none_or(|m| !m.iter().any(|m| m.partition == partition))
             })
             .collect();
     }
@@ -181,7 +187,12 @@ pub async fn copy_partitions(node: &Arc<Node>, request: CopyRequest) -> Result<(
             )));
         }
     }
-    for (partition, source) in &request.moves {
+    for PartitionMove {
+        partition,
+        source,
+        since,
+    } in &request.moves
+    {
         let addr = node.addr_of(*source).ok_or(ClusterError::NoLeader)?;
         for (table, generation) in &request.tables {
             let versions = node
@@ -192,6 +203,7 @@ pub async fn copy_partitions(node: &Arc<Node>, request: CopyRequest) -> Result<(
                         table: table.clone(),
                         generation: *generation,
                         partition: *partition,
+                        since: *since,
                     },
                 )
                 .await
@@ -200,9 +212,9 @@ pub async fn copy_partitions(node: &Arc<Node>, request: CopyRequest) -> Result<(
                 .await
                 .map_err(|e| ClusterError::Rejected(format!("copy from node {source}: {e}")))?;
             let store = node.store.clone();
-            let (table, partition) = (table.clone(), *partition);
+            let (table, partition, since) = (table.clone(), *partition, *since);
             tokio::task::spawn_blocking(move || {
-                store.install_partition(&table, partition, versions)
+                store.install_partition_since(&table, partition, since, versions)
             })
             .await
             .map_err(|e| ClusterError::Rejected(e.to_string()))??;

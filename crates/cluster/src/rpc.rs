@@ -111,21 +111,32 @@ pub struct ScanRequest {
 pub enum GetRequest {
     /// Live rows at an epoch, for queries.
     Scan(ScanRequest),
-    /// Every stored row version of one partition, for a new replica.
+    /// The stored row versions of one partition with an epoch at or above `since`: all of
+    /// them for a new replica, the missed delta for a returning one. The source first
+    /// catches up with the metadata leader, so it has applied every decided epoch.
     Versions {
         table: String,
         generation: u64,
         partition: PartitionId,
+        since: Epoch,
     },
 }
 
 /// The leader asks a node to copy partitions it is about to hold.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CopyRequest {
-    /// (partition, the node to copy it from).
-    pub moves: Vec<(PartitionId, NodeId)>,
+    pub moves: Vec<PartitionMove>,
     /// (table, generation) of every table.
     pub tables: Vec<(String, u64)>,
+}
+
+/// One partition a node is to fetch: whole (`since` is epoch 0: a new replica) or only
+/// the versions from `since` on (a returning replica that missed epochs from then).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct PartitionMove {
+    pub partition: PartitionId,
+    pub source: NodeId,
+    pub since: Epoch,
 }
 
 pub const ACTION_COPY_PARTITIONS: &str = "copy-partitions";

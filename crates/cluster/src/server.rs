@@ -419,11 +419,13 @@ impl FlightService for NodeService {
                 table,
                 generation,
                 partition,
+                since,
             } => {
+                self.node.catch_up_with_leader().await;
                 let def = self.local_table(&table, generation)?;
                 let store = self.node.store.clone();
                 let batches = tokio::task::spawn_blocking(move || {
-                    store.partition_versions(&table, partition)
+                    store.partition_versions(&table, partition, since)
                 })
                 .await
                 .map_err(failed)?

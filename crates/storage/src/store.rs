@@ -850,12 +850,14 @@ impl Store {
         self.or_poison(ticket.wait())
     }
 
-    /// Every stored row version of one partition of `table` (the stored schema, version
-    /// columns included): what a new replica needs to serve the partition.
+    /// The stored row versions of one partition of `table` with an epoch at or above `since`
+    /// (the stored schema, version columns included). `Epoch::ZERO` gives every version: what
+    /// a new replica needs; a later epoch gives the delta a returning replica missed.
     pub fn partition_versions(
         &self,
         table: &str,
         partition: PartitionId,
+        since: Epoch,
     ) -> Result<Vec<RecordBatch>> {
         let snapshot = self.snapshot(table, None)?;
         let part = snapshot
@@ -866,7 +868,7 @@ impl Store {
                 reason: format!("no partition {partition}"),
             })?;
         let mut batches = Vec::new();
-        for component in &part.components {
+        for component in part.components.iter().filter(|c| c.max_epoch >= since) {
             self.verify_component(&component.hash)?;
             batches.extend(component::read_component(
                 &self.components_dir,
@@ -875,7 +877,7 @@ impl Store {
             )?);
         }
         batches.extend(part.memtable.iter().cloned());
-        Ok(batches)
+        versions::versions_since(batches, since)
     }
 
     /// Replaces one partition of `table` with the given row versions (copied from a
@@ -886,16 +888,65 @@ impl Store {
         partition: PartitionId,
         versions: Vec<RecordBatch>,
     ) -> Result<()> {
+        self.install_partition_since(table, partition, Epoch::ZERO, versions)
+    }
+
+    /// Delta recovery: replaces the versions of one partition with an epoch at or above
+    /// `since` by `delta` (the primary's versions since then), keeping everything older.
+    ///
+    /// Idempotent: a returning replica may fail mid-failback and install the same delta
+    /// again. When nothing local is at or above `since` (the usual case: the node was down),
+    /// the existing components stay and only memory and the delta are written; otherwise the
+    /// partition is rewritten without its newer versions.
+    pub fn install_partition_since(
+        &self,
+        table: &str,
+        partition: PartitionId,
+        since: Epoch,
+        delta: Vec<RecordBatch>,
+    ) -> Result<()> {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
-        let def = self.state().table(table)?.def.clone();
-        let versions: Vec<RecordBatch> =
-            versions.into_iter().filter(|b| b.num_rows() > 0).collect();
-        let meta = if versions.is_empty() {
+        let (def, components, memtable) = {
+            let state = self.state();
+            let table_state = state.table(table)?;
+            let part = &table_state.partitions[partition.0 as usize];
+            let memtable: Vec<RecordBatch> =
+                part.memtable.iter().map(|e| e.batch.clone()).collect();
+            (
+                table_state.def.clone(),
+                part.manifest.components.clone(),
+                memtable,
+            )
+        };
+        let rewrite = since == Epoch::ZERO
+            || components.iter().any(|c| c.max_epoch >= since)
+            || versions::versions_since(memtable.clone(), since)?
+                .iter()
+                .any(|b| b.num_rows() > 0);
+        let mut rows: Vec<RecordBatch> = Vec::new();
+        if rewrite && since > Epoch::ZERO {
+            let mut old = Vec::new();
+            for component in &components {
+                self.verify_component(&component.hash)?;
+                old.extend(component::read_component(
+                    &self.components_dir,
+                    &component.hash,
+                    None,
+                )?);
+            }
+            old.extend(memtable);
+            rows.extend(versions::versions_before(old, since)?);
+        } else if !rewrite {
+            rows.extend(memtable);
+        }
+        rows.extend(delta);
+        let rows: Vec<RecordBatch> = rows.into_iter().filter(|b| b.num_rows() > 0).collect();
+        let meta = if rows.is_empty() {
             None
         } else {
             let lsn = self.state().allocate_lsn(partition);
-            Some(self.or_poison(self.write_component(&def, &versions, lsn, lsn))?)
+            Some(self.or_poison(self.write_component(&def, &rows, lsn, lsn))?)
         };
         let mut state = self.state();
         let table_state = state
@@ -903,14 +954,19 @@ impl Store {
             .get_mut(table)
             .expect("tables outlive the exclusive gate");
         let part = &mut table_state.partitions[partition.0 as usize];
-        let dropped: Vec<ComponentHash> = part.manifest.components.iter().map(|c| c.hash).collect();
+        let dropped: Vec<ComponentHash> = if rewrite {
+            let dropped = part.manifest.components.iter().map(|c| c.hash).collect();
+            part.manifest.components.clear();
+            dropped
+        } else {
+            Vec::new()
+        };
         let freed: usize = part
             .memtable
             .iter()
             .map(|e| e.batch.get_array_memory_size())
             .sum();
         part.memtable.clear();
-        part.manifest.components.clear();
         if let Some(meta) = meta {
             part.manifest.add(meta);
         }

@@ -38,6 +38,35 @@ pub fn stored_schema(def: &TableDef) -> SchemaRef {
     Arc::new(Schema::new(fields))
 }
 
+/// The row versions (stored schema) whose epoch is at or above `since`.
+pub fn versions_since(batches: Vec<RecordBatch>, since: Epoch) -> Result<Vec<RecordBatch>> {
+    filter_by_epoch(batches, |epoch| epoch >= since.0)
+}
+
+/// The row versions (stored schema) whose epoch is below `before`.
+pub fn versions_before(batches: Vec<RecordBatch>, before: Epoch) -> Result<Vec<RecordBatch>> {
+    filter_by_epoch(batches, |epoch| epoch < before.0)
+}
+
+fn filter_by_epoch(
+    batches: Vec<RecordBatch>,
+    keep: impl Fn(u64) -> bool,
+) -> Result<Vec<RecordBatch>> {
+    let mut kept = Vec::with_capacity(batches.len());
+    for batch in batches {
+        let index = batch.schema().index_of(EPOCH_COLUMN)?;
+        let epochs = batch.column(index).as_primitive::<UInt64Type>();
+        let mask: arrow::array::BooleanArray =
+            epochs.values().iter().map(|e| Some(keep(*e))).collect();
+        match mask.true_count() {
+            0 => {}
+            n if n == batch.num_rows() => kept.push(batch),
+            _ => kept.push(arrow::compute::filter_record_batch(&batch, &mask)?),
+        }
+    }
+    Ok(kept)
+}
+
 /// Tombstone rows for the given keys: key columns from `keys`, NULL elsewhere.
 pub fn tombstone_rows(def: &TableDef, keys: &RecordBatch) -> Result<RecordBatch> {
     let mismatch = |reason: String| StorageError::SchemaMismatch {

@@ -178,3 +178,100 @@ fn a_replayed_create_or_drop_never_touches_a_newer_table() {
     store.drop_table_generation("kv", 20).unwrap();
     assert!(store.table_def("kv").is_none());
 }
+
+/// Commits `batch` as `epoch` on `store`, as a replica does when the metadata commits it.
+fn commit(store: &Store, epoch: Epoch, batch: &RecordBatch) {
+    store.prepare_epoch(epoch, routed(batch)).unwrap();
+    assert!(store.commit_epoch(epoch).unwrap());
+}
+
+/// What a returning replica fetches and installs: every partition's versions since `since`.
+fn fetch_delta(primary: &Store, replica: &Store, since: Epoch) -> u64 {
+    let mut fetched = 0;
+    for p in 0..4 {
+        let delta = primary
+            .partition_versions("kv", PartitionId(p), since)
+            .unwrap();
+        fetched += delta.iter().map(|b| b.num_rows() as u64).sum::<u64>();
+        replica
+            .install_partition_since("kv", PartitionId(p), since, delta)
+            .unwrap();
+    }
+    fetched
+}
+
+#[test]
+fn a_returning_replica_fetches_only_the_epochs_it_missed() {
+    let (primary_dir, replica_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let primary = Store::open(primary_dir.path(), config()).unwrap();
+    let replica = Store::open(replica_dir.path(), config()).unwrap();
+    for store in [&primary, &replica] {
+        store.ensure_table(def()).unwrap();
+        commit(store, Epoch(1), &rows(0, 100));
+    }
+    // The replica has part of epoch 1 on disk and part in memory, as after a crash.
+    replica.checkpoint().unwrap();
+    commit(&replica, Epoch(2), &rows(100, 110));
+    commit(&primary, Epoch(2), &rows(100, 110));
+    // The replica is down for epochs 3 and 4: new rows and a changed value.
+    commit(&primary, Epoch(3), &rows(200, 230));
+    commit(&primary, Epoch(4), &rows(5, 8));
+    primary.checkpoint().unwrap();
+    commit(&primary, Epoch(5), &rows(300, 301));
+
+    let fetched = fetch_delta(&primary, &replica, Epoch(3));
+    assert_eq!(
+        fetched,
+        30 + 3 + 1,
+        "only the versions of epochs 3 to 5 travel"
+    );
+    for epoch in 1..=5 {
+        assert_eq!(
+            keys(&replica, Epoch(epoch)),
+            keys(&primary, Epoch(epoch)),
+            "replica equals primary at epoch {epoch}"
+        );
+    }
+    // Installing the same delta again (a failback that failed midway and retried) and a
+    // restart change nothing.
+    fetch_delta(&primary, &replica, Epoch(3));
+    drop(replica);
+    let replica = Store::open(replica_dir.path(), config()).unwrap();
+    for epoch in 1..=5 {
+        assert_eq!(keys(&replica, Epoch(epoch)), keys(&primary, Epoch(epoch)));
+    }
+    let rows_at = |store: &Store| -> u64 {
+        (0..4)
+            .map(|p| {
+                store
+                    .partition_versions("kv", PartitionId(p), Epoch::ZERO)
+                    .unwrap()
+                    .iter()
+                    .map(|b| b.num_rows() as u64)
+                    .sum::<u64>()
+            })
+            .sum()
+    };
+    assert_eq!(rows_at(&replica), rows_at(&primary), "no version twice");
+}
+
+#[test]
+fn a_delta_replaces_versions_the_replica_holds_from_the_missed_epochs_on() {
+    let (primary_dir, replica_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let primary = Store::open(primary_dir.path(), config()).unwrap();
+    let replica = Store::open(replica_dir.path(), config()).unwrap();
+    for store in [&primary, &replica] {
+        store.ensure_table(def()).unwrap();
+        commit(store, Epoch(1), &rows(0, 50));
+    }
+    // Epoch 2 missed the replica; epoch 3 reached it (it was prepared before it was marked
+    // stale), so the replica holds versions above its first missed epoch.
+    commit(&primary, Epoch(2), &rows(50, 60));
+    commit(&primary, Epoch(3), &rows(60, 70));
+    commit(&replica, Epoch(3), &rows(60, 70));
+    replica.checkpoint().unwrap();
+    fetch_delta(&primary, &replica, Epoch(2));
+    for epoch in 1..=3 {
+        assert_eq!(keys(&replica, Epoch(epoch)), keys(&primary, Epoch(epoch)));
+    }
+}

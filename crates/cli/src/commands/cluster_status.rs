@@ -71,7 +71,7 @@ pub async fn run(addr: &str) -> Result<()> {
             if placement.stale.is_empty() {
                 String::new()
             } else {
-                format!(" stale {:?}", placement.stale)
+                format!(" stale (node: first missed epoch) {:?}", placement.stale)
             }
         );
         match runs.get_mut(&start) {

@@ -31,9 +31,10 @@ pub struct Placement {
     pub replicas: Vec<NodeId>,
     /// The first live replica that holds every committed epoch; `None` while none does.
     pub primary: Option<NodeId>,
-    /// Replicas that missed a committed epoch of this partition and may not serve it until
-    /// they catch up.
-    pub stale: BTreeSet<NodeId>,
+    /// Replicas that missed a committed epoch of this partition, each with the first epoch
+    /// it missed: it may not serve the partition until it has fetched the versions from
+    /// that epoch on (delta recovery).
+    pub stale: BTreeMap<NodeId, Epoch>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
@@ -62,7 +63,7 @@ impl PartitionMap {
                     original: replicas[0],
                     primary: Some(replicas[0]),
                     replicas,
-                    stale: BTreeSet::new(),
+                    stale: BTreeMap::new(),
                 }
             })
             .collect();
@@ -382,7 +383,8 @@ impl MetaState {
                 }
                 for (partition, node) in missed {
                     if let Some(placement) = self.map.partitions.get_mut(partition.0 as usize) {
-                        placement.stale.insert(node);
+                        let first_missed = placement.stale.entry(node).or_insert(epoch);
+                        *first_missed = (*first_missed).min(epoch);
                     }
                 }
                 self.decide(epoch, true);
@@ -471,7 +473,7 @@ impl MetaState {
         let mut changed = false;
         for placement in &mut self.map.partitions {
             let primary = placement.replicas.iter().copied().find(|id| {
-                !placement.stale.contains(id)
+                !placement.stale.contains_key(id)
                     && self
                         .nodes
                         .get(id)
