@@ -3,12 +3,14 @@
 
 use crate::error::{ClusterError, Result};
 use crate::rpc::{
-    CallError, Clients, PutRequest, SqlOutput, ACTION_SQL, ACTION_STATUS, PROTOCOL_VERSION,
+    CallError, Clients, GetRequest, PutRequest, ScanRequest, SqlOutput, ACTION_SQL, ACTION_STATUS,
+    PROTOCOL_VERSION,
 };
 use crate::server::NodeStatus;
 use arrow::array::RecordBatch;
+use futures::TryStreamExt;
 use std::time::Duration;
-use tessera_common::Epoch;
+use tessera_common::{Epoch, PartitionId};
 use tessera_sql::StatementOutput;
 
 pub struct ClusterClient {
@@ -122,6 +124,40 @@ impl ClusterClient {
             Ok(()) => Ok(()),
             Err(refusal) => Err(self.call_error(CallError::Refused(refusal))),
         }
+    }
+
+    /// Reads one partition of `table` at `epoch` from this node's own store, whether or not
+    /// it is the partition's primary: how a test or an operator checks that replicas agree.
+    /// Node-to-node reads name their cluster, so the caller gives its id.
+    pub async fn read_replica(
+        &self,
+        cluster_id: &str,
+        table: &str,
+        partition: PartitionId,
+        epoch: Epoch,
+    ) -> Result<Vec<RecordBatch>> {
+        let status = self.status().await?;
+        let def = status
+            .meta
+            .tables
+            .get(table)
+            .ok_or_else(|| ClusterError::Rejected(format!("no table {table:?}")))?;
+        let request = GetRequest::Scan(ScanRequest {
+            table: table.to_string(),
+            generation: def.generation,
+            epoch,
+            partitions: vec![partition],
+            columns: (0..def.schema.fields().len()).collect(),
+        });
+        let clients = Clients::new(cluster_id, PROTOCOL_VERSION);
+        let stream = clients
+            .get(&self.addr, request)
+            .await
+            .map_err(|e| self.call_error(e))?;
+        stream
+            .try_collect()
+            .await
+            .map_err(|e: CallError| self.call_error(e))
     }
 
     pub async fn status(&self) -> Result<NodeStatus> {

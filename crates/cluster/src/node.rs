@@ -468,15 +468,16 @@ impl Node {
                 let now = Instant::now();
                 let mut seen = self.last_seen.lock().expect("last_seen lock");
                 let mut suspects = self.suspects.lock().expect("suspects lock");
-                for id in self
+                // Nodes already declared failed stay so until they send a heartbeat.
+                for node in self
                     .view()
                     .state
                     .nodes
-                    .keys()
-                    .filter(|id| **id != self.id())
+                    .values()
+                    .filter(|n| n.id != self.id() && n.alive)
                 {
-                    seen.insert(*id, now);
-                    suspects.insert(*id);
+                    seen.insert(node.id, now);
+                    suspects.insert(node.id);
                 }
             }
             was_leader = leading;
@@ -557,10 +558,11 @@ impl Node {
         let suspects: BTreeSet<NodeId> =
             std::mem::take(&mut *self.suspects.lock().expect("suspects lock"));
         let seen = {
-            // A node not heard from yet (one that just joined) starts its timeout now.
+            // A live node not heard from yet (one that just joined) starts its timeout now;
+            // a node declared failed stays so until it sends a heartbeat.
             let mut seen = self.last_seen.lock().expect("last_seen lock");
-            for id in state.nodes.keys() {
-                seen.entry(*id).or_insert(now);
+            for node in state.nodes.values().filter(|n| n.alive) {
+                seen.entry(node.id).or_insert(now);
             }
             seen.clone()
         };
@@ -571,7 +573,7 @@ impl Node {
         {
             let silent = seen
                 .get(&node.id)
-                .is_some_and(|t| now.duration_since(*t) > timeout);
+                .is_none_or(|t| now.duration_since(*t) > timeout);
             let alive = if node.alive && suspects.contains(&node.id) {
                 self.probe(node.id, &node.addr).await
             } else {
@@ -599,7 +601,9 @@ impl Node {
             let node = self.clone();
             tokio::spawn(async move {
                 if let Err(error) = crate::rebalance::rebalance(&node).await {
-                    tracing::warn!(%error, "rebalance failed; retrying");
+                    tracing::warn!(%error, "rebalance failed; retrying in a second");
+                    // Each attempt leases every table; back off so publishes get through.
+                    tokio::time::sleep(Duration::from_secs(1)).await;
                 }
                 node.rebalancing.store(false, Ordering::SeqCst);
             });
@@ -661,6 +665,10 @@ impl Node {
         let alive = reply.is_ok_and(|identity| identity.node_id == id);
         if alive {
             self.heard_from(&Heartbeat { node_id: id });
+        } else {
+            // Its last heartbeat no longer counts: only a new one may revive it, or the next
+            // round would find it "recently seen" and flap it back to alive.
+            self.last_seen.lock().expect("last_seen lock").remove(&id);
         }
         alive
     }

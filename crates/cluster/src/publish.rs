@@ -125,9 +125,12 @@ pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epo
 /// One attempt at publishing routed rows: an epoch, prepares on every live replica, commit.
 async fn publish_routed(node: &Arc<Node>, routed: &BTreeMap<String, Routed>) -> Result<Epoch> {
     let started = std::time::Instant::now();
-    let state = node.catch_up_with_leader().await.state.clone();
     let tables: Vec<String> = routed.keys().cloned().collect();
     let epoch = allocate_epoch(node, tables).await?;
+    // The placement is read only now, under the lease: a partition move or a refresh of a
+    // stale replica (which leases every table) has finished before it and cannot start
+    // until this epoch is decided, so the replicas and their staleness hold until the commit.
+    let state = node.catch_up_with_leader().await.state.clone();
     let allocated_at = started.elapsed();
     match prepare_everywhere(node, &state, epoch, routed).await {
         Ok(missed) => {
@@ -285,12 +288,13 @@ async fn prepare_everywhere(
             )));
         }
     }
-    // A replica that was not sent the rows (dead or stale) also missed the epoch.
+    // Every replica that did not log the rows missed the epoch: dead or stale ones (not
+    // sent any) and unreachable ones.
     let mut missed: BTreeSet<(PartitionId, NodeId)> = failed;
     for partition in touched {
         let placement = &state.map.partitions[partition.0 as usize];
         for id in &placement.replicas {
-            if !live(id) {
+            if !live(id) || placement.stale.contains_key(id) {
                 missed.insert((partition, *id));
             }
         }

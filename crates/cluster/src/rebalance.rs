@@ -33,26 +33,32 @@ fn members(state: &MetaState) -> Vec<NodeId> {
         .collect()
 }
 
-/// The map the members should have, if it differs from the current one or a live replica
-/// is stale (it missed epochs while it was away), and every member is alive (moving data
-/// off or onto a dead node has to wait for it).
+/// The map the members should have: the uniform map over them when every member is alive
+/// and it differs from the current one (moving data off or onto a dead node has to wait for
+/// it); otherwise the current map, if a live replica in it is stale (it missed epochs while
+/// it was away) and can be refreshed now, without waiting for the other nodes.
 pub fn wanted_map(state: &MetaState) -> Option<PartitionMap> {
     let members = members(state);
-    if members.is_empty() || members.iter().any(|id| !state.nodes[id].alive) {
+    if members.is_empty() {
         return None;
     }
-    let wanted = PartitionMap::uniform(state.partition_count, state.replication, &members);
-    let same = wanted
-        .partitions
-        .iter()
-        .zip(&state.map.partitions)
-        .all(|(w, c)| w.replicas == c.replicas);
     let stale_but_back = state.map.partitions.iter().any(|p| {
         p.stale
-            .iter()
-            .any(|(id, _)| state.nodes.get(id).is_some_and(|n| n.alive))
+            .keys()
+            .any(|id| state.nodes.get(id).is_some_and(|n| n.alive))
     });
-    (!same || stale_but_back).then_some(wanted)
+    if members.iter().all(|id| state.nodes[id].alive) {
+        let wanted = PartitionMap::uniform(state.partition_count, state.replication, &members);
+        let same = wanted
+            .partitions
+            .iter()
+            .zip(&state.map.partitions)
+            .all(|(w, c)| w.replicas == c.replicas);
+        if !same || stale_but_back {
+            return Some(wanted);
+        }
+    }
+    stale_but_back.then(|| state.map.clone())
 }
 
 /// Moves partitions to match [`wanted_map`]; run by the metadata leader.
@@ -79,6 +85,9 @@ pub async fn rebalance(node: &Arc<Node>) -> Result<()> {
     {
         let partition = PartitionId(i as u32);
         for replica in &target.replicas {
+            if !state.nodes.get(replica).is_some_and(|n| n.alive) {
+                continue; // a dead stale replica stays stale until it returns
+            }
             let since = match current.stale.get(replica) {
                 Some(first_missed) if current.replicas.contains(replica) => *first_missed,
                 None if current.replicas.contains(replica) => continue,

@@ -127,6 +127,8 @@ pub struct LocalCluster {
     addrs: Vec<String>,
     /// The founding members, listed as peers in every configuration.
     founders: usize,
+    /// The Raft voters, if not the default (the three lowest ids).
+    voters: Option<Vec<u64>>,
     processes: Vec<Option<TesseraProcess>>,
 }
 
@@ -150,12 +152,21 @@ impl LocalCluster {
                 .map(|p| format!("127.0.0.1:{p}"))
                 .collect(),
             founders: nodes,
+            voters: None,
             processes: (0..nodes).map(|_| None).collect(),
         };
         for id in 1..=nodes as u64 {
             cluster.write_config(id, &cluster.cluster_id.clone());
         }
         cluster
+    }
+
+    /// Makes `voters` the Raft voters (rewrites every configuration; call before starting).
+    pub fn set_voters(&mut self, voters: &[u64]) {
+        self.voters = Some(voters.to_vec());
+        for id in self.node_ids() {
+            self.write_config(id, &self.cluster_id.clone());
+        }
     }
 
     pub fn cluster_id(&self) -> &str {
@@ -174,8 +185,13 @@ impl LocalCluster {
                 self.addr(peer)
             ));
         }
+        let voters = self
+            .voters
+            .as_ref()
+            .map(|v| format!("voters = {v:?}\n"))
+            .unwrap_or_default();
         format!(
-            "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\ndata_dir = \"data\"\npartitions = {}\nreplication = {}\n{peers}",
+            "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\ndata_dir = \"data\"\npartitions = {}\nreplication = {}\n{voters}{peers}",
             self.addr(id),
             self.partitions,
             self.replication
