@@ -258,6 +258,7 @@ async fn run(cli: Cli) -> Result<()> {
                 base_port: *base_port,
                 partitions: cli.store.partitions,
                 replication: *replication,
+                delta_recovery: true,
             };
             commands::up::run(&cli.data_dir, options).await
         }

@@ -601,3 +601,94 @@ async fn up_starts_a_local_cluster_and_stops_it_cleanly() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_node_is_rereplicated_and_takes_its_share_back_when_it_returns() {
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 4, PARTITIONS, 3);
+    cluster.set_option("rereplicate_after_ms", "3000");
+    cluster.start_all();
+    wait_formed(&cluster, 1, 4).await;
+    let client = ClusterClient::new(cluster.addr(1));
+    client
+        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .await
+        .unwrap();
+    client
+        .publish("kv", vec![kv_batch(0, 4_000)], false)
+        .await
+        .unwrap();
+    let share = replicas_held_by(&client, 4).await;
+    assert_eq!(share, 12, "node 4 holds a quarter of the 48 replicas");
+
+    // Node 4 (not a voter) dies and misses a publish; after rereplicate_after_ms its
+    // replicas are rebuilt on the other three nodes.
+    cluster.kill9(4);
+    wait_formed(&cluster, 1, 3).await;
+    client
+        .publish("kv", vec![kv_batch(4_000, 5_000)], false)
+        .await
+        .unwrap();
+    let expected = (5_000, (0..5_000).map(|k| k * 10).sum::<i64>());
+    wait_until(
+        "three up-to-date copies without node 4",
+        Duration::from_secs(30),
+        || async {
+            let status = client.status().await.ok()?;
+            status
+                .meta
+                .map
+                .partitions
+                .iter()
+                .all(|p| p.replicas.len() == 3 && !p.replicas.contains(&4) && p.stale.is_empty())
+                .then_some(())
+        },
+    )
+    .await;
+    for id in 1..=3 {
+        let node = ClusterClient::new(cluster.addr(id));
+        assert_eq!(count_and_sum(&node).await, expected, "node {id}");
+        let held = node
+            .status()
+            .await
+            .unwrap()
+            .tables
+            .iter()
+            .find(|t| t.name == "kv")
+            .map_or(0, |t| t.rows);
+        assert_eq!(
+            held, 5_000,
+            "with three copies on three nodes, node {id} holds every row"
+        );
+    }
+
+    // Node 4 returns and is given its share back, with every row.
+    cluster.start(4);
+    wait_until(
+        "node 4 to hold its share again",
+        Duration::from_secs(60),
+        || async {
+            let status = client.status().await.ok()?;
+            let back = status.meta.nodes.get(&4).is_some_and(|n| n.alive)
+                && status
+                    .meta
+                    .map
+                    .partitions
+                    .iter()
+                    .all(|p| p.stale.is_empty())
+                && status
+                    .meta
+                    .map
+                    .partitions
+                    .iter()
+                    .filter(|p| p.replicas.contains(&4))
+                    .count()
+                    == 12;
+            back.then_some(())
+        },
+    )
+    .await;
+    let returned = ClusterClient::new(cluster.addr(4));
+    assert_eq!(count_and_sum(&returned).await, expected);
+}

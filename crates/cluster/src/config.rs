@@ -52,6 +52,15 @@ pub struct NodeConfig {
     /// Store tuning; defaults as for a single node.
     #[serde(default)]
     pub memtable_flush_bytes: Option<usize>,
+    /// A returning replica fetches only the versions it missed (true), or copies its stale
+    /// partitions whole (false: for comparison; the metadata leader's setting applies).
+    #[serde(default = "default_true")]
+    pub delta_recovery: bool,
+    /// A node failed for this long loses its replicas: the metadata leader builds new ones
+    /// on the other nodes so every partition has `replication` copies again. When the node
+    /// returns it is given its share back.
+    #[serde(default = "default_rereplicate_after_ms")]
+    pub rereplicate_after_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -72,6 +81,12 @@ fn default_heartbeat_ms() -> u64 {
 }
 fn default_failure_timeout_ms() -> u64 {
     1500
+}
+fn default_true() -> bool {
+    true
+}
+fn default_rereplicate_after_ms() -> u64 {
+    5 * 60 * 1000
 }
 
 impl NodeConfig {
@@ -113,6 +128,10 @@ impl NodeConfig {
 
     pub fn failure_timeout(&self) -> Duration {
         Duration::from_millis(self.failure_timeout_ms)
+    }
+
+    pub fn rereplicate_after(&self) -> Duration {
+        Duration::from_millis(self.rereplicate_after_ms)
     }
 
     fn validate(&self) -> std::result::Result<(), String> {
@@ -172,6 +191,12 @@ impl NodeConfig {
             return Err(format!(
                 "failure_timeout_ms ({}) must exceed heartbeat_ms ({}), which must be positive",
                 self.failure_timeout_ms, self.heartbeat_ms
+            ));
+        }
+        if self.rereplicate_after_ms <= self.failure_timeout_ms {
+            return Err(format!(
+                "rereplicate_after_ms ({}) must exceed failure_timeout_ms ({})",
+                self.rereplicate_after_ms, self.failure_timeout_ms
             ));
         }
         Ok(())

@@ -45,6 +45,8 @@ pub struct Node {
     meta: watch::Receiver<Arc<MetaView>>,
     /// The leader's failure detector: when each node was last heard from.
     last_seen: Mutex<HashMap<NodeId, Instant>>,
+    /// On the leader: since when each failed node has been failed (as this leader saw it).
+    failed_since: Mutex<HashMap<NodeId, Instant>>,
     /// Nodes another node reported a dropped connection to; probed at once.
     suspects: Mutex<BTreeSet<NodeId>>,
     checkpointing: AtomicBool,
@@ -185,6 +187,7 @@ impl Node {
             clients,
             meta,
             last_seen: Mutex::new(HashMap::new()),
+            failed_since: Mutex::new(HashMap::new()),
             suspects: Mutex::new(BTreeSet::new()),
             checkpointing: AtomicBool::new(false),
             rebalancing: AtomicBool::new(false),
@@ -466,6 +469,7 @@ impl Node {
                 // A new leader has heard from nobody yet. It checks every node at once (the
                 // old leader, if it died, answers nobody) and gives the rest a full timeout.
                 let now = Instant::now();
+                self.failed_since.lock().expect("failed_since lock").clear();
                 let mut seen = self.last_seen.lock().expect("last_seen lock");
                 let mut suspects = self.suspects.lock().expect("suspects lock");
                 // Nodes already declared failed stay so until they send a heartbeat.
@@ -595,12 +599,13 @@ impl Node {
         state: &crate::meta::MetaState,
         metrics: &openraft::RaftMetrics<NodeId, BasicNode>,
     ) -> Result<()> {
-        if crate::rebalance::wanted_map(state).is_some()
+        let lost = self.lost_nodes(state);
+        if crate::rebalance::wanted_map(state, &lost).is_some()
             && !self.rebalancing.swap(true, Ordering::SeqCst)
         {
             let node = self.clone();
             tokio::spawn(async move {
-                if let Err(error) = crate::rebalance::rebalance(&node).await {
+                if let Err(error) = crate::rebalance::rebalance(&node, &lost).await {
                     tracing::warn!(%error, "rebalance failed; retrying in a second");
                     // Each attempt leases every table; back off so publishes get through.
                     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -637,6 +642,27 @@ impl Node {
             tracing::info!(node = node.id, "node decommissioned");
         }
         Ok(())
+    }
+
+    /// Nodes failed for longer than `rereplicate_after`: their replicas are rebuilt on the
+    /// other nodes. The clock starts when this leader first sees a node failed, so a new
+    /// leader waits the full time again (it errs towards not moving data).
+    fn lost_nodes(&self, state: &crate::meta::MetaState) -> BTreeSet<NodeId> {
+        let now = Instant::now();
+        let mut failed_since = self.failed_since.lock().expect("failed_since lock");
+        failed_since.retain(|id, _| state.nodes.get(id).is_some_and(|n| !n.alive));
+        for node in state
+            .nodes
+            .values()
+            .filter(|n| !n.alive && !n.decommissioned)
+        {
+            failed_since.entry(node.id).or_insert(now);
+        }
+        failed_since
+            .iter()
+            .filter(|(_, since)| now.duration_since(**since) >= self.config.rereplicate_after())
+            .map(|(id, _)| *id)
+            .collect()
     }
 
     /// Asks a node to leave: refuses metadata voters, whose departure would change the

@@ -18,17 +18,18 @@ use crate::rpc::{
 };
 use crate::NodeId;
 use futures::TryStreamExt;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::{Epoch, PartitionId};
 
-/// The members that should hold partitions: every live node that is not leaving.
-fn members(state: &MetaState) -> Vec<NodeId> {
+/// The members that should hold partitions: every node that is not leaving, retired, or
+/// `lost` (failed for so long that its replicas are rebuilt elsewhere).
+fn members(state: &MetaState, lost: &BTreeSet<NodeId>) -> Vec<NodeId> {
     state
         .nodes
         .values()
-        .filter(|n| !n.decommissioned && !n.leaving)
+        .filter(|n| !n.decommissioned && !n.leaving && !lost.contains(&n.id))
         .map(|n| n.id)
         .collect()
 }
@@ -37,8 +38,8 @@ fn members(state: &MetaState) -> Vec<NodeId> {
 /// and it differs from the current one (moving data off or onto a dead node has to wait for
 /// it); otherwise the current map, if a live replica in it is stale (it missed epochs while
 /// it was away) and can be refreshed now, without waiting for the other nodes.
-pub fn wanted_map(state: &MetaState) -> Option<PartitionMap> {
-    let members = members(state);
+pub fn wanted_map(state: &MetaState, lost: &BTreeSet<NodeId>) -> Option<PartitionMap> {
+    let members = members(state, lost);
     if members.is_empty() {
         return None;
     }
@@ -62,9 +63,9 @@ pub fn wanted_map(state: &MetaState) -> Option<PartitionMap> {
 }
 
 /// Moves partitions to match [`wanted_map`]; run by the metadata leader.
-pub async fn rebalance(node: &Arc<Node>) -> Result<()> {
+pub async fn rebalance(node: &Arc<Node>, lost: &BTreeSet<NodeId>) -> Result<()> {
     let state = node.view().state.clone();
-    let Some(mut wanted) = wanted_map(&state) else {
+    let Some(mut wanted) = wanted_map(&state, lost) else {
         return Ok(());
     };
     let tables: Vec<String> = state.tables.keys().cloned().collect();
@@ -89,7 +90,11 @@ pub async fn rebalance(node: &Arc<Node>) -> Result<()> {
                 continue; // a dead stale replica stays stale until it returns
             }
             let since = match current.stale.get(replica) {
-                Some(first_missed) if current.replicas.contains(replica) => *first_missed,
+                Some(first_missed)
+                    if current.replicas.contains(replica) && node.config.delta_recovery =>
+                {
+                    *first_missed
+                }
                 None if current.replicas.contains(replica) => continue,
                 _ => Epoch::ZERO,
             };

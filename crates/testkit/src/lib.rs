@@ -129,6 +129,8 @@ pub struct LocalCluster {
     founders: usize,
     /// The Raft voters, if not the default (the three lowest ids).
     voters: Option<Vec<u64>>,
+    /// More `key = value` lines for every configuration.
+    extra: String,
     processes: Vec<Option<TesseraProcess>>,
 }
 
@@ -153,6 +155,7 @@ impl LocalCluster {
                 .collect(),
             founders: nodes,
             voters: None,
+            extra: String::new(),
             processes: (0..nodes).map(|_| None).collect(),
         };
         for id in 1..=nodes as u64 {
@@ -164,6 +167,14 @@ impl LocalCluster {
     /// Makes `voters` the Raft voters (rewrites every configuration; call before starting).
     pub fn set_voters(&mut self, voters: &[u64]) {
         self.voters = Some(voters.to_vec());
+        for id in self.node_ids() {
+            self.write_config(id, &self.cluster_id.clone());
+        }
+    }
+
+    /// Adds `key = value` to every configuration (call before starting).
+    pub fn set_option(&mut self, key: &str, value: &str) {
+        self.extra.push_str(&format!("{key} = {value}\n"));
         for id in self.node_ids() {
             self.write_config(id, &self.cluster_id.clone());
         }
@@ -191,10 +202,11 @@ impl LocalCluster {
             .map(|v| format!("voters = {v:?}\n"))
             .unwrap_or_default();
         format!(
-            "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\ndata_dir = \"data\"\npartitions = {}\nreplication = {}\n{voters}{peers}",
+            "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\ndata_dir = \"data\"\npartitions = {}\nreplication = {}\n{voters}{}{peers}",
             self.addr(id),
             self.partitions,
-            self.replication
+            self.replication,
+            self.extra
         )
     }
 

@@ -22,6 +22,7 @@ impl Nodes {
             base_port,
             partitions,
             replication: 3,
+            delta_recovery: true,
         };
         let configs: Vec<PathBuf> = local_configs(root, &options)?;
         let exe = std::env::current_exe()?;

@@ -13,6 +13,7 @@ pub struct UpOptions {
     pub base_port: u16,
     pub partitions: u32,
     pub replication: u32,
+    pub delta_recovery: bool,
 }
 
 /// Writes (or reuses) the node configurations of a local cluster under `root`.
@@ -59,6 +60,8 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
             heartbeat_ms: 200,
             failure_timeout_ms: 1500,
             memtable_flush_bytes: None,
+            delta_recovery: options.delta_recovery,
+            rereplicate_after_ms: 5 * 60 * 1000,
         };
         let path = dir.join("node.toml");
         std::fs::write(&path, toml::to_string(&config)?)?;
