@@ -167,6 +167,15 @@ enum BenchKind {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// Publish rows/s with 1, 2 and 3 replicas, failover time, and failback time with delta
+    /// recovery against a full copy, on a 3-node local cluster.
+    Replication {
+        /// Scale factor of the lineitem rows published.
+        #[arg(long, default_value_t = 0.1)]
+        sf: f64,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
 }
 
 #[derive(Subcommand)]
@@ -278,6 +287,12 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             bench: BenchKind::Cluster { sf, runs },
         } => commands::bench_cluster::run(&cli.data_dir, *sf, cli.store.partitions, *runs).await,
+        Command::Bench {
+            bench: BenchKind::Replication { sf, runs },
+        } => {
+            commands::bench_replication::run(&cli.data_dir, *sf, cli.store.partitions, *runs)
+                .await
+        }
         Command::Debug {
             tool: DebugTool::PublishLoop { rows, bulk_every },
         } => commands::publish_loop::run(open_store(&cli)?, *rows, *bulk_every).await,

@@ -9,39 +9,56 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tessera_cluster::{ClusterClient, NodeConfig};
 
-struct Nodes {
+/// A local cluster of node processes for a benchmark, killed when dropped.
+pub(super) struct Nodes {
     children: Vec<(u64, Child)>,
-    addrs: Vec<String>,
+    configs: Vec<PathBuf>,
+    pub(super) addrs: Vec<String>,
 }
 
 impl Nodes {
     fn start(root: &Path, nodes: u64, partitions: u32) -> Result<Nodes> {
-        let base_port = free_base_port(nodes)?;
-        let options = UpOptions {
-            nodes,
-            base_port,
-            partitions,
-            replication: 3,
-            delta_recovery: true,
-        };
-        let configs: Vec<PathBuf> = local_configs(root, &options)?;
-        let exe = std::env::current_exe()?;
-        let mut children = Vec::new();
-        let mut addrs = Vec::new();
-        for (i, config) in configs.iter().enumerate() {
-            addrs.push(NodeConfig::load(config)?.listen.to_string());
-            let child = Command::new(&exe)
-                .args(["node", "--config"])
-                .arg(config)
-                .stdout(Stdio::null())
-                .spawn()
-                .with_context(|| format!("starting node {}", i + 1))?;
-            children.push((i as u64 + 1, child));
-        }
-        Ok(Nodes { children, addrs })
+        Self::start_with(
+            root,
+            UpOptions {
+                nodes,
+                base_port: free_base_port(nodes)?,
+                partitions,
+                replication: 3,
+                delta_recovery: true,
+            },
+        )
     }
 
-    fn kill9(&mut self, id: u64) {
+    /// Starts a cluster as `options` say (its `base_port` is replaced by a free one).
+    pub(super) fn start_with(root: &Path, mut options: UpOptions) -> Result<Nodes> {
+        options.base_port = free_base_port(options.nodes)?;
+        let configs: Vec<PathBuf> = local_configs(root, &options)?;
+        let mut nodes = Nodes {
+            children: Vec::new(),
+            addrs: Vec::new(),
+            configs: configs.clone(),
+        };
+        for (i, config) in configs.iter().enumerate() {
+            nodes.addrs.push(NodeConfig::load(config)?.listen.to_string());
+            nodes.spawn(i as u64 + 1)?;
+        }
+        Ok(nodes)
+    }
+
+    /// Starts node `id` (again).
+    pub(super) fn spawn(&mut self, id: u64) -> Result<()> {
+        let child = Command::new(std::env::current_exe()?)
+            .args(["node", "--config"])
+            .arg(&self.configs[id as usize - 1])
+            .stdout(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting node {id}"))?;
+        self.children.push((id, child));
+        Ok(())
+    }
+
+    pub(super) fn kill9(&mut self, id: u64) {
         if let Some(pos) = self.children.iter().position(|(n, _)| *n == id) {
             let (_, mut child) = self.children.remove(pos);
             let _ = child.kill();
@@ -77,7 +94,7 @@ fn free_base_port(n: u64) -> Result<u16> {
     bail!("found no run of {n} free ports")
 }
 
-async fn wait_formed(addrs: &[String], timeout: Duration) -> Result<()> {
+pub(super) async fn wait_formed(addrs: &[String], timeout: Duration) -> Result<()> {
     let clients: Vec<ClusterClient> = addrs.iter().map(|a| ClusterClient::new(a)).collect();
     let deadline = Instant::now() + timeout;
     while !super::up::formed(&clients).await {
