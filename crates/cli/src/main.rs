@@ -290,8 +290,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             bench: BenchKind::Replication { sf, runs },
         } => {
-            commands::bench_replication::run(&cli.data_dir, *sf, cli.store.partitions, *runs)
-                .await
+            commands::bench_replication::run(&cli.data_dir, *sf, cli.store.partitions, *runs).await
         }
         Command::Debug {
             tool: DebugTool::PublishLoop { rows, bulk_every },

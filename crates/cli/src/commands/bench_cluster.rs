@@ -40,7 +40,9 @@ impl Nodes {
             configs: configs.clone(),
         };
         for (i, config) in configs.iter().enumerate() {
-            nodes.addrs.push(NodeConfig::load(config)?.listen.to_string());
+            nodes
+                .addrs
+                .push(NodeConfig::load(config)?.listen.to_string());
             nodes.spawn(i as u64 + 1)?;
         }
         Ok(nodes)

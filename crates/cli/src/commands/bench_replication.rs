@@ -51,7 +51,11 @@ async fn start(root: &Path, partitions: u32, replication: u32, delta: bool) -> R
 }
 
 /// Median publish throughput of `rows` through node 1.
-async fn publish_throughput(nodes: &Nodes, rows: &[RecordBatch], runs: usize) -> Result<Throughput> {
+async fn publish_throughput(
+    nodes: &Nodes,
+    rows: &[RecordBatch],
+    runs: usize,
+) -> Result<Throughput> {
     let client = ClusterClient::new(&nodes.addrs[0]);
     let count: usize = rows.iter().map(|b| b.num_rows()).sum();
     let mut times = Vec::new();
@@ -99,16 +103,22 @@ async fn failover(nodes: &mut Nodes, victim: u64) -> Result<Failover> {
     let healthy_query = healthy_started.elapsed();
     let killed = Instant::now();
     nodes.kill9(victim);
-    let detected = poll_until("the node declared failed", Duration::from_secs(10), || async {
-        client
-            .status()
-            .await
-            .is_ok_and(|s| s.meta.nodes.get(&victim).is_some_and(|n| !n.alive))
-    })
+    let detected = poll_until(
+        "the node declared failed",
+        Duration::from_secs(10),
+        || async {
+            client
+                .status()
+                .await
+                .is_ok_and(|s| s.meta.nodes.get(&victim).is_some_and(|n| !n.alive))
+        },
+    )
     .await?;
-    let serving = poll_until("partitions serving again", Duration::from_secs(30), || async {
-        count_rows(&client).await.is_ok_and(|n| n == expected)
-    })
+    let serving = poll_until(
+        "partitions serving again",
+        Duration::from_secs(30),
+        || async { count_rows(&client).await.is_ok_and(|n| n == expected) },
+    )
     .await?;
     Ok(Failover {
         detected: detected - killed,
@@ -121,8 +131,18 @@ async fn failover(nodes: &mut Nodes, victim: u64) -> Result<Failover> {
 /// from being declared alive to holding every epoch again.
 async fn failback(nodes: &mut Nodes, victim: u64, delta: &RecordBatch) -> Result<Failback> {
     let client = ClusterClient::new(&nodes.addrs[0]);
-    client.publish("lineitem", vec![delta.clone()], false).await?;
-    let stale = client.status().await?.meta.map.partitions.iter().filter(|p| !p.stale.is_empty()).count();
+    client
+        .publish("lineitem", vec![delta.clone()], false)
+        .await?;
+    let stale = client
+        .status()
+        .await?
+        .meta
+        .map
+        .partitions
+        .iter()
+        .filter(|p| !p.stale.is_empty())
+        .count();
     anyhow::ensure!(stale > 0, "the dead node should have missed the delta");
     nodes.spawn(victim)?;
     let alive = poll_until("the node back alive", Duration::from_secs(60), || async {
