@@ -907,23 +907,20 @@ impl Store {
     ) -> Result<()> {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
-        let (def, components, memtable) = {
+        let (def, components, memtable, memtable_reaches_since) = {
             let state = self.state();
             let table_state = state.table(table)?;
             let part = &table_state.partitions[partition.0 as usize];
-            let memtable: Vec<RecordBatch> =
-                part.memtable.iter().map(|e| e.batch.clone()).collect();
             (
                 table_state.def.clone(),
                 part.manifest.components.clone(),
-                memtable,
+                part.memtable.iter().map(|e| e.batch.clone()).collect::<Vec<_>>(),
+                part.memtable.iter().any(|e| e.epoch >= since),
             )
         };
         let rewrite = since == Epoch::ZERO
-            || components.iter().any(|c| c.max_epoch >= since)
-            || versions::versions_since(memtable.clone(), since)?
-                .iter()
-                .any(|b| b.num_rows() > 0);
+            || memtable_reaches_since
+            || components.iter().any(|c| c.max_epoch >= since);
         let mut rows: Vec<RecordBatch> = Vec::new();
         if rewrite && since > Epoch::ZERO {
             let mut old = Vec::new();
