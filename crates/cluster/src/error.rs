@@ -52,6 +52,12 @@ pub enum ClusterError {
     Fenced(String),
     #[error("epoch {epoch} aborted: {reason}")]
     Aborted { epoch: Epoch, reason: String },
+    #[error("epoch {epoch} aborted: node {node}, a primary logging its rows, was lost: {reason}")]
+    PrimaryLost {
+        node: u64,
+        epoch: Epoch,
+        reason: String,
+    },
     #[error("{0}")]
     Storage(#[from] StorageError),
     #[error("{0}")]

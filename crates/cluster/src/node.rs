@@ -234,6 +234,17 @@ impl Node {
         .await;
     }
 
+    /// Waits (up to `patience`) until the metadata shows node `id` failed, so the next
+    /// placement read has promoted other replicas in its place.
+    pub async fn wait_until_failed(&self, id: NodeId, patience: Duration) {
+        let mut meta = self.meta.clone();
+        let _ = tokio::time::timeout(
+            patience,
+            meta.wait_for(|view| view.state.nodes.get(&id).is_none_or(|n| !n.alive)),
+        )
+        .await;
+    }
+
     pub fn identity(&self) -> Identity {
         Identity {
             node_id: self.id(),

@@ -7,7 +7,7 @@
 use crate::error::{ClusterError, Result};
 use crate::meta::{MetaCommand, MetaResponse, MetaState};
 use crate::node::Node;
-use crate::rpc::{CallError, PrepareRequest, PARTITION_COLUMN};
+use crate::rpc::{CallError, Forward, PrepareRequest, PARTITION_COLUMN};
 use crate::NodeId;
 use arrow::array::{ArrayRef, RecordBatch, UInt32Array};
 use arrow::datatypes::{DataType, Field, Schema};
@@ -87,18 +87,22 @@ fn with_partition_column(partition: PartitionId, batch: &RecordBatch) -> Result<
     )?)
 }
 
-/// One prepare stream: a node, a table, upserts or deletes, and the partitions it carries.
+/// One prepare stream: the rows of some partitions of a table (upserts or deletes) for
+/// their primary, which ships them on to the partitions' other replicas.
 struct Shipment {
-    node: NodeId,
+    primary: NodeId,
     request: PrepareRequest,
     partitions: Vec<PartitionId>,
     batches: Vec<RecordBatch>,
+    /// Replica → the partitions of this shipment it logs.
+    replicas: BTreeMap<NodeId, Vec<PartitionId>>,
 }
 
-/// How many times a publish is retried after this node was declared failed while it
-/// coordinated (a false suspicion: a node starved of CPU misses heartbeats). Each retry takes
-/// a new epoch; the aborted one is never visible.
-const FENCED_RETRIES: usize = 3;
+/// How many times a publish is retried with a new epoch (the aborted one is never
+/// visible): after this node was declared failed while it coordinated (a false suspicion: a
+/// node starved of CPU misses heartbeats), or after a partition primary died while logging
+/// the rows (the retry logs them on the replica promoted in its place).
+const RETRIES: usize = 3;
 
 /// Publishes `changes` as one epoch across the cluster; returns once it is committed.
 pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epoch> {
@@ -112,9 +116,18 @@ pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epo
     loop {
         attempt += 1;
         match publish_routed(node, &routed).await {
-            Err(ClusterError::Fenced(reason)) if attempt <= FENCED_RETRIES => {
+            Err(ClusterError::Fenced(reason)) if attempt <= RETRIES => {
                 tracing::warn!(%reason, attempt, "publish fenced; retrying once this node is alive again");
                 node.wait_until_alive(std::time::Duration::from_secs(10))
+                    .await;
+            }
+            Err(ClusterError::PrimaryLost {
+                node: lost,
+                epoch,
+                reason,
+            }) if attempt <= RETRIES => {
+                tracing::warn!(node = lost, %epoch, %reason, attempt, "a primary was lost mid-publish; retrying once the metadata has a new one");
+                node.wait_until_failed(lost, node.config.failure_timeout() * 2)
                     .await;
             }
             done => return done,
@@ -157,7 +170,10 @@ async fn publish_routed(node: &Arc<Node>, routed: &BTreeMap<String, Routed>) -> 
             {
                 tracing::warn!(%epoch, %abort_error, "could not abort epoch; the leader aborts it when this node is declared failed");
             }
-            Err(ClusterError::Aborted { epoch, reason })
+            Err(match error {
+                lost @ ClusterError::PrimaryLost { .. } => lost,
+                _ => ClusterError::Aborted { epoch, reason },
+            })
         }
     }
 }
@@ -188,8 +204,10 @@ pub async fn allocate_epoch(node: &Arc<Node>, tables: Vec<String>) -> Result<Epo
     }
 }
 
-/// Sends every partition's rows to its live replicas. Returns the (partition, replica)
-/// pairs that did not log them (unreachable replicas); fails if a partition got no copy.
+/// Has every live, up-to-date replica of each touched partition log its rows: the rows go
+/// to the partition's primary, which ships them on to the other replicas (log shipping).
+/// Returns the (partition, replica) pairs that did not log them (dead, stale or unreachable
+/// replicas); fails with [`ClusterError::PrimaryLost`] if a primary died before answering.
 async fn prepare_everywhere(
     node: &Arc<Node>,
     state: &MetaState,
@@ -209,7 +227,7 @@ async fn prepare_everywhere(
             for (&partition, batches) in by_partition {
                 touched.insert(partition);
                 let placement = &state.map.partitions[partition.0 as usize];
-                let targets: Vec<NodeId> = placement
+                let mut targets: Vec<NodeId> = placement
                     .replicas
                     .iter()
                     .copied()
@@ -221,71 +239,89 @@ async fn prepare_everywhere(
                         placement.replicas
                     )));
                 }
+                if let Some(i) = targets.iter().position(|id| Some(*id) == placement.primary) {
+                    targets[..=i].rotate_right(1);
+                }
+                let primary = targets[0];
                 let rows: Vec<RecordBatch> = batches
                     .iter()
                     .map(|b| with_partition_column(partition, b))
                     .collect::<Result<_>>()?;
-                for target in targets {
-                    let shipment = shipments
-                        .entry((target, table.clone(), deletes))
-                        .or_insert_with(|| Shipment {
-                            node: target,
-                            request: PrepareRequest {
-                                epoch,
-                                table: table.clone(),
-                                deletes,
-                            },
-                            partitions: Vec::new(),
-                            batches: Vec::new(),
-                        });
-                    shipment.partitions.push(partition);
-                    shipment.batches.extend(rows.iter().cloned());
+                let shipment = shipments
+                    .entry((primary, table.clone(), deletes))
+                    .or_insert_with(|| Shipment {
+                        primary,
+                        request: PrepareRequest {
+                            epoch,
+                            table: table.clone(),
+                            deletes,
+                            forward: Vec::new(),
+                        },
+                        partitions: Vec::new(),
+                        batches: Vec::new(),
+                        replicas: BTreeMap::new(),
+                    });
+                shipment.partitions.push(partition);
+                shipment.batches.extend(rows);
+                for replica in &targets[1..] {
+                    shipment
+                        .replicas
+                        .entry(*replica)
+                        .or_default()
+                        .push(partition);
                 }
             }
         }
     }
-    let sends = shipments.into_values().map(|shipment| async move {
-        let result = match node.addr_of(shipment.node) {
+    let sends = shipments.into_values().map(|mut shipment| async move {
+        shipment.request.forward = shipment
+            .replicas
+            .iter()
+            .map(|(node, partitions)| Forward {
+                node: *node,
+                partitions: partitions.clone(),
+            })
+            .collect();
+        let result = match node.addr_of(shipment.primary) {
             Some(addr) => {
                 node.clients
-                    .prepare(&addr, shipment.request, shipment.batches)
+                    .prepare(
+                        &addr,
+                        shipment.request,
+                        std::mem::take(&mut shipment.batches),
+                    )
                     .await
             }
             None => Err(CallError::Transport(format!(
                 "node {} has no address",
-                shipment.node
+                shipment.primary
             ))),
         };
-        (shipment.node, shipment.partitions, result)
+        (shipment.primary, shipment.replicas, result)
     });
     let results = futures::future::join_all(sends).await;
     let mut failed: BTreeSet<(PartitionId, NodeId)> = BTreeSet::new();
-    for (target, partitions, result) in results {
+    for (primary, replicas, result) in results {
         match result {
-            Ok(()) => {}
+            Ok(reply) => {
+                for replica in reply.unreachable {
+                    let partitions = replicas.get(&replica).into_iter().flatten();
+                    failed.extend(partitions.map(|p| (*p, replica)));
+                }
+            }
             Err(error) if error.is_transport() => {
-                tracing::warn!(node = target, %epoch, %error, "replica unreachable during publish");
-                node.suspect(target);
-                failed.extend(partitions.into_iter().map(|p| (p, target)));
+                node.suspect(primary);
+                return Err(ClusterError::PrimaryLost {
+                    node: primary,
+                    epoch,
+                    reason: error.to_string(),
+                });
             }
             Err(error) => {
                 return Err(ClusterError::Rejected(format!(
-                    "node {target} refused the rows: {error}"
+                    "node {primary} refused the rows: {error}"
                 )))
             }
-        }
-    }
-    for partition in &touched {
-        let placement = &state.map.partitions[partition.0 as usize];
-        let logged = placement
-            .replicas
-            .iter()
-            .filter(|id| live(id) && !placement.stale.contains_key(id))
-            .any(|id| !failed.contains(&(*partition, *id)));
-        if !logged {
-            return Err(ClusterError::Rejected(format!(
-                "no replica of partition {partition} logged the rows"
-            )));
         }
     }
     // Every replica that did not log the rows missed the epoch: dead or stale ones (not

@@ -59,13 +59,33 @@ pub struct Identity {
     pub protocol: u32,
 }
 
-/// The rows of one table a coordinator sends one replica for an epoch.
+/// The rows of one table a coordinator sends a partition primary for an epoch (or a
+/// primary ships on to a replica).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PrepareRequest {
     pub epoch: Epoch,
     pub table: String,
     /// Upserts carry the table's columns; deletes its key columns.
     pub deletes: bool,
+    /// Replicas the receiver ships the rows on to (log shipping, DESIGN §6): it answers
+    /// only once it and every one of them has logged them, or names those that could not
+    /// be reached.
+    #[serde(default)]
+    pub forward: Vec<Forward>,
+}
+
+/// A replica that must log the rows of some partitions of a prepare stream.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Forward {
+    pub node: NodeId,
+    pub partitions: Vec<PartitionId>,
+}
+
+/// A primary's answer to a prepare: the replicas it could not reach (they missed the
+/// epoch). Every other replica it was asked to ship to logged the rows durably.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct PrepareReply {
+    pub unreachable: Vec<NodeId>,
 }
 
 /// What a `do_put` stream carries.
@@ -272,10 +292,18 @@ impl Clients {
         addr: &str,
         request: PrepareRequest,
         batches: Vec<RecordBatch>,
-    ) -> std::result::Result<(), CallError> {
-        self.put(addr, PutRequest::Prepare(request), batches)
-            .await
-            .map(|_| ())
+    ) -> std::result::Result<PrepareReply, CallError> {
+        let metadata = self
+            .put(addr, PutRequest::Prepare(request), batches)
+            .await?;
+        if metadata.is_empty() {
+            return Ok(PrepareReply::default());
+        }
+        serde_json::from_slice(&metadata).map_err(|e| {
+            CallError::Local(ClusterError::Rejected(format!(
+                "undecodable prepare reply: {e}"
+            )))
+        })
     }
 
     /// Sends a `do_put` stream; returns the reply's metadata.

@@ -224,17 +224,23 @@ impl NodeService {
         }
     }
 
-    /// Logs the rows of one publish stream durably, in chunks.
+    /// Logs the rows of one prepare stream durably, in chunks; as a partition primary, also
+    /// ships them on to the replicas named in `request.forward` and waits until they have
+    /// logged them too (log shipping).
     async fn prepare(
         &self,
         request: PrepareRequest,
         stream: FlightRecordBatchStream,
-    ) -> Result<(), Status> {
+    ) -> Result<PrepareReply, Status> {
         let mut stream = stream;
+        let mut received: Vec<RecordBatch> = Vec::new();
         let mut chunk: Vec<PartitionChanges> = Vec::new();
         let mut chunk_bytes = 0;
         while let Some(batch) = stream.try_next().await.map_err(failed)? {
             let (partition, rows) = split_partition_column(&batch).map_err(failed)?;
+            if !request.forward.is_empty() {
+                received.push(batch);
+            }
             chunk_bytes += rows.get_array_memory_size();
             let (upserts, deletes) = if request.deletes {
                 (vec![], vec![rows])
@@ -253,10 +259,64 @@ impl NodeService {
                 chunk_bytes = 0;
             }
         }
-        if !chunk.is_empty() {
-            self.prepare_chunk(&request, chunk).await?;
+        let local = async {
+            if !chunk.is_empty() {
+                self.prepare_chunk(&request, chunk).await?;
+            }
+            Ok::<(), Status>(())
+        };
+        let (local, unreachable) = tokio::join!(local, self.ship_to_replicas(&request, &received));
+        local?;
+        Ok(PrepareReply {
+            unreachable: unreachable?,
+        })
+    }
+
+    /// Ships a primary's prepared rows on to its replicas; returns those that could not be
+    /// reached. A replica that answers with a refusal fails the whole prepare.
+    async fn ship_to_replicas(
+        &self,
+        request: &PrepareRequest,
+        received: &[RecordBatch],
+    ) -> Result<Vec<NodeId>, Status> {
+        let sends = request.forward.iter().map(|forward| async move {
+            let batches: Vec<RecordBatch> = received
+                .iter()
+                .filter(|b| {
+                    split_partition_column(b).is_ok_and(|(p, _)| forward.partitions.contains(&p))
+                })
+                .cloned()
+                .collect();
+            let onward = PrepareRequest {
+                forward: Vec::new(),
+                ..request.clone()
+            };
+            let result = match self.node.addr_of(forward.node) {
+                Some(addr) => self.node.clients.prepare(&addr, onward, batches).await,
+                None => Err(CallError::Transport(format!(
+                    "node {} has no address",
+                    forward.node
+                ))),
+            };
+            (forward.node, result)
+        });
+        let mut unreachable = Vec::new();
+        for (replica, result) in futures::future::join_all(sends).await {
+            match result {
+                Ok(_) => {}
+                Err(error) if error.is_transport() => {
+                    tracing::warn!(node = replica, epoch = %request.epoch, %error, "replica unreachable during log shipping");
+                    self.node.suspect(replica);
+                    unreachable.push(replica);
+                }
+                Err(error) => {
+                    return Err(failed(format!(
+                        "replica {replica} refused the rows: {error}"
+                    )))
+                }
+            }
         }
-        Ok(())
+        Ok(unreachable)
     }
 
     async fn prepare_chunk(
@@ -464,8 +524,8 @@ impl FlightService for NodeService {
         let batches = FlightRecordBatchStream::new_from_flight_data(data);
         let app_metadata = match request {
             PutRequest::Prepare(prepare) => {
-                self.prepare(prepare, batches).await?;
-                Bytes::new()
+                let reply = self.prepare(prepare, batches).await?;
+                Bytes::from(serde_json::to_vec(&reply).map_err(failed)?)
             }
             PutRequest::Publish { table, deletes } => {
                 let rows: Vec<RecordBatch> = batches.try_collect().await.map_err(failed)?;

@@ -914,7 +914,10 @@ impl Store {
             (
                 table_state.def.clone(),
                 part.manifest.components.clone(),
-                part.memtable.iter().map(|e| e.batch.clone()).collect::<Vec<_>>(),
+                part.memtable
+                    .iter()
+                    .map(|e| e.batch.clone())
+                    .collect::<Vec<_>>(),
                 part.memtable.iter().any(|e| e.epoch >= since),
             )
         };
