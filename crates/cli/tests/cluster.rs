@@ -608,6 +608,9 @@ async fn a_lost_node_is_rereplicated_and_takes_its_share_back_when_it_returns() 
     let root = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 4, PARTITIONS, 3);
     cluster.set_option("rereplicate_after_ms", "3000");
+    // Small memtables: the partitions are flushed to components, which the new replicas
+    // then copy by hash.
+    cluster.set_option("memtable_flush_bytes", "65536");
     cluster.start_all();
     wait_formed(&cluster, 1, 4).await;
     let client = ClusterClient::new(cluster.addr(1));

@@ -1,6 +1,8 @@
 //! Membership changes move whole partitions (DESIGN §3): when the members change, the
 //! metadata leader computes the uniform map over them, has each new replica copy its
-//! partitions from a current one, and switches the map in one Raft entry.
+//! partitions from a current one (component replication: the components it lacks, fetched
+//! by hash and checked against it, plus the versions still in the source's memory), and
+//! switches the map in one Raft entry.
 //!
 //! While partitions move, the leader holds the ownership lease of every table (an open
 //! epoch), so no publish can land between the copy and the switch; publishes wait.
@@ -18,7 +20,7 @@ use crate::rpc::{
 };
 use crate::NodeId;
 use futures::TryStreamExt;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::{Epoch, PartitionId};
@@ -201,38 +203,91 @@ pub async fn copy_partitions(node: &Arc<Node>, request: CopyRequest) -> Result<(
             )));
         }
     }
-    for PartitionMove {
-        partition,
-        source,
-        since,
-    } in &request.moves
-    {
-        let addr = node.addr_of(*source).ok_or(ClusterError::NoLeader)?;
+    for moved in &request.moves {
         for (table, generation) in &request.tables {
-            let versions = node
-                .clients
-                .get(
-                    &addr,
-                    GetRequest::Versions {
-                        table: table.clone(),
-                        generation: *generation,
-                        partition: *partition,
-                        since: *since,
-                    },
-                )
-                .await
-                .map_err(|e| ClusterError::Rejected(format!("copy from node {source}: {e}")))?
-                .try_collect::<Vec<_>>()
-                .await
-                .map_err(|e| ClusterError::Rejected(format!("copy from node {source}: {e}")))?;
-            let store = node.store.clone();
-            let (table, partition, since) = (table.clone(), *partition, *since);
-            tokio::task::spawn_blocking(move || {
-                store.install_partition_since(&table, partition, since, versions)
-            })
-            .await
-            .map_err(|e| ClusterError::Rejected(e.to_string()))??;
+            if moved.since == Epoch::ZERO {
+                copy_whole(node, moved, table, *generation).await?;
+            } else {
+                copy_delta(node, moved, table, *generation).await?;
+            }
         }
     }
+    Ok(())
+}
+
+fn copy_error(source: NodeId, error: impl std::fmt::Display) -> ClusterError {
+    ClusterError::Rejected(format!("copy from node {source}: {error}"))
+}
+
+/// A new replica copies a partition by component: it fetches the components it lacks by
+/// hash (checked on both ends), plus the versions still in the source's memory.
+async fn copy_whole(
+    node: &Arc<Node>,
+    moved: &PartitionMove,
+    table: &str,
+    generation: u64,
+) -> Result<()> {
+    let addr = node.addr_of(moved.source).ok_or(ClusterError::NoLeader)?;
+    let request = GetRequest::Export {
+        table: table.to_string(),
+        generation,
+        partition: moved.partition,
+    };
+    let (components, memtable) = node
+        .clients
+        .export(&addr, request)
+        .await
+        .map_err(|e| copy_error(moved.source, e))?;
+    let mut fetched = HashMap::new();
+    for component in &components {
+        if node.store.has_component(&component.hash) || fetched.contains_key(&component.hash) {
+            continue;
+        }
+        let bytes = node
+            .clients
+            .component(&addr, component.hash)
+            .await
+            .map_err(|e| copy_error(moved.source, e))?;
+        fetched.insert(component.hash, bytes);
+    }
+    let store = node.store.clone();
+    let (table, partition) = (table.to_string(), moved.partition);
+    tokio::task::spawn_blocking(move || {
+        store.install_partition_components(&table, partition, components, fetched, memtable)
+    })
+    .await
+    .map_err(|e| ClusterError::Rejected(e.to_string()))??;
+    Ok(())
+}
+
+/// A returning replica fetches only the versions from the first epoch it missed.
+async fn copy_delta(
+    node: &Arc<Node>,
+    moved: &PartitionMove,
+    table: &str,
+    generation: u64,
+) -> Result<()> {
+    let addr = node.addr_of(moved.source).ok_or(ClusterError::NoLeader)?;
+    let request = GetRequest::Versions {
+        table: table.to_string(),
+        generation,
+        partition: moved.partition,
+        since: moved.since,
+    };
+    let versions = node
+        .clients
+        .get(&addr, request)
+        .await
+        .map_err(|e| copy_error(moved.source, e))?
+        .try_collect::<Vec<_>>()
+        .await
+        .map_err(|e| copy_error(moved.source, e))?;
+    let store = node.store.clone();
+    let (table, partition, since) = (table.to_string(), moved.partition, moved.since);
+    tokio::task::spawn_blocking(move || {
+        store.install_partition_since(&table, partition, since, versions)
+    })
+    .await
+    .map_err(|e| ClusterError::Rejected(e.to_string()))??;
     Ok(())
 }

@@ -23,7 +23,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
-use tessera_common::{Epoch, PartitionId};
+use tessera_common::{ComponentHash, Epoch, PartitionId};
+use tessera_storage::ComponentMeta;
 use tonic::transport::{Channel, Endpoint};
 
 /// Bumped whenever a request or reply changes shape.
@@ -140,7 +141,20 @@ pub enum GetRequest {
         partition: PartitionId,
         since: Epoch,
     },
+    /// What a new replica of one partition copies: the stream carries the versions still
+    /// in memory, and its first message's metadata lists the components (JSON
+    /// `Vec<ComponentMeta>`) to fetch by hash.
+    Export {
+        table: String,
+        generation: u64,
+        partition: PartitionId,
+    },
+    /// The raw bytes of one component, in chunks (`data_body` only, no Arrow framing).
+    Component { hash: ComponentHash },
 }
+
+/// Bytes per message when a component travels.
+pub const COMPONENT_CHUNK_BYTES: usize = 4 << 20;
 
 /// The leader asks a node to copy partitions it is about to hold.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -338,6 +352,61 @@ impl Clients {
             self.reset(addr);
         }
         result
+    }
+
+    /// A partition's export from a node: its component list and in-memory versions.
+    pub async fn export(
+        &self,
+        addr: &str,
+        request: GetRequest,
+    ) -> std::result::Result<(Vec<ComponentMeta>, Vec<RecordBatch>), CallError> {
+        let mut client = self.client(addr).map_err(CallError::Local)?;
+        let ticket = Ticket::new(self.envelope(request));
+        let mut stream = client
+            .do_get(ticket)
+            .await
+            .map_err(CallError::from_flight)?
+            .into_inner();
+        let mut components = None;
+        let mut batches = Vec::new();
+        while let Some(data) = stream.try_next().await.map_err(CallError::from_flight)? {
+            match data.payload {
+                arrow_flight::decode::DecodedPayload::Schema(_) => {
+                    components =
+                        Some(serde_json::from_slice(&data.app_metadata()).map_err(|e| {
+                            CallError::Local(ClusterError::Rejected(format!(
+                                "undecodable component list: {e}"
+                            )))
+                        })?);
+                }
+                arrow_flight::decode::DecodedPayload::RecordBatch(batch) => batches.push(batch),
+                arrow_flight::decode::DecodedPayload::None => {}
+            }
+        }
+        let components = components.ok_or_else(|| {
+            CallError::Local(ClusterError::Rejected(
+                "an export carried no component list".into(),
+            ))
+        })?;
+        Ok((components, batches))
+    }
+
+    /// The bytes of one component from a node (the caller checks them against the hash).
+    pub async fn component(
+        &self,
+        addr: &str,
+        hash: ComponentHash,
+    ) -> std::result::Result<Vec<u8>, CallError> {
+        let mut client = FlightServiceClient::new(self.channel(addr).map_err(CallError::Local)?)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let ticket = Ticket::new(self.envelope(GetRequest::Component { hash }));
+        let status = |s: tonic::Status| CallError::from_flight(s.into());
+        let mut stream = client.do_get(ticket).await.map_err(status)?.into_inner();
+        let mut bytes = Vec::new();
+        while let Some(data) = stream.message().await.map_err(status)? {
+            bytes.extend_from_slice(&data.data_body);
+        }
+        Ok(bytes)
     }
 
     /// Streams rows from a node: live rows for a scan, or a partition's versions.

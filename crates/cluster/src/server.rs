@@ -473,6 +473,7 @@ impl FlightService for NodeService {
         &self,
         request: Request<Ticket>,
     ) -> Result<Response<Self::DoGetStream>, Status> {
+        let mut metadata = Bytes::new();
         let (schema, batches) = match self.open(&request.into_inner().ticket)? {
             GetRequest::Scan(scan) => self.scan(scan).await?,
             GetRequest::Versions {
@@ -492,9 +493,44 @@ impl FlightService for NodeService {
                 .map_err(failed)?;
                 (tessera_storage::versions::stored_schema(&def), batches)
             }
+            GetRequest::Export {
+                table,
+                generation,
+                partition,
+            } => {
+                self.node.catch_up_with_leader().await;
+                let def = self.local_table(&table, generation)?;
+                let (components, memtable) = self
+                    .node
+                    .store
+                    .export_partition(&table, partition)
+                    .map_err(failed)?;
+                metadata = Bytes::from(serde_json::to_vec(&components).map_err(failed)?);
+                (tessera_storage::versions::stored_schema(&def), memtable)
+            }
+            GetRequest::Component { hash } => {
+                let store = self.node.store.clone();
+                let bytes = tokio::task::spawn_blocking(move || store.component_bytes(&hash))
+                    .await
+                    .map_err(failed)?
+                    .map_err(failed)?;
+                let bytes = Bytes::from(bytes);
+                let chunks: Vec<Result<FlightData, Status>> = (0..bytes.len())
+                    .step_by(COMPONENT_CHUNK_BYTES)
+                    .map(|start| {
+                        let end = (start + COMPONENT_CHUNK_BYTES).min(bytes.len());
+                        Ok(FlightData {
+                            data_body: bytes.slice(start..end),
+                            ..Default::default()
+                        })
+                    })
+                    .collect();
+                return Ok(Response::new(futures::stream::iter(chunks).boxed()));
+            }
         };
         let stream = FlightDataEncoderBuilder::new()
             .with_schema(schema)
+            .with_metadata(metadata)
             .build(futures::stream::iter(batches.into_iter().map(Ok)))
             .map_err(failed);
         Ok(Response::new(stream.boxed()))

@@ -880,6 +880,115 @@ impl Store {
         versions::versions_since(batches, since)
     }
 
+    /// What a new replica of one partition of `table` copies: the components that hold its
+    /// flushed versions (by hash) and the versions still only in memory.
+    pub fn export_partition(
+        &self,
+        table: &str,
+        partition: PartitionId,
+    ) -> Result<(Vec<ComponentMeta>, Vec<RecordBatch>)> {
+        let snapshot = self.snapshot(table, None)?;
+        let part = snapshot
+            .partitions
+            .get(partition.0 as usize)
+            .ok_or_else(|| StorageError::InvalidTable {
+                table: table.to_string(),
+                reason: format!("no partition {partition}"),
+            })?;
+        Ok((part.components.clone(), part.memtable.clone()))
+    }
+
+    /// The bytes of a component, checked against its hash before they leave this node.
+    pub fn component_bytes(&self, hash: &ComponentHash) -> Result<Vec<u8>> {
+        let path = component::component_path(&self.components_dir, hash);
+        let bytes = std::fs::read(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => StorageError::MissingComponent {
+                hash: *hash,
+                path: path.clone(),
+            },
+            _ => StorageError::io(&path, e),
+        })?;
+        let actual = ComponentHash::of_bytes(&bytes);
+        if actual != *hash {
+            return Err(StorageError::CorruptComponent {
+                hash: *hash,
+                path,
+                actual,
+            });
+        }
+        Ok(bytes)
+    }
+
+    /// True if this node holds a component under `hash` whose bytes hash to it: a copy
+    /// need not fetch it again.
+    pub fn has_component(&self, hash: &ComponentHash) -> bool {
+        self.verify_component(hash).is_ok()
+    }
+
+    /// Replaces one partition of `table` with copied components and in-memory versions
+    /// (component replication by hash). `fetched` holds the bytes of the components this
+    /// node lacked; each is checked against its name before it is written, and the others
+    /// must already be here. LSNs are this node's own, so each component is re-stamped.
+    pub fn install_partition_components(
+        &self,
+        table: &str,
+        partition: PartitionId,
+        components: Vec<ComponentMeta>,
+        fetched: HashMap<ComponentHash, Vec<u8>>,
+        memtable: Vec<RecordBatch>,
+    ) -> Result<()> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        let def = self.state().table(table)?.def.clone();
+        let mut installed = Vec::with_capacity(components.len() + 1);
+        for mut meta in components {
+            match fetched.get(&meta.hash) {
+                Some(bytes) => {
+                    let actual = ComponentHash::of_bytes(bytes);
+                    if actual != meta.hash {
+                        return Err(StorageError::CorruptComponent {
+                            hash: meta.hash,
+                            path: component::component_path(&self.components_dir, &meta.hash),
+                            actual,
+                        });
+                    }
+                    self.or_poison(component::write_component(&self.components_dir, bytes))?;
+                    self.verified.lock().expect("verified lock").insert(actual);
+                }
+                None => self.verify_component(&meta.hash)?,
+            }
+            let lsn = self.state().allocate_lsn(partition);
+            (meta.min_lsn, meta.max_lsn) = (lsn, lsn);
+            installed.push(meta);
+        }
+        let memtable: Vec<RecordBatch> =
+            memtable.into_iter().filter(|b| b.num_rows() > 0).collect();
+        if !memtable.is_empty() {
+            let lsn = self.state().allocate_lsn(partition);
+            installed.push(self.or_poison(self.write_component(&def, &memtable, lsn, lsn))?);
+        }
+        let mut state = self.state();
+        let table_state = state
+            .tables
+            .get_mut(table)
+            .expect("tables outlive the exclusive gate");
+        let part = &mut table_state.partitions[partition.0 as usize];
+        let dropped: Vec<ComponentHash> = part.manifest.components.iter().map(|c| c.hash).collect();
+        let freed: usize = part
+            .memtable
+            .iter()
+            .map(|e| e.batch.get_array_memory_size())
+            .sum();
+        part.memtable.clear();
+        part.manifest.components.clear();
+        for meta in installed {
+            part.manifest.add(meta);
+        }
+        state.memtable_bytes -= freed;
+        self.write_checkpoint(&state)?;
+        self.collect_garbage(dropped, &state)
+    }
+
     /// Replaces one partition of `table` with the given row versions (copied from a
     /// replica), as one durable component.
     pub fn install_partition(
@@ -1125,7 +1234,12 @@ impl Store {
             .partition(|(g, _)| *g < oldest_reader);
         registry.garbage = kept;
         drop(registry);
-        for (_, hash) in deletable {
+        // A component dropped earlier may be referenced again since (a replica copied the
+        // same bytes back): it is no longer garbage.
+        for (_, hash) in deletable
+            .into_iter()
+            .filter(|(_, h)| !referenced.contains(h))
+        {
             let path = component::component_path(&self.components_dir, &hash);
             match std::fs::remove_file(&path) {
                 Ok(()) => {}

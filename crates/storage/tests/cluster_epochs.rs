@@ -275,3 +275,52 @@ fn a_delta_replaces_versions_the_replica_holds_from_the_missed_epochs_on() {
         assert_eq!(keys(&replica, Epoch(epoch)), keys(&primary, Epoch(epoch)));
     }
 }
+
+#[test]
+fn a_new_replica_copies_components_by_hash_and_refuses_corrupt_bytes() {
+    let (primary_dir, replica_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let primary = Store::open(primary_dir.path(), config()).unwrap();
+    let replica = Store::open(replica_dir.path(), config()).unwrap();
+    primary.ensure_table(def()).unwrap();
+    replica.ensure_table(def()).unwrap();
+    commit(&primary, Epoch(1), &rows(0, 100));
+    primary.checkpoint().unwrap();
+    commit(&primary, Epoch(2), &rows(100, 120)); // still in memory
+    for p in (0..4).map(PartitionId) {
+        let (components, memtable) = primary.export_partition("kv", p).unwrap();
+        assert!(!components.is_empty(), "epoch 1 was flushed");
+        // A flipped byte in transit is refused, naming the component.
+        let mut corrupt = std::collections::HashMap::new();
+        for c in &components {
+            let mut bytes = primary.component_bytes(&c.hash).unwrap();
+            let last = bytes.len() - 1;
+            bytes[last] ^= 1;
+            corrupt.insert(c.hash, bytes);
+        }
+        let error = replica
+            .install_partition_components("kv", p, components.clone(), corrupt, memtable.clone())
+            .unwrap_err();
+        assert!(
+            error.to_string().contains(&components[0].hash.to_hex()),
+            "{error}"
+        );
+        let fetched = components
+            .iter()
+            .map(|c| (c.hash, primary.component_bytes(&c.hash).unwrap()))
+            .collect();
+        replica
+            .install_partition_components("kv", p, components.clone(), fetched, memtable)
+            .unwrap();
+        for c in &components {
+            assert!(
+                replica.has_component(&c.hash),
+                "the same component, by hash"
+            );
+        }
+    }
+    drop(replica);
+    let replica = Store::open(replica_dir.path(), config()).unwrap();
+    for epoch in 1..=2 {
+        assert_eq!(keys(&replica, Epoch(epoch)), keys(&primary, Epoch(epoch)));
+    }
+}
