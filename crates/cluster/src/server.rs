@@ -232,6 +232,19 @@ impl NodeService {
         request: PrepareRequest,
         stream: FlightRecordBatchStream,
     ) -> Result<PrepareReply, Status> {
+        // The table may have been created moments ago and this node not have applied that
+        // yet: it lags the majority that committed it, or (a node that just started) has
+        // not been added to the metadata group yet. Catch up before refusing.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while self.node.store.table_def(&request.table).is_none()
+            && std::time::Instant::now() < deadline
+        {
+            let view = self.node.catch_up_with_leader().await;
+            tracing::debug!(table = %request.table, applied = view.applied_index, known = view.state.tables.contains_key(&request.table), "prepare for a table this store does not hold yet; caught up");
+            if self.node.store.table_def(&request.table).is_none() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
         let mut stream = stream;
         let mut received: Vec<RecordBatch> = Vec::new();
         let mut chunk: Vec<PartitionChanges> = Vec::new();
