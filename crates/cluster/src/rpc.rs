@@ -307,8 +307,20 @@ impl Clients {
         request: PrepareRequest,
         batches: Vec<RecordBatch>,
     ) -> std::result::Result<PrepareReply, CallError> {
+        self.prepare_stream(addr, request, futures::stream::iter(batches))
+            .await
+    }
+
+    /// As [`Clients::prepare`], sending rows as they come (a primary shipping rows on while
+    /// it still receives them).
+    pub async fn prepare_stream(
+        &self,
+        addr: &str,
+        request: PrepareRequest,
+        batches: impl Stream<Item = RecordBatch> + Send + 'static,
+    ) -> std::result::Result<PrepareReply, CallError> {
         let metadata = self
-            .put(addr, PutRequest::Prepare(request), batches)
+            .put_stream(addr, PutRequest::Prepare(request), batches)
             .await?;
         if metadata.is_empty() {
             return Ok(PrepareReply::default());
@@ -327,11 +339,21 @@ impl Clients {
         request: PutRequest,
         batches: Vec<RecordBatch>,
     ) -> std::result::Result<Bytes, CallError> {
+        self.put_stream(addr, request, futures::stream::iter(batches))
+            .await
+    }
+
+    async fn put_stream(
+        &self,
+        addr: &str,
+        request: PutRequest,
+        batches: impl Stream<Item = RecordBatch> + Send + 'static,
+    ) -> std::result::Result<Bytes, CallError> {
         let mut client = self.client(addr).map_err(CallError::Local)?;
         let descriptor = FlightDescriptor::new_cmd(self.envelope(request));
         let stream = FlightDataEncoderBuilder::new()
             .with_flight_descriptor(Some(descriptor))
-            .build(futures::stream::iter(batches.into_iter().map(Ok)));
+            .build(batches.map(Ok));
         let result = async {
             let replies = client
                 .do_put(stream)

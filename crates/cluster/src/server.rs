@@ -14,7 +14,7 @@ use arrow_flight::{
 };
 use bytes::Bytes;
 use futures::stream::BoxStream;
-use futures::{StreamExt, TryStreamExt};
+use futures::{SinkExt, StreamExt, TryStreamExt};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -225,34 +225,25 @@ impl NodeService {
     }
 
     /// Logs the rows of one prepare stream durably, in chunks; as a partition primary, also
-    /// ships them on to the replicas named in `request.forward` and waits until they have
-    /// logged them too (log shipping).
+    /// ships them on to the replicas named in `request.forward` while they arrive, and
+    /// answers once those have logged them too (log shipping).
     async fn prepare(
         &self,
         request: PrepareRequest,
         stream: FlightRecordBatchStream,
     ) -> Result<PrepareReply, Status> {
-        // The table may have been created moments ago and this node not have applied that
-        // yet: it lags the majority that committed it, or (a node that just started) has
-        // not been added to the metadata group yet. Catch up before refusing.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while self.node.store.table_def(&request.table).is_none()
-            && std::time::Instant::now() < deadline
-        {
-            let view = self.node.catch_up_with_leader().await;
-            tracing::debug!(table = %request.table, applied = view.applied_index, known = view.state.tables.contains_key(&request.table), "prepare for a table this store does not hold yet; caught up");
-            if self.node.store.table_def(&request.table).is_none() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
+        self.wait_for_table(&request.table).await;
+        let (mut outlets, shipping) = self.start_shipping(&request);
         let mut stream = stream;
-        let mut received: Vec<RecordBatch> = Vec::new();
         let mut chunk: Vec<PartitionChanges> = Vec::new();
         let mut chunk_bytes = 0;
         while let Some(batch) = stream.try_next().await.map_err(failed)? {
             let (partition, rows) = split_partition_column(&batch).map_err(failed)?;
-            if !request.forward.is_empty() {
-                received.push(batch);
+            for (partitions, outlet) in &mut outlets {
+                // A closed outlet means that replica's stream failed; its task reports it.
+                if partitions.contains(&partition) {
+                    let _ = outlet.send(batch.clone()).await;
+                }
             }
             chunk_bytes += rows.get_array_memory_size();
             let (upserts, deletes) = if request.deletes {
@@ -272,64 +263,74 @@ impl NodeService {
                 chunk_bytes = 0;
             }
         }
-        let local = async {
-            if !chunk.is_empty() {
-                self.prepare_chunk(&request, chunk).await?;
-            }
-            Ok::<(), Status>(())
-        };
-        let (local, unreachable) = tokio::join!(local, self.ship_to_replicas(&request, &received));
-        local?;
-        Ok(PrepareReply {
-            unreachable: unreachable?,
-        })
-    }
-
-    /// Ships a primary's prepared rows on to its replicas; returns those that could not be
-    /// reached. A replica that answers with a refusal fails the whole prepare.
-    async fn ship_to_replicas(
-        &self,
-        request: &PrepareRequest,
-        received: &[RecordBatch],
-    ) -> Result<Vec<NodeId>, Status> {
-        let sends = request.forward.iter().map(|forward| async move {
-            let batches: Vec<RecordBatch> = received
-                .iter()
-                .filter(|b| {
-                    split_partition_column(b).is_ok_and(|(p, _)| forward.partitions.contains(&p))
-                })
-                .cloned()
-                .collect();
-            let onward = PrepareRequest {
-                forward: Vec::new(),
-                ..request.clone()
-            };
-            let result = match self.node.addr_of(forward.node) {
-                Some(addr) => self.node.clients.prepare(&addr, onward, batches).await,
-                None => Err(CallError::Transport(format!(
-                    "node {} has no address",
-                    forward.node
-                ))),
-            };
-            (forward.node, result)
-        });
+        drop(outlets); // ends the replicas' streams
+        if !chunk.is_empty() {
+            self.prepare_chunk(&request, chunk).await?;
+        }
         let mut unreachable = Vec::new();
-        for (replica, result) in futures::future::join_all(sends).await {
-            match result {
-                Ok(_) => {}
-                Err(error) if error.is_transport() => {
+        for (replica, task) in shipping {
+            match task.await {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) if error.is_transport() => {
                     tracing::warn!(node = replica, epoch = %request.epoch, %error, "replica unreachable during log shipping");
                     self.node.suspect(replica);
                     unreachable.push(replica);
                 }
-                Err(error) => {
+                Ok(Err(error)) => {
                     return Err(failed(format!(
                         "replica {replica} refused the rows: {error}"
                     )))
                 }
+                Err(join_error) => return Err(failed(join_error)),
             }
         }
-        Ok(unreachable)
+        Ok(PrepareReply { unreachable })
+    }
+
+    /// Waits (up to 10 s) for `table` to exist here. It may have been created moments ago
+    /// and this node not have applied that yet: it lags the majority that committed it, or
+    /// (a node that just started) has not been added to the metadata group yet.
+    async fn wait_for_table(&self, table: &str) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while self.node.store.table_def(table).is_none() && std::time::Instant::now() < deadline {
+            let view = self.node.catch_up_with_leader().await;
+            tracing::debug!(
+                table,
+                applied = view.applied_index,
+                "a prepare for a table this store does not hold yet"
+            );
+            if self.node.store.table_def(table).is_none() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+
+    /// Opens one prepare stream to each replica in `request.forward`. Returns, per replica,
+    /// the partitions it takes and the sender feeding its stream, and the task that ends
+    /// once it has logged them.
+    fn start_shipping(&self, request: &PrepareRequest) -> (Vec<Outlet>, Vec<Shipping>) {
+        let mut outlets = Vec::new();
+        let mut shipping = Vec::new();
+        for forward in &request.forward {
+            let (sender, receiver) = futures::channel::mpsc::channel::<RecordBatch>(8);
+            outlets.push((forward.partitions.clone(), sender));
+            let onward = PrepareRequest {
+                forward: Vec::new(),
+                ..request.clone()
+            };
+            let node = self.node.clone();
+            let replica = forward.node;
+            let task = tokio::spawn(async move {
+                match node.addr_of(replica) {
+                    Some(addr) => node.clients.prepare_stream(&addr, onward, receiver).await,
+                    None => Err(CallError::Transport(format!(
+                        "node {replica} has no address"
+                    ))),
+                }
+            });
+            shipping.push((replica, task));
+        }
+        (outlets, shipping)
     }
 
     async fn prepare_chunk(
@@ -412,6 +413,18 @@ impl NodeService {
         Ok((schema, batches))
     }
 }
+
+/// The partitions a replica takes from a primary's prepare stream, and the sender that
+/// feeds them to it.
+type Outlet = (
+    Vec<PartitionId>,
+    futures::channel::mpsc::Sender<RecordBatch>,
+);
+/// A replica and the task shipping rows to it.
+type Shipping = (
+    NodeId,
+    tokio::task::JoinHandle<std::result::Result<PrepareReply, CallError>>,
+);
 
 /// A prepare batch's rows without the partition column, and that (single) partition.
 fn split_partition_column(batch: &RecordBatch) -> Result<(PartitionId, RecordBatch), String> {

@@ -1005,8 +1005,8 @@ impl Store {
     ///
     /// Idempotent: a returning replica may fail mid-failback and install the same delta
     /// again. When nothing local is at or above `since` (the usual case: the node was down),
-    /// the existing components stay and only memory and the delta are written; otherwise the
-    /// partition is rewritten without its newer versions.
+    /// the existing components and memory stay and only the delta is written, as one more
+    /// component; otherwise the partition is rewritten without its newer versions.
     pub fn install_partition_since(
         &self,
         table: &str,
@@ -1046,16 +1046,22 @@ impl Store {
             }
             old.extend(memtable);
             rows.extend(versions::versions_before(old, since)?);
-        } else if !rewrite {
-            rows.extend(memtable);
         }
         rows.extend(delta);
         let rows: Vec<RecordBatch> = rows.into_iter().filter(|b| b.num_rows() > 0).collect();
-        let meta = if rows.is_empty() {
-            None
-        } else {
-            let lsn = self.state().allocate_lsn(partition);
-            Some(self.or_poison(self.write_component(&def, &rows, lsn, lsn))?)
+        let meta = match (rows.is_empty(), rewrite) {
+            (true, _) => None,
+            // The partition's own versions (memory included) go into the new component, so
+            // its LSN covers the log records they came from.
+            (false, true) => {
+                let lsn = self.state().allocate_lsn(partition);
+                Some(self.or_poison(self.write_component(&def, &rows, lsn, lsn))?)
+            }
+            // Only the delta: it came from no local log record, so it takes LSN zero and
+            // leaves the memtable (and the replay point of its log records) alone.
+            (false, false) => {
+                Some(self.or_poison(self.write_component(&def, &rows, Lsn::ZERO, Lsn::ZERO))?)
+            }
         };
         let mut state = self.state();
         let table_state = state
@@ -1063,19 +1069,18 @@ impl Store {
             .get_mut(table)
             .expect("tables outlive the exclusive gate");
         let part = &mut table_state.partitions[partition.0 as usize];
-        let dropped: Vec<ComponentHash> = if rewrite {
-            let dropped = part.manifest.components.iter().map(|c| c.hash).collect();
+        let mut dropped = Vec::new();
+        let mut freed = 0;
+        if rewrite {
+            dropped = part.manifest.components.iter().map(|c| c.hash).collect();
             part.manifest.components.clear();
-            dropped
-        } else {
-            Vec::new()
-        };
-        let freed: usize = part
-            .memtable
-            .iter()
-            .map(|e| e.batch.get_array_memory_size())
-            .sum();
-        part.memtable.clear();
+            freed = part
+                .memtable
+                .iter()
+                .map(|e| e.batch.get_array_memory_size())
+                .sum();
+            part.memtable.clear();
+        }
         if let Some(meta) = meta {
             part.manifest.add(meta);
         }
