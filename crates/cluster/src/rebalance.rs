@@ -126,6 +126,7 @@ pub async fn rebalance(node: &Arc<Node>, lost: &BTreeSet<NodeId>) -> Result<()> 
             .collect();
     }
     let moved: usize = copies.values().map(Vec::len).sum();
+    let leased_at = std::time::Instant::now();
     tracing::info!(%epoch, moved, "rebalancing partitions");
     let sends = copies.into_iter().map(|(target, moves)| {
         let request = CopyRequest {
@@ -170,7 +171,7 @@ pub async fn rebalance(node: &Arc<Node>, lost: &BTreeSet<NodeId>) -> Result<()> 
         missed: vec![],
     })
     .await?;
-    tracing::info!(%epoch, moved, "partition map switched");
+    tracing::info!(%epoch, moved, elapsed_ms = leased_at.elapsed().as_millis() as u64, "partition map switched");
     Ok(())
 }
 
@@ -203,6 +204,7 @@ pub async fn copy_partitions(node: &Arc<Node>, request: CopyRequest) -> Result<(
             )));
         }
     }
+    let started = std::time::Instant::now();
     for moved in &request.moves {
         for (table, generation) in &request.tables {
             if moved.since == Epoch::ZERO {
@@ -212,6 +214,16 @@ pub async fn copy_partitions(node: &Arc<Node>, request: CopyRequest) -> Result<(
             }
         }
     }
+    tracing::info!(
+        partitions = request.moves.len(),
+        deltas = request
+            .moves
+            .iter()
+            .filter(|m| m.since > Epoch::ZERO)
+            .count(),
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "partitions copied"
+    );
     Ok(())
 }
 
