@@ -2,13 +2,11 @@
 //! SIGKILL. Every node must answer every TPC-H query exactly as plain DataFusion does.
 
 use arrow::array::{Int64Array, RecordBatch};
-use arrow::datatypes::{DataType, Field, Schema};
 use datafusion::prelude::SessionContext;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_cluster::ClusterClient;
-use tessera_testkit::LocalCluster;
+use tessera_testkit::{kv_batch, LocalCluster};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 
@@ -119,21 +117,6 @@ async fn three_nodes_answer_all_tpch_queries_exactly() {
 async fn five_nodes_answer_all_tpch_queries_exactly() {
     let _exclusive = exclusive();
     tpch_cluster(5).await;
-}
-
-fn kv_batch(from: i64, to: i64) -> RecordBatch {
-    let schema = Arc::new(Schema::new(vec![
-        Field::new("k", DataType::Int64, false),
-        Field::new("v", DataType::Int64, false),
-    ]));
-    RecordBatch::try_new(
-        schema,
-        vec![
-            Arc::new(Int64Array::from_iter_values(from..to)),
-            Arc::new(Int64Array::from_iter_values((from..to).map(|k| k * 10))),
-        ],
-    )
-    .unwrap()
 }
 
 /// A running 3-node cluster (`replication` copies) with an empty `kv` table, and a client

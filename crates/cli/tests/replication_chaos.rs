@@ -9,7 +9,6 @@
 //! replication_chaos -- --nocapture` runs the long version and prints its counts.
 
 use arrow::array::{Int64Array, RecordBatch};
-use arrow::datatypes::{DataType, Field, Schema};
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -18,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_cluster::{ClusterClient, ClusterError};
 use tessera_common::PartitionId;
-use tessera_testkit::LocalCluster;
+use tessera_testkit::{kv_batch, LocalCluster};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 const NODES: u64 = 5;
@@ -33,21 +32,6 @@ fn chaos_duration() -> Duration {
         .and_then(|s| s.parse().ok())
         .unwrap_or(20);
     Duration::from_secs(seconds)
-}
-
-fn kv_batch(from: i64, to: i64) -> RecordBatch {
-    let schema = Arc::new(Schema::new(vec![
-        Field::new("k", DataType::Int64, false),
-        Field::new("v", DataType::Int64, false),
-    ]));
-    RecordBatch::try_new(
-        schema,
-        vec![
-            Arc::new(Int64Array::from_iter_values(from..to)),
-            Arc::new(Int64Array::from_iter_values((from..to).map(|k| k * 10))),
-        ],
-    )
-    .unwrap()
 }
 
 /// What the client learnt about one publish.

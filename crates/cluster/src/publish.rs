@@ -26,6 +26,10 @@ struct Routed {
 /// Checks a publish the way a single store would (schema, keys, duplicates, append-only) and
 /// routes each row to its partition.
 fn route(state: &MetaState, changes: Vec<TableChanges>) -> Result<BTreeMap<String, Routed>> {
+    if !state.is_bootstrapped() {
+        // A node that just started and has not yet caught up with the metadata group.
+        return Err(ClusterError::NoLeader);
+    }
     let ring = PartitionRing::new(state.partition_count);
     let mut routed: BTreeMap<String, Routed> = BTreeMap::new();
     let mut checked: BTreeMap<String, (TableDef, Vec<RecordBatch>)> = BTreeMap::new();

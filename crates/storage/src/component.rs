@@ -87,6 +87,11 @@ pub fn write_component(dir: &Path, bytes: &[u8]) -> Result<ComponentHash> {
 
 /// Checks that a component's bytes hash to its name.
 pub fn verify_component(dir: &Path, hash: &ComponentHash) -> Result<()> {
+    read_verified(dir, hash).map(|_| ())
+}
+
+/// A component's bytes, checked against its name.
+pub fn read_verified(dir: &Path, hash: &ComponentHash) -> Result<Vec<u8>> {
     let path = component_path(dir, hash);
     let bytes = match fs::read(&path) {
         Ok(bytes) => bytes,
@@ -103,7 +108,7 @@ pub fn verify_component(dir: &Path, hash: &ComponentHash) -> Result<()> {
             actual,
         });
     }
-    Ok(())
+    Ok(bytes)
 }
 
 /// Reads a component, optionally only the given top-level columns.

@@ -859,14 +859,8 @@ impl Store {
         partition: PartitionId,
         since: Epoch,
     ) -> Result<Vec<RecordBatch>> {
-        let snapshot = self.snapshot(table, None)?;
-        let part = snapshot
-            .partitions
-            .get(partition.0 as usize)
-            .ok_or_else(|| StorageError::InvalidTable {
-                table: table.to_string(),
-                reason: format!("no partition {partition}"),
-            })?;
+        let snapshot = self.snapshot_with_partition(table, partition)?;
+        let part = &snapshot.partitions[partition.0 as usize];
         let mut batches = Vec::new();
         for component in part.components.iter().filter(|c| c.max_epoch >= since) {
             self.verify_component(&component.hash)?;
@@ -880,6 +874,23 @@ impl Store {
         versions::versions_since(batches, since)
     }
 
+    /// A snapshot of `table` at the visible epoch that has partition `partition`; holding it
+    /// keeps that partition's components from being collected while they are read.
+    fn snapshot_with_partition(
+        &self,
+        table: &str,
+        partition: PartitionId,
+    ) -> Result<Arc<TableSnapshot>> {
+        let snapshot = self.snapshot(table, None)?;
+        if snapshot.partitions.len() <= partition.0 as usize {
+            return Err(StorageError::InvalidTable {
+                table: table.to_string(),
+                reason: format!("no partition {partition}"),
+            });
+        }
+        Ok(snapshot)
+    }
+
     /// What a new replica of one partition of `table` copies: the components that hold its
     /// flushed versions (by hash) and the versions still only in memory.
     pub fn export_partition(
@@ -887,36 +898,14 @@ impl Store {
         table: &str,
         partition: PartitionId,
     ) -> Result<(Vec<ComponentMeta>, Vec<RecordBatch>)> {
-        let snapshot = self.snapshot(table, None)?;
-        let part = snapshot
-            .partitions
-            .get(partition.0 as usize)
-            .ok_or_else(|| StorageError::InvalidTable {
-                table: table.to_string(),
-                reason: format!("no partition {partition}"),
-            })?;
+        let snapshot = self.snapshot_with_partition(table, partition)?;
+        let part = &snapshot.partitions[partition.0 as usize];
         Ok((part.components.clone(), part.memtable.clone()))
     }
 
     /// The bytes of a component, checked against its hash before they leave this node.
     pub fn component_bytes(&self, hash: &ComponentHash) -> Result<Vec<u8>> {
-        let path = component::component_path(&self.components_dir, hash);
-        let bytes = std::fs::read(&path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => StorageError::MissingComponent {
-                hash: *hash,
-                path: path.clone(),
-            },
-            _ => StorageError::io(&path, e),
-        })?;
-        let actual = ComponentHash::of_bytes(&bytes);
-        if actual != *hash {
-            return Err(StorageError::CorruptComponent {
-                hash: *hash,
-                path,
-                actual,
-            });
-        }
-        Ok(bytes)
+        component::read_verified(&self.components_dir, hash)
     }
 
     /// True if this node holds a component under `hash` whose bytes hash to it: a copy

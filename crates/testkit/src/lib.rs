@@ -267,3 +267,22 @@ impl LocalCluster {
         self.processes[id as usize - 1].is_some()
     }
 }
+
+/// Rows `from..to` of the test table `kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)`, with
+/// `v = 10 k`, so any reader can check every value it gets back.
+pub fn kv_batch(from: i64, to: i64) -> arrow::array::RecordBatch {
+    use arrow::array::Int64Array;
+    use arrow::datatypes::{DataType, Field, Schema};
+    let schema = std::sync::Arc::new(Schema::new(vec![
+        Field::new("k", DataType::Int64, false),
+        Field::new("v", DataType::Int64, false),
+    ]));
+    arrow::array::RecordBatch::try_new(
+        schema,
+        vec![
+            std::sync::Arc::new(Int64Array::from_iter_values(from..to)),
+            std::sync::Arc::new(Int64Array::from_iter_values((from..to).map(|k| k * 10))),
+        ],
+    )
+    .expect("kv columns match the schema")
+}

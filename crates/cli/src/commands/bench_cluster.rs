@@ -108,6 +108,22 @@ pub(super) async fn wait_formed(addrs: &[String], timeout: Duration) -> Result<(
     Ok(())
 }
 
+/// The median time of `runs` publishes of `rows` into `lineitem` through `client`.
+pub(super) async fn median_publish_time(
+    client: &ClusterClient,
+    rows: &[RecordBatch],
+    runs: usize,
+) -> Result<Duration> {
+    let mut times = Vec::new();
+    for _ in 0..runs.max(1) {
+        let started = Instant::now();
+        client.publish("lineitem", rows.to_vec(), false).await?;
+        times.push(started.elapsed());
+    }
+    times.sort();
+    Ok(times[times.len() / 2])
+}
+
 struct Measured {
     formation: Duration,
     rows_per_second: f64,
@@ -133,14 +149,7 @@ async fn measure(
         .sql(&tessera_tpch::create_table_sql(&lineitem))
         .await?;
     let count: usize = rows.iter().map(|b| b.num_rows()).sum();
-    let mut times = Vec::new();
-    for _ in 0..runs {
-        let started = Instant::now();
-        client.publish("lineitem", rows.to_vec(), false).await?;
-        times.push(started.elapsed());
-    }
-    times.sort();
-    let median = times[times.len() / 2];
+    let median = median_publish_time(&client, rows, runs).await?;
     let failover = if nodes >= 3 {
         let leader = client.status().await?.leader.context("no leader")?;
         let survivor = (1..=nodes).find(|id| *id != leader).expect("another node");

@@ -3,7 +3,7 @@
 //! to its partitions serving again, and failback time of the returning node with delta
 //! recovery against a full copy of its stale partitions.
 
-use super::bench_cluster::{wait_formed, Nodes};
+use super::bench_cluster::{median_publish_time, wait_formed, Nodes};
 use super::up::UpOptions;
 use anyhow::{Context, Result};
 use arrow::array::{Int64Array, RecordBatch};
@@ -58,15 +58,9 @@ async fn publish_throughput(
 ) -> Result<Throughput> {
     let client = ClusterClient::new(&nodes.addrs[0]);
     let count: usize = rows.iter().map(|b| b.num_rows()).sum();
-    let mut times = Vec::new();
-    for _ in 0..runs {
-        let started = Instant::now();
-        client.publish("lineitem", rows.to_vec(), false).await?;
-        times.push(started.elapsed());
-    }
-    times.sort();
+    let median = median_publish_time(&client, rows, runs).await?;
     Ok(Throughput {
-        rows_per_second: count as f64 / times[times.len() / 2].as_secs_f64(),
+        rows_per_second: count as f64 / median.as_secs_f64(),
     })
 }
 
