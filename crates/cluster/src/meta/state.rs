@@ -21,6 +21,10 @@ pub struct NodeInfo {
     /// Asked to leave: its partitions move to the other members, then it is decommissioned.
     #[serde(default)]
     pub leaving: bool,
+    /// The newest process of this node the metadata has heard from: a counter the node
+    /// keeps on disk and raises at every start. Epochs opened by an older process are dead.
+    #[serde(default)]
+    pub incarnation: u64,
 }
 
 /// Where one partition lives (chained declustering: `replicas` are consecutive ring nodes
@@ -73,6 +77,17 @@ impl PartitionMap {
         }
     }
 
+    /// The partitions `node` keeps as a cold standby: those it replicates without being
+    /// their primary.
+    pub fn standby_of(&self, node: NodeId) -> BTreeSet<PartitionId> {
+        self.partitions
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.replicas.contains(&node) && p.primary != Some(node))
+            .map(|(i, _)| PartitionId(i as u32))
+            .collect()
+    }
+
     /// The node to read partition `p` from, if any replica can serve it.
     pub fn reader_of(&self, partition: PartitionId) -> Option<NodeId> {
         self.partitions.get(partition.0 as usize)?.primary
@@ -86,6 +101,9 @@ pub enum MetaCommand {
         cluster_id: String,
         partition_count: u32,
         replication: u32,
+        /// Replicas apply rows as they commit rather than keep them in the log.
+        #[serde(default)]
+        hot_standby: bool,
         nodes: Vec<(NodeId, String)>,
     },
     /// A node asks to be a member (a no-op for one already known at this address).
@@ -104,10 +122,20 @@ pub enum MetaCommand {
     DropTable {
         name: String,
     },
+    /// A node's process started. The epochs its earlier processes left open are aborted: a
+    /// node killed and restarted before the failure detector noticed would otherwise leave
+    /// them open for ever, holding their tables' leases and the visible epoch back.
+    Started {
+        id: NodeId,
+        incarnation: u64,
+    },
     /// Allocates an epoch for `coordinator`, which holds the ownership lease of `tables`
     /// until the epoch is decided.
     AllocateEpoch {
         coordinator: NodeId,
+        /// The coordinator's process (see [`NodeInfo::incarnation`]).
+        #[serde(default)]
+        incarnation: u64,
         tables: Vec<String>,
         /// Chosen by the coordinator, so a retried request (its reply was lost in a leader
         /// change) gets the same epoch instead of leaking a second one that holds the lease.
@@ -161,6 +189,9 @@ pub enum LocalEffect {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct OpenEpoch {
     pub coordinator: NodeId,
+    /// The coordinator's process that opened it.
+    #[serde(default)]
+    pub incarnation: u64,
     pub tables: Vec<String>,
     #[serde(default)]
     pub request: u64,
@@ -171,6 +202,10 @@ pub struct MetaState {
     pub cluster_id: String,
     pub partition_count: u32,
     pub replication: u32,
+    /// Replicas apply committed rows at once (hot standby) instead of keeping them in the
+    /// log until promoted (cold standby).
+    #[serde(default)]
+    pub hot_standby: bool,
     pub nodes: BTreeMap<NodeId, NodeInfo>,
     pub map: PartitionMap,
     pub tables: BTreeMap<String, TableDef>,
@@ -221,6 +256,7 @@ impl MetaState {
                 cluster_id,
                 partition_count,
                 replication,
+                hot_standby,
                 nodes,
             } => {
                 if self.is_bootstrapped() {
@@ -232,6 +268,7 @@ impl MetaState {
                 self.cluster_id = cluster_id;
                 self.partition_count = partition_count;
                 self.replication = replication;
+                self.hot_standby = hot_standby;
                 self.next_epoch = Epoch(1);
                 for (id, addr) in &nodes {
                     self.nodes.insert(
@@ -242,6 +279,7 @@ impl MetaState {
                             alive: true,
                             decommissioned: false,
                             leaving: false,
+                            incarnation: 0,
                         },
                     );
                 }
@@ -266,6 +304,7 @@ impl MetaState {
                             alive: true,
                             decommissioned: false,
                             leaving: false,
+                            incarnation: 0,
                         },
                     );
                 }
@@ -279,18 +318,19 @@ impl MetaState {
                 node.alive = alive;
                 if !alive {
                     // A dead coordinator cannot finish its publishes: abort them.
-                    let orphaned: Vec<Epoch> = self
-                        .open
-                        .iter()
-                        .filter(|(_, open)| open.coordinator == id)
-                        .map(|(epoch, _)| *epoch)
-                        .collect();
-                    for epoch in orphaned {
-                        self.decide(epoch, false);
-                        effects.push(LocalEffect::Abort(epoch));
-                    }
+                    self.abort_epochs_opened_before(id, u64::MAX, &mut effects);
                 }
                 self.recompute_primaries();
+                MetaResponse::Done
+            }
+            MetaCommand::Started { id, incarnation } => {
+                let node = self
+                    .nodes
+                    .get(&id)
+                    .ok_or_else(|| format!("unknown node {id}"))?;
+                if incarnation > node.incarnation {
+                    self.enter_incarnation(id, incarnation, &mut effects);
+                }
                 MetaResponse::Done
             }
             MetaCommand::CreateTable { mut def } => {
@@ -322,6 +362,7 @@ impl MetaState {
             }
             MetaCommand::AllocateEpoch {
                 coordinator,
+                incarnation,
                 tables,
                 request,
             } => {
@@ -332,16 +373,27 @@ impl MetaState {
                 {
                     return Ok((MetaResponse::Epoch(*epoch), vec![]));
                 }
-                if !self.nodes.get(&coordinator).is_some_and(|n| n.alive) {
+                let Some(member) = self.nodes.get(&coordinator).filter(|n| n.alive) else {
                     return Ok((
                         MetaResponse::Fenced(format!("node {coordinator} is not a live member")),
                         vec![],
                     ));
+                };
+                if incarnation < member.incarnation {
+                    return Ok((
+                        MetaResponse::Fenced(format!(
+                            "node {coordinator} has restarted since this request was sent"
+                        )),
+                        vec![],
+                    ));
+                }
+                if let Some(table) = tables.iter().find(|t| !self.tables.contains_key(*t)) {
+                    return Err(format!("table {table:?} does not exist"));
+                }
+                if incarnation > member.incarnation {
+                    self.enter_incarnation(coordinator, incarnation, &mut effects);
                 }
                 for table in &tables {
-                    if !self.tables.contains_key(table) {
-                        return Err(format!("table {table:?} does not exist"));
-                    }
                     if let Some((epoch, open)) =
                         self.open.iter().find(|(_, o)| o.tables.contains(table))
                     {
@@ -350,7 +402,7 @@ impl MetaState {
                                 "table {table:?} is owned by node {} while it publishes epoch {epoch}; one writer at a time",
                                 open.coordinator
                             )),
-                            vec![],
+                            effects,
                         ));
                     }
                 }
@@ -360,6 +412,7 @@ impl MetaState {
                     epoch,
                     OpenEpoch {
                         coordinator,
+                        incarnation,
                         tables,
                         request,
                     },
@@ -457,6 +510,35 @@ impl MetaState {
         Ok((response, effects))
     }
 
+    /// Records that node `id` now runs as `incarnation` and aborts the epochs its earlier
+    /// processes opened: no process is left to finish them.
+    fn enter_incarnation(&mut self, id: NodeId, incarnation: u64, effects: &mut Vec<LocalEffect>) {
+        let node = self.nodes.get_mut(&id).expect("caller checked membership");
+        assert!(incarnation > node.incarnation, "incarnations only rise");
+        node.incarnation = incarnation;
+        self.abort_epochs_opened_before(id, incarnation, effects);
+    }
+
+    /// Aborts the open epochs that `coordinator` opened as an incarnation below `incarnation`.
+    fn abort_epochs_opened_before(
+        &mut self,
+        coordinator: NodeId,
+        incarnation: u64,
+        effects: &mut Vec<LocalEffect>,
+    ) {
+        let orphaned: Vec<Epoch> = self
+            .open
+            .iter()
+            .filter(|(_, open)| open.coordinator == coordinator && open.incarnation < incarnation)
+            .map(|(epoch, _)| *epoch)
+            .collect();
+        for epoch in orphaned {
+            tracing::info!(%epoch, coordinator, "aborting an epoch whose coordinator is gone");
+            self.decide(epoch, false);
+            effects.push(LocalEffect::Abort(epoch));
+        }
+    }
+
     fn decide(&mut self, epoch: Epoch, committed: bool) {
         self.open.remove(&epoch);
         if !committed {
@@ -503,6 +585,7 @@ mod tests {
                 cluster_id: "c".into(),
                 partition_count: 8,
                 replication: 3,
+                hot_standby: false,
                 nodes: (1..=nodes)
                     .map(|id| (id, format!("127.0.0.1:{id}")))
                     .collect(),
@@ -521,20 +604,25 @@ mod tests {
     }
 
     fn allocate(state: &mut MetaState, coordinator: NodeId) -> Epoch {
-        match state
-            .apply(
-                3,
-                MetaCommand::AllocateEpoch {
-                    coordinator,
-                    tables: vec!["t".into()],
-                    request: 7,
-                },
-            )
-            .0
-        {
+        match allocate_as(state, coordinator, 0, 7) {
             MetaResponse::Epoch(e) => e,
             other => panic!("{other:?}"),
         }
+    }
+
+    fn allocate_as(
+        state: &mut MetaState,
+        coordinator: NodeId,
+        incarnation: u64,
+        request: u64,
+    ) -> MetaResponse {
+        let command = MetaCommand::AllocateEpoch {
+            coordinator,
+            incarnation,
+            tables: vec!["t".into()],
+            request,
+        };
+        state.apply(3, command).0
     }
 
     #[test]
@@ -592,6 +680,7 @@ mod tests {
                 5,
                 MetaCommand::AllocateEpoch {
                     coordinator: 3,
+                    incarnation: 0,
                     tables: vec!["t".into()],
                     request: 8,
                 },
@@ -628,6 +717,50 @@ mod tests {
         assert_eq!(state.visible, epoch);
         assert!(state.map.partitions.iter().all(|p| p.primary != Some(1)));
         assert!(state.map.partitions.iter().all(|p| p.primary.is_some()));
+    }
+
+    #[test]
+    fn a_restarted_coordinator_releases_what_its_earlier_process_left_open() {
+        let mut state = bootstrapped(3);
+        let MetaResponse::Epoch(orphan) = allocate_as(&mut state, 1, 5, 1) else {
+            panic!("the first process allocates");
+        };
+        // Killed and restarted before the failure detector noticed: still alive, and the
+        // new process announces itself.
+        let (response, effects) = state.apply(
+            4,
+            MetaCommand::Started {
+                id: 1,
+                incarnation: 6,
+            },
+        );
+        assert_eq!(response, MetaResponse::Done);
+        assert_eq!(effects, vec![LocalEffect::Abort(orphan)]);
+        assert_eq!(
+            state.visible, orphan,
+            "the aborted epoch no longer holds visibility back"
+        );
+        // Announcing an older or the same process again changes nothing.
+        for incarnation in [5, 6] {
+            let (_, effects) = state.apply(5, MetaCommand::Started { id: 1, incarnation });
+            assert!(effects.is_empty());
+        }
+        // The lease is free for the new process; a late request of the old one is fenced.
+        let MetaResponse::Epoch(next) = allocate_as(&mut state, 1, 6, 2) else {
+            panic!("the new process allocates");
+        };
+        assert!(next > orphan);
+        assert!(
+            matches!(allocate_as(&mut state, 1, 5, 3), MetaResponse::Fenced(ref r) if r.contains("restarted"))
+        );
+        // A restart seen first through an allocation (no announcement yet) frees the lease too.
+        let (response, effects) = {
+            let response = allocate_as(&mut state, 1, 7, 4);
+            (response, state.aborted.contains(&next))
+        };
+        assert!(matches!(response, MetaResponse::Epoch(e) if e > next));
+        assert!(effects, "the epoch of process 6 was aborted");
+        assert_eq!(state.nodes[&1].incarnation, 7);
     }
 
     #[test]
