@@ -263,11 +263,8 @@ async fn run(cli: Cli) -> Result<()> {
             replication,
         } => {
             let options = commands::up::UpOptions {
-                nodes: *nodes,
                 base_port: *base_port,
-                partitions: cli.store.partitions,
-                replication: *replication,
-                delta_recovery: true,
+                ..commands::up::UpOptions::new(*nodes, cli.store.partitions, *replication)
             };
             commands::up::run(&cli.data_dir, options).await
         }

@@ -765,3 +765,112 @@ async fn tpch_answers_stay_exact_through_failover_and_delta_failback() {
         "node 3 holds each orders row's two versions (both epochs) exactly once"
     );
 }
+
+/// Rows node `id` holds of `kv`, and how many of them are in its log only.
+async fn kv_rows_held(cluster: &LocalCluster, id: u64) -> (u64, u64) {
+    let status = ClusterClient::new(cluster.addr(id)).status().await.unwrap();
+    status
+        .tables
+        .iter()
+        .find(|t| t.name == "kv")
+        .map_or((0, 0), |t| (t.rows, t.logged_rows))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cold_standbys_take_their_primaries_components_and_replay_the_rest_when_promoted() {
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
+    // Checkpoints every 64 KiB of log: primaries flush and ship components often.
+    cluster.set_option("checkpoint_log_bytes", "65536");
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    let client = ClusterClient::new(cluster.addr(1));
+    client
+        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .await
+        .unwrap();
+    const BATCHES: i64 = 20;
+    for b in 0..BATCHES {
+        client
+            .publish("kv", vec![kv_batch(b * 500, (b + 1) * 500)], false)
+            .await
+            .unwrap();
+    }
+    let total = (BATCHES * 500) as u64;
+    // Every node holds every row (three copies on three nodes). As a standby it logged
+    // them without applying them; its primaries' components now cover most of them.
+    for id in 1..=3 {
+        wait_until(
+            "components shipped to the standbys",
+            Duration::from_secs(30),
+            || async {
+                let (rows, logged) = kv_rows_held(&cluster, id).await;
+                (rows == total && logged < total / 2).then_some(())
+            },
+        )
+        .await;
+    }
+    let expected = (total as i64, (0..total as i64).map(|k| k * 10).sum::<i64>());
+    // Node 1 dies; its partitions' standbys are promoted and replay what their logs hold
+    // beyond the shipped components. Every answer stays exact, and writes go on.
+    cluster.kill9(1);
+    wait_formed(&cluster, 2, 2).await;
+    for id in 2..=3 {
+        let survivor = ClusterClient::new(cluster.addr(id));
+        assert_eq!(count_and_sum(&survivor).await, expected, "node {id}");
+    }
+    let survivor = ClusterClient::new(cluster.addr(2));
+    survivor
+        .publish(
+            "kv",
+            vec![kv_batch(total as i64, total as i64 + 500)],
+            false,
+        )
+        .await
+        .unwrap();
+    let (n, s) = count_and_sum(&ClusterClient::new(cluster.addr(3))).await;
+    assert_eq!(
+        (n, s),
+        (
+            expected.0 + 500,
+            expected.1
+                + (total as i64..total as i64 + 500)
+                    .map(|k| k * 10)
+                    .sum::<i64>()
+        )
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_standbys_apply_rows_as_they_commit() {
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
+    cluster.set_option("hot_standby", "true");
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    let client = ClusterClient::new(cluster.addr(1));
+    client
+        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .await
+        .unwrap();
+    client
+        .publish("kv", vec![kv_batch(0, 2000)], false)
+        .await
+        .unwrap();
+    assert!(client.status().await.unwrap().meta.hot_standby);
+    for id in 1..=3 {
+        assert_eq!(
+            kv_rows_held(&cluster, id).await,
+            (2000, 0),
+            "node {id} applied every row"
+        );
+    }
+    cluster.kill9(3);
+    wait_formed(&cluster, 1, 2).await;
+    assert_eq!(
+        count_and_sum(&client).await,
+        (2000, (0..2000).map(|k| k * 10).sum::<i64>())
+    );
+}

@@ -52,6 +52,16 @@ pub struct NodeConfig {
     /// Store tuning; defaults as for a single node.
     #[serde(default)]
     pub memtable_flush_bytes: Option<usize>,
+    /// A checkpoint also runs once this many bytes were logged since the last one. It bounds
+    /// the log a cold standby replays when promoted (default 256 MiB).
+    #[serde(default)]
+    pub checkpoint_log_bytes: Option<usize>,
+    /// Replicas apply committed rows as they arrive (hot standby: a promotion replays
+    /// nothing) instead of keeping them in the log until promoted (cold standby, the
+    /// default: replicas do no flushing or merging; their primaries ship components). A
+    /// cluster-wide setting: the founding metadata leader's value is recorded at bootstrap.
+    #[serde(default)]
+    pub hot_standby: bool,
     /// A returning replica fetches only the versions it missed (true), or copies its stale
     /// partitions whole (false: for comparison; the metadata leader's setting applies).
     #[serde(default = "default_true")]

@@ -8,6 +8,7 @@
 //! - [`node`]: one running node and its background duties.
 //! - [`publish`]: the publish coordinator (two-phase: prepare on replicas, commit in Raft).
 //! - [`rebalance`]: moving partitions when members join or leave.
+//! - [`shipping`]: component replication to cold standbys, and checkpoint coordination.
 //! - [`backend`]: the SQL engine's view of the cluster (catalog, remote scans, publish).
 
 pub mod backend;
@@ -21,6 +22,7 @@ pub mod publish;
 pub mod rebalance;
 pub mod rpc;
 pub mod server;
+pub mod shipping;
 
 /// Nodes are named by positive integers, fixed in their configuration.
 pub type NodeId = u64;

@@ -51,7 +51,12 @@ pub struct Node {
     suspects: Mutex<BTreeSet<NodeId>>,
     checkpointing: AtomicBool,
     rebalancing: AtomicBool,
+    /// The components last announced to standbys, per (table, partition) this node leads.
+    shipped:
+        Mutex<HashMap<(String, tessera_common::PartitionId), Vec<tessera_common::ComponentHash>>>,
     protocol: u32,
+    /// This process's incarnation: epochs it opens are tagged with it.
+    incarnation: u64,
 }
 
 impl std::fmt::Debug for Node {
@@ -107,6 +112,45 @@ fn check_data_identity(dir: &Path, config: &NodeConfig) -> Result<()> {
     }
 }
 
+/// The file in a data directory holding the node's incarnation.
+const INCARNATION_FILE: &str = "incarnation";
+
+/// Raises and durably records this node's incarnation (see [`NodeInfo::incarnation`]): above
+/// the last one recorded here, and at least the wall clock in microseconds, so it still rises
+/// if the directory was wiped and the node rejoins under the same id.
+///
+/// [`NodeInfo::incarnation`]: crate::meta::NodeInfo::incarnation
+fn next_incarnation(dir: &Path) -> Result<u64> {
+    let data_error = |reason: String| ClusterError::DataDir {
+        dir: dir.display().to_string(),
+        reason,
+    };
+    let path = dir.join(INCARNATION_FILE);
+    let previous: u64 = match std::fs::read_to_string(&path) {
+        Ok(text) => text.trim().parse().map_err(|e| {
+            data_error(format!(
+                "{INCARNATION_FILE} holds {text:?}, not a number: {e}"
+            ))
+        })?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(data_error(e.to_string())),
+    };
+    let clock = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64);
+    let incarnation = (previous + 1).max(clock);
+    let write = || -> std::io::Result<()> {
+        let temporary = dir.join(format!("{INCARNATION_FILE}.tmp"));
+        let mut file = std::fs::File::create(&temporary)?;
+        std::io::Write::write_all(&mut file, incarnation.to_string().as_bytes())?;
+        file.sync_all()?;
+        std::fs::rename(&temporary, &path)?;
+        std::fs::File::open(dir)?.sync_all()
+    };
+    write().map_err(|e| data_error(format!("recording the incarnation: {e}")))?;
+    Ok(incarnation)
+}
+
 impl Node {
     /// Starts a node: checks its data directory and its peers, opens its store, joins the
     /// metadata group and serves RPC on `config.listen` until the process ends.
@@ -117,6 +161,7 @@ impl Node {
     /// As [`Node::start`], speaking a given protocol version (tests of version checks).
     pub async fn start_with_protocol(config: NodeConfig, protocol: u32) -> Result<Arc<Node>> {
         check_data_identity(&config.data_dir, &config)?;
+        let incarnation = next_incarnation(&config.data_dir)?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| ClusterError::Listen {
@@ -132,6 +177,9 @@ impl Node {
         };
         if let Some(bytes) = config.memtable_flush_bytes {
             store_config.memtable_flush_bytes = bytes;
+        }
+        if let Some(bytes) = config.checkpoint_log_bytes {
+            store_config.checkpoint_log_bytes = bytes;
         }
         let store_dir = config.data_dir.join("store");
         let store = tokio::task::spawn_blocking(move || Store::open(&store_dir, store_config))
@@ -155,7 +203,7 @@ impl Node {
         };
         let log_store = LogStore::open(&raft_dir).map_err(data_error)?;
         let (state_machine, meta) =
-            StateMachine::open(&raft_dir, store.clone()).map_err(data_error)?;
+            StateMachine::open(config.node_id, &raft_dir, store.clone()).map_err(data_error)?;
         let raft_config = openraft::Config {
             cluster_name: config.cluster_id.clone(),
             // Elections finish well inside the 2 s failure-detection budget.
@@ -191,7 +239,9 @@ impl Node {
             suspects: Mutex::new(BTreeSet::new()),
             checkpointing: AtomicBool::new(false),
             rebalancing: AtomicBool::new(false),
+            shipped: Mutex::new(HashMap::new()),
             protocol,
+            incarnation,
         });
         crate::server::serve(node.clone(), listener);
         node.initialize_if_founder().await?;
@@ -215,6 +265,10 @@ impl Node {
 
     pub fn protocol(&self) -> u32 {
         self.protocol
+    }
+
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
     }
 
     /// The metadata as this node last applied it.
@@ -506,13 +560,14 @@ impl Node {
     }
 
     /// A node missing from the metadata (one joining a running cluster) asks to be added,
-    /// until it sees itself listed.
+    /// until it sees itself listed; then it announces this process (see
+    /// [`MetaCommand::Started`]).
     async fn registration_loop(self: Arc<Self>) {
         let voter = self.config.voter_ids().contains(&self.id());
         loop {
             let view = self.view();
             if view.state.nodes.contains_key(&self.id()) {
-                return;
+                break;
             }
             // A founding voter is listed by the bootstrap entry; others must ask.
             if view.state.is_bootstrapped() || !voter {
@@ -527,6 +582,15 @@ impl Node {
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
+        let announcement = MetaCommand::Started {
+            id: self.id(),
+            incarnation: self.incarnation,
+        };
+        while let Err(error) = self.write(announcement.clone()).await {
+            tracing::info!(%error, "could not announce this process yet");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        tracing::info!(incarnation = self.incarnation, "process announced");
     }
 
     async fn lead(self: &Arc<Self>) -> Result<()> {
@@ -542,6 +606,7 @@ impl Node {
                 cluster_id: self.config.cluster_id.clone(),
                 partition_count: self.config.partitions,
                 replication: self.config.replication,
+                hot_standby: self.config.hot_standby,
                 nodes,
             })
             .await?;
@@ -715,12 +780,41 @@ impl Node {
             return;
         }
         let node = self.clone();
-        tokio::task::spawn_blocking(move || {
-            if let Err(error) = node.store.checkpoint() {
+        tokio::spawn(async move {
+            if let Err(error) = crate::shipping::checkpoint(&node).await {
                 tracing::error!(%error, "checkpoint failed");
             }
             node.checkpointing.store(false, Ordering::SeqCst);
         });
+    }
+
+    /// Flushes memory to components now and ships them to the standbys: a standby asks
+    /// this of its primary before it truncates its own log. (Not a checkpoint, which would
+    /// coordinate with this node's own primaries in turn, and could wait on the asker.)
+    pub async fn flush_and_ship(self: &Arc<Self>) -> Result<()> {
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || store.flush())
+            .await
+            .map_err(|e| ClusterError::Rejected(format!("flush task: {e}")))??;
+        crate::shipping::announce(self).await;
+        Ok(())
+    }
+
+    /// Records the components last announced to the standbys of one partition; false if
+    /// they are the same as last time (nothing to announce).
+    pub fn note_shipped(
+        &self,
+        table: &str,
+        partition: tessera_common::PartitionId,
+        hashes: Vec<tessera_common::ComponentHash>,
+    ) -> bool {
+        let mut shipped = self.shipped.lock().expect("shipped lock");
+        let key = (table.to_string(), partition);
+        if shipped.get(&key) == Some(&hashes) {
+            return false;
+        }
+        shipped.insert(key, hashes);
+        true
     }
 }
 

@@ -193,6 +193,7 @@ pub async fn allocate_epoch(node: &Arc<Node>, tables: Vec<String>) -> Result<Epo
     loop {
         let command = MetaCommand::AllocateEpoch {
             coordinator: node.id(),
+            incarnation: node.incarnation(),
             tables: tables.clone(),
             request,
         };

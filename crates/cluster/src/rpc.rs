@@ -175,6 +175,28 @@ pub struct PartitionMove {
 
 pub const ACTION_COPY_PARTITIONS: &str = "copy-partitions";
 
+/// A standby asks a primary to checkpoint (flush) now, before it truncates its own log.
+pub const ACTION_FLUSH: &str = "flush";
+/// A standby asks a primary for one partition's components: `(table, generation,
+/// partition)`, answered by a [`ShippedManifest`].
+pub const ACTION_SHIPPED_MANIFEST: &str = "shipped-manifest";
+/// A primary tells a standby that partitions' components changed ([`ComponentsRequest`]).
+pub const ACTION_COMPONENTS_READY: &str = "components-ready";
+
+/// What a cold standby installs for one partition: the primary's components, and the
+/// epoch through which they hold every version of the partition.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShippedManifest {
+    pub components: Vec<ComponentMeta>,
+    pub covered: Epoch,
+}
+
+/// Partitions (table, generation, partition) whose components a standby should pull.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ComponentsRequest {
+    pub partitions: Vec<(String, u64, PartitionId)>,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Heartbeat {
     pub node_id: NodeId,

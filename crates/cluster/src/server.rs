@@ -42,7 +42,12 @@ pub struct NodeStatus {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TableCount {
     pub name: String,
+    /// Committed rows this node holds, applied or not.
     pub rows: u64,
+    /// Of `rows`, those a cold standby holds in its log only (not yet covered by
+    /// components from their primary).
+    #[serde(default)]
+    pub logged_rows: u64,
     pub partitions_with_data: usize,
 }
 
@@ -189,6 +194,42 @@ impl NodeService {
                     .map_err(|e| Refusal::Failed(e.to_string()));
                 reply(&result)
             }
+            ACTION_FLUSH => {
+                self.open::<()>(body)?;
+                let result = node
+                    .flush_and_ship()
+                    .await
+                    .map_err(|e| Refusal::Failed(e.to_string()));
+                reply(&result)
+            }
+            ACTION_SHIPPED_MANIFEST => {
+                let (table, generation, partition): (String, u64, PartitionId) = self.open(body)?;
+                let result = match self.local_table(&table, generation) {
+                    Ok(_) => node
+                        .store
+                        .shipped_manifest(&table, partition)
+                        .map(|(components, covered)| ShippedManifest {
+                            components,
+                            covered,
+                        })
+                        .map_err(|e| Refusal::Failed(e.to_string())),
+                    Err(status) => Err(Refusal::Failed(status.message().to_string())),
+                };
+                reply(&result)
+            }
+            ACTION_COMPONENTS_READY => {
+                let request: ComponentsRequest = self.open(body)?;
+                let node = node.clone();
+                // Answered at once: the primary does not wait for its standbys' downloads.
+                tokio::spawn(async move {
+                    if let Err(error) =
+                        crate::shipping::pull_from_primaries(&node, request.partitions).await
+                    {
+                        tracing::warn!(%error, "pulling a primary's components failed; the next checkpoint retries");
+                    }
+                });
+                reply(&Ok::<(), Refusal>(()))
+            }
             ACTION_COPY_PARTITIONS => {
                 let request: CopyRequest = self.open(body)?;
                 let result = crate::rebalance::copy_partitions(node, request)
@@ -213,7 +254,8 @@ impl NodeService {
                         .into_iter()
                         .map(|t| TableCount {
                             name: t.name,
-                            rows: t.component_rows + t.memtable_rows,
+                            rows: t.component_rows + t.memtable_rows + t.logged_rows,
+                            logged_rows: t.logged_rows,
                             partitions_with_data: t.partitions_with_data,
                         })
                         .collect(),

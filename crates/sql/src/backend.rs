@@ -119,7 +119,21 @@ pub fn read_local_partitions(
     partitions: &[PartitionId],
     columns: &[usize],
 ) -> Result<Vec<RecordBatch>> {
-    let snapshot = store.snapshot(&def.name, epoch)?;
+    // A cold standby's rows may be in its log only: replay them first. A commit may add
+    // more between the replay and the snapshot, so check and go round again.
+    let snapshot = loop {
+        store.replay_standby(partitions)?;
+        let snapshot = store.snapshot(&def.name, epoch)?;
+        let complete = partitions.iter().all(|p| {
+            snapshot
+                .partitions
+                .get(p.0 as usize)
+                .is_none_or(|p| !p.rows_in_log)
+        });
+        if complete {
+            break snapshot;
+        }
+    };
     let mut batches = Vec::new();
     for partition in partitions {
         let Some(partition) = snapshot.partitions.get(partition.0 as usize) else {

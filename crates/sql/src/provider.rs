@@ -204,6 +204,14 @@ impl TableProvider for TesseraTable {
             .store
             .snapshot(&self.def.name, self.epoch)
             .map_err(SqlError::to_datafusion)?;
+        // This reads every partition of a local store; cold standbys exist only in a cluster,
+        // whose scans go through `read_local_partitions`, which replays them.
+        if let Some(cold) = snapshot.partitions.iter().find(|p| p.rows_in_log) {
+            return Err(datafusion::error::DataFusionError::Internal(format!(
+                "partition {} of {:?} holds rows in its log only (a cold standby); replay it before reading",
+                cold.partition, self.def.name
+            )));
+        }
         let epoch = snapshot.epoch;
         let stored = stored_schema(&self.def);
         let projection: Vec<usize> = projection

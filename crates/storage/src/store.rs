@@ -32,6 +32,9 @@ pub struct StoreConfig {
     pub partitions: u32,
     /// A checkpoint runs once the in-memory components hold this many bytes.
     pub memtable_flush_bytes: usize,
+    /// A checkpoint also runs once this many bytes were logged since the last one: it bounds
+    /// how much log a restart, or a cold standby's promotion, replays.
+    pub checkpoint_log_bytes: usize,
     /// Publishes at least this large bypass the log and write components directly.
     pub bulk_publish_bytes: usize,
     /// A partition with more components than this is merged at the next checkpoint.
@@ -45,6 +48,7 @@ impl Default for StoreConfig {
         StoreConfig {
             partitions: 64,
             memtable_flush_bytes: 64 << 20,
+            checkpoint_log_bytes: 256 << 20,
             bulk_publish_bytes: 8 << 20,
             merge_threshold: 8,
             max_publish_bytes: 8 << 30,
@@ -85,6 +89,9 @@ pub struct PartitionSnapshot {
     pub components: Vec<ComponentMeta>,
     /// In-memory row versions at or below the snapshot's epoch.
     pub memtable: Vec<RecordBatch>,
+    /// A cold standby holds some of the partition's rows at this epoch in its log only:
+    /// reading it needs [`Store::replay_standby`] first.
+    pub rows_in_log: bool,
 }
 
 impl PartitionSnapshot {
@@ -118,6 +125,8 @@ pub struct TableStats {
     pub components: usize,
     pub component_rows: u64,
     pub memtable_rows: u64,
+    /// Rows a cold standby holds in its log only (committed, durable, not yet applied).
+    pub logged_rows: u64,
     pub partitions_with_data: usize,
 }
 
@@ -150,6 +159,18 @@ struct MemEntry {
 struct PartitionState {
     manifest: Manifest,
     memtable: Vec<MemEntry>,
+    /// Cold standby: committed row batches (their LSNs and epochs) kept in the log only.
+    /// A promotion, a read or a checkpoint replays them into `memtable`; components shipped
+    /// by the primary make those they cover unnecessary.
+    unapplied: Vec<LoggedRows>,
+}
+
+/// A committed row batch a cold standby keeps in its log only.
+#[derive(Debug, Clone, Copy)]
+struct LoggedRows {
+    lsn: Lsn,
+    epoch: Epoch,
+    rows: u64,
 }
 
 struct TableState {
@@ -169,6 +190,10 @@ struct State {
     pending: BTreeMap<Epoch, Vec<PendingEntry>>,
     /// The next sequence number of each pending epoch's entries.
     next_prepare_seq: HashMap<Epoch, u32>,
+    /// Partitions kept as a cold standby: their committed rows are logged, not applied.
+    standby: BTreeSet<PartitionId>,
+    /// Bytes logged since the last checkpoint.
+    logged_bytes: usize,
 }
 
 impl State {
@@ -779,6 +804,7 @@ impl Store {
             );
         }
         state.next_epoch = state.next_epoch.max(epoch.next());
+        state.logged_bytes += frames.len();
         let ticket = self.wal.submit(frames);
         drop(state);
         let durable = ticket.wait();
@@ -819,17 +845,26 @@ impl Store {
         self.or_poison(ticket.wait())?;
         let mut state = self.state();
         for (entry, lsn) in assigned {
+            let cold = state.standby.contains(&entry.partition);
             let Some(table) = state.tables.get_mut(&entry.table) else {
                 continue;
             };
-            let bytes = entry.batch.get_array_memory_size();
-            table.partitions[entry.partition.0 as usize]
-                .memtable
-                .push(MemEntry {
+            let part = &mut table.partitions[entry.partition.0 as usize];
+            if cold {
+                // The rows are durable in the log; a promotion replays them from there.
+                part.unapplied.push(LoggedRows {
                     lsn,
                     epoch,
-                    batch: entry.batch,
+                    rows: entry.batch.num_rows() as u64,
                 });
+                continue;
+            }
+            let bytes = entry.batch.get_array_memory_size();
+            part.memtable.push(MemEntry {
+                lsn,
+                epoch,
+                batch: entry.batch,
+            });
             state.memtable_bytes += bytes;
         }
         Ok(true)
@@ -859,6 +894,7 @@ impl Store {
         partition: PartitionId,
         since: Epoch,
     ) -> Result<Vec<RecordBatch>> {
+        self.replay_standby(&[partition])?;
         let snapshot = self.snapshot_with_partition(table, partition)?;
         let part = &snapshot.partitions[partition.0 as usize];
         let mut batches = Vec::new();
@@ -898,6 +934,7 @@ impl Store {
         table: &str,
         partition: PartitionId,
     ) -> Result<(Vec<ComponentMeta>, Vec<RecordBatch>)> {
+        self.replay_standby(&[partition])?;
         let snapshot = self.snapshot_with_partition(table, partition)?;
         let part = &snapshot.partitions[partition.0 as usize];
         Ok((part.components.clone(), part.memtable.clone()))
@@ -929,23 +966,9 @@ impl Store {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
         let def = self.state().table(table)?.def.clone();
+        self.store_fetched_components(&components, &fetched)?;
         let mut installed = Vec::with_capacity(components.len() + 1);
         for mut meta in components {
-            match fetched.get(&meta.hash) {
-                Some(bytes) => {
-                    let actual = ComponentHash::of_bytes(bytes);
-                    if actual != meta.hash {
-                        return Err(StorageError::CorruptComponent {
-                            hash: meta.hash,
-                            path: component::component_path(&self.components_dir, &meta.hash),
-                            actual,
-                        });
-                    }
-                    self.or_poison(component::write_component(&self.components_dir, bytes))?;
-                    self.verified.lock().expect("verified lock").insert(actual);
-                }
-                None => self.verify_component(&meta.hash)?,
-            }
             let lsn = self.state().allocate_lsn(partition);
             (meta.min_lsn, meta.max_lsn) = (lsn, lsn);
             installed.push(meta);
@@ -969,6 +992,8 @@ impl Store {
             .map(|e| e.batch.get_array_memory_size())
             .sum();
         part.memtable.clear();
+        // Standby rows in the log are older than the LSNs just allocated: replay skips them.
+        part.unapplied.clear();
         part.manifest.components.clear();
         for meta in installed {
             part.manifest.add(meta);
@@ -1005,6 +1030,7 @@ impl Store {
     ) -> Result<()> {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
+        self.replay_standby_holding_gate(|p| *p == partition)?;
         let (def, components, memtable, memtable_reaches_since) = {
             let state = self.state();
             let table_state = state.table(table)?;
@@ -1078,6 +1104,311 @@ impl Store {
         self.collect_garbage(dropped, &state)
     }
 
+    /// Writes the components among `components` that were fetched from a peer, each checked
+    /// against its name first; the others must already be here, intact.
+    fn store_fetched_components(
+        &self,
+        components: &[ComponentMeta],
+        fetched: &HashMap<ComponentHash, Vec<u8>>,
+    ) -> Result<()> {
+        for meta in components {
+            match fetched.get(&meta.hash) {
+                Some(bytes) => {
+                    let actual = ComponentHash::of_bytes(bytes);
+                    if actual != meta.hash {
+                        return Err(StorageError::CorruptComponent {
+                            hash: meta.hash,
+                            path: component::component_path(&self.components_dir, &meta.hash),
+                            actual,
+                        });
+                    }
+                    self.or_poison(component::write_component(&self.components_dir, bytes))?;
+                    self.verified.lock().expect("verified lock").insert(actual);
+                }
+                None => self.verify_component(&meta.hash)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes `standby` the partitions this store keeps as a cold standby: from now on their
+    /// committed rows are logged and not applied. A partition leaving the set (promoted to
+    /// primary) first replays the rows it kept in the log. Returns how many row batches
+    /// were replayed.
+    pub fn set_standby_partitions(&self, standby: BTreeSet<PartitionId>) -> Result<usize> {
+        if self.state().standby == standby {
+            return Ok(0);
+        }
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        let promoted: BTreeSet<PartitionId> =
+            self.state().standby.difference(&standby).copied().collect();
+        let replayed = self.replay_standby_holding_gate(|p| promoted.contains(p))?;
+        self.state().standby = standby;
+        Ok(replayed)
+    }
+
+    /// Applies the committed rows of `partitions` that a cold standby kept in the log only,
+    /// so they can be read; they stay standby partitions. Returns how many row batches were
+    /// replayed.
+    pub fn replay_standby(&self, partitions: &[PartitionId]) -> Result<usize> {
+        let lagging = |state: &State| {
+            state.tables.values().any(|t| {
+                partitions.iter().any(|p| {
+                    t.partitions
+                        .get(p.0 as usize)
+                        .is_some_and(|p| !p.unapplied.is_empty())
+                })
+            })
+        };
+        if !lagging(&self.state()) {
+            return Ok(0);
+        }
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        self.replay_standby_holding_gate(|p| partitions.contains(p))
+    }
+
+    /// The (table, partition) pairs holding committed rows in the log only: what a
+    /// checkpoint would have to apply itself unless their primaries ship components first.
+    pub fn standby_lag(&self) -> Vec<(String, PartitionId)> {
+        let state = self.state();
+        state
+            .tables
+            .iter()
+            .flat_map(|(name, t)| {
+                t.partitions
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| !p.unapplied.is_empty())
+                    .map(move |(i, _)| (name.clone(), PartitionId(i as u32)))
+            })
+            .collect()
+    }
+
+    /// Reads the log back and moves the committed rows that standby partitions selected by
+    /// `which` kept there into memory (log replay). The caller holds the gate exclusively,
+    /// so no append is in flight.
+    fn replay_standby_holding_gate(&self, which: impl Fn(&PartitionId) -> bool) -> Result<usize> {
+        let wanted: HashMap<(String, PartitionId), HashSet<Lsn>> = {
+            let state = self.state();
+            state
+                .tables
+                .iter()
+                .flat_map(|(name, t)| {
+                    t.partitions
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, p)| !p.unapplied.is_empty() && which(&PartitionId(*i as u32)))
+                        .map(move |(i, p)| {
+                            let lsns = p.unapplied.iter().map(|l| l.lsn).collect();
+                            ((name.clone(), PartitionId(i as u32)), lsns)
+                        })
+                })
+                .collect()
+        };
+        if wanted.is_empty() {
+            return Ok(0);
+        }
+        let started = std::time::Instant::now();
+        let wal_dir = self.dir.join("wal");
+        let mut log = PreparedLog::default();
+        let mut found: Vec<(String, PartitionId, MemEntry)> = Vec::new();
+        for record in wal::read_all(&wal_dir)? {
+            match record {
+                WalRecord::Prepared {
+                    table,
+                    partition,
+                    epoch,
+                    seq,
+                    batch,
+                } => log.prepared(
+                    epoch,
+                    PendingEntry {
+                        seq,
+                        table,
+                        partition,
+                        batch,
+                    },
+                ),
+                WalRecord::Abort { epoch } => log.aborted(epoch),
+                WalRecord::CommitPrepared { epoch, lsns } => {
+                    for (entry, lsn) in log.committed(epoch, &lsns)? {
+                        let key = (entry.table, entry.partition);
+                        if wanted.get(&key).is_some_and(|lsns| lsns.contains(&lsn)) {
+                            let entry = MemEntry {
+                                lsn,
+                                epoch,
+                                batch: entry.batch,
+                            };
+                            found.push((key.0, key.1, entry));
+                        }
+                    }
+                }
+                WalRecord::Rows { .. } | WalRecord::Commit { .. } => {}
+            }
+        }
+        let expected: usize = wanted.values().map(HashSet::len).sum();
+        if found.len() != expected {
+            return Err(StorageError::CorruptLog {
+                path: wal_dir,
+                offset: 0,
+                reason: format!(
+                    "a cold standby kept {expected} committed row batches in the log, but only {} are there",
+                    found.len()
+                ),
+            });
+        }
+        let mut state = self.state();
+        for (table, partition, entry) in found {
+            state.memtable_bytes += entry.batch.get_array_memory_size();
+            let table_state = state
+                .tables
+                .get_mut(&table)
+                .expect("wanted names live tables");
+            table_state.partitions[partition.0 as usize]
+                .memtable
+                .push(entry);
+        }
+        for (table, partition) in wanted.keys() {
+            let part =
+                &mut state.tables.get_mut(table).expect("live").partitions[partition.0 as usize];
+            part.unapplied.clear();
+            part.memtable.sort_by_key(|e| e.lsn);
+        }
+        tracing::info!(
+            batches = expected,
+            partitions = wanted.len(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "replayed cold-standby rows from the log"
+        );
+        Ok(expected)
+    }
+
+    /// What a primary ships to the cold standbys of one partition of `table`: the components
+    /// holding its flushed versions, and the epoch through which they hold every version of
+    /// the partition (a standby drops its logged rows up to it).
+    pub fn shipped_manifest(
+        &self,
+        table: &str,
+        partition: PartitionId,
+    ) -> Result<(Vec<ComponentMeta>, Epoch)> {
+        let state = self.state();
+        let part = state
+            .table(table)?
+            .partitions
+            .get(partition.0 as usize)
+            .ok_or_else(|| StorageError::InvalidTable {
+                table: table.to_string(),
+                reason: format!("no partition {partition}"),
+            })?;
+        let before = |epoch: Epoch| Epoch(epoch.0.saturating_sub(1));
+        // A table's epochs commit in epoch order, so every version of this partition up to
+        // the newest flushed one is in a component, unless memory (or the log) still holds
+        // an older one.
+        let covered = [
+            part.manifest.components.iter().map(|c| c.max_epoch).max(),
+            part.memtable.iter().map(|e| before(e.epoch)).min(),
+            part.unapplied.iter().map(|l| before(l.epoch)).min(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+        .unwrap_or(Epoch::ZERO);
+        let covered = if part.manifest.components.is_empty() {
+            Epoch::ZERO
+        } else {
+            covered
+        };
+        Ok((part.manifest.components.clone(), covered))
+    }
+
+    /// Component replication for a cold standby: replaces the components of one partition
+    /// of `table` by its primary's (`components`, holding every version up to `covered`),
+    /// and drops the rows it held for epochs up to `covered`, in the log or in memory. The
+    /// components it lacked are in `fetched`, checked against their names; its old ones,
+    /// merge inputs included, are deleted only now that the replacements are here.
+    ///
+    /// Returns false, changing nothing, if this node holds a component newer than `covered`
+    /// (it flushed rows the primary had not yet flushed): a later shipment covers them.
+    pub fn install_shipped_components(
+        &self,
+        table: &str,
+        partition: PartitionId,
+        components: Vec<ComponentMeta>,
+        fetched: HashMap<ComponentHash, Vec<u8>>,
+        covered: Epoch,
+    ) -> Result<bool> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        {
+            let state = self.state();
+            let part = state
+                .table(table)?
+                .partitions
+                .get(partition.0 as usize)
+                .ok_or_else(|| StorageError::InvalidTable {
+                    table: table.to_string(),
+                    reason: format!("no partition {partition}"),
+                })?;
+            let same = part
+                .manifest
+                .components
+                .iter()
+                .map(|c| c.hash)
+                .eq(components.iter().map(|c| c.hash));
+            let nothing_to_drop = part.memtable.iter().all(|e| e.epoch > covered)
+                && part.unapplied.iter().all(|l| l.epoch > covered);
+            if part
+                .manifest
+                .components
+                .iter()
+                .any(|c| c.max_epoch > covered)
+                || (same && nothing_to_drop)
+            {
+                return Ok(false);
+            }
+        }
+        self.store_fetched_components(&components, &fetched)?;
+        let mut state = self.state();
+        let part = &mut state
+            .tables
+            .get_mut(table)
+            .expect("tables outlive the exclusive gate")
+            .partitions[partition.0 as usize];
+        // Everything at or below this LSN is now in the components: the dropped rows' log
+        // records, as a table's later epochs also have later LSNs.
+        let mut covered_lsn = part.manifest.max_lsn;
+        for logged in part.unapplied.iter().filter(|l| l.epoch <= covered) {
+            covered_lsn = covered_lsn.max(logged.lsn);
+        }
+        let mut freed = 0;
+        for entry in part.memtable.iter().filter(|e| e.epoch <= covered) {
+            covered_lsn = covered_lsn.max(entry.lsn);
+            freed += entry.batch.get_array_memory_size();
+        }
+        part.memtable.retain(|e| e.epoch > covered);
+        part.unapplied.retain(|l| l.epoch > covered);
+        debug_assert!(
+            part.memtable.iter().all(|e| e.lsn > covered_lsn)
+                && part.unapplied.iter().all(|l| l.lsn > covered_lsn),
+            "rows kept must replay above the components' LSN"
+        );
+        let dropped: Vec<ComponentHash> = part.manifest.components.iter().map(|c| c.hash).collect();
+        part.manifest.components = components
+            .into_iter()
+            .map(|mut meta| {
+                (meta.min_lsn, meta.max_lsn) = (covered_lsn, covered_lsn);
+                meta
+            })
+            .collect();
+        part.manifest.max_lsn = covered_lsn;
+        state.memtable_bytes -= freed;
+        self.write_checkpoint(&state)?;
+        self.collect_garbage(dropped, &state)?;
+        Ok(true)
+    }
+
     /// Cluster epochs prepared here whose fate this node has not yet learnt.
     pub fn undecided_epochs(&self) -> Vec<Epoch> {
         self.state().pending.keys().copied().collect()
@@ -1091,7 +1422,9 @@ impl Store {
 
     /// True once memory holds enough rows that a checkpoint should run.
     pub fn wants_checkpoint(&self) -> bool {
-        self.state().memtable_bytes >= self.config.memtable_flush_bytes
+        let state = self.state();
+        state.memtable_bytes >= self.config.memtable_flush_bytes
+            || state.logged_bytes >= self.config.checkpoint_log_bytes
     }
 
     /// Flushes memory to components, records manifests, drops log segments the checkpoint
@@ -1102,9 +1435,27 @@ impl Store {
         self.checkpoint_holding_gate()
     }
 
+    /// Flushes memory to components without truncating the log: what a primary does when
+    /// a cold standby of its partitions wants components before truncating its own log.
+    pub fn flush(&self) -> Result<()> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        self.flush_memtables()
+    }
+
     /// The body of [`Store::checkpoint`], for callers already holding the gate exclusively.
     fn checkpoint_holding_gate(&self) -> Result<()> {
+        // The segments about to go may hold a cold standby's only copy of committed rows not
+        // yet covered by components from its primary: apply them, so the flush keeps them.
+        let replayed = self.replay_standby_holding_gate(|_| true)?;
+        if replayed > 0 {
+            tracing::info!(
+                replayed,
+                "applied cold-standby rows the primary has not shipped components for"
+            );
+        }
         self.flush_memtables()?;
+        self.state().logged_bytes = 0;
         {
             // Epoch and LSN counters must be durable before the log that held them goes.
             let state = self.state();
@@ -1287,6 +1638,7 @@ impl Store {
             .enumerate()
             .map(|(i, p)| PartitionSnapshot {
                 partition: PartitionId(i as u32),
+                rows_in_log: p.unapplied.iter().any(|l| l.epoch <= epoch),
                 components: p.manifest.components_at(epoch),
                 memtable: p
                     .memtable
@@ -1355,10 +1707,20 @@ impl Store {
                     .flat_map(|p| &p.memtable)
                     .map(|e| e.batch.num_rows() as u64)
                     .sum(),
+                logged_rows: t
+                    .partitions
+                    .iter()
+                    .flat_map(|p| &p.unapplied)
+                    .map(|l| l.rows)
+                    .sum(),
                 partitions_with_data: t
                     .partitions
                     .iter()
-                    .filter(|p| !p.manifest.components.is_empty() || !p.memtable.is_empty())
+                    .filter(|p| {
+                        !p.manifest.components.is_empty()
+                            || !p.memtable.is_empty()
+                            || !p.unapplied.is_empty()
+                    })
                     .count(),
             })
             .collect()
@@ -1429,6 +1791,57 @@ impl PreparedChanges {
 /// Rebuilds memory from a checkpoint and the log: committed row records above each
 /// manifest's max LSN go back into memtables; records of epochs without a commit record are
 /// aborted and skipped.
+/// Pairs prepared rows with the commit that gives them LSNs, as a log is read in order.
+#[derive(Default)]
+struct PreparedLog {
+    /// Epochs prepared and not (yet) decided in the log read so far.
+    undecided: BTreeMap<Epoch, Vec<PendingEntry>>,
+}
+
+impl PreparedLog {
+    fn prepared(&mut self, epoch: Epoch, entry: PendingEntry) {
+        // A checkpoint re-logs undecided rows, so the same entry may appear twice.
+        let entries = self.undecided.entry(epoch).or_default();
+        entries.retain(|e| e.seq != entry.seq);
+        entries.push(entry);
+        entries.sort_by_key(|e| e.seq);
+    }
+
+    fn aborted(&mut self, epoch: Epoch) {
+        self.undecided.remove(&epoch);
+    }
+
+    /// The committed epoch's entries, each with the LSN its commit record assigns.
+    fn committed(
+        &mut self,
+        epoch: Epoch,
+        lsns: &[(String, PartitionId, Lsn)],
+    ) -> Result<Vec<(PendingEntry, Lsn)>> {
+        let entries = self.undecided.remove(&epoch).unwrap_or_default();
+        if !entries.is_empty() && entries.len() != lsns.len() {
+            return Err(StorageError::CorruptCheckpoint {
+                path: PathBuf::from("wal"),
+                reason: format!(
+                    "commit of epoch {epoch} assigns {} LSNs to {} prepared entries",
+                    lsns.len(),
+                    entries.len()
+                ),
+            });
+        }
+        let mut paired = Vec::with_capacity(entries.len());
+        for (entry, (table, partition, lsn)) in entries.into_iter().zip(lsns) {
+            if *table != entry.table || *partition != entry.partition {
+                return Err(StorageError::CorruptCheckpoint {
+                    path: PathBuf::from("wal"),
+                    reason: format!("commit of epoch {epoch} names {table:?} partition {partition} where rows of {:?} partition {} were prepared", entry.table, entry.partition),
+                });
+            }
+            paired.push((entry, *lsn));
+        }
+        Ok(paired)
+    }
+}
+
 fn replay(
     checkpoint: Checkpoint,
     records: Vec<WalRecord>,
@@ -1452,6 +1865,7 @@ fn replay(
                     .map(|manifest| PartitionState {
                         manifest,
                         memtable: Vec::new(),
+                        unapplied: Vec::new(),
                     })
                     .collect();
                 (
@@ -1471,12 +1885,15 @@ fn replay(
         memtable_bytes: 0,
         pending: BTreeMap::new(),
         next_prepare_seq: HashMap::new(),
+        standby: BTreeSet::new(),
+        logged_bytes: 0,
     };
     let mut report = RecoveryReport {
         torn_bytes,
         ..Default::default()
     };
     let mut last_lsn: HashMap<(String, PartitionId), Lsn> = HashMap::new();
+    let mut prepared = PreparedLog::default();
     for record in records {
         let (table, partition, lsn, epoch, batch) = match record {
             WalRecord::Rows {
@@ -1494,41 +1911,23 @@ fn replay(
                 batch,
             } => {
                 state.next_epoch = state.next_epoch.max(epoch.next());
-                // A checkpoint re-logs undecided rows, so the same entry may appear twice.
-                let entries = state.pending.entry(epoch).or_default();
-                entries.retain(|e| e.seq != seq);
-                entries.push(PendingEntry {
-                    seq,
-                    table,
-                    partition,
-                    batch,
-                });
-                entries.sort_by_key(|e| e.seq);
+                prepared.prepared(
+                    epoch,
+                    PendingEntry {
+                        seq,
+                        table,
+                        partition,
+                        batch,
+                    },
+                );
                 continue;
             }
             WalRecord::Abort { epoch } => {
-                state.pending.remove(&epoch);
+                prepared.aborted(epoch);
                 continue;
             }
             WalRecord::CommitPrepared { epoch, lsns } => {
-                let entries = state.pending.remove(&epoch).unwrap_or_default();
-                if !entries.is_empty() && entries.len() != lsns.len() {
-                    return Err(StorageError::CorruptCheckpoint {
-                        path: PathBuf::from("wal"),
-                        reason: format!(
-                            "commit of epoch {epoch} assigns {} LSNs to {} prepared entries",
-                            lsns.len(),
-                            entries.len()
-                        ),
-                    });
-                }
-                for (entry, (table, partition, lsn)) in entries.into_iter().zip(&lsns) {
-                    if *table != entry.table || *partition != entry.partition {
-                        return Err(StorageError::CorruptCheckpoint {
-                            path: PathBuf::from("wal"),
-                            reason: format!("commit of epoch {epoch} names {table:?} partition {partition} where rows of {:?} partition {} were prepared", entry.table, entry.partition),
-                        });
-                    }
+                for (entry, lsn) in prepared.committed(epoch, &lsns)? {
                     if let Some(next) = state.partition_next_lsn.get_mut(entry.partition.0 as usize)
                     {
                         *next = (*next).max(lsn.next());
@@ -1540,12 +1939,12 @@ fn replay(
                     else {
                         continue;
                     };
-                    if *lsn <= partition_state.manifest.max_lsn {
+                    if lsn <= partition_state.manifest.max_lsn {
                         continue;
                     }
                     state.memtable_bytes += entry.batch.get_array_memory_size();
                     partition_state.memtable.push(MemEntry {
-                        lsn: *lsn,
+                        lsn,
                         epoch,
                         batch: entry.batch,
                     });
@@ -1589,6 +1988,7 @@ fn replay(
     for epoch in committed {
         state.next_epoch = state.next_epoch.max(epoch.next());
     }
+    state.pending = prepared.undecided;
     for (epoch, entries) in &state.pending {
         let next = entries.iter().map(|e| e.seq + 1).max().unwrap_or(0);
         state.next_prepare_seq.insert(*epoch, next);

@@ -309,6 +309,20 @@ pub fn recover(dir: &Path) -> Result<RecoveredLog> {
     })
 }
 
+/// Reads every segment in order without changing anything on disk: the log of a running
+/// store, read back to replay a cold standby's committed rows. The caller keeps appends
+/// away; a torn tail of the last segment is ignored, as recovery would cut it.
+pub fn read_all(dir: &Path) -> Result<Vec<WalRecord>> {
+    let segments = list_segments(dir)?;
+    let mut records = Vec::new();
+    for (i, &seq) in segments.iter().enumerate() {
+        let path = segment_path(dir, seq);
+        let bytes = fs::read(&path).map_err(|e| StorageError::io(&path, e))?;
+        scan_segment(&path, &bytes, i + 1 == segments.len(), &mut records)?;
+    }
+    Ok(records)
+}
+
 /// Parses frames; returns how many leading bytes are valid.
 fn scan_segment(
     path: &Path,

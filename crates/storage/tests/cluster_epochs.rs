@@ -324,3 +324,125 @@ fn a_new_replica_copies_components_by_hash_and_refuses_corrupt_bytes() {
         assert_eq!(keys(&replica, Epoch(epoch)), keys(&primary, Epoch(epoch)));
     }
 }
+
+fn all_partitions() -> std::collections::BTreeSet<PartitionId> {
+    (0..4).map(PartitionId).collect()
+}
+
+/// Row batches an epoch of `batch` logs on a replica: one per partition it touches.
+fn batches_of(batch: &RecordBatch) -> usize {
+    routed(batch).len()
+}
+
+#[test]
+fn a_cold_standby_keeps_committed_rows_in_its_log_until_promoted() {
+    let (primary_dir, standby_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let primary = Store::open(primary_dir.path(), config()).unwrap();
+    let standby = Store::open(standby_dir.path(), config()).unwrap();
+    standby.set_standby_partitions(all_partitions()).unwrap();
+    let (first, second) = (rows(0, 100), rows(100, 150));
+    for store in [&primary, &standby] {
+        store.ensure_table(def()).unwrap();
+        commit(store, Epoch(1), &first);
+        commit(store, Epoch(2), &second);
+        store.advance_visible(Epoch(2));
+    }
+    // Nothing was applied: the rows are in the log only, and a snapshot says so.
+    let snapshot = standby.snapshot("kv", None).unwrap();
+    assert!(snapshot.partitions.iter().all(|p| p.rows_in_log));
+    assert!(snapshot
+        .partitions
+        .iter()
+        .all(|p| p.memtable.is_empty() && p.components.is_empty()));
+    assert_eq!(standby.standby_lag().len(), 4);
+    drop(snapshot);
+    // Promotion replays exactly the logged batches.
+    let replayed = standby.set_standby_partitions(Default::default()).unwrap();
+    assert_eq!(replayed, batches_of(&first) + batches_of(&second));
+    assert!(standby.standby_lag().is_empty());
+    for epoch in 1..=2 {
+        assert_eq!(keys(&standby, Epoch(epoch)), keys(&primary, Epoch(epoch)));
+    }
+    // Rows kept in the log survive a crash: recovery replays them like any others.
+    standby.set_standby_partitions(all_partitions()).unwrap();
+    commit(&standby, Epoch(3), &rows(150, 160));
+    commit(&primary, Epoch(3), &rows(150, 160));
+    drop(standby);
+    let standby = Store::open(standby_dir.path(), config()).unwrap();
+    for epoch in 1..=3 {
+        assert_eq!(keys(&standby, Epoch(epoch)), keys(&primary, Epoch(epoch)));
+    }
+}
+
+#[test]
+fn a_cold_standby_takes_its_primarys_components_and_drops_the_rows_they_cover() {
+    let (primary_dir, standby_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let primary = Store::open(primary_dir.path(), config()).unwrap();
+    let standby = Store::open(standby_dir.path(), config()).unwrap();
+    standby.set_standby_partitions(all_partitions()).unwrap();
+    let updates = rows(5, 8);
+    for store in [&primary, &standby] {
+        store.ensure_table(def()).unwrap();
+        commit(store, Epoch(1), &rows(0, 100));
+        commit(store, Epoch(2), &rows(100, 150));
+    }
+    primary.checkpoint().unwrap();
+    for store in [&primary, &standby] {
+        commit(store, Epoch(3), &updates);
+        store.advance_visible(Epoch(3));
+    }
+    for p in all_partitions() {
+        let (components, covered) = primary.shipped_manifest("kv", p).unwrap();
+        assert_eq!(
+            covered,
+            Epoch(2),
+            "the flushed epochs, not the one in memory"
+        );
+        let fetched = components
+            .iter()
+            .map(|c| (c.hash, primary.component_bytes(&c.hash).unwrap()))
+            .collect();
+        assert!(standby
+            .install_shipped_components("kv", p, components.clone(), fetched, covered)
+            .unwrap());
+        // The same shipment again changes nothing.
+        assert!(!standby
+            .install_shipped_components("kv", p, components, Default::default(), covered)
+            .unwrap());
+    }
+    // Only epoch 3 is left in the log, so a promotion replays only its batches.
+    assert_eq!(standby.standby_lag().len(), batches_of(&updates));
+    let replayed = standby.set_standby_partitions(Default::default()).unwrap();
+    assert_eq!(replayed, batches_of(&updates));
+    for epoch in 1..=3 {
+        assert_eq!(keys(&standby, Epoch(epoch)), keys(&primary, Epoch(epoch)));
+    }
+    // The installed components are durable and the dropped log records stay dropped.
+    drop(standby);
+    let standby = Store::open(standby_dir.path(), config()).unwrap();
+    for epoch in 1..=3 {
+        assert_eq!(keys(&standby, Epoch(epoch)), keys(&primary, Epoch(epoch)));
+    }
+}
+
+#[test]
+fn a_cold_standby_never_drops_uncovered_rows_when_it_truncates_its_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference_dir = tempfile::tempdir().unwrap();
+    let standby = Store::open(dir.path(), config()).unwrap();
+    let reference = Store::open(reference_dir.path(), config()).unwrap();
+    standby.set_standby_partitions(all_partitions()).unwrap();
+    for store in [&standby, &reference] {
+        store.ensure_table(def()).unwrap();
+        commit(store, Epoch(1), &rows(0, 100));
+        commit(store, Epoch(2), &rows(50, 120));
+    }
+    // No primary shipped anything: the checkpoint applies and flushes the rows itself.
+    standby.checkpoint().unwrap();
+    assert!(standby.standby_lag().is_empty());
+    drop(standby);
+    let standby = Store::open(dir.path(), config()).unwrap();
+    for epoch in 1..=2 {
+        assert_eq!(keys(&standby, Epoch(epoch)), keys(&reference, Epoch(epoch)));
+    }
+}

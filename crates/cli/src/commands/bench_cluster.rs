@@ -18,16 +18,7 @@ pub(super) struct Nodes {
 
 impl Nodes {
     fn start(root: &Path, nodes: u64, partitions: u32) -> Result<Nodes> {
-        Self::start_with(
-            root,
-            UpOptions {
-                nodes,
-                base_port: free_base_port(nodes)?,
-                partitions,
-                replication: 3,
-                delta_recovery: true,
-            },
-        )
+        Self::start_with(root, UpOptions::new(nodes, partitions, 3))
     }
 
     /// Starts a cluster as `options` say (its `base_port` is replaced by a free one).

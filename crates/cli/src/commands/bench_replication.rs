@@ -1,7 +1,8 @@
 //! `tessera bench replication`: on a 3-node local cluster, in one run, publish throughput
 //! with r = 1, 2, 3 (and the overhead against r = 1), failover time from a node's detection
-//! to its partitions serving again, and failback time of the returning node with delta
-//! recovery against a full copy of its stale partitions.
+//! to its partitions serving again (hot standby, and cold standby with and without
+//! checkpoints), and failback time of the returning node with delta recovery against a full
+//! copy of its stale partitions.
 
 use super::bench_cluster::{median_publish_time, wait_formed, Nodes};
 use super::up::UpOptions;
@@ -30,17 +31,41 @@ struct Failback {
     caught_up: Duration,
 }
 
-async fn start(root: &Path, partitions: u32, replication: u32, delta: bool) -> Result<Nodes> {
-    let nodes = Nodes::start_with(
-        root,
-        UpOptions {
-            nodes: NODES,
-            base_port: 0,
-            partitions,
-            replication,
-            delta_recovery: delta,
-        },
-    )?;
+/// How a benchmark cluster's replicas keep the rows of partitions they do not lead.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Standby {
+    /// Applied as they commit: a promotion replays nothing.
+    Hot,
+    /// In the log until promoted, with checkpoints every few MiB of log: primaries ship
+    /// components, so a promotion replays only the log since the last one.
+    ColdCheckpointed,
+    /// In the log until promoted, and no checkpoint at all: a promotion replays everything.
+    ColdUncheckpointed,
+}
+
+/// Log bytes between checkpoints in the checkpointed cold-standby cluster.
+const CHECKPOINT_LOG_BYTES: usize = 16 << 20;
+/// Large enough that no checkpoint runs during the benchmark.
+const NEVER: usize = 1 << 50;
+
+async fn start(
+    root: &Path,
+    partitions: u32,
+    replication: u32,
+    delta: bool,
+    standby: Standby,
+) -> Result<Nodes> {
+    let mut options = UpOptions::new(NODES, partitions, replication);
+    options.delta_recovery = delta;
+    match standby {
+        Standby::Hot => options.hot_standby = true,
+        Standby::ColdCheckpointed => options.checkpoint_log_bytes = Some(CHECKPOINT_LOG_BYTES),
+        Standby::ColdUncheckpointed => {
+            options.checkpoint_log_bytes = Some(NEVER);
+            options.memtable_flush_bytes = Some(NEVER);
+        }
+    }
+    let nodes = Nodes::start_with(root, options)?;
     wait_formed(&nodes.addrs, Duration::from_secs(60)).await?;
     let client = ClusterClient::new(&nodes.addrs[0]);
     let lineitem = tessera_tpch::table("lineitem").expect("lineitem");
@@ -169,28 +194,49 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
     let result = async {
         let mut throughput = Vec::new();
         for r in 1..=3u32 {
-            let nodes = start(&root.join(format!("r{r}")), partitions, r, true).await?;
+            let dir = root.join(format!("r{r}"));
+            let nodes = start(&dir, partitions, r, true, Standby::ColdCheckpointed).await?;
             throughput.push(publish_throughput(&nodes, &rows, runs).await?);
         }
-        let mut hot = start(&root.join("failover"), partitions, 3, true).await?;
-        publish_throughput(&hot, &rows, 1).await?;
-        let hot_failover = failover(&mut hot, 3).await?;
-        let delta_failback = failback(&mut hot, 3, &delta).await?;
-        drop(hot);
-        let mut full = start(&root.join("full-copy"), partitions, 3, false).await?;
-        publish_throughput(&full, &rows, 1).await?;
-        failover(&mut full, 3).await?;
-        let full_failback = failback(&mut full, 3, &delta).await?;
-        anyhow::Ok((throughput, hot_failover, delta_failback, full_failback))
+        let hot_r3 = {
+            let nodes = start(&root.join("hot"), partitions, 3, true, Standby::Hot).await?;
+            publish_throughput(&nodes, &rows, runs).await?
+        };
+        let mut failovers = Vec::new();
+        let mut delta_failback = None;
+        for standby in [
+            Standby::Hot,
+            Standby::ColdCheckpointed,
+            Standby::ColdUncheckpointed,
+        ] {
+            let dir = root.join(format!("failover-{standby:?}"));
+            let mut nodes = start(&dir, partitions, 3, true, standby).await?;
+            publish_throughput(&nodes, &rows, 1).await?;
+            // Let the last checkpoints' component shipments land.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            failovers.push((standby, failover(&mut nodes, 3).await?));
+            if standby == Standby::ColdCheckpointed {
+                delta_failback = Some(failback(&mut nodes, 3, &delta).await?);
+            }
+        }
+        let full_failback = {
+            let dir = root.join("full-copy");
+            let mut nodes = start(&dir, partitions, 3, false, Standby::ColdCheckpointed).await?;
+            publish_throughput(&nodes, &rows, 1).await?;
+            failover(&mut nodes, 3).await?;
+            failback(&mut nodes, 3, &delta).await?
+        };
+        let delta_failback = delta_failback.expect("the checkpointed cluster fails back");
+        anyhow::Ok((throughput, hot_r3, failovers, delta_failback, full_failback))
     }
     .await;
     let _ = std::fs::remove_dir_all(&root);
-    let (throughput, failover, delta, full) = result?;
+    let (throughput, hot_r3, failovers, delta, full) = result?;
 
     println!();
     println!("{:<30} {:>12} {:>12} {:>12}", "", "r=1", "r=2", "r=3");
     println!(
-        "{:<30} {:>12.0} {:>12.0} {:>12.0}",
+        "{:<30} {:>12.0} {:>12.0} {:>12.0}   (cold standby)",
         "publish throughput (rows/s)",
         throughput[0].rows_per_second,
         throughput[1].rows_per_second,
@@ -204,13 +250,34 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
         overhead(&throughput[1]),
         overhead(&throughput[2])
     );
-    println!();
     println!(
-        "failover (r=3, SIGKILL of node 3): declared failed {:.0} ms after the kill; a count(*) over every partition answered exactly {:.0} ms after detection (the same query takes {:.0} ms on a healthy cluster)",
-        failover.detected.as_secs_f64() * 1000.0,
-        failover.serving_after_detection.as_secs_f64() * 1000.0,
-        failover.healthy_query.as_secs_f64() * 1000.0
+        "{:<30} {:>12} {:>12} {:>12.2}   (hot standby: {:.0} rows/s)",
+        "overhead vs r=1, hot standby",
+        "",
+        "",
+        overhead(&hot_r3),
+        hot_r3.rows_per_second
     );
+    println!();
+    println!("failover (r=3, SIGKILL of node 3; detection = declared failed, serving = a count(*) over every partition answers exactly):");
+    for (standby, failover) in &failovers {
+        let what = match standby {
+            Standby::Hot => "hot standby".to_string(),
+            Standby::ColdCheckpointed => {
+                format!(
+                    "cold standby, checkpoint every {} MiB of log",
+                    CHECKPOINT_LOG_BYTES >> 20
+                )
+            }
+            Standby::ColdUncheckpointed => "cold standby, no checkpoints".to_string(),
+        };
+        println!(
+            "  {what:<48} detected {:>6.0} ms after the kill, serving {:>6.0} ms after detection (healthy query {:.0} ms)",
+            failover.detected.as_secs_f64() * 1000.0,
+            failover.serving_after_detection.as_secs_f64() * 1000.0,
+            failover.healthy_query.as_secs_f64() * 1000.0
+        );
+    }
     println!(
         "failback after missing one {DELTA_ROWS}-row publish, from declared alive to up to date: delta recovery {:.0} ms, full copy {:.0} ms, full/delta {:.2}",
         delta.caught_up.as_secs_f64() * 1000.0,

@@ -90,11 +90,12 @@ pub async fn run(addr: &str) -> Result<()> {
     for def in meta.tables.values() {
         let local = status.tables.iter().find(|t| t.name == def.name);
         println!(
-            "  {:<20} key {:?}, created at epoch {}; rows on this node: {}",
+            "  {:<20} key {:?}, created at epoch {}; rows on this node: {} ({} in the log only, as a cold standby)",
             def.name,
             def.primary_key,
             def.created_at,
-            local.map_or(0, |t| t.rows)
+            local.map_or(0, |t| t.rows),
+            local.map_or(0, |t| t.logged_rows)
         );
     }
     Ok(())

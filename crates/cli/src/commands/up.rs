@@ -14,6 +14,25 @@ pub struct UpOptions {
     pub partitions: u32,
     pub replication: u32,
     pub delta_recovery: bool,
+    pub hot_standby: bool,
+    pub memtable_flush_bytes: Option<usize>,
+    pub checkpoint_log_bytes: Option<usize>,
+}
+
+impl UpOptions {
+    /// A cluster of `nodes` with `replication` copies and every other setting at its default.
+    pub fn new(nodes: u64, partitions: u32, replication: u32) -> UpOptions {
+        UpOptions {
+            nodes,
+            base_port: 0,
+            partitions,
+            replication,
+            delta_recovery: true,
+            hot_standby: false,
+            memtable_flush_bytes: None,
+            checkpoint_log_bytes: None,
+        }
+    }
 }
 
 /// Writes (or reuses) the node configurations of a local cluster under `root`.
@@ -59,7 +78,9 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
             replication: options.replication,
             heartbeat_ms: 200,
             failure_timeout_ms: 1500,
-            memtable_flush_bytes: None,
+            memtable_flush_bytes: options.memtable_flush_bytes,
+            checkpoint_log_bytes: options.checkpoint_log_bytes,
+            hot_standby: options.hot_standby,
             delta_recovery: options.delta_recovery,
             rereplicate_after_ms: 5 * 60 * 1000,
         };

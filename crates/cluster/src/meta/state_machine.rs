@@ -37,6 +37,8 @@ struct StoredSnapshot {
 }
 
 pub struct StateMachine {
+    /// This node, whose cold-standby partitions the metadata decides.
+    node_id: NodeId,
     dir: PathBuf,
     state: MetaState,
     last_applied: Option<LogId<NodeId>>,
@@ -52,6 +54,7 @@ fn sm_error(e: impl std::fmt::Display) -> StorageError<NodeId> {
 impl StateMachine {
     /// Loads the last snapshot (if any) and brings the local store in line with it.
     pub fn open(
+        node_id: NodeId,
         dir: &Path,
         store: Arc<Store>,
     ) -> std::io::Result<(StateMachine, watch::Receiver<Arc<MetaView>>)> {
@@ -79,6 +82,7 @@ impl StateMachine {
             applied_index: last_applied.map_or(0, |l| l.index),
         }));
         let machine = StateMachine {
+            node_id,
             dir: dir.to_path_buf(),
             state,
             last_applied,
@@ -102,6 +106,17 @@ impl StateMachine {
     fn run_effects(&self, effects: Vec<LocalEffect>) -> tessera_storage::error::Result<()> {
         let store = &self.store;
         tokio::task::block_in_place(|| {
+            // First, so a promotion in this entry replays the promoted partitions' log
+            // before anything else touches them.
+            let standby = if self.state.hot_standby || !self.state.is_bootstrapped() {
+                Default::default()
+            } else {
+                self.state.map.standby_of(self.node_id)
+            };
+            let replayed = store.set_standby_partitions(standby)?;
+            if replayed > 0 {
+                tracing::info!(replayed, "promoted partitions replayed their logged rows");
+            }
             for effect in effects {
                 match effect {
                     LocalEffect::EnsureTable(def) => store.ensure_table(def)?,

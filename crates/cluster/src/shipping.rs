@@ -1,0 +1,212 @@
+//! Component replication to cold standbys, and the checkpoints it coordinates.
+//!
+//! A cold standby (the default; see `hot_standby` in `node.toml`) logs the rows of the
+//! partitions it replicates but neither applies, flushes nor merges them. Instead:
+//!
+//! - After a checkpoint, a primary tells the standbys of each partition whose components
+//!   changed ([`announce`]); each pulls the partition's component list and the epoch it
+//!   covers, fetches the components it lacks by hash, and swaps them in
+//!   ([`pull_from_primaries`]). The rows it logged up to that epoch are then unnecessary, and
+//!   its old components (merge inputs among them) are deleted only after their replacements
+//!   arrived.
+//! - Before a standby truncates its own log (its [`checkpoint`]), it asks the primaries of
+//!   the partitions whose logged rows are not yet covered to flush first, and pulls their
+//!   components, so its log replay at promotion stays bounded by its own checkpoints. What still is not covered (a primary that did not answer) the
+//!   store applies and flushes itself: no logged row is ever dropped uncovered.
+
+use crate::error::{ClusterError, Result};
+use crate::node::Node;
+use crate::rpc::{
+    ComponentsRequest, Refusal, ShippedManifest, ACTION_COMPONENTS_READY, ACTION_FLUSH,
+    ACTION_SHIPPED_MANIFEST,
+};
+use crate::NodeId;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_common::PartitionId;
+
+/// How long a standby waits for a primary to flush before it applies its log itself.
+const FLUSH_PATIENCE: Duration = Duration::from_secs(120);
+/// How long a primary waits for a standby to take its announcement.
+const ANNOUNCE_PATIENCE: Duration = Duration::from_secs(2);
+
+/// One partition of one table generation.
+pub type TablePartition = (String, u64, PartitionId);
+
+/// Runs a checkpoint on this node, coordinated with the primaries of its standby partitions
+/// and followed by shipping its own new components to its standbys.
+pub async fn checkpoint(node: &Arc<Node>) -> Result<()> {
+    let lagging = lagging_by_primary(node);
+    tracing::debug!(
+        primaries = lagging.len(),
+        "checkpoint: asking primaries of lagging standby partitions to flush"
+    );
+    for (primary, partitions) in lagging {
+        let Some(addr) = node.addr_of(primary) else {
+            continue;
+        };
+        let flushed: Result<()> = call(node, &addr, ACTION_FLUSH, (), FLUSH_PATIENCE).await;
+        if let Err(error) = flushed {
+            tracing::warn!(primary, %error, "a primary did not flush for this node's checkpoint; applying its logged rows here");
+            continue;
+        }
+        if let Err(error) = pull_from_primaries(node, partitions).await {
+            tracing::warn!(primary, %error, "could not take a primary's components; applying logged rows here");
+        }
+    }
+    let store = node.store.clone();
+    tokio::task::spawn_blocking(move || store.checkpoint())
+        .await
+        .map_err(|e| ClusterError::Rejected(format!("checkpoint task: {e}")))??;
+    announce(node).await;
+    Ok(())
+}
+
+/// The partitions holding logged rows no component covers yet, by their primary.
+fn lagging_by_primary(node: &Arc<Node>) -> BTreeMap<NodeId, Vec<TablePartition>> {
+    let view = node.view();
+    let mut lagging: BTreeMap<NodeId, Vec<TablePartition>> = BTreeMap::new();
+    for (table, partition) in node.store.standby_lag() {
+        let Some(def) = view.state.tables.get(&table) else {
+            continue;
+        };
+        let placement = &view.state.map.partitions[partition.0 as usize];
+        if let Some(primary) = placement.primary.filter(|p| *p != node.id()) {
+            lagging
+                .entry(primary)
+                .or_default()
+                .push((table, def.generation, partition));
+        }
+    }
+    lagging
+}
+
+/// Tells the standbys of every partition this node is primary of, and whose components
+/// changed since the last announcement, to pull them.
+pub async fn announce(node: &Arc<Node>) {
+    let view = node.view();
+    let mut by_standby: BTreeMap<NodeId, Vec<TablePartition>> = BTreeMap::new();
+    for (table, def) in &view.state.tables {
+        for (i, placement) in view.state.map.partitions.iter().enumerate() {
+            if placement.primary != Some(node.id()) {
+                continue;
+            }
+            let partition = PartitionId(i as u32);
+            let Ok((components, _)) = node.store.shipped_manifest(table, partition) else {
+                continue;
+            };
+            let hashes: Vec<_> = components.iter().map(|c| c.hash).collect();
+            if !node.note_shipped(table, partition, hashes) {
+                continue;
+            }
+            for standby in placement.replicas.iter().filter(|r| {
+                **r != node.id()
+                    && !placement.stale.contains_key(r)
+                    && view.state.nodes.get(r).is_some_and(|n| n.alive)
+            }) {
+                by_standby.entry(*standby).or_default().push((
+                    table.clone(),
+                    def.generation,
+                    partition,
+                ));
+            }
+        }
+    }
+    for (standby, partitions) in by_standby {
+        let Some(addr) = node.addr_of(standby) else {
+            continue;
+        };
+        let request = ComponentsRequest { partitions };
+        let sent: Result<()> = call(
+            node,
+            &addr,
+            ACTION_COMPONENTS_READY,
+            request,
+            ANNOUNCE_PATIENCE,
+        )
+        .await;
+        if let Err(error) = sent {
+            // It pulls at its own next checkpoint instead.
+            tracing::debug!(standby, %error, "a standby did not take a component announcement");
+        }
+    }
+}
+
+/// Pulls the components of `partitions` from their current primaries and installs them.
+/// Returns how many partitions changed.
+pub async fn pull_from_primaries(
+    node: &Arc<Node>,
+    partitions: Vec<TablePartition>,
+) -> Result<usize> {
+    let mut installed = 0;
+    for (table, generation, partition) in partitions {
+        let view = node.view();
+        let current = view
+            .state
+            .tables
+            .get(&table)
+            .is_some_and(|def| def.generation == generation);
+        let primary = view.state.map.partitions[partition.0 as usize].primary;
+        let Some(primary) = primary.filter(|p| current && *p != node.id()) else {
+            continue;
+        };
+        let addr = node.addr_of(primary).ok_or(ClusterError::NoLeader)?;
+        let request = (table.clone(), generation, partition);
+        let shipped: ShippedManifest = call(
+            node,
+            &addr,
+            ACTION_SHIPPED_MANIFEST,
+            request,
+            FLUSH_PATIENCE,
+        )
+        .await
+        .map_err(|e| ClusterError::Rejected(format!("manifest from node {primary}: {e}")))?;
+        let mut fetched = HashMap::new();
+        for component in &shipped.components {
+            if node.store.has_component(&component.hash) || fetched.contains_key(&component.hash) {
+                continue;
+            }
+            let bytes = node
+                .clients
+                .component(&addr, component.hash)
+                .await
+                .map_err(|e| {
+                    ClusterError::Rejected(format!("component from node {primary}: {e}"))
+                })?;
+            fetched.insert(component.hash, bytes);
+        }
+        let store = node.store.clone();
+        let (table_name, covered) = (table.clone(), shipped.covered);
+        let changed = tokio::task::spawn_blocking(move || {
+            store.install_shipped_components(
+                &table,
+                partition,
+                shipped.components,
+                fetched,
+                shipped.covered,
+            )
+        })
+        .await
+        .map_err(|e| ClusterError::Rejected(e.to_string()))??;
+        tracing::debug!(table = %table_name, %partition, primary, %covered, changed, "pulled a primary's components");
+        installed += usize::from(changed);
+    }
+    Ok(installed)
+}
+
+/// One node-to-node action whose reply may be a refusal.
+async fn call<Req: serde::Serialize, Resp: serde::de::DeserializeOwned>(
+    node: &Node,
+    addr: &str,
+    kind: &str,
+    body: Req,
+    patience: Duration,
+) -> Result<Resp> {
+    let reply: std::result::Result<Resp, Refusal> = node
+        .clients
+        .action(addr, kind, body, patience)
+        .await
+        .map_err(|e| ClusterError::Rejected(e.to_string()))?;
+    reply.map_err(|refusal| ClusterError::Rejected(format!("{refusal:?}")))
+}
