@@ -122,7 +122,19 @@ async fn five_nodes_answer_all_tpch_queries_exactly() {
 /// A running 3-node cluster (`replication` copies) with an empty `kv` table, and a client
 /// of node 1.
 async fn kv_cluster(root: &Path, replication: u32) -> (LocalCluster, ClusterClient) {
+    kv_cluster_with(root, replication, &[]).await
+}
+
+/// A 3-node cluster with table `kv`, each node configured with `options` (key, value).
+async fn kv_cluster_with(
+    root: &Path,
+    replication: u32,
+    options: &[(&str, &str)],
+) -> (LocalCluster, ClusterClient) {
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root, 3, PARTITIONS, replication);
+    for (key, value) in options {
+        cluster.set_option(key, value);
+    }
     cluster.start_all();
     wait_formed(&cluster, 1, 3).await;
     let client = ClusterClient::new(cluster.addr(1));
@@ -780,16 +792,9 @@ async fn kv_rows_held(cluster: &LocalCluster, id: u64) -> (u64, u64) {
 async fn cold_standbys_take_their_primaries_components_and_replay_the_rest_when_promoted() {
     let _exclusive = exclusive();
     let root = tempfile::tempdir().unwrap();
-    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
     // Checkpoints every 64 KiB of log: primaries flush and ship components often.
-    cluster.set_option("checkpoint_log_bytes", "65536");
-    cluster.start_all();
-    wait_formed(&cluster, 1, 3).await;
-    let client = ClusterClient::new(cluster.addr(1));
-    client
-        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
-        .await
-        .unwrap();
+    let (mut cluster, client) =
+        kv_cluster_with(root.path(), 3, &[("checkpoint_log_bytes", "65536")]).await;
     const BATCHES: i64 = 20;
     for b in 0..BATCHES {
         client
@@ -846,15 +851,7 @@ async fn cold_standbys_take_their_primaries_components_and_replay_the_rest_when_
 async fn hot_standbys_apply_rows_as_they_commit() {
     let _exclusive = exclusive();
     let root = tempfile::tempdir().unwrap();
-    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
-    cluster.set_option("hot_standby", "true");
-    cluster.start_all();
-    wait_formed(&cluster, 1, 3).await;
-    let client = ClusterClient::new(cluster.addr(1));
-    client
-        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
-        .await
-        .unwrap();
+    let (mut cluster, client) = kv_cluster_with(root.path(), 3, &[("hot_standby", "true")]).await;
     client
         .publish("kv", vec![kv_batch(0, 2000)], false)
         .await

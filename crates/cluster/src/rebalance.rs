@@ -23,7 +23,8 @@ use futures::TryStreamExt;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
-use tessera_common::{Epoch, PartitionId};
+use tessera_common::{ComponentHash, Epoch, PartitionId};
+use tessera_storage::ComponentMeta;
 
 /// The members that should hold partitions: every node that is not leaving, retired, or
 /// `lost` (failed for so long that its replicas are rebuilt elsewhere).
@@ -250,18 +251,9 @@ async fn copy_whole(
         .export(&addr, request)
         .await
         .map_err(|e| copy_error(moved.source, e))?;
-    let mut fetched = HashMap::new();
-    for component in &components {
-        if node.store.has_component(&component.hash) || fetched.contains_key(&component.hash) {
-            continue;
-        }
-        let bytes = node
-            .clients
-            .component(&addr, component.hash)
-            .await
-            .map_err(|e| copy_error(moved.source, e))?;
-        fetched.insert(component.hash, bytes);
-    }
+    let fetched = fetch_missing_components(node, &addr, &components)
+        .await
+        .map_err(|e| copy_error(moved.source, e))?;
     let store = node.store.clone();
     let (table, partition) = (table.to_string(), moved.partition);
     tokio::task::spawn_blocking(move || {
@@ -270,6 +262,24 @@ async fn copy_whole(
     .await
     .map_err(|e| ClusterError::Rejected(e.to_string()))??;
     Ok(())
+}
+
+/// The bytes of those of `components` this node lacks, fetched by hash from `addr` (the
+/// receiving store checks them against their names before it writes them).
+pub(crate) async fn fetch_missing_components(
+    node: &Node,
+    addr: &str,
+    components: &[ComponentMeta],
+) -> std::result::Result<HashMap<ComponentHash, Vec<u8>>, CallError> {
+    let mut fetched = HashMap::new();
+    for component in components {
+        if node.store.has_component(&component.hash) || fetched.contains_key(&component.hash) {
+            continue;
+        }
+        let bytes = node.clients.component(addr, component.hash).await?;
+        fetched.insert(component.hash, bytes);
+    }
+    Ok(fetched)
 }
 
 /// A returning replica fetches only the versions from the first epoch it missed.

@@ -21,7 +21,7 @@ use crate::rpc::{
     ACTION_SHIPPED_MANIFEST,
 };
 use crate::NodeId;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::PartitionId;
@@ -162,20 +162,9 @@ pub async fn pull_from_primaries(
         )
         .await
         .map_err(|e| ClusterError::Rejected(format!("manifest from node {primary}: {e}")))?;
-        let mut fetched = HashMap::new();
-        for component in &shipped.components {
-            if node.store.has_component(&component.hash) || fetched.contains_key(&component.hash) {
-                continue;
-            }
-            let bytes = node
-                .clients
-                .component(&addr, component.hash)
-                .await
-                .map_err(|e| {
-                    ClusterError::Rejected(format!("component from node {primary}: {e}"))
-                })?;
-            fetched.insert(component.hash, bytes);
-        }
+        let fetched = crate::rebalance::fetch_missing_components(node, &addr, &shipped.components)
+            .await
+            .map_err(|e| ClusterError::Rejected(format!("component from node {primary}: {e}")))?;
         let store = node.store.clone();
         let (table_name, covered) = (table.clone(), shipped.covered);
         let changed = tokio::task::spawn_blocking(move || {

@@ -192,6 +192,9 @@ struct State {
     next_prepare_seq: HashMap<Epoch, u32>,
     /// Partitions kept as a cold standby: their committed rows are logged, not applied.
     standby: BTreeSet<PartitionId>,
+    /// The standby partitions the metadata asks for; `standby` also holds promoted ones
+    /// until their log is replayed.
+    standby_wanted: BTreeSet<PartitionId>,
     /// Bytes logged since the last checkpoint.
     logged_bytes: usize,
 }
@@ -237,6 +240,16 @@ impl State {
         self.tables
             .get(name)
             .ok_or_else(|| StorageError::UnknownTable(name.to_string()))
+    }
+
+    fn partition(&self, table: &str, partition: PartitionId) -> Result<&PartitionState> {
+        self.table(table)?
+            .partitions
+            .get(partition.0 as usize)
+            .ok_or_else(|| StorageError::InvalidTable {
+                table: table.to_string(),
+                reason: format!("no partition {partition}"),
+            })
     }
 
     fn to_checkpoint(&self, partition_count: u32) -> Checkpoint {
@@ -1132,19 +1145,33 @@ impl Store {
     }
 
     /// Makes `standby` the partitions this store keeps as a cold standby: from now on their
-    /// committed rows are logged and not applied. A partition leaving the set (promoted to
-    /// primary) first replays the rows it kept in the log. Returns how many row batches
-    /// were replayed.
-    pub fn set_standby_partitions(&self, standby: BTreeSet<PartitionId>) -> Result<usize> {
-        if self.state().standby == standby {
-            return Ok(0);
+    /// committed rows are logged and not applied. Returns the partitions leaving the set
+    /// (promoted to primary): they stay cold standbys, and readers replay them on demand,
+    /// until [`Store::promote`] has replayed their log, which the caller runs next (off the
+    /// metadata's apply path: a long replay must not hold it up).
+    pub fn set_standby_partitions(&self, standby: BTreeSet<PartitionId>) -> BTreeSet<PartitionId> {
+        let mut state = self.state();
+        if state.standby_wanted == standby {
+            return BTreeSet::new();
         }
+        let promoted: BTreeSet<PartitionId> = state.standby.difference(&standby).copied().collect();
+        state.standby.extend(standby.iter().copied());
+        state.standby_wanted = standby;
+        promoted
+    }
+
+    /// Replays the logged rows of promoted partitions and applies their rows as they commit
+    /// from now on (unless they became standbys again meanwhile). Returns how many row
+    /// batches were replayed.
+    pub fn promote(&self, promoted: &BTreeSet<PartitionId>) -> Result<usize> {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
-        let promoted: BTreeSet<PartitionId> =
-            self.state().standby.difference(&standby).copied().collect();
         let replayed = self.replay_standby_holding_gate(|p| promoted.contains(p))?;
-        self.state().standby = standby;
+        let mut state = self.state();
+        let wanted = state.standby_wanted.clone();
+        state
+            .standby
+            .retain(|p| wanted.contains(p) || !promoted.contains(p));
         Ok(replayed)
     }
 
@@ -1294,14 +1321,7 @@ impl Store {
         partition: PartitionId,
     ) -> Result<(Vec<ComponentMeta>, Epoch)> {
         let state = self.state();
-        let part = state
-            .table(table)?
-            .partitions
-            .get(partition.0 as usize)
-            .ok_or_else(|| StorageError::InvalidTable {
-                table: table.to_string(),
-                reason: format!("no partition {partition}"),
-            })?;
+        let part = state.partition(table, partition)?;
         let before = |epoch: Epoch| Epoch(epoch.0.saturating_sub(1));
         // A table's epochs commit in epoch order, so every version of this partition up to
         // the newest flushed one is in a component, unless memory (or the log) still holds
@@ -1343,14 +1363,7 @@ impl Store {
         self.check_poisoned()?;
         {
             let state = self.state();
-            let part = state
-                .table(table)?
-                .partitions
-                .get(partition.0 as usize)
-                .ok_or_else(|| StorageError::InvalidTable {
-                    table: table.to_string(),
-                    reason: format!("no partition {partition}"),
-                })?;
+            let part = state.partition(table, partition)?;
             let same = part
                 .manifest
                 .components
@@ -1886,6 +1899,7 @@ fn replay(
         pending: BTreeMap::new(),
         next_prepare_seq: HashMap::new(),
         standby: BTreeSet::new(),
+        standby_wanted: BTreeSet::new(),
         logged_bytes: 0,
     };
     let mut report = RecoveryReport {

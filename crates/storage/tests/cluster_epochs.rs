@@ -339,7 +339,7 @@ fn a_cold_standby_keeps_committed_rows_in_its_log_until_promoted() {
     let (primary_dir, standby_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let primary = Store::open(primary_dir.path(), config()).unwrap();
     let standby = Store::open(standby_dir.path(), config()).unwrap();
-    standby.set_standby_partitions(all_partitions()).unwrap();
+    standby.set_standby_partitions(all_partitions());
     let (first, second) = (rows(0, 100), rows(100, 150));
     for store in [&primary, &standby] {
         store.ensure_table(def()).unwrap();
@@ -357,14 +357,16 @@ fn a_cold_standby_keeps_committed_rows_in_its_log_until_promoted() {
     assert_eq!(standby.standby_lag().len(), 4);
     drop(snapshot);
     // Promotion replays exactly the logged batches.
-    let replayed = standby.set_standby_partitions(Default::default()).unwrap();
+    let promoted = standby.set_standby_partitions(Default::default());
+    assert_eq!(promoted, all_partitions());
+    let replayed = standby.promote(&promoted).unwrap();
     assert_eq!(replayed, batches_of(&first) + batches_of(&second));
     assert!(standby.standby_lag().is_empty());
     for epoch in 1..=2 {
         assert_eq!(keys(&standby, Epoch(epoch)), keys(&primary, Epoch(epoch)));
     }
     // Rows kept in the log survive a crash: recovery replays them like any others.
-    standby.set_standby_partitions(all_partitions()).unwrap();
+    standby.set_standby_partitions(all_partitions());
     commit(&standby, Epoch(3), &rows(150, 160));
     commit(&primary, Epoch(3), &rows(150, 160));
     drop(standby);
@@ -379,7 +381,7 @@ fn a_cold_standby_takes_its_primarys_components_and_drops_the_rows_they_cover() 
     let (primary_dir, standby_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let primary = Store::open(primary_dir.path(), config()).unwrap();
     let standby = Store::open(standby_dir.path(), config()).unwrap();
-    standby.set_standby_partitions(all_partitions()).unwrap();
+    standby.set_standby_partitions(all_partitions());
     let updates = rows(5, 8);
     for store in [&primary, &standby] {
         store.ensure_table(def()).unwrap();
@@ -412,8 +414,8 @@ fn a_cold_standby_takes_its_primarys_components_and_drops_the_rows_they_cover() 
     }
     // Only epoch 3 is left in the log, so a promotion replays only its batches.
     assert_eq!(standby.standby_lag().len(), batches_of(&updates));
-    let replayed = standby.set_standby_partitions(Default::default()).unwrap();
-    assert_eq!(replayed, batches_of(&updates));
+    let promoted = standby.set_standby_partitions(Default::default());
+    assert_eq!(standby.promote(&promoted).unwrap(), batches_of(&updates));
     for epoch in 1..=3 {
         assert_eq!(keys(&standby, Epoch(epoch)), keys(&primary, Epoch(epoch)));
     }
@@ -431,7 +433,7 @@ fn a_cold_standby_never_drops_uncovered_rows_when_it_truncates_its_log() {
     let reference_dir = tempfile::tempdir().unwrap();
     let standby = Store::open(dir.path(), config()).unwrap();
     let reference = Store::open(reference_dir.path(), config()).unwrap();
-    standby.set_standby_partitions(all_partitions()).unwrap();
+    standby.set_standby_partitions(all_partitions());
     for store in [&standby, &reference] {
         store.ensure_table(def()).unwrap();
         commit(store, Epoch(1), &rows(0, 100));

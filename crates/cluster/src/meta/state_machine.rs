@@ -113,9 +113,20 @@ impl StateMachine {
             } else {
                 self.state.map.standby_of(self.node_id)
             };
-            let replayed = store.set_standby_partitions(standby)?;
-            if replayed > 0 {
-                tracing::info!(replayed, "promoted partitions replayed their logged rows");
+            let promoted = store.set_standby_partitions(standby);
+            if !promoted.is_empty() {
+                let store = store.clone();
+                tokio::task::spawn_blocking(move || match store.promote(&promoted) {
+                    Ok(replayed) => {
+                        tracing::info!(
+                            partitions = promoted.len(),
+                            replayed,
+                            "promoted partitions replayed their logged rows"
+                        )
+                    }
+                    // Reads replay them on demand, and a checkpoint before it truncates.
+                    Err(error) => tracing::error!(%error, "replaying promoted partitions failed"),
+                });
             }
             for effect in effects {
                 match effect {
