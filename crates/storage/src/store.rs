@@ -32,8 +32,8 @@ pub struct StoreConfig {
     pub partitions: u32,
     /// A checkpoint runs once the in-memory components hold this many bytes.
     pub memtable_flush_bytes: usize,
-    /// A checkpoint also runs once this many bytes were logged since the last one: it bounds
-    /// how much log a restart, or a cold standby's promotion, replays.
+    /// A checkpoint also runs once this many bytes of committed rows were logged since the
+    /// last one: it bounds how much log a restart, or a cold standby's promotion, replays.
     pub checkpoint_log_bytes: usize,
     /// Publishes at least this large bypass the log and write components directly.
     pub bulk_publish_bytes: usize,
@@ -195,7 +195,9 @@ struct State {
     /// The standby partitions the metadata asks for; `standby` also holds promoted ones
     /// until their log is replayed.
     standby_wanted: BTreeSet<PartitionId>,
-    /// Bytes logged since the last checkpoint.
+    /// Bytes of committed rows logged since the last checkpoint. Counted at commit, not at
+    /// prepare: a checkpoint set off in the middle of a large prepare would have to re-log
+    /// the whole undecided epoch, and could not have its primaries cover it yet.
     logged_bytes: usize,
 }
 
@@ -817,7 +819,6 @@ impl Store {
             );
         }
         state.next_epoch = state.next_epoch.max(epoch.next());
-        state.logged_bytes += frames.len();
         let ticket = self.wal.submit(frames);
         drop(state);
         let durable = ticket.wait();
@@ -845,6 +846,10 @@ impl Store {
             entries.windows(2).all(|w| w[0].seq < w[1].seq),
             "entries sorted by seq"
         );
+        state.logged_bytes += entries
+            .iter()
+            .map(|e| e.batch.get_array_memory_size())
+            .sum::<usize>();
         let mut lsns = Vec::with_capacity(entries.len());
         let mut assigned = Vec::with_capacity(entries.len());
         for entry in entries {
