@@ -244,6 +244,17 @@ impl State {
             .ok_or_else(|| StorageError::UnknownTable(name.to_string()))
     }
 
+    /// The (table, partition) pairs holding committed rows in the log only (cold standby).
+    fn logged_partitions(&self) -> impl Iterator<Item = (&str, PartitionId, &PartitionState)> {
+        self.tables.iter().flat_map(|(name, t)| {
+            t.partitions
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| !p.unapplied.is_empty())
+                .map(move |(i, p)| (name.as_str(), PartitionId(i as u32), p))
+        })
+    }
+
     fn partition(&self, table: &str, partition: PartitionId) -> Result<&PartitionState> {
         self.table(table)?
             .partitions
@@ -1185,13 +1196,9 @@ impl Store {
     /// replayed.
     pub fn replay_standby(&self, partitions: &[PartitionId]) -> Result<usize> {
         let lagging = |state: &State| {
-            state.tables.values().any(|t| {
-                partitions.iter().any(|p| {
-                    t.partitions
-                        .get(p.0 as usize)
-                        .is_some_and(|p| !p.unapplied.is_empty())
-                })
-            })
+            state
+                .logged_partitions()
+                .any(|(_, p, _)| partitions.contains(&p))
         };
         if !lagging(&self.state()) {
             return Ok(0);
@@ -1206,15 +1213,8 @@ impl Store {
     pub fn standby_lag(&self) -> Vec<(String, PartitionId)> {
         let state = self.state();
         state
-            .tables
-            .iter()
-            .flat_map(|(name, t)| {
-                t.partitions
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, p)| !p.unapplied.is_empty())
-                    .map(move |(i, _)| (name.clone(), PartitionId(i as u32)))
-            })
+            .logged_partitions()
+            .map(|(table, p, _)| (table.to_string(), p))
             .collect()
     }
 
@@ -1222,23 +1222,15 @@ impl Store {
     /// `which` kept there into memory (log replay). The caller holds the gate exclusively,
     /// so no append is in flight.
     fn replay_standby_holding_gate(&self, which: impl Fn(&PartitionId) -> bool) -> Result<usize> {
-        let wanted: HashMap<(String, PartitionId), HashSet<Lsn>> = {
-            let state = self.state();
-            state
-                .tables
-                .iter()
-                .flat_map(|(name, t)| {
-                    t.partitions
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, p)| !p.unapplied.is_empty() && which(&PartitionId(*i as u32)))
-                        .map(move |(i, p)| {
-                            let lsns = p.unapplied.iter().map(|l| l.lsn).collect();
-                            ((name.clone(), PartitionId(i as u32)), lsns)
-                        })
-                })
-                .collect()
-        };
+        let wanted: HashMap<(String, PartitionId), HashSet<Lsn>> = self
+            .state()
+            .logged_partitions()
+            .filter(|(_, p, _)| which(p))
+            .map(|(table, p, part)| {
+                let lsns = part.unapplied.iter().map(|l| l.lsn).collect();
+                ((table.to_string(), p), lsns)
+            })
+            .collect();
         if wanted.is_empty() {
             return Ok(0);
         }
