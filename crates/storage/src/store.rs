@@ -1239,37 +1239,19 @@ impl Store {
         let mut log = PreparedLog::default();
         let mut found: Vec<(String, PartitionId, MemEntry)> = Vec::new();
         for record in wal::read_all(&wal_dir)? {
-            match record {
-                WalRecord::Prepared {
-                    table,
-                    partition,
-                    epoch,
-                    seq,
-                    batch,
-                } => log.prepared(
-                    epoch,
-                    PendingEntry {
-                        seq,
-                        table,
-                        partition,
-                        batch,
-                    },
-                ),
-                WalRecord::Abort { epoch } => log.aborted(epoch),
-                WalRecord::CommitPrepared { epoch, lsns } => {
-                    for (entry, lsn) in log.committed(epoch, &lsns)? {
-                        let key = (entry.table, entry.partition);
-                        if wanted.get(&key).is_some_and(|lsns| lsns.contains(&lsn)) {
-                            let entry = MemEntry {
-                                lsn,
-                                epoch,
-                                batch: entry.batch,
-                            };
-                            found.push((key.0, key.1, entry));
-                        }
-                    }
+            let LogStep::Committed(epoch, entries) = log.step(record)? else {
+                continue;
+            };
+            for (entry, lsn) in entries {
+                let key = (entry.table, entry.partition);
+                if wanted.get(&key).is_some_and(|lsns| lsns.contains(&lsn)) {
+                    let entry = MemEntry {
+                        lsn,
+                        epoch,
+                        batch: entry.batch,
+                    };
+                    found.push((key.0, key.1, entry));
                 }
-                WalRecord::Rows { .. } | WalRecord::Commit { .. } => {}
             }
         }
         let expected: usize = wanted.values().map(HashSet::len).sum();
@@ -1808,17 +1790,53 @@ struct PreparedLog {
     undecided: BTreeMap<Epoch, Vec<PendingEntry>>,
 }
 
+/// What one log record meant to a [`PreparedLog`].
+enum LogStep {
+    Prepared(Epoch),
+    Aborted,
+    /// The committed epoch's entries, each with the LSN its commit record assigns.
+    Committed(Epoch, Vec<(PendingEntry, Lsn)>),
+    /// A record of the single-node publish path, for the caller.
+    Other(WalRecord),
+}
+
 impl PreparedLog {
+    /// Takes in the next record read from the log.
+    fn step(&mut self, record: WalRecord) -> Result<LogStep> {
+        Ok(match record {
+            WalRecord::Prepared {
+                table,
+                partition,
+                epoch,
+                seq,
+                batch,
+            } => {
+                let entry = PendingEntry {
+                    seq,
+                    table,
+                    partition,
+                    batch,
+                };
+                self.prepared(epoch, entry);
+                LogStep::Prepared(epoch)
+            }
+            WalRecord::Abort { epoch } => {
+                self.undecided.remove(&epoch);
+                LogStep::Aborted
+            }
+            WalRecord::CommitPrepared { epoch, lsns } => {
+                LogStep::Committed(epoch, self.committed(epoch, &lsns)?)
+            }
+            other => LogStep::Other(other),
+        })
+    }
+
     fn prepared(&mut self, epoch: Epoch, entry: PendingEntry) {
         // A checkpoint re-logs undecided rows, so the same entry may appear twice.
         let entries = self.undecided.entry(epoch).or_default();
         entries.retain(|e| e.seq != entry.seq);
         entries.push(entry);
         entries.sort_by_key(|e| e.seq);
-    }
-
-    fn aborted(&mut self, epoch: Epoch) {
-        self.undecided.remove(&epoch);
     }
 
     /// The committed epoch's entries, each with the LSN its commit record assigns.
@@ -1906,39 +1924,14 @@ fn replay(
     let mut last_lsn: HashMap<(String, PartitionId), Lsn> = HashMap::new();
     let mut prepared = PreparedLog::default();
     for record in records {
-        let (table, partition, lsn, epoch, batch) = match record {
-            WalRecord::Rows {
-                table,
-                partition,
-                lsn,
-                epoch,
-                batch,
-            } => (table, partition, lsn, epoch, batch),
-            WalRecord::Prepared {
-                table,
-                partition,
-                epoch,
-                seq,
-                batch,
-            } => {
+        let record = match prepared.step(record)? {
+            LogStep::Prepared(epoch) => {
                 state.next_epoch = state.next_epoch.max(epoch.next());
-                prepared.prepared(
-                    epoch,
-                    PendingEntry {
-                        seq,
-                        table,
-                        partition,
-                        batch,
-                    },
-                );
                 continue;
             }
-            WalRecord::Abort { epoch } => {
-                prepared.aborted(epoch);
-                continue;
-            }
-            WalRecord::CommitPrepared { epoch, lsns } => {
-                for (entry, lsn) in prepared.committed(epoch, &lsns)? {
+            LogStep::Aborted => continue,
+            LogStep::Committed(epoch, entries) => {
+                for (entry, lsn) in entries {
                     if let Some(next) = state.partition_next_lsn.get_mut(entry.partition.0 as usize)
                     {
                         *next = (*next).max(lsn.next());
@@ -1963,7 +1956,17 @@ fn replay(
                 }
                 continue;
             }
-            WalRecord::Commit { .. } => continue,
+            LogStep::Other(record) => record,
+        };
+        let (table, partition, lsn, epoch, batch) = match record {
+            WalRecord::Rows {
+                table,
+                partition,
+                lsn,
+                epoch,
+                batch,
+            } => (table, partition, lsn, epoch, batch),
+            _ => continue,
         };
         state.next_epoch = state.next_epoch.max(epoch.next());
         if let Some(next) = state.partition_next_lsn.get_mut(partition.0 as usize) {
