@@ -1,8 +1,6 @@
 //! The SQL engine's view of the cluster: the catalog from the metadata, scans that read each
-//! partition from its primary (here or over Flight), and publishes through the coordinator.
-//!
-//! At this stage a query gathers the partitions' live rows at the node it runs on and
-//! executes there; distributed execution is a later layer.
+//! partition on a replica, queries distributed over the nodes ([`crate::query`]), and
+//! publishes through the coordinator.
 
 use crate::error::ClusterError;
 use crate::meta::{MetaState, MetaView};
@@ -16,9 +14,14 @@ use datafusion::catalog::{SchemaProvider, Session, TableProvider};
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::common::{Constraints, DataFusionError, Result as DfResult};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
+use crate::query::scan::{DistributedScanExec, ScanSpec};
+use datafusion::common::DFSchema;
+use datafusion::logical_expr::utils::conjunction;
+use datafusion::logical_expr::{Expr, LogicalPlan, TableProviderFilterPushDown, TableType};
+use datafusion::prelude::SessionContext;
+use tessera_sql::StatementOutput;
+use tessera_storage::versions::stored_schema;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
-use datafusion::physical_plan::empty::EmptyExec;
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
@@ -126,6 +129,14 @@ impl Backend for ClusterBackend {
     async fn publish(&self, changes: Vec<TableChanges>) -> tessera_sql::error::Result<Epoch> {
         // No re-pin afterwards: the next statement catches up with the leader anyway.
         Ok(crate::publish::publish(&self.node, changes).await?)
+    }
+
+    async fn run_query(
+        &self,
+        ctx: &SessionContext,
+        plan: LogicalPlan,
+    ) -> tessera_sql::error::Result<StatementOutput> {
+        Ok(crate::query::session::run_query(&self.node, &self.view(), ctx, plan).await?)
     }
 
     async fn read_partitions(
@@ -249,40 +260,106 @@ impl TableProvider for ClusterTable {
         &self,
         filters: &[&Expr],
     ) -> DfResult<Vec<TableProviderFilterPushDown>> {
-        Ok(vec![
-            TableProviderFilterPushDown::Unsupported;
-            filters.len()
-        ])
+        // Filters prune row groups of plain components where the data lies; DataFusion
+        // still applies them to every row (see `TesseraTable`).
+        Ok(vec![TableProviderFilterPushDown::Inexact; filters.len()])
     }
 
     async fn scan(
         &self,
-        _state: &dyn Session,
+        state: &dyn Session,
         projection: Option<&Vec<usize>>,
-        _filters: &[Expr],
-        _limit: Option<usize>,
+        filters: &[Expr],
+        limit: Option<usize>,
     ) -> DfResult<Arc<dyn ExecutionPlan>> {
-        let columns: Vec<usize> = match projection {
+        let projection: Vec<usize> = match projection {
             Some(p) => p.clone(),
             None => (0..self.schema.fields().len()).collect(),
         };
-        let all: Vec<PartitionId> = (0..self.view.state.partition_count)
-            .map(PartitionId)
-            .collect();
-        let scan = ClusterScanExec::new(
-            self.node.clone(),
-            &self.view.state,
-            self.def.clone(),
-            self.epoch,
-            &all,
-            columns,
-        )
-        .map_err(external)?;
-        if scan.groups.is_empty() {
-            return Ok(Arc::new(EmptyExec::new(scan.schema.clone())));
+        let predicate = match conjunction(filters.to_vec()) {
+            Some(predicate) => {
+                let stored = stored_schema(&self.def);
+                let df_schema = DFSchema::try_from(stored.as_ref().clone())?;
+                Some(state.create_physical_expr(predicate, &df_schema)?)
+            }
+            None => None,
+        };
+        let state_view = &self.view.state;
+        let mut partitions = Vec::new();
+        let mut replicas = Vec::new();
+        for index in 0..state_view.partition_count {
+            let partition = PartitionId(index);
+            partitions.push(partition);
+            replicas.push(current_replicas(state_view, &self.def, partition).map_err(external)?);
         }
-        Ok(Arc::new(scan))
+        let spec = ScanSpec {
+            def: self.def.clone(),
+            epoch: self.epoch,
+            projection,
+            partitions,
+            replicas,
+            limit,
+            estimated_rows: self.estimated_rows(),
+        };
+        Ok(Arc::new(DistributedScanExec::try_new(
+            spec,
+            predicate,
+            self.node.clone(),
+        )?))
     }
+}
+
+impl ClusterTable {
+    /// The table's rows, extrapolated from the current replicas this node holds (for the
+    /// optimizer's join order; `None` if it holds none).
+    fn estimated_rows(&self) -> Option<usize> {
+        let me = self.node.id();
+        let snapshot = self
+            .node
+            .store
+            .snapshot(&self.def.name, Some(self.epoch))
+            .ok()
+            .filter(|s| s.def.generation == self.def.generation)?;
+        let placements = &self.view.state.map.partitions;
+        let held: Vec<u64> = snapshot
+            .partitions
+            .iter()
+            .filter(|p| {
+                placements.get(p.partition.0 as usize).is_some_and(|placement| {
+                    placement.replicas.contains(&me) && !placement.stale.contains_key(&me)
+                })
+            })
+            .map(|p| p.estimated_rows())
+            .collect();
+        if held.is_empty() {
+            return None;
+        }
+        let rows: u64 = held.iter().sum();
+        Some((rows * placements.len() as u64 / held.len() as u64) as usize)
+    }
+}
+
+/// A partition's replicas that hold every committed epoch, its primary first; an error if
+/// it has none (it is unavailable until one returns).
+fn current_replicas(
+    state: &MetaState,
+    def: &TableDef,
+    partition: PartitionId,
+) -> Result<Vec<NodeId>, ClusterError> {
+    let placement = &state.map.partitions[partition.0 as usize];
+    let primary = placement.primary.ok_or_else(|| {
+        ClusterError::Rejected(format!(
+            "partition {partition} of table {:?} has no live replica holding every epoch (replicas {:?}); it is unavailable until one returns",
+            def.name, placement.replicas
+        ))
+    })?;
+    let mut replicas = vec![primary];
+    replicas.extend(placement.replicas.iter().copied().filter(|id| {
+        *id != primary
+            && !placement.stale.contains_key(id)
+            && state.nodes.get(id).is_some_and(|n| n.alive)
+    }));
+    Ok(replicas)
 }
 
 /// Partitions read from one node.
@@ -318,23 +395,8 @@ impl ClusterScanExec {
         let schema = Arc::new(stored_user_schema(&def).project(&columns)?);
         let mut by_node: BTreeMap<NodeId, ReadGroup> = BTreeMap::new();
         for &partition in partitions {
-            let placement = &state.map.partitions[partition.0 as usize];
-            let reader = placement.primary.ok_or_else(|| {
-                ClusterError::Rejected(format!(
-                    "partition {partition} of table {:?} has no live replica holding every epoch (replicas {:?}); it is unavailable until one returns",
-                    def.name, placement.replicas
-                ))
-            })?;
-            let fallbacks = placement
-                .replicas
-                .iter()
-                .copied()
-                .filter(|id| {
-                    *id != reader
-                        && !placement.stale.contains_key(id)
-                        && state.nodes.get(id).is_some_and(|n| n.alive)
-                })
-                .collect();
+            let mut fallbacks = current_replicas(state, &def, partition)?;
+            let reader = fallbacks.remove(0);
             let group = by_node.entry(reader).or_insert_with(|| ReadGroup {
                 node: reader,
                 partitions: Vec::new(),
@@ -417,7 +479,7 @@ fn is_unreachable(error: &ClusterError) -> bool {
 }
 
 /// The live rows of `partitions` held by node `from` (this node or another).
-async fn read_from(
+pub(crate) async fn read_from(
     node: &Arc<Node>,
     from: NodeId,
     def: &TableDef,

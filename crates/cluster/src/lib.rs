@@ -9,7 +9,8 @@
 //! - [`publish`]: the publish coordinator (two-phase: prepare on replicas, commit in Raft).
 //! - [`rebalance`]: moving partitions when members join or leave.
 //! - [`shipping`]: component replication to cold standbys, and checkpoint coordination.
-//! - [`backend`]: the SQL engine's view of the cluster (catalog, remote scans, publish).
+//! - [`backend`]: the SQL engine's view of the cluster (catalog, scans, publish).
+//! - [`query`]: distributed, pipelined query execution over Arrow Flight.
 
 pub mod backend;
 pub mod client;
@@ -19,6 +20,7 @@ pub mod meta;
 pub mod network;
 pub mod node;
 pub mod publish;
+pub mod query;
 pub mod rebalance;
 pub mod rpc;
 pub mod server;

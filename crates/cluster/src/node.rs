@@ -42,6 +42,8 @@ pub struct Node {
     pub store: Arc<Store>,
     pub raft: Raft,
     pub clients: Arc<Clients>,
+    /// Distributed queries' exchanges and channels running here.
+    pub queries: Arc<crate::query::exchange::QueryRegistry>,
     meta: watch::Receiver<Arc<MetaView>>,
     /// The leader's failure detector: when each node was last heard from.
     last_seen: Mutex<HashMap<NodeId, Instant>>,
@@ -233,6 +235,7 @@ impl Node {
             store,
             raft,
             clients,
+            queries: Arc::default(),
             meta,
             last_seen: Mutex::new(HashMap::new()),
             failed_since: Mutex::new(HashMap::new()),

@@ -96,7 +96,26 @@ pub enum PutRequest {
     Prepare(PrepareRequest),
     /// A client's rows for one table, to publish as a new epoch (this node coordinates).
     Publish { table: String, deletes: bool },
+    /// One producer channel's batches of a query exchange for this node.
+    Exchange(ExchangeHeader),
 }
+
+/// Opens a producer channel's exchange stream to one node: every batch carries its
+/// bucket and sequence number ([`crate::query::exchange::BatchTag`]) as metadata, and the
+/// stream's end is the channel's end of stream in each of `buckets`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExchangeHeader {
+    pub query: crate::query::QueryId,
+    pub exchange: crate::query::StageId,
+    /// The producer channel.
+    pub sender: usize,
+    /// Producer channels that feed each bucket (for the receiver's end-of-stream count).
+    pub senders_per_bucket: usize,
+    pub buckets: Vec<usize>,
+}
+
+/// Ends a query on a node: stop its channels, drop its exchange buffers.
+pub const ACTION_QUERY_END: &str = "query-end";
 
 /// What a client's SQL produced, statement by statement.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -151,6 +170,9 @@ pub enum GetRequest {
     },
     /// The raw bytes of one component, in chunks (`data_body` only, no Arrow framing).
     Component { hash: ComponentHash },
+    /// Runs channels of a distributed query on this node; the stream carries one
+    /// [`crate::query::ChannelReport`] (JSON in `app_metadata`) per channel as it ends.
+    RunStages(crate::query::run::RunRequest),
 }
 
 /// Bytes per message when a component travels.
@@ -396,6 +418,66 @@ impl Clients {
             self.reset(addr);
         }
         result
+    }
+
+    /// Sends a `do_put` stream of ready-made Flight messages, the request in the first
+    /// one's descriptor; returns the reply's metadata.
+    pub async fn put_flight(
+        &self,
+        addr: &str,
+        request: PutRequest,
+        messages: impl Stream<Item = arrow_flight::FlightData> + Send + 'static,
+    ) -> std::result::Result<Bytes, CallError> {
+        let mut client = FlightServiceClient::new(self.channel(addr).map_err(CallError::Local)?)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        let descriptor = FlightDescriptor::new_cmd(self.envelope(request));
+        let mut first = true;
+        let messages = messages.map(move |mut message| {
+            if std::mem::take(&mut first) {
+                message.flight_descriptor = Some(descriptor.clone());
+            }
+            message
+        });
+        let status = |s: tonic::Status| CallError::from_flight(s.into());
+        let result = async {
+            let mut replies = client.do_put(messages).await.map_err(status)?.into_inner();
+            let mut metadata = Bytes::new();
+            while let Some(reply) = replies.message().await.map_err(status)? {
+                metadata = reply.app_metadata;
+            }
+            Ok(metadata)
+        }
+        .await;
+        if matches!(result, Err(CallError::Transport(_))) {
+            self.reset(addr);
+        }
+        result
+    }
+
+    /// Starts channels of a query on a node; yields their reports as they end.
+    pub async fn run_stages(
+        &self,
+        addr: &str,
+        request: crate::query::run::RunRequest,
+    ) -> std::result::Result<
+        impl Stream<Item = std::result::Result<crate::query::ChannelReport, CallError>>,
+        CallError,
+    > {
+        let mut client = FlightServiceClient::new(self.channel(addr).map_err(CallError::Local)?)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        let ticket = Ticket::new(self.envelope(GetRequest::RunStages(request)));
+        let status = |s: tonic::Status| CallError::from_flight(s.into());
+        let stream = client.do_get(ticket).await.map_err(status)?.into_inner();
+        Ok(stream.map(move |message| {
+            let message = message.map_err(status)?;
+            serde_json::from_slice(&message.app_metadata).map_err(|e| {
+                CallError::Local(ClusterError::Rejected(format!(
+                    "undecodable channel report: {e}"
+                )))
+            })
+        }))
     }
 
     /// A partition's export from a node: its component list and in-memory versions.

@@ -186,6 +186,11 @@ impl NodeService {
                 };
                 reply(&result)
             }
+            ACTION_QUERY_END => {
+                let query: crate::query::QueryId = self.open(body)?;
+                node.queries.end_query(query);
+                reply(&Ok::<(), Refusal>(()))
+            }
             ACTION_DECOMMISSION => {
                 let id: NodeId = self.open_from_client(body)?;
                 let result = node
@@ -407,7 +412,44 @@ fn sql_output(output: tessera_sql::StatementOutput) -> Result<SqlOutput, arrow::
     })
 }
 
+/// Ends a query's part on this node when the initiator stops listening (it finished,
+/// gave up, or died), or when every channel here has ended.
+struct EndQueryOnDrop {
+    node: Arc<Node>,
+    query: crate::query::QueryId,
+}
+
+impl Drop for EndQueryOnDrop {
+    fn drop(&mut self) {
+        self.node.queries.end_query(self.query);
+    }
+}
+
 impl NodeService {
+    /// Starts a query's channels here; the reply streams their reports as they end.
+    fn run_stages(
+        &self,
+        run: crate::query::run::RunRequest,
+    ) -> Result<Response<BoxStream<'static, Result<FlightData, Status>>>, Status> {
+        let query = run.query;
+        let reports = crate::query::run::run_stages(&self.node, run).map_err(failed)?;
+        let guard = EndQueryOnDrop {
+            node: self.node.clone(),
+            query,
+        };
+        let stream = futures::stream::unfold((reports, guard), |(mut reports, guard)| async move {
+            let report = reports.recv().await?;
+            let message = serde_json::to_vec(&report)
+                .map(|json| FlightData {
+                    app_metadata: Bytes::from(json),
+                    ..Default::default()
+                })
+                .map_err(failed);
+            Some((message, (reports, guard)))
+        });
+        Ok(Response::new(stream.boxed()))
+    }
+
     fn local_table(
         &self,
         table: &str,
@@ -544,6 +586,7 @@ impl FlightService for NodeService {
         let mut metadata = Bytes::new();
         let (schema, batches) = match self.open(&request.into_inner().ticket)? {
             GetRequest::Scan(scan) => self.scan(scan).await?,
+            GetRequest::RunStages(run) => return self.run_stages(run),
             GetRequest::Versions {
                 table,
                 generation,
@@ -625,13 +668,21 @@ impl FlightService for NodeService {
         let request = envelope.body;
         let rest = input.map_err(arrow_flight::error::FlightError::from);
         let data = futures::stream::once(async { Ok(first) }).chain(rest);
-        let batches = FlightRecordBatchStream::new_from_flight_data(data);
         let app_metadata = match request {
             PutRequest::Prepare(prepare) => {
+                let batches = FlightRecordBatchStream::new_from_flight_data(data);
                 let reply = self.prepare(prepare, batches).await?;
                 Bytes::from(serde_json::to_vec(&reply).map_err(failed)?)
             }
+            PutRequest::Exchange(header) => {
+                let messages = arrow_flight::decode::FlightDataDecoder::new(data);
+                crate::query::exchange::receive(&self.node.queries, &header, messages)
+                    .await
+                    .map_err(failed)?;
+                Bytes::new()
+            }
             PutRequest::Publish { table, deletes } => {
+                let batches = FlightRecordBatchStream::new_from_flight_data(data);
                 let rows: Vec<RecordBatch> = batches.try_collect().await.map_err(failed)?;
                 let changes = if deletes {
                     TableChanges {

@@ -2,7 +2,11 @@
 //! checks statements the same way for both; a backend supplies the catalog, the scans and
 //! the publish path.
 
-use crate::error::Result;
+use crate::engine::StatementOutput;
+use crate::error::{from_datafusion, Result};
+use arrow::datatypes::SchemaRef;
+use datafusion::logical_expr::LogicalPlan;
+use datafusion::prelude::SessionContext;
 use crate::provider::{ScanLayout, TesseraSchema};
 use crate::scan::read_visible_partition;
 use arrow::array::RecordBatch;
@@ -32,6 +36,12 @@ pub trait Backend: Send + Sync + 'static {
     /// Publishes the changes as one epoch, visible when this returns.
     async fn publish(&self, changes: Vec<TableChanges>) -> Result<Epoch>;
 
+    /// Runs a statement that returns rows (a query, EXPLAIN, SHOW ...). The default plans
+    /// and executes it with DataFusion in this process; a cluster distributes it.
+    async fn run_query(&self, ctx: &SessionContext, plan: LogicalPlan) -> Result<StatementOutput> {
+        run_in_process(ctx, plan).await
+    }
+
     /// The live rows of `partitions` of `def` at the visible epoch, keeping the user columns
     /// `columns`.
     async fn read_partitions(
@@ -40,6 +50,14 @@ pub trait Backend: Send + Sync + 'static {
         partitions: Vec<PartitionId>,
         columns: Vec<usize>,
     ) -> Result<Vec<RecordBatch>>;
+}
+
+/// Plans and executes `plan` with DataFusion in this process.
+pub async fn run_in_process(ctx: &SessionContext, plan: LogicalPlan) -> Result<StatementOutput> {
+    let frame = ctx.execute_logical_plan(plan).await.map_err(from_datafusion)?;
+    let schema: SchemaRef = Arc::new(frame.schema().as_arrow().clone());
+    let batches = frame.collect().await.map_err(from_datafusion)?;
+    Ok(StatementOutput::Rows { schema, batches })
 }
 
 /// Tables in one store on this machine.

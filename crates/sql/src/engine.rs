@@ -175,16 +175,7 @@ impl Engine {
                 Ok(done("DROP TABLE", None))
             }
             LogicalPlan::Dml(dml) => self.execute_dml(dml).await,
-            plan => {
-                let frame = self
-                    .ctx
-                    .execute_logical_plan(plan)
-                    .await
-                    .map_err(from_datafusion)?;
-                let schema: SchemaRef = Arc::new(frame.schema().as_arrow().clone());
-                let batches = frame.collect().await.map_err(from_datafusion)?;
-                Ok(StatementOutput::Rows { schema, batches })
-            }
+            plan => self.backend.run_query(&self.ctx, plan).await,
         }
     }
 

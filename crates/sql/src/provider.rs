@@ -19,6 +19,11 @@ use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
 use datafusion::physical_plan::empty::EmptyExec;
 use datafusion::physical_plan::union::UnionExec;
 use datafusion::physical_plan::ExecutionPlan;
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::common::config::TableParquetOptions;
+use datafusion::execution::runtime_env::RuntimeEnv;
+use tessera_common::PartitionId;
+use tessera_storage::{PartitionSnapshot, TableSnapshot};
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -205,98 +210,170 @@ impl TableProvider for TesseraTable {
             .snapshot(&self.def.name, self.epoch)
             .map_err(SqlError::to_datafusion)?;
         // This reads every partition of a local store; cold standbys exist only in a cluster,
-        // whose scans go through `read_local_partitions`, which replays them.
+        // whose scans replay them first (`read_local_partitions`, the distributed scan).
         if let Some(cold) = snapshot.partitions.iter().find(|p| p.rows_in_log) {
             return Err(datafusion::error::DataFusionError::Internal(format!(
                 "partition {} of {:?} holds rows in its log only (a cold standby); replay it before reading",
                 cold.partition, self.def.name
             )));
         }
-        let epoch = snapshot.epoch;
         let stored = stored_schema(&self.def);
-        let projection: Vec<usize> = projection
-            .cloned()
-            .unwrap_or_else(|| (0..self.schema.fields().len()).collect());
-        let mut plain = Vec::new();
-        let mut versioned = Vec::new();
-        for partition in snapshot.partitions.iter().filter(|p| !p.is_empty()) {
-            for component in &partition.components {
-                self.store
-                    .verify_component(&component.hash)
-                    .map_err(SqlError::to_datafusion)?;
-            }
-            if partition.is_plain_scan(epoch) {
-                plain.push(partition.components[0].clone());
-            } else {
-                versioned.push(partition.clone());
-            }
-        }
-        let mut children: Vec<Arc<dyn ExecutionPlan>> = Vec::new();
-        if !plain.is_empty() {
-            // The same reader settings as DataFusion's own Parquet tables: the session's
-            // Parquet options and the runtime's footer cache (components never change, so a
-            // cached footer is always valid).
-            let object_store = state
-                .runtime_env()
-                .object_store(ObjectStoreUrl::local_filesystem())?;
-            let footer_cache = state.runtime_env().cache_manager.get_file_metadata_cache();
-            let mut options = state.table_options().parquet.clone();
-            // Components are written with one row group per ~128k rows and are read whole
-            // or pruned by row-group statistics; the page index would cost a read per file
-            // per query for little pruning.
-            options.global.enable_page_index = false;
-            let mut source = ParquetSource::new(stored.clone())
-                .with_table_parquet_options(options)
-                .with_parquet_file_reader_factory(Arc::new(CachedParquetFileReaderFactory::new(
-                    object_store,
-                    footer_cache,
-                )));
-            if let Some(predicate) = conjunction(filters.to_vec()) {
+        let predicate = match conjunction(filters.to_vec()) {
+            Some(predicate) => {
                 let df_schema = DFSchema::try_from(stored.as_ref().clone())?;
-                source = source.with_predicate(state.create_physical_expr(predicate, &df_schema)?);
+                Some(state.create_physical_expr(predicate, &df_schema)?)
             }
-            let mut file_statistics = Vec::with_capacity(plain.len());
-            let mut files = Vec::with_capacity(plain.len());
-            for component in &plain {
-                let path = component_path(self.store.components_dir(), &component.hash);
-                let location = path.to_string_lossy().trim_start_matches('/').to_string();
-                let stats = self.statistics.get(&self.store, &component.hash, &stored)?;
-                file_statistics.push(stats.clone());
-                files.push(PartitionedFile::new(location, component.bytes).with_statistics(stats));
-            }
-            let groups = match self.layout {
-                ScanLayout::PerStoragePartition => {
-                    files.into_iter().map(|f| FileGroup::new(vec![f])).collect()
-                }
-                ScanLayout::Packed => pack_files(files, state.config().target_partitions()),
-            };
-            let statistics =
-                Statistics::try_merge_iter(file_statistics.iter().map(|s| s.as_ref()), &stored)?;
-            let config =
-                FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source))
-                    .with_file_groups(groups)
-                    .with_statistics(statistics)
-                    .with_projection_indices(Some(projection.clone()))?
-                    .with_limit(limit)
-                    .build();
-            children.push(DataSourceExec::from_data_source(config));
-        }
-        if !versioned.is_empty() {
-            let dir = self.store.components_dir().to_path_buf();
-            children.push(Arc::new(VersionedScanExec::new(
-                snapshot.clone(),
-                versioned,
-                projection.clone(),
-                dir,
-            )?));
-        }
-        if children.is_empty() {
-            return Ok(Arc::new(EmptyExec::new(Arc::new(
-                stored.project(&projection)?,
-            ))));
-        }
-        UnionExec::try_new(children)
+            None => None,
+        };
+        let layout = match self.layout {
+            ScanLayout::PerStoragePartition => FileGrouping::PerStoragePartition,
+            ScanLayout::Packed => FileGrouping::Packed(state.config().target_partitions()),
+        };
+        plan_snapshot_scan(SnapshotScan {
+            store: &self.store,
+            snapshot: &snapshot,
+            partitions: None,
+            projection: projection
+                .cloned()
+                .unwrap_or_else(|| (0..self.schema.fields().len()).collect()),
+            predicate,
+            limit,
+            grouping: layout,
+            statistics: &self.statistics,
+            runtime: state.runtime_env(),
+            parquet: state.table_options().parquet.clone(),
+        })
     }
+}
+
+/// How plain components are grouped into output partitions.
+#[derive(Debug, Clone, Copy)]
+pub enum FileGrouping {
+    /// One output partition per storage partition.
+    PerStoragePartition,
+    /// Packed into at most this many groups of about equal bytes.
+    Packed(usize),
+}
+
+/// What to read of a table snapshot, and how.
+pub struct SnapshotScan<'a> {
+    pub store: &'a Store,
+    pub snapshot: &'a Arc<TableSnapshot>,
+    /// The storage partitions to read (every one if `None`).
+    pub partitions: Option<&'a [PartitionId]>,
+    /// User column indices to return.
+    pub projection: Vec<usize>,
+    /// A predicate over the stored schema, used to prune plain components' row groups
+    /// (never to drop rows: the plan above still filters).
+    pub predicate: Option<Arc<dyn PhysicalExpr>>,
+    pub limit: Option<usize>,
+    pub grouping: FileGrouping,
+    pub statistics: &'a ComponentStatistics,
+    pub runtime: &'a Arc<RuntimeEnv>,
+    pub parquet: TableParquetOptions,
+}
+
+/// The physical plan that reads `scan`'s partitions of a snapshot: partitions that are a
+/// single duplicate-free component go to DataFusion's Parquet scan (projection, pruning by
+/// the predicate, the runtime's footer cache), the rest through [`VersionedScanExec`].
+/// Every component read is verified against its hash first.
+pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPlan>> {
+    let SnapshotScan {
+        store,
+        snapshot,
+        partitions,
+        projection,
+        predicate,
+        limit,
+        grouping,
+        statistics,
+        runtime,
+        parquet,
+    } = scan;
+    let epoch = snapshot.epoch;
+    let def = &snapshot.def;
+    let stored = stored_schema(def);
+    let wanted = |p: &PartitionSnapshot| partitions.is_none_or(|only| only.contains(&p.partition));
+    let mut plain = Vec::new();
+    let mut versioned = Vec::new();
+    for partition in snapshot
+        .partitions
+        .iter()
+        .filter(|p| !p.is_empty() && wanted(p))
+    {
+        for component in &partition.components {
+            store
+                .verify_component(&component.hash)
+                .map_err(SqlError::to_datafusion)?;
+        }
+        if partition.is_plain_scan(epoch) {
+            plain.push(partition.components[0].clone());
+        } else {
+            versioned.push(partition.clone());
+        }
+    }
+    let mut children: Vec<Arc<dyn ExecutionPlan>> = Vec::new();
+    if !plain.is_empty() {
+        // The same reader settings as DataFusion's own Parquet tables: the session's
+        // Parquet options and the runtime's footer cache (components never change, so a
+        // cached footer is always valid).
+        let object_store = runtime.object_store(ObjectStoreUrl::local_filesystem())?;
+        let footer_cache = runtime.cache_manager.get_file_metadata_cache();
+        let mut options = parquet;
+        // Components are written with one row group per ~128k rows and are read whole
+        // or pruned by row-group statistics; the page index would cost a read per file
+        // per query for little pruning.
+        options.global.enable_page_index = false;
+        let mut source = ParquetSource::new(stored.clone())
+            .with_table_parquet_options(options)
+            .with_parquet_file_reader_factory(Arc::new(CachedParquetFileReaderFactory::new(
+                object_store,
+                footer_cache,
+            )));
+        if let Some(predicate) = predicate {
+            source = source.with_predicate(predicate);
+        }
+        let mut file_statistics = Vec::with_capacity(plain.len());
+        let mut files = Vec::with_capacity(plain.len());
+        for component in &plain {
+            let path = component_path(store.components_dir(), &component.hash);
+            let location = path.to_string_lossy().trim_start_matches('/').to_string();
+            let stats = statistics.get(store, &component.hash, &stored)?;
+            file_statistics.push(stats.clone());
+            files.push(PartitionedFile::new(location, component.bytes).with_statistics(stats));
+        }
+        let groups = match grouping {
+            FileGrouping::PerStoragePartition => {
+                files.into_iter().map(|f| FileGroup::new(vec![f])).collect()
+            }
+            FileGrouping::Packed(groups) => pack_files(files, groups),
+        };
+        let statistics =
+            Statistics::try_merge_iter(file_statistics.iter().map(|s| s.as_ref()), &stored)?;
+        let config =
+            FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source))
+                .with_file_groups(groups)
+                .with_statistics(statistics)
+                .with_projection_indices(Some(projection.clone()))?
+                .with_limit(limit)
+                .build();
+        children.push(DataSourceExec::from_data_source(config));
+    }
+    if !versioned.is_empty() {
+        let dir = store.components_dir().to_path_buf();
+        children.push(Arc::new(VersionedScanExec::new(
+            snapshot.clone(),
+            versioned,
+            projection.clone(),
+            dir,
+        )?));
+    }
+    if children.is_empty() {
+        return Ok(Arc::new(EmptyExec::new(Arc::new(
+            stored.project(&projection)?,
+        ))));
+    }
+    UnionExec::try_new(children)
 }
 
 /// Packs files into at most `groups` groups of about equal bytes (largest first, each into

@@ -1,0 +1,72 @@
+//! Distributed, pipelined query execution (DESIGN §7).
+//!
+//! The initiator (any node) plans a query with DataFusion, then [`plan::distribute`] cuts
+//! the physical plan into *stages* at exchange boundaries: every hash or round-robin
+//! repartition becomes an exchange between two stages, and every gather (coalesce or
+//! sort-preserving merge) reads its input from the channels of the stage below. Each
+//! stage runs as *channels*, one per output partition of its fragment: a channel that
+//! reads a storage partition runs on that partition's primary in the query's snapshot of
+//! the partition map; the others are spread over the nodes by hash range.
+//!
+//! Every stage's fragment ends in an [`exchange::ExchangeWriteExec`], which partitions the
+//! channel's output by destination and pushes it, numbered in sequence and compressed, to
+//! the nodes that consume it (Arrow Flight `do_put`, one stream per channel and node).
+//! Consumers read through [`exchange::ExchangeReadExec`]; each input bucket is an
+//! [`exchange::Inbox`] with a byte budget, so a slow consumer slows its producers (flow
+//! control) rather than growing memory. A consumer's input ends only when every producer
+//! channel has sent its end of stream, and a producer channel ends only when every node
+//! it sends to has acknowledged its end of stream.
+//!
+//! Stages start together (pipelined): a consumer works on the first batches while its
+//! producers still scan. Fragments travel serialized with datafusion-proto and
+//! [`codec::TesseraCodec`] for Tessera's own operators.
+//!
+//! Channels are deterministic given their inputs: a channel's input order is the
+//! producers' sequence numbers per sender, and its outputs are numbered per destination
+//! bucket, so a channel can be re-run and its re-sent outputs recognised (the hook
+//! lineage recovery builds on).
+
+pub mod codec;
+pub mod exchange;
+pub mod explain;
+pub mod plan;
+pub mod run;
+pub mod scan;
+pub mod session;
+pub mod subquery;
+
+use serde::{Deserialize, Serialize};
+
+/// Names one query cluster-wide (random, chosen by the initiator).
+pub type QueryId = u64;
+
+/// A stage's index in its query; a stage's output exchange has the same number.
+pub type StageId = usize;
+
+/// What a channel did, as its node reports it to the initiator.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ChannelReport {
+    pub stage: StageId,
+    pub channel: usize,
+    pub node: u64,
+    /// Rows and batches the channel produced.
+    pub rows: u64,
+    pub batches: u64,
+    /// Encoded bytes sent to other nodes (batches to this node itself cost nothing).
+    pub bytes_sent: u64,
+    /// Microseconds since the query started, by the node's clock.
+    pub started_us: u64,
+    /// When the first batch of any exchange input arrived (none for pure scans).
+    pub first_input_us: Option<u64>,
+    /// When the channel's output was acknowledged by every receiver.
+    pub finished_us: u64,
+    pub error: Option<String>,
+}
+
+/// Microseconds since the Unix epoch by this machine's clock.
+pub(crate) fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}

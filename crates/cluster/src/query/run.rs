@@ -1,0 +1,412 @@
+//! Running a distributed plan: the initiator sends each node the fragments of the stages
+//! it hosts channels of; each node starts those channels at once (all stages together, so
+//! they pipeline) and reports each channel as it ends. The initiator reads the answer from
+//! the result exchange while the reports come in.
+
+use super::codec::TesseraCodec;
+use super::exchange::{ExchangeMode, ExchangeReadExec, ExchangeWriteExec, InboxKey, ReadSpec};
+use super::plan::{leaves_of, DistributedPlan, Leaf};
+use super::{ChannelReport, QueryId, StageId};
+use crate::client::{from_hex, to_hex};
+use crate::error::ClusterError;
+use crate::node::Node;
+use crate::NodeId;
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use datafusion::common::{DataFusionError, Result as DfResult};
+use datafusion::execution::TaskContext;
+use datafusion::physical_plan::ExecutionPlan;
+use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion_proto::bytes::{
+    physical_plan_from_bytes_with_extension_codec, physical_plan_to_bytes_with_proto_converter,
+};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// How long the initiator waits, once it has the answer, for the remaining channels to
+/// report (their receivers' acknowledgements) before it ends the query everywhere.
+const REPORT_GRACE: Duration = Duration::from_secs(2);
+const QUERY_END_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The channels one node runs for a query.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunRequest {
+    pub query: QueryId,
+    pub initiator: NodeId,
+    pub stages: Vec<StageTask>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StageTask {
+    pub stage: StageId,
+    /// The fragment as datafusion-proto bytes, hex-encoded.
+    pub fragment: String,
+    pub channels: Vec<usize>,
+}
+
+/// The task context channels run in: the default session settings and one runtime per
+/// process, so Parquet footers stay cached across queries.
+pub fn task_context() -> Arc<TaskContext> {
+    static CONTEXT: OnceLock<Arc<TaskContext>> = OnceLock::new();
+    CONTEXT
+        .get_or_init(|| SessionContext::new_with_config(SessionConfig::new()).task_ctx())
+        .clone()
+}
+
+/// Starts the channels `request` names on this node. The receiver yields each channel's
+/// report as it ends, and closes when all have.
+pub fn run_stages(
+    node: &Arc<Node>,
+    request: RunRequest,
+) -> Result<mpsc::Receiver<ChannelReport>, ClusterError> {
+    let ctx = task_context();
+    let codec = TesseraCodec { node: node.clone() };
+    let mut plans = Vec::with_capacity(request.stages.len());
+    for task in &request.stages {
+        let bytes = from_hex(&task.fragment).ok_or_else(|| {
+            ClusterError::Rejected(format!("stage {} arrived garbled", task.stage))
+        })?;
+        let plan = physical_plan_from_bytes_with_extension_codec(&bytes, &ctx, &codec)
+            .map_err(|e| ClusterError::Rejected(format!("stage {}: {e}", task.stage)))?;
+        plans.push((plan, task.stage, task.channels.clone()));
+    }
+    start_plans(node, request.query, plans)
+}
+
+/// Starts channels of stage plans already in memory (the initiator's own share).
+fn start_plans(
+    node: &Arc<Node>,
+    query: QueryId,
+    plans: Vec<(Arc<dyn ExecutionPlan>, StageId, Vec<usize>)>,
+) -> Result<mpsc::Receiver<ChannelReport>, ClusterError> {
+    let ctx = task_context();
+    let (tx, rx) = mpsc::channel(256);
+    for (plan, stage, channels) in plans {
+        start_stage(node, query, stage, plan, channels, &ctx, &tx)?;
+    }
+    Ok(rx)
+}
+
+/// Starts `channels` of one stage's plan instance. When a channel ends, the inboxes that
+/// no other channel of the instance still reads are closed, so their producers stop
+/// waiting on them (a join whose build side is empty never reads its probe side).
+fn start_stage(
+    node: &Arc<Node>,
+    query: QueryId,
+    stage: StageId,
+    plan: Arc<dyn ExecutionPlan>,
+    channels: Vec<usize>,
+    ctx: &Arc<TaskContext>,
+    reports: &mpsc::Sender<ChannelReport>,
+) -> Result<(), ClusterError> {
+    let writer = plan
+        
+        .downcast_ref::<ExchangeWriteExec>()
+        .ok_or_else(|| {
+            ClusterError::Rejected(format!("stage {stage} does not end in an exchange writer"))
+        })?;
+    let started_at_us = writer.spec.started_at_us;
+    let mut reads: HashMap<usize, Vec<InboxKey>> = HashMap::new();
+    let readers: Arc<Mutex<HashMap<InboxKey, usize>>> = Arc::default();
+    for &channel in &channels {
+        let mut leaves = Vec::new();
+        leaves_of(writer.input(), channel, &mut leaves);
+        let keys: Vec<InboxKey> = leaves
+            .into_iter()
+            .filter_map(|leaf| match leaf {
+                Leaf::Exchange { exchange, bucket } => Some(InboxKey {
+                    query,
+                    exchange,
+                    bucket,
+                }),
+                Leaf::Scan { .. } => None,
+            })
+            .collect();
+        let mut counts = readers.lock().expect("readers lock");
+        for key in &keys {
+            *counts.entry(*key).or_insert(0) += 1;
+        }
+        reads.insert(channel, keys);
+    }
+    for channel in channels {
+        let (here, plan, ctx, reports, readers) = (
+            node.clone(),
+            plan.clone(),
+            ctx.clone(),
+            reports.clone(),
+            readers.clone(),
+        );
+        let keys = reads.remove(&channel).unwrap_or_default();
+        let task = tokio::spawn(async move {
+            let node = here;
+            let result = drain(plan.clone(), channel, ctx).await;
+            let writer = plan
+                
+                .downcast_ref::<ExchangeWriteExec>()
+                .expect("checked above");
+            let mut report = match result {
+                Ok(()) => writer.report(channel).unwrap_or_default(),
+                Err(error) => ChannelReport {
+                    error: Some(error.to_string()),
+                    ..Default::default()
+                },
+            };
+            report.stage = stage;
+            report.channel = channel;
+            report.node = node.id();
+            report.first_input_us = keys
+                .iter()
+                .filter_map(|key| node.queries.peek(*key)?.first_batch_us())
+                .min()
+                .map(|at| at.saturating_sub(started_at_us));
+            {
+                let mut counts = readers.lock().expect("readers lock");
+                for key in &keys {
+                    let left = counts.get_mut(key).expect("counted above");
+                    *left -= 1;
+                    if *left == 0 {
+                        node.queries.close(*key);
+                    }
+                }
+            }
+            let _ = reports.send(report).await;
+        });
+        node.queries.track(query, task.abort_handle());
+    }
+    Ok(())
+}
+
+async fn drain(plan: Arc<dyn ExecutionPlan>, channel: usize, ctx: Arc<TaskContext>) -> DfResult<()> {
+    let mut stream = plan.execute(channel, ctx)?;
+    while let Some(batch) = stream.next().await {
+        batch?;
+    }
+    Ok(())
+}
+
+/// What a distributed query returned.
+#[derive(Debug)]
+pub struct QueryOutcome {
+    pub batches: Vec<RecordBatch>,
+    /// Every channel's report that arrived, sorted by stage and channel.
+    pub reports: Vec<ChannelReport>,
+    pub elapsed: Duration,
+}
+
+enum Event {
+    Report(ChannelReport),
+    NodeDone(NodeId),
+    NodeFailed(NodeId, String),
+}
+
+/// Runs `plan` from this node (the initiator) and returns its answer.
+pub async fn execute(
+    node: &Arc<Node>,
+    plan: &DistributedPlan,
+    schema: SchemaRef,
+) -> Result<QueryOutcome, ClusterError> {
+    let started = std::time::Instant::now();
+    let me = node.id();
+    let codec = TesseraCodec { node: node.clone() };
+    let mut requests: BTreeMap<NodeId, RunRequest> = BTreeMap::new();
+    let mut local = Vec::new();
+    for stage in &plan.stages {
+        let mut by_node: BTreeMap<NodeId, Vec<usize>> = BTreeMap::new();
+        for (channel, &at) in stage.channels.iter().enumerate() {
+            by_node.entry(at).or_default().push(channel);
+        }
+        let mut fragment: Option<String> = None;
+        for (at, channels) in by_node {
+            if at == me {
+                local.push((stage.plan.clone(), stage.id, channels));
+                continue;
+            }
+            if fragment.is_none() {
+                let bytes = physical_plan_to_bytes_with_proto_converter(
+                    stage.plan.clone(),
+                    &codec,
+                    &super::subquery::LiteralSubqueries,
+                )
+                    .map_err(|e| ClusterError::Rejected(format!("stage {}: {e}", stage.id)))?;
+                fragment = Some(to_hex(&bytes));
+            }
+            requests
+                .entry(at)
+                .or_insert_with(|| RunRequest {
+                    query: plan.query,
+                    initiator: me,
+                    stages: vec![],
+                })
+                .stages
+                .push(StageTask {
+                    stage: stage.id,
+                    fragment: fragment.clone().unwrap_or_default(),
+                    channels,
+                });
+        }
+    }
+
+    // The answer: stage 0's single channel gathers it here.
+    let reader = ExchangeReadExec::new(
+        ReadSpec {
+            query: plan.query,
+            exchange: 0,
+            mode: ExchangeMode::Gather,
+            buckets: 1,
+            producer_channels: 1,
+        },
+        schema,
+        node.queries.clone(),
+    );
+    let mut answer = reader
+        .execute(0, task_context())
+        .map_err(|e| ClusterError::Rejected(e.to_string()))?;
+
+    let (events, mut incoming) = mpsc::channel::<Event>(1024);
+    let mut participants: Vec<NodeId> = requests.keys().copied().collect();
+    participants.push(me);
+    {
+        let mut reports = start_plans(node, plan.query, local)?;
+        let events = events.clone();
+        tokio::spawn(async move {
+            while let Some(report) = reports.recv().await {
+                let _ = events.send(Event::Report(report)).await;
+            }
+            let _ = events.send(Event::NodeDone(me)).await;
+        });
+    }
+    for (at, request) in requests {
+        let events = events.clone();
+        let node = node.clone();
+        tokio::spawn(async move {
+            let Some(addr) = node.addr_of(at) else {
+                let _ = events
+                    .send(Event::NodeFailed(at, "no known address".into()))
+                    .await;
+                return;
+            };
+            let event = match node.clients.run_stages(&addr, request).await {
+                Ok(mut reports) => loop {
+                    match reports.next().await {
+                        Some(Ok(report)) => {
+                            let _ = events.send(Event::Report(report)).await;
+                        }
+                        Some(Err(error)) => {
+                            if error.is_transport() {
+                                node.suspect(at);
+                            }
+                            break Event::NodeFailed(at, error.to_string());
+                        }
+                        None => break Event::NodeDone(at),
+                    }
+                },
+                Err(error) => {
+                    if error.is_transport() {
+                        node.suspect(at);
+                    }
+                    Event::NodeFailed(at, error.to_string())
+                }
+            };
+            let _ = events.send(event).await;
+        });
+    }
+    drop(events);
+
+    let mut batches = Vec::new();
+    let mut reports = Vec::new();
+    let mut pending: std::collections::BTreeSet<NodeId> = participants.iter().copied().collect();
+    let mut answered = false;
+    let mut events_open = true;
+    let failure = loop {
+        tokio::select! {
+            batch = answer.next(), if !answered => match batch {
+                Some(Ok(batch)) => batches.push(batch),
+                Some(Err(error)) => break Some(error.to_string()),
+                None => answered = true,
+            },
+            event = incoming.recv(), if events_open => match event {
+                Some(Event::Report(report)) => {
+                    if let Some(error) = &report.error {
+                        break Some(format!(
+                            "stage {} channel {} on node {} failed: {error}",
+                            report.stage, report.channel, report.node
+                        ));
+                    }
+                    reports.push(report);
+                }
+                Some(Event::NodeDone(at)) => {
+                    pending.remove(&at);
+                }
+                Some(Event::NodeFailed(at, error)) => {
+                    break Some(format!("node {at} failed during the query: {error}"));
+                }
+                // Every node finished, so the answer's stream is about to end.
+                None => events_open = false,
+            },
+        }
+        if answered && !events_open {
+            break None;
+        }
+        if answered && pending.is_empty() {
+            break None;
+        }
+    };
+    if failure.is_none() && !pending.is_empty() {
+        // The answer is complete; give the last acknowledgements a moment to land.
+        let _ = tokio::time::timeout(REPORT_GRACE, async {
+            while let Some(event) = incoming.recv().await {
+                match event {
+                    Event::Report(report) => reports.push(report),
+                    Event::NodeDone(at) => {
+                        pending.remove(&at);
+                        if pending.is_empty() {
+                            break;
+                        }
+                    }
+                    Event::NodeFailed(..) => break,
+                }
+            }
+        })
+        .await;
+    }
+    end_everywhere(node, plan.query, &participants).await;
+    if let Some(failure) = failure {
+        return Err(ClusterError::Rejected(format!(
+            "query {:x} failed: {failure}",
+            plan.query
+        )));
+    }
+    reports.sort_by_key(|r| (r.stage, r.channel));
+    Ok(QueryOutcome {
+        batches,
+        reports,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// Ends the query on every node that took part (and here).
+async fn end_everywhere(node: &Arc<Node>, query: QueryId, participants: &[NodeId]) {
+    node.queries.end_query(query);
+    let calls = participants
+        .iter()
+        .filter(|&&at| at != node.id())
+        .filter_map(|&at| node.addr_of(at))
+        .map(|addr| {
+            let clients = node.clients.clone();
+            async move {
+                let _: Result<(), _> = clients
+                    .action(&addr, crate::rpc::ACTION_QUERY_END, query, QUERY_END_TIMEOUT)
+                    .await;
+            }
+        });
+    futures::future::join_all(calls).await;
+}
+
+/// Turns a DataFusion error from planning into the cluster's error type.
+pub fn planning_error(error: DataFusionError) -> ClusterError {
+    ClusterError::Rejected(error.to_string())
+}

@@ -1,0 +1,150 @@
+//! A statement that returns rows, as a cluster node runs it: planned by DataFusion for the
+//! whole cluster, distributed, executed; `EXPLAIN` shows the distributed plan and
+//! `EXPLAIN ANALYZE` runs it and shows what every channel did.
+
+use super::explain::{describe, describe_with_metrics};
+use super::plan::{distribute, DistributedPlan};
+use super::run::{execute, QueryOutcome};
+use super::now_us;
+use crate::error::ClusterError;
+use crate::meta::MetaView;
+use crate::node::Node;
+use arrow::array::{RecordBatch, StringArray};
+use arrow::datatypes::SchemaRef;
+use datafusion::common::config::ConfigOptions;
+use datafusion::common::tree_node::TreeNode;
+use datafusion::logical_expr::LogicalPlan;
+use datafusion::prelude::SessionContext;
+use std::sync::Arc;
+use tessera_sql::StatementOutput;
+
+fn sql_error(error: datafusion::error::DataFusionError) -> ClusterError {
+    ClusterError::Sql(tessera_sql::error::from_datafusion(error))
+}
+
+/// Hash-exchange buckets for a query: every live node's share of this node's cores (the
+/// initiator sees only its own core count; nodes of one cluster are alike).
+pub fn exchange_buckets(view: &MetaView) -> usize {
+    let nodes = view.state.live_nodes().count().max(1);
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    nodes * cores
+}
+
+/// The optimizer settings for a plan that will be cut into stages.
+fn configure(options: &mut ConfigOptions, buckets: usize) {
+    options.execution.target_partitions = buckets;
+    // Round-robin repartitions only spread work over one node's cores; channels already
+    // do that across nodes.
+    options.optimizer.enable_round_robin_repartition = false;
+    // Dynamic filters are shared in memory between a join and its probe-side scan, which
+    // here run on other nodes.
+    options.optimizer.enable_dynamic_filter_pushdown = false;
+    options.optimizer.enable_join_dynamic_filter_pushdown = false;
+    options.optimizer.enable_topk_dynamic_filter_pushdown = false;
+    options.optimizer.enable_aggregate_dynamic_filter_pushdown = false;
+}
+
+/// True if the plan reads a Tessera table (anything else, such as `information_schema`,
+/// runs where it is asked).
+fn reads_tables(plan: &LogicalPlan) -> bool {
+    plan.exists(|node| {
+        Ok(matches!(node, LogicalPlan::TableScan(scan)
+            if scan.table_name.schema() != Some("information_schema")))
+    })
+    .unwrap_or(true)
+}
+
+/// Plans `plan` for the cluster and cuts it into placed stages.
+pub async fn plan_query(
+    node: &Arc<Node>,
+    view: &MetaView,
+    ctx: &SessionContext,
+    plan: &LogicalPlan,
+) -> Result<(DistributedPlan, SchemaRef), ClusterError> {
+    let mut state = ctx.state();
+    let buckets = exchange_buckets(view);
+    configure(state.config_mut().options_mut(), buckets);
+    let physical = state.create_physical_plan(plan).await.map_err(sql_error)?;
+    let schema = physical.schema();
+    let started_at_us = now_us();
+    let physical = super::subquery::resolve(node, view, physical, started_at_us, buckets).await?;
+    let query = rand::random::<u64>();
+    let distributed = distribute(node, query, physical, &view.state, started_at_us, buckets)
+        .map_err(sql_error)?;
+    Ok((distributed, schema))
+}
+
+/// Plans and runs `plan` on the cluster.
+pub async fn run_plan(
+    node: &Arc<Node>,
+    view: &MetaView,
+    ctx: &SessionContext,
+    plan: &LogicalPlan,
+) -> Result<(DistributedPlan, QueryOutcome, SchemaRef), ClusterError> {
+    let (distributed, schema) = plan_query(node, view, ctx, plan).await?;
+    let outcome = execute(node, &distributed, schema.clone()).await?;
+    Ok((distributed, outcome, schema))
+}
+
+fn explain_rows(schema: SchemaRef, rows: Vec<(&str, String)>) -> Result<StatementOutput, ClusterError> {
+    let types: Vec<&str> = rows.iter().map(|(t, _)| *t).collect();
+    let plans: Vec<&str> = rows.iter().map(|(_, p)| p.as_str()).collect();
+    let batch = RecordBatch::try_new(
+        schema.clone(),
+        vec![
+            Arc::new(StringArray::from(types)),
+            Arc::new(StringArray::from(plans)),
+        ],
+    )?;
+    Ok(StatementOutput::Rows {
+        schema,
+        batches: vec![batch],
+    })
+}
+
+/// Runs a statement that returns rows.
+pub async fn run_query(
+    node: &Arc<Node>,
+    view: &MetaView,
+    ctx: &SessionContext,
+    plan: LogicalPlan,
+) -> Result<StatementOutput, ClusterError> {
+    match &plan {
+        LogicalPlan::Explain(explain) if reads_tables(&explain.plan) => {
+            let schema: SchemaRef = Arc::new(explain.schema.as_arrow().clone());
+            let logical = ctx
+                .state()
+                .optimize(&explain.plan)
+                .map_err(sql_error)?
+                .display_indent()
+                .to_string();
+            let (distributed, _) = plan_query(node, view, ctx, &explain.plan).await?;
+            explain_rows(
+                schema,
+                vec![
+                    ("logical_plan", logical),
+                    ("distributed_plan", describe(&distributed)),
+                ],
+            )
+        }
+        LogicalPlan::Analyze(analyze) if reads_tables(&analyze.input) => {
+            let schema: SchemaRef = Arc::new(analyze.schema.as_arrow().clone());
+            let (distributed, outcome, _) = run_plan(node, view, ctx, &analyze.input).await?;
+            explain_rows(
+                schema,
+                vec![("Plan with Metrics", describe_with_metrics(&distributed, &outcome))],
+            )
+        }
+        LogicalPlan::Explain(_) | LogicalPlan::Analyze(_) => {
+            Ok(tessera_sql::backend::run_in_process(ctx, plan).await?)
+        }
+        plan if reads_tables(plan) => {
+            let (_, outcome, schema) = run_plan(node, view, ctx, plan).await?;
+            Ok(StatementOutput::Rows {
+                schema,
+                batches: outcome.batches,
+            })
+        }
+        _ => Ok(tessera_sql::backend::run_in_process(ctx, plan).await?),
+    }
+}
