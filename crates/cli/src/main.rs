@@ -158,6 +158,10 @@ enum BenchKind {
         /// Timed runs per query and engine; the median is reported.
         #[arg(long, default_value_t = 3)]
         runs: usize,
+        /// Run on a local cluster of this many nodes, against a 1-node cluster and plain
+        /// DataFusion (without it: one local store against plain DataFusion).
+        #[arg(long)]
+        nodes: Option<u64>,
     },
     /// Cluster formation time, leader failover time, and publish rows/s on 1 vs 3 nodes.
     Cluster {
@@ -279,7 +283,32 @@ async fn run(cli: Cli) -> Result<()> {
             None => commands::status::run(open_store(&cli)?),
         },
         Command::Bench {
-            bench: BenchKind::Tpch { sf, queries, runs },
+            bench:
+                BenchKind::Tpch {
+                    sf,
+                    queries,
+                    runs,
+                    nodes: Some(nodes),
+                },
+        } => {
+            commands::bench_distributed::run(
+                &cli.data_dir,
+                *nodes,
+                cli.store.partitions,
+                *sf,
+                queries,
+                *runs,
+            )
+            .await
+        }
+        Command::Bench {
+            bench:
+                BenchKind::Tpch {
+                    sf,
+                    queries,
+                    runs,
+                    nodes: None,
+                },
         } => commands::bench::tpch(&cli.data_dir, cli.store.config(), *sf, queries, *runs).await,
         Command::Bench {
             bench: BenchKind::Cluster { sf, runs },

@@ -1,7 +1,7 @@
 //! Multi-process clusters on loopback: real `tessera node` processes, real Raft, real
 //! SIGKILL. Every node must answer every TPC-H query exactly as plain DataFusion does.
 
-use arrow::array::{Int64Array, RecordBatch};
+use arrow::array::{Int64Array, RecordBatch, StringArray};
 use datafusion::prelude::SessionContext;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -56,8 +56,21 @@ async fn leader_of(cluster: &LocalCluster, via: u64) -> u64 {
 
 /// Creates and publishes the TPC-H tables, each through a different coordinator.
 async fn load_tpch(cluster: &LocalCluster, sf: f64) {
+    load_tpch_tables(cluster, sf, &[]).await;
+}
+
+/// As [`load_tpch`], only the tables named (all if none); returns the rows loaded per table.
+async fn load_tpch_tables(
+    cluster: &LocalCluster,
+    sf: f64,
+    only: &[&str],
+) -> std::collections::HashMap<&'static str, usize> {
     let ids = cluster.node_ids();
-    for (i, table) in tessera_tpch::TABLES.iter().enumerate() {
+    let mut loaded = std::collections::HashMap::new();
+    let tables = tessera_tpch::TABLES
+        .iter()
+        .filter(|t| only.is_empty() || only.contains(&t.name));
+    for (i, table) in tables.enumerate() {
         let ddl = ClusterClient::new(cluster.addr(ids[i % ids.len()]));
         ddl.sql(&tessera_tpch::create_table_sql(table))
             .await
@@ -67,11 +80,13 @@ async fn load_tpch(cluster: &LocalCluster, sf: f64) {
             .generate(sf, 64 * 1024)
             .collect::<Result<_, _>>()
             .unwrap();
+        loaded.insert(table.name, batches.iter().map(|b| b.num_rows()).sum());
         coordinator
             .publish(table.name, batches, false)
             .await
             .unwrap();
     }
+    loaded
 }
 
 async fn assert_tpch_answers(cluster: &LocalCluster, nodes: &[u64], oracle: &SessionContext) {
@@ -117,6 +132,156 @@ async fn three_nodes_answer_all_tpch_queries_exactly() {
 async fn five_nodes_answer_all_tpch_queries_exactly() {
     let _exclusive = exclusive();
     tpch_cluster(5).await;
+}
+
+/// The text an EXPLAIN statement returns in the row of `plan_type`.
+async fn plan_text(client: &ClusterClient, sql: &str, plan_type: &str) -> String {
+    let batches = client.query(sql).await.unwrap();
+    for batch in &batches {
+        let types = batch.column(0).as_any().downcast_ref::<StringArray>().unwrap();
+        let plans = batch.column(1).as_any().downcast_ref::<StringArray>().unwrap();
+        for i in 0..batch.num_rows() {
+            if types.value(i) == plan_type {
+                return plans.value(i).to_string();
+            }
+        }
+    }
+    panic!("{sql} returned no {plan_type:?} row");
+}
+
+/// One stage of an `EXPLAIN ANALYZE` as its text says.
+#[derive(Debug, Default)]
+struct AnalyzedStage {
+    id: usize,
+    /// The stage its output goes to (none for stage 0).
+    consumer: Option<usize>,
+    first_input_ms: Option<f64>,
+    finished_ms: f64,
+    channel_rows: Vec<u64>,
+    bytes_sent: u64,
+    fragment: String,
+}
+
+/// Reads `key=value` from a line.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|word| word.strip_prefix(&format!("{key}=")))
+        .map(|v| v.trim_end_matches([';', ',']))
+}
+
+fn parse_analyzed(text: &str) -> Vec<AnalyzedStage> {
+    let mut stages: Vec<AnalyzedStage> = Vec::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("Stage ") {
+            let id = rest.split(':').next().unwrap().parse().unwrap();
+            let consumer = rest
+                .split(" of stage ")
+                .nth(1)
+                .map(|s| s.split_whitespace().next().unwrap().parse().unwrap());
+            stages.push(AnalyzedStage {
+                id,
+                consumer,
+                first_input_ms: field(line, "first_input_ms").and_then(|v| v.parse().ok()),
+                finished_ms: field(line, "finished_ms").unwrap().parse().unwrap(),
+                bytes_sent: field(line, "bytes_sent").unwrap().parse().unwrap(),
+                ..Default::default()
+            });
+        } else if let Some(stage) = stages.last_mut() {
+            if line.trim_start().starts_with("channel ") {
+                stage.channel_rows.push(field(line, "rows").unwrap().parse().unwrap());
+            } else {
+                stage.fragment.push_str(line);
+                stage.fragment.push('\n');
+            }
+        }
+    }
+    stages
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queries_run_as_pipelined_stages_placed_over_every_node() {
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    let loaded = load_tpch_tables(&cluster, 0.1, &["orders", "lineitem"]).await;
+    let client = ClusterClient::new(cluster.addr(2));
+    let sql = "SELECT o_orderpriority, count(*) AS n FROM lineitem JOIN orders \
+               ON l_orderkey = o_orderkey GROUP BY o_orderpriority ORDER BY o_orderpriority";
+
+    // EXPLAIN: stages, where each channel runs, what goes where.
+    let explain = plan_text(&client, &format!("EXPLAIN {sql}"), "distributed_plan").await;
+    assert!(
+        explain.contains("Stage 0: 1 channel(s) [node 2: 0]; answer gathered on node 2"),
+        "{explain}"
+    );
+    assert!(explain.contains("Hash exchange into"), "{explain}");
+    assert!(explain.contains("DistributedScanExec: table=lineitem"), "{explain}");
+    let scan_line = explain
+        .lines()
+        .find(|l| l.starts_with("Stage ") && l.contains(&format!("{PARTITIONS} channel(s)")))
+        .unwrap_or_else(|| panic!("no stage with a channel per partition:\n{explain}"));
+    for node in 1..=3 {
+        assert!(scan_line.contains(&format!("node {node}: ")), "{scan_line}");
+    }
+
+    // EXPLAIN ANALYZE: what every stage and channel did.
+    let analyzed = plan_text(&client, &format!("EXPLAIN ANALYZE {sql}"), "Plan with Metrics").await;
+    let stages = parse_analyzed(&analyzed);
+    let top = stages.iter().find(|s| s.id == 0).unwrap();
+    assert_eq!(top.channel_rows, vec![5], "five order priorities:\n{analyzed}");
+    let lineitem = stages
+        .iter()
+        .find(|s| s.fragment.contains("DistributedScanExec: table=lineitem"))
+        .unwrap();
+    assert_eq!(lineitem.channel_rows.len(), PARTITIONS as usize, "{analyzed}");
+    if !lineitem.fragment.contains("HashJoinExec") {
+        assert_eq!(
+            lineitem.channel_rows.iter().sum::<u64>(),
+            loaded["lineitem"] as u64,
+            "every lineitem row leaves its scan channel exactly once:\n{analyzed}"
+        );
+    }
+    assert!(lineitem.bytes_sent > 0, "scan channels send to other nodes:\n{analyzed}");
+
+    // Pipelining: the stage that consumes the lineitem scan received its first batch
+    // before the scan stage had finished.
+    let consumer = stages
+        .iter()
+        .find(|s| Some(s.id) == lineitem.consumer)
+        .unwrap();
+    let first_input = consumer.first_input_ms.expect("the consumer read an exchange");
+    assert!(
+        first_input < lineitem.finished_ms,
+        "stage {} received its first batch at {first_input} ms, after stage {} finished at {} ms:\n{analyzed}",
+        consumer.id,
+        lineitem.id,
+        lineitem.finished_ms
+    );
+
+    // Every node initiates, and the answer is the same.
+    let oracle = SessionContext::new();
+    for table in ["orders", "lineitem"] {
+        let t = tessera_tpch::table(table).unwrap();
+        let batches: Vec<RecordBatch> = t.generate(0.1, 64 * 1024).collect::<Result<_, _>>().unwrap();
+        let mem = datafusion::datasource::MemTable::try_new(t.schema(), vec![batches]).unwrap();
+        oracle.register_table(table, std::sync::Arc::new(mem)).unwrap();
+    }
+    let expected = oracle.sql(sql).await.unwrap().collect().await.unwrap();
+    for id in cluster.node_ids() {
+        let actual = ClusterClient::new(cluster.addr(id)).query(sql).await.unwrap();
+        tessera_tpch::compare::same_answer(&expected, &actual, 0.0)
+            .unwrap_or_else(|diff| panic!("node {id}: {diff}"));
+    }
+
+    // A bad query is refused by name, and leaves nothing running.
+    let error = client
+        .query("SELECT no_such_column FROM lineitem")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("no_such_column"), "{error}");
 }
 
 /// A running 3-node cluster (`replication` copies) with an empty `kv` table, and a client

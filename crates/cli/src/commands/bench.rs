@@ -94,13 +94,13 @@ pub async fn tpch(
     Ok(())
 }
 
-fn median(times: &mut [Duration]) -> Duration {
+pub(super) fn median(times: &mut [Duration]) -> Duration {
     times.sort();
     times[times.len() / 2]
 }
 
 /// Plain DataFusion over one Parquet file per table, generated from the same data.
-async fn baseline_context(dir: &Path, sf: f64) -> Result<SessionContext> {
+pub(super) async fn baseline_context(dir: &Path, sf: f64) -> Result<SessionContext> {
     std::fs::create_dir_all(dir)?;
     let ctx = SessionContext::new();
     for table in tessera_tpch::TABLES {

@@ -1,0 +1,163 @@
+//! `tessera bench tpch --nodes N`: TPC-H on an N-node local cluster against a 1-node
+//! cluster and plain DataFusion over the same data, in one run on this machine.
+//!
+//! Both clusters run the same distributed engine (on one node every exchange stays in
+//! the process). Each query runs once untimed on every engine (warming caches, checking
+//! the answers agree, and measuring the bytes the N-node run exchanged through
+//! `EXPLAIN ANALYZE`), then `runs` times in turn; medians are reported.
+
+use super::bench::{baseline_context, median};
+use super::bench_cluster::{wait_formed, Nodes};
+use super::target::Target;
+use super::up::UpOptions;
+use anyhow::{bail, Context, Result};
+use arrow::array::{Array, StringArray};
+use std::path::Path;
+use std::time::{Duration, Instant};
+use tessera_cluster::ClusterClient;
+
+/// One local cluster for the benchmark, with TPC-H loaded.
+async fn cluster(root: &Path, nodes: u64, partitions: u32, sf: f64) -> Result<(Nodes, ClusterClient)> {
+    let options = UpOptions::new(nodes, partitions, 3);
+    let cluster = Nodes::start_with(root, options)?;
+    wait_formed(&cluster.addrs, Duration::from_secs(60)).await?;
+    let client = ClusterClient::new(&cluster.addrs[0]);
+    let target = Target::cluster(&cluster.addrs[0]);
+    if target.table_def("lineitem").await?.is_none() {
+        println!("loading TPC-H SF {sf} into the {nodes}-node cluster under {}", root.display());
+        super::load::tpch(&target, sf, &[], true).await?;
+    }
+    Ok((cluster, client))
+}
+
+/// The bytes an `EXPLAIN ANALYZE` of `sql` reports as exchanged between nodes.
+async fn bytes_exchanged(client: &ClusterClient, sql: &str) -> Result<u64> {
+    let batches = client.query(&format!("EXPLAIN ANALYZE {sql}")).await?;
+    for batch in &batches {
+        let plans = batch
+            .column(1)
+            .as_any()
+            .downcast_ref::<StringArray>()
+            .context("EXPLAIN ANALYZE returns its plan as text")?;
+        for i in 0..plans.len() {
+            if let Some(rest) = plans.value(i).split("bytes exchanged ").nth(1) {
+                let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+                return Ok(digits.parse()?);
+            }
+        }
+    }
+    bail!("EXPLAIN ANALYZE did not report the bytes exchanged")
+}
+
+async fn timed<F, Fut, T>(work: F) -> Result<(Duration, T)>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let started = Instant::now();
+    let value = work().await?;
+    Ok((started.elapsed(), value))
+}
+
+pub async fn run(
+    data_dir: &Path,
+    nodes: u64,
+    partitions: u32,
+    sf: f64,
+    queries: &[usize],
+    runs: usize,
+) -> Result<()> {
+    if nodes < 2 {
+        bail!("--nodes compares a cluster with one node: give 2 or more");
+    }
+    let queries: Vec<usize> = if queries.is_empty() {
+        (1..=22).collect()
+    } else {
+        queries.to_vec()
+    };
+    if let Some(bad) = queries.iter().find(|q| !(1..=22).contains(*q)) {
+        bail!("TPC-H has queries 1 to 22, not {bad}");
+    }
+    if runs == 0 {
+        bail!("--runs must be at least 1");
+    }
+    let root = data_dir.join(format!("bench-tpch-cluster-sf{sf}"));
+    let (_many, many) = cluster(&root.join(format!("nodes-{nodes}")), nodes, partitions, sf).await?;
+    let (_one, one) = cluster(&root.join("nodes-1"), 1, partitions, sf).await?;
+    let baseline = baseline_context(&data_dir.join(format!("bench-tpch-sf{sf}")).join("datafusion"), sf).await?;
+
+    println!();
+    println!(
+        "TPC-H SF {sf}: median of {runs} run(s); {nodes} node processes and 1 share this machine's {} cores",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!(
+        "{:>5} {:>12} {:>12} {:>15} {:>11} {:>11} {:>14}  answer",
+        "query",
+        format!("{nodes}-node (ms)"),
+        "1-node (ms)",
+        "datafusion (ms)",
+        format!("{nodes}n/df"),
+        format!("{nodes}n/1n"),
+        "bytes exch."
+    );
+    let (mut log_vs_df, mut log_vs_one) = (0.0f64, 0.0f64);
+    let (mut sum_many, mut sum_one, mut sum_df) = (0.0, 0.0, 0.0);
+    let mut total_bytes = 0u64;
+    let mut mismatches = Vec::new();
+    for &q in &queries {
+        let sql = tessera_tpch::query(q);
+        let expected = baseline.sql(sql).await?.collect().await?;
+        let mut answer = "same".to_string();
+        for (name, client) in [("cluster", &many), ("1-node", &one)] {
+            let actual = client.query(sql).await?;
+            if let Err(diff) = tessera_tpch::compare::same_answer(&expected, &actual, 1e-9) {
+                mismatches.push(q);
+                answer = format!("DIFFERENT on {name}: {diff}");
+            }
+        }
+        let bytes = bytes_exchanged(&many, sql).await?;
+        total_bytes += bytes;
+        let (mut t_many, mut t_one, mut t_df) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..runs {
+            t_many.push(timed(|| async { Ok(many.query(sql).await?) }).await?.0);
+            t_one.push(timed(|| async { Ok(one.query(sql).await?) }).await?.0);
+            t_df.push(
+                timed(|| async { Ok(baseline.sql(sql).await?.collect().await?) })
+                    .await?
+                    .0,
+            );
+        }
+        let ms = |times: &mut Vec<Duration>| median(times).as_secs_f64() * 1e3;
+        let (m, o, d) = (ms(&mut t_many), ms(&mut t_one), ms(&mut t_df));
+        sum_many += m;
+        sum_one += o;
+        sum_df += d;
+        log_vs_df += (m / d).ln();
+        log_vs_one += (m / o).ln();
+        println!(
+            "{:>5} {:>12.1} {:>12.1} {:>15.1} {:>11.3} {:>11.3} {:>14}  {answer}",
+            format!("Q{q}"),
+            m,
+            o,
+            d,
+            m / d,
+            m / o,
+            bytes
+        );
+    }
+    let n = queries.len() as f64;
+    println!(
+        "{:>5} {:>12.1} {:>12.1} {:>15.1} {:>11.3} {:>11.3} {:>14}",
+        "sum", sum_many, sum_one, sum_df, sum_many / sum_df, sum_many / sum_one, total_bytes
+    );
+    println!(
+        "geometric mean ratio: {nodes}-node / DataFusion {:.3}, {nodes}-node / 1-node {:.3}; total bytes exchanged {total_bytes}",
+        (log_vs_df / n).exp(),
+        (log_vs_one / n).exp()
+    );
+    if !mismatches.is_empty() {
+        bail!("answers differ from DataFusion for queries {mismatches:?}");
+    }
+    Ok(())
+}
