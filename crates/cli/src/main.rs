@@ -288,28 +288,25 @@ async fn run(cli: Cli) -> Result<()> {
                     sf,
                     queries,
                     runs,
-                    nodes: Some(nodes),
+                    nodes,
                 },
-        } => {
-            commands::bench_distributed::run(
-                &cli.data_dir,
-                *nodes,
-                cli.store.partitions,
-                *sf,
-                queries,
-                *runs,
-            )
-            .await
-        }
-        Command::Bench {
-            bench:
-                BenchKind::Tpch {
-                    sf,
+        } => match nodes {
+            Some(nodes) => {
+                commands::bench_distributed::run(
+                    &cli.data_dir,
+                    *nodes,
+                    cli.store.partitions,
+                    *sf,
                     queries,
-                    runs,
-                    nodes: None,
-                },
-        } => commands::bench::tpch(&cli.data_dir, cli.store.config(), *sf, queries, *runs).await,
+                    *runs,
+                )
+                .await
+            }
+            None => {
+                commands::bench::tpch(&cli.data_dir, cli.store.config(), *sf, queries, *runs)
+                    .await
+            }
+        },
         Command::Bench {
             bench: BenchKind::Cluster { sf, runs },
         } => commands::bench_cluster::run(&cli.data_dir, *sf, cli.store.partitions, *runs).await,

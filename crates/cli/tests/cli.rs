@@ -198,3 +198,45 @@ fn the_benchmark_command_runs_and_checks_answers() {
     );
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not 23"));
 }
+
+#[test]
+fn the_cluster_benchmark_compares_nodes_with_one_node_and_datafusion() {
+    let tmp = tempfile::tempdir().unwrap();
+    let output = tessera(
+        tmp.path(),
+        &[
+            "bench",
+            "tpch",
+            "--nodes",
+            "2",
+            "--sf",
+            "0.01",
+            "--runs",
+            "1",
+            "--queries",
+            "3,13",
+        ],
+        None,
+    );
+    let stdout = stdout_of(&output);
+    assert_eq!(
+        stdout.matches("  same").count(),
+        2,
+        "both clusters' answers equal DataFusion's: {stdout}"
+    );
+    assert!(stdout.contains("2-node / DataFusion"), "{stdout}");
+    assert!(stdout.contains("total bytes exchanged"), "{stdout}");
+    let exchanged: u64 = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("Q3 "))
+        .and_then(|l| l.split_whitespace().nth(6))
+        .and_then(|b| b.parse().ok())
+        .unwrap_or_else(|| panic!("no bytes column for Q3: {stdout}"));
+    assert!(exchanged > 0, "a 2-node join exchanges rows: {stdout}");
+    let one = tessera(
+        tmp.path(),
+        &["bench", "tpch", "--nodes", "1", "--sf", "0.01"],
+        None,
+    );
+    assert!(String::from_utf8_lossy(&one.stderr).contains("give 2 or more"));
+}

@@ -11,7 +11,6 @@ use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
-use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::common::{Constraints, DataFusionError, Result as DfResult};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use crate::query::scan::{DistributedScanExec, ScanSpec};
@@ -21,7 +20,7 @@ use datafusion::logical_expr::{Expr, LogicalPlan, TableProviderFilterPushDown, T
 use datafusion::prelude::SessionContext;
 use tessera_sql::StatementOutput;
 use tessera_storage::versions::stored_schema;
-use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_expr::EquivalenceProperties;
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
@@ -559,31 +558,7 @@ impl DisplayAs for ClusterScanExec {
 }
 
 impl ExecutionPlan for ClusterScanExec {
-    fn name(&self) -> &str {
-        "ClusterScanExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        &self.properties
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![]
-    }
-
-    fn apply_expressions(
-        &self,
-        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> DfResult<TreeNodeRecursion>,
-    ) -> DfResult<TreeNodeRecursion> {
-        Ok(TreeNodeRecursion::Continue)
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        _children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> DfResult<Arc<dyn ExecutionPlan>> {
-        Ok(self)
-    }
+    tessera_sql::leaf_plan_methods!("ClusterScanExec", no_expressions);
 
     fn execute(
         &self,

@@ -280,6 +280,8 @@ impl Clients {
             .map_err(|e| ClusterError::Rejected(format!("bad node address {addr:?}: {e}")))?
             .connect_timeout(Duration::from_millis(500))
             .tcp_nodelay(true)
+            .initial_stream_window_size(crate::server::STREAM_WINDOW_BYTES)
+            .initial_connection_window_size(crate::server::CONNECTION_WINDOW_BYTES)
             .http2_keep_alive_interval(Duration::from_millis(500))
             .keep_alive_timeout(Duration::from_secs(2));
         let channel = endpoint.connect_lazy();

@@ -51,6 +51,14 @@ pub struct TableCount {
     pub partitions_with_data: usize,
 }
 
+/// HTTP/2 receive windows. All streams from one node share one connection, and an
+/// exchange stream whose inbox is full stops being read (flow control) while holding up to
+/// a stream window of the connection's window. The connection window must exceed what all
+/// such streams can hold, or one full inbox would stall every other stream on the
+/// connection, including those that would let it drain (a distributed deadlock).
+pub const STREAM_WINDOW_BYTES: u32 = 2 << 20;
+pub const CONNECTION_WINDOW_BYTES: u32 = 1 << 30;
+
 /// Serves the node's RPC on `listener` in the background.
 pub fn serve(node: Arc<Node>, listener: tokio::net::TcpListener) {
     let service = FlightServiceServer::new(NodeService { node })
@@ -59,6 +67,8 @@ pub fn serve(node: Arc<Node>, listener: tokio::net::TcpListener) {
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tokio::spawn(async move {
         if let Err(error) = tonic::transport::Server::builder()
+            .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+            .initial_stream_window_size(STREAM_WINDOW_BYTES)
             .add_service(service)
             .serve_with_incoming(incoming)
             .await

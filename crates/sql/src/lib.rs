@@ -17,3 +17,42 @@ pub use backend::{Backend, LocalBackend};
 pub use engine::{Engine, StatementOutput};
 pub use error::SqlError;
 pub use provider::ScanLayout;
+
+/// The `ExecutionPlan` methods every leaf operator writes alike: its name, its cached
+/// properties (a field `properties`), no children, and `with_new_children` as the
+/// identity. With `no_expressions`, also an `apply_expressions` that visits nothing.
+#[macro_export]
+macro_rules! leaf_plan_methods {
+    ($name:literal) => {
+        fn name(&self) -> &str {
+            $name
+        }
+
+        fn properties(&self) -> &::std::sync::Arc<::datafusion::physical_plan::PlanProperties> {
+            &self.properties
+        }
+
+        fn children(&self) -> Vec<&::std::sync::Arc<dyn ::datafusion::physical_plan::ExecutionPlan>> {
+            vec![]
+        }
+
+        fn with_new_children(
+            self: ::std::sync::Arc<Self>,
+            _children: Vec<::std::sync::Arc<dyn ::datafusion::physical_plan::ExecutionPlan>>,
+        ) -> ::datafusion::common::Result<::std::sync::Arc<dyn ::datafusion::physical_plan::ExecutionPlan>> {
+            Ok(self)
+        }
+    };
+    ($name:literal, no_expressions) => {
+        $crate::leaf_plan_methods!($name);
+
+        fn apply_expressions(
+            &self,
+            _f: &mut dyn FnMut(
+                &::std::sync::Arc<dyn ::datafusion::physical_expr::PhysicalExpr>,
+            ) -> ::datafusion::common::Result<::datafusion::common::tree_node::TreeNodeRecursion>,
+        ) -> ::datafusion::common::Result<::datafusion::common::tree_node::TreeNodeRecursion> {
+            Ok(::datafusion::common::tree_node::TreeNodeRecursion::Continue)
+        }
+    };
+}

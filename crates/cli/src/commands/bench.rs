@@ -23,17 +23,7 @@ pub async fn tpch(
     queries: &[usize],
     runs: usize,
 ) -> Result<()> {
-    let queries: Vec<usize> = if queries.is_empty() {
-        (1..=22).collect()
-    } else {
-        queries.to_vec()
-    };
-    if let Some(bad) = queries.iter().find(|q| !(1..=22).contains(*q)) {
-        bail!("TPC-H has queries 1 to 22, not {bad}");
-    }
-    if runs == 0 {
-        bail!("--runs must be at least 1");
-    }
+    let queries = chosen_queries(queries, runs)?;
     let bench_dir = data_dir.join(format!("bench-tpch-sf{sf}"));
     let store = Store::open(&bench_dir.join("tessera"), config)?;
     if store.table_names().is_empty() {
@@ -92,6 +82,22 @@ pub async fn tpch(
         bail!("answers differ from DataFusion for queries {mismatches:?}");
     }
     Ok(())
+}
+
+/// The TPC-H queries a benchmark runs (all 22 if none are named), checked, with `runs`.
+pub(super) fn chosen_queries(queries: &[usize], runs: usize) -> Result<Vec<usize>> {
+    let queries: Vec<usize> = if queries.is_empty() {
+        (1..=22).collect()
+    } else {
+        queries.to_vec()
+    };
+    if let Some(bad) = queries.iter().find(|q| !(1..=22).contains(*q)) {
+        bail!("TPC-H has queries 1 to 22, not {bad}");
+    }
+    if runs == 0 {
+        bail!("--runs must be at least 1");
+    }
+    Ok(queries)
 }
 
 pub(super) fn median(times: &mut [Duration]) -> Duration {

@@ -6,7 +6,7 @@
 //! the answers agree, and measuring the bytes the N-node run exchanged through
 //! `EXPLAIN ANALYZE`), then `runs` times in turn; medians are reported.
 
-use super::bench::{baseline_context, median};
+use super::bench::{baseline_context, chosen_queries, median};
 use super::bench_cluster::{wait_formed, Nodes};
 use super::target::Target;
 use super::up::UpOptions;
@@ -70,17 +70,7 @@ pub async fn run(
     if nodes < 2 {
         bail!("--nodes compares a cluster with one node: give 2 or more");
     }
-    let queries: Vec<usize> = if queries.is_empty() {
-        (1..=22).collect()
-    } else {
-        queries.to_vec()
-    };
-    if let Some(bad) = queries.iter().find(|q| !(1..=22).contains(*q)) {
-        bail!("TPC-H has queries 1 to 22, not {bad}");
-    }
-    if runs == 0 {
-        bail!("--runs must be at least 1");
-    }
+    let queries = chosen_queries(queries, runs)?;
     let root = data_dir.join(format!("bench-tpch-cluster-sf{sf}"));
     let (_many, many) = cluster(&root.join(format!("nodes-{nodes}")), nodes, partitions, sf).await?;
     let (_one, one) = cluster(&root.join("nodes-1"), 1, partitions, sf).await?;

@@ -93,7 +93,11 @@ pub struct Inbox {
 
 struct InboxState {
     expected_senders: usize,
-    queue: VecDeque<(RecordBatch, u32)>,
+    /// Each batch with its sender, sequence number and the budget (KiB) it holds.
+    queue: VecDeque<(RecordBatch, usize, u64, u32)>,
+    /// (sender, sequence) of every batch read, in the order read: with the producers'
+    /// numbered outputs, the lineage that lets this input be replayed in the same order.
+    consumed: Vec<(usize, u64)>,
     finished: BTreeSet<usize>,
     next_seq: HashMap<usize, u64>,
     /// The consumer needs no more: batches are dropped on arrival.
@@ -110,6 +114,7 @@ impl Inbox {
             state: Mutex::new(InboxState {
                 expected_senders,
                 queue: VecDeque::new(),
+                consumed: Vec::new(),
                 finished: BTreeSet::new(),
                 next_seq: HashMap::new(),
                 closed: false,
@@ -154,7 +159,7 @@ impl Inbox {
         }
         *expected += 1;
         state.first_batch_us.get_or_insert_with(now_us);
-        state.queue.push_back((batch, kib));
+        state.queue.push_back((batch, sender, seq, kib));
         drop(state);
         self.arrived.notify_one();
         Ok(())
@@ -186,6 +191,11 @@ impl Inbox {
         self.space.close();
     }
 
+    /// The (sender, sequence number) of every batch read so far, in reading order.
+    pub fn consumed(&self) -> Vec<(usize, u64)> {
+        self.lock().consumed.clone()
+    }
+
     pub fn first_batch_us(&self) -> Option<u64> {
         self.lock().first_batch_us
     }
@@ -198,7 +208,8 @@ impl Inbox {
                 if let Some(reason) = &state.failed {
                     return Some(Err(reason.clone()));
                 }
-                if let Some((batch, kib)) = state.queue.pop_front() {
+                if let Some((batch, sender, seq, kib)) = state.queue.pop_front() {
+                    state.consumed.push((sender, seq));
                     drop(state);
                     self.space.add_permits(kib as usize);
                     return Some(Ok(batch));
@@ -389,31 +400,7 @@ impl Drop for CloseOnDrop {
 }
 
 impl ExecutionPlan for ExchangeReadExec {
-    fn name(&self) -> &str {
-        "ExchangeReadExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        &self.properties
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![]
-    }
-
-    fn apply_expressions(
-        &self,
-        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> DfResult<TreeNodeRecursion>,
-    ) -> DfResult<TreeNodeRecursion> {
-        Ok(TreeNodeRecursion::Continue)
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        _children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> DfResult<Arc<dyn ExecutionPlan>> {
-        Ok(self)
-    }
+    tessera_sql::leaf_plan_methods!("ExchangeReadExec", no_expressions);
 
     fn execute(
         &self,
@@ -957,6 +944,7 @@ mod tests {
         inbox.finish(1);
         assert_eq!(inbox.next().await.unwrap().unwrap().num_rows(), 2);
         assert!(inbox.next().await.is_none());
+        assert_eq!(inbox.consumed(), vec![(0, 0), (1, 0)], "the reading order is recorded");
     }
 
     #[tokio::test]

@@ -92,12 +92,17 @@ pub fn describe(plan: &DistributedPlan) -> String {
             placement(stage),
             output(stage, plan)
         );
-        let fragment = DisplayableExecutionPlan::new(stage.plan.as_ref()).indent(true);
-        for line in fragment.to_string().lines() {
-            let _ = writeln!(text, "  {line}");
-        }
+        write_fragment(&mut text, stage);
     }
     text
+}
+
+/// The stage's operators, indented under its line.
+fn write_fragment(text: &mut String, stage: &Stage) {
+    let fragment = DisplayableExecutionPlan::new(stage.plan.as_ref()).indent(true);
+    for line in fragment.to_string().lines() {
+        let _ = writeln!(text, "  {line}");
+    }
 }
 
 fn ms(us: u64) -> String {
@@ -156,10 +161,7 @@ pub fn describe_with_metrics(plan: &DistributedPlan, outcome: &QueryOutcome) -> 
                 stage.channels.len() - reports.len()
             );
         }
-        let fragment = DisplayableExecutionPlan::new(stage.plan.as_ref()).indent(true);
-        for line in fragment.to_string().lines() {
-            let _ = writeln!(text, "  {line}");
-        }
+        write_fragment(&mut text, stage);
     }
     text
 }

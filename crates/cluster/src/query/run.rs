@@ -203,16 +203,19 @@ enum Event {
     NodeFailed(NodeId, String),
 }
 
-/// Runs `plan` from this node (the initiator) and returns its answer.
-pub async fn execute(
-    node: &Arc<Node>,
-    plan: &DistributedPlan,
-    schema: SchemaRef,
-) -> Result<QueryOutcome, ClusterError> {
-    let started = std::time::Instant::now();
+/// A distributed plan's channels, ready to start: fragments encoded for the other nodes,
+/// plans in memory for this one.
+pub struct Work {
+    remote: BTreeMap<NodeId, RunRequest>,
+    local: Vec<(Arc<dyn ExecutionPlan>, StageId, Vec<usize>)>,
+}
+
+/// Encodes each stage once for the nodes that run its channels. Fails (before anything
+/// starts) if a stage holds an operator that cannot travel.
+pub fn encode(node: &Arc<Node>, plan: &DistributedPlan) -> DfResult<Work> {
     let me = node.id();
     let codec = TesseraCodec { node: node.clone() };
-    let mut requests: BTreeMap<NodeId, RunRequest> = BTreeMap::new();
+    let mut remote: BTreeMap<NodeId, RunRequest> = BTreeMap::new();
     let mut local = Vec::new();
     for stage in &plan.stages {
         let mut by_node: BTreeMap<NodeId, Vec<usize>> = BTreeMap::new();
@@ -230,11 +233,10 @@ pub async fn execute(
                     stage.plan.clone(),
                     &codec,
                     &super::subquery::LiteralSubqueries,
-                )
-                    .map_err(|e| ClusterError::Rejected(format!("stage {}: {e}", stage.id)))?;
+                )?;
                 fragment = Some(to_hex(&bytes));
             }
-            requests
+            remote
                 .entry(at)
                 .or_insert_with(|| RunRequest {
                     query: plan.query,
@@ -249,6 +251,22 @@ pub async fn execute(
                 });
         }
     }
+    Ok(Work { remote, local })
+}
+
+/// Runs `plan` from this node (the initiator) and returns its answer.
+pub async fn execute(
+    node: &Arc<Node>,
+    plan: &DistributedPlan,
+    work: Work,
+    schema: SchemaRef,
+) -> Result<QueryOutcome, ClusterError> {
+    let started = std::time::Instant::now();
+    let me = node.id();
+    let Work {
+        remote: requests,
+        local,
+    } = work;
 
     // The answer: stage 0's single channel gathers it here.
     let reader = ExchangeReadExec::new(

@@ -107,17 +107,7 @@ impl DisplayAs for DistributedScanExec {
 }
 
 impl ExecutionPlan for DistributedScanExec {
-    fn name(&self) -> &str {
-        "DistributedScanExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        &self.properties
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![]
-    }
+    tessera_sql::leaf_plan_methods!("DistributedScanExec");
 
     fn apply_expressions(
         &self,
@@ -127,13 +117,6 @@ impl ExecutionPlan for DistributedScanExec {
             Some(predicate) => f(predicate),
             None => Ok(TreeNodeRecursion::Continue),
         }
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        _children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> DfResult<Arc<dyn ExecutionPlan>> {
-        Ok(self)
     }
 
     fn partition_statistics(&self, partition: Option<usize>) -> DfResult<Arc<Statistics>> {

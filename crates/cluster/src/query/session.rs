@@ -4,7 +4,7 @@
 
 use super::explain::{describe, describe_with_metrics};
 use super::plan::{distribute, DistributedPlan};
-use super::run::{execute, QueryOutcome};
+use super::run::{encode, execute, Work};
 use super::now_us;
 use crate::error::ClusterError;
 use crate::meta::MetaView;
@@ -13,6 +13,7 @@ use arrow::array::{RecordBatch, StringArray};
 use arrow::datatypes::SchemaRef;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::TreeNode;
+use datafusion::error::DataFusionError;
 use datafusion::logical_expr::LogicalPlan;
 use datafusion::prelude::SessionContext;
 use std::sync::Arc;
@@ -54,13 +55,26 @@ fn reads_tables(plan: &LogicalPlan) -> bool {
     .unwrap_or(true)
 }
 
-/// Plans `plan` for the cluster and cuts it into placed stages.
-pub async fn plan_query(
+/// A statement ready to run: distributed, or (when some operator cannot be distributed)
+/// on this node alone.
+pub enum Prepared {
+    Distributed {
+        plan: DistributedPlan,
+        work: Work,
+        schema: SchemaRef,
+    },
+    InProcess {
+        reason: String,
+    },
+}
+
+/// Plans `plan` for the cluster, cuts it into placed stages, and encodes them.
+pub async fn prepare(
     node: &Arc<Node>,
     view: &MetaView,
     ctx: &SessionContext,
     plan: &LogicalPlan,
-) -> Result<(DistributedPlan, SchemaRef), ClusterError> {
+) -> Result<Prepared, ClusterError> {
     let mut state = ctx.state();
     let buckets = exchange_buckets(view);
     configure(state.config_mut().options_mut(), buckets);
@@ -69,21 +83,22 @@ pub async fn plan_query(
     let started_at_us = now_us();
     let physical = super::subquery::resolve(node, view, physical, started_at_us, buckets).await?;
     let query = rand::random::<u64>();
-    let distributed = distribute(node, query, physical, &view.state, started_at_us, buckets)
-        .map_err(sql_error)?;
-    Ok((distributed, schema))
-}
-
-/// Plans and runs `plan` on the cluster.
-pub async fn run_plan(
-    node: &Arc<Node>,
-    view: &MetaView,
-    ctx: &SessionContext,
-    plan: &LogicalPlan,
-) -> Result<(DistributedPlan, QueryOutcome, SchemaRef), ClusterError> {
-    let (distributed, schema) = plan_query(node, view, ctx, plan).await?;
-    let outcome = execute(node, &distributed, schema.clone()).await?;
-    Ok((distributed, outcome, schema))
+    let not_distributable = |error: DataFusionError| match error {
+        DataFusionError::NotImplemented(reason) => Ok(Prepared::InProcess { reason }),
+        other => Err(sql_error(other)),
+    };
+    let distributed = match distribute(node, query, physical, &view.state, started_at_us, buckets) {
+        Ok(plan) => plan,
+        Err(error) => return not_distributable(error),
+    };
+    match encode(node, &distributed) {
+        Ok(work) => Ok(Prepared::Distributed {
+            plan: distributed,
+            work,
+            schema,
+        }),
+        Err(error) => not_distributable(error),
+    }
 }
 
 fn explain_rows(schema: SchemaRef, rows: Vec<(&str, String)>) -> Result<StatementOutput, ClusterError> {
@@ -109,6 +124,9 @@ pub async fn run_query(
     ctx: &SessionContext,
     plan: LogicalPlan,
 ) -> Result<StatementOutput, ClusterError> {
+    let in_process = |reason: &str| {
+        tracing::info!(%reason, "running a statement on this node only");
+    };
     match &plan {
         LogicalPlan::Explain(explain) if reads_tables(&explain.plan) => {
             let schema: SchemaRef = Arc::new(explain.schema.as_arrow().clone());
@@ -118,33 +136,54 @@ pub async fn run_query(
                 .map_err(sql_error)?
                 .display_indent()
                 .to_string();
-            let (distributed, _) = plan_query(node, view, ctx, &explain.plan).await?;
+            let distributed = match prepare(node, view, ctx, &explain.plan).await? {
+                Prepared::Distributed { plan, .. } => describe(&plan),
+                Prepared::InProcess { reason } => {
+                    format!("runs on the initiating node only: {reason}")
+                }
+            };
             explain_rows(
                 schema,
-                vec![
-                    ("logical_plan", logical),
-                    ("distributed_plan", describe(&distributed)),
-                ],
+                vec![("logical_plan", logical), ("distributed_plan", distributed)],
             )
         }
         LogicalPlan::Analyze(analyze) if reads_tables(&analyze.input) => {
             let schema: SchemaRef = Arc::new(analyze.schema.as_arrow().clone());
-            let (distributed, outcome, _) = run_plan(node, view, ctx, &analyze.input).await?;
-            explain_rows(
+            match prepare(node, view, ctx, &analyze.input).await? {
+                Prepared::Distributed {
+                    plan: distributed,
+                    work,
+                    schema: output,
+                } => {
+                    let outcome = execute(node, &distributed, work, output).await?;
+                    explain_rows(
+                        schema,
+                        vec![("Plan with Metrics", describe_with_metrics(&distributed, &outcome))],
+                    )
+                }
+                Prepared::InProcess { reason } => {
+                    in_process(&reason);
+                    Ok(tessera_sql::backend::run_in_process(ctx, plan).await?)
+                }
+            }
+        }
+        plan if reads_tables(plan) => match prepare(node, view, ctx, plan).await? {
+            Prepared::Distributed {
+                plan: distributed,
+                work,
                 schema,
-                vec![("Plan with Metrics", describe_with_metrics(&distributed, &outcome))],
-            )
-        }
-        LogicalPlan::Explain(_) | LogicalPlan::Analyze(_) => {
-            Ok(tessera_sql::backend::run_in_process(ctx, plan).await?)
-        }
-        plan if reads_tables(plan) => {
-            let (_, outcome, schema) = run_plan(node, view, ctx, plan).await?;
-            Ok(StatementOutput::Rows {
-                schema,
-                batches: outcome.batches,
-            })
-        }
+            } => {
+                let outcome = execute(node, &distributed, work, schema.clone()).await?;
+                Ok(StatementOutput::Rows {
+                    schema,
+                    batches: outcome.batches,
+                })
+            }
+            Prepared::InProcess { reason } => {
+                in_process(&reason);
+                Ok(tessera_sql::backend::run_in_process(ctx, plan.clone()).await?)
+            }
+        },
         _ => Ok(tessera_sql::backend::run_in_process(ctx, plan).await?),
     }
 }

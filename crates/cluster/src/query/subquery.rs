@@ -8,7 +8,7 @@
 //! as the literal value it now stands for.
 
 use super::plan::distribute;
-use super::run::execute;
+use super::run::{encode, execute};
 use crate::error::ClusterError;
 use crate::meta::MetaView;
 use crate::node::Node;
@@ -84,7 +84,8 @@ async fn run_scalar(
     let query = rand::random::<u64>();
     let distributed = distribute(node, query, plan, &view.state, started_at_us, buckets)
         .map_err(|e| ClusterError::Rejected(e.to_string()))?;
-    let outcome = execute(node, &distributed, schema.clone()).await?;
+    let work = encode(node, &distributed).map_err(|e| ClusterError::Rejected(e.to_string()))?;
+    let outcome = execute(node, &distributed, work, schema.clone()).await?;
     let mut value = None;
     for batch in outcome.batches.iter().filter(|b| b.num_rows() > 0) {
         if value.is_some() || batch.num_rows() > 1 {
