@@ -283,14 +283,7 @@ impl TableProvider for ClusterTable {
             }
             None => None,
         };
-        let state_view = &self.view.state;
-        let mut partitions = Vec::new();
-        let mut replicas = Vec::new();
-        for index in 0..state_view.partition_count {
-            let partition = PartitionId(index);
-            partitions.push(partition);
-            replicas.push(current_replicas(state_view, &self.def, partition).map_err(external)?);
-        }
+        let (partitions, replicas) = scan_channels(&self.view.state, &self.def).map_err(external)?;
         let spec = ScanSpec {
             def: self.def.clone(),
             epoch: self.epoch,
@@ -336,6 +329,36 @@ impl ClusterTable {
         let rows: u64 = held.iter().sum();
         Some((rows * placements.len() as u64 / held.len() as u64) as usize)
     }
+}
+
+/// How a scan of `def` splits into channels: the partitions with the same replicas (the
+/// same primary, under chained declustering) in as many contiguous groups as a node has
+/// cores, each group with those replicas. Fewer, larger channels than one per partition
+/// keep the exchanges' streams and batches few and large.
+fn scan_channels(
+    state: &MetaState,
+    def: &TableDef,
+) -> Result<(Vec<Vec<PartitionId>>, Vec<Vec<NodeId>>), ClusterError> {
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let mut by_replicas: Vec<(Vec<NodeId>, Vec<PartitionId>)> = Vec::new();
+    for index in 0..state.partition_count {
+        let partition = PartitionId(index);
+        let replicas = current_replicas(state, def, partition)?;
+        match by_replicas.iter_mut().find(|(r, _)| *r == replicas) {
+            Some((_, partitions)) => partitions.push(partition),
+            None => by_replicas.push((replicas, vec![partition])),
+        }
+    }
+    let mut groups = Vec::new();
+    let mut replicas = Vec::new();
+    for (holders, partitions) in by_replicas {
+        let chunk = partitions.len().div_ceil(cores);
+        for group in partitions.chunks(chunk) {
+            groups.push(group.to_vec());
+            replicas.push(holders.clone());
+        }
+    }
+    Ok((groups, replicas))
 }
 
 /// A partition's replicas that hold every committed epoch, its primary first; an error if

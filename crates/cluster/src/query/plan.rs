@@ -25,6 +25,9 @@ use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::common::{DataFusionError, JoinType, Result as DfResult};
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
 use datafusion::physical_plan::joins::{
     CrossJoinExec, HashJoinExec, NestedLoopJoinExec, PartitionMode,
 };
@@ -275,21 +278,48 @@ fn single_partition(plan: Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
     }
 }
 
-/// Rewrites joins that would be wrong with their probe partitions spread over nodes. A
-/// collected-left hash join that emits build-side rows at the end becomes a partitioned
-/// join (both sides hashed on the keys into `buckets`), so each channel owns its share of
-/// the build side; a null-aware anti join (`NOT IN`) must see every probe row, so its probe
-/// side is gathered into one channel, as is a nested-loop join's of those kinds.
-fn partition_shared_state_joins(
+/// The most rows a build side may be estimated at to be broadcast to every node (as
+/// DataFusion's own threshold for collecting a build side).
+const BROADCAST_MAX_ROWS: usize = 128 * 1024;
+
+/// True if `build` is a table read (filtered and projected) estimated small enough to send
+/// whole to every node. Estimates past a join or an aggregate have no column statistics
+/// behind them here, and a wrong guess broadcasts millions of rows: those are hashed.
+fn cheap_to_broadcast(build: &Arc<dyn ExecutionPlan>) -> bool {
+    let derived = build
+        .exists(|node| {
+            Ok(!(node.is::<DistributedScanExec>()
+                || node.is::<FilterExec>()
+                || node.is::<ProjectionExec>()
+                || node.is::<CoalescePartitionsExec>()))
+        })
+        .unwrap_or(true);
+    let rows = StatisticsContext::default()
+        .compute(build.as_ref(), &StatisticsArgs::new())
+        .ok()
+        .and_then(|s| s.num_rows.get_value().copied());
+    !derived && rows.is_some_and(|rows| rows <= BROADCAST_MAX_ROWS)
+}
+
+/// Rewrites joins for execution across nodes.
+///
+/// - A collected-left hash join becomes a partitioned join (both sides hashed on the keys
+///   into `buckets`) when its build side is not cheap to broadcast, or when it emits
+///   build-side rows at the end (outer, semi, anti joins: the matched-rows bitmap would be
+///   split between nodes); each channel then owns its share of the build side.
+/// - A null-aware anti join (`NOT IN`) must see every probe row, so its probe side is
+///   gathered into one channel, as is a nested-loop join's that emits build-side rows.
+fn adapt_joins_for_distribution(
     plan: Arc<dyn ExecutionPlan>,
     buckets: usize,
 ) -> DfResult<Arc<dyn ExecutionPlan>> {
     plan.transform_up(|node| {
         if let Some(join) = node.downcast_ref::<HashJoinExec>() {
-            if join.mode != PartitionMode::CollectLeft
-                || !emits_build_side_at_end(join.join_type())
-                || join.right().output_partitioning().partition_count() <= 1
-            {
+            let shared_bitmap = emits_build_side_at_end(join.join_type())
+                && join.right().output_partitioning().partition_count() > 1;
+            let keep = join.mode != PartitionMode::CollectLeft
+                || (!shared_bitmap && (join.null_aware || cheap_to_broadcast(join.left())));
+            if keep {
                 return Ok(Transformed::no(node));
             }
             let (left, right) = (join.left().clone(), join.right().clone());
@@ -351,7 +381,7 @@ pub fn distribute(
     buckets: usize,
 ) -> DfResult<DistributedPlan> {
     let initiator = node.id();
-    let plan = partition_shared_state_joins(plan, buckets)?;
+    let plan = adapt_joins_for_distribution(plan, buckets)?;
     let plan = single_partition(plan);
     let mut cutter = Cutter {
         query,

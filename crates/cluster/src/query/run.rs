@@ -406,7 +406,8 @@ pub async fn execute(
     })
 }
 
-/// Ends the query on every node that took part (and here).
+/// Ends the query on every node that took part (here at once; elsewhere in the
+/// background, so the answer does not wait for it).
 async fn end_everywhere(node: &Arc<Node>, query: QueryId, participants: &[NodeId]) {
     node.queries.end_query(query);
     let calls = participants
@@ -421,7 +422,7 @@ async fn end_everywhere(node: &Arc<Node>, query: QueryId, participants: &[NodeId
                     .await;
             }
         });
-    futures::future::join_all(calls).await;
+    tokio::spawn(futures::future::join_all(calls));
 }
 
 /// Turns a DataFusion error from planning into the cluster's error type.

@@ -39,10 +39,12 @@ pub struct ScanSpec {
     pub epoch: Epoch,
     /// User column indices to output.
     pub projection: Vec<usize>,
-    /// The storage partition of each output partition.
-    pub partitions: Vec<PartitionId>,
-    /// For each output partition, the replicas that hold it, best first: the primary in
-    /// the query's snapshot of the partition map, then the other current live replicas.
+    /// The storage partitions each output partition (channel) reads: partitions with the
+    /// same replicas, so that one node holds all of them.
+    pub partitions: Vec<Vec<PartitionId>>,
+    /// For each output partition, the replicas that hold its partitions, best first: the
+    /// primary in the query's snapshot of the partition map, then the other current live
+    /// replicas.
     pub replicas: Vec<Vec<NodeId>>,
     pub limit: Option<usize>,
     /// Rows of the whole table, estimated from the partitions the planning node holds.
@@ -93,9 +95,10 @@ impl DisplayAs for DistributedScanExec {
         let columns: Vec<&str> = self.schema.fields().iter().map(|f| f.name().as_str()).collect();
         write!(
             f,
-            "DistributedScanExec: table={}, epoch={}, partitions={}, columns=[{}]",
+            "DistributedScanExec: table={}, epoch={}, partitions={} in {} channel(s), columns=[{}]",
             self.spec.def.name,
             self.spec.epoch,
+            self.spec.partitions.iter().map(Vec::len).sum::<usize>(),
             self.spec.partitions.len(),
             columns.join(", ")
         )?;
@@ -142,7 +145,7 @@ impl ExecutionPlan for DistributedScanExec {
                 futures::stream::empty(),
             )));
         }
-        let storage_partition = *self.spec.partitions.get(partition).ok_or_else(|| {
+        let storage_partitions = self.spec.partitions.get(partition).cloned().ok_or_else(|| {
             DataFusionError::Internal(format!("DistributedScanExec has no partition {partition}"))
         })?;
         let replicas = self.spec.replicas[partition].clone();
@@ -151,9 +154,9 @@ impl ExecutionPlan for DistributedScanExec {
         let predicate = self.predicate.clone();
         let open = async move {
             if replicas.contains(&node.id()) {
-                read_here(&node, &spec, storage_partition, predicate, context).await
+                read_here(&node, &spec, storage_partitions, predicate, context).await
             } else {
-                read_remotely(&node, &spec, storage_partition, &replicas).await
+                read_remotely(&node, &spec, &storage_partitions, &replicas).await
             }
         };
         let stream = futures::stream::once(open).try_flatten();
@@ -164,12 +167,12 @@ impl ExecutionPlan for DistributedScanExec {
     }
 }
 
-/// Reads a partition this node holds: waits for the query's epoch, replays a cold
+/// Reads partitions this node holds: waits for the query's epoch, replays a cold
 /// standby's logged rows, and streams the snapshot through DataFusion's Parquet reader.
 async fn read_here(
     node: &Arc<Node>,
     spec: &ScanSpec,
-    partition: PartitionId,
+    partitions: Vec<PartitionId>,
     predicate: Option<Arc<dyn PhysicalExpr>>,
     context: Arc<TaskContext>,
 ) -> DfResult<SendableRecordBatchStream> {
@@ -180,18 +183,21 @@ async fn read_here(
     let table = spec.def.name.clone();
     let epoch = spec.epoch;
     let generation = spec.def.generation;
+    let wanted = partitions.clone();
     let snapshot = tokio::task::spawn_blocking(move || {
         if store.table_def(&table).is_none_or(|d| d.generation != generation) {
             return Err(tessera_storage::StorageError::UnknownTable(table));
         }
         // A commit may add logged rows between the replay and the snapshot: go round again.
         loop {
-            store.replay_standby(&[partition])?;
+            store.replay_standby(&wanted)?;
             let snapshot = store.snapshot(&table, Some(epoch))?;
-            let logged = snapshot
-                .partitions
-                .get(partition.0 as usize)
-                .is_some_and(|p| p.rows_in_log);
+            let logged = wanted.iter().any(|p| {
+                snapshot
+                    .partitions
+                    .get(p.0 as usize)
+                    .is_some_and(|p| p.rows_in_log)
+            });
             if !logged {
                 return Ok(snapshot);
             }
@@ -205,7 +211,7 @@ async fn read_here(
     let plan = plan_snapshot_scan(SnapshotScan {
         store: &node.store,
         snapshot: &snapshot,
-        partitions: Some(&[partition]),
+        partitions: Some(&partitions),
         projection: spec.projection.clone(),
         predicate,
         limit: spec.limit,
@@ -226,17 +232,17 @@ async fn read_here(
     Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
 }
 
-/// Reads a partition from the first replica that answers.
+/// Reads partitions from the first replica that answers.
 async fn read_remotely(
     node: &Arc<Node>,
     spec: &ScanSpec,
-    partition: PartitionId,
+    partitions: &[PartitionId],
     replicas: &[NodeId],
 ) -> DfResult<SendableRecordBatchStream> {
     let schema = Arc::new(stored_user_schema(&spec.def).project(&spec.projection)?);
-    let mut last = format!("partition {partition} has no live replica in the query's snapshot");
+    let mut last = format!("partitions {partitions:?} have no live replica in the query's snapshot");
     for &replica in replicas {
-        match read_from(node, replica, &spec.def, spec.epoch, &[partition], &spec.projection).await
+        match read_from(node, replica, &spec.def, spec.epoch, partitions, &spec.projection).await
         {
             Ok(batches) => {
                 return Ok(Box::pin(RecordBatchStreamAdapter::new(
@@ -253,7 +259,7 @@ async fn read_remotely(
         }
     }
     Err(DataFusionError::Execution(format!(
-        "no replica of partition {partition} of {:?} could be read: {last}",
+        "no replica of partitions {partitions:?} of {:?} could be read: {last}",
         spec.def.name
     )))
 }
