@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
 use datafusion::common::{Constraints, DataFusionError, Result as DfResult};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use crate::query::scan::{DistributedScanExec, ScanSpec};
+use crate::query::scan::{DistributedScanExec, ScanSpec, TableStatistics};
 use datafusion::common::DFSchema;
 use datafusion::logical_expr::utils::conjunction;
 use datafusion::logical_expr::{Expr, LogicalPlan, TableProviderFilterPushDown, TableType};
@@ -284,6 +284,7 @@ impl TableProvider for ClusterTable {
             None => None,
         };
         let (partitions, replicas) = scan_channels(&self.view.state, &self.def).map_err(external)?;
+        let (estimated_rows, statistics) = self.statistics();
         let spec = ScanSpec {
             def: self.def.clone(),
             epoch: self.epoch,
@@ -291,29 +292,32 @@ impl TableProvider for ClusterTable {
             partitions,
             replicas,
             limit,
-            estimated_rows: self.estimated_rows(),
+            estimated_rows,
         };
-        Ok(Arc::new(DistributedScanExec::try_new(
-            spec,
-            predicate,
-            self.node.clone(),
-        )?))
+        Ok(Arc::new(
+            DistributedScanExec::try_new(spec, predicate, self.node.clone())?
+                .with_statistics(statistics),
+        ))
     }
 }
 
 impl ClusterTable {
-    /// The table's rows, extrapolated from the current replicas this node holds (for the
-    /// optimizer's join order; `None` if it holds none).
-    fn estimated_rows(&self) -> Option<usize> {
+    /// The table's rows, extrapolated from the current replicas this node holds, and their
+    /// components' column statistics (for the optimizer's join order and filter estimates;
+    /// nothing if it holds none).
+    fn statistics(&self) -> (Option<usize>, Option<TableStatistics>) {
         let me = self.node.id();
-        let snapshot = self
+        let Some(snapshot) = self
             .node
             .store
             .snapshot(&self.def.name, Some(self.epoch))
             .ok()
-            .filter(|s| s.def.generation == self.def.generation)?;
+            .filter(|s| s.def.generation == self.def.generation)
+        else {
+            return (None, None);
+        };
         let placements = &self.view.state.map.partitions;
-        let held: Vec<u64> = snapshot
+        let held: Vec<&tessera_storage::PartitionSnapshot> = snapshot
             .partitions
             .iter()
             .filter(|p| {
@@ -321,13 +325,37 @@ impl ClusterTable {
                     placement.replicas.contains(&me) && !placement.stale.contains_key(&me)
                 })
             })
-            .map(|p| p.estimated_rows())
             .collect();
         if held.is_empty() {
-            return None;
+            return (None, None);
         }
-        let rows: u64 = held.iter().sum();
-        Some((rows * placements.len() as u64 / held.len() as u64) as usize)
+        let rows: u64 = held.iter().map(|p| p.estimated_rows()).sum();
+        let rows = (rows * placements.len() as u64 / held.len() as u64) as usize;
+        let stored = stored_schema(&self.def);
+        let components: Option<Vec<Arc<datafusion::common::Statistics>>> = held
+            .iter()
+            .flat_map(|p| &p.components)
+            .map(|c| {
+                self.node
+                    .queries
+                    .statistics
+                    .get(&self.node.store, &c.hash, &stored)
+                    .ok()
+            })
+            .collect();
+        let columns = components.and_then(|components| {
+            let merged = datafusion::common::Statistics::try_merge_iter(
+                components.iter().map(|s| s.as_ref()),
+                &stored,
+            )
+            .ok()?;
+            // Only the user columns; the version columns are not the table's.
+            let user: Vec<usize> = (0..self.schema.fields().len()).collect();
+            let mut table = merged.project(Some(&user)).to_inexact();
+            table.total_byte_size = datafusion::common::stats::Precision::Absent;
+            Some(Arc::new(table))
+        });
+        (Some(rows), columns)
     }
 }
 

@@ -72,7 +72,8 @@ pub struct ComponentStatistics {
 }
 
 impl ComponentStatistics {
-    fn get(
+    /// The statistics of one component over the stored schema `stored`.
+    pub fn get(
         &self,
         store: &Store,
         hash: &ComponentHash,

@@ -51,12 +51,18 @@ pub struct ScanSpec {
     pub estimated_rows: Option<usize>,
 }
 
+/// What the planning node knows of a whole table: rows extrapolated from the partitions
+/// it holds, and their components' column statistics (min, max, nulls), over the user
+/// columns. Only the optimizer uses them; they do not travel.
+pub type TableStatistics = Arc<Statistics>;
+
 #[derive(Debug)]
 pub struct DistributedScanExec {
     pub spec: ScanSpec,
     /// Over the stored schema; prunes row groups of plain components (the plan above
     /// still filters every row).
     pub predicate: Option<Arc<dyn PhysicalExpr>>,
+    statistics: Option<TableStatistics>,
     node: Arc<Node>,
     schema: SchemaRef,
     properties: Arc<PlanProperties>,
@@ -83,10 +89,19 @@ impl DistributedScanExec {
         Ok(DistributedScanExec {
             spec,
             predicate,
+            statistics: None,
             node,
             schema,
             properties,
         })
+    }
+}
+
+impl DistributedScanExec {
+    /// Gives the optimizer the table's statistics (on the planning node).
+    pub fn with_statistics(mut self, statistics: Option<TableStatistics>) -> Self {
+        self.statistics = statistics;
+        self
     }
 }
 
@@ -123,13 +138,22 @@ impl ExecutionPlan for DistributedScanExec {
     }
 
     fn partition_statistics(&self, partition: Option<usize>) -> DfResult<Arc<Statistics>> {
-        let mut statistics = Statistics::new_unknown(&self.schema);
+        let mut statistics = match &self.statistics {
+            Some(table) => table.as_ref().clone().project(Some(&self.spec.projection)),
+            None => Statistics::new_unknown(&self.schema),
+        };
         if let Some(rows) = self.spec.estimated_rows {
-            let parts = self.spec.partitions.len().max(1);
-            statistics.num_rows = Precision::Inexact(match partition {
-                Some(_) => rows / parts,
-                None => rows,
-            });
+            statistics.num_rows = Precision::Inexact(rows);
+        }
+        if partition.is_some() {
+            // One channel's share: bounds still hold, counts are a fraction.
+            let channels = self.spec.partitions.len().max(1);
+            statistics = statistics.to_inexact();
+            statistics.num_rows = statistics.num_rows.map(|rows| rows / channels);
+            statistics.total_byte_size = statistics.total_byte_size.map(|b| b / channels);
+            for column in &mut statistics.column_statistics {
+                column.null_count = column.null_count.map(|n| n / channels);
+            }
         }
         Ok(Arc::new(statistics))
     }
