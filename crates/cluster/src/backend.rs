@@ -283,7 +283,12 @@ impl TableProvider for ClusterTable {
             }
             None => None,
         };
-        let (partitions, replicas) = scan_channels(&self.view.state, &self.def).map_err(external)?;
+        let (partitions, replicas) = scan_channels(
+            &self.view.state,
+            &self.def,
+            crate::query::cores_per_node(&self.view.state, self.node.id()),
+        )
+        .map_err(external)?;
         let (estimated_rows, statistics) = self.statistics();
         let spec = ScanSpec {
             def: self.def.clone(),
@@ -361,13 +366,13 @@ impl ClusterTable {
 
 /// How a scan of `def` splits into channels: the partitions with the same replicas (the
 /// same primary, under chained declustering) in as many contiguous groups as a node has
-/// cores, each group with those replicas. Fewer, larger channels than one per partition
+/// cores for channels, each group with those replicas. Fewer, larger channels than one per partition
 /// keep the exchanges' streams and batches few and large.
 fn scan_channels(
     state: &MetaState,
     def: &TableDef,
+    cores: usize,
 ) -> Result<(Vec<Vec<PartitionId>>, Vec<Vec<NodeId>>), ClusterError> {
-    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let mut by_replicas: Vec<(Vec<NodeId>, Vec<PartitionId>)> = Vec::new();
     for index in 0..state.partition_count {
         let partition = PartitionId(index);

@@ -267,16 +267,6 @@ impl QueryRegistry {
         }
     }
 
-    /// Fails every open inbox of `query` on this node with `reason`.
-    pub fn fail_query(&self, query: QueryId, reason: &str) {
-        let inboxes = self.inboxes.lock().expect("inboxes lock");
-        for (key, inbox) in inboxes.iter() {
-            if key.query == query {
-                inbox.fail(reason.to_string());
-            }
-        }
-    }
-
     /// Tracks a channel task so ending the query stops it.
     pub fn track(&self, query: QueryId, task: tokio::task::AbortHandle) {
         self.running

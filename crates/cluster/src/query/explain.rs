@@ -165,8 +165,3 @@ pub fn describe_with_metrics(plan: &DistributedPlan, outcome: &QueryOutcome) -> 
     }
     text
 }
-
-/// Total bytes the query's channels sent between nodes.
-pub fn bytes_exchanged(outcome: &QueryOutcome) -> u64 {
-    outcome.reports.iter().map(|r| r.bytes_sent).sum()
-}

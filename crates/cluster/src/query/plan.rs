@@ -62,16 +62,6 @@ pub struct Stage {
     pub inputs: Vec<StageId>,
 }
 
-impl DistributedPlan {
-    /// The nodes that run at least one channel.
-    pub fn nodes(&self) -> BTreeSet<NodeId> {
-        self.stages
-            .iter()
-            .flat_map(|s| s.channels.iter().copied())
-            .collect()
-    }
-}
-
 /// What one channel of a fragment reads at its leaves.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Leaf {

@@ -13,7 +13,7 @@ use crate::node::Node;
 use crate::NodeId;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
-use datafusion::common::{DataFusionError, Result as DfResult};
+use datafusion::common::Result as DfResult;
 use datafusion::execution::TaskContext;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
@@ -423,9 +423,4 @@ async fn end_everywhere(node: &Arc<Node>, query: QueryId, participants: &[NodeId
             }
         });
     tokio::spawn(futures::future::join_all(calls));
-}
-
-/// Turns a DataFusion error from planning into the cluster's error type.
-pub fn planning_error(error: DataFusionError) -> ClusterError {
-    ClusterError::Rejected(error.to_string())
 }

@@ -23,12 +23,11 @@ fn sql_error(error: datafusion::error::DataFusionError) -> ClusterError {
     ClusterError::Sql(tessera_sql::error::from_datafusion(error))
 }
 
-/// Hash-exchange buckets for a query: every live node's share of this node's cores (the
-/// initiator sees only its own core count; nodes of one cluster are alike).
-pub fn exchange_buckets(view: &MetaView) -> usize {
+/// Hash-exchange buckets for a query: a channel per core of every live node (the
+/// initiator sees only its own machine; nodes of one cluster are alike).
+pub fn exchange_buckets(node: &Node, view: &MetaView) -> usize {
     let nodes = view.state.live_nodes().count().max(1);
-    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-    nodes * cores
+    nodes * super::cores_per_node(&view.state, node.id())
 }
 
 /// The optimizer settings for a plan that will be cut into stages.
@@ -76,7 +75,7 @@ pub async fn prepare(
     plan: &LogicalPlan,
 ) -> Result<Prepared, ClusterError> {
     let mut state = ctx.state();
-    let buckets = exchange_buckets(view);
+    let buckets = exchange_buckets(node, view);
     configure(state.config_mut().options_mut(), buckets);
     let physical = state.create_physical_plan(plan).await.map_err(sql_error)?;
     let schema = physical.schema();
