@@ -84,17 +84,21 @@ pub fn describe(plan: &DistributedPlan) -> String {
         plan.map_version
     );
     for stage in &plan.stages {
-        let _ = writeln!(
-            text,
-            "Stage {}: {} channel(s) [{}]; {}",
-            stage.id,
-            stage.channels.len(),
-            placement(stage),
-            output(stage, plan)
-        );
+        let _ = writeln!(text, "{}", stage_line(stage, plan));
         write_fragment(&mut text, stage);
     }
     text
+}
+
+/// `Stage S: C channel(s) [placement]; where its output goes`.
+fn stage_line(stage: &Stage, plan: &DistributedPlan) -> String {
+    format!(
+        "Stage {}: {} channel(s) [{}]; {}",
+        stage.id,
+        stage.channels.len(),
+        placement(stage),
+        output(stage, plan)
+    )
 }
 
 /// The stage's operators, indented under its line.
@@ -143,11 +147,8 @@ pub fn describe_with_metrics(plan: &DistributedPlan, outcome: &QueryOutcome) -> 
         let finished = reports.iter().map(|r| r.finished_us).max().unwrap_or(0);
         let _ = writeln!(
             text,
-            "Stage {}: {} channel(s) [{}]; {}; rows={rows} bytes_sent={bytes} first_input_ms={} finished_ms={}",
-            stage.id,
-            stage.channels.len(),
-            placement(stage),
-            output(stage, plan),
+            "{}; rows={rows} bytes_sent={bytes} first_input_ms={} finished_ms={}",
+            stage_line(stage, plan),
             first_input.map(ms).unwrap_or_else(|| "-".into()),
             ms(finished)
         );
