@@ -303,8 +303,7 @@ async fn run(cli: Cli) -> Result<()> {
                 .await
             }
             None => {
-                commands::bench::tpch(&cli.data_dir, cli.store.config(), *sf, queries, *runs)
-                    .await
+                commands::bench::tpch(&cli.data_dir, cli.store.config(), *sf, queries, *runs).await
             }
         },
         Command::Bench {

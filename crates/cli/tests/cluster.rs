@@ -138,8 +138,16 @@ async fn five_nodes_answer_all_tpch_queries_exactly() {
 async fn plan_text(client: &ClusterClient, sql: &str, plan_type: &str) -> String {
     let batches = client.query(sql).await.unwrap();
     for batch in &batches {
-        let types = batch.column(0).as_any().downcast_ref::<StringArray>().unwrap();
-        let plans = batch.column(1).as_any().downcast_ref::<StringArray>().unwrap();
+        let types = batch
+            .column(0)
+            .as_any()
+            .downcast_ref::<StringArray>()
+            .unwrap();
+        let plans = batch
+            .column(1)
+            .as_any()
+            .downcast_ref::<StringArray>()
+            .unwrap();
         for i in 0..batch.num_rows() {
             if types.value(i) == plan_type {
                 return plans.value(i).to_string();
@@ -192,7 +200,9 @@ fn parse_analyzed(text: &str) -> Vec<AnalyzedStage> {
             });
         } else if let Some(stage) = stages.last_mut() {
             if line.trim_start().starts_with("channel ") {
-                stage.channel_rows.push(field(line, "rows").unwrap().parse().unwrap());
+                stage
+                    .channel_rows
+                    .push(field(line, "rows").unwrap().parse().unwrap());
             } else {
                 stage.fragment.push_str(line);
                 stage.fragment.push('\n');
@@ -221,7 +231,10 @@ async fn queries_run_as_pipelined_stages_placed_over_every_node() {
         "{explain}"
     );
     assert!(explain.contains("Hash exchange into"), "{explain}");
-    assert!(explain.contains("DistributedScanExec: table=lineitem"), "{explain}");
+    assert!(
+        explain.contains("DistributedScanExec: table=lineitem"),
+        "{explain}"
+    );
     let planned = parse_analyzed(&explain);
     let scan = planned
         .iter()
@@ -236,15 +249,27 @@ async fn queries_run_as_pipelined_stages_placed_over_every_node() {
     }
 
     // EXPLAIN ANALYZE: what every stage and channel did.
-    let analyzed = plan_text(&client, &format!("EXPLAIN ANALYZE {sql}"), "Plan with Metrics").await;
+    let analyzed = plan_text(
+        &client,
+        &format!("EXPLAIN ANALYZE {sql}"),
+        "Plan with Metrics",
+    )
+    .await;
     let stages = parse_analyzed(&analyzed);
     let top = stages.iter().find(|s| s.id == 0).unwrap();
-    assert_eq!(top.channel_rows, vec![5], "five order priorities:\n{analyzed}");
+    assert_eq!(
+        top.channel_rows,
+        vec![5],
+        "five order priorities:\n{analyzed}"
+    );
     let lineitem = stages
         .iter()
         .find(|s| s.fragment.contains("DistributedScanExec: table=lineitem"))
         .unwrap();
-    assert!(lineitem.channel_rows.len() >= 3, "a channel report per channel:\n{analyzed}");
+    assert!(
+        lineitem.channel_rows.len() >= 3,
+        "a channel report per channel:\n{analyzed}"
+    );
     if !lineitem.fragment.contains("HashJoinExec") {
         assert_eq!(
             lineitem.channel_rows.iter().sum::<u64>(),
@@ -252,7 +277,10 @@ async fn queries_run_as_pipelined_stages_placed_over_every_node() {
             "every lineitem row leaves its scan channel exactly once:\n{analyzed}"
         );
     }
-    assert!(lineitem.bytes_sent > 0, "scan channels send to other nodes:\n{analyzed}");
+    assert!(
+        lineitem.bytes_sent > 0,
+        "scan channels send to other nodes:\n{analyzed}"
+    );
 
     // Pipelining: the stage that consumes the lineitem scan received its first batch
     // before the scan stage had finished.
@@ -260,7 +288,9 @@ async fn queries_run_as_pipelined_stages_placed_over_every_node() {
         .iter()
         .find(|s| Some(s.id) == lineitem.consumer)
         .unwrap();
-    let first_input = consumer.first_input_ms.expect("the consumer read an exchange");
+    let first_input = consumer
+        .first_input_ms
+        .expect("the consumer read an exchange");
     assert!(
         first_input < lineitem.finished_ms,
         "stage {} received its first batch at {first_input} ms, after stage {} finished at {} ms:\n{analyzed}",
@@ -273,13 +303,21 @@ async fn queries_run_as_pipelined_stages_placed_over_every_node() {
     let oracle = SessionContext::new();
     for table in ["orders", "lineitem"] {
         let t = tessera_tpch::table(table).unwrap();
-        let batches: Vec<RecordBatch> = t.generate(0.1, 64 * 1024).collect::<Result<_, _>>().unwrap();
+        let batches: Vec<RecordBatch> = t
+            .generate(0.1, 64 * 1024)
+            .collect::<Result<_, _>>()
+            .unwrap();
         let mem = datafusion::datasource::MemTable::try_new(t.schema(), vec![batches]).unwrap();
-        oracle.register_table(table, std::sync::Arc::new(mem)).unwrap();
+        oracle
+            .register_table(table, std::sync::Arc::new(mem))
+            .unwrap();
     }
     let expected = oracle.sql(sql).await.unwrap().collect().await.unwrap();
     for id in cluster.node_ids() {
-        let actual = ClusterClient::new(cluster.addr(id)).query(sql).await.unwrap();
+        let actual = ClusterClient::new(cluster.addr(id))
+            .query(sql)
+            .await
+            .unwrap();
         tessera_tpch::compare::same_answer(&expected, &actual, 0.0)
             .unwrap_or_else(|diff| panic!("node {id}: {diff}"));
     }

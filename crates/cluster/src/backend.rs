@@ -5,33 +5,33 @@
 use crate::error::ClusterError;
 use crate::meta::{MetaState, MetaView};
 use crate::node::Node;
+use crate::query::scan::{DistributedScanExec, ScanSpec, TableStatistics};
 use crate::rpc::ScanRequest;
 use crate::NodeId;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
+use datafusion::common::DFSchema;
 use datafusion::common::{Constraints, DataFusionError, Result as DfResult};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use crate::query::scan::{DistributedScanExec, ScanSpec, TableStatistics};
-use datafusion::common::DFSchema;
 use datafusion::logical_expr::utils::conjunction;
 use datafusion::logical_expr::{Expr, LogicalPlan, TableProviderFilterPushDown, TableType};
-use datafusion::prelude::SessionContext;
-use tessera_sql::StatementOutput;
-use tessera_storage::versions::stored_schema;
 use datafusion::physical_expr::EquivalenceProperties;
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
 };
+use datafusion::prelude::SessionContext;
 use futures::{StreamExt, TryStreamExt};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use tessera_common::{Epoch, PartitionId, PartitionRing};
 use tessera_sql::time_travel::split_epoch_name;
+use tessera_sql::StatementOutput;
 use tessera_sql::{Backend, SqlError};
+use tessera_storage::versions::stored_schema;
 use tessera_storage::versions::stored_user_schema;
 use tessera_storage::{StorageError, TableChanges, TableDef};
 
@@ -326,9 +326,11 @@ impl ClusterTable {
             .partitions
             .iter()
             .filter(|p| {
-                placements.get(p.partition.0 as usize).is_some_and(|placement| {
-                    placement.replicas.contains(&me) && !placement.stale.contains_key(&me)
-                })
+                placements
+                    .get(p.partition.0 as usize)
+                    .is_some_and(|placement| {
+                        placement.replicas.contains(&me) && !placement.stale.contains_key(&me)
+                    })
             })
             .collect();
         if held.is_empty() {

@@ -4,14 +4,14 @@
 
 use crate::engine::StatementOutput;
 use crate::error::{from_datafusion, Result};
-use arrow::datatypes::SchemaRef;
-use datafusion::logical_expr::LogicalPlan;
-use datafusion::prelude::SessionContext;
 use crate::provider::{ScanLayout, TesseraSchema};
 use crate::scan::read_visible_partition;
 use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::SchemaProvider;
+use datafusion::logical_expr::LogicalPlan;
+use datafusion::prelude::SessionContext;
 use std::sync::Arc;
 use tessera_common::{Epoch, PartitionId, PartitionRing};
 use tessera_storage::{Store, TableChanges, TableDef};
@@ -54,7 +54,10 @@ pub trait Backend: Send + Sync + 'static {
 
 /// Plans and executes `plan` with DataFusion in this process.
 pub async fn run_in_process(ctx: &SessionContext, plan: LogicalPlan) -> Result<StatementOutput> {
-    let frame = ctx.execute_logical_plan(plan).await.map_err(from_datafusion)?;
+    let frame = ctx
+        .execute_logical_plan(plan)
+        .await
+        .map_err(from_datafusion)?;
     let schema: SchemaRef = Arc::new(frame.schema().as_arrow().clone());
     let batches = frame.collect().await.map_err(from_datafusion)?;
     Ok(StatementOutput::Rows { schema, batches })

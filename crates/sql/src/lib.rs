@@ -32,14 +32,18 @@ macro_rules! leaf_plan_methods {
             &self.properties
         }
 
-        fn children(&self) -> Vec<&::std::sync::Arc<dyn ::datafusion::physical_plan::ExecutionPlan>> {
+        fn children(
+            &self,
+        ) -> Vec<&::std::sync::Arc<dyn ::datafusion::physical_plan::ExecutionPlan>> {
             vec![]
         }
 
         fn with_new_children(
             self: ::std::sync::Arc<Self>,
             _children: Vec<::std::sync::Arc<dyn ::datafusion::physical_plan::ExecutionPlan>>,
-        ) -> ::datafusion::common::Result<::std::sync::Arc<dyn ::datafusion::physical_plan::ExecutionPlan>> {
+        ) -> ::datafusion::common::Result<
+            ::std::sync::Arc<dyn ::datafusion::physical_plan::ExecutionPlan>,
+        > {
             Ok(self)
         }
     };
@@ -50,7 +54,9 @@ macro_rules! leaf_plan_methods {
             &self,
             _f: &mut dyn FnMut(
                 &::std::sync::Arc<dyn ::datafusion::physical_expr::PhysicalExpr>,
-            ) -> ::datafusion::common::Result<::datafusion::common::tree_node::TreeNodeRecursion>,
+            ) -> ::datafusion::common::Result<
+                ::datafusion::common::tree_node::TreeNodeRecursion,
+            >,
         ) -> ::datafusion::common::Result<::datafusion::common::tree_node::TreeNodeRecursion> {
             Ok(::datafusion::common::tree_node::TreeNodeRecursion::Continue)
         }

@@ -7,6 +7,7 @@ use crate::time_travel::split_epoch_name;
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
+use datafusion::common::config::TableParquetOptions;
 use datafusion::common::{Constraint, Constraints, DFSchema, Result, Statistics};
 use datafusion::datasource::listing::PartitionedFile;
 use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
@@ -14,23 +15,22 @@ use datafusion::datasource::physical_plan::parquet::CachedParquetFileReaderFacto
 use datafusion::datasource::physical_plan::{FileGroup, FileScanConfigBuilder, ParquetSource};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::execution::object_store::ObjectStoreUrl;
+use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::logical_expr::utils::conjunction;
 use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
+use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::empty::EmptyExec;
 use datafusion::physical_plan::union::UnionExec;
 use datafusion::physical_plan::ExecutionPlan;
-use datafusion::physical_expr::PhysicalExpr;
-use datafusion::common::config::TableParquetOptions;
-use datafusion::execution::runtime_env::RuntimeEnv;
-use tessera_common::PartitionId;
-use tessera_storage::{PartitionSnapshot, TableSnapshot};
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tessera_common::ComponentHash;
 use tessera_common::Epoch;
+use tessera_common::PartitionId;
 use tessera_storage::component::component_path;
 use tessera_storage::versions::{stored_schema, stored_user_schema};
+use tessera_storage::{PartitionSnapshot, TableSnapshot};
 use tessera_storage::{Store, TableDef};
 
 /// How a scan lays storage partitions out as DataFusion output partitions.

@@ -17,14 +17,22 @@ use std::time::{Duration, Instant};
 use tessera_cluster::ClusterClient;
 
 /// One local cluster for the benchmark, with TPC-H loaded.
-async fn cluster(root: &Path, nodes: u64, partitions: u32, sf: f64) -> Result<(Nodes, ClusterClient)> {
+async fn cluster(
+    root: &Path,
+    nodes: u64,
+    partitions: u32,
+    sf: f64,
+) -> Result<(Nodes, ClusterClient)> {
     let options = UpOptions::new(nodes, partitions, 3);
     let cluster = Nodes::start_with(root, options)?;
     wait_formed(&cluster.addrs, Duration::from_secs(60)).await?;
     let client = ClusterClient::new(&cluster.addrs[0]);
     let target = Target::cluster(&cluster.addrs[0]);
     if target.table_def("lineitem").await?.is_none() {
-        println!("loading TPC-H SF {sf} into the {nodes}-node cluster under {}", root.display());
+        println!(
+            "loading TPC-H SF {sf} into the {nodes}-node cluster under {}",
+            root.display()
+        );
         super::load::tpch(&target, sf, &[], true).await?;
     }
     Ok((cluster, client))
@@ -72,9 +80,16 @@ pub async fn run(
     }
     let queries = chosen_queries(queries, runs)?;
     let root = data_dir.join(format!("bench-tpch-cluster-sf{sf}"));
-    let (_many, many) = cluster(&root.join(format!("nodes-{nodes}")), nodes, partitions, sf).await?;
+    let (_many, many) =
+        cluster(&root.join(format!("nodes-{nodes}")), nodes, partitions, sf).await?;
     let (_one, one) = cluster(&root.join("nodes-1"), 1, partitions, sf).await?;
-    let baseline = baseline_context(&data_dir.join(format!("bench-tpch-sf{sf}")).join("datafusion"), sf).await?;
+    let baseline = baseline_context(
+        &data_dir
+            .join(format!("bench-tpch-sf{sf}"))
+            .join("datafusion"),
+        sf,
+    )
+    .await?;
 
     println!();
     println!(
@@ -139,7 +154,13 @@ pub async fn run(
     let n = queries.len() as f64;
     println!(
         "{:>5} {:>12.1} {:>12.1} {:>15.1} {:>11.3} {:>11.3} {:>14}",
-        "sum", sum_many, sum_one, sum_df, sum_many / sum_df, sum_many / sum_one, total_bytes
+        "sum",
+        sum_many,
+        sum_one,
+        sum_df,
+        sum_many / sum_df,
+        sum_many / sum_one,
+        total_bytes
     );
     println!(
         "geometric mean ratio: {nodes}-node / DataFusion {:.3}, {nodes}-node / 1-node {:.3}; total bytes exchanged {total_bytes}",

@@ -45,7 +45,9 @@ impl TesseraCodec {
         expr: &Arc<dyn PhysicalExpr>,
         converter: &dyn PhysicalProtoConverterExtension,
     ) -> DfResult<Vec<u8>> {
-        Ok(converter.physical_expr_to_proto(expr, self)?.encode_to_vec())
+        Ok(converter
+            .physical_expr_to_proto(expr, self)?
+            .encode_to_vec())
     }
 
     fn decode_expr(
@@ -75,7 +77,11 @@ impl PhysicalExtensionCodec for TesseraCodec {
                 let predicate = predicate
                     .map(|bytes| self.decode_expr(&bytes, ctx, &stored_schema(&spec.def)))
                     .transpose()?;
-                Arc::new(DistributedScanExec::try_new(spec, predicate, self.node.clone())?)
+                Arc::new(DistributedScanExec::try_new(
+                    spec,
+                    predicate,
+                    self.node.clone(),
+                )?)
             }
             Encoded::Read { spec, schema } => Arc::new(ExchangeReadExec::new(
                 spec,

@@ -134,7 +134,8 @@ impl Inbox {
     /// Adds a batch from producer channel `sender`, waiting while the bucket is over its
     /// budget. Batches must come in sequence from each sender.
     pub async fn push(&self, sender: usize, seq: u64, batch: RecordBatch) -> Result<(), String> {
-        let kib = ((batch.get_array_memory_size() >> 10) as u32).clamp(1, (INBOX_BUDGET_BYTES >> 10) as u32);
+        let kib = ((batch.get_array_memory_size() >> 10) as u32)
+            .clamp(1, (INBOX_BUDGET_BYTES >> 10) as u32);
         match self.space.acquire_many(kib).await {
             Ok(permit) => permit.forget(),
             // Closed: the consumer is done with this bucket.
@@ -253,7 +254,11 @@ impl QueryRegistry {
 
     /// The inbox of `key` if it exists, without making one.
     pub fn peek(&self, key: InboxKey) -> Option<Arc<Inbox>> {
-        self.inboxes.lock().expect("inboxes lock").get(&key).cloned()
+        self.inboxes
+            .lock()
+            .expect("inboxes lock")
+            .get(&key)
+            .cloned()
     }
 
     pub fn has_ended(&self, query: QueryId) -> bool {
@@ -403,7 +408,10 @@ impl ExecutionPlan for ExchangeReadExec {
                 self.spec.exchange, self.spec.buckets
             )));
         }
-        let senders = self.spec.mode.senders_per_bucket(self.spec.producer_channels);
+        let senders = self
+            .spec
+            .mode
+            .senders_per_bucket(self.spec.producer_channels);
         let key = self.key(bucket);
         let inbox = self.registry.inbox(key, senders).ok_or_else(|| {
             DataFusionError::Execution(format!("query {:x} has ended on this node", key.query))
@@ -490,7 +498,11 @@ impl ExchangeWriteExec {
 
     /// What channel `k` did, once its stream has ended.
     pub fn report(&self, channel: usize) -> Option<ChannelReport> {
-        self.reports.lock().expect("reports lock").get(&channel).cloned()
+        self.reports
+            .lock()
+            .expect("reports lock")
+            .get(&channel)
+            .cloned()
     }
 }
 
@@ -541,9 +553,9 @@ impl ExecutionPlan for ExchangeWriteExec {
         self: Arc<Self>,
         mut children: Vec<Arc<dyn ExecutionPlan>>,
     ) -> DfResult<Arc<dyn ExecutionPlan>> {
-        let input = children.pop().ok_or_else(|| {
-            DataFusionError::Internal("ExchangeWriteExec takes one input".into())
-        })?;
+        let input = children
+            .pop()
+            .ok_or_else(|| DataFusionError::Internal("ExchangeWriteExec takes one input".into()))?;
         Ok(Arc::new(ExchangeWriteExec::new(
             self.spec.clone(),
             self.hash_exprs.clone(),
@@ -573,20 +585,21 @@ impl ExecutionPlan for ExchangeWriteExec {
         let reports = self.reports.clone();
         let run = async move {
             let report = writer.run(input).await?;
-            reports.lock().expect("reports lock").insert(channel, report);
+            reports
+                .lock()
+                .expect("reports lock")
+                .insert(channel, report);
             Ok::<(), DataFusionError>(())
         };
         // No rows: the stream only carries the channel's failure, if any.
-        let stream = futures::stream::once(run).filter_map(|result| async move {
-            result.err().map(Err::<RecordBatch, _>)
-        });
+        let stream = futures::stream::once(run)
+            .filter_map(|result| async move { result.err().map(Err::<RecordBatch, _>) });
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             self.input.schema(),
             stream,
         )))
     }
 }
-
 
 /// Where one producer channel's batches for one node go.
 enum Link {
@@ -648,7 +661,9 @@ impl ChannelWriter {
                 Link::Local(inboxes)
             } else {
                 let addr = self.spec.addrs.get(&dest).cloned().ok_or_else(|| {
-                    exec_error(format!("no address for node {dest} in the query's snapshot"))
+                    exec_error(format!(
+                        "no address for node {dest} in the query's snapshot"
+                    ))
                 })?;
                 let header = ExchangeHeader {
                     query: self.spec.query,
@@ -659,12 +674,10 @@ impl ChannelWriter {
                 };
                 let (tx, rx) = tokio::sync::mpsc::channel(LINK_DEPTH);
                 let clients = self.node.clients.clone();
-                let first = FlightData::from(SchemaAsIpc::new(
-                    &self.schema,
-                    &Self::write_options(),
-                ));
-                let messages = futures::stream::once(async move { first })
-                    .chain(tokio_stream_from(rx));
+                let first =
+                    FlightData::from(SchemaAsIpc::new(&self.schema, &Self::write_options()));
+                let messages =
+                    futures::stream::once(async move { first }).chain(tokio_stream_from(rx));
                 let call = tokio::spawn(async move {
                     clients
                         .put_flight(&addr, PutRequest::Exchange(header), messages)
@@ -742,7 +755,8 @@ impl ChannelWriter {
                     .or_insert_with(|| BatchCoalescer::new(self.schema.clone(), SEND_BATCH_ROWS));
                 coalescer.push_batch(part)?;
                 while let Some(ready) = coalescer.next_completed_batch() {
-                    self.send(&mut links, &mut seqs, bucket, ready, &mut report).await?;
+                    self.send(&mut links, &mut seqs, bucket, ready, &mut report)
+                        .await?;
                 }
             }
         }
@@ -752,7 +766,8 @@ impl ChannelWriter {
             let coalescer = pending.get_mut(&bucket).expect("bucket is pending");
             coalescer.finish_buffered_batch()?;
             while let Some(ready) = coalescer.next_completed_batch() {
-                self.send(&mut links, &mut seqs, bucket, ready, &mut report).await?;
+                self.send(&mut links, &mut seqs, bucket, ready, &mut report)
+                    .await?;
             }
         }
         // End of stream: local inboxes at once; remote nodes when their streams end, each
@@ -842,7 +857,9 @@ impl ChannelWriter {
 fn tokio_stream_from<T: Send + 'static>(
     rx: tokio::sync::mpsc::Receiver<T>,
 ) -> impl futures::Stream<Item = T> + Send + 'static {
-    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) })
+    futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    })
 }
 
 /// The receiving end of one `do_put` exchange stream: puts each batch into its bucket's
@@ -851,8 +868,12 @@ fn tokio_stream_from<T: Send + 'static>(
 pub async fn receive(
     registry: &QueryRegistry,
     header: &ExchangeHeader,
-    mut messages: impl futures::Stream<Item = Result<arrow_flight::decode::DecodedFlightData, arrow_flight::error::FlightError>>
-        + Unpin,
+    mut messages: impl futures::Stream<
+            Item = Result<
+                arrow_flight::decode::DecodedFlightData,
+                arrow_flight::error::FlightError,
+            >,
+        > + Unpin,
 ) -> Result<(), String> {
     let mut inboxes: HashMap<usize, Arc<Inbox>> = HashMap::new();
     for &bucket in &header.buckets {
@@ -909,8 +930,11 @@ mod tests {
 
     fn batch(rows: i64) -> RecordBatch {
         let schema = Arc::new(Schema::new(vec![Field::new("v", DataType::Int64, false)]));
-        RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from_iter_values(0..rows))])
-            .unwrap()
+        RecordBatch::try_new(
+            schema,
+            vec![Arc::new(Int64Array::from_iter_values(0..rows))],
+        )
+        .unwrap()
     }
 
     fn key(bucket: usize) -> InboxKey {
@@ -934,7 +958,11 @@ mod tests {
         inbox.finish(1);
         assert_eq!(inbox.next().await.unwrap().unwrap().num_rows(), 2);
         assert!(inbox.next().await.is_none());
-        assert_eq!(inbox.consumed(), vec![(0, 0), (1, 0)], "the reading order is recorded");
+        assert_eq!(
+            inbox.consumed(),
+            vec![(0, 0), (1, 0)],
+            "the reading order is recorded"
+        );
     }
 
     #[tokio::test]
@@ -942,7 +970,10 @@ mod tests {
         let inbox = Inbox::new(key(0), 1);
         inbox.push(0, 0, batch(1)).await.unwrap();
         let gap = inbox.push(0, 2, batch(1)).await.unwrap_err();
-        assert!(gap.contains("batch 2 from channel 0 arrived where batch 1 was due"), "{gap}");
+        assert!(
+            gap.contains("batch 2 from channel 0 arrived where batch 1 was due"),
+            "{gap}"
+        );
         inbox.finish(0);
         let late = inbox.push(0, 1, batch(1)).await.unwrap_err();
         assert!(late.contains("after its end of stream"), "{late}");
@@ -961,7 +992,10 @@ mod tests {
             tokio::spawn(async move { inbox.push(0, 3, batch(rows)).await })
         };
         tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(!sender.is_finished(), "a sender went past the inbox's budget");
+        assert!(
+            !sender.is_finished(),
+            "a sender went past the inbox's budget"
+        );
         inbox.next().await.unwrap().unwrap();
         tokio::time::timeout(Duration::from_secs(5), sender)
             .await
@@ -987,7 +1021,10 @@ mod tests {
             .expect("closing released the sender")
             .unwrap()
             .unwrap();
-        assert!(inbox.next().await.is_none(), "a closed inbox yields nothing");
+        assert!(
+            inbox.next().await.is_none(),
+            "a closed inbox yields nothing"
+        );
     }
 
     #[tokio::test]

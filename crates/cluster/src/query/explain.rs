@@ -51,7 +51,6 @@ fn ranges(values: &[usize]) -> String {
 fn output(stage: &Stage, plan: &DistributedPlan) -> String {
     let writer = stage
         .plan
-        
         .downcast_ref::<ExchangeWriteExec>()
         .expect("every stage ends in an exchange writer");
     if stage.id == 0 {
@@ -139,8 +138,11 @@ pub fn describe_with_metrics(plan: &DistributedPlan, outcome: &QueryOutcome) -> 
         outcome.elapsed.as_secs_f64() * 1e3
     );
     for stage in &plan.stages {
-        let reports: Vec<&ChannelReport> =
-            outcome.reports.iter().filter(|r| r.stage == stage.id).collect();
+        let reports: Vec<&ChannelReport> = outcome
+            .reports
+            .iter()
+            .filter(|r| r.stage == stage.id)
+            .collect();
         let rows: u64 = reports.iter().map(|r| r.rows).sum();
         let bytes: u64 = reports.iter().map(|r| r.bytes_sent).sum();
         let first_input = reports.iter().filter_map(|r| r.first_input_us).min();

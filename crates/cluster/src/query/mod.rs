@@ -68,11 +68,19 @@ pub struct ChannelReport {
 /// several nodes per server). At least one.
 pub fn cores_per_node(state: &crate::meta::MetaState, node: crate::NodeId) -> usize {
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let host = |addr: &str| addr.rsplit_once(':').map_or(addr, |(host, _)| host).to_string();
+    let host = |addr: &str| {
+        addr.rsplit_once(':')
+            .map_or(addr, |(host, _)| host)
+            .to_string()
+    };
     let Some(mine) = state.nodes.get(&node).map(|n| host(&n.addr)) else {
         return cores;
     };
-    let sharing = state.live_nodes().filter(|n| host(&n.addr) == mine).count().max(1);
+    let sharing = state
+        .live_nodes()
+        .filter(|n| host(&n.addr) == mine)
+        .count()
+        .max(1);
     (cores / sharing).max(1)
 }
 

@@ -25,16 +25,16 @@ use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::common::{DataFusionError, JoinType, Result as DfResult};
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::execution_plan::replace_children_if_necessary;
 use datafusion::physical_plan::filter::FilterExec;
-use datafusion::physical_plan::projection::ProjectionExec;
-use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
 use datafusion::physical_plan::joins::{
     CrossJoinExec, HashJoinExec, NestedLoopJoinExec, PartitionMode,
 };
+use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
+use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
 use datafusion::physical_plan::union::UnionExec;
-use datafusion::physical_plan::execution_plan::replace_children_if_necessary;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -65,9 +65,14 @@ pub struct Stage {
 /// What one channel of a fragment reads at its leaves.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Leaf {
-    Exchange { exchange: StageId, bucket: usize },
+    Exchange {
+        exchange: StageId,
+        bucket: usize,
+    },
     /// A storage partition, with its replicas best first.
-    Scan { replicas: Vec<NodeId> },
+    Scan {
+        replicas: Vec<NodeId>,
+    },
 }
 
 /// The leaves that output partition `partition` of `plan` reads, following how each
@@ -181,7 +186,10 @@ impl Cutter {
 
     /// Replaces the exchanges in `plan` by readers of new stages; returns the plan and the
     /// stages it reads directly.
-    fn cut(&mut self, plan: Arc<dyn ExecutionPlan>) -> DfResult<(Arc<dyn ExecutionPlan>, Vec<StageId>)> {
+    fn cut(
+        &mut self,
+        plan: Arc<dyn ExecutionPlan>,
+    ) -> DfResult<(Arc<dyn ExecutionPlan>, Vec<StageId>)> {
         let any: &dyn ExecutionPlan = plan.as_ref();
         if let Some(repartition) = any.downcast_ref::<RepartitionExec>() {
             let (input, inputs) = self.cut(repartition.input().clone())?;
@@ -209,7 +217,8 @@ impl Cutter {
             let (child, inputs) = self.cut(child.clone())?;
             let parts = child.output_partitioning().partition_count();
             if gathers && parts > 1 {
-                let (reader, id) = self.exchange(child, inputs, ExchangeMode::Gather, vec![], parts);
+                let (reader, id) =
+                    self.exchange(child, inputs, ExchangeMode::Gather, vec![], parts);
                 children.push(reader);
                 reads.push(id);
             } else {
@@ -256,7 +265,11 @@ fn place(root: &Arc<dyn ExecutionPlan>, state: &MetaState, fallback: NodeId) -> 
 fn emits_build_side_at_end(join_type: &JoinType) -> bool {
     matches!(
         join_type,
-        JoinType::Left | JoinType::LeftAnti | JoinType::LeftSemi | JoinType::LeftMark | JoinType::Full
+        JoinType::Left
+            | JoinType::LeftAnti
+            | JoinType::LeftSemi
+            | JoinType::LeftMark
+            | JoinType::Full
     )
 }
 

@@ -103,12 +103,9 @@ fn start_stage(
     ctx: &Arc<TaskContext>,
     reports: &mpsc::Sender<ChannelReport>,
 ) -> Result<(), ClusterError> {
-    let writer = plan
-        
-        .downcast_ref::<ExchangeWriteExec>()
-        .ok_or_else(|| {
-            ClusterError::Rejected(format!("stage {stage} does not end in an exchange writer"))
-        })?;
+    let writer = plan.downcast_ref::<ExchangeWriteExec>().ok_or_else(|| {
+        ClusterError::Rejected(format!("stage {stage} does not end in an exchange writer"))
+    })?;
     let started_at_us = writer.spec.started_at_us;
     let mut reads: HashMap<usize, Vec<InboxKey>> = HashMap::new();
     let readers: Arc<Mutex<HashMap<InboxKey, usize>>> = Arc::default();
@@ -145,7 +142,6 @@ fn start_stage(
             let node = here;
             let result = drain(plan.clone(), channel, ctx).await;
             let writer = plan
-                
                 .downcast_ref::<ExchangeWriteExec>()
                 .expect("checked above");
             let mut report = match result {
@@ -180,7 +176,11 @@ fn start_stage(
     Ok(())
 }
 
-async fn drain(plan: Arc<dyn ExecutionPlan>, channel: usize, ctx: Arc<TaskContext>) -> DfResult<()> {
+async fn drain(
+    plan: Arc<dyn ExecutionPlan>,
+    channel: usize,
+    ctx: Arc<TaskContext>,
+) -> DfResult<()> {
     let mut stream = plan.execute(channel, ctx)?;
     while let Some(batch) = stream.next().await {
         batch?;
@@ -418,7 +418,12 @@ async fn end_everywhere(node: &Arc<Node>, query: QueryId, participants: &[NodeId
             let clients = node.clients.clone();
             async move {
                 let _: Result<(), _> = clients
-                    .action(&addr, crate::rpc::ACTION_QUERY_END, query, QUERY_END_TIMEOUT)
+                    .action(
+                        &addr,
+                        crate::rpc::ACTION_QUERY_END,
+                        query,
+                        QUERY_END_TIMEOUT,
+                    )
                     .await;
             }
         });

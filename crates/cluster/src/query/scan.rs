@@ -107,7 +107,12 @@ impl DistributedScanExec {
 
 impl DisplayAs for DistributedScanExec {
     fn fmt_as(&self, _t: DisplayFormatType, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        let columns: Vec<&str> = self.schema.fields().iter().map(|f| f.name().as_str()).collect();
+        let columns: Vec<&str> = self
+            .schema
+            .fields()
+            .iter()
+            .map(|f| f.name().as_str())
+            .collect();
         write!(
             f,
             "DistributedScanExec: table={}, epoch={}, partitions={} in {} channel(s), columns=[{}]",
@@ -169,9 +174,16 @@ impl ExecutionPlan for DistributedScanExec {
                 futures::stream::empty(),
             )));
         }
-        let storage_partitions = self.spec.partitions.get(partition).cloned().ok_or_else(|| {
-            DataFusionError::Internal(format!("DistributedScanExec has no partition {partition}"))
-        })?;
+        let storage_partitions = self
+            .spec
+            .partitions
+            .get(partition)
+            .cloned()
+            .ok_or_else(|| {
+                DataFusionError::Internal(format!(
+                    "DistributedScanExec has no partition {partition}"
+                ))
+            })?;
         let replicas = self.spec.replicas[partition].clone();
         let node = self.node.clone();
         let spec = self.spec.clone();
@@ -209,7 +221,10 @@ async fn read_here(
     let generation = spec.def.generation;
     let wanted = partitions.clone();
     let snapshot = tokio::task::spawn_blocking(move || {
-        if store.table_def(&table).is_none_or(|d| d.generation != generation) {
+        if store
+            .table_def(&table)
+            .is_none_or(|d| d.generation != generation)
+        {
             return Err(tessera_storage::StorageError::UnknownTable(table));
         }
         // A commit may add logged rows between the replay and the snapshot: go round again.
@@ -264,9 +279,18 @@ async fn read_remotely(
     replicas: &[NodeId],
 ) -> DfResult<SendableRecordBatchStream> {
     let schema = Arc::new(stored_user_schema(&spec.def).project(&spec.projection)?);
-    let mut last = format!("partitions {partitions:?} have no live replica in the query's snapshot");
+    let mut last =
+        format!("partitions {partitions:?} have no live replica in the query's snapshot");
     for &replica in replicas {
-        match read_from(node, replica, &spec.def, spec.epoch, partitions, &spec.projection).await
+        match read_from(
+            node,
+            replica,
+            &spec.def,
+            spec.epoch,
+            partitions,
+            &spec.projection,
+        )
+        .await
         {
             Ok(batches) => {
                 return Ok(Box::pin(RecordBatchStreamAdapter::new(

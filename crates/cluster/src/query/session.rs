@@ -3,9 +3,9 @@
 //! `EXPLAIN ANALYZE` runs it and shows what every channel did.
 
 use super::explain::{describe, describe_with_metrics};
+use super::now_us;
 use super::plan::{distribute, DistributedPlan};
 use super::run::{encode, execute, Work};
-use super::now_us;
 use crate::error::ClusterError;
 use crate::meta::MetaView;
 use crate::node::Node;
@@ -100,7 +100,10 @@ pub async fn prepare(
     }
 }
 
-fn explain_rows(schema: SchemaRef, rows: Vec<(&str, String)>) -> Result<StatementOutput, ClusterError> {
+fn explain_rows(
+    schema: SchemaRef,
+    rows: Vec<(&str, String)>,
+) -> Result<StatementOutput, ClusterError> {
     let types: Vec<&str> = rows.iter().map(|(t, _)| *t).collect();
     let plans: Vec<&str> = rows.iter().map(|(_, p)| p.as_str()).collect();
     let batch = RecordBatch::try_new(
@@ -157,7 +160,10 @@ pub async fn run_query(
                     let outcome = execute(node, &distributed, work, output).await?;
                     explain_rows(
                         schema,
-                        vec![("Plan with Metrics", describe_with_metrics(&distributed, &outcome))],
+                        vec![(
+                            "Plan with Metrics",
+                            describe_with_metrics(&distributed, &outcome),
+                        )],
                     )
                 }
                 Prepared::InProcess { reason } => {

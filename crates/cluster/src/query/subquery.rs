@@ -12,7 +12,9 @@ use super::run::{encode, execute};
 use crate::error::ClusterError;
 use crate::meta::MetaView;
 use crate::node::Node;
+use arrow::array::RecordBatch;
 use datafusion::common::{DataFusionError, Result as DfResult, ScalarValue};
+use datafusion::logical_expr::ColumnarValue;
 use datafusion::physical_expr::expressions::Literal;
 use datafusion::physical_expr::scalar_subquery::ScalarSubqueryExpr;
 use datafusion::physical_expr::PhysicalExpr;
@@ -21,8 +23,6 @@ use datafusion::physical_plan::scalar_subquery::ScalarSubqueryExec;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion_proto::physical_plan::from_proto::parse_physical_expr_with_converter;
 use datafusion_proto::physical_plan::to_proto::serialize_physical_expr_with_converter;
-use arrow::array::RecordBatch;
-use datafusion::logical_expr::ColumnarValue;
 use datafusion_proto::physical_plan::{
     PhysicalExtensionCodec, PhysicalPlanDecodeContext, PhysicalPlanNodeExt,
     PhysicalProtoConverterExtension,
@@ -32,7 +32,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-type Resolved<'a> = Pin<Box<dyn Future<Output = Result<Arc<dyn ExecutionPlan>, ClusterError>> + Send + 'a>>;
+type Resolved<'a> =
+    Pin<Box<dyn Future<Output = Result<Arc<dyn ExecutionPlan>, ClusterError>> + Send + 'a>>;
 
 /// Runs every scalar subquery in `plan` on the cluster and returns the plan without its
 /// `ScalarSubqueryExec`s, their expressions filled in.
@@ -46,7 +47,8 @@ pub fn resolve<'a>(
     Box::pin(async move {
         if let Some(exec) = plan.downcast_ref::<ScalarSubqueryExec>() {
             for link in exec.subqueries() {
-                let subquery = resolve(node, view, link.plan.clone(), started_at_us, buckets).await?;
+                let subquery =
+                    resolve(node, view, link.plan.clone(), started_at_us, buckets).await?;
                 let value = run_scalar(node, view, subquery, started_at_us, buckets).await?;
                 exec.results()
                     .set(link.index, value)
