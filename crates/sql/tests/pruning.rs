@@ -21,9 +21,12 @@ async fn row_groups_outside_a_filter_are_pruned_by_statistics() {
         .execute("CREATE TABLE t (k BIGINT, v BIGINT, PRIMARY KEY (k))")
         .await
         .unwrap();
-    // Rows arrive in key order, so each row group covers one key range.
+    // Rows arrive in key order, so each row group covers one key range. (Without the
+    // ORDER BY, generate_series spread over the session's cores may interleave ranges.)
     engine
-        .execute("INSERT INTO t SELECT value, value * 2 FROM generate_series(1, 300000)")
+        .execute(
+            "INSERT INTO t SELECT value, value * 2 FROM generate_series(1, 300000) ORDER BY value",
+        )
         .await
         .unwrap();
     store.checkpoint().unwrap();

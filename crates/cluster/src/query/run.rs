@@ -287,6 +287,11 @@ pub async fn execute(
     let (events, mut incoming) = mpsc::channel::<Event>(1024);
     let mut participants: Vec<NodeId> = requests.keys().copied().collect();
     participants.push(me);
+    let end = EndEverywhere {
+        node: node.clone(),
+        query: plan.query,
+        participants,
+    };
     {
         let mut reports = start_plans(node, plan.query, local)?;
         let events = events.clone();
@@ -336,7 +341,8 @@ pub async fn execute(
 
     let mut batches = Vec::new();
     let mut reports = Vec::new();
-    let mut pending: std::collections::BTreeSet<NodeId> = participants.iter().copied().collect();
+    let mut pending: std::collections::BTreeSet<NodeId> =
+        end.participants.iter().copied().collect();
     let mut answered = false;
     let mut events_open = true;
     let failure = loop {
@@ -391,7 +397,7 @@ pub async fn execute(
         })
         .await;
     }
-    end_everywhere(node, plan.query, &participants).await;
+    drop(end);
     if let Some(failure) = failure {
         return Err(ClusterError::Rejected(format!(
             "query {:x} failed: {failure}",
@@ -406,26 +412,41 @@ pub async fn execute(
     })
 }
 
-/// Ends the query on every node that took part (here at once; elsewhere in the
-/// background, so the answer does not wait for it).
-async fn end_everywhere(node: &Arc<Node>, query: QueryId, participants: &[NodeId]) {
-    node.queries.end_query(query);
-    let calls = participants
-        .iter()
-        .filter(|&&at| at != node.id())
-        .filter_map(|&at| node.addr_of(at))
-        .map(|addr| {
-            let clients = node.clients.clone();
-            async move {
-                let _: Result<(), _> = clients
-                    .action(
-                        &addr,
-                        crate::rpc::ACTION_QUERY_END,
-                        query,
-                        QUERY_END_TIMEOUT,
-                    )
-                    .await;
-            }
-        });
-    tokio::spawn(futures::future::join_all(calls));
+/// Ends the query on every node that took part when dropped: when the initiator has the
+/// answer, gives up, or is itself cancelled (its client went away). Here at once;
+/// elsewhere in the background, so the answer does not wait for it.
+struct EndEverywhere {
+    node: Arc<Node>,
+    query: QueryId,
+    participants: Vec<NodeId>,
+}
+
+impl Drop for EndEverywhere {
+    fn drop(&mut self) {
+        self.node.queries.end_query(self.query);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let query = self.query;
+        let calls: Vec<_> = self
+            .participants
+            .iter()
+            .filter(|&&at| at != self.node.id())
+            .filter_map(|&at| self.node.addr_of(at))
+            .map(|addr| {
+                let clients = self.node.clients.clone();
+                async move {
+                    let _: Result<(), _> = clients
+                        .action(
+                            &addr,
+                            crate::rpc::ACTION_QUERY_END,
+                            query,
+                            QUERY_END_TIMEOUT,
+                        )
+                        .await;
+                }
+            })
+            .collect();
+        runtime.spawn(futures::future::join_all(calls));
+    }
 }
