@@ -581,6 +581,8 @@ impl ExecutionPlan for ExchangeWriteExec {
             channel,
             channels,
             schema: self.input.schema(),
+            options: IpcWriteOptions::default()
+                .try_with_compression(Some(arrow_ipc::CompressionType::LZ4_FRAME))?,
         };
         let reports = self.reports.clone();
         let run = async move {
@@ -621,6 +623,8 @@ struct ChannelWriter {
     channel: usize,
     channels: usize,
     schema: SchemaRef,
+    /// Arrow IPC with LZ4 frames, the same for every batch this channel sends.
+    options: IpcWriteOptions,
 }
 
 fn exec_error(message: String) -> DataFusionError {
@@ -628,12 +632,6 @@ fn exec_error(message: String) -> DataFusionError {
 }
 
 impl ChannelWriter {
-    fn write_options() -> IpcWriteOptions {
-        IpcWriteOptions::default()
-            .try_with_compression(Some(arrow_ipc::CompressionType::LZ4_FRAME))
-            .expect("LZ4 is compiled in")
-    }
-
     fn open_links(&self) -> DfResult<BTreeMap<NodeId, Link>> {
         let me = self.node.id();
         let senders = self.spec.mode.senders_per_bucket(self.channels);
@@ -674,8 +672,7 @@ impl ChannelWriter {
                 };
                 let (tx, rx) = tokio::sync::mpsc::channel(LINK_DEPTH);
                 let clients = self.node.clients.clone();
-                let first =
-                    FlightData::from(SchemaAsIpc::new(&self.schema, &Self::write_options()));
+                let first = FlightData::from(SchemaAsIpc::new(&self.schema, &self.options));
                 let messages =
                     futures::stream::once(async move { first }).chain(tokio_stream_from(rx));
                 let call = tokio::spawn(async move {
@@ -825,11 +822,10 @@ impl ChannelWriter {
                     dictionaries,
                     ..
                 } => {
-                    let options = Self::write_options();
                     let (dicts, encoded) = IpcDataGenerator::default().encode(
                         &batch,
                         dictionaries,
-                        &options,
+                        &self.options,
                         &mut IpcWriteContext::default(),
                     )?;
                     let metadata = Bytes::from(serde_json::to_vec(&tag).expect("tags serialize"));
