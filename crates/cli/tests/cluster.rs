@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 use tessera_cluster::ClusterClient;
 use tessera_testkit::{kv_batch, LocalCluster};
 
+mod common;
+use common::{load_tpch, load_tpch_tables, wait_formed, wait_until};
+
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 
 /// Clusters run one at a time: several at once would starve each other of the CPU and
@@ -21,72 +24,12 @@ fn exclusive() -> std::sync::MutexGuard<'static, ()> {
 }
 const PARTITIONS: u32 = 16;
 
-async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Waits until node `via` sees a leader and exactly `alive` live nodes.
-async fn wait_formed(cluster: &LocalCluster, via: u64, alive: usize) {
-    let client = ClusterClient::new(cluster.addr(via));
-    wait_until("the cluster to form", Duration::from_secs(60), || async {
-        let status = client.status().await.ok()?;
-        (status.leader.is_some() && status.meta.live_nodes().count() == alive).then_some(())
-    })
-    .await
-}
-
 async fn leader_of(cluster: &LocalCluster, via: u64) -> u64 {
     let client = ClusterClient::new(cluster.addr(via));
     wait_until("a leader", Duration::from_secs(30), || async {
         client.status().await.ok()?.leader
     })
     .await
-}
-
-/// Creates and publishes the TPC-H tables, each through a different coordinator.
-async fn load_tpch(cluster: &LocalCluster, sf: f64) {
-    load_tpch_tables(cluster, sf, &[]).await;
-}
-
-/// As [`load_tpch`], only the tables named (all if none); returns the rows loaded per table.
-async fn load_tpch_tables(
-    cluster: &LocalCluster,
-    sf: f64,
-    only: &[&str],
-) -> std::collections::HashMap<&'static str, usize> {
-    let ids = cluster.node_ids();
-    let mut loaded = std::collections::HashMap::new();
-    let tables = tessera_tpch::TABLES
-        .iter()
-        .filter(|t| only.is_empty() || only.contains(&t.name));
-    for (i, table) in tables.enumerate() {
-        let ddl = ClusterClient::new(cluster.addr(ids[i % ids.len()]));
-        ddl.sql(&tessera_tpch::create_table_sql(table))
-            .await
-            .unwrap();
-        let coordinator = ClusterClient::new(cluster.addr(ids[(i + 1) % ids.len()]));
-        let batches: Vec<RecordBatch> = table
-            .generate(sf, 64 * 1024)
-            .collect::<Result<_, _>>()
-            .unwrap();
-        loaded.insert(table.name, batches.iter().map(|b| b.num_rows()).sum());
-        coordinator
-            .publish(table.name, batches, false)
-            .await
-            .unwrap();
-    }
-    loaded
 }
 
 async fn assert_tpch_answers(cluster: &LocalCluster, nodes: &[u64], oracle: &SessionContext) {

@@ -67,7 +67,11 @@ impl StatementView {
 pub struct ClusterBackend {
     node: Arc<Node>,
     view: StatementView,
+    notices: Mutex<Vec<String>>,
 }
+
+/// How many node failures one query may restart after before it gives up.
+const MAX_RESTARTS: usize = 3;
 
 impl ClusterBackend {
     pub fn new(node: Arc<Node>) -> ClusterBackend {
@@ -76,6 +80,7 @@ impl ClusterBackend {
                 node: node.clone(),
                 pinned: Arc::default(),
             },
+            notices: Mutex::default(),
             node,
         }
     }
@@ -135,7 +140,56 @@ impl Backend for ClusterBackend {
         ctx: &SessionContext,
         plan: LogicalPlan,
     ) -> tessera_sql::error::Result<StatementOutput> {
-        Ok(crate::query::session::run_query(&self.node, &self.view(), ctx, plan).await?)
+        use tessera_sql::options::RecoveryMode;
+        let mode = tessera_sql::options::tessera_options(ctx.state().config()).recovery;
+        let mut restarts = 0;
+        loop {
+            let view = self.view();
+            let run = crate::query::session::run_query(&self.node, &view, ctx, plan.clone(), mode);
+            match run.await {
+                Ok((output, notices)) => {
+                    self.notices.lock().expect("notices lock").extend(notices);
+                    return Ok(output);
+                }
+                Err(ClusterError::NodeLost {
+                    node: lost,
+                    query,
+                    detail,
+                }) if mode != RecoveryMode::None && restarts < MAX_RESTARTS => {
+                    restarts += 1;
+                    tracing::warn!(lost, query, %detail, "restarting a query on the survivors");
+                    // A fresh partition map (the survivors' promotions); the tables keep the
+                    // epoch they were resolved at, so the answer is the one the first run
+                    // would have given.
+                    self.view.pin(self.node.catch_up_with_leader().await);
+                    self.notices.lock().expect("notices lock").push(format!(
+                        "node {lost} died during query {query:x}; the query was restarted on the surviving nodes (tessera.recovery = {mode}, restart {restarts})"
+                    ));
+                }
+                Err(ClusterError::NodeLost {
+                    node,
+                    query,
+                    detail,
+                }) => {
+                    let why = if mode == RecoveryMode::None {
+                        "tessera.recovery = none".to_string()
+                    } else {
+                        format!("gave up after {MAX_RESTARTS} restarts")
+                    };
+                    return Err(ClusterError::NodeLost {
+                        node,
+                        query,
+                        detail: format!("{detail}; {why}"),
+                    }
+                    .into());
+                }
+                Err(other) => return Err(other.into()),
+            }
+        }
+    }
+
+    fn take_notices(&self) -> Vec<String> {
+        std::mem::take(&mut *self.notices.lock().expect("notices lock"))
     }
 
     async fn read_partitions(
@@ -205,7 +259,7 @@ impl SchemaProvider for ClusterSchema {
         }
         Ok(Some(Arc::new(ClusterTable::new(
             self.node.clone(),
-            view,
+            self.view.clone(),
             def,
             epoch,
         ))))
@@ -220,7 +274,9 @@ impl SchemaProvider for ClusterSchema {
 #[derive(Debug)]
 struct ClusterTable {
     node: Arc<Node>,
-    view: Arc<MetaView>,
+    /// The statement's metadata: re-pinned when a query restarts after a node failure, so
+    /// a restarted scan reads from the survivors (at the same epoch).
+    view: StatementView,
     def: TableDef,
     epoch: Epoch,
     schema: SchemaRef,
@@ -228,7 +284,7 @@ struct ClusterTable {
 }
 
 impl ClusterTable {
-    fn new(node: Arc<Node>, view: Arc<MetaView>, def: TableDef, epoch: Epoch) -> Self {
+    fn new(node: Arc<Node>, view: StatementView, def: TableDef, epoch: Epoch) -> Self {
         let constraints = tessera_sql::provider::primary_key_constraints(&def);
         ClusterTable {
             node,
@@ -283,10 +339,11 @@ impl TableProvider for ClusterTable {
             }
             None => None,
         };
+        let view = self.view.get();
         let (partitions, replicas) = scan_channels(
-            &self.view.state,
+            &view.state,
             &self.def,
-            crate::query::cores_per_node(&self.view.state, self.node.id()),
+            crate::query::cores_per_node(&view.state, self.node.id()),
         )
         .map_err(external)?;
         let (estimated_rows, statistics) = self.statistics();
@@ -321,7 +378,8 @@ impl ClusterTable {
         else {
             return (None, None);
         };
-        let placements = &self.view.state.map.partitions;
+        let view = self.view.get();
+        let placements = &view.state.map.partitions;
         let held: Vec<&tessera_storage::PartitionSnapshot> = snapshot
             .partitions
             .iter()

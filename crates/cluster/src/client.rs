@@ -48,6 +48,12 @@ impl ClusterClient {
     }
 
     pub async fn sql(&self, sql: &str) -> Result<Vec<StatementOutput>> {
+        Ok(self.sql_with_notices(sql).await?.0)
+    }
+
+    /// As [`ClusterClient::sql`], with the notices the node raised (such as a query that
+    /// recovered from a node failure).
+    pub async fn sql_with_notices(&self, sql: &str) -> Result<(Vec<StatementOutput>, Vec<String>)> {
         let reply: std::result::Result<
             std::result::Result<Vec<SqlOutput>, crate::rpc::Refusal>,
             CallError,
@@ -59,10 +65,15 @@ impl ClusterClient {
             Ok(outputs) => outputs,
             Err(refusal) => return Err(self.call_error(CallError::Refused(refusal))),
         };
-        outputs
-            .into_iter()
-            .map(|output| match output {
-                SqlOutput::Done { tag, epoch } => Ok(StatementOutput::Done { tag, epoch }),
+        let mut notices = Vec::new();
+        let mut results = Vec::new();
+        for output in outputs {
+            results.push(match output {
+                SqlOutput::Notice { message } => {
+                    notices.push(message);
+                    continue;
+                }
+                SqlOutput::Done { tag, epoch } => StatementOutput::Done { tag, epoch },
                 SqlOutput::Rows { ipc_hex } => {
                     let bytes = from_hex(&ipc_hex).ok_or_else(|| {
                         ClusterError::Rejected("the node sent undecodable rows".into())
@@ -73,10 +84,22 @@ impl ClusterClient {
                     )?;
                     let schema = reader.schema();
                     let batches = reader.collect::<std::result::Result<Vec<_>, _>>()?;
-                    Ok(StatementOutput::Rows { schema, batches })
+                    StatementOutput::Rows { schema, batches }
                 }
-            })
-            .collect()
+            });
+        }
+        Ok((results, notices))
+    }
+
+    /// Runs SQL whose last statement returns rows; also returns the node's notices.
+    pub async fn query_with_notices(&self, sql: &str) -> Result<(Vec<RecordBatch>, Vec<String>)> {
+        let (mut outputs, notices) = self.sql_with_notices(sql).await?;
+        match outputs.pop() {
+            Some(StatementOutput::Rows { batches, .. }) => Ok((batches, notices)),
+            other => Err(ClusterError::Rejected(format!(
+                "expected rows, got {other:?}"
+            ))),
+        }
     }
 
     /// Runs SQL whose last statement returns rows.

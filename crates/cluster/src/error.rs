@@ -46,6 +46,13 @@ pub enum ClusterError {
     Raft(String),
     #[error("{0}")]
     Rejected(String),
+    /// A node a distributed query ran on died under it (confirmed by the metadata).
+    #[error("node {node} died during query {query:x} ({detail}); nothing was returned")]
+    NodeLost {
+        node: u64,
+        query: u64,
+        detail: String,
+    },
     #[error("{0}")]
     TableBusy(String),
     #[error("this node was declared failed: {0}")]

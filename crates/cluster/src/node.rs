@@ -293,6 +293,17 @@ impl Node {
 
     /// Waits (up to `patience`) until the metadata shows node `id` failed, so the next
     /// placement read has promoted other replicas in its place.
+    /// Makes `id` suspect and waits for the metadata leader's verdict (it probes the node
+    /// at once, or its failure detector times it out). True once the metadata counts `id`
+    /// failed.
+    pub async fn confirm_failed(&self, id: NodeId) -> bool {
+        self.suspect(id);
+        // Long enough for a new leader's detector when the dead node led the metadata.
+        let patience = (self.config.failure_timeout() * 4).max(Duration::from_secs(10));
+        self.wait_until_failed(id, patience).await;
+        self.view().state.nodes.get(&id).is_none_or(|n| !n.alive)
+    }
+
     pub async fn wait_until_failed(&self, id: NodeId, patience: Duration) {
         let mut meta = self.meta.clone();
         let _ = tokio::time::timeout(

@@ -128,6 +128,11 @@ pub enum SqlOutput {
         tag: String,
         epoch: Option<Epoch>,
     },
+    /// Something the client should know, such as a query that recovered from a node's
+    /// failure. Comes before the outputs of the request.
+    Notice {
+        message: String,
+    },
 }
 
 pub const ACTION_SQL: &str = "sql";

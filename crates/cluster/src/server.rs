@@ -187,9 +187,12 @@ impl NodeService {
                     datafusion::prelude::SessionConfig::new(),
                 );
                 let result: Result<Vec<SqlOutput>, Refusal> = match engine.execute(&sql).await {
-                    Ok(outputs) => outputs
+                    Ok(outputs) => engine
+                        .backend()
+                        .take_notices()
                         .into_iter()
-                        .map(sql_output)
+                        .map(|message| Ok(SqlOutput::Notice { message }))
+                        .chain(outputs.into_iter().map(sql_output))
                         .collect::<Result<_, _>>()
                         .map_err(|e| Refusal::Failed(e.to_string())),
                     Err(e) => Err(Refusal::Failed(e.to_string())),

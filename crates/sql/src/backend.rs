@@ -42,6 +42,12 @@ pub trait Backend: Send + Sync + 'static {
         run_in_process(ctx, plan).await
     }
 
+    /// Notices for the client raised since the last call (such as a query that recovered
+    /// from a node failure), oldest first.
+    fn take_notices(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// The live rows of `partitions` of `def` at the visible epoch, keeping the user columns
     /// `columns`.
     async fn read_partitions(

@@ -63,7 +63,7 @@ impl Engine {
 
     /// An engine over any backend: a local store or a cluster.
     pub fn with_backend(backend: Arc<dyn Backend>, config: SessionConfig) -> Engine {
-        let config = config
+        let config = crate::options::with_tessera_options(config)
             .with_information_schema(true)
             .with_default_catalog_and_schema("tessera", "public");
         let ctx = SessionContext::new_with_config(config);
@@ -91,6 +91,31 @@ impl Engine {
                 limit: MAX_SQL_BYTES,
             });
         }
+        let (hints, sql) = crate::options::split_hints(sql)?;
+        if hints.is_empty() {
+            return self.execute_statements(sql).await;
+        }
+        // The hints hold for this request only: the session's settings come back after.
+        let saved = self.ctx.state().config().clone();
+        for (name, value) in &hints {
+            let set = self
+                .ctx
+                .state_ref()
+                .write()
+                .config_mut()
+                .options_mut()
+                .set(name, value);
+            if let Err(error) = set {
+                *self.ctx.state_ref().write().config_mut() = saved;
+                return Err(from_datafusion(error));
+            }
+        }
+        let result = self.execute_statements(sql).await;
+        *self.ctx.state_ref().write().config_mut() = saved;
+        result
+    }
+
+    async fn execute_statements(&self, sql: &str) -> Result<Vec<StatementOutput>> {
         let sql = rewrite_as_of_epoch(sql)?;
         let statements = DFParser::parse_sql_with_dialect(&sql, &GenericDialect {})
             .map_err(|e| SqlError::DataFusion(e.into()))?;

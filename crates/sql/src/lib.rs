@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod engine;
 pub mod error;
+pub mod options;
 pub mod provider;
 pub mod scan;
 pub mod time_travel;

@@ -25,7 +25,13 @@ impl Target {
     pub async fn execute(&self, sql: &str) -> Result<Vec<StatementOutput>> {
         Ok(match self {
             Target::Local(engine) => engine.execute(sql).await?,
-            Target::Cluster(client) => client.sql(sql).await?,
+            Target::Cluster(client) => {
+                let (outputs, notices) = client.sql_with_notices(sql).await?;
+                for notice in notices {
+                    eprintln!("NOTICE: {notice}");
+                }
+                outputs
+            }
         })
     }
 

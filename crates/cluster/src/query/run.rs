@@ -200,7 +200,79 @@ pub struct QueryOutcome {
 enum Event {
     Report(ChannelReport),
     NodeDone(NodeId),
+    /// The node's `RunStages` stream broke: the node is suspect.
     NodeFailed(NodeId, String),
+    /// The node answered, but refused or failed the request.
+    NodeRefused(NodeId, String),
+}
+
+impl Event {
+    /// The event for a `RunStages` call to `at` that ended in `error`. A broken
+    /// connection makes `at` suspect at once: the metadata leader hears of it with this
+    /// node's next heartbeat and probes it.
+    fn broken(node: &Node, at: NodeId, error: crate::rpc::CallError) -> Event {
+        if error.is_transport() {
+            node.suspect(at);
+            Event::NodeFailed(at, error.to_string())
+        } else {
+            Event::NodeRefused(at, error.to_string())
+        }
+    }
+}
+
+/// Why a query stopped before its answer was complete.
+enum Failure {
+    /// A participant's stream broke.
+    Node(NodeId, String),
+    /// A channel or the answer reported an error.
+    Other(String),
+}
+
+/// How long after a channel's error the initiator waits for a participant's stream to
+/// break: a dead node's peers often notice it (their exchange streams to it fail) a moment
+/// before the initiator's own stream to it does.
+const SUSPECT_GRACE: Duration = Duration::from_millis(1500);
+
+/// Turns a failure into the query's error: [`ClusterError::NodeLost`] if a participant's
+/// stream broke (or breaks within [`SUSPECT_GRACE`]) and the metadata leader confirms that
+/// node dead; the failure as it was otherwise.
+async fn diagnose(
+    node: &Arc<Node>,
+    query: QueryId,
+    failure: Failure,
+    incoming: &mut mpsc::Receiver<Event>,
+) -> ClusterError {
+    let (suspect, detail) = match failure {
+        Failure::Node(at, detail) => (Some(at), detail),
+        Failure::Other(detail) => {
+            let broke = tokio::time::timeout(SUSPECT_GRACE, async {
+                while let Some(event) = incoming.recv().await {
+                    if let Event::NodeFailed(at, _) = event {
+                        return Some(at);
+                    }
+                }
+                None
+            })
+            .await
+            .ok()
+            .flatten();
+            (broke, detail)
+        }
+    };
+    let Some(suspect) = suspect else {
+        return ClusterError::Rejected(format!("query {query:x} failed: {detail}"));
+    };
+    if node.confirm_failed(suspect).await {
+        ClusterError::NodeLost {
+            node: suspect,
+            query,
+            detail,
+        }
+    } else {
+        ClusterError::Rejected(format!(
+            "query {query:x} failed: node {suspect} stopped answering, but the metadata leader still counts it alive: {detail}"
+        ))
+    }
 }
 
 /// A distributed plan's channels, ready to start: fragments encoded for the other nodes,
@@ -308,7 +380,7 @@ pub async fn execute(
         tokio::spawn(async move {
             let Some(addr) = node.addr_of(at) else {
                 let _ = events
-                    .send(Event::NodeFailed(at, "no known address".into()))
+                    .send(Event::NodeRefused(at, "no known address".into()))
                     .await;
                 return;
             };
@@ -318,21 +390,11 @@ pub async fn execute(
                         Some(Ok(report)) => {
                             let _ = events.send(Event::Report(report)).await;
                         }
-                        Some(Err(error)) => {
-                            if error.is_transport() {
-                                node.suspect(at);
-                            }
-                            break Event::NodeFailed(at, error.to_string());
-                        }
+                        Some(Err(error)) => break Event::broken(&node, at, error),
                         None => break Event::NodeDone(at),
                     }
                 },
-                Err(error) => {
-                    if error.is_transport() {
-                        node.suspect(at);
-                    }
-                    Event::NodeFailed(at, error.to_string())
-                }
+                Err(error) => Event::broken(&node, at, error),
             };
             let _ = events.send(event).await;
         });
@@ -349,24 +411,25 @@ pub async fn execute(
         tokio::select! {
             batch = answer.next(), if !answered => match batch {
                 Some(Ok(batch)) => batches.push(batch),
-                Some(Err(error)) => break Some(error.to_string()),
+                Some(Err(error)) => break Some(Failure::Other(error.to_string())),
                 None => answered = true,
             },
             event = incoming.recv(), if events_open => match event {
                 Some(Event::Report(report)) => {
                     if let Some(error) = &report.error {
-                        break Some(format!(
+                        break Some(Failure::Other(format!(
                             "stage {} channel {} on node {} failed: {error}",
                             report.stage, report.channel, report.node
-                        ));
+                        )));
                     }
                     reports.push(report);
                 }
                 Some(Event::NodeDone(at)) => {
                     pending.remove(&at);
                 }
-                Some(Event::NodeFailed(at, error)) => {
-                    break Some(format!("node {at} failed during the query: {error}"));
+                Some(Event::NodeFailed(at, error)) => break Some(Failure::Node(at, error)),
+                Some(Event::NodeRefused(at, error)) => {
+                    break Some(Failure::Other(format!("node {at} refused its stages: {error}")))
                 }
                 // Every node finished, so the answer's stream is about to end.
                 None => events_open = false,
@@ -391,7 +454,7 @@ pub async fn execute(
                             break;
                         }
                     }
-                    Event::NodeFailed(..) => break,
+                    Event::NodeFailed(..) | Event::NodeRefused(..) => break,
                 }
             }
         })
@@ -399,10 +462,7 @@ pub async fn execute(
     }
     drop(end);
     if let Some(failure) = failure {
-        return Err(ClusterError::Rejected(format!(
-            "query {:x} failed: {failure}",
-            plan.query
-        )));
+        return Err(diagnose(node, plan.query, failure, &mut incoming).await);
     }
     reports.sort_by_key(|r| (r.stage, r.channel));
     Ok(QueryOutcome {

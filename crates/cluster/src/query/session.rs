@@ -17,6 +17,7 @@ use datafusion::error::DataFusionError;
 use datafusion::logical_expr::LogicalPlan;
 use datafusion::prelude::SessionContext;
 use std::sync::Arc;
+use tessera_sql::options::RecoveryMode;
 use tessera_sql::StatementOutput;
 
 fn sql_error(error: datafusion::error::DataFusionError) -> ClusterError {
@@ -121,6 +122,19 @@ fn explain_rows(
 
 /// Runs a statement that returns rows.
 pub async fn run_query(
+    node: &Arc<Node>,
+    view: &MetaView,
+    ctx: &SessionContext,
+    plan: LogicalPlan,
+    mode: RecoveryMode,
+) -> Result<(StatementOutput, Vec<String>), ClusterError> {
+    let _ = mode;
+    let notices = Vec::new();
+    let output = run_statement(node, view, ctx, plan).await?;
+    Ok((output, notices))
+}
+
+async fn run_statement(
     node: &Arc<Node>,
     view: &MetaView,
     ctx: &SessionContext,

@@ -1,0 +1,199 @@
+//! Tessera's own session settings, under the `tessera.` prefix of DataFusion's
+//! configuration: `SET tessera.recovery = 'restart'` for the session, or a hint at the
+//! head of one request, `/*+ SET tessera.recovery = restart */ SELECT ...`, for that
+//! request only.
+
+use crate::error::{Result, SqlError};
+use datafusion::common::config::{
+    ConfigEntry, ConfigExtension, ConfigField, ExtensionOptions, Visit,
+};
+use datafusion::error::DataFusionError;
+use datafusion::prelude::SessionConfig;
+use std::any::Any;
+use std::fmt;
+use std::str::FromStr;
+
+/// What a distributed query does when a node it runs on dies (DESIGN §8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RecoveryMode {
+    /// Fail with an error naming the dead node.
+    None,
+    /// Cancel everywhere and run again on the survivors with a fresh partition map.
+    Restart,
+    /// Rebuild only the dead node's channels from logged lineage and upstream backups.
+    #[default]
+    Lineage,
+}
+
+impl FromStr for RecoveryMode {
+    type Err = DataFusionError;
+
+    fn from_str(value: &str) -> std::result::Result<Self, Self::Err> {
+        match value
+            .trim()
+            .trim_matches('\'')
+            .to_ascii_lowercase()
+            .as_str()
+        {
+            "none" => Ok(RecoveryMode::None),
+            "restart" => Ok(RecoveryMode::Restart),
+            "lineage" => Ok(RecoveryMode::Lineage),
+            other => Err(DataFusionError::Configuration(format!(
+                "tessera.recovery must be none, restart or lineage, not {other:?}"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for RecoveryMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RecoveryMode::None => "none",
+            RecoveryMode::Restart => "restart",
+            RecoveryMode::Lineage => "lineage",
+        })
+    }
+}
+
+/// The settings under `tessera.`.
+#[derive(Debug, Clone, Default)]
+pub struct TesseraOptions {
+    pub recovery: RecoveryMode,
+}
+
+const RECOVERY_KEY: &str = "recovery";
+const RECOVERY_DOC: &str =
+    "what a query does when a node dies under it: none (fail), restart, or lineage (rebuild the dead node's channels)";
+
+impl ConfigExtension for TesseraOptions {
+    const PREFIX: &'static str = "tessera";
+}
+
+impl ExtensionOptions for TesseraOptions {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+
+    fn cloned(&self) -> Box<dyn ExtensionOptions> {
+        Box::new(self.clone())
+    }
+
+    fn set(&mut self, key: &str, value: &str) -> datafusion::common::Result<()> {
+        match key {
+            RECOVERY_KEY => {
+                self.recovery = value.parse()?;
+                Ok(())
+            }
+            other => Err(DataFusionError::Configuration(format!(
+                "unknown setting tessera.{other}; the tessera settings are: tessera.{RECOVERY_KEY}"
+            ))),
+        }
+    }
+
+    fn entries(&self) -> Vec<ConfigEntry> {
+        vec![ConfigEntry {
+            key: format!("tessera.{RECOVERY_KEY}"),
+            value: Some(self.recovery.to_string()),
+            description: RECOVERY_DOC,
+        }]
+    }
+}
+
+impl ConfigField for RecoveryMode {
+    fn visit<V: Visit>(&self, v: &mut V, key: &str, description: &'static str) {
+        v.some(key, self, description)
+    }
+
+    fn set(&mut self, _key: &str, value: &str) -> datafusion::common::Result<()> {
+        *self = value.parse()?;
+        Ok(())
+    }
+}
+
+/// `config` with Tessera's settings at their defaults.
+pub fn with_tessera_options(config: SessionConfig) -> SessionConfig {
+    if config
+        .options()
+        .extensions
+        .get::<TesseraOptions>()
+        .is_some()
+    {
+        return config;
+    }
+    config.with_option_extension(TesseraOptions::default())
+}
+
+/// The session's Tessera settings.
+pub fn tessera_options(config: &SessionConfig) -> TesseraOptions {
+    config
+        .options()
+        .extensions
+        .get::<TesseraOptions>()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Splits the `SET name = value` hints of a leading `/*+ ... */` comment (several hints are
+/// separated by `;` or `,`) from the SQL they apply to.
+pub fn split_hints(sql: &str) -> Result<(Vec<(String, String)>, &str)> {
+    let trimmed = sql.trim_start();
+    let Some(rest) = trimmed.strip_prefix("/*+") else {
+        return Ok((Vec::new(), sql));
+    };
+    let end = rest
+        .find("*/")
+        .ok_or_else(|| SqlError::Unsupported("a /*+ hint comment is not closed with */".into()))?;
+    let mut hints = Vec::new();
+    for hint in rest[..end]
+        .split([';', ','])
+        .map(str::trim)
+        .filter(|h| !h.is_empty())
+    {
+        let body = hint
+            .strip_prefix("SET ")
+            .or_else(|| hint.strip_prefix("set "))
+            .unwrap_or(hint);
+        let (name, value) = body.split_once('=').ok_or_else(|| {
+            SqlError::Unsupported(format!("hint {hint:?} is not of the form SET name = value"))
+        })?;
+        hints.push((
+            name.trim().to_string(),
+            value.trim().trim_matches('\'').to_string(),
+        ));
+    }
+    Ok((hints, &rest[end + 2..]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recovery_modes_parse_and_bad_ones_are_named() {
+        assert_eq!(
+            "restart".parse::<RecoveryMode>().unwrap(),
+            RecoveryMode::Restart
+        );
+        assert_eq!(
+            "'LINEAGE'".parse::<RecoveryMode>().unwrap(),
+            RecoveryMode::Lineage
+        );
+        let error = "sometimes".parse::<RecoveryMode>().unwrap_err().to_string();
+        assert!(error.contains("\"sometimes\""), "{error}");
+    }
+
+    #[test]
+    fn hints_are_split_from_their_statement() {
+        let (hints, rest) = split_hints("  /*+ SET tessera.recovery = 'none' */ SELECT 1").unwrap();
+        assert_eq!(hints, vec![("tessera.recovery".into(), "none".into())]);
+        assert_eq!(rest.trim(), "SELECT 1");
+        let (hints, rest) = split_hints("/* plain */ SELECT 1").unwrap();
+        assert!(hints.is_empty());
+        assert_eq!(rest, "/* plain */ SELECT 1");
+        assert!(split_hints("/*+ SET x = 1 SELECT 1").is_err());
+    }
+}
