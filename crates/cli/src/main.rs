@@ -163,6 +163,20 @@ enum BenchKind {
         #[arg(long)]
         nodes: Option<u64>,
     },
+    /// Surviving a node failure mid-query: lineage's overhead against none, and restart
+    /// against lineage with a node SIGKILLed at 50% of each query's no-failure time.
+    Recovery {
+        #[arg(long, default_value_t = 1.0)]
+        sf: f64,
+        /// Comma-separated query numbers.
+        #[arg(long, value_delimiter = ',', default_value = "1,3,5,6,9,10,18")]
+        queries: Vec<usize>,
+        /// No-failure runs per query and mode; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        #[arg(long, default_value_t = 4)]
+        nodes: u64,
+    },
     /// Cluster formation time, leader failover time, and publish rows/s on 1 vs 3 nodes.
     Cluster {
         /// Scale factor of the lineitem rows published.
@@ -306,6 +320,25 @@ async fn run(cli: Cli) -> Result<()> {
                 commands::bench::tpch(&cli.data_dir, cli.store.config(), *sf, queries, *runs).await
             }
         },
+        Command::Bench {
+            bench:
+                BenchKind::Recovery {
+                    sf,
+                    queries,
+                    runs,
+                    nodes,
+                },
+        } => {
+            commands::bench_recovery::run(
+                &cli.data_dir,
+                *nodes,
+                cli.store.partitions,
+                *sf,
+                queries,
+                *runs,
+            )
+            .await
+        }
         Command::Bench {
             bench: BenchKind::Cluster { sf, runs },
         } => commands::bench_cluster::run(&cli.data_dir, *sf, cli.store.partitions, *runs).await,

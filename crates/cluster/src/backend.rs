@@ -162,8 +162,12 @@ impl Backend for ClusterBackend {
                     // epoch they were resolved at, so the answer is the one the first run
                     // would have given.
                     self.view.pin(self.node.catch_up_with_leader().await);
+                    let how = match mode {
+                        RecoveryMode::Lineage => "tessera.recovery = lineage, which restarts until lineage replay is built",
+                        _ => "tessera.recovery = restart",
+                    };
                     self.notices.lock().expect("notices lock").push(format!(
-                        "node {lost} died during query {query:x}; the query was restarted on the surviving nodes (tessera.recovery = {mode}, restart {restarts})"
+                        "node {lost} died during query {query:x}; the query was restarted on the surviving nodes ({how}; restart {restarts})"
                     ));
                 }
                 Err(ClusterError::NodeLost {

@@ -19,9 +19,10 @@ pub enum RecoveryMode {
     /// Fail with an error naming the dead node.
     None,
     /// Cancel everywhere and run again on the survivors with a fresh partition map.
+    #[default]
     Restart,
     /// Rebuild only the dead node's channels from logged lineage and upstream backups.
-    #[default]
+    /// Not built yet: a query in this mode restarts, and its notice says so.
     Lineage,
 }
 
@@ -63,7 +64,7 @@ pub struct TesseraOptions {
 
 const RECOVERY_KEY: &str = "recovery";
 const RECOVERY_DOC: &str =
-    "what a query does when a node dies under it: none (fail), restart, or lineage (rebuild the dead node's channels)";
+    "what a query does when a node dies under it: none (fail) or restart (the default); lineage is accepted and restarts until lineage replay is built";
 
 impl ConfigExtension for TesseraOptions {
     const PREFIX: &'static str = "tessera";

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use tessera_cluster::ClusterClient;
 
 /// One local cluster for the benchmark, with TPC-H loaded.
-async fn cluster(
+pub(super) async fn cluster(
     root: &Path,
     nodes: u64,
     partitions: u32,
@@ -57,7 +57,7 @@ async fn bytes_exchanged(client: &ClusterClient, sql: &str) -> Result<u64> {
     bail!("EXPLAIN ANALYZE did not report the bytes exchanged")
 }
 
-async fn timed<F, Fut, T>(work: F) -> Result<(Duration, T)>
+pub(super) async fn timed<F, Fut, T>(work: F) -> Result<(Duration, T)>
 where
     F: FnOnce() -> Fut,
     Fut: std::future::Future<Output = Result<T>>,

@@ -1,0 +1,160 @@
+//! `tessera bench recovery`: what surviving a node failure costs, on a local cluster with
+//! TPC-H loaded (default 4 nodes, r = 3), in one run:
+//!
+//! - the normal-execution overhead of `tessera.recovery = lineage` against `none`;
+//! - the total time of a query whose peer node is SIGKILLed at 50% of its no-failure
+//!   time, under `restart` and under `lineage`, as ratios to the no-failure time.
+//!
+//! Every answer is checked against plain DataFusion on the same data. The killed node is
+//! restarted, and rejoins, before the next measurement.
+
+use super::bench::{baseline_context, chosen_queries, median};
+use super::bench_cluster::wait_formed;
+use super::bench_distributed::{cluster, timed};
+use anyhow::{bail, Result};
+use std::path::Path;
+use std::time::{Duration, Instant};
+use tessera_cluster::ClusterClient;
+
+/// Runs `sql` under recovery `mode` from `client`.
+async fn query_in_mode(
+    client: &ClusterClient,
+    mode: &str,
+    sql: &str,
+) -> Result<(Vec<arrow::array::RecordBatch>, Vec<String>)> {
+    let hinted = format!("/*+ SET tessera.recovery = {mode} */ {sql}");
+    Ok(client.query_with_notices(&hinted).await?)
+}
+
+/// What one query took with a node killed part-way.
+struct Killed {
+    elapsed: Duration,
+    recovered: bool,
+    same: bool,
+}
+
+pub async fn run(
+    data_dir: &Path,
+    nodes: u64,
+    partitions: u32,
+    sf: f64,
+    queries: &[usize],
+    runs: usize,
+) -> Result<()> {
+    if nodes < 3 {
+        bail!("--nodes must be 3 or more: a node is killed and r = 3 replicas must survive it");
+    }
+    let queries = chosen_queries(queries, runs)?;
+    let root = data_dir.join(format!("bench-recovery-sf{sf}-nodes{nodes}"));
+    let (mut cluster, client) = cluster(&root, nodes, partitions, sf).await?;
+    let baseline = baseline_context(
+        &data_dir
+            .join(format!("bench-tpch-sf{sf}"))
+            .join("datafusion"),
+        sf,
+    )
+    .await?;
+
+    println!();
+    println!(
+        "TPC-H SF {sf} on {nodes} nodes (r = 3): no-failure medians of {runs} run(s); one run with a peer SIGKILLed at 50% of the no-failure time per mode"
+    );
+    println!(
+        "{:>5} {:>10} {:>12} {:>9} {:>13} {:>9} {:>13} {:>9}  answers",
+        "query",
+        "none (ms)",
+        "lineage (ms)",
+        "overhead",
+        "restart+kill",
+        "ratio",
+        "lineage+kill",
+        "ratio"
+    );
+    let (mut log_overhead, mut log_restart, mut log_lineage) = (0.0f64, 0.0f64, 0.0f64);
+    let mut failures = Vec::new();
+    for (i, &q) in queries.iter().enumerate() {
+        let sql = tessera_tpch::query(q);
+        let expected = baseline.sql(sql).await?.collect().await?;
+        let same = |actual: &[arrow::array::RecordBatch]| {
+            tessera_tpch::compare::same_answer(&expected, actual, 1e-9).is_ok()
+        };
+        for mode in ["none", "lineage"] {
+            let (actual, _) = query_in_mode(&client, mode, sql).await?;
+            if !same(&actual) {
+                failures.push(format!("Q{q} ({mode}, no failure) differs from DataFusion"));
+            }
+        }
+        let (mut t_none, mut t_lineage) = (Vec::new(), Vec::new());
+        for _ in 0..runs {
+            t_none.push(timed(|| query_in_mode(&client, "none", sql)).await?.0);
+            t_lineage.push(timed(|| query_in_mode(&client, "lineage", sql)).await?.0);
+        }
+        let no_failure = median(&mut t_none);
+        let with_lineage = median(&mut t_lineage);
+        // Node 1 initiates; the victim rotates over its peers.
+        let victim = 2 + (i as u64 % (nodes - 1));
+        let mut killed = Vec::new();
+        for mode in ["restart", "lineage"] {
+            let run = {
+                let client = ClusterClient::new(&cluster.addrs[0]);
+                let sql = sql.to_string();
+                tokio::spawn(async move {
+                    let started = Instant::now();
+                    let result = query_in_mode(&client, mode, &sql).await;
+                    (started.elapsed(), result)
+                })
+            };
+            tokio::time::sleep(no_failure / 2).await;
+            cluster.kill9(victim);
+            let (elapsed, result) = run.await?;
+            let (actual, notices) = result?;
+            let outcome = Killed {
+                elapsed,
+                recovered: notices.iter().any(|n| n.contains("died during query")),
+                same: same(&actual),
+            };
+            if !outcome.same {
+                failures.push(format!(
+                    "Q{q} ({mode}, node {victim} killed) differs from DataFusion"
+                ));
+            }
+            killed.push(outcome);
+            cluster.spawn(victim)?;
+            wait_formed(&cluster.addrs, Duration::from_secs(120)).await?;
+        }
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let ratio = |d: Duration| d.as_secs_f64() / no_failure.as_secs_f64();
+        log_overhead += (with_lineage.as_secs_f64() / no_failure.as_secs_f64()).ln();
+        log_restart += ratio(killed[0].elapsed).ln();
+        log_lineage += ratio(killed[1].elapsed).ln();
+        let mark = |k: &Killed| match (k.recovered, k.same) {
+            (_, false) => "DIFFERENT",
+            (true, true) => "recovered",
+            (false, true) => "finished first",
+        };
+        println!(
+            "{:>5} {:>10.1} {:>12.1} {:>9.3} {:>13.1} {:>9.3} {:>13.1} {:>9.3}  {}, {}",
+            format!("Q{q}"),
+            ms(no_failure),
+            ms(with_lineage),
+            with_lineage.as_secs_f64() / no_failure.as_secs_f64(),
+            ms(killed[0].elapsed),
+            ratio(killed[0].elapsed),
+            ms(killed[1].elapsed),
+            ratio(killed[1].elapsed),
+            mark(&killed[0]),
+            mark(&killed[1]),
+        );
+    }
+    let n = queries.len() as f64;
+    println!(
+        "geometric mean: lineage / none without failures {:.3}; with a node killed at 50%: restart {:.3}, lineage {:.3} of the no-failure time",
+        (log_overhead / n).exp(),
+        (log_restart / n).exp(),
+        (log_lineage / n).exp()
+    );
+    if !failures.is_empty() {
+        bail!("answers differ: {}", failures.join("; "));
+    }
+    Ok(())
+}
