@@ -50,6 +50,8 @@ struct Publish {
     table: &'static str,
     keys: std::ops::Range<i64>,
     outcome: Outcome,
+    /// The epoch an acknowledged publish became (to find it in the nodes' logs).
+    epoch: Option<tessera_common::Epoch>,
 }
 
 fn classify(result: &Result<tessera_common::Epoch, ClusterError>) -> Outcome {
@@ -92,6 +94,7 @@ async fn publisher(
             table,
             keys,
             outcome,
+            epoch: result.ok(),
         });
     }
     log
@@ -217,13 +220,22 @@ async fn acknowledged_epochs_survive_random_kills() {
         publishes.extend(publisher.await.unwrap());
     }
 
-    // Every node back, every stale replica refreshed, no epoch left open.
+    // Every node back, every stale replica refreshed, no epoch left open, and the view
+    // read from has applied every acknowledged epoch: `status` is the asked node's own
+    // view, which lags the leader's while it catches up (it was perhaps just restarted),
+    // and reading at an epoch from before the last acknowledgement would miss its rows.
+    let last_acknowledged = publishes
+        .iter()
+        .filter_map(|p| p.epoch)
+        .max()
+        .unwrap_or_default();
     let status = wait_until(
         "the cluster to recover",
         Duration::from_secs(120),
         || async {
             let status = admin.status().await.ok()?;
             let recovered = status.leader.is_some()
+                && status.meta.visible >= last_acknowledged
                 && status.meta.live_nodes().count() == NODES as usize
                 && status.meta.open.is_empty()
                 && status

@@ -143,12 +143,17 @@ impl Backend for ClusterBackend {
         use tessera_sql::options::RecoveryMode;
         let mode = tessera_sql::options::tessera_options(ctx.state().config()).recovery;
         let mut restarts = 0;
+        let mut recoveries: Vec<String> = Vec::new();
         loop {
             let view = self.view();
-            let run = crate::query::session::run_query(&self.node, &view, ctx, plan.clone(), mode);
+            let run =
+                crate::query::session::run_query(&self.node, &view, ctx, plan.clone(), &recoveries);
             match run.await {
-                Ok((output, notices)) => {
-                    self.notices.lock().expect("notices lock").extend(notices);
+                Ok(output) => {
+                    self.notices
+                        .lock()
+                        .expect("notices lock")
+                        .extend(recoveries);
                     return Ok(output);
                 }
                 Err(ClusterError::NodeLost {
@@ -166,8 +171,8 @@ impl Backend for ClusterBackend {
                         RecoveryMode::Lineage => "tessera.recovery = lineage, which restarts until lineage replay is built",
                         _ => "tessera.recovery = restart",
                     };
-                    self.notices.lock().expect("notices lock").push(format!(
-                        "node {lost} died during query {query:x}; the query was restarted on the surviving nodes ({how}; restart {restarts})"
+                    recoveries.push(format!(
+                        "node {lost} died during query {query:x}; the query was restarted on the surviving nodes ({how}; restart {restarts}), recomputing every stage"
                     ));
                 }
                 Err(ClusterError::NodeLost {

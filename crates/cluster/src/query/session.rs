@@ -17,7 +17,6 @@ use datafusion::error::DataFusionError;
 use datafusion::logical_expr::LogicalPlan;
 use datafusion::prelude::SessionContext;
 use std::sync::Arc;
-use tessera_sql::options::RecoveryMode;
 use tessera_sql::StatementOutput;
 
 fn sql_error(error: datafusion::error::DataFusionError) -> ClusterError {
@@ -120,25 +119,14 @@ fn explain_rows(
     })
 }
 
-/// Runs a statement that returns rows.
+/// Runs a statement that returns rows. `recoveries` describes the earlier runs of this
+/// statement that a node failure ended (`EXPLAIN ANALYZE` lists them).
 pub async fn run_query(
     node: &Arc<Node>,
     view: &MetaView,
     ctx: &SessionContext,
     plan: LogicalPlan,
-    mode: RecoveryMode,
-) -> Result<(StatementOutput, Vec<String>), ClusterError> {
-    let _ = mode;
-    let notices = Vec::new();
-    let output = run_statement(node, view, ctx, plan).await?;
-    Ok((output, notices))
-}
-
-async fn run_statement(
-    node: &Arc<Node>,
-    view: &MetaView,
-    ctx: &SessionContext,
-    plan: LogicalPlan,
+    recoveries: &[String],
 ) -> Result<StatementOutput, ClusterError> {
     let in_process = |reason: &str| {
         tracing::info!(%reason, "running a statement on this node only");
@@ -172,13 +160,12 @@ async fn run_statement(
                     schema: output,
                 } => {
                     let outcome = execute(node, &distributed, work, output).await?;
-                    explain_rows(
-                        schema,
-                        vec![(
-                            "Plan with Metrics",
-                            describe_with_metrics(&distributed, &outcome),
-                        )],
-                    )
+                    let mut text = describe_with_metrics(&distributed, &outcome);
+                    // What was recomputed: every earlier run, lost with a node.
+                    for recovery in recoveries {
+                        text.push_str(&format!("\nRecovery: {recovery}"));
+                    }
+                    explain_rows(schema, vec![("Plan with Metrics", text)])
                 }
                 Prepared::InProcess { reason } => {
                     in_process(&reason);
