@@ -291,8 +291,6 @@ impl Node {
         .await;
     }
 
-    /// Waits (up to `patience`) until the metadata shows node `id` failed, so the next
-    /// placement read has promoted other replicas in its place.
     /// Makes `id` suspect and waits for the metadata leader's verdict (it probes the node
     /// at once, or its failure detector times it out). True once the metadata counts `id`
     /// failed.
@@ -304,6 +302,8 @@ impl Node {
         self.view().state.nodes.get(&id).is_none_or(|n| !n.alive)
     }
 
+    /// Waits (up to `patience`) until the metadata shows node `id` failed, so the next
+    /// placement read has promoted other replicas in its place.
     pub async fn wait_until_failed(&self, id: NodeId, patience: Duration) {
         let mut meta = self.meta.clone();
         let _ = tokio::time::timeout(
