@@ -19,6 +19,9 @@ use tessera_cluster::{ClusterClient, ClusterError};
 use tessera_common::PartitionId;
 use tessera_testkit::{kv_batch, LocalCluster};
 
+mod common;
+use common::wait_until;
+
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 const NODES: u64 = 5;
 const PARTITIONS: u32 = 16;
@@ -98,21 +101,6 @@ async fn publisher(
         });
     }
     log
-}
-
-async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 fn keys_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {

@@ -106,6 +106,15 @@ pub(super) fn median(times: &mut [Duration]) -> Duration {
 }
 
 /// Plain DataFusion over one Parquet file per table, generated from the same data.
+/// The plain-DataFusion baseline of the cluster benchmarks: the same directory the
+/// single-store `bench tpch` writes its Parquet files to, so they are generated once.
+pub(super) async fn shared_baseline(data_dir: &Path, sf: f64) -> Result<SessionContext> {
+    let dir = data_dir
+        .join(format!("bench-tpch-sf{sf}"))
+        .join("datafusion");
+    baseline_context(&dir, sf).await
+}
+
 pub(super) async fn baseline_context(dir: &Path, sf: f64) -> Result<SessionContext> {
     std::fs::create_dir_all(dir)?;
     let ctx = SessionContext::new();

@@ -6,7 +6,7 @@
 //! the answers agree, and measuring the bytes the N-node run exchanged through
 //! `EXPLAIN ANALYZE`), then `runs` times in turn; medians are reported.
 
-use super::bench::{baseline_context, chosen_queries, median};
+use super::bench::{chosen_queries, median, shared_baseline};
 use super::bench_cluster::{wait_formed, Nodes};
 use super::target::Target;
 use super::up::UpOptions;
@@ -83,13 +83,7 @@ pub async fn run(
     let (_many, many) =
         cluster(&root.join(format!("nodes-{nodes}")), nodes, partitions, sf).await?;
     let (_one, one) = cluster(&root.join("nodes-1"), 1, partitions, sf).await?;
-    let baseline = baseline_context(
-        &data_dir
-            .join(format!("bench-tpch-sf{sf}"))
-            .join("datafusion"),
-        sf,
-    )
-    .await?;
+    let baseline = shared_baseline(data_dir, sf).await?;
 
     println!();
     println!(

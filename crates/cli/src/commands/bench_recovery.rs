@@ -8,7 +8,7 @@
 //! Every answer is checked against plain DataFusion on the same data. The killed node is
 //! restarted, and rejoins, before the next measurement.
 
-use super::bench::{baseline_context, chosen_queries, median};
+use super::bench::{chosen_queries, median, shared_baseline};
 use super::bench_cluster::wait_formed;
 use super::bench_distributed::{cluster, timed};
 use anyhow::{bail, Result};
@@ -47,13 +47,7 @@ pub async fn run(
     let queries = chosen_queries(queries, runs)?;
     let root = data_dir.join(format!("bench-recovery-sf{sf}-nodes{nodes}"));
     let (mut cluster, client) = cluster(&root, nodes, partitions, sf).await?;
-    let baseline = baseline_context(
-        &data_dir
-            .join(format!("bench-tpch-sf{sf}"))
-            .join("datafusion"),
-        sf,
-    )
-    .await?;
+    let baseline = shared_baseline(data_dir, sf).await?;
 
     println!();
     println!(
