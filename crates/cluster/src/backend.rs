@@ -146,8 +146,13 @@ impl Backend for ClusterBackend {
         let mut recoveries: Vec<String> = Vec::new();
         loop {
             let view = self.view();
-            let run =
-                crate::query::session::run_query(&self.node, &view, ctx, plan.clone(), &recoveries);
+            let run = crate::query::session::run_query(
+                &self.node,
+                &view,
+                ctx,
+                plan.clone(),
+                &mut recoveries,
+            );
             match run.await {
                 Ok(output) => {
                     self.notices
@@ -168,7 +173,9 @@ impl Backend for ClusterBackend {
                     // would have given.
                     self.view.pin(self.node.catch_up_with_leader().await);
                     let how = match mode {
-                        RecoveryMode::Lineage => "tessera.recovery = lineage, which restarts until lineage replay is built",
+                        RecoveryMode::Lineage => {
+                            "tessera.recovery = lineage, whose recovery could not go on"
+                        }
                         _ => "tessera.recovery = restart",
                     };
                     recoveries.push(format!(

@@ -134,14 +134,27 @@ impl ClusterClient {
 
     /// Starts moving node `id`'s partitions away; the cluster then retires it.
     pub async fn decommission(&self, id: u64) -> Result<()> {
+        self.unit_action(crate::rpc::ACTION_DECOMMISSION, id, Duration::from_secs(30))
+            .await
+    }
+
+    /// Flushes this node's in-memory rows to components and ships them to the standbys
+    /// of the partitions it leads (after a bulk load: standbys then hold, and scan, the
+    /// very components their primaries do).
+    pub async fn flush(&self) -> Result<()> {
+        self.unit_action(crate::rpc::ACTION_FLUSH, (), Duration::from_secs(300))
+            .await
+    }
+
+    async fn unit_action(
+        &self,
+        action: &str,
+        body: impl serde::Serialize,
+        patience: Duration,
+    ) -> Result<()> {
         let reply: std::result::Result<std::result::Result<(), crate::rpc::Refusal>, CallError> =
             self.clients
-                .action(
-                    &self.addr,
-                    crate::rpc::ACTION_DECOMMISSION,
-                    id,
-                    Duration::from_secs(30),
-                )
+                .action(&self.addr, action, body, patience)
                 .await;
         match reply.map_err(|e| self.call_error(e))? {
             Ok(()) => Ok(()),

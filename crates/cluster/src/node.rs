@@ -246,11 +246,14 @@ impl Node {
             protocol,
             incarnation,
         });
+        node.queries
+            .set_spool_dir(node.config.data_dir.join("spool"));
         crate::server::serve(node.clone(), listener);
         node.initialize_if_founder().await?;
         tokio::spawn(node.clone().heartbeat_loop());
         tokio::spawn(node.clone().duty_loop());
         tokio::spawn(node.clone().registration_loop());
+        tokio::spawn(crate::query::lineage::commit_lineage(node.clone()));
         tracing::info!(node = node.config.node_id, listen = %node.config.listen, "node started");
         Ok(node)
     }

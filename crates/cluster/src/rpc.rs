@@ -112,6 +112,9 @@ pub struct ExchangeHeader {
     /// Producer channels that feed each bucket (for the receiver's end-of-stream count).
     pub senders_per_bucket: usize,
     pub buckets: Vec<usize>,
+    /// The query recovers by lineage: see [`crate::query::exchange::receive`].
+    #[serde(default)]
+    pub lineage: bool,
 }
 
 /// Ends a query on a node: stop its channels, drop its exchange buffers.
@@ -178,6 +181,14 @@ pub enum GetRequest {
     /// Runs channels of a distributed query on this node; the stream carries one
     /// [`crate::query::ChannelReport`] (JSON in `app_metadata`) per channel as it ends.
     RunStages(crate::query::run::RunRequest),
+    /// One producer channel's spooled batches for one bucket, from the first, following
+    /// the spool while the channel still writes it (lineage recovery).
+    Spool {
+        query: crate::query::QueryId,
+        exchange: crate::query::StageId,
+        channel: usize,
+        bucket: usize,
+    },
 }
 
 /// Bytes per message when a component travels.
@@ -468,7 +479,7 @@ impl Clients {
         addr: &str,
         request: crate::query::run::RunRequest,
     ) -> std::result::Result<
-        impl Stream<Item = std::result::Result<crate::query::ChannelReport, CallError>>,
+        impl Stream<Item = std::result::Result<crate::query::run::StagesEvent, CallError>>,
         CallError,
     > {
         let mut client = FlightServiceClient::new(self.channel(addr).map_err(CallError::Local)?)

@@ -213,7 +213,8 @@ impl NodeService {
                 reply(&result)
             }
             ACTION_FLUSH => {
-                self.open::<()>(body)?;
+                // Clients may ask too (after a bulk load, so standbys scan what primaries do).
+                self.open_from_client::<()>(body)?;
                 let result = node
                     .flush_and_ship()
                     .await
@@ -444,23 +445,74 @@ impl NodeService {
         &self,
         run: crate::query::run::RunRequest,
     ) -> Result<Response<BoxStream<'static, Result<FlightData, Status>>>, Status> {
+        use crate::query::run::StagesEvent;
         let query = run.query;
+        let lineage = run.lineage;
         let reports = crate::query::run::run_stages(&self.node, run).map_err(failed)?;
         let guard = EndQueryOnDrop {
             node: self.node.clone(),
             query,
         };
-        let stream = futures::stream::unfold((reports, guard), |(mut reports, guard)| async move {
+        let node = self.node.clone();
+        // Each channel's report as it ends, then word that all have. Under lineage recovery
+        // the stream then stays open until the query ends, so this node keeps its spools
+        // for consumers rebuilt after another node dies.
+        let events = futures::stream::unfold(reports, |mut reports| async move {
             let report = reports.recv().await?;
-            let message = serde_json::to_vec(&report)
+            Some((StagesEvent::Report(report), reports))
+        })
+        .chain(futures::stream::once(async { StagesEvent::AllDone }))
+        .chain(
+            futures::stream::once(async move {
+                if lineage {
+                    node.queries.wait_ended(query).await;
+                }
+                drop(guard);
+            })
+            .filter_map(|()| async { None }),
+        );
+        let stream = events.map(|event| {
+            serde_json::to_vec(&event)
                 .map(|json| FlightData {
                     app_metadata: Bytes::from(json),
                     ..Default::default()
                 })
-                .map_err(failed);
-            Some((message, (reports, guard)))
+                .map_err(failed)
         });
         Ok(Response::new(stream.boxed()))
+    }
+
+    /// Streams one bucket of a producer channel's spool, waiting for batches it has yet
+    /// to write, until the channel finishes.
+    fn follow_spool(
+        &self,
+        key: crate::query::spool::SpoolKey,
+        bucket: usize,
+    ) -> Result<Response<BoxStream<'static, Result<FlightData, Status>>>, Status> {
+        use crate::query::spool::Next;
+        let spool = self.node.queries.spool(key).ok_or_else(|| {
+            Status::failed_precondition(format!("query {:x} has ended on this node", key.0))
+        })?;
+        let schema = {
+            let spool = spool.clone();
+            futures::stream::once(async move { spool.schema().await.map_err(failed) })
+        };
+        let batches =
+            futures::stream::unfold((spool, 0u64, false), move |(spool, seq, done)| async move {
+                if done {
+                    return None;
+                }
+                match spool.next(bucket, seq).await {
+                    Ok(Next::Batch(messages)) => Some((Ok(messages), (spool, seq + 1, false))),
+                    Ok(Next::End) => None,
+                    Err(reason) => Some((Err(failed(reason)), (spool, seq, true))),
+                }
+            })
+            .flat_map(|messages: Result<Vec<FlightData>, Status>| match messages {
+                Ok(messages) => futures::stream::iter(messages.into_iter().map(Ok)).boxed(),
+                Err(status) => futures::stream::once(async move { Err(status) }).boxed(),
+            });
+        Ok(Response::new(schema.chain(batches).boxed()))
     }
 
     fn local_table(
@@ -600,6 +652,12 @@ impl FlightService for NodeService {
         let (schema, batches) = match self.open(&request.into_inner().ticket)? {
             GetRequest::Scan(scan) => self.scan(scan).await?,
             GetRequest::RunStages(run) => return self.run_stages(run),
+            GetRequest::Spool {
+                query,
+                exchange,
+                channel,
+                bucket,
+            } => return self.follow_spool((query, exchange, channel), bucket),
             GetRequest::Versions {
                 table,
                 generation,

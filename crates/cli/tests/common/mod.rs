@@ -66,3 +66,11 @@ pub async fn load_tpch_tables(
     }
     loaded
 }
+
+/// Flushes every node and ships the components to the standbys, so each replica holds
+/// the same components as its primary.
+pub async fn flush_everywhere(cluster: &LocalCluster) {
+    for id in cluster.node_ids() {
+        ClusterClient::new(cluster.addr(id)).flush().await.unwrap();
+    }
+}

@@ -4,7 +4,10 @@ pub mod log_store;
 pub mod state;
 pub mod state_machine;
 
-pub use state::{MetaCommand, MetaResponse, MetaState, NodeInfo, PartitionMap, Placement};
+pub use state::{
+    InboxLineage, LineageEntry, MetaCommand, MetaResponse, MetaState, NodeInfo, PartitionMap,
+    Placement, QueryLineage,
+};
 pub use state_machine::MetaView;
 use std::io::Cursor;
 

@@ -162,6 +162,72 @@ pub enum MetaCommand {
     Decommission {
         id: NodeId,
     },
+    /// Reading orders of query inboxes on `node` (write-ahead lineage).
+    Lineage {
+        node: NodeId,
+        entries: Vec<LineageEntry>,
+    },
+    /// A query ended: its lineage is no longer needed.
+    LineageEnd {
+        query: u64,
+    },
+}
+
+/// The next stretch of one inbox's reading order: from position `from`, runs of
+/// (producer channel, batches read in a row).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct LineageEntry {
+    pub query: u64,
+    pub initiator: NodeId,
+    pub exchange: usize,
+    pub bucket: usize,
+    pub from: u64,
+    pub runs: Vec<(u32, u32)>,
+}
+
+/// The logged reading orders of one running query.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct QueryLineage {
+    pub initiator: NodeId,
+    pub inboxes: Vec<InboxLineage>,
+}
+
+/// The reading order of one bucket on one node.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct InboxLineage {
+    pub node: NodeId,
+    pub exchange: usize,
+    pub bucket: usize,
+    /// Batches read, in order, as runs of (producer channel, batches).
+    pub runs: Vec<(u32, u32)>,
+    pub batches: u64,
+}
+
+impl InboxLineage {
+    /// Appends the runs of an entry that starts at `from`, skipping what is already here
+    /// (a retried write). A gap (an entry whose predecessor was lost) is refused.
+    fn extend(&mut self, from: u64, runs: &[(u32, u32)]) -> Result<(), String> {
+        if from > self.batches {
+            return Err(format!(
+                "lineage of exchange {} bucket {} on node {} continues at batch {from}, but {} are logged",
+                self.exchange, self.bucket, self.node, self.batches
+            ));
+        }
+        let mut skip = self.batches - from;
+        for &(sender, count) in runs {
+            let kept = (count as u64).saturating_sub(skip);
+            skip = skip.saturating_sub(count as u64);
+            if kept == 0 {
+                continue;
+            }
+            match self.runs.last_mut() {
+                Some((last, n)) if *last == sender => *n += kept as u32,
+                _ => self.runs.push((sender, kept as u32)),
+            }
+            self.batches += kept;
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -217,6 +283,9 @@ pub struct MetaState {
     pub decided_above_visible: BTreeSet<Epoch>,
     /// Aborted epochs, so a node can tell an in-doubt prepare's fate after a restart.
     pub aborted: BTreeSet<Epoch>,
+    /// The logged reading orders of running queries under lineage recovery, by query.
+    #[serde(default)]
+    pub lineage: BTreeMap<u64, QueryLineage>,
 }
 
 impl MetaState {
@@ -319,6 +388,8 @@ impl MetaState {
                 if !alive {
                     // A dead coordinator cannot finish its publishes: abort them.
                     self.abort_epochs_opened_before(id, u64::MAX, &mut effects);
+                    // Nor a dead initiator its queries: nobody will replay their lineage.
+                    self.lineage.retain(|_, query| query.initiator != id);
                 }
                 self.recompute_primaries();
                 MetaResponse::Done
@@ -504,6 +575,41 @@ impl MetaState {
                     .get_mut(&id)
                     .ok_or_else(|| format!("unknown node {id}"))?;
                 node.decommissioned = true;
+                MetaResponse::Done
+            }
+            MetaCommand::Lineage { node, entries } => {
+                for entry in entries {
+                    let query = self
+                        .lineage
+                        .entry(entry.query)
+                        .or_insert_with(|| QueryLineage {
+                            initiator: entry.initiator,
+                            inboxes: Vec::new(),
+                        });
+                    let position = query.inboxes.iter().position(|i| {
+                        i.node == node && i.exchange == entry.exchange && i.bucket == entry.bucket
+                    });
+                    let inbox = match position {
+                        Some(at) => &mut query.inboxes[at],
+                        None => {
+                            query.inboxes.push(InboxLineage {
+                                node,
+                                exchange: entry.exchange,
+                                bucket: entry.bucket,
+                                runs: Vec::new(),
+                                batches: 0,
+                            });
+                            query.inboxes.last_mut().expect("just pushed")
+                        }
+                    };
+                    // Entries are independent: a gap in one (never expected) fails only
+                    // that inbox's replay later, which then falls back to a restart.
+                    let _ = inbox.extend(entry.from, &entry.runs);
+                }
+                MetaResponse::Done
+            }
+            MetaCommand::LineageEnd { query } => {
+                self.lineage.remove(&query);
                 MetaResponse::Done
             }
         };

@@ -86,7 +86,7 @@ impl PhysicalExtensionCodec for TesseraCodec {
             Encoded::Read { spec, schema } => Arc::new(ExchangeReadExec::new(
                 spec,
                 Arc::new(schema),
-                self.node.queries.clone(),
+                self.node.clone(),
             )),
             Encoded::Write { spec, hash_exprs } => {
                 let input = inputs.first().cloned().ok_or_else(|| {

@@ -8,6 +8,7 @@
 //! consumer channel reading it: normally one, several for a broadcast (the build side of
 //! a join collected on each node).
 
+use super::spool::{Spool, SpoolKey};
 use super::{now_us, ChannelReport, QueryId, StageId};
 use crate::node::Node;
 use crate::rpc::{CallError, ExchangeHeader, PutRequest};
@@ -54,6 +55,11 @@ pub enum ExchangeMode {
     RoundRobin,
     /// Bucket `k` is producer channel `k`'s whole output.
     Gather,
+    /// Every producer channel's whole output goes to bucket 0, the only one: a
+    /// coalesce's input, read in arrival order (which lineage records, so a rebuilt
+    /// consumer replays it; a coalesce over one bucket per producer would interleave
+    /// them nondeterministically).
+    Collect,
 }
 
 impl ExchangeMode {
@@ -61,7 +67,9 @@ impl ExchangeMode {
     pub fn senders_per_bucket(&self, producer_channels: usize) -> usize {
         match self {
             ExchangeMode::Gather => 1,
-            ExchangeMode::Hash | ExchangeMode::RoundRobin => producer_channels,
+            ExchangeMode::Hash | ExchangeMode::RoundRobin | ExchangeMode::Collect => {
+                producer_channels
+            }
         }
     }
 }
@@ -82,6 +90,20 @@ pub struct BatchTag {
     pub seq: u64,
 }
 
+/// A short content hash of one encoded exchange batch: a re-sent batch must match the
+/// one first received, or the rebuilt producer did not reproduce its output.
+pub type Digest = [u8; 16];
+
+/// The digest of an encoded batch message (its IPC header and body).
+pub fn batch_digest(message: &FlightData) -> Digest {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(&message.data_header);
+    hasher.update(&message.data_body);
+    let mut digest = [0u8; 16];
+    digest.copy_from_slice(&hasher.finalize().as_bytes()[..16]);
+    digest
+}
+
 /// The batches of one bucket that arrived and are not yet read.
 pub struct Inbox {
     key: InboxKey,
@@ -89,6 +111,9 @@ pub struct Inbox {
     /// Free budget in KiB; a producer takes some per batch, the reader gives it back.
     space: Semaphore,
     arrived: Notify,
+    /// How many entries of the reading order the metadata store holds (lineage inboxes),
+    /// or why logging them failed.
+    committed: tokio::sync::watch::Sender<Result<usize, String>>,
 }
 
 struct InboxState {
@@ -100,6 +125,15 @@ struct InboxState {
     consumed: Vec<(usize, u64)>,
     finished: BTreeSet<usize>,
     next_seq: HashMap<usize, u64>,
+    /// Under lineage recovery: re-sent batches (a rebuilt producer starts again from
+    /// sequence 0) are checked against these digests and dropped.
+    resends_expected: bool,
+    digests: HashMap<usize, Vec<Option<Digest>>>,
+    /// Set when the reading order is logged: the node's lineage committer, woken when a
+    /// batch is read, and the query's initiator.
+    lineage: Option<(Arc<Notify>, crate::NodeId)>,
+    /// Entries of `consumed` handed to the committer.
+    logged: usize,
     /// The consumer needs no more: batches are dropped on arrival.
     closed: bool,
     failed: Option<String>,
@@ -117,6 +151,10 @@ impl Inbox {
                 consumed: Vec::new(),
                 finished: BTreeSet::new(),
                 next_seq: HashMap::new(),
+                resends_expected: false,
+                digests: HashMap::new(),
+                lineage: None,
+                logged: 0,
                 closed: false,
                 failed: None,
                 reader_taken: false,
@@ -124,6 +162,7 @@ impl Inbox {
             }),
             space: Semaphore::new(INBOX_BUDGET_BYTES >> 10),
             arrived: Notify::new(),
+            committed: tokio::sync::watch::Sender::new(Ok(0)),
         }
     }
 
@@ -131,9 +170,28 @@ impl Inbox {
         self.state.lock().expect("inbox lock")
     }
 
+    pub fn key(&self) -> InboxKey {
+        self.key
+    }
+
+    /// Producers may re-send batches (lineage recovery): keep digests to check them.
+    pub fn expect_resends(&self) {
+        self.lock().resends_expected = true;
+    }
+
     /// Adds a batch from producer channel `sender`, waiting while the bucket is over its
-    /// budget. Batches must come in sequence from each sender.
-    pub async fn push(&self, sender: usize, seq: u64, batch: RecordBatch) -> Result<(), String> {
+    /// budget. Batches must come in sequence from each sender; under lineage recovery a
+    /// batch already received is dropped if its digest matches the first copy's.
+    pub async fn push(
+        &self,
+        sender: usize,
+        seq: u64,
+        batch: RecordBatch,
+        digest: Option<Digest>,
+    ) -> Result<(), String> {
+        if self.is_resent(sender, seq, digest)? {
+            return Ok(());
+        }
         let kib = ((batch.get_array_memory_size() >> 10) as u32)
             .clamp(1, (INBOX_BUDGET_BYTES >> 10) as u32);
         match self.space.acquire_many(kib).await {
@@ -159,11 +217,37 @@ impl Inbox {
             ));
         }
         *expected += 1;
+        if state.resends_expected {
+            state.digests.entry(sender).or_default().push(digest);
+        }
         state.first_batch_us.get_or_insert_with(now_us);
         state.queue.push_back((batch, sender, seq, kib));
         drop(state);
         self.arrived.notify_one();
         Ok(())
+    }
+
+    /// True if batch `seq` of `sender` arrived before (a rebuilt producer re-sending it);
+    /// an error if it differs from the first copy.
+    fn is_resent(&self, sender: usize, seq: u64, digest: Option<Digest>) -> Result<bool, String> {
+        let state = self.lock();
+        let received = state.next_seq.get(&sender).copied().unwrap_or(0);
+        if seq >= received || !state.resends_expected {
+            return Ok(false);
+        }
+        let first = state
+            .digests
+            .get(&sender)
+            .and_then(|d| d.get(seq as usize))
+            .copied()
+            .flatten();
+        match (first, digest) {
+            (Some(first), Some(again)) if first == again => Ok(true),
+            _ => Err(format!(
+                "exchange {} bucket {} of query {:x}: channel {sender} re-sent batch {seq} different from the first time (its rebuilt producer is not deterministic)",
+                self.key.exchange, self.key.bucket, self.key.query
+            )),
+        }
     }
 
     /// Producer channel `sender` has sent everything it will send to this bucket.
@@ -189,6 +273,7 @@ impl Inbox {
         state.closed = true;
         state.queue.clear();
         drop(state);
+        // What was read stays to be logged: output computed from it may still wait.
         self.space.close();
     }
 
@@ -201,6 +286,78 @@ impl Inbox {
         self.lock().first_batch_us
     }
 
+    /// Logs this inbox's reading order: `committer` is woken whenever a batch is read.
+    pub fn log_lineage(&self, committer: Arc<Notify>, initiator: crate::NodeId) {
+        self.lock().lineage = Some((committer, initiator));
+    }
+
+    /// True if this inbox's reading order is logged.
+    pub fn logs_lineage(&self) -> bool {
+        self.lock().lineage.is_some()
+    }
+
+    /// The entries of the reading order not yet handed to the committer: where they
+    /// start, the runs of (sender, batches), and the query's initiator. Marks them handed.
+    pub fn take_unlogged(&self) -> Option<(usize, Vec<(u32, u32)>, crate::NodeId)> {
+        let mut state = self.lock();
+        let initiator = state.lineage.as_ref()?.1;
+        let from = state.logged;
+        if from >= state.consumed.len() {
+            return None;
+        }
+        let mut runs: Vec<(u32, u32)> = Vec::new();
+        for &(sender, _) in &state.consumed[from..] {
+            match runs.last_mut() {
+                Some((last, count)) if *last == sender as u32 => *count += 1,
+                _ => runs.push((sender as u32, 1)),
+            }
+        }
+        state.logged = state.consumed.len();
+        Some((from, runs, initiator))
+    }
+
+    /// How many batches have been read so far (a position in the reading order).
+    pub fn read_so_far(&self) -> usize {
+        self.lock().consumed.len()
+    }
+
+    /// The metadata store holds the reading order up to `position`.
+    pub fn committed_up_to(&self, position: usize) {
+        self.committed
+            .send_if_modified(|committed| match committed {
+                Ok(at) if *at < position => {
+                    *at = position;
+                    true
+                }
+                _ => false,
+            });
+    }
+
+    /// Logging the reading order failed: whoever waits on it fails with `reason`.
+    pub fn commit_failed(&self, reason: String) {
+        let _ = self.committed.send_replace(Err(reason));
+    }
+
+    /// Waits until the reading order up to `position` is in the metadata store: output
+    /// computed from those batches may then be sent (write-ahead lineage).
+    pub async fn wait_committed(&self, position: usize) -> Result<(), String> {
+        let mut watch = self.committed.subscribe();
+        let reached = watch
+            .wait_for(|committed| match committed {
+                Ok(at) => *at >= position,
+                Err(_) => true,
+            })
+            .await
+            .map_err(|_| "the inbox is gone".to_string())?;
+        match &*reached {
+            Ok(_) => Ok(()),
+            Err(reason) => Err(format!(
+                "logging the lineage of exchange {} bucket {} failed: {reason}",
+                self.key.exchange, self.key.bucket
+            )),
+        }
+    }
+
     /// The next batch; `None` once every sender has ended its stream and all was read.
     pub async fn next(&self) -> Option<Result<RecordBatch, String>> {
         loop {
@@ -211,7 +368,11 @@ impl Inbox {
                 }
                 if let Some((batch, sender, seq, kib)) = state.queue.pop_front() {
                     state.consumed.push((sender, seq));
+                    let committer = state.lineage.as_ref().map(|(c, _)| c.clone());
                     drop(state);
+                    if let Some(committer) = committer {
+                        committer.notify_one();
+                    }
                     self.space.add_permits(kib as usize);
                     return Some(Ok(batch));
                 }
@@ -231,7 +392,15 @@ impl Inbox {
 pub struct QueryRegistry {
     inboxes: Mutex<HashMap<InboxKey, Arc<Inbox>>>,
     ended: Mutex<(HashSet<QueryId>, VecDeque<QueryId>)>,
+    /// Woken whenever a query ends here.
+    ended_now: Notify,
     running: Mutex<HashMap<QueryId, Vec<tokio::task::AbortHandle>>>,
+    /// Producers' upstream backups, kept until their query ends.
+    spools: Mutex<HashMap<SpoolKey, Arc<Spool>>>,
+    spool_dir: Mutex<Option<std::path::PathBuf>>,
+    /// Inboxes whose reading order is logged, and the committer they wake.
+    lineage_inboxes: Mutex<Vec<Arc<Inbox>>>,
+    pub lineage_committer: Arc<Notify>,
     /// Component statistics read for scans on this node.
     pub statistics: Arc<tessera_sql::provider::ComponentStatistics>,
 }
@@ -265,11 +434,67 @@ impl QueryRegistry {
         self.ended.lock().expect("ended lock").0.contains(&query)
     }
 
+    /// Waits until `query` ends on this node.
+    pub async fn wait_ended(&self, query: QueryId) {
+        loop {
+            let ended = self.ended_now.notified();
+            if self.has_ended(query) {
+                return;
+            }
+            ended.await;
+        }
+    }
+
     /// The consumer of `key` on this node needs no more of it.
     pub fn close(&self, key: InboxKey) {
         if let Some(inbox) = self.inbox(key, 0) {
             inbox.close();
         }
+    }
+
+    /// Where spools are written (the node's data directory; a temporary one by default).
+    pub fn set_spool_dir(&self, dir: std::path::PathBuf) {
+        *self.spool_dir.lock().expect("spool dir lock") = Some(dir);
+    }
+
+    /// The spool of `key`, made on first use by the producer or a follower. `None` once
+    /// the query has ended here.
+    pub fn spool(&self, key: SpoolKey) -> Option<Arc<Spool>> {
+        if self.has_ended(key.0) {
+            return None;
+        }
+        let dir = self
+            .spool_dir
+            .lock()
+            .expect("spool dir lock")
+            .clone()
+            .unwrap_or_else(|| {
+                std::env::temp_dir().join(format!("tessera-spool-{}", std::process::id()))
+            });
+        let mut spools = self.spools.lock().expect("spools lock");
+        Some(
+            spools
+                .entry(key)
+                .or_insert_with(|| Arc::new(Spool::new(&dir, key)))
+                .clone(),
+        )
+    }
+
+    /// Logs the reading order of `inbox` through this node's lineage committer.
+    pub fn log_lineage(&self, inbox: &Arc<Inbox>, initiator: crate::NodeId) {
+        inbox.log_lineage(self.lineage_committer.clone(), initiator);
+        self.lineage_inboxes
+            .lock()
+            .expect("lineage inboxes lock")
+            .push(inbox.clone());
+    }
+
+    /// The inboxes whose reading order is logged, of queries still running here.
+    pub fn lineage_inboxes(&self) -> Vec<Arc<Inbox>> {
+        self.lineage_inboxes
+            .lock()
+            .expect("lineage inboxes lock")
+            .clone()
     }
 
     /// Tracks a channel task so ending the query stops it.
@@ -282,8 +507,8 @@ impl QueryRegistry {
             .push(task);
     }
 
-    /// Ends `query` on this node: stops its channels, drops its inboxes, and remembers it
-    /// so late batches are dropped. Idempotent.
+    /// Ends `query` on this node: stops its channels, drops its inboxes and spools, and
+    /// remembers it so late batches are dropped. Idempotent.
     pub fn end_query(&self, query: QueryId) {
         {
             let mut ended = self.ended.lock().expect("ended lock");
@@ -296,25 +521,48 @@ impl QueryRegistry {
                 }
             }
         }
+        self.ended_now.notify_waiters();
         if let Some(tasks) = self.running.lock().expect("running lock").remove(&query) {
             for task in tasks {
                 task.abort();
             }
         }
-        let mut inboxes = self.inboxes.lock().expect("inboxes lock");
-        inboxes.retain(|key, inbox| {
-            if key.query == query {
-                inbox.close();
-                false
-            } else {
-                true
-            }
-        });
+        {
+            let mut inboxes = self.inboxes.lock().expect("inboxes lock");
+            inboxes.retain(|key, inbox| {
+                if key.query == query {
+                    inbox.close();
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+        self.lineage_inboxes
+            .lock()
+            .expect("lineage inboxes lock")
+            .retain(|inbox| inbox.key().query != query);
+        self.spools
+            .lock()
+            .expect("spools lock")
+            .retain(|key, spool| {
+                if key.0 == query {
+                    spool.drop_file();
+                    false
+                } else {
+                    true
+                }
+            });
     }
 
     /// Inboxes held now (for tests and status).
     pub fn open_inboxes(&self) -> usize {
         self.inboxes.lock().expect("inboxes lock").len()
+    }
+
+    /// Spools held now (for tests and status).
+    pub fn open_spools(&self) -> usize {
+        self.spools.lock().expect("spools lock").len()
     }
 }
 
@@ -334,6 +582,26 @@ pub struct ReadSpec {
     pub mode: ExchangeMode,
     pub buckets: usize,
     pub producer_channels: usize,
+    /// Under lineage recovery: the reading order of buckets with several senders is
+    /// logged, and re-sent batches are checked and dropped.
+    #[serde(default)]
+    pub lineage: bool,
+    /// The query's initiator (its lineage is dropped if the initiator dies).
+    #[serde(default)]
+    pub initiator: NodeId,
+    /// A rebuilt consumer reads its buckets from the producers' spools instead.
+    #[serde(default)]
+    pub replay: Option<Replay>,
+}
+
+/// Where a rebuilt consumer's input comes from, and in what order it was first read.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Replay {
+    /// The node that now holds each producer channel's spool.
+    pub producers: Vec<NodeId>,
+    pub addrs: BTreeMap<NodeId, String>,
+    /// For each bucket with a logged reading order: runs of (sender, batches).
+    pub scripts: BTreeMap<usize, Vec<(u32, u32)>>,
 }
 
 /// The consumer end of an exchange: output partition `m` is bucket `m`'s batches, from
@@ -342,12 +610,12 @@ pub struct ReadSpec {
 pub struct ExchangeReadExec {
     pub spec: ReadSpec,
     schema: SchemaRef,
-    registry: Arc<QueryRegistry>,
+    node: Arc<Node>,
     properties: Arc<PlanProperties>,
 }
 
 impl ExchangeReadExec {
-    pub fn new(spec: ReadSpec, schema: SchemaRef, registry: Arc<QueryRegistry>) -> Self {
+    pub fn new(spec: ReadSpec, schema: SchemaRef, node: Arc<Node>) -> Self {
         let properties = Arc::new(PlanProperties::new(
             EquivalenceProperties::new(schema.clone()),
             Partitioning::UnknownPartitioning(spec.buckets),
@@ -357,7 +625,7 @@ impl ExchangeReadExec {
         ExchangeReadExec {
             spec,
             schema,
-            registry,
+            node,
             properties,
         }
     }
@@ -368,6 +636,18 @@ impl ExchangeReadExec {
             exchange: self.spec.exchange,
             bucket,
         }
+    }
+
+    /// The schema of the rows read.
+    pub fn read_schema(&self) -> SchemaRef {
+        self.schema.clone()
+    }
+
+    /// The same reader, rebuilt to replay its input from spools.
+    pub fn replaying(&self, replay: Replay) -> ExchangeReadExec {
+        let mut spec = self.spec.clone();
+        spec.replay = Some(replay);
+        ExchangeReadExec::new(spec, self.schema.clone(), self.node.clone())
     }
 }
 
@@ -412,8 +692,18 @@ impl ExecutionPlan for ExchangeReadExec {
             .spec
             .mode
             .senders_per_bucket(self.spec.producer_channels);
+        if let Some(replay) = &self.spec.replay {
+            return Ok(super::lineage::replay_bucket(
+                &self.node,
+                &self.spec,
+                replay,
+                bucket,
+                self.schema.clone(),
+            ));
+        }
         let key = self.key(bucket);
-        let inbox = self.registry.inbox(key, senders).ok_or_else(|| {
+        let registry = &self.node.queries;
+        let inbox = registry.inbox(key, senders).ok_or_else(|| {
             DataFusionError::Execution(format!("query {:x} has ended on this node", key.query))
         })?;
         {
@@ -428,6 +718,12 @@ impl ExecutionPlan for ExchangeReadExec {
                 )));
             }
             state.reader_taken = true;
+        }
+        if self.spec.lineage {
+            inbox.expect_resends();
+            if senders > 1 {
+                registry.log_lineage(&inbox, self.spec.initiator);
+            }
         }
         let guard = CloseOnDrop(inbox);
         let stream = futures::stream::unfold(guard, |guard| async move {
@@ -453,6 +749,16 @@ pub struct WriteSpec {
     pub addrs: BTreeMap<NodeId, String>,
     /// When the query started, by the initiator's clock (µs since the Unix epoch).
     pub started_at_us: u64,
+    /// Under lineage recovery: batches for other nodes are spooled, links to a node that
+    /// dies are given up (its consumers are rebuilt and pull from the spool), and output
+    /// waits until the reading order it was computed from is logged.
+    #[serde(default)]
+    pub lineage: bool,
+    /// A channel rebuilt after a node died: it spools every batch (its consumers that
+    /// died with it pull them), sends only to surviving consumers (which drop what they
+    /// already have) and has no logged inputs of its own.
+    #[serde(default)]
+    pub rebuilt: bool,
 }
 
 /// The root of every stage: runs its input's partition `k` (channel `k`) and pushes the
@@ -494,6 +800,17 @@ impl ExchangeWriteExec {
 
     pub fn input(&self) -> &Arc<dyn ExecutionPlan> {
         &self.input
+    }
+
+    /// This stage rebuilt after `dead` died: over `input` (its readers replaying), sending
+    /// only to the surviving consumers.
+    pub fn rebuilt(&self, input: Arc<dyn ExecutionPlan>, dead: NodeId) -> ExchangeWriteExec {
+        let mut spec = self.spec.clone();
+        spec.rebuilt = true;
+        for nodes in &mut spec.destinations {
+            nodes.retain(|&node| node != dead);
+        }
+        ExchangeWriteExec::new(spec, self.hash_exprs.clone(), input, self.node.clone())
     }
 
     /// What channel `k` did, once its stream has ended.
@@ -573,6 +890,19 @@ impl ExecutionPlan for ExchangeWriteExec {
             DataFusionError::Internal("an exchange writer runs only on a node".into())
         })?;
         let channels = self.input.output_partitioning().partition_count();
+        let mut leaves = Vec::new();
+        super::plan::leaves_of(&self.input, channel, &mut leaves);
+        let reads = leaves
+            .into_iter()
+            .filter_map(|leaf| match leaf {
+                super::plan::Leaf::Exchange { exchange, bucket } => Some(InboxKey {
+                    query: self.spec.query,
+                    exchange,
+                    bucket,
+                }),
+                super::plan::Leaf::Scan { .. } => None,
+            })
+            .collect();
         let input = self.input.execute(channel, context)?;
         let writer = ChannelWriter {
             node,
@@ -580,6 +910,7 @@ impl ExecutionPlan for ExchangeWriteExec {
             hash_exprs: self.hash_exprs.clone(),
             channel,
             channels,
+            reads,
             schema: self.input.schema(),
             options: IpcWriteOptions::default()
                 .try_with_compression(Some(arrow_ipc::CompressionType::LZ4_FRAME))?,
@@ -612,7 +943,6 @@ enum Link {
         node: NodeId,
         tx: tokio::sync::mpsc::Sender<FlightData>,
         call: tokio::task::JoinHandle<Result<Bytes, CallError>>,
-        dictionaries: DictionaryTracker,
     },
 }
 
@@ -622,9 +952,31 @@ struct ChannelWriter {
     hash_exprs: Vec<Arc<dyn PhysicalExpr>>,
     channel: usize,
     channels: usize,
+    /// The inboxes this channel reads: under lineage recovery its output waits for their
+    /// reading order to be logged.
+    reads: Vec<InboxKey>,
     schema: SchemaRef,
     /// Arrow IPC with LZ4 frames, the same for every batch this channel sends.
     options: IpcWriteOptions,
+}
+
+/// Output batches held while the lineage they depend on is being logged.
+const HOLD_DEPTH: usize = 32;
+
+/// A batch ready to go to `bucket`, once the reading order it was computed from (a
+/// position in each logged inbox the channel reads) is in the metadata store.
+struct Ready {
+    bucket: usize,
+    batch: RecordBatch,
+    after: Vec<(Arc<Inbox>, usize)>,
+}
+
+/// The sending side's state while a channel runs.
+struct Outbox {
+    links: BTreeMap<NodeId, Link>,
+    seqs: HashMap<usize, u64>,
+    spool: Option<Arc<Spool>>,
+    report: ChannelReport,
 }
 
 fn exec_error(message: String) -> DataFusionError {
@@ -653,7 +1005,11 @@ impl ChannelWriter {
                             exchange: self.spec.exchange,
                             bucket,
                         };
-                        registry.inbox(key, senders).map(|inbox| (bucket, inbox))
+                        let inbox = registry.inbox(key, senders)?;
+                        if self.spec.lineage {
+                            inbox.expect_resends();
+                        }
+                        Some((bucket, inbox))
                     })
                     .collect();
                 Link::Local(inboxes)
@@ -669,6 +1025,7 @@ impl ChannelWriter {
                     sender: self.channel,
                     senders_per_bucket: senders,
                     buckets,
+                    lineage: self.spec.lineage,
                 };
                 let (tx, rx) = tokio::sync::mpsc::channel(LINK_DEPTH);
                 let clients = self.node.clients.clone();
@@ -684,7 +1041,6 @@ impl ChannelWriter {
                     node: dest,
                     tx,
                     call,
-                    dictionaries: DictionaryTracker::new(false),
                 }
             };
             links.insert(dest, link);
@@ -696,13 +1052,31 @@ impl ChannelWriter {
     fn my_buckets(&self) -> Vec<usize> {
         match self.spec.mode {
             ExchangeMode::Gather => vec![self.channel],
+            ExchangeMode::Collect => vec![0],
             ExchangeMode::Hash | ExchangeMode::RoundRobin => (0..self.spec.buckets).collect(),
         }
     }
 
-    async fn run(self, mut input: SendableRecordBatchStream) -> DfResult<ChannelReport> {
+    /// Where each logged inbox this channel reads stands now: output computed so far
+    /// depends on no more than that.
+    fn reading_positions(&self) -> Vec<(Arc<Inbox>, usize)> {
+        if !self.spec.lineage || self.spec.rebuilt {
+            return Vec::new();
+        }
+        self.reads
+            .iter()
+            .filter_map(|key| self.node.queries.peek(*key))
+            .filter(|inbox| inbox.logs_lineage())
+            .map(|inbox| {
+                let at = inbox.read_so_far();
+                (inbox, at)
+            })
+            .collect()
+    }
+
+    async fn run(self, input: SendableRecordBatchStream) -> DfResult<ChannelReport> {
         let started_us = now_us();
-        let mut report = ChannelReport {
+        let report = ChannelReport {
             stage: self.spec.exchange,
             channel: self.channel,
             node: self.node.id(),
@@ -715,7 +1089,58 @@ impl ChannelWriter {
                 self.spec.exchange, self.spec.buckets, self.channel
             )));
         }
-        let mut links = self.open_links()?;
+        let spool = if self.spec.lineage {
+            let key = (self.spec.query, self.spec.exchange, self.channel);
+            let spool =
+                self.node.queries.spool(key).ok_or_else(|| {
+                    exec_error(format!("query {:x} has ended on this node", key.0))
+                })?;
+            spool
+                .start(FlightData::from(SchemaAsIpc::new(
+                    &self.schema,
+                    &self.options,
+                )))
+                .map_err(|e| exec_error(format!("starting a spool: {e}")))?;
+            Some(spool)
+        } else {
+            None
+        };
+        let mut outbox = Outbox {
+            links: self.open_links()?,
+            seqs: HashMap::new(),
+            spool: spool.clone(),
+            report,
+        };
+        let (ready_tx, mut ready_rx) = tokio::sync::mpsc::channel::<Ready>(HOLD_DEPTH);
+        let produce = self.produce(input, ready_tx);
+        let deliver = async {
+            while let Some(ready) = ready_rx.recv().await {
+                for (inbox, position) in &ready.after {
+                    inbox.wait_committed(*position).await.map_err(exec_error)?;
+                }
+                self.send(&mut outbox, ready.bucket, ready.batch).await?;
+            }
+            self.end_streams(&mut outbox).await?;
+            Ok::<(), DataFusionError>(())
+        };
+        let result = futures::future::try_join(produce, deliver).await;
+        if let Some(spool) = &spool {
+            spool.finish(result.as_ref().err().map(|e| e.to_string()));
+        }
+        let (rows, ()) = result?;
+        let mut report = outbox.report;
+        report.rows = rows;
+        report.finished_us = now_us().saturating_sub(self.spec.started_at_us);
+        Ok(report)
+    }
+
+    /// Partitions the input into buckets and gathers full batches per bucket; returns the
+    /// rows read.
+    async fn produce(
+        &self,
+        mut input: SendableRecordBatchStream,
+        ready: tokio::sync::mpsc::Sender<Ready>,
+    ) -> DfResult<u64> {
         let mut partitioner = match self.spec.mode {
             ExchangeMode::Hash => Some(BatchPartitioner::new_hash_partitioner(
                 self.hash_exprs.clone(),
@@ -728,32 +1153,46 @@ impl ChannelWriter {
                 self.channel,
                 self.channels.max(1),
             )),
-            ExchangeMode::Gather => None,
+            ExchangeMode::Gather | ExchangeMode::Collect => None,
         };
+        let own_bucket = self.my_buckets()[0];
+        let hand_over = |bucket: usize, batch: RecordBatch| {
+            let after = self.reading_positions();
+            let ready = ready.clone();
+            async move {
+                ready
+                    .send(Ready {
+                        bucket,
+                        batch,
+                        after,
+                    })
+                    .await
+                    .map_err(|_| exec_error("the channel's sender stopped".into()))
+            }
+        };
+        let mut rows = 0u64;
         let mut pending: HashMap<usize, BatchCoalescer> = HashMap::new();
-        let mut seqs: HashMap<usize, u64> = HashMap::new();
         while let Some(batch) = input.next().await {
             let batch = batch?;
             if batch.num_rows() == 0 {
                 continue;
             }
-            report.rows += batch.num_rows() as u64;
+            rows += batch.num_rows() as u64;
             let mut parts = Vec::new();
             match partitioner.as_mut() {
                 Some(partitioner) => partitioner.partition(batch, |bucket, part| {
                     parts.push((bucket, part));
                     Ok(())
                 })?,
-                None => parts.push((self.channel, batch)),
+                None => parts.push((own_bucket, batch)),
             }
             for (bucket, part) in parts {
                 let coalescer = pending
                     .entry(bucket)
                     .or_insert_with(|| BatchCoalescer::new(self.schema.clone(), SEND_BATCH_ROWS));
                 coalescer.push_batch(part)?;
-                while let Some(ready) = coalescer.next_completed_batch() {
-                    self.send(&mut links, &mut seqs, bucket, ready, &mut report)
-                        .await?;
+                while let Some(full) = coalescer.next_completed_batch() {
+                    hand_over(bucket, full).await?;
                 }
             }
         }
@@ -762,85 +1201,144 @@ impl ChannelWriter {
         for bucket in buckets {
             let coalescer = pending.get_mut(&bucket).expect("bucket is pending");
             coalescer.finish_buffered_batch()?;
-            while let Some(ready) = coalescer.next_completed_batch() {
-                self.send(&mut links, &mut seqs, bucket, ready, &mut report)
-                    .await?;
+            while let Some(full) = coalescer.next_completed_batch() {
+                hand_over(bucket, full).await?;
             }
         }
-        // End of stream: local inboxes at once; remote nodes when their streams end, each
-        // answering only once it has put every batch in its inboxes (the acknowledgement).
-        for (_, link) in links {
-            match link {
+        Ok(rows)
+    }
+
+    /// A link's stream ended early. Under lineage recovery a dead destination is given up
+    /// (its consumers are rebuilt elsewhere and pull from the spool); anything else fails
+    /// the channel.
+    async fn link_broke(&self, outbox: &mut Outbox, dest: NodeId) -> DfResult<()> {
+        let Some(Link::Remote { call, .. }) = outbox.links.remove(&dest) else {
+            return Ok(());
+        };
+        let outcome = call
+            .await
+            .map_err(|e| exec_error(format!("exchange stream task failed: {e}")))?;
+        match outcome {
+            Err(error) if error.is_transport() && self.spec.lineage => {
+                tracing::warn!(
+                    query = self.spec.query,
+                    exchange = self.spec.exchange,
+                    channel = self.channel,
+                    dest,
+                    %error,
+                    "exchange stream to a node broke; its batches stay spooled for its rebuilt consumers"
+                );
+                self.node.suspect(dest);
+                Ok(())
+            }
+            Err(error) => Err(exec_error(format!(
+                "node {dest} did not take exchange {} from channel {}: {error}",
+                self.spec.exchange, self.channel
+            ))),
+            Ok(_) => Err(exec_error(format!(
+                "the exchange stream to node {dest} closed early"
+            ))),
+        }
+    }
+
+    /// End of stream: local inboxes at once; remote nodes when their streams end, each
+    /// answering only once it has put every batch in its inboxes (the acknowledgement).
+    async fn end_streams(&self, outbox: &mut Outbox) -> DfResult<()> {
+        let dests: Vec<NodeId> = outbox.links.keys().copied().collect();
+        for dest in dests {
+            match outbox.links.remove(&dest).expect("listed above") {
                 Link::Local(inboxes) => {
                     for inbox in inboxes.values() {
                         inbox.finish(self.channel);
                     }
                 }
-                Link::Remote { node, tx, call, .. } => {
+                Link::Remote { node, tx, call } => {
                     drop(tx);
                     let acknowledged = call
                         .await
                         .map_err(|e| exec_error(format!("exchange stream task failed: {e}")))?;
-                    acknowledged.map_err(|e| {
-                        exec_error(format!(
-                            "node {node} did not acknowledge exchange {} from channel {}: {e}",
+                    match acknowledged {
+                        Ok(_) => {}
+                        Err(error) if error.is_transport() && self.spec.lineage => {
+                            self.node.suspect(node);
+                        }
+                        Err(error) => return Err(exec_error(format!(
+                            "node {node} did not acknowledge exchange {} from channel {}: {error}",
                             self.spec.exchange, self.channel
-                        ))
-                    })?;
+                        ))),
+                    }
                 }
             }
         }
-        report.finished_us = now_us().saturating_sub(self.spec.started_at_us);
-        Ok(report)
+        Ok(())
     }
 
-    async fn send(
-        &self,
-        links: &mut BTreeMap<NodeId, Link>,
-        seqs: &mut HashMap<usize, u64>,
-        bucket: usize,
-        batch: RecordBatch,
-        report: &mut ChannelReport,
-    ) -> DfResult<()> {
-        let seq = seqs.entry(bucket).or_insert(0);
+    /// The messages of one batch, self-contained (its dictionaries travel with it), so a
+    /// spooled copy can be replayed alone.
+    fn encode(&self, batch: &RecordBatch, tag: BatchTag) -> DfResult<Vec<FlightData>> {
+        let (dicts, encoded) = IpcDataGenerator::default().encode(
+            batch,
+            &mut DictionaryTracker::new(false),
+            &self.options,
+            &mut IpcWriteContext::default(),
+        )?;
+        let metadata = Bytes::from(serde_json::to_vec(&tag).expect("tags serialize"));
+        let mut messages: Vec<FlightData> = dicts.into_iter().map(FlightData::from).collect();
+        messages.push(FlightData::from(encoded).with_app_metadata(metadata));
+        Ok(messages)
+    }
+
+    async fn send(&self, outbox: &mut Outbox, bucket: usize, batch: RecordBatch) -> DfResult<()> {
+        let seq = outbox.seqs.entry(bucket).or_insert(0);
         let tag = BatchTag { bucket, seq: *seq };
         *seq += 1;
-        report.batches += 1;
-        for dest in &self.spec.destinations[bucket] {
-            match links.get_mut(dest).expect("a link per destination") {
-                Link::Local(inboxes) => {
+        outbox.report.batches += 1;
+        let me = self.node.id();
+        let destinations = &self.spec.destinations[bucket];
+        let remote = destinations.iter().any(|&dest| dest != me);
+        let spooled = outbox
+            .spool
+            .as_ref()
+            .filter(|_| remote || self.spec.rebuilt);
+        let messages = if remote || spooled.is_some() {
+            self.encode(&batch, tag)?
+        } else {
+            Vec::new()
+        };
+        if let Some(spool) = spooled {
+            spool
+                .append(tag, &messages)
+                .map_err(|e| exec_error(format!("writing the spool: {e}")))?;
+        }
+        // A rebuilt channel's batches to this node's inboxes are checked like remote ones.
+        let digest = match messages.last() {
+            Some(message) if self.spec.rebuilt => Some(batch_digest(message)),
+            _ => None,
+        };
+        for &dest in destinations {
+            match outbox.links.get_mut(&dest) {
+                // Given up: the node died and its consumers pull from the spool.
+                None => {}
+                Some(Link::Local(inboxes)) => {
                     if let Some(inbox) = inboxes.get(&bucket) {
                         inbox
-                            .push(self.channel, tag.seq, batch.clone())
+                            .push(self.channel, tag.seq, batch.clone(), digest)
                             .await
                             .map_err(exec_error)?;
                     }
                 }
-                Link::Remote {
-                    node,
-                    tx,
-                    dictionaries,
-                    ..
-                } => {
-                    let (dicts, encoded) = IpcDataGenerator::default().encode(
-                        &batch,
-                        dictionaries,
-                        &self.options,
-                        &mut IpcWriteContext::default(),
-                    )?;
-                    let metadata = Bytes::from(serde_json::to_vec(&tag).expect("tags serialize"));
-                    let mut messages: Vec<FlightData> =
-                        dicts.into_iter().map(FlightData::from).collect();
-                    messages.push(FlightData::from(encoded).with_app_metadata(metadata));
-                    for message in messages {
-                        report.bytes_sent +=
+                Some(Link::Remote { tx, .. }) => {
+                    let mut broke = false;
+                    for message in &messages {
+                        outbox.report.bytes_sent +=
                             (message.data_header.len() + message.data_body.len()) as u64;
-                        if tx.send(message).await.is_err() {
-                            // The stream task ended early: its error says why.
-                            return Err(exec_error(format!(
-                                "the exchange stream to node {node} closed early"
-                            )));
+                        if tx.send(message.clone()).await.is_err() {
+                            broke = true;
+                            break;
                         }
+                    }
+                    if broke {
+                        self.link_broke(outbox, dest).await?;
                     }
                 }
             }
@@ -861,6 +1359,9 @@ fn tokio_stream_from<T: Send + 'static>(
 /// The receiving end of one `do_put` exchange stream: puts each batch into its bucket's
 /// inbox (waiting while the bucket is full, which slows the sender through gRPC flow
 /// control) and ends the sender's stream in every bucket it named once the stream ends.
+///
+/// Under lineage recovery a broken stream fails nothing: the sender's node died, and its
+/// rebuilt channel sends again from the first batch (whose copies are checked and dropped).
 pub async fn receive(
     registry: &QueryRegistry,
     header: &ExchangeHeader,
@@ -879,12 +1380,17 @@ pub async fn receive(
             bucket,
         };
         if let Some(inbox) = registry.inbox(key, header.senders_per_bucket) {
+            if header.lineage {
+                inbox.expect_resends();
+            }
             inboxes.insert(bucket, inbox);
         }
     }
     let broke = |reason: String| {
-        for inbox in inboxes.values() {
-            inbox.fail(reason.clone());
+        if !header.lineage {
+            for inbox in inboxes.values() {
+                inbox.fail(reason.clone());
+            }
         }
         reason
     };
@@ -908,7 +1414,8 @@ pub async fn receive(
         }
         // No inbox: the query ended here, the batch is not needed.
         if let Some(inbox) = inboxes.get(&tag.bucket) {
-            inbox.push(header.sender, tag.seq, batch).await?;
+            let digest = header.lineage.then(|| batch_digest(&message.inner));
+            inbox.push(header.sender, tag.seq, batch, digest).await?;
         }
     }
     for inbox in inboxes.values() {
@@ -944,13 +1451,13 @@ mod tests {
     #[tokio::test]
     async fn an_inbox_ends_only_when_every_sender_has_ended() {
         let inbox = Inbox::new(key(0), 2);
-        inbox.push(0, 0, batch(3)).await.unwrap();
+        inbox.push(0, 0, batch(3), None).await.unwrap();
         inbox.finish(0);
         assert_eq!(inbox.next().await.unwrap().unwrap().num_rows(), 3);
         // Sender 1 has not ended: the reader waits.
         let waiting = tokio::time::timeout(Duration::from_millis(100), inbox.next()).await;
         assert!(waiting.is_err(), "the inbox ended before sender 1 did");
-        inbox.push(1, 0, batch(2)).await.unwrap();
+        inbox.push(1, 0, batch(2), None).await.unwrap();
         inbox.finish(1);
         assert_eq!(inbox.next().await.unwrap().unwrap().num_rows(), 2);
         assert!(inbox.next().await.is_none());
@@ -964,14 +1471,14 @@ mod tests {
     #[tokio::test]
     async fn batches_out_of_sequence_or_after_the_end_are_refused() {
         let inbox = Inbox::new(key(0), 1);
-        inbox.push(0, 0, batch(1)).await.unwrap();
-        let gap = inbox.push(0, 2, batch(1)).await.unwrap_err();
+        inbox.push(0, 0, batch(1), None).await.unwrap();
+        let gap = inbox.push(0, 2, batch(1), None).await.unwrap_err();
         assert!(
             gap.contains("batch 2 from channel 0 arrived where batch 1 was due"),
             "{gap}"
         );
         inbox.finish(0);
-        let late = inbox.push(0, 1, batch(1)).await.unwrap_err();
+        let late = inbox.push(0, 1, batch(1), None).await.unwrap_err();
         assert!(late.contains("after its end of stream"), "{late}");
     }
 
@@ -981,11 +1488,11 @@ mod tests {
         // Each batch is a little over a quarter of the budget: three fit, a fourth does not.
         let rows = (INBOX_BUDGET_BYTES / 8 / 4 + 1024) as i64;
         for seq in 0..3 {
-            inbox.push(0, seq, batch(rows)).await.unwrap();
+            inbox.push(0, seq, batch(rows), None).await.unwrap();
         }
         let sender = {
             let inbox = inbox.clone();
-            tokio::spawn(async move { inbox.push(0, 3, batch(rows)).await })
+            tokio::spawn(async move { inbox.push(0, 3, batch(rows), None).await })
         };
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(
@@ -1004,10 +1511,10 @@ mod tests {
     async fn closing_an_inbox_releases_a_waiting_sender_and_drops_what_arrives() {
         let inbox = Arc::new(Inbox::new(key(0), 1));
         let rows = (INBOX_BUDGET_BYTES / 8) as i64;
-        inbox.push(0, 0, batch(rows)).await.unwrap();
+        inbox.push(0, 0, batch(rows), None).await.unwrap();
         let sender = {
             let inbox = inbox.clone();
-            tokio::spawn(async move { inbox.push(0, 1, batch(rows)).await })
+            tokio::spawn(async move { inbox.push(0, 1, batch(rows), None).await })
         };
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!sender.is_finished());

@@ -29,10 +29,13 @@
 pub mod codec;
 pub mod exchange;
 pub mod explain;
+pub mod lineage;
 pub mod plan;
+pub mod recovery;
 pub mod run;
 pub mod scan;
 pub mod session;
+pub mod spool;
 pub mod subquery;
 
 use serde::{Deserialize, Serialize};

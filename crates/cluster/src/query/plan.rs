@@ -43,6 +43,8 @@ use std::sync::Arc;
 #[derive(Debug)]
 pub struct DistributedPlan {
     pub query: QueryId,
+    /// Recovers from a node's death by write-ahead lineage (`tessera.recovery = lineage`).
+    pub lineage: bool,
     pub initiator: NodeId,
     pub started_at_us: u64,
     pub map_version: u64,
@@ -146,6 +148,7 @@ struct Cut {
 
 struct Cutter {
     query: QueryId,
+    lineage: bool,
     node: Arc<Node>,
     stages: Vec<Option<Cut>>,
 }
@@ -170,9 +173,12 @@ impl Cutter {
                 mode: mode.clone(),
                 buckets,
                 producer_channels,
+                lineage: self.lineage,
+                initiator: self.node.id(),
+                replay: None,
             },
             root.schema(),
-            self.node.queries.clone(),
+            self.node.clone(),
         );
         self.stages.push(Some(Cut {
             root,
@@ -210,15 +216,27 @@ impl Cutter {
             let (reader, id) = self.exchange(input, inputs, mode, exprs, buckets);
             return Ok((reader, vec![id]));
         }
-        let gathers = any.is::<CoalescePartitionsExec>() || any.is::<SortPreservingMergeExec>();
+        // A merge keeps one bucket per producer (each sorted); a coalesce reads all its
+        // producers through one bucket, in an order lineage can log.
+        let gather = if any.is::<CoalescePartitionsExec>() {
+            Some(ExchangeMode::Collect)
+        } else if any.is::<SortPreservingMergeExec>() {
+            Some(ExchangeMode::Gather)
+        } else {
+            None
+        };
         let mut children = Vec::new();
         let mut reads = Vec::new();
         for child in plan.children() {
             let (child, inputs) = self.cut(child.clone())?;
             let parts = child.output_partitioning().partition_count();
-            if gathers && parts > 1 {
-                let (reader, id) =
-                    self.exchange(child, inputs, ExchangeMode::Gather, vec![], parts);
+            if let Some(mode) = gather.clone().filter(|_| parts > 1) {
+                let buckets = if mode == ExchangeMode::Collect {
+                    1
+                } else {
+                    parts
+                };
+                let (reader, id) = self.exchange(child, inputs, mode, vec![], buckets);
                 children.push(reader);
                 reads.push(id);
             } else {
@@ -382,12 +400,14 @@ pub fn distribute(
     state: &MetaState,
     started_at_us: u64,
     buckets: usize,
+    lineage: bool,
 ) -> DfResult<DistributedPlan> {
     let initiator = node.id();
     let plan = adapt_joins_for_distribution(plan, buckets)?;
     let plan = single_partition(plan);
     let mut cutter = Cutter {
         query,
+        lineage,
         node: node.clone(),
         stages: vec![None],
     };
@@ -458,6 +478,8 @@ pub fn distribute(
                     .collect(),
                 addrs: addrs.clone(),
                 started_at_us,
+                lineage,
+                rebuilt: false,
             };
             let root = ExchangeWriteExec::new(spec, cut.hash_exprs, cut.root, Some(node.clone()));
             Stage {
@@ -470,6 +492,7 @@ pub fn distribute(
         .collect();
     Ok(DistributedPlan {
         query,
+        lineage,
         initiator,
         started_at_us,
         map_version: state.map.version,

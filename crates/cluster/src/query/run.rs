@@ -38,6 +38,19 @@ pub struct RunRequest {
     pub query: QueryId,
     pub initiator: NodeId,
     pub stages: Vec<StageTask>,
+    /// Lineage recovery: the node keeps the query (its spools) until the initiator ends
+    /// it, not only until its channels are done.
+    #[serde(default)]
+    pub lineage: bool,
+}
+
+/// What a node's `RunStages` stream carries.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum StagesEvent {
+    /// A channel ended.
+    Report(ChannelReport),
+    /// Every channel of the request has ended.
+    AllDone,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -107,6 +120,9 @@ fn start_stage(
         ClusterError::Rejected(format!("stage {stage} does not end in an exchange writer"))
     })?;
     let started_at_us = writer.spec.started_at_us;
+    // A rebuilt channel replays its input from spools: the inboxes under its keys belong
+    // to the original instance of its stage on this node, if any, and stay open.
+    let closes_inboxes = !writer.spec.rebuilt;
     let mut reads: HashMap<usize, Vec<InboxKey>> = HashMap::new();
     let readers: Arc<Mutex<HashMap<InboxKey, usize>>> = Arc::default();
     for &channel in &channels {
@@ -164,7 +180,7 @@ fn start_stage(
                 for key in &keys {
                     let left = counts.get_mut(key).expect("counted above");
                     *left -= 1;
-                    if *left == 0 {
+                    if *left == 0 && closes_inboxes {
                         node.queries.close(*key);
                     }
                 }
@@ -192,6 +208,8 @@ async fn drain(
 #[derive(Debug)]
 pub struct QueryOutcome {
     pub batches: Vec<RecordBatch>,
+    /// What lineage recovery rebuilt after a node died, one line per failure.
+    pub recoveries: Vec<String>,
     /// Every channel's report that arrived, sorted by stage and channel.
     pub reports: Vec<ChannelReport>,
     pub elapsed: Duration,
@@ -314,6 +332,7 @@ pub fn encode(node: &Arc<Node>, plan: &DistributedPlan) -> DfResult<Work> {
                     query: plan.query,
                     initiator: me,
                     stages: vec![],
+                    lineage: plan.lineage,
                 })
                 .stages
                 .push(StageTask {
@@ -326,7 +345,46 @@ pub fn encode(node: &Arc<Node>, plan: &DistributedPlan) -> DfResult<Work> {
     Ok(Work { remote, local })
 }
 
-/// Runs `plan` from this node (the initiator) and returns its answer.
+/// Starts a `RunStages` call to `at`; its reports and its end become events.
+fn call_run_stages(node: &Arc<Node>, at: NodeId, request: RunRequest, events: mpsc::Sender<Event>) {
+    let node = node.clone();
+    tokio::spawn(async move {
+        let Some(addr) = node.addr_of(at) else {
+            let _ = events
+                .send(Event::NodeRefused(at, "no known address".into()))
+                .await;
+            return;
+        };
+        let mut stream = match node.clients.run_stages(&addr, request).await {
+            Ok(stream) => stream,
+            Err(error) => {
+                let _ = events.send(Event::broken(&node, at, error)).await;
+                return;
+            }
+        };
+        let event = loop {
+            match stream.next().await {
+                Some(Ok(StagesEvent::Report(report))) => {
+                    let _ = events.send(Event::Report(report)).await;
+                }
+                Some(Ok(StagesEvent::AllDone)) | None => break Event::NodeDone(at),
+                Some(Err(error)) => break Event::broken(&node, at, error),
+            }
+        };
+        let done = matches!(event, Event::NodeDone(_));
+        let _ = events.send(event).await;
+        if done {
+            // Under lineage recovery the node holds on to the query (its spools) while
+            // this stream is open, until the query ends. A failure now takes nothing the
+            // query still needs: every consumer of its channels acknowledged their output.
+            while stream.next().await.is_some() {}
+        }
+    });
+}
+
+/// Runs `plan` from this node (the initiator) and returns its answer. Under lineage
+/// recovery a participant's death is survived by rebuilding its channels on the others
+/// ([`super::recovery`]); otherwise it ends the query with the node's loss.
 pub async fn execute(
     node: &Arc<Node>,
     plan: &DistributedPlan,
@@ -348,9 +406,12 @@ pub async fn execute(
             mode: ExchangeMode::Gather,
             buckets: 1,
             producer_channels: 1,
+            lineage: plan.lineage,
+            initiator: me,
+            replay: None,
         },
         schema,
-        node.queries.clone(),
+        node.clone(),
     );
     let mut answer = reader
         .execute(0, task_context())
@@ -359,11 +420,14 @@ pub async fn execute(
     let (events, mut incoming) = mpsc::channel::<Event>(1024);
     let mut participants: Vec<NodeId> = requests.keys().copied().collect();
     participants.push(me);
-    let end = EndEverywhere {
+    let mut end = EndEverywhere {
         node: node.clone(),
         query: plan.query,
         participants,
+        lineage: plan.lineage,
     };
+    // RunStages calls not yet done, per node.
+    let mut outstanding: BTreeMap<NodeId, usize> = BTreeMap::new();
     {
         let mut reports = start_plans(node, plan.query, local)?;
         let events = events.clone();
@@ -373,38 +437,18 @@ pub async fn execute(
             }
             let _ = events.send(Event::NodeDone(me)).await;
         });
+        outstanding.insert(me, 1);
     }
     for (at, request) in requests {
-        let events = events.clone();
-        let node = node.clone();
-        tokio::spawn(async move {
-            let Some(addr) = node.addr_of(at) else {
-                let _ = events
-                    .send(Event::NodeRefused(at, "no known address".into()))
-                    .await;
-                return;
-            };
-            let event = match node.clients.run_stages(&addr, request).await {
-                Ok(mut reports) => loop {
-                    match reports.next().await {
-                        Some(Ok(report)) => {
-                            let _ = events.send(Event::Report(report)).await;
-                        }
-                        Some(Err(error)) => break Event::broken(&node, at, error),
-                        None => break Event::NodeDone(at),
-                    }
-                },
-                Err(error) => Event::broken(&node, at, error),
-            };
-            let _ = events.send(event).await;
-        });
+        call_run_stages(node, at, request, events.clone());
+        *outstanding.entry(at).or_default() += 1;
     }
-    drop(events);
+    let mut recovery = super::recovery::Recovery::new(plan);
+    // Kept while recovery may start more calls (the loop then ends on `outstanding`).
+    let events = plan.lineage.then_some(events);
 
     let mut batches = Vec::new();
     let mut reports = Vec::new();
-    let mut pending: std::collections::BTreeSet<NodeId> =
-        end.participants.iter().copied().collect();
     let mut answered = false;
     let mut events_open = true;
     let failure = loop {
@@ -424,10 +468,26 @@ pub async fn execute(
                     }
                     reports.push(report);
                 }
-                Some(Event::NodeDone(at)) => {
-                    pending.remove(&at);
+                Some(Event::NodeDone(at)) => settle(&mut outstanding, at),
+                Some(Event::NodeFailed(at, error)) => {
+                    settle(&mut outstanding, at);
+                    let Some(events) = events.as_ref().filter(|_| recovery.can_recover(at)) else {
+                        break Some(Failure::Node(at, error));
+                    };
+                    match recovery.rebuild(node, plan, at).await {
+                        Ok(requests) => {
+                            outstanding.remove(&at);
+                            for (host, request) in requests {
+                                call_run_stages(node, host, request, events.clone());
+                                *outstanding.entry(host).or_default() += 1;
+                                if !end.participants.contains(&host) {
+                                    end.participants.push(host);
+                                }
+                            }
+                        }
+                        Err(why) => break Some(Failure::Node(at, format!("{error}; lineage recovery failed: {why}"))),
+                    }
                 }
-                Some(Event::NodeFailed(at, error)) => break Some(Failure::Node(at, error)),
                 Some(Event::NodeRefused(at, error)) => {
                     break Some(Failure::Other(format!("node {at} refused its stages: {error}")))
                 }
@@ -435,22 +495,19 @@ pub async fn execute(
                 None => events_open = false,
             },
         }
-        if answered && !events_open {
-            break None;
-        }
-        if answered && pending.is_empty() {
+        if answered && (!events_open || outstanding.is_empty()) {
             break None;
         }
     };
-    if failure.is_none() && !pending.is_empty() {
+    if failure.is_none() && !outstanding.is_empty() {
         // The answer is complete; give the last acknowledgements a moment to land.
         let _ = tokio::time::timeout(REPORT_GRACE, async {
             while let Some(event) = incoming.recv().await {
                 match event {
                     Event::Report(report) => reports.push(report),
                     Event::NodeDone(at) => {
-                        pending.remove(&at);
-                        if pending.is_empty() {
+                        settle(&mut outstanding, at);
+                        if outstanding.is_empty() {
                             break;
                         }
                     }
@@ -461,7 +518,17 @@ pub async fn execute(
         .await;
     }
     drop(end);
+    drop(events);
     if let Some(failure) = failure {
+        // Whatever fails after a lineage recovery began (a rebuilt channel that did not
+        // reproduce its output, a second death) is that node's loss: the query restarts.
+        let failure = match (failure, recovery.lost()) {
+            (Failure::Other(detail), Some(dead)) => Failure::Node(
+                dead,
+                format!("after rebuilding node {dead}'s channels: {detail}"),
+            ),
+            (failure, _) => failure,
+        };
         return Err(diagnose(node, plan.query, failure, &mut incoming).await);
     }
     reports.sort_by_key(|r| (r.stage, r.channel));
@@ -469,7 +536,18 @@ pub async fn execute(
         batches,
         reports,
         elapsed: started.elapsed(),
+        recoveries: recovery.into_notes(),
     })
+}
+
+/// One `RunStages` call to `at` is over.
+fn settle(outstanding: &mut BTreeMap<NodeId, usize>, at: NodeId) {
+    if let Some(calls) = outstanding.get_mut(&at) {
+        *calls -= 1;
+        if *calls == 0 {
+            outstanding.remove(&at);
+        }
+    }
 }
 
 /// Ends the query on every node that took part when dropped: when the initiator has the
@@ -479,6 +557,8 @@ struct EndEverywhere {
     node: Arc<Node>,
     query: QueryId,
     participants: Vec<NodeId>,
+    /// The query logged lineage: the metadata store drops it.
+    lineage: bool,
 }
 
 impl Drop for EndEverywhere {
@@ -488,6 +568,17 @@ impl Drop for EndEverywhere {
             return;
         };
         let query = self.query;
+        if self.lineage {
+            let node = self.node.clone();
+            runtime.spawn(async move {
+                if let Err(error) = node
+                    .write(crate::meta::MetaCommand::LineageEnd { query })
+                    .await
+                {
+                    tracing::warn!(query, %error, "could not drop a query's lineage");
+                }
+            });
+        }
         let calls: Vec<_> = self
             .participants
             .iter()

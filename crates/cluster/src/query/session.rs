@@ -82,11 +82,22 @@ pub async fn prepare(
     let started_at_us = now_us();
     let physical = super::subquery::resolve(node, view, physical, started_at_us, buckets).await?;
     let query = rand::random::<u64>();
+    // Scalar subqueries above ran on their own; a node's death there restarts the query.
+    let lineage = tessera_sql::options::tessera_options(ctx.state().config()).recovery
+        == tessera_sql::options::RecoveryMode::Lineage;
     let not_distributable = |error: DataFusionError| match error {
         DataFusionError::NotImplemented(reason) => Ok(Prepared::InProcess { reason }),
         other => Err(sql_error(other)),
     };
-    let distributed = match distribute(node, query, physical, &view.state, started_at_us, buckets) {
+    let distributed = match distribute(
+        node,
+        query,
+        physical,
+        &view.state,
+        started_at_us,
+        buckets,
+        lineage,
+    ) {
         Ok(plan) => plan,
         Err(error) => return not_distributable(error),
     };
@@ -120,13 +131,14 @@ fn explain_rows(
 }
 
 /// Runs a statement that returns rows. `recoveries` describes the earlier runs of this
-/// statement that a node failure ended (`EXPLAIN ANALYZE` lists them).
+/// statement that a node failure ended (`EXPLAIN ANALYZE` lists them); what lineage
+/// recovery rebuilt during this run is added to it.
 pub async fn run_query(
     node: &Arc<Node>,
     view: &MetaView,
     ctx: &SessionContext,
     plan: LogicalPlan,
-    recoveries: &[String],
+    recoveries: &mut Vec<String>,
 ) -> Result<StatementOutput, ClusterError> {
     let in_process = |reason: &str| {
         tracing::info!(%reason, "running a statement on this node only");
@@ -160,6 +172,7 @@ pub async fn run_query(
                     schema: output,
                 } => {
                     let outcome = execute(node, &distributed, work, output).await?;
+                    recoveries.extend(outcome.recoveries.iter().cloned());
                     let mut text = describe_with_metrics(&distributed, &outcome);
                     // What was recomputed: every earlier run, lost with a node.
                     for recovery in recoveries {
@@ -180,6 +193,7 @@ pub async fn run_query(
                 schema,
             } => {
                 let outcome = execute(node, &distributed, work, schema.clone()).await?;
+                recoveries.extend(outcome.recoveries);
                 Ok(StatementOutput::Rows {
                     schema,
                     batches: outcome.batches,

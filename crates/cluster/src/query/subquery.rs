@@ -84,8 +84,16 @@ async fn run_scalar(
         )));
     }
     let query = rand::random::<u64>();
-    let distributed = distribute(node, query, plan, &view.state, started_at_us, buckets)
-        .map_err(|e| ClusterError::Rejected(e.to_string()))?;
+    let distributed = distribute(
+        node,
+        query,
+        plan,
+        &view.state,
+        started_at_us,
+        buckets,
+        false,
+    )
+    .map_err(|e| ClusterError::Rejected(e.to_string()))?;
     let work = encode(node, &distributed).map_err(|e| ClusterError::Rejected(e.to_string()))?;
     let outcome = execute(node, &distributed, work, schema.clone()).await?;
     let mut value = None;
