@@ -2,10 +2,13 @@
 //! queries while a random peer of the initiating node is SIGKILLed at a random moment of
 //! each, from the first scans to the final aggregation. Every answer must equal plain
 //! DataFusion's: no duplicate, no missing row. Rounds alternate `tessera.recovery =
-//! restart` and `lineage`; one round with `none` must fail naming the dead node.
+//! restart` and `lineage`; one round with `none` must fail naming the dead node. A
+//! lineage round either rebuilds the dead node's channels or, when a rebuilt channel
+//! cannot reproduce what it had sent (its notice says so), restarts the query.
 //!
 //! The default run is short (CI). `TESSERA_QUERY_CHAOS_ROUNDS=200 cargo test --release
-//! --test query_chaos -- --nocapture` runs the long version and prints its counts.
+//! --test query_chaos -- --nocapture` runs the long version and prints its counts;
+//! `TESSERA_QUERY_CHAOS_MODES=lineage` runs one mode only.
 
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
@@ -25,6 +28,26 @@ const SCALE: f64 = 0.1;
 /// Scans with aggregation (1, 6), joins building and probing (3, 5, 9, 10), and large
 /// final aggregations over joins (18).
 const QUERIES: [usize; 7] = [1, 3, 5, 6, 9, 10, 18];
+
+/// The recovery modes the rounds take in turn.
+fn modes() -> Vec<String> {
+    std::env::var("TESSERA_QUERY_CHAOS_MODES")
+        .unwrap_or_else(|_| "restart,lineage".into())
+        .split(',')
+        .map(|m| m.trim().to_string())
+        .collect()
+}
+
+/// How a round's query survived, from its notice.
+fn outcome(notice: &str) -> &'static str {
+    if notice.contains("rebuilt on the surviving nodes") {
+        "rebuilt from lineage"
+    } else if notice.contains("restarted on the surviving nodes") {
+        "restarted"
+    } else {
+        panic!("a recovery notice that says neither how: {notice}")
+    }
+}
 
 fn rounds() -> usize {
     std::env::var("TESSERA_QUERY_CHAOS_ROUNDS")
@@ -112,11 +135,12 @@ async fn queries_answer_exactly_when_a_peer_is_killed_at_random() {
         rejoin(&mut cluster, victim).await;
     }
 
-    let mut recovered = BTreeMap::<(&str, &str), usize>::new();
+    let modes = modes();
+    let mut recovered = BTreeMap::<(&str, &str, &str), usize>::new();
     let mut finished_first = 0;
     for round in 0..rounds() {
         let q = QUERIES[rng.random_range(0..QUERIES.len())];
-        let mode = if round % 2 == 0 { "restart" } else { "lineage" };
+        let mode = modes[round % modes.len()].as_str();
         let initiator = rng.random_range(1..=NODES as u64);
         let victim = loop {
             let v = rng.random_range(1..=NODES as u64);
@@ -153,7 +177,11 @@ async fn queries_answer_exactly_when_a_peer_is_killed_at_random() {
                     notice.contains(&format!("node {victim} died")),
                     "the notice names the dead node: {notice}"
                 );
-                *recovered.entry((mode, phase(fraction))).or_default() += 1;
+                let how = outcome(notice);
+                if mode == "restart" {
+                    assert_eq!(how, "restarted", "restart mode rebuilt: {notice}");
+                }
+                *recovered.entry((mode, how, phase(fraction))).or_default() += 1;
             }
             None => finished_first += 1,
         }
@@ -166,5 +194,21 @@ async fn queries_answer_exactly_when_a_peer_is_killed_at_random() {
     assert!(
         !recovered.is_empty(),
         "no round recovered from a failure: the kills all came too late"
+    );
+    let lineage_rounds: usize = recovered
+        .iter()
+        .filter(|((mode, _, _), _)| *mode == "lineage")
+        .map(|(_, n)| n)
+        .sum();
+    let rebuilt: usize = recovered
+        .iter()
+        .filter(|((_, how, _), _)| *how == "rebuilt from lineage")
+        .map(|(_, n)| n)
+        .sum();
+    // A fallback to restart is allowed (a rebuilt channel that could not reproduce its
+    // output), but lineage recovery must actually work.
+    assert!(
+        lineage_rounds == 0 || rebuilt > 0,
+        "{lineage_rounds} lineage round(s) recovered, none by rebuilding from lineage"
     );
 }

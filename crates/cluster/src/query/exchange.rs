@@ -129,8 +129,8 @@ struct InboxState {
     /// sequence 0) are checked against these digests and dropped.
     resends_expected: bool,
     digests: HashMap<usize, Vec<Option<Digest>>>,
-    /// Set when the reading order is logged: the node's lineage committer, woken when a
-    /// batch is read, and the query's initiator.
+    /// Set when the reading order is logged: the node's lineage committer, woken when
+    /// output waits on it, and the query's initiator.
     lineage: Option<(Arc<Notify>, crate::NodeId)>,
     /// Entries of `consumed` handed to the committer.
     logged: usize,
@@ -286,7 +286,7 @@ impl Inbox {
         self.lock().first_batch_us
     }
 
-    /// Logs this inbox's reading order: `committer` is woken whenever a batch is read.
+    /// Logs this inbox's reading order: `committer` is woken when output waits on it.
     pub fn log_lineage(&self, committer: Arc<Notify>, initiator: crate::NodeId) {
         self.lock().lineage = Some((committer, initiator));
     }
@@ -342,6 +342,14 @@ impl Inbox {
     /// computed from those batches may then be sent (write-ahead lineage).
     pub async fn wait_committed(&self, position: usize) -> Result<(), String> {
         let mut watch = self.committed.subscribe();
+        let behind = matches!(&*watch.borrow(), Ok(at) if *at < position);
+        if behind {
+            // Logged on demand: a round covers whatever every logged inbox here has read,
+            // so a channel that only emits at its end costs one round, not one per batch.
+            if let Some((committer, _)) = &self.lock().lineage {
+                committer.notify_one();
+            }
+        }
         let reached = watch
             .wait_for(|committed| match committed {
                 Ok(at) => *at >= position,
@@ -368,11 +376,7 @@ impl Inbox {
                 }
                 if let Some((batch, sender, seq, kib)) = state.queue.pop_front() {
                     state.consumed.push((sender, seq));
-                    let committer = state.lineage.as_ref().map(|(c, _)| c.clone());
                     drop(state);
-                    if let Some(committer) = committer {
-                        committer.notify_one();
-                    }
                     self.space.add_permits(kib as usize);
                     return Some(Ok(batch));
                 }
@@ -1262,10 +1266,12 @@ impl ChannelWriter {
                         Err(error) if error.is_transport() && self.spec.lineage => {
                             self.node.suspect(node);
                         }
-                        Err(error) => return Err(exec_error(format!(
+                        Err(error) => {
+                            return Err(exec_error(format!(
                             "node {node} did not acknowledge exchange {} from channel {}: {error}",
                             self.spec.exchange, self.channel
-                        ))),
+                        )))
+                        }
                     }
                 }
             }
@@ -1480,6 +1486,59 @@ mod tests {
         inbox.finish(0);
         let late = inbox.push(0, 1, batch(1), None).await.unwrap_err();
         assert!(late.contains("after its end of stream"), "{late}");
+    }
+
+    #[tokio::test]
+    async fn re_sent_batches_are_dropped_if_identical_and_refused_if_not() {
+        let inbox = Inbox::new(key(0), 2);
+        inbox.expect_resends();
+        inbox.push(0, 0, batch(3), Some([1; 16])).await.unwrap();
+        inbox.push(0, 1, batch(4), Some([2; 16])).await.unwrap();
+        inbox.finish(0);
+        // Sender 0's rebuilt channel sends again from its first batch, after its end.
+        inbox.push(0, 0, batch(3), Some([1; 16])).await.unwrap();
+        let differs = inbox.push(0, 1, batch(4), Some([9; 16])).await.unwrap_err();
+        assert!(differs.contains("re-sent batch 1 different"), "{differs}");
+        inbox.push(1, 0, batch(5), Some([3; 16])).await.unwrap();
+        inbox.finish(1);
+        let mut rows = Vec::new();
+        while let Some(batch) = inbox.next().await {
+            rows.push(batch.unwrap().num_rows());
+        }
+        assert_eq!(rows, vec![3, 4, 5], "each batch is read once");
+    }
+
+    #[tokio::test]
+    async fn output_waits_until_the_reading_order_is_committed() {
+        let inbox = Arc::new(Inbox::new(key(0), 2));
+        inbox.push(0, 0, batch(1), None).await.unwrap();
+        inbox.push(1, 0, batch(1), None).await.unwrap();
+        inbox.push(0, 1, batch(1), None).await.unwrap();
+        inbox.log_lineage(Arc::new(Notify::new()), 1);
+        for _ in 0..3 {
+            inbox.next().await.unwrap().unwrap();
+        }
+        let waiting = {
+            let inbox = inbox.clone();
+            tokio::spawn(async move { inbox.wait_committed(3).await })
+        };
+        let (from, runs, initiator) = inbox.take_unlogged().unwrap();
+        assert_eq!(
+            (from, runs, initiator),
+            (0, vec![(0, 1), (1, 1), (0, 1)], 1)
+        );
+        assert!(inbox.take_unlogged().is_none(), "handed over once");
+        inbox.committed_up_to(2);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !waiting.is_finished(),
+            "output went out before its lineage was logged"
+        );
+        inbox.committed_up_to(3);
+        waiting.await.unwrap().unwrap();
+        inbox.commit_failed("no leader".into());
+        let failed = inbox.wait_committed(4).await.unwrap_err();
+        assert!(failed.contains("no leader"), "{failed}");
     }
 
     #[tokio::test]
