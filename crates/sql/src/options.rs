@@ -19,10 +19,10 @@ pub enum RecoveryMode {
     /// Fail with an error naming the dead node.
     None,
     /// Cancel everywhere and run again on the survivors with a fresh partition map.
-    #[default]
     Restart,
-    /// Rebuild only the dead node's channels from logged lineage and upstream backups.
-    /// Not built yet: a query in this mode restarts, and its notice says so.
+    /// Rebuild only the dead node's channels on the survivors, from write-ahead lineage
+    /// and the producers' upstream backups; restart if that cannot go on.
+    #[default]
     Lineage,
 }
 
@@ -64,7 +64,7 @@ pub struct TesseraOptions {
 
 const RECOVERY_KEY: &str = "recovery";
 const RECOVERY_DOC: &str =
-    "what a query does when a node dies under it: none (fail) or restart (the default); lineage is accepted and restarts until lineage replay is built";
+    "what a query does when a node dies under it: none (fail), restart (run again on the survivors) or lineage (the default: rebuild only the dead node's work from write-ahead lineage)";
 
 impl ConfigExtension for TesseraOptions {
     const PREFIX: &'static str = "tessera";

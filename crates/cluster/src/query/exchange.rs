@@ -978,6 +978,8 @@ struct Ready {
 /// The sending side's state while a channel runs.
 struct Outbox {
     links: BTreeMap<NodeId, Link>,
+    /// Destinations given up because their stream broke (lineage recovery).
+    lost: BTreeSet<NodeId>,
     seqs: HashMap<usize, u64>,
     spool: Option<Arc<Spool>>,
     report: ChannelReport,
@@ -1111,6 +1113,7 @@ impl ChannelWriter {
         };
         let mut outbox = Outbox {
             links: self.open_links()?,
+            lost: BTreeSet::new(),
             seqs: HashMap::new(),
             spool: spool.clone(),
             report,
@@ -1233,6 +1236,7 @@ impl ChannelWriter {
                     "exchange stream to a node broke; its batches stay spooled for its rebuilt consumers"
                 );
                 self.node.suspect(dest);
+                outbox.lost.insert(dest);
                 Ok(())
             }
             Err(error) => Err(exec_error(format!(
@@ -1247,7 +1251,23 @@ impl ChannelWriter {
 
     /// End of stream: local inboxes at once; remote nodes when their streams end, each
     /// answering only once it has put every batch in its inboxes (the acknowledgement).
+    /// Then every destination given up must be confirmed dead.
     async fn end_streams(&self, outbox: &mut Outbox) -> DfResult<()> {
+        self.end_links(outbox).await?;
+        // A stream given up must be a dead node's, whose consumers the initiator rebuilds;
+        // a live node's consumers would wait for ever on what it did not get.
+        for &dest in &outbox.lost {
+            if !self.node.confirm_failed(dest).await {
+                return Err(exec_error(format!(
+                    "the exchange {} stream from channel {} to node {dest} broke, but node {dest} is alive",
+                    self.spec.exchange, self.channel
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    async fn end_links(&self, outbox: &mut Outbox) -> DfResult<()> {
         let dests: Vec<NodeId> = outbox.links.keys().copied().collect();
         for dest in dests {
             match outbox.links.remove(&dest).expect("listed above") {
@@ -1264,7 +1284,7 @@ impl ChannelWriter {
                     match acknowledged {
                         Ok(_) => {}
                         Err(error) if error.is_transport() && self.spec.lineage => {
-                            self.node.suspect(node);
+                            outbox.lost.insert(node);
                         }
                         Err(error) => {
                             return Err(exec_error(format!(

@@ -23,8 +23,10 @@
 //!
 //! Channels are deterministic given their inputs: a channel's input order is the
 //! producers' sequence numbers per sender, and its outputs are numbered per destination
-//! bucket, so a channel can be re-run and its re-sent outputs recognised (the hook
-//! lineage recovery builds on).
+//! bucket, so a channel can be re-run and its re-sent outputs recognised. Lineage
+//! recovery ([`lineage`], [`spool`], [`recovery`]) builds on that: it logs the order
+//! inputs were read in, backs up what producers send, and rebuilds only a dead node's
+//! channels.
 
 pub mod codec;
 pub mod exchange;

@@ -3,9 +3,10 @@
 //! - A hash or round-robin `RepartitionExec` becomes an exchange: the subtree below is a
 //!   producer stage, and the repartition is replaced by an [`ExchangeReadExec`] with as
 //!   many buckets as the repartition had output partitions.
-//! - A `CoalescePartitionsExec` or `SortPreservingMergeExec` over several partitions
-//!   stays, and reads its input through a gather exchange: bucket `k` is producer channel
-//!   `k`'s output, so a merge still sees each input sorted.
+//! - A `SortPreservingMergeExec` over several partitions stays, and reads its input
+//!   through a gather exchange: bucket `k` is producer channel `k`'s output, so a merge
+//!   still sees each input sorted. A `CoalescePartitionsExec` reads through a collect
+//!   exchange: one bucket every producer feeds, whose reading order lineage can log.
 //! - The top of the plan becomes stage 0, one channel on the initiator, which gathers the
 //!   answer into the query's result exchange (exchange 0).
 //!
