@@ -70,6 +70,14 @@ pub struct ClusterBackend {
     notices: Mutex<Vec<String>>,
 }
 
+/// `text` cut to at most `limit` characters, marked when cut.
+fn clipped(text: &str, limit: usize) -> String {
+    match text.char_indices().nth(limit) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_string(),
+    }
+}
+
 /// How many node failures one query may restart after before it gives up.
 const MAX_RESTARTS: usize = 3;
 
@@ -173,10 +181,11 @@ impl Backend for ClusterBackend {
                     // would have given.
                     self.view.pin(self.node.catch_up_with_leader().await);
                     let how = match mode {
-                        RecoveryMode::Lineage => {
-                            "tessera.recovery = lineage, whose recovery could not go on"
-                        }
-                        _ => "tessera.recovery = restart",
+                        RecoveryMode::Lineage => format!(
+                            "tessera.recovery = lineage, whose rebuilding could not go on: {}",
+                            clipped(&detail, 300)
+                        ),
+                        _ => "tessera.recovery = restart".to_string(),
                     };
                     recoveries.push(format!(
                         "node {lost} died during query {query:x}; the query was restarted on the surviving nodes ({how}; restart {restarts}), recomputing every stage"

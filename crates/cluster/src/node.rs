@@ -51,6 +51,9 @@ pub struct Node {
     failed_since: Mutex<HashMap<NodeId, Instant>>,
     /// Nodes another node reported a dropped connection to; probed at once.
     suspects: Mutex<BTreeSet<NodeId>>,
+    /// Woken when a node becomes suspect: a follower passes it on at once, and the leader
+    /// probes it at once, rather than on their next ticks.
+    suspected: tokio::sync::Notify,
     checkpointing: AtomicBool,
     rebalancing: AtomicBool,
     /// The components last announced to standbys, per (table, partition) this node leads.
@@ -240,6 +243,7 @@ impl Node {
             last_seen: Mutex::new(HashMap::new()),
             failed_since: Mutex::new(HashMap::new()),
             suspects: Mutex::new(BTreeSet::new()),
+            suspected: tokio::sync::Notify::new(),
             checkpointing: AtomicBool::new(false),
             rebalancing: AtomicBool::new(false),
             shipped: Mutex::new(HashMap::new()),
@@ -507,13 +511,17 @@ impl Node {
     /// Reports a dropped connection to `node`: the leader checks it at once.
     pub fn suspect(&self, node: NodeId) {
         self.suspects.lock().expect("suspects lock").insert(node);
+        self.suspected.notify_waiters();
     }
 
     async fn heartbeat_loop(self: Arc<Self>) {
         let mut ticker = tokio::time::interval(self.config.heartbeat());
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            ticker.tick().await;
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = self.suspected.notified() => {}
+            }
             let heartbeat = Heartbeat { node_id: self.id() };
             match self.leader() {
                 Some(leader) if leader == self.id() => self.heard_from(&heartbeat),
@@ -545,7 +553,10 @@ impl Node {
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut was_leader = false;
         loop {
-            ticker.tick().await;
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = self.suspected.notified() => {}
+            }
             let leading = self.is_leader();
             if leading && !was_leader {
                 // A new leader has heard from nobody yet. It checks every node at once (the

@@ -1066,7 +1066,10 @@ impl ChannelWriter {
     /// Where each logged inbox this channel reads stands now: output computed so far
     /// depends on no more than that.
     fn reading_positions(&self) -> Vec<(Arc<Inbox>, usize)> {
-        if !self.spec.lineage || self.spec.rebuilt {
+        // Stage 0 runs on the initiator, whose death ends the query: it is never rebuilt,
+        // so its output need not wait for its lineage. Nor a rebuilt channel's, which
+        // logs none (a second failure restarts the query).
+        if !self.spec.lineage || self.spec.rebuilt || self.spec.exchange == 0 {
             return Vec::new();
         }
         self.reads
@@ -1374,7 +1377,7 @@ impl ChannelWriter {
 }
 
 /// A stream over a tokio channel's receiver.
-fn tokio_stream_from<T: Send + 'static>(
+pub(crate) fn tokio_stream_from<T: Send + 'static>(
     rx: tokio::sync::mpsc::Receiver<T>,
 ) -> impl futures::Stream<Item = T> + Send + 'static {
     futures::stream::unfold(rx, |mut rx| async move {

@@ -11,7 +11,7 @@
 //! inboxes and queries. Logging as batches are read instead (not only when output needs
 //! it) cost four times the Raft writes and about a quarter of the query time.
 
-use super::exchange::{ExchangeMode, ReadSpec, Replay};
+use super::exchange::{tokio_stream_from, ExchangeMode, ReadSpec, Replay};
 use crate::meta::{LineageEntry, MetaCommand};
 use crate::node::Node;
 use crate::rpc::GetRequest;
@@ -172,7 +172,7 @@ pub fn replay_bucket(
         let mut rest = futures::stream::select_all(
             feeds
                 .into_values()
-                .map(|feed| Box::pin(receiver_stream(feed))),
+                .map(|feed| Box::pin(tokio_stream_from(feed))),
         );
         while let Some(next) = rest.next().await {
             let failed = next.is_err();
@@ -182,17 +182,9 @@ pub fn replay_bucket(
         }
     });
     node.queries.track(spec.query, deliver.abort_handle());
-    Box::pin(RecordBatchStreamAdapter::new(schema, receiver_stream(rx)))
+    Box::pin(RecordBatchStreamAdapter::new(schema, tokio_stream_from(rx)))
 }
 
 fn replay_error(message: String) -> DataFusionError {
     DataFusionError::Execution(format!("lineage replay: {message}"))
-}
-
-fn receiver_stream<T: Send + 'static>(
-    rx: mpsc::Receiver<T>,
-) -> impl futures::Stream<Item = T> + Send + 'static {
-    futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|item| (item, rx))
-    })
 }

@@ -227,7 +227,7 @@ enum Event {
 impl Event {
     /// The event for a `RunStages` call to `at` that ended in `error`. A broken
     /// connection makes `at` suspect at once: the metadata leader hears of it with this
-    /// node's next heartbeat and probes it.
+    /// node's heartbeat, sent at once, and probes it at once.
     fn broken(node: &Node, at: NodeId, error: crate::rpc::CallError) -> Event {
         if error.is_transport() {
             node.suspect(at);
