@@ -563,11 +563,6 @@ impl QueryRegistry {
     pub fn open_inboxes(&self) -> usize {
         self.inboxes.lock().expect("inboxes lock").len()
     }
-
-    /// Spools held now (for tests and status).
-    pub fn open_spools(&self) -> usize {
-        self.spools.lock().expect("spools lock").len()
-    }
 }
 
 impl std::fmt::Debug for QueryRegistry {
@@ -640,11 +635,6 @@ impl ExchangeReadExec {
             exchange: self.spec.exchange,
             bucket,
         }
-    }
-
-    /// The schema of the rows read.
-    pub fn read_schema(&self) -> SchemaRef {
-        self.schema.clone()
     }
 
     /// The same reader, rebuilt to replay its input from spools.
@@ -1618,6 +1608,31 @@ mod tests {
         inbox.fail("node 3 went away".into());
         let error = inbox.next().await.unwrap().unwrap_err();
         assert_eq!(error, "node 3 went away");
+    }
+
+    #[test]
+    fn ending_a_query_deletes_its_spools() {
+        let dir = tempfile::tempdir().unwrap();
+        let registry = QueryRegistry::default();
+        registry.set_spool_dir(dir.path().to_path_buf());
+        let spool = registry.spool((7, 1, 0)).unwrap();
+        spool.start(FlightData::default()).unwrap();
+        spool
+            .append(BatchTag { bucket: 0, seq: 0 }, &[FlightData::default()])
+            .unwrap();
+        let other = registry.spool((8, 1, 0)).unwrap();
+        other.start(FlightData::default()).unwrap();
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+        registry.end_query(7);
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "only the other query's spool is left"
+        );
+        assert!(
+            registry.spool((7, 1, 0)).is_none(),
+            "an ended query spools nothing"
+        );
     }
 
     #[test]
