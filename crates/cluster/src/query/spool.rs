@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 
 /// One producer channel's spooled batches: `(query, exchange, channel)`.
@@ -31,7 +31,8 @@ pub struct Spool {
 
 #[derive(Default)]
 struct SpoolState {
-    file: Option<std::fs::File>,
+    /// Shared so followers read without holding the lock appends take.
+    file: Option<Arc<std::fs::File>>,
     written: u64,
     /// The schema message, once the producer has started.
     schema: Option<FlightData>,
@@ -78,7 +79,7 @@ impl Spool {
                 .create(true)
                 .truncate(true)
                 .open(&self.path)?;
-            state.file = Some(file);
+            state.file = Some(Arc::new(file));
         }
         state.schema = Some(schema);
         drop(state);
@@ -104,10 +105,11 @@ impl Spool {
             return Ok(());
         }
         let offset = state.written;
-        let file = state.file.as_mut().ok_or_else(|| {
+        let file = state.file.as_deref().ok_or_else(|| {
             std::io::Error::other("a spool was written before its producer started")
         })?;
         // Page cache only: the spool must outlive a consumer's node, not this one's.
+        let mut file: &std::fs::File = file;
         file.write_all(&record)?;
         state.written += record.len() as u64;
         state
@@ -148,24 +150,31 @@ impl Spool {
     pub async fn next(&self, bucket: usize, seq: u64) -> Result<Next, String> {
         loop {
             let grew = self.grew.notified();
-            {
+            let found = {
                 let state = self.lock();
                 if state.dropped {
                     return Err("the query ended".into());
                 }
-                if let Some(&(offset, length)) = state.index.get(&(bucket, seq)) {
-                    let file = state.file.as_ref().expect("an indexed spool has a file");
-                    let mut record = vec![0u8; length as usize];
-                    file.read_exact_at(&mut record, offset)
-                        .map_err(|e| format!("reading spool {}: {e}", self.path.display()))?;
-                    return decode_record(Bytes::from(record)).map(Next::Batch);
+                match state.index.get(&(bucket, seq)) {
+                    Some(&(offset, length)) => Some((
+                        state.file.clone().expect("an indexed spool has a file"),
+                        offset,
+                        length,
+                    )),
+                    None if state.finished => {
+                        return match &state.failed {
+                            Some(reason) => Err(format!("the producer failed: {reason}")),
+                            None => Ok(Next::End),
+                        };
+                    }
+                    None => None,
                 }
-                if state.finished {
-                    return match &state.failed {
-                        Some(reason) => Err(format!("the producer failed: {reason}")),
-                        None => Ok(Next::End),
-                    };
-                }
+            };
+            if let Some((file, offset, length)) = found {
+                let mut record = vec![0u8; length as usize];
+                file.read_exact_at(&mut record, offset)
+                    .map_err(|e| format!("reading spool {}: {e}", self.path.display()))?;
+                return decode_record(Bytes::from(record)).map(Next::Batch);
             }
             grew.await;
         }
