@@ -931,6 +931,18 @@ async fn tpch_answers_stay_exact_through_failover_and_delta_failback() {
         2 * live_rows,
         "node 3 holds each orders row's two versions (both epochs) exactly once"
     );
+    // And it got there by delta: it fetched only the missed epoch's versions (one per live
+    // orders row it holds), not its partitions whole (both epochs, and every other table).
+    let transfers = status.transfers;
+    assert_eq!(
+        transfers.whole_copies, 0,
+        "a returning replica copies nothing whole: {transfers:?}"
+    );
+    assert!(transfers.delta_copies > 0, "{transfers:?}");
+    assert_eq!(
+        transfers.delta_versions, live_rows,
+        "node 3 fetched exactly the versions of the epoch it missed: {transfers:?}"
+    );
 }
 
 /// Rows node `id` holds of `kv`, and how many of them are in its log only.

@@ -4,7 +4,9 @@
 //! DataFusion's: no duplicate, no missing row. Rounds alternate `tessera.recovery =
 //! restart` and `lineage`; one round with `none` must fail naming the dead node. A
 //! lineage round either rebuilds the dead node's channels or, when a rebuilt channel
-//! cannot reproduce what it had sent (its notice says so), restarts the query.
+//! cannot reproduce what it had sent (its notice says so), restarts the query; but the
+//! default mode under EXPLAIN ANALYZE must rebuild, and at least one rebuilt round must
+//! replay logged input batches (lineage rounds are added until one does, up to a limit).
 //!
 //! The default run is short (CI). `TESSERA_QUERY_CHAOS_ROUNDS=200 cargo test --release
 //! --test query_chaos -- --nocapture` runs the long version and prints its counts;
@@ -14,6 +16,7 @@ use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
+use tessera_cluster::query::RecoveryOutcome;
 use tessera_cluster::ClusterClient;
 use tessera_testkit::LocalCluster;
 
@@ -38,16 +41,17 @@ fn modes() -> Vec<String> {
         .collect()
 }
 
-/// How a round's query survived, from its notice.
-fn outcome(notice: &str) -> &'static str {
-    if notice.contains("rebuilt on the surviving nodes") {
-        "rebuilt from lineage"
-    } else if notice.contains("restarted on the surviving nodes") {
-        "restarted"
-    } else {
-        panic!("a recovery notice that says neither how: {notice}")
+/// How a round's query survived, from its notice's typed outcome.
+fn outcome(recovery: &RecoveryOutcome) -> &'static str {
+    match recovery {
+        RecoveryOutcome::Rebuilt { .. } => "rebuilt from lineage",
+        RecoveryOutcome::Restarted { .. } => "restarted",
     }
 }
+
+/// Lineage rounds run after the drawn ones, at most, until one has replayed logged input
+/// batches (a kill that lands before any inbox logged its reading order replays none).
+const EXTRA_LINEAGE_ROUNDS: usize = 12;
 
 fn rounds() -> usize {
     std::env::var("TESSERA_QUERY_CHAOS_ROUNDS")
@@ -135,46 +139,65 @@ async fn queries_answer_exactly_when_a_peer_is_killed_at_random() {
         rejoin(&mut cluster, victim).await;
     }
 
-    // The default recovery, under EXPLAIN ANALYZE: its plan ends with what was recomputed.
-    // A kill that lands after the answer is retried, a few times.
+    // The default recovery (lineage), under EXPLAIN ANALYZE: its plan ends with what was
+    // recomputed, and that must be a rebuild of the dead node's channels, not a restart. A
+    // kill that lands after the answer is retried, a few times.
     let mut explained = None;
     for attempt in 0..5u64 {
         let (initiator, victim) = (1, 2 + attempt % 3);
         let sql = format!("EXPLAIN ANALYZE {}", tessera_tpch::query(9));
         let client = ClusterClient::new(cluster.addr(initiator));
-        let query = tokio::spawn(async move { client.query(&sql).await });
+        let query = tokio::spawn(async move { client.query_with_notices(&sql).await });
         tokio::time::sleep(no_failure[&9] * 2 / 5).await;
         cluster.kill9(victim);
-        let batches = query.await.unwrap().unwrap();
+        let (batches, notices) = query.await.unwrap().unwrap();
         rejoin(&mut cluster, victim).await;
         let text = arrow::util::pretty::pretty_format_batches(&batches)
             .unwrap()
             .to_string();
-        if let Some(line) = text.lines().find(|l| l.contains("Recovery:")) {
-            assert!(
-                line.contains(&format!("node {victim} died")),
-                "the recovery line names the dead node: {line}"
-            );
-            explained = Some(line.to_string());
-            break;
+        let line = text.lines().find(|l| l.contains("Recovery:"));
+        let recovery = notices.iter().find_map(|n| n.recovery.clone());
+        match (line, recovery) {
+            (None, None) => continue,
+            (Some(line), Some(recovery)) => {
+                assert_eq!(recovery.dead(), victim, "the recovery names the dead node");
+                assert!(
+                    line.contains(&format!("node {victim} died")),
+                    "the recovery line names the dead node: {line}"
+                );
+                explained = Some((line.to_string(), recovery));
+                break;
+            }
+            (line, recovery) => panic!(
+                "EXPLAIN ANALYZE's recovery line ({line:?}) and the typed notice ({recovery:?}) disagree"
+            ),
         }
     }
-    let explained = explained.expect("EXPLAIN ANALYZE never recovered from a kill in 5 tries");
+    let (line, recovery) =
+        explained.expect("EXPLAIN ANALYZE never recovered from a kill in 5 tries");
     assert!(
-        explained.contains("rebuilt on the surviving nodes")
-            || explained.contains("restarted on the surviving nodes"),
-        "{explained}"
+        matches!(recovery, RecoveryOutcome::Rebuilt { .. }),
+        "the default recovery must rebuild the dead node's channels, not restart: {recovery}"
     );
-    println!("EXPLAIN ANALYZE under the default recovery: {explained}");
+    assert!(line.contains("rebuilt on the surviving nodes"), "{line}");
+    println!("EXPLAIN ANALYZE under the default recovery: {line}");
 
     let modes = modes();
     let mut recovered = BTreeMap::<(&str, &str, &str), usize>::new();
     let mut finished_first = 0;
     // Rebuilt rounds whose dead node had logged lineage, and the batches replayed by it.
     let (mut replaying_rounds, mut replayed) = (0, 0u64);
-    for round in 0..rounds() {
+    let lineage_tested = modes.iter().any(|m| m == "lineage");
+    let mut round = 0;
+    while round < rounds()
+        || (lineage_tested && replaying_rounds == 0 && round < rounds() + EXTRA_LINEAGE_ROUNDS)
+    {
         let q = QUERIES[rng.random_range(0..QUERIES.len())];
-        let mode = modes[round % modes.len()].as_str();
+        let mode = if round < rounds() {
+            modes[round % modes.len()].as_str()
+        } else {
+            "lineage"
+        };
         let initiator = rng.random_range(1..=NODES as u64);
         let victim = loop {
             let v = rng.random_range(1..=NODES as u64);
@@ -198,42 +221,38 @@ async fn queries_answer_exactly_when_a_peer_is_killed_at_random() {
         if let Err(diff) = tessera_tpch::compare::same_answer(&expected[&q], &actual, 1e-9) {
             panic!("round {round}: Q{q} ({mode}) from node {initiator}, node {victim} killed at {delay:?}: wrong answer: {diff}");
         }
-        let recovery = notices.iter().find(|n| n.contains("died during query"));
+        let recovery = notices.iter().find_map(|n| n.recovery.as_ref());
         println!(
             "round {round}: Q{q} {mode} from node {initiator}, node {victim} killed at {:.0}% ({}): {}",
             fraction * 100.0,
             phase(fraction),
-            recovery.map_or("answered before the kill was noticed", |n| n.as_str())
+            recovery.map_or("answered before the kill was noticed".to_string(), |r| r.to_string())
         );
         match recovery {
-            Some(notice) => {
-                assert!(
-                    notice.contains(&format!("node {victim} died")),
-                    "the notice names the dead node: {notice}"
-                );
-                let how = outcome(notice);
-                if let Some(batches) = notice
-                    .split("replaying ")
-                    .nth(1)
-                    .and_then(|rest| rest.split(' ').next())
-                    .and_then(|n| n.parse::<u64>().ok())
-                    .filter(|&n| n > 0)
+            Some(recovery) => {
+                assert_eq!(recovery.dead(), victim, "the notice names the dead node: {recovery}");
+                let how = outcome(recovery);
+                if let RecoveryOutcome::Rebuilt {
+                    replayed_batches, ..
+                } = recovery
                 {
-                    replaying_rounds += 1;
-                    replayed += batches;
+                    if *replayed_batches > 0 {
+                        replaying_rounds += 1;
+                        replayed += replayed_batches;
+                    }
                 }
                 if mode == "restart" {
-                    assert_eq!(how, "restarted", "restart mode rebuilt: {notice}");
+                    assert_eq!(how, "restarted", "restart mode rebuilt: {recovery}");
                 }
                 *recovered.entry((mode, how, phase(fraction))).or_default() += 1;
             }
             None => finished_first += 1,
         }
         rejoin(&mut cluster, victim).await;
+        round += 1;
     }
     println!(
-        "query chaos: {} rounds, every answer exact; recovered by mode and phase: {recovered:?}; {finished_first} finished before the kill was noticed; {replaying_rounds} rebuilt round(s) replayed {replayed} logged batch(es)",
-        rounds()
+        "query chaos: {round} rounds, every answer exact; recovered by mode and phase: {recovered:?}; {finished_first} finished before the kill was noticed; {replaying_rounds} rebuilt round(s) replayed {replayed} logged batch(es)"
     );
     assert!(
         !recovered.is_empty(),
@@ -254,5 +273,10 @@ async fn queries_answer_exactly_when_a_peer_is_killed_at_random() {
     assert!(
         lineage_rounds == 0 || rebuilt > 0,
         "{lineage_rounds} lineage round(s) recovered, none by rebuilding from lineage"
+    );
+    // Rebuilding must replay logged input in its logged order, not only rerun scans.
+    assert!(
+        !lineage_tested || replaying_rounds > 0,
+        "no rebuilt round replayed a logged input batch in {round} rounds"
     );
 }

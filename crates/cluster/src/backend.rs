@@ -5,6 +5,7 @@
 use crate::error::ClusterError;
 use crate::meta::{MetaState, MetaView};
 use crate::node::Node;
+use crate::query::RecoveryOutcome;
 use crate::query::scan::{DistributedScanExec, ScanSpec, TableStatistics};
 use crate::rpc::ScanRequest;
 use crate::NodeId;
@@ -67,15 +68,8 @@ impl StatementView {
 pub struct ClusterBackend {
     node: Arc<Node>,
     view: StatementView,
-    notices: Mutex<Vec<String>>,
-}
-
-/// `text` cut to at most `limit` characters, marked when cut.
-fn clipped(text: &str, limit: usize) -> String {
-    match text.char_indices().nth(limit) {
-        Some((at, _)) => format!("{}…", &text[..at]),
-        None => text.to_string(),
-    }
+    /// How this backend's statements survived node failures, until taken.
+    recoveries: Mutex<Vec<RecoveryOutcome>>,
 }
 
 /// How many node failures one query may restart after before it gives up.
@@ -88,13 +82,18 @@ impl ClusterBackend {
                 node: node.clone(),
                 pinned: Arc::default(),
             },
-            notices: Mutex::default(),
+            recoveries: Mutex::default(),
             node,
         }
     }
 
     fn view(&self) -> Arc<MetaView> {
         self.view.get()
+    }
+
+    /// How the statements run so far survived node failures (each is also a notice).
+    pub fn take_recoveries(&self) -> Vec<RecoveryOutcome> {
+        std::mem::take(&mut *self.recoveries.lock().expect("recoveries lock"))
     }
 }
 
@@ -151,7 +150,7 @@ impl Backend for ClusterBackend {
         use tessera_sql::options::RecoveryMode;
         let mode = tessera_sql::options::tessera_options(ctx.state().config()).recovery;
         let mut restarts = 0;
-        let mut recoveries: Vec<String> = Vec::new();
+        let mut recoveries: Vec<RecoveryOutcome> = Vec::new();
         loop {
             let view = self.view();
             let run = crate::query::session::run_query(
@@ -163,9 +162,9 @@ impl Backend for ClusterBackend {
             );
             match run.await {
                 Ok(output) => {
-                    self.notices
+                    self.recoveries
                         .lock()
-                        .expect("notices lock")
+                        .expect("recoveries lock")
                         .extend(recoveries);
                     return Ok(output);
                 }
@@ -180,16 +179,12 @@ impl Backend for ClusterBackend {
                     // epoch they were resolved at, so the answer is the one the first run
                     // would have given.
                     self.view.pin(self.node.catch_up_with_leader().await);
-                    let how = match mode {
-                        RecoveryMode::Lineage => format!(
-                            "tessera.recovery = lineage, whose rebuilding could not go on: {}",
-                            clipped(&detail, 300)
-                        ),
-                        _ => "tessera.recovery = restart".to_string(),
-                    };
-                    recoveries.push(format!(
-                        "node {lost} died during query {query:x}; the query was restarted on the surviving nodes ({how}; restart {restarts}), recomputing every stage"
-                    ));
+                    recoveries.push(RecoveryOutcome::Restarted {
+                        dead: lost,
+                        query,
+                        restart: restarts,
+                        lineage_gave_up: (mode == RecoveryMode::Lineage).then_some(detail),
+                    });
                 }
                 Err(ClusterError::NodeLost {
                     node,
@@ -214,7 +209,10 @@ impl Backend for ClusterBackend {
     }
 
     fn take_notices(&self) -> Vec<String> {
-        std::mem::take(&mut *self.notices.lock().expect("notices lock"))
+        self.take_recoveries()
+            .iter()
+            .map(RecoveryOutcome::to_string)
+            .collect()
     }
 
     async fn read_partitions(

@@ -13,6 +13,14 @@ use std::time::Duration;
 use tessera_common::{Epoch, PartitionId};
 use tessera_sql::StatementOutput;
 
+/// Something a node told the client beside a statement's output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Notice {
+    pub message: String,
+    /// How a query survived a node's death, when that is what the notice is about.
+    pub recovery: Option<crate::query::RecoveryOutcome>,
+}
+
 pub struct ClusterClient {
     addr: String,
     clients: Clients,
@@ -53,7 +61,7 @@ impl ClusterClient {
 
     /// As [`ClusterClient::sql`], with the notices the node raised (such as a query that
     /// recovered from a node failure).
-    pub async fn sql_with_notices(&self, sql: &str) -> Result<(Vec<StatementOutput>, Vec<String>)> {
+    pub async fn sql_with_notices(&self, sql: &str) -> Result<(Vec<StatementOutput>, Vec<Notice>)> {
         let reply: std::result::Result<
             std::result::Result<Vec<SqlOutput>, crate::rpc::Refusal>,
             CallError,
@@ -69,8 +77,8 @@ impl ClusterClient {
         let mut results = Vec::new();
         for output in outputs {
             results.push(match output {
-                SqlOutput::Notice { message } => {
-                    notices.push(message);
+                SqlOutput::Notice { message, recovery } => {
+                    notices.push(Notice { message, recovery });
                     continue;
                 }
                 SqlOutput::Done { tag, epoch } => StatementOutput::Done { tag, epoch },
@@ -92,7 +100,7 @@ impl ClusterClient {
     }
 
     /// Runs SQL whose last statement returns rows; also returns the node's notices.
-    pub async fn query_with_notices(&self, sql: &str) -> Result<(Vec<RecordBatch>, Vec<String>)> {
+    pub async fn query_with_notices(&self, sql: &str) -> Result<(Vec<RecordBatch>, Vec<Notice>)> {
         let (mut outputs, notices) = self.sql_with_notices(sql).await?;
         match outputs.pop() {
             Some(StatementOutput::Rows { batches, .. }) => Ok((batches, notices)),

@@ -30,7 +30,7 @@ pub mod shipping;
 pub type NodeId = u64;
 
 pub use backend::ClusterBackend;
-pub use client::ClusterClient;
+pub use client::{ClusterClient, Notice};
 pub use config::{NodeConfig, Peer};
 pub use error::{ClusterError, Result};
 pub use node::Node;

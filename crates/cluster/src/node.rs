@@ -62,6 +62,8 @@ pub struct Node {
     protocol: u32,
     /// This process's incarnation: epochs it opens are tagged with it.
     incarnation: u64,
+    /// What this node copied from others as a new or returning replica.
+    pub transfers: crate::rebalance::TransferCounters,
 }
 
 impl std::fmt::Debug for Node {
@@ -249,6 +251,7 @@ impl Node {
             shipped: Mutex::new(HashMap::new()),
             protocol,
             incarnation,
+            transfers: Default::default(),
         });
         node.queries
             .set_spool_dir(node.config.data_dir.join("spool"));

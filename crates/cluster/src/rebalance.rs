@@ -21,10 +21,56 @@ use crate::rpc::{
 use crate::NodeId;
 use futures::TryStreamExt;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::{ComponentHash, Epoch, PartitionId};
 use tessera_storage::ComponentMeta;
+
+/// What this node fetched to become or return as a replica, since it started: `tessera
+/// status` shows it, and tests tell a delta failback from a whole copy by it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct TransferCounts {
+    /// Partitions (of one table each) copied whole, as a new replica.
+    pub whole_copies: u64,
+    /// Rows those copies installed: the source's components and in-memory versions.
+    pub whole_rows: u64,
+    /// Partitions (of one table each) refreshed by delta, as a returning replica.
+    pub delta_copies: u64,
+    /// Row versions those deltas fetched: only the epochs the replica missed.
+    pub delta_versions: u64,
+}
+
+/// The running counters behind [`TransferCounts`].
+#[derive(Debug, Default)]
+pub struct TransferCounters {
+    whole_copies: AtomicU64,
+    whole_rows: AtomicU64,
+    delta_copies: AtomicU64,
+    delta_versions: AtomicU64,
+}
+
+impl TransferCounters {
+    pub fn counts(&self) -> TransferCounts {
+        TransferCounts {
+            whole_copies: self.whole_copies.load(Ordering::Relaxed),
+            whole_rows: self.whole_rows.load(Ordering::Relaxed),
+            delta_copies: self.delta_copies.load(Ordering::Relaxed),
+            delta_versions: self.delta_versions.load(Ordering::Relaxed),
+        }
+    }
+
+    fn whole(&self, rows: u64) {
+        self.whole_copies.fetch_add(1, Ordering::Relaxed);
+        self.whole_rows.fetch_add(rows, Ordering::Relaxed);
+    }
+
+    fn delta(&self, versions: u64) {
+        self.delta_copies.fetch_add(1, Ordering::Relaxed);
+        self.delta_versions.fetch_add(versions, Ordering::Relaxed);
+    }
+}
 
 /// The members that should hold partitions: every node that is not leaving, retired, or
 /// `lost` (failed for so long that its replicas are rebuilt elsewhere).
@@ -254,6 +300,8 @@ async fn copy_whole(
     let fetched = fetch_missing_components(node, &addr, &components)
         .await
         .map_err(|e| copy_error(moved.source, e))?;
+    let rows = components.iter().map(|c| c.rows).sum::<u64>()
+        + memtable.iter().map(|b| b.num_rows() as u64).sum::<u64>();
     let store = node.store.clone();
     let (table, partition) = (table.to_string(), moved.partition);
     tokio::task::spawn_blocking(move || {
@@ -261,6 +309,7 @@ async fn copy_whole(
     })
     .await
     .map_err(|e| ClusterError::Rejected(e.to_string()))??;
+    node.transfers.whole(rows);
     Ok(())
 }
 
@@ -304,6 +353,7 @@ async fn copy_delta(
         .try_collect::<Vec<_>>()
         .await
         .map_err(|e| copy_error(moved.source, e))?;
+    let fetched = versions.iter().map(|b| b.num_rows() as u64).sum();
     let store = node.store.clone();
     let (table, partition, since) = (table.to_string(), moved.partition, moved.since);
     tokio::task::spawn_blocking(move || {
@@ -311,5 +361,6 @@ async fn copy_delta(
     })
     .await
     .map_err(|e| ClusterError::Rejected(e.to_string()))??;
+    node.transfers.delta(fetched);
     Ok(())
 }

@@ -52,6 +52,17 @@ pub struct Envelope<T> {
     pub body: T,
 }
 
+/// The bytes of one request as it travels: the action body, the `do_get` ticket or the
+/// `do_put` descriptor command.
+pub fn encode_envelope<T: Serialize>(cluster_id: &str, protocol: u32, body: T) -> Vec<u8> {
+    serde_json::to_vec(&Envelope {
+        cluster_id: cluster_id.to_string(),
+        protocol,
+        body,
+    })
+    .expect("requests serialize")
+}
+
 /// A node's answer to `hello`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Identity {
@@ -135,6 +146,9 @@ pub enum SqlOutput {
     /// failure. Comes before the outputs of the request.
     Notice {
         message: String,
+        /// Set when the notice tells how a query survived a node's death.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        recovery: Option<crate::query::RecoveryOutcome>,
     },
 }
 
@@ -318,12 +332,7 @@ impl Clients {
     }
 
     fn envelope<T: Serialize>(&self, body: T) -> Vec<u8> {
-        serde_json::to_vec(&Envelope {
-            cluster_id: self.cluster_id.clone(),
-            protocol: self.protocol,
-            body,
-        })
-        .expect("requests serialize")
+        encode_envelope(&self.cluster_id, self.protocol, body)
     }
 
     /// Sends a JSON action and decodes its JSON reply.

@@ -37,6 +37,9 @@ pub struct NodeStatus {
     pub applied_index: u64,
     pub meta: MetaState,
     pub tables: Vec<TableCount>,
+    /// What this node copied as a new or returning replica since it started.
+    #[serde(default)]
+    pub transfers: crate::rebalance::TransferCounts,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -182,16 +185,21 @@ impl NodeService {
             }
             ACTION_SQL => {
                 let sql: String = self.open_from_client(body)?;
+                let backend = Arc::new(crate::ClusterBackend::new(node.clone()));
                 let engine = tessera_sql::Engine::with_backend(
-                    Arc::new(crate::ClusterBackend::new(node.clone())),
+                    backend.clone(),
                     datafusion::prelude::SessionConfig::new(),
                 );
                 let result: Result<Vec<SqlOutput>, Refusal> = match engine.execute(&sql).await {
-                    Ok(outputs) => engine
-                        .backend()
-                        .take_notices()
+                    Ok(outputs) => backend
+                        .take_recoveries()
                         .into_iter()
-                        .map(|message| Ok(SqlOutput::Notice { message }))
+                        .map(|recovery| {
+                            Ok(SqlOutput::Notice {
+                                message: recovery.to_string(),
+                                recovery: Some(recovery),
+                            })
+                        })
                         .chain(outputs.into_iter().map(sql_output))
                         .collect::<Result<_, _>>()
                         .map_err(|e| Refusal::Failed(e.to_string())),
@@ -278,6 +286,7 @@ impl NodeService {
                             partitions_with_data: t.partitions_with_data,
                         })
                         .collect(),
+                    transfers: node.transfers.counts(),
                 };
                 reply(&status)
             }

@@ -24,6 +24,10 @@ impl fmt::Display for Epoch {
     }
 }
 
+/// A node of the cluster: a positive integer fixed in its configuration. (Still a bare
+/// integer: it is the Raft node id too, and turning it into a newtype is a step of its own.)
+pub type NodeId = u64;
+
 /// One of the `P` equal, contiguous ranges of the 64-bit hash ring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct PartitionId(pub u32);

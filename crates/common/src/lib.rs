@@ -10,6 +10,6 @@ pub mod ids;
 pub mod partitioning;
 pub mod version;
 
-pub use ids::{ComponentHash, Epoch, Lsn, PartitionId};
+pub use ids::{ComponentHash, Epoch, Lsn, NodeId, PartitionId};
 pub use partitioning::{is_key_type, partition_key_hashes, PartitionRing, PartitioningError};
 pub use version::{RowOp, EPOCH_COLUMN, OP_COLUMN};

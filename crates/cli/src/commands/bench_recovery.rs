@@ -14,14 +14,15 @@ use super::bench_distributed::{cluster, timed};
 use anyhow::{bail, Result};
 use std::path::Path;
 use std::time::{Duration, Instant};
-use tessera_cluster::ClusterClient;
+use tessera_cluster::query::RecoveryOutcome;
+use tessera_cluster::{ClusterClient, Notice};
 
 /// Runs `sql` under recovery `mode` from `client`.
 async fn query_in_mode(
     client: &ClusterClient,
     mode: &str,
     sql: &str,
-) -> Result<(Vec<arrow::array::RecordBatch>, Vec<String>)> {
+) -> Result<(Vec<arrow::array::RecordBatch>, Vec<Notice>)> {
     let hinted = format!("/*+ SET tessera.recovery = {mode} */ {sql}");
     Ok(client.query_with_notices(&hinted).await?)
 }
@@ -29,7 +30,7 @@ async fn query_in_mode(
 /// What one query took with a node killed part-way.
 struct Killed {
     elapsed: Duration,
-    /// The recovery notice's verdict: rebuilt from lineage, restarted, or none at all.
+    /// How the query survived: rebuilt from lineage, restarted, or none at all.
     recovered: Option<&'static str>,
     same: bool,
 }
@@ -113,13 +114,10 @@ pub async fn run(
                 elapsed,
                 recovered: notices
                     .iter()
-                    .find(|n| n.contains("died during query"))
-                    .map(|n| {
-                        if n.contains("rebuilt on the surviving nodes") {
-                            "rebuilt"
-                        } else {
-                            "restarted"
-                        }
+                    .find_map(|n| n.recovery.as_ref())
+                    .map(|recovery| match recovery {
+                        RecoveryOutcome::Rebuilt { .. } => "rebuilt",
+                        RecoveryOutcome::Restarted { .. } => "restarted",
                     }),
                 same: same(&actual),
             };

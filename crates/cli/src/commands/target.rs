@@ -28,7 +28,7 @@ impl Target {
             Target::Cluster(client) => {
                 let (outputs, notices) = client.sql_with_notices(sql).await?;
                 for notice in notices {
-                    eprintln!("NOTICE: {notice}");
+                    eprintln!("NOTICE: {}", notice.message);
                 }
                 outputs
             }

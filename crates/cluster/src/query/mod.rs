@@ -48,6 +48,90 @@ pub type QueryId = u64;
 /// A stage's index in its query; a stage's output exchange has the same number.
 pub type StageId = usize;
 
+/// How a query survived the death of a node it ran on: the typed record behind the
+/// client's notice and `EXPLAIN ANALYZE`'s `Recovery:` line (whose text is its `Display`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum RecoveryOutcome {
+    /// Only the dead node's channels ran again, on the survivors, replaying their logged
+    /// inputs from the producers' spools (write-ahead lineage).
+    Rebuilt {
+        dead: u64,
+        query: QueryId,
+        /// Channels placed on survivors.
+        channels: usize,
+        /// Logged input batches the rebuilt channels replayed in their logged order.
+        replayed_batches: u64,
+        /// Where each rebuilt stage's channels went, e.g. "stage 2 channel(s) [1] on node 3".
+        placed: Vec<String>,
+        /// From noticing the death to sending the rebuilt channels.
+        replan_ms: u64,
+    },
+    /// The whole query ran again on the survivors with a fresh partition map.
+    Restarted {
+        dead: u64,
+        query: QueryId,
+        /// 1 for the first restart of this statement, and so on.
+        restart: usize,
+        /// Set when lineage recovery was asked for but could not go on: why.
+        lineage_gave_up: Option<String>,
+    },
+}
+
+impl RecoveryOutcome {
+    pub fn dead(&self) -> u64 {
+        match self {
+            RecoveryOutcome::Rebuilt { dead, .. } | RecoveryOutcome::Restarted { dead, .. } => {
+                *dead
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for RecoveryOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RecoveryOutcome::Rebuilt {
+                dead,
+                query,
+                channels,
+                replayed_batches,
+                placed,
+                replan_ms,
+            } => write!(
+                f,
+                "node {dead} died during query {query:x}; its {channels} channel(s) were rebuilt on the surviving nodes from write-ahead lineage (tessera.recovery = lineage), replaying {replayed_batches} logged input batch(es) in their logged order; surviving channels kept their work ({}; confirmed and replanned in {replan_ms} ms)",
+                placed.join(", ")
+            ),
+            RecoveryOutcome::Restarted {
+                dead,
+                query,
+                restart,
+                lineage_gave_up,
+            } => {
+                let how = match lineage_gave_up {
+                    Some(detail) => format!(
+                        "tessera.recovery = lineage, whose rebuilding could not go on: {}",
+                        clipped(detail, 300)
+                    ),
+                    None => "tessera.recovery = restart".to_string(),
+                };
+                write!(
+                    f,
+                    "node {dead} died during query {query:x}; the query was restarted on the surviving nodes ({how}; restart {restart}), recomputing every stage"
+                )
+            }
+        }
+    }
+}
+
+/// `text` cut to at most `limit` characters, marked when cut.
+fn clipped(text: &str, limit: usize) -> String {
+    match text.char_indices().nth(limit) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_string(),
+    }
+}
+
 /// What a channel did, as its node reports it to the initiator.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct ChannelReport {

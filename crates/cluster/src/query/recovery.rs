@@ -16,7 +16,7 @@
 use super::exchange::{ExchangeReadExec, ExchangeWriteExec, Replay};
 use super::plan::{leaves_of, DistributedPlan, Leaf};
 use super::run::{RunRequest, StageTask};
-use super::StageId;
+use super::{RecoveryOutcome, StageId};
 use crate::client::to_hex;
 use crate::node::Node;
 use crate::NodeId;
@@ -33,7 +33,7 @@ pub struct Recovery {
     /// The node of each channel of each stage.
     hosts: Vec<Vec<NodeId>>,
     lost: Option<NodeId>,
-    notes: Vec<String>,
+    notes: Vec<RecoveryOutcome>,
 }
 
 impl Recovery {
@@ -58,8 +58,8 @@ impl Recovery {
         self.lost
     }
 
-    /// One line per recovered failure, for the client's notice and `EXPLAIN ANALYZE`.
-    pub fn into_notes(self) -> Vec<String> {
+    /// One outcome per recovered failure, for the client's notice and `EXPLAIN ANALYZE`.
+    pub fn into_notes(self) -> Vec<RecoveryOutcome> {
         self.notes
     }
 
@@ -175,12 +175,14 @@ impl Recovery {
             }
         }
         let channels: usize = moved.values().flat_map(|h| h.values()).map(Vec::len).sum();
-        self.notes.push(format!(
-            "node {dead} died during query {:x}; its {channels} channel(s) were rebuilt on the surviving nodes from write-ahead lineage (tessera.recovery = lineage), replaying {replayed} logged input batch(es) in their logged order; surviving channels kept their work ({}; confirmed and replanned in {} ms)",
-            plan.query,
-            placed.join(", "),
-            noticed.elapsed().as_millis()
-        ));
+        self.notes.push(RecoveryOutcome::Rebuilt {
+            dead,
+            query: plan.query,
+            channels,
+            replayed_batches: replayed,
+            placed,
+            replan_ms: noticed.elapsed().as_millis() as u64,
+        });
         tracing::warn!(
             dead,
             query = plan.query,

@@ -209,7 +209,7 @@ async fn drain(
 pub struct QueryOutcome {
     pub batches: Vec<RecordBatch>,
     /// What lineage recovery rebuilt after a node died, one line per failure.
-    pub recoveries: Vec<String>,
+    pub recoveries: Vec<super::RecoveryOutcome>,
     /// Every channel's report that arrived, sorted by stage and channel.
     pub reports: Vec<ChannelReport>,
     pub elapsed: Duration,

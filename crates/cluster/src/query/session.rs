@@ -138,7 +138,7 @@ pub async fn run_query(
     view: &MetaView,
     ctx: &SessionContext,
     plan: LogicalPlan,
-    recoveries: &mut Vec<String>,
+    recoveries: &mut Vec<super::RecoveryOutcome>,
 ) -> Result<StatementOutput, ClusterError> {
     let in_process = |reason: &str| {
         tracing::info!(%reason, "running a statement on this node only");
