@@ -56,7 +56,7 @@ impl StatementView {
             .lock()
             .expect("pinned lock")
             .clone()
-            .unwrap_or_else(|| self.node.view())
+            .unwrap_or_else(|| self.node.meta.view())
     }
 
     fn pin(&self, view: Arc<MetaView>) {
@@ -115,13 +115,15 @@ impl Backend for ClusterBackend {
     }
 
     async fn begin_statement(&self) {
-        self.view.pin(self.node.catch_up_with_leader().await);
+        self.view.pin(self.node.meta.catch_up_with_leader().await);
     }
 
     async fn create_table(&self, def: TableDef) -> tessera_sql::error::Result<()> {
         self.node
+            .meta
             .write(crate::meta::MetaCommand::CreateTable { def })
-            .await?;
+            .await
+            .map_err(ClusterError::from)?;
         // CREATE TABLE AS inserts next, within this statement: it must see the new table.
         self.begin_statement().await;
         Ok(())
@@ -129,10 +131,12 @@ impl Backend for ClusterBackend {
 
     async fn drop_table(&self, name: &str) -> tessera_sql::error::Result<()> {
         self.node
+            .meta
             .write(crate::meta::MetaCommand::DropTable {
                 name: name.to_string(),
             })
-            .await?;
+            .await
+            .map_err(ClusterError::from)?;
         self.begin_statement().await;
         Ok(())
     }
@@ -178,7 +182,7 @@ impl Backend for ClusterBackend {
                     // A fresh partition map (the survivors' promotions); the tables keep the
                     // epoch they were resolved at, so the answer is the one the first run
                     // would have given.
-                    self.view.pin(self.node.catch_up_with_leader().await);
+                    self.view.pin(self.node.meta.catch_up_with_leader().await);
                     recoveries.push(RecoveryOutcome::Restarted {
                         dead: lost,
                         query,
@@ -646,7 +650,7 @@ pub(crate) async fn read_from(
         .map_err(ClusterError::from);
     }
     let addr = node
-        .addr_of(from)
+        .meta.addr_of(from)
         .ok_or_else(|| ClusterError::Unreachable {
             node: from,
             addr: "?".into(),
@@ -673,7 +677,7 @@ pub(crate) async fn read_from(
     };
     let stream = node
         .clients
-        .get(&addr, crate::rpc::GetRequest::Scan(request))
+        .get(&addr, &request)
         .await
         .map_err(classify)?;
     stream.map_err(classify).try_collect().await

@@ -3,7 +3,7 @@
 
 use crate::error::{ClusterError, Result};
 use crate::rpc::{
-    CallError, Clients, GetRequest, PutRequest, ScanRequest, SqlOutput, ACTION_SQL, ACTION_STATUS,
+    CallError, Clients, PublishRequest, ScanRequest, SqlOutput, ACTION_SQL, ACTION_STATUS,
     PROTOCOL_VERSION,
 };
 use crate::server::NodeStatus;
@@ -127,13 +127,13 @@ impl ClusterClient {
         rows: Vec<RecordBatch>,
         deletes: bool,
     ) -> Result<Epoch> {
-        let request = PutRequest::Publish {
+        let request = PublishRequest {
             table: table.to_string(),
             deletes,
         };
         let metadata = self
             .clients
-            .put(&self.addr, request, rows)
+            .put(&self.addr, &request, rows)
             .await
             .map_err(|e| self.call_error(e))?;
         serde_json::from_slice(&metadata)
@@ -186,16 +186,16 @@ impl ClusterClient {
             .tables
             .get(table)
             .ok_or_else(|| ClusterError::Rejected(format!("no table {table:?}")))?;
-        let request = GetRequest::Scan(ScanRequest {
+        let request = ScanRequest {
             table: table.to_string(),
             generation: def.generation,
             epoch,
             partitions: vec![partition],
             columns: (0..def.schema.fields().len()).collect(),
-        });
+        };
         let clients = Clients::new(cluster_id, PROTOCOL_VERSION);
         let stream = clients
-            .get(&self.addr, request)
+            .get(&self.addr, &request)
             .await
             .map_err(|e| self.call_error(e))?;
         stream

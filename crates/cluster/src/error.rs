@@ -38,12 +38,13 @@ pub enum ClusterError {
         addr: String,
         reason: String,
     },
-    #[error("no metadata leader is known yet; the cluster may still be electing one (a majority of voters must be up)")]
-    NoLeader,
-    #[error("this node does not lead the metadata group (leader: {0:?})")]
-    NotLeader(Option<u64>),
-    #[error("metadata: {0}")]
-    Raft(String),
+    /// The metadata group could not read or write (no leader, a refused command, a
+    /// fenced node, a busy table).
+    #[error(transparent)]
+    Meta(#[from] tessera_meta::MetaError),
+    /// A call to another node failed.
+    #[error("{0}")]
+    Call(#[from] tessera_net::CallError),
     #[error("{0}")]
     Rejected(String),
     /// A node a distributed query ran on died under it (confirmed by the metadata).
@@ -53,10 +54,6 @@ pub enum ClusterError {
         query: u64,
         detail: String,
     },
-    #[error("{0}")]
-    TableBusy(String),
-    #[error("this node was declared failed: {0}")]
-    Fenced(String),
     #[error("epoch {epoch} aborted: {reason}")]
     Aborted { epoch: Epoch, reason: String },
     #[error("epoch {epoch} aborted: node {node}, a primary logging its rows, was lost: {reason}")]
@@ -75,7 +72,7 @@ pub enum ClusterError {
 
 impl ClusterError {
     pub fn raft(error: impl std::fmt::Display) -> ClusterError {
-        ClusterError::Raft(error.to_string())
+        ClusterError::Meta(tessera_meta::MetaError::raft(error))
     }
 }
 

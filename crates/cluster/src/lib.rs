@@ -3,8 +3,9 @@
 //! over every partition.
 //!
 //! - [`config`]: a node's `node.toml`.
-//! - [`meta`]: the metadata state machine, its Raft log and snapshots.
-//! - [`rpc`], [`server`], [`network`]: the Arrow Flight protocol between nodes.
+//! - [`meta`] (the `tessera-meta` crate): the metadata state machine, its Raft log and
+//!   snapshots, and the `MetaClient` handle.
+//! - [`rpc`], [`server`]: the requests between nodes (on `tessera-net`) and their dispatch.
 //! - [`node`]: one running node and its background duties.
 //! - [`publish`]: the publish coordinator (two-phase: prepare on replicas, commit in Raft).
 //! - [`rebalance`]: moving partitions when members join or leave.
@@ -13,11 +14,11 @@
 //! - [`query`]: distributed, pipelined query execution over Arrow Flight.
 
 pub mod backend;
+/// The metadata layer, re-exported under its old path while the cluster crate is split.
+pub use tessera_meta as meta;
 pub mod client;
 pub mod config;
 pub mod error;
-pub mod meta;
-pub mod network;
 pub mod node;
 pub mod publish;
 pub mod query;
@@ -26,8 +27,7 @@ pub mod rpc;
 pub mod server;
 pub mod shipping;
 
-/// Nodes are named by positive integers, fixed in their configuration.
-pub type NodeId = u64;
+pub use tessera_common::NodeId;
 
 pub use backend::ClusterBackend;
 pub use client::{ClusterClient, Notice};

@@ -5,29 +5,26 @@ use crate::config::NodeConfig;
 use crate::error::{ClusterError, Result};
 use crate::meta::log_store::LogStore;
 use crate::meta::state_machine::StateMachine;
-use crate::meta::{MetaCommand, MetaResponse, MetaView, Raft};
-use crate::network::Network;
+use crate::meta::{MetaCommand, Raft};
+use crate::meta::network::Network;
+use crate::meta::MetaClient;
 use crate::rpc::{
     CallError, Clients, Heartbeat, Identity, Refusal, ACTION_HEARTBEAT, ACTION_HELLO,
-    ACTION_META_WRITE, PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
 };
 use crate::NodeId;
-use openraft::{BasicNode, ServerState};
+use openraft::BasicNode;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tessera_common::Epoch;
 use tessera_storage::{Store, StoreConfig};
-use tokio::sync::watch;
 
 /// The format of a node's data directory; bumped on incompatible changes.
 pub const DATA_FORMAT_VERSION: u32 = 1;
 const IDENTITY_FILE: &str = "node.json";
-/// How long a metadata write keeps looking for a leader.
-const META_WRITE_PATIENCE: Duration = Duration::from_secs(15);
 
 /// Written into the data directory on first start, checked on every later one.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -40,11 +37,11 @@ struct DataIdentity {
 pub struct Node {
     pub config: NodeConfig,
     pub store: Arc<Store>,
-    pub raft: Raft,
+    /// The metadata group: reads, writes through the leader, this node's Raft member.
+    pub meta: MetaClient,
     pub clients: Arc<Clients>,
     /// Distributed queries' exchanges and channels running here.
     pub queries: Arc<crate::query::exchange::QueryRegistry>,
-    meta: watch::Receiver<Arc<MetaView>>,
     /// The leader's failure detector: when each node was last heard from.
     last_seen: Mutex<HashMap<NodeId, Instant>>,
     /// On the leader: since when each failed node has been failed (as this leader saw it).
@@ -235,10 +232,15 @@ impl Node {
         .await
         .map_err(ClusterError::raft)?;
 
+        let peers = config
+            .peers
+            .iter()
+            .map(|p| (p.id, p.addr.to_string()))
+            .collect();
+        let meta = MetaClient::new(config.node_id, raft, meta, clients.clone(), peers);
         let node = Arc::new(Node {
             config,
             store,
-            raft,
             clients,
             queries: Arc::default(),
             meta,
@@ -267,7 +269,7 @@ impl Node {
 
     /// Stops taking part in the metadata group (a clean stop; the store needs nothing).
     pub async fn shutdown(&self) {
-        if let Err(error) = self.raft.shutdown().await {
+        if let Err(error) = self.meta.raft().shutdown().await {
             tracing::warn!(%error, "metadata shutdown");
         }
     }
@@ -284,23 +286,6 @@ impl Node {
         self.incarnation
     }
 
-    /// The metadata as this node last applied it.
-    pub fn view(&self) -> Arc<MetaView> {
-        self.meta.borrow().clone()
-    }
-
-    /// Waits (up to `patience`) until the metadata shows this node alive; after a false
-    /// suspicion the next heartbeat revives it.
-    pub async fn wait_until_alive(&self, patience: Duration) {
-        let mut meta = self.meta.clone();
-        let id = self.id();
-        let _ = tokio::time::timeout(
-            patience,
-            meta.wait_for(|view| view.state.nodes.get(&id).is_some_and(|n| n.alive)),
-        )
-        .await;
-    }
-
     /// Makes `id` suspect and waits for the metadata leader's verdict (it probes the node
     /// at once, or its failure detector times it out). True once the metadata counts `id`
     /// failed.
@@ -308,19 +293,8 @@ impl Node {
         self.suspect(id);
         // Long enough for a new leader's detector when the dead node led the metadata.
         let patience = (self.config.failure_timeout() * 4).max(Duration::from_secs(10));
-        self.wait_until_failed(id, patience).await;
-        self.view().state.nodes.get(&id).is_none_or(|n| !n.alive)
-    }
-
-    /// Waits (up to `patience`) until the metadata shows node `id` failed, so the next
-    /// placement read has promoted other replicas in its place.
-    pub async fn wait_until_failed(&self, id: NodeId, patience: Duration) {
-        let mut meta = self.meta.clone();
-        let _ = tokio::time::timeout(
-            patience,
-            meta.wait_for(|view| view.state.nodes.get(&id).is_none_or(|n| !n.alive)),
-        )
-        .await;
+        self.meta.wait_until_failed(id, patience).await;
+        self.meta.view().state.nodes.get(&id).is_none_or(|n| !n.alive)
     }
 
     pub fn identity(&self) -> Identity {
@@ -331,32 +305,14 @@ impl Node {
         }
     }
 
-    pub fn leader(&self) -> Option<NodeId> {
-        self.raft.metrics().borrow().current_leader
-    }
-
-    pub fn is_leader(&self) -> bool {
-        self.raft.metrics().borrow().state == ServerState::Leader
-    }
-
-    /// Where node `id` listens, from the metadata, Raft membership or the configuration.
-    pub fn addr_of(&self, id: NodeId) -> Option<String> {
-        if let Some(node) = self.view().state.nodes.get(&id) {
-            return Some(node.addr.clone());
-        }
-        let metrics = self.raft.metrics().borrow().clone();
-        if let Some(node) = metrics.membership_config.nodes().find(|(n, _)| **n == id) {
-            return Some(node.1.addr.clone());
-        }
-        self.config.peer(id).map(|p| p.addr.to_string())
-    }
-
     /// The lowest-id voter of a fresh cluster proposes the founding membership.
     async fn initialize_if_founder(&self) -> Result<()> {
         let voters = self.config.voter_ids();
         if voters.iter().next() != Some(&self.id())
             || self
-                .raft
+                .meta
+
+                .raft()
                 .is_initialized()
                 .await
                 .map_err(ClusterError::raft)?
@@ -368,138 +324,12 @@ impl Node {
             .filter_map(|id| self.config.peer(*id))
             .map(|p| (p.id, BasicNode::new(p.addr.to_string())))
             .collect();
-        match self.raft.initialize(members).await {
+        match self.meta.raft().initialize(members).await {
             Ok(()) => Ok(()),
             Err(openraft::error::RaftError::APIError(
                 openraft::error::InitializeError::NotAllowed(_),
             )) => Ok(()),
             Err(e) => Err(ClusterError::raft(e)),
-        }
-    }
-
-    /// Proposes a metadata command through the leader, wherever it is, retrying while an
-    /// election runs. A refusal by the state machine is an error naming why.
-    pub async fn write(&self, command: MetaCommand) -> Result<MetaResponse> {
-        let deadline = Instant::now() + META_WRITE_PATIENCE;
-        let mut last_error = ClusterError::NoLeader;
-        while Instant::now() < deadline {
-            match self.write_once(&command).await {
-                Ok(MetaResponse::Refused(reason)) => return Err(ClusterError::Rejected(reason)),
-                Ok(MetaResponse::TableBusy(reason)) => return Err(ClusterError::TableBusy(reason)),
-                Ok(MetaResponse::Fenced(reason)) => return Err(ClusterError::Fenced(reason)),
-                Ok(response) => return Ok(response),
-                Err(e) => last_error = e,
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        Err(last_error)
-    }
-
-    async fn write_once(&self, command: &MetaCommand) -> Result<MetaResponse> {
-        let leader = match self.leader() {
-            Some(leader) => leader,
-            // Not yet in the metadata group (a joining node): ask the configured peers.
-            None => return self.write_via_peers(command).await,
-        };
-        if leader == self.id() {
-            return self.write_as_leader(command.clone()).await;
-        }
-        self.write_at(leader, command).await
-    }
-
-    async fn write_via_peers(&self, command: &MetaCommand) -> Result<MetaResponse> {
-        for peer in self.config.peers.iter().filter(|p| p.id != self.id()) {
-            match self.write_at(peer.id, command).await {
-                Err(ClusterError::NotLeader(Some(leader))) => {
-                    return self.write_at(leader, command).await
-                }
-                Err(_) => continue,
-                done => return done,
-            }
-        }
-        Err(ClusterError::NoLeader)
-    }
-
-    async fn write_at(&self, leader: NodeId, command: &MetaCommand) -> Result<MetaResponse> {
-        let addr = self.addr_of(leader).ok_or(ClusterError::NoLeader)?;
-        let reply: std::result::Result<std::result::Result<MetaResponse, Refusal>, CallError> =
-            self.clients
-                .action(&addr, ACTION_META_WRITE, command, Duration::from_secs(10))
-                .await;
-        match reply {
-            Ok(Ok(response)) => Ok(response),
-            Ok(Err(Refusal::NotLeader { leader })) => Err(ClusterError::NotLeader(leader)),
-            Ok(Err(refusal)) => Err(ClusterError::Raft(format!("{refusal:?}"))),
-            Err(e) => Err(ClusterError::Unreachable {
-                node: leader,
-                addr,
-                reason: e.to_string(),
-            }),
-        }
-    }
-
-    /// Runs a command on this node if it leads.
-    pub async fn write_as_leader(&self, command: MetaCommand) -> Result<MetaResponse> {
-        match self.raft.client_write(command).await {
-            Ok(response) => Ok(response.data),
-            Err(e) => Err(ClusterError::raft(e)),
-        }
-    }
-
-    /// Waits until this node has applied every metadata entry the leader had committed when
-    /// asked, so a read here sees every publish acknowledged anywhere before it. Falls back to
-    /// the local view if no leader answers in time (an election is running).
-    pub async fn catch_up_with_leader(&self) -> Arc<MetaView> {
-        let target = if self.is_leader() {
-            self.raft
-                .ensure_linearizable()
-                .await
-                .ok()
-                .flatten()
-                .map(|l| l.index)
-        } else if let Some(addr) = self.leader().and_then(|l| self.addr_of(l)) {
-            let reply: std::result::Result<std::result::Result<u64, Refusal>, CallError> = self
-                .clients
-                .action(
-                    &addr,
-                    crate::rpc::ACTION_READ_INDEX,
-                    (),
-                    Duration::from_secs(2),
-                )
-                .await;
-            reply.ok().and_then(|r| r.ok())
-        } else {
-            None
-        };
-        if let Some(index) = target {
-            let mut meta = self.meta.clone();
-            let reached = tokio::time::timeout(
-                Duration::from_secs(5),
-                meta.wait_for(|view| view.applied_index >= index),
-            )
-            .await
-            .is_ok_and(|r| r.is_ok());
-            if !reached {
-                tracing::warn!(index, "metadata did not catch up with the leader in time");
-            }
-        }
-        self.view()
-    }
-
-    /// Waits until this node's metadata shows `epoch` visible (scans at an epoch).
-    pub async fn wait_for_epoch(&self, epoch: Epoch, timeout: Duration) -> Result<()> {
-        let mut meta = self.meta.clone();
-        let reached =
-            tokio::time::timeout(timeout, meta.wait_for(|view| view.state.visible >= epoch))
-                .await
-                .is_ok_and(|r| r.is_ok());
-        match reached {
-            true => Ok(()),
-            false => Err(ClusterError::Rejected(format!(
-                "node {} has not yet learnt that epoch {epoch} is visible (it sees epoch {})",
-                self.id(),
-                self.view().state.visible
-            ))),
         }
     }
 
@@ -526,10 +356,10 @@ impl Node {
                 _ = self.suspected.notified() => {}
             }
             let heartbeat = Heartbeat { node_id: self.id() };
-            match self.leader() {
+            match self.meta.leader() {
                 Some(leader) if leader == self.id() => self.heard_from(&heartbeat),
                 Some(leader) => {
-                    if let Some(addr) = self.addr_of(leader) {
+                    if let Some(addr) = self.meta.addr_of(leader) {
                         let suspects: Vec<NodeId> =
                             std::mem::take(&mut *self.suspects.lock().expect("suspects lock"))
                                 .into_iter()
@@ -560,7 +390,7 @@ impl Node {
                 _ = ticker.tick() => {}
                 _ = self.suspected.notified() => {}
             }
-            let leading = self.is_leader();
+            let leading = self.meta.is_leader();
             if leading && !was_leader {
                 // A new leader has heard from nobody yet. It checks every node at once (the
                 // old leader, if it died, answers nobody) and gives the rest a full timeout.
@@ -570,7 +400,7 @@ impl Node {
                 let mut suspects = self.suspects.lock().expect("suspects lock");
                 // Nodes already declared failed stay so until they send a heartbeat.
                 for node in self
-                    .view()
+                    .meta.view()
                     .state
                     .nodes
                     .values()
@@ -596,7 +426,7 @@ impl Node {
     async fn registration_loop(self: Arc<Self>) {
         let voter = self.config.voter_ids().contains(&self.id());
         loop {
-            let view = self.view();
+            let view = self.meta.view();
             if view.state.nodes.contains_key(&self.id()) {
                 break;
             }
@@ -606,7 +436,7 @@ impl Node {
                     id: self.id(),
                     addr: self.config.listen.to_string(),
                 };
-                match self.write(command).await {
+                match self.meta.write(command).await {
                     Ok(_) => tracing::info!("registered with the cluster"),
                     Err(error) => tracing::info!(%error, "could not register with the cluster yet"),
                 }
@@ -617,7 +447,7 @@ impl Node {
             id: self.id(),
             incarnation: self.incarnation,
         };
-        while let Err(error) = self.write(announcement.clone()).await {
+        while let Err(error) = self.meta.write(announcement.clone()).await {
             tracing::info!(%error, "could not announce this process yet");
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
@@ -625,7 +455,7 @@ impl Node {
     }
 
     async fn lead(self: &Arc<Self>) -> Result<()> {
-        let state = self.view().state.clone();
+        let state = self.meta.view().state.clone();
         if !state.is_bootstrapped() {
             let nodes = self
                 .config
@@ -633,7 +463,7 @@ impl Node {
                 .iter()
                 .map(|p| (p.id, p.addr.to_string()))
                 .collect();
-            self.write_as_leader(MetaCommand::Bootstrap {
+            self.meta.write_as_leader(MetaCommand::Bootstrap {
                 cluster_id: self.config.cluster_id.clone(),
                 partition_count: self.config.partitions,
                 replication: self.config.replication,
@@ -644,7 +474,7 @@ impl Node {
             return Ok(());
         }
         // Every member takes part in Raft: voters as configured, the rest as learners.
-        let metrics = self.raft.metrics().borrow().clone();
+        let metrics = self.meta.raft().metrics().borrow().clone();
         let in_raft: BTreeSet<NodeId> = metrics
             .membership_config
             .nodes()
@@ -656,7 +486,8 @@ impl Node {
             .filter(|n| !n.decommissioned && !n.leaving)
         {
             if !in_raft.contains(&node.id) {
-                self.raft
+                self.meta
+                    .raft()
                     .add_learner(node.id, BasicNode::new(node.addr.clone()), false)
                     .await
                     .map_err(ClusterError::raft)?;
@@ -692,7 +523,7 @@ impl Node {
             };
             if alive != node.alive {
                 tracing::warn!(node = node.id, alive, "node liveness changed");
-                self.write_as_leader(MetaCommand::SetLiveness { id: node.id, alive })
+                self.meta.write_as_leader(MetaCommand::SetLiveness { id: node.id, alive })
                     .await?;
             }
         }
@@ -733,12 +564,13 @@ impl Node {
             {
                 continue;
             }
-            self.write_as_leader(MetaCommand::Decommission { id: node.id })
+            self.meta.write_as_leader(MetaCommand::Decommission { id: node.id })
                 .await?;
             let voters: BTreeSet<NodeId> =
                 metrics.membership_config.membership().voter_ids().collect();
             if !voters.contains(&node.id) {
-                self.raft
+                self.meta
+                    .raft()
                     .change_membership(
                         openraft::ChangeMembers::RemoveNodes(BTreeSet::from([node.id])),
                         false,
@@ -775,7 +607,7 @@ impl Node {
     /// Asks a node to leave: refuses metadata voters, whose departure would change the
     /// quorum.
     pub async fn decommission(&self, id: NodeId) -> Result<()> {
-        let metrics = self.raft.metrics().borrow().clone();
+        let metrics = self.meta.raft().metrics().borrow().clone();
         if metrics
             .membership_config
             .membership()
@@ -786,7 +618,8 @@ impl Node {
                 "node {id} votes in the metadata group; only non-voting nodes can be decommissioned"
             )));
         }
-        self.write(MetaCommand::Leave { id }).await.map(|_| ())
+        self.meta.write(MetaCommand::Leave { id }).await?;
+        Ok(())
     }
 
     /// Asks a suspected node who it is; a prompt answer clears the suspicion.

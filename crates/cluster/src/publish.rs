@@ -4,6 +4,7 @@
 //! epoch whose coordinator dies before the commit is aborted by the metadata leader, and
 //! its prepared rows are discarded everywhere.
 
+use tessera_meta::MetaError;
 use crate::error::{ClusterError, Result};
 use crate::meta::{MetaCommand, MetaResponse, MetaState};
 use crate::node::Node;
@@ -28,7 +29,7 @@ struct Routed {
 fn route(state: &MetaState, changes: Vec<TableChanges>) -> Result<BTreeMap<String, Routed>> {
     if !state.is_bootstrapped() {
         // A node that just started and has not yet caught up with the metadata group.
-        return Err(ClusterError::NoLeader);
+        return Err(ClusterError::Meta(MetaError::NoLeader));
     }
     let ring = PartitionRing::new(state.partition_count);
     let mut routed: BTreeMap<String, Routed> = BTreeMap::new();
@@ -110,7 +111,7 @@ const RETRIES: usize = 3;
 
 /// Publishes `changes` as one epoch across the cluster; returns once it is committed.
 pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epoch> {
-    let state = node.catch_up_with_leader().await.state.clone();
+    let state = node.meta.catch_up_with_leader().await.state.clone();
     // Routing is CPU work proportional to the rows; keep it off the threads that answer
     // heartbeats and Raft.
     let routed = tokio::task::spawn_blocking(move || route(&state, changes))
@@ -120,9 +121,9 @@ pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epo
     loop {
         attempt += 1;
         match publish_routed(node, &routed).await {
-            Err(ClusterError::Fenced(reason)) if attempt <= RETRIES => {
+            Err(ClusterError::Meta(MetaError::Fenced(reason))) if attempt <= RETRIES => {
                 tracing::warn!(%reason, attempt, "publish fenced; retrying once this node is alive again");
-                node.wait_until_alive(std::time::Duration::from_secs(10))
+                node.meta.wait_until_alive(std::time::Duration::from_secs(10))
                     .await;
             }
             Err(ClusterError::PrimaryLost {
@@ -131,7 +132,7 @@ pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epo
                 reason,
             }) if attempt <= RETRIES => {
                 tracing::warn!(node = lost, %epoch, %reason, attempt, "a primary was lost mid-publish; retrying once the metadata has a new one");
-                node.wait_until_failed(lost, node.config.failure_timeout() * 2)
+                node.meta.wait_until_failed(lost, node.config.failure_timeout() * 2)
                     .await;
             }
             done => return done,
@@ -147,12 +148,12 @@ async fn publish_routed(node: &Arc<Node>, routed: &BTreeMap<String, Routed>) -> 
     // The placement is read only now, under the lease: a partition move or a refresh of a
     // stale replica (which leases every table) has finished before it and cannot start
     // until this epoch is decided, so the replicas and their staleness hold until the commit.
-    let state = node.catch_up_with_leader().await.state.clone();
+    let state = node.meta.catch_up_with_leader().await.state.clone();
     let allocated_at = started.elapsed();
     match prepare_everywhere(node, &state, epoch, routed).await {
         Ok(missed) => {
             let prepared_at = started.elapsed();
-            node.write(MetaCommand::CommitEpoch { epoch, missed })
+            node.meta.write(MetaCommand::CommitEpoch { epoch, missed })
                 .await?;
             tracing::info!(
                 %epoch,
@@ -166,6 +167,7 @@ async fn publish_routed(node: &Arc<Node>, routed: &BTreeMap<String, Routed>) -> 
         Err(error) => {
             let reason = error.to_string();
             if let Err(abort_error) = node
+                .meta
                 .write(MetaCommand::AbortEpoch {
                     epoch,
                     reason: reason.clone(),
@@ -197,14 +199,18 @@ pub async fn allocate_epoch(node: &Arc<Node>, tables: Vec<String>) -> Result<Epo
             tables: tables.clone(),
             request,
         };
-        match node.write(command).await {
+        match node.meta.write(command).await {
             Ok(MetaResponse::Epoch(epoch)) => return Ok(epoch),
-            Ok(other) => return Err(ClusterError::Raft(format!("unexpected reply {other:?}"))),
-            Err(ClusterError::TableBusy(reason)) if std::time::Instant::now() < deadline => {
+            Ok(other) => {
+                return Err(ClusterError::Meta(MetaError::Raft(format!(
+                    "unexpected reply {other:?} to an epoch allocation"
+                ))))
+            }
+            Err(MetaError::TableBusy(reason)) if std::time::Instant::now() < deadline => {
                 tracing::debug!(%reason, "waiting for the table lease");
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             }
-            Err(error) => return Err(error),
+            Err(error) => return Err(error.into()),
         }
     }
 }
@@ -287,15 +293,15 @@ async fn prepare_everywhere(
                 partitions: partitions.clone(),
             })
             .collect();
-        let result = match node.addr_of(shipment.primary) {
+        let result = match node.meta.addr_of(shipment.primary) {
             Some(addr) => {
-                node.clients
-                    .prepare(
-                        &addr,
-                        shipment.request,
-                        std::mem::take(&mut shipment.batches),
-                    )
-                    .await
+                crate::rpc::prepare(
+                    &node.clients,
+                    &addr,
+                    &shipment.request,
+                    futures::stream::iter(std::mem::take(&mut shipment.batches)),
+                )
+                .await
             }
             None => Err(CallError::Transport(format!(
                 "node {} has no address",

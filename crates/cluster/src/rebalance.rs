@@ -16,7 +16,7 @@ use crate::error::{ClusterError, Result};
 use crate::meta::{MetaCommand, MetaResponse, MetaState, PartitionMap};
 use crate::node::Node;
 use crate::rpc::{
-    CallError, CopyRequest, GetRequest, PartitionMove, Refusal, ACTION_COPY_PARTITIONS,
+    CallError, CopyRequest, ExportRequest, PartitionMove, VersionsRequest, Refusal, ACTION_COPY_PARTITIONS,
 };
 use crate::NodeId;
 use futures::TryStreamExt;
@@ -113,14 +113,14 @@ pub fn wanted_map(state: &MetaState, lost: &BTreeSet<NodeId>) -> Option<Partitio
 
 /// Moves partitions to match [`wanted_map`]; run by the metadata leader.
 pub async fn rebalance(node: &Arc<Node>, lost: &BTreeSet<NodeId>) -> Result<()> {
-    let state = node.view().state.clone();
+    let state = node.meta.view().state.clone();
     let Some(mut wanted) = wanted_map(&state, lost) else {
         return Ok(());
     };
     let tables: Vec<String> = state.tables.keys().cloned().collect();
     let epoch = crate::publish::allocate_epoch(node, tables).await?;
     // Every epoch before ours is decided (we hold every table's lease): copy as of then.
-    let state = node.catch_up_with_leader().await.state.clone();
+    let state = node.meta.catch_up_with_leader().await.state.clone();
     let generations: Vec<(String, u64)> = state
         .tables
         .values()
@@ -184,7 +184,7 @@ pub async fn rebalance(node: &Arc<Node>, lost: &BTreeSet<NodeId>) -> Result<()> 
             if target == node.id() {
                 return copy_partitions(node, request).await;
             }
-            let addr = node.addr_of(target).ok_or(ClusterError::NoLeader)?;
+            let addr = node.meta.require_addr(target)?;
             let reply: std::result::Result<std::result::Result<(), Refusal>, CallError> = node
                 .clients
                 .action(
@@ -211,9 +211,9 @@ pub async fn rebalance(node: &Arc<Node>, lost: &BTreeSet<NodeId>) -> Result<()> 
         let _ = abort(node, epoch, &error.to_string()).await;
         return Err(error);
     }
-    node.write(MetaCommand::SetPartitionMap { map: wanted })
+    node.meta.write(MetaCommand::SetPartitionMap { map: wanted })
         .await?;
-    node.write(MetaCommand::CommitEpoch {
+    node.meta.write(MetaCommand::CommitEpoch {
         epoch,
         missed: vec![],
     })
@@ -227,17 +227,19 @@ async fn abort(
     epoch: tessera_common::Epoch,
     reason: &str,
 ) -> Result<MetaResponse> {
-    node.write(MetaCommand::AbortEpoch {
-        epoch,
-        reason: reason.to_string(),
-    })
-    .await
+    Ok(node
+        .meta
+        .write(MetaCommand::AbortEpoch {
+            epoch,
+            reason: reason.to_string(),
+        })
+        .await?)
 }
 
 /// Copies the named partitions of every table from their sources into this node's store.
 pub async fn copy_partitions(node: &Arc<Node>, request: CopyRequest) -> Result<()> {
     // The tables must exist here first: wait for the metadata that created them.
-    let view = node.catch_up_with_leader().await;
+    let view = node.meta.catch_up_with_leader().await;
     for (table, generation) in &request.tables {
         if !view
             .state
@@ -286,15 +288,13 @@ async fn copy_whole(
     table: &str,
     generation: u64,
 ) -> Result<()> {
-    let addr = node.addr_of(moved.source).ok_or(ClusterError::NoLeader)?;
-    let request = GetRequest::Export {
+    let addr = node.meta.require_addr(moved.source)?;
+    let request = ExportRequest {
         table: table.to_string(),
         generation,
         partition: moved.partition,
     };
-    let (components, memtable) = node
-        .clients
-        .export(&addr, request)
+    let (components, memtable) = crate::rpc::export(&node.clients, &addr, &request)
         .await
         .map_err(|e| copy_error(moved.source, e))?;
     let fetched = fetch_missing_components(node, &addr, &components)
@@ -325,7 +325,7 @@ pub(crate) async fn fetch_missing_components(
         if node.store.has_component(&component.hash) || fetched.contains_key(&component.hash) {
             continue;
         }
-        let bytes = node.clients.component(addr, component.hash).await?;
+        let bytes = crate::rpc::component(&node.clients, addr, component.hash).await?;
         fetched.insert(component.hash, bytes);
     }
     Ok(fetched)
@@ -338,8 +338,8 @@ async fn copy_delta(
     table: &str,
     generation: u64,
 ) -> Result<()> {
-    let addr = node.addr_of(moved.source).ok_or(ClusterError::NoLeader)?;
-    let request = GetRequest::Versions {
+    let addr = node.meta.require_addr(moved.source)?;
+    let request = VersionsRequest {
         table: table.to_string(),
         generation,
         partition: moved.partition,
@@ -347,7 +347,7 @@ async fn copy_delta(
     };
     let versions = node
         .clients
-        .get(&addr, request)
+        .get(&addr, &request)
         .await
         .map_err(|e| copy_error(moved.source, e))?
         .try_collect::<Vec<_>>()

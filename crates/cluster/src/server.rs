@@ -2,7 +2,9 @@
 
 use crate::meta::{MetaCommand, MetaResponse, MetaState};
 use crate::node::Node;
+use crate::query::run::RunRequest;
 use crate::rpc::*;
+use tessera_net::TaggedRequest;
 use crate::NodeId;
 use arrow::array::{Array, RecordBatch, UInt32Array};
 use arrow_flight::decode::FlightRecordBatchStream;
@@ -54,17 +56,18 @@ pub struct TableCount {
     pub partitions_with_data: usize,
 }
 
-/// HTTP/2 receive windows. All streams from one node share one connection, and an
-/// exchange stream whose inbox is full stops being read (flow control) while holding up to
-/// a stream window of the connection's window. The connection window must exceed what all
-/// such streams can hold, or one full inbox would stall every other stream on the
-/// connection, including those that would let it drain (a distributed deadlock).
-pub const STREAM_WINDOW_BYTES: u32 = 2 << 20;
-pub const CONNECTION_WINDOW_BYTES: u32 = 1 << 30;
+/// The HTTP/2 receive windows both ends of a connection use (see
+/// [`tessera_net::CONNECTION_WINDOW_BYTES`] for why the connection's is so large).
+use tessera_net::{CONNECTION_WINDOW_BYTES, STREAM_WINDOW_BYTES};
 
 /// Serves the node's RPC on `listener` in the background.
 pub fn serve(node: Arc<Node>, listener: tokio::net::TcpListener) {
-    let service = FlightServiceServer::new(NodeService { node })
+    let gate = tessera_net::Gate {
+        node_id: node.id(),
+        cluster_id: node.config.cluster_id.clone(),
+        protocol: node.protocol(),
+    };
+    let service = FlightServiceServer::new(NodeService { node, gate })
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
@@ -83,6 +86,7 @@ pub fn serve(node: Arc<Node>, listener: tokio::net::TcpListener) {
 
 struct NodeService {
     node: Arc<Node>,
+    gate: tessera_net::Gate,
 }
 
 fn failed(error: impl std::fmt::Display) -> Status {
@@ -104,40 +108,12 @@ fn reply<T: Serialize>(
 impl NodeService {
     /// Opens a node-to-node request, refusing one for another cluster or protocol version.
     fn open<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, Status> {
-        let envelope = self.open_envelope(bytes)?;
-        self.check_cluster(&envelope.cluster_id, false)?;
-        Ok(envelope.body)
+        self.gate.open(bytes).map_err(Refusal::into_status)
     }
 
     /// Opens a client request: clients may leave the cluster id open (`*`).
     fn open_from_client<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, Status> {
-        let envelope = self.open_envelope(bytes)?;
-        self.check_cluster(&envelope.cluster_id, true)?;
-        Ok(envelope.body)
-    }
-
-    fn open_envelope<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<Envelope<T>, Status> {
-        let envelope: Envelope<T> =
-            serde_json::from_slice(bytes).map_err(|e| failed(format!("malformed request: {e}")))?;
-        if envelope.protocol != self.node.protocol() {
-            return Err(Refusal::VersionMismatch {
-                node_id: self.node.id(),
-                protocol: self.node.protocol(),
-            }
-            .into_status());
-        }
-        Ok(envelope)
-    }
-
-    fn check_cluster(&self, cluster_id: &str, any_allowed: bool) -> Result<(), Status> {
-        if cluster_id == self.node.config.cluster_id || (any_allowed && cluster_id == ANY_CLUSTER) {
-            return Ok(());
-        }
-        Err(Refusal::WrongCluster {
-            node_id: self.node.id(),
-            cluster_id: self.node.config.cluster_id.clone(),
-        }
-        .into_status())
+        self.gate.open_from_client(bytes).map_err(Refusal::into_status)
     }
 
     async fn action(
@@ -151,29 +127,25 @@ impl NodeService {
                 self.open::<()>(body)?;
                 reply(&node.identity())
             }
-            ACTION_RAFT_APPEND => reply(&node.raft.append_entries(self.open(body)?).await),
-            ACTION_RAFT_VOTE => reply(&node.raft.vote(self.open(body)?).await),
-            ACTION_RAFT_SNAPSHOT => reply(&node.raft.install_snapshot(self.open(body)?).await),
+            ACTION_RAFT_APPEND => reply(&node.meta.raft().append_entries(self.open(body)?).await),
+            ACTION_RAFT_VOTE => reply(&node.meta.raft().vote(self.open(body)?).await),
+            ACTION_RAFT_SNAPSHOT => reply(&node.meta.raft().install_snapshot(self.open(body)?).await),
             ACTION_META_WRITE => {
                 let command: MetaCommand = self.open(body)?;
-                let result: Result<MetaResponse, Refusal> = if node.is_leader() {
-                    node.write_as_leader(command)
+                let result: Result<MetaResponse, Refusal> = if node.meta.is_leader() {
+                    node.meta.write_as_leader(command)
                         .await
                         .map_err(|e| Refusal::Failed(e.to_string()))
                 } else {
                     Err(Refusal::NotLeader {
-                        leader: node.leader(),
+                        leader: node.meta.leader(),
                     })
                 };
                 reply(&result)
             }
             ACTION_READ_INDEX => {
                 self.open::<()>(body)?;
-                let result: Result<u64, Refusal> = match node.raft.ensure_linearizable().await {
-                    Ok(log_id) => Ok(log_id.map_or(0, |l| l.index)),
-                    Err(e) => Err(Refusal::Failed(e.to_string())),
-                };
-                reply(&result)
+                reply(&node.meta.read_index().await)
             }
             ACTION_HEARTBEAT => {
                 let (heartbeat, suspects): (Heartbeat, Vec<NodeId>) = self.open(body)?;
@@ -266,8 +238,8 @@ impl NodeService {
             }
             ACTION_STATUS => {
                 self.open_from_client::<()>(body)?;
-                let metrics = node.raft.metrics().borrow().clone();
-                let view = node.view();
+                let metrics = node.meta.raft().metrics().borrow().clone();
+                let view = node.meta.view();
                 let status = NodeStatus {
                     node_id: node.id(),
                     listen: node.config.listen.to_string(),
@@ -363,7 +335,7 @@ impl NodeService {
     async fn wait_for_table(&self, table: &str) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while self.node.store.table_def(table).is_none() && std::time::Instant::now() < deadline {
-            let view = self.node.catch_up_with_leader().await;
+            let view = self.node.meta.catch_up_with_leader().await;
             tracing::debug!(
                 table,
                 applied = view.applied_index,
@@ -391,8 +363,8 @@ impl NodeService {
             let node = self.node.clone();
             let replica = forward.node;
             let task = tokio::spawn(async move {
-                match node.addr_of(replica) {
-                    Some(addr) => node.clients.prepare_stream(&addr, onward, receiver).await,
+                match node.meta.addr_of(replica) {
+                    Some(addr) => crate::rpc::prepare(&node.clients, &addr, &onward, receiver).await,
                     None => Err(CallError::Transport(format!(
                         "node {replica} has no address"
                     ))),
@@ -546,7 +518,7 @@ impl NodeService {
         scan: ScanRequest,
     ) -> Result<(arrow::datatypes::SchemaRef, Vec<RecordBatch>), Status> {
         let node = self.node.clone();
-        node.wait_for_epoch(scan.epoch, Duration::from_secs(10))
+        node.meta.wait_for_epoch(scan.epoch, Duration::from_secs(10))
             .await
             .map_err(failed)?;
         let def = self.local_table(&scan.table, scan.generation)?;
@@ -657,49 +629,43 @@ impl FlightService for NodeService {
         &self,
         request: Request<Ticket>,
     ) -> Result<Response<Self::DoGetStream>, Status> {
+        let request: TaggedRequest = self.open(&request.into_inner().ticket)?;
+        let decode_error = Refusal::into_status;
         let mut metadata = Bytes::new();
-        let (schema, batches) = match self.open(&request.into_inner().ticket)? {
-            GetRequest::Scan(scan) => self.scan(scan).await?,
-            GetRequest::RunStages(run) => return self.run_stages(run),
-            GetRequest::Spool {
-                query,
-                exchange,
-                channel,
-                bucket,
-            } => return self.follow_spool((query, exchange, channel), bucket),
-            GetRequest::Versions {
-                table,
-                generation,
-                partition,
-                since,
-            } => {
-                self.node.catch_up_with_leader().await;
-                let def = self.local_table(&table, generation)?;
+        let (schema, batches) = match request.kind.as_str() {
+            ScanRequest::KIND => self.scan(request.decode().map_err(decode_error)?).await?,
+            RunRequest::KIND => return self.run_stages(request.decode().map_err(decode_error)?),
+            SpoolRequest::KIND => {
+                let spool: SpoolRequest = request.decode().map_err(decode_error)?;
+                return self.follow_spool((spool.query, spool.exchange, spool.channel), spool.bucket);
+            }
+            VersionsRequest::KIND => {
+                let versions: VersionsRequest = request.decode().map_err(decode_error)?;
+                self.node.meta.catch_up_with_leader().await;
+                let def = self.local_table(&versions.table, versions.generation)?;
                 let store = self.node.store.clone();
                 let batches = tokio::task::spawn_blocking(move || {
-                    store.partition_versions(&table, partition, since)
+                    store.partition_versions(&versions.table, versions.partition, versions.since)
                 })
                 .await
                 .map_err(failed)?
                 .map_err(failed)?;
                 (tessera_storage::versions::stored_schema(&def), batches)
             }
-            GetRequest::Export {
-                table,
-                generation,
-                partition,
-            } => {
-                self.node.catch_up_with_leader().await;
-                let def = self.local_table(&table, generation)?;
+            ExportRequest::KIND => {
+                let export: ExportRequest = request.decode().map_err(decode_error)?;
+                self.node.meta.catch_up_with_leader().await;
+                let def = self.local_table(&export.table, export.generation)?;
                 let (components, memtable) = self
                     .node
                     .store
-                    .export_partition(&table, partition)
+                    .export_partition(&export.table, export.partition)
                     .map_err(failed)?;
                 metadata = Bytes::from(serde_json::to_vec(&components).map_err(failed)?);
                 (tessera_storage::versions::stored_schema(&def), memtable)
             }
-            GetRequest::Component { hash } => {
+            ComponentRequest::KIND => {
+                let ComponentRequest { hash } = request.decode().map_err(decode_error)?;
                 let store = self.node.store.clone();
                 let bytes = tokio::task::spawn_blocking(move || store.component_bytes(&hash))
                     .await
@@ -718,6 +684,7 @@ impl FlightService for NodeService {
                     .collect();
                 return Ok(Response::new(futures::stream::iter(chunks).boxed()));
             }
+            other => return Err(failed(format!("malformed request: unknown do_get request {other:?}"))),
         };
         let stream = FlightDataEncoderBuilder::new()
             .with_schema(schema)
@@ -740,28 +707,35 @@ impl FlightService for NodeService {
             .flight_descriptor
             .clone()
             .ok_or_else(|| failed("a prepare stream starts with a descriptor"))?;
-        let envelope: Envelope<PutRequest> = self.open_envelope(&descriptor.cmd)?;
-        self.check_cluster(
-            &envelope.cluster_id,
-            matches!(envelope.body, PutRequest::Publish { .. }),
-        )?;
+        let envelope: Envelope<TaggedRequest> = self
+            .gate
+            .open_envelope(&descriptor.cmd)
+            .map_err(Refusal::into_status)?;
         let request = envelope.body;
+        // Clients publish without knowing the cluster's id; nodes name it.
+        self.gate
+            .check_cluster(&envelope.cluster_id, request.kind == PublishRequest::KIND)
+            .map_err(Refusal::into_status)?;
+        let decode_error = Refusal::into_status;
         let rest = input.map_err(arrow_flight::error::FlightError::from);
         let data = futures::stream::once(async { Ok(first) }).chain(rest);
-        let app_metadata = match request {
-            PutRequest::Prepare(prepare) => {
+        let app_metadata = match request.kind.as_str() {
+            PrepareRequest::KIND => {
+                let prepare: PrepareRequest = request.decode().map_err(decode_error)?;
                 let batches = FlightRecordBatchStream::new_from_flight_data(data);
                 let reply = self.prepare(prepare, batches).await?;
                 Bytes::from(serde_json::to_vec(&reply).map_err(failed)?)
             }
-            PutRequest::Exchange(header) => {
+            ExchangeHeader::KIND => {
+                let header: ExchangeHeader = request.decode().map_err(decode_error)?;
                 let messages = arrow_flight::decode::FlightDataDecoder::new(data);
                 crate::query::exchange::receive(&self.node.queries, &header, messages)
                     .await
                     .map_err(failed)?;
                 Bytes::new()
             }
-            PutRequest::Publish { table, deletes } => {
+            PublishRequest::KIND => {
+                let PublishRequest { table, deletes } = request.decode().map_err(decode_error)?;
                 let batches = FlightRecordBatchStream::new_from_flight_data(data);
                 let rows: Vec<RecordBatch> = batches.try_collect().await.map_err(failed)?;
                 let changes = if deletes {
@@ -782,6 +756,7 @@ impl FlightService for NodeService {
                     .map_err(failed)?;
                 Bytes::from(serde_json::to_vec(&epoch).map_err(failed)?)
             }
+            other => return Err(failed(format!("malformed request: unknown do_put request {other:?}"))),
         };
         let done = PutResult { app_metadata };
         Ok(Response::new(

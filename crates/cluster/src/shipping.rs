@@ -43,7 +43,7 @@ pub async fn checkpoint(node: &Arc<Node>) -> Result<()> {
         "checkpoint: asking primaries of lagging standby partitions to flush"
     );
     for (primary, partitions) in lagging {
-        let Some(addr) = node.addr_of(primary) else {
+        let Some(addr) = node.meta.addr_of(primary) else {
             continue;
         };
         let flushed: Result<()> = call(node, &addr, ACTION_FLUSH, (), FLUSH_PATIENCE).await;
@@ -65,7 +65,7 @@ pub async fn checkpoint(node: &Arc<Node>) -> Result<()> {
 
 /// The partitions holding logged rows no component covers yet, by their primary.
 fn lagging_by_primary(node: &Arc<Node>) -> BTreeMap<NodeId, Vec<TablePartition>> {
-    let view = node.view();
+    let view = node.meta.view();
     let mut lagging: BTreeMap<NodeId, Vec<TablePartition>> = BTreeMap::new();
     for (table, partition) in node.store.standby_lag() {
         let Some(def) = view.state.tables.get(&table) else {
@@ -85,7 +85,7 @@ fn lagging_by_primary(node: &Arc<Node>) -> BTreeMap<NodeId, Vec<TablePartition>>
 /// Tells the standbys of every partition this node is primary of, and whose components
 /// changed since the last announcement, to pull them.
 pub async fn announce(node: &Arc<Node>) {
-    let view = node.view();
+    let view = node.meta.view();
     let mut by_standby: BTreeMap<NodeId, Vec<TablePartition>> = BTreeMap::new();
     for (table, def) in &view.state.tables {
         for (i, placement) in view.state.map.partitions.iter().enumerate() {
@@ -114,7 +114,7 @@ pub async fn announce(node: &Arc<Node>) {
         }
     }
     for (standby, partitions) in by_standby {
-        let Some(addr) = node.addr_of(standby) else {
+        let Some(addr) = node.meta.addr_of(standby) else {
             continue;
         };
         let request = ComponentsRequest { partitions };
@@ -141,7 +141,7 @@ pub async fn pull_from_primaries(
 ) -> Result<usize> {
     let mut installed = 0;
     for (table, generation, partition) in partitions {
-        let view = node.view();
+        let view = node.meta.view();
         let current = view
             .state
             .tables
@@ -151,7 +151,7 @@ pub async fn pull_from_primaries(
         let Some(primary) = primary.filter(|p| current && *p != node.id()) else {
             continue;
         };
-        let addr = node.addr_of(primary).ok_or(ClusterError::NoLeader)?;
+        let addr = node.meta.require_addr(primary)?;
         let request = (table.clone(), generation, partition);
         let shipped: ShippedManifest = call(
             node,

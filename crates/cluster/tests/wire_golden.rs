@@ -31,6 +31,12 @@ impl Samples {
         self.0.push((name.to_string(), String::from_utf8(bytes).unwrap()));
     }
 
+    /// A `do_get` ticket or `do_put` descriptor: the request tagged with its kind.
+    fn tagged<R: WireRequest>(&mut self, name: &str, request: R) {
+        let bytes = tessera_net::encode_request(CLUSTER, PROTOCOL_VERSION, &request);
+        self.0.push((name.to_string(), String::from_utf8(bytes).unwrap()));
+    }
+
     /// A reply or a stored value, as plain JSON.
     fn value<T: Serialize>(&mut self, name: &str, value: &T) {
         self.0
@@ -249,42 +255,42 @@ fn samples() -> Samples {
     );
 
     // `do_get` tickets.
-    s.request(
+    s.tagged(
         "get scan",
-        GetRequest::Scan(ScanRequest {
+        ScanRequest {
             table: "kv".into(),
             generation: 7,
             epoch: Epoch(4),
             partitions: vec![PartitionId(0), PartitionId(2)],
             columns: vec![0, 1],
-        }),
+        },
     );
-    s.request(
+    s.tagged(
         "get versions",
-        GetRequest::Versions {
+        VersionsRequest {
             table: "kv".into(),
             generation: 7,
             partition: PartitionId(1),
             since: Epoch(3),
         },
     );
-    s.request(
+    s.tagged(
         "get export",
-        GetRequest::Export {
+        ExportRequest {
             table: "kv".into(),
             generation: 7,
             partition: PartitionId(1),
         },
     );
-    s.request(
+    s.tagged(
         "get component",
-        GetRequest::Component {
+        ComponentRequest {
             hash: ComponentHash::of_bytes(b"a component"),
         },
     );
-    s.request(
+    s.tagged(
         "get run-stages",
-        GetRequest::RunStages(RunRequest {
+        RunRequest {
             query: 0xfeed,
             initiator: 1,
             stages: vec![StageTask {
@@ -293,11 +299,11 @@ fn samples() -> Samples {
                 channels: vec![0, 3],
             }],
             lineage: true,
-        }),
+        },
     );
-    s.request(
+    s.tagged(
         "get spool",
-        GetRequest::Spool {
+        SpoolRequest {
             query: 0xfeed,
             exchange: 2,
             channel: 1,
@@ -306,9 +312,9 @@ fn samples() -> Samples {
     );
 
     // `do_put` descriptors.
-    s.request(
+    s.tagged(
         "put prepare",
-        PutRequest::Prepare(PrepareRequest {
+        PrepareRequest {
             epoch: Epoch(4),
             table: "kv".into(),
             deletes: false,
@@ -316,25 +322,25 @@ fn samples() -> Samples {
                 node: 2,
                 partitions: vec![PartitionId(1)],
             }],
-        }),
+        },
     );
-    s.request(
+    s.tagged(
         "put publish",
-        PutRequest::Publish {
+        PublishRequest {
             table: "kv".into(),
             deletes: true,
         },
     );
-    s.request(
+    s.tagged(
         "put exchange",
-        PutRequest::Exchange(ExchangeHeader {
+        ExchangeHeader {
             query: 0xfeed,
             exchange: 2,
             sender: 1,
             senders_per_bucket: 4,
             buckets: vec![0, 2],
             lineage: true,
-        }),
+        },
     );
     s.value(
         "exchange batch tag",

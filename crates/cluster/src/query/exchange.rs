@@ -11,7 +11,7 @@
 use super::spool::{Spool, SpoolKey};
 use super::{now_us, ChannelReport, QueryId, StageId};
 use crate::node::Node;
-use crate::rpc::{CallError, ExchangeHeader, PutRequest};
+use crate::rpc::{CallError, ExchangeHeader};
 use crate::NodeId;
 use arrow::array::RecordBatch;
 use arrow::compute::BatchCoalescer;
@@ -1030,7 +1030,7 @@ impl ChannelWriter {
                     futures::stream::once(async move { first }).chain(tokio_stream_from(rx));
                 let call = tokio::spawn(async move {
                     clients
-                        .put_flight(&addr, PutRequest::Exchange(header), messages)
+                        .put_flight(&addr, &header, messages)
                         .await
                 });
                 Link::Remote {

@@ -14,7 +14,7 @@
 use super::exchange::{tokio_stream_from, ExchangeMode, ReadSpec, Replay};
 use crate::meta::{LineageEntry, MetaCommand};
 use crate::node::Node;
-use crate::rpc::GetRequest;
+use crate::rpc::SpoolRequest;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::common::{DataFusionError, Result as DfResult};
@@ -59,7 +59,7 @@ pub async fn commit_lineage(node: Arc<Node>) {
             entries,
         };
         let started = std::time::Instant::now();
-        let written = node.write(command).await;
+        let written = node.meta.write(command).await;
         tracing::debug!(
             took_us = started.elapsed().as_micros() as u64,
             "lineage round committed"
@@ -102,7 +102,7 @@ pub fn replay_bucket(
         feeds.insert(sender, rx);
         let holder = replay.producers.get(sender).copied();
         let addr = holder.and_then(|at| replay.addrs.get(&at).cloned());
-        let request = GetRequest::Spool {
+        let request = SpoolRequest {
             query: spec.query,
             exchange: spec.exchange,
             channel: sender,
@@ -118,7 +118,7 @@ pub fn replay_bucket(
                     .await;
                 return;
             };
-            let mut batches = match clients.get(&addr, request).await {
+            let mut batches = match clients.get(&addr, &request).await {
                 Ok(batches) => batches,
                 Err(error) => {
                     let _ = tx

@@ -80,7 +80,7 @@ impl Recovery {
         }
         // Past the leader's commit of the node's death, so past every lineage entry the
         // dead node's committer had written.
-        let view = node.catch_up_with_leader().await;
+        let view = node.meta.catch_up_with_leader().await;
         let survivors: Vec<NodeId> = view
             .state
             .live_nodes()

@@ -44,6 +44,32 @@ pub struct RunRequest {
     pub lineage: bool,
 }
 
+impl crate::rpc::WireRequest for RunRequest {
+    const KIND: &'static str = "RunStages";
+}
+
+/// Starts channels of a query on the node at `addr`; yields their reports as they end.
+pub async fn run_stages_at(
+    clients: &crate::rpc::Clients,
+    addr: &str,
+    request: &RunRequest,
+) -> Result<
+    impl futures::Stream<Item = Result<StagesEvent, crate::rpc::CallError>> + use<>,
+    crate::rpc::CallError,
+> {
+    let stream = clients.get_messages(addr, request).await?;
+    let addr = addr.to_string();
+    Ok(stream.map(move |message| {
+        serde_json::from_slice(&message?.app_metadata).map_err(|e| {
+            crate::rpc::CallError::Undecodable {
+                what: "channel report",
+                addr: addr.clone(),
+                reason: e.to_string(),
+            }
+        })
+    }))
+}
+
 /// What a node's `RunStages` stream carries.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum StagesEvent {
@@ -349,13 +375,13 @@ pub fn encode(node: &Arc<Node>, plan: &DistributedPlan) -> DfResult<Work> {
 fn call_run_stages(node: &Arc<Node>, at: NodeId, request: RunRequest, events: mpsc::Sender<Event>) {
     let node = node.clone();
     tokio::spawn(async move {
-        let Some(addr) = node.addr_of(at) else {
+        let Some(addr) = node.meta.addr_of(at) else {
             let _ = events
                 .send(Event::NodeRefused(at, "no known address".into()))
                 .await;
             return;
         };
-        let mut stream = match node.clients.run_stages(&addr, request).await {
+        let mut stream = match run_stages_at(&node.clients, &addr, &request).await {
             Ok(stream) => stream,
             Err(error) => {
                 let _ = events.send(Event::broken(&node, at, error)).await;
@@ -572,6 +598,7 @@ impl Drop for EndEverywhere {
             let node = self.node.clone();
             runtime.spawn(async move {
                 if let Err(error) = node
+                    .meta
                     .write(crate::meta::MetaCommand::LineageEnd { query })
                     .await
                 {
@@ -583,7 +610,7 @@ impl Drop for EndEverywhere {
             .participants
             .iter()
             .filter(|&&at| at != self.node.id())
-            .filter_map(|&at| self.node.addr_of(at))
+            .filter_map(|&at| self.node.meta.addr_of(at))
             .map(|addr| {
                 let clients = self.node.clients.clone();
                 async move {

@@ -5,7 +5,7 @@
 //! the middle of an append) is cut off at start. Truncation and purging rewrite the file
 //! atomically; both are rare (conflict resolution, after a snapshot).
 
-use super::TypeConfig;
+use crate::TypeConfig;
 use crate::NodeId;
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{

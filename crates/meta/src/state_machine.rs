@@ -6,8 +6,8 @@
 //! again at start (the log store keeps the committed index), and every local effect is
 //! idempotent, so a replay changes nothing that was already done.
 
-use super::state::{LocalEffect, MetaResponse, MetaState};
-use super::TypeConfig;
+use crate::state::{LocalEffect, MetaResponse, MetaState};
+use crate::TypeConfig;
 use crate::NodeId;
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{

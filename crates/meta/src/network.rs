@@ -1,7 +1,8 @@
 //! Raft messages between nodes, carried as Flight actions.
 
-use crate::meta::TypeConfig;
-use crate::rpc::{CallError, Clients, ACTION_RAFT_APPEND, ACTION_RAFT_SNAPSHOT, ACTION_RAFT_VOTE};
+use crate::TypeConfig;
+use crate::wire::{ACTION_RAFT_APPEND, ACTION_RAFT_SNAPSHOT, ACTION_RAFT_VOTE};
+use tessera_net::{CallError, Clients};
 use crate::NodeId;
 use openraft::error::{
     InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,

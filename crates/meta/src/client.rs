@@ -1,0 +1,274 @@
+//! [`MetaClient`]: how every layer reads and writes the metadata, wherever the leader is.
+
+use crate::error::{MetaError, Result};
+use crate::wire::{ACTION_META_WRITE, ACTION_READ_INDEX};
+use crate::{MetaCommand, MetaResponse, MetaView, NodeId, Raft};
+use openraft::ServerState;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tessera_common::Epoch;
+use tessera_net::{CallError, Clients, Refusal};
+use tokio::sync::watch;
+
+/// How long a metadata write keeps looking for a leader.
+const WRITE_PATIENCE: Duration = Duration::from_secs(15);
+/// How long one forwarded write may take at the leader.
+const FORWARDED_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Pause between attempts while no leader answers.
+const RETRY_PAUSE: Duration = Duration::from_millis(100);
+/// How long a read index from the leader may take.
+const READ_INDEX_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long this node may take to apply up to a read index.
+const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A node's handle on the metadata group: its Raft member, the state it has applied, and
+/// connections to reach the leader. Cheap to clone.
+#[derive(Clone)]
+pub struct MetaClient {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    id: NodeId,
+    raft: Raft,
+    applied: watch::Receiver<Arc<MetaView>>,
+    clients: Arc<Clients>,
+    /// The configured peers, for a node not yet in the metadata group (a joining node).
+    peers: Vec<(NodeId, String)>,
+}
+
+impl std::fmt::Debug for MetaClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetaClient")
+            .field("node", &self.inner.id)
+            .finish()
+    }
+}
+
+impl MetaClient {
+    pub fn new(
+        id: NodeId,
+        raft: Raft,
+        applied: watch::Receiver<Arc<MetaView>>,
+        clients: Arc<Clients>,
+        peers: Vec<(NodeId, String)>,
+    ) -> MetaClient {
+        MetaClient {
+            inner: Arc::new(Inner {
+                id,
+                raft,
+                applied,
+                clients,
+                peers,
+            }),
+        }
+    }
+
+    /// This node's id.
+    pub fn id(&self) -> NodeId {
+        self.inner.id
+    }
+
+    /// This node's Raft member (for the server's dispatch of Raft messages and the
+    /// leader's membership duties).
+    pub fn raft(&self) -> &Raft {
+        &self.inner.raft
+    }
+
+    /// The metadata as this node last applied it.
+    pub fn view(&self) -> Arc<MetaView> {
+        self.inner.applied.borrow().clone()
+    }
+
+    pub fn leader(&self) -> Option<NodeId> {
+        self.inner.raft.metrics().borrow().current_leader
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.inner.raft.metrics().borrow().state == ServerState::Leader
+    }
+
+    /// Where node `id` listens, from the metadata, Raft membership or the configuration.
+    pub fn addr_of(&self, id: NodeId) -> Option<String> {
+        if let Some(node) = self.view().state.nodes.get(&id) {
+            return Some(node.addr.clone());
+        }
+        let metrics = self.inner.raft.metrics().borrow().clone();
+        if let Some(node) = metrics.membership_config.nodes().find(|(n, _)| **n == id) {
+            return Some(node.1.addr.clone());
+        }
+        self.inner
+            .peers
+            .iter()
+            .find(|(peer, _)| *peer == id)
+            .map(|(_, addr)| addr.clone())
+    }
+
+    /// As [`MetaClient::addr_of`], or an error naming the node.
+    pub fn require_addr(&self, id: NodeId) -> Result<String> {
+        self.addr_of(id).ok_or(MetaError::NoAddress { node: id })
+    }
+
+    /// Proposes a metadata command through the leader, wherever it is, retrying while an
+    /// election runs (up to [`WRITE_PATIENCE`]).
+    pub async fn write(&self, command: MetaCommand) -> Result<MetaResponse> {
+        let deadline = Instant::now() + WRITE_PATIENCE;
+        let mut last_error = MetaError::NoLeader;
+        while Instant::now() < deadline {
+            match self.write_once(&command).await {
+                Ok(MetaResponse::Refused(reason)) => return Err(MetaError::Refused(reason)),
+                Ok(MetaResponse::TableBusy(reason)) => return Err(MetaError::TableBusy(reason)),
+                Ok(MetaResponse::Fenced(reason)) => return Err(MetaError::Fenced(reason)),
+                Ok(response) => return Ok(response),
+                Err(e) => last_error = e,
+            }
+            tokio::time::sleep(RETRY_PAUSE).await;
+        }
+        Err(last_error)
+    }
+
+    async fn write_once(&self, command: &MetaCommand) -> Result<MetaResponse> {
+        let leader = match self.leader() {
+            Some(leader) => leader,
+            // Not yet in the metadata group (a joining node): ask the configured peers.
+            None => return self.write_via_peers(command).await,
+        };
+        if leader == self.id() {
+            return self.write_as_leader(command.clone()).await;
+        }
+        self.write_at(leader, command).await
+    }
+
+    async fn write_via_peers(&self, command: &MetaCommand) -> Result<MetaResponse> {
+        for (peer, _) in self.inner.peers.iter().filter(|(p, _)| *p != self.id()) {
+            match self.write_at(*peer, command).await {
+                Err(MetaError::NotLeader(Some(leader))) => {
+                    return self.write_at(leader, command).await
+                }
+                Err(_) => continue,
+                done => return done,
+            }
+        }
+        Err(MetaError::NoLeader)
+    }
+
+    async fn write_at(&self, leader: NodeId, command: &MetaCommand) -> Result<MetaResponse> {
+        let addr = self.require_addr(leader)?;
+        let reply: std::result::Result<std::result::Result<MetaResponse, Refusal>, CallError> =
+            self.inner
+                .clients
+                .action(&addr, ACTION_META_WRITE, command, FORWARDED_WRITE_TIMEOUT)
+                .await;
+        match reply {
+            Ok(Ok(response)) => Ok(response),
+            Ok(Err(Refusal::NotLeader { leader })) => Err(MetaError::NotLeader(leader)),
+            Ok(Err(refusal)) => Err(MetaError::Raft(format!("{refusal:?}"))),
+            Err(e) => Err(MetaError::Unreachable {
+                node: leader,
+                addr,
+                reason: e.to_string(),
+            }),
+        }
+    }
+
+    /// Runs a command on this node if it leads.
+    pub async fn write_as_leader(&self, command: MetaCommand) -> Result<MetaResponse> {
+        match self.inner.raft.client_write(command).await {
+            Ok(response) => Ok(response.data),
+            Err(e) => Err(MetaError::raft(e)),
+        }
+    }
+
+    /// What a leader answers to a read-index request: its commit index, once it has
+    /// confirmed that it still leads.
+    pub async fn read_index(&self) -> std::result::Result<u64, Refusal> {
+        match self.inner.raft.ensure_linearizable().await {
+            Ok(log_id) => Ok(log_id.map_or(0, |l| l.index)),
+            Err(e) => Err(Refusal::Failed(e.to_string())),
+        }
+    }
+
+    /// Waits until this node has applied every metadata entry the leader had committed when
+    /// asked, so a read here sees every publish acknowledged anywhere before it. Falls back to
+    /// the local view if no leader answers in time (an election is running).
+    pub async fn catch_up_with_leader(&self) -> Arc<MetaView> {
+        let target = if self.is_leader() {
+            self.inner
+                .raft
+                .ensure_linearizable()
+                .await
+                .ok()
+                .flatten()
+                .map(|l| l.index)
+        } else if let Some(addr) = self.leader().and_then(|l| self.addr_of(l)) {
+            let reply: std::result::Result<std::result::Result<u64, Refusal>, CallError> = self
+                .inner
+                .clients
+                .action(&addr, ACTION_READ_INDEX, (), READ_INDEX_TIMEOUT)
+                .await;
+            reply.ok().and_then(|r| r.ok())
+        } else {
+            None
+        };
+        if let Some(index) = target {
+            let mut applied = self.inner.applied.clone();
+            let reached = tokio::time::timeout(
+                CATCH_UP_TIMEOUT,
+                applied.wait_for(|view| view.applied_index >= index),
+            )
+            .await
+            .is_ok_and(|r| r.is_ok());
+            if !reached {
+                tracing::warn!(index, "metadata did not catch up with the leader in time");
+            }
+        }
+        self.view()
+    }
+
+    /// Waits until `condition` holds of the applied metadata, up to `patience`; true if it
+    /// does.
+    pub async fn wait_until(
+        &self,
+        patience: Duration,
+        condition: impl FnMut(&Arc<MetaView>) -> bool,
+    ) -> bool {
+        let mut applied = self.inner.applied.clone();
+        tokio::time::timeout(patience, applied.wait_for(condition))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// Waits until this node's metadata shows `epoch` visible (scans at an epoch).
+    pub async fn wait_for_epoch(&self, epoch: Epoch, timeout: Duration) -> Result<()> {
+        if self
+            .wait_until(timeout, |view| view.state.visible >= epoch)
+            .await
+        {
+            return Ok(());
+        }
+        Err(MetaError::EpochNotVisible {
+            node: self.id(),
+            epoch,
+            visible: self.view().state.visible,
+        })
+    }
+
+    /// Waits (up to `patience`) until the metadata shows this node alive; after a false
+    /// suspicion the next heartbeat revives it.
+    pub async fn wait_until_alive(&self, patience: Duration) {
+        let id = self.id();
+        self.wait_until(patience, |view| {
+            view.state.nodes.get(&id).is_some_and(|n| n.alive)
+        })
+        .await;
+    }
+
+    /// Waits (up to `patience`) until the metadata shows node `id` failed, so the next
+    /// placement read has promoted other replicas in its place.
+    pub async fn wait_until_failed(&self, id: NodeId, patience: Duration) {
+        self.wait_until(patience, |view| {
+            view.state.nodes.get(&id).is_none_or(|n| !n.alive)
+        })
+        .await;
+    }
+}

@@ -1,0 +1,49 @@
+//! Why a metadata read or write did not happen, naming the node or epoch at fault.
+
+use crate::NodeId;
+use tessera_common::Epoch;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum MetaError {
+    #[error("no metadata leader is known yet; the cluster may still be electing one (a majority of voters must be up)")]
+    NoLeader,
+    #[error("this node does not lead the metadata group (leader: {0:?})")]
+    NotLeader(Option<NodeId>),
+    /// The metadata knows no address for a node (it never joined, or was retired).
+    #[error("node {node} has no known address in the metadata or the configuration")]
+    NoAddress { node: NodeId },
+    #[error("metadata leader {node} ({addr}) is unreachable: {reason}")]
+    Unreachable {
+        node: NodeId,
+        addr: String,
+        reason: String,
+    },
+    #[error("metadata: {0}")]
+    Raft(String),
+    /// The state machine refused the command; the state is unchanged.
+    #[error("{0}")]
+    Refused(String),
+    /// A table is leased to another writer; retrying later may succeed.
+    #[error("{0}")]
+    TableBusy(String),
+    /// This node was declared failed, and may not take an epoch until it is alive again.
+    #[error("this node was declared failed: {0}")]
+    Fenced(String),
+    #[error("node {node} has not yet learnt that epoch {epoch} is visible (it sees epoch {visible})")]
+    EpochNotVisible {
+        node: NodeId,
+        epoch: Epoch,
+        visible: Epoch,
+    },
+    #[error("the metadata leader could not confirm its leadership for a linearizable read: {0}")]
+    ReadIndex(String),
+}
+
+impl MetaError {
+    pub fn raft(error: impl std::fmt::Display) -> MetaError {
+        MetaError::Raft(error.to_string())
+    }
+}
+
+pub type Result<T, E = MetaError> = std::result::Result<T, E>;

@@ -1,0 +1,42 @@
+//! The metadata service (DESIGN §3, §5): a Raft group (openraft) over [`MetaState`] — the
+//! members and their liveness, the partition map, the catalog, epochs and their leases, and
+//! the lineage of running queries — and [`MetaClient`], the handle every other layer
+//! reads and writes it through.
+//!
+//! - [`state`]: the deterministic state machine: commands, their effects, the invariants.
+//! - [`log_store`], [`state_machine`]: Raft's durable log and the applied state with its
+//!   snapshots; applying an entry hands the local store its [`LocalEffect`]s.
+//! - [`network`]: Raft messages between nodes, as Flight actions.
+//! - [`client`]: writes through the leader wherever it is, linearizable catch-up, waits on
+//!   the applied state.
+//!
+//! Architecture invariant: this crate decides nothing about data movement or queries; it
+//! records what the layers above decide, and applies it deterministically on every node.
+//! API boundary: [`MetaClient`] for reads and writes; [`MetaState`] for reading a view.
+
+pub mod client;
+pub mod error;
+pub mod log_store;
+pub mod network;
+pub mod state;
+pub mod state_machine;
+pub mod wire;
+
+pub use client::MetaClient;
+pub use error::MetaError;
+pub use state::{
+    InboxLineage, LineageEntry, LocalEffect, MetaCommand, MetaResponse, MetaState, NodeInfo,
+    OpenEpoch, PartitionMap, Placement, QueryLineage,
+};
+pub use state_machine::MetaView;
+pub use tessera_common::NodeId;
+use std::io::Cursor;
+
+openraft::declare_raft_types!(
+    /// Raft types of the metadata group.
+    pub TypeConfig:
+        D = MetaCommand,
+        R = MetaResponse,
+);
+
+pub type Raft = openraft::Raft<TypeConfig>;

@@ -1,0 +1,19 @@
+//! The metadata's requests between nodes (Flight actions), and what they carry.
+
+use crate::NodeId;
+use serde::{Deserialize, Serialize};
+
+pub const ACTION_RAFT_APPEND: &str = "raft-append";
+pub const ACTION_RAFT_VOTE: &str = "raft-vote";
+pub const ACTION_RAFT_SNAPSHOT: &str = "raft-snapshot";
+/// A [`crate::MetaCommand`] for the leader to write; answered `Result<MetaResponse, Refusal>`.
+pub const ACTION_META_WRITE: &str = "meta-write";
+/// The leader's commit index, once it has confirmed it still leads (a read index).
+pub const ACTION_READ_INDEX: &str = "read-index";
+/// A node's [`Heartbeat`] to the leader, with the nodes it suspects.
+pub const ACTION_HEARTBEAT: &str = "heartbeat";
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub node_id: NodeId,
+}

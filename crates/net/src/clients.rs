@@ -1,0 +1,276 @@
+//! Connections to other nodes, one HTTP/2 channel per address, made lazily and reused.
+
+use crate::envelope::{encode_envelope, Tagged, WireRequest};
+use crate::error::CallError;
+use arrow::array::RecordBatch;
+use arrow_flight::decode::{DecodedFlightData, FlightRecordBatchStream};
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::flight_service_client::FlightServiceClient;
+use arrow_flight::{Action, FlightClient, FlightData, FlightDescriptor, Ticket};
+use bytes::Bytes;
+use futures::{Stream, StreamExt, TryStreamExt};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+use tonic::transport::{Channel, Endpoint};
+
+/// The largest gRPC message accepted.
+pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+
+/// HTTP/2 receive windows. All streams from one node share one connection, and an
+/// exchange stream whose inbox is full stops being read (flow control) while holding up to
+/// a stream window of the connection's window. The connection window must exceed what all
+/// such streams can hold, or one full inbox would stall every other stream on the
+/// connection, including those that would let it drain (a distributed deadlock).
+pub const STREAM_WINDOW_BYTES: u32 = 2 << 20;
+pub const CONNECTION_WINDOW_BYTES: u32 = 1 << 30;
+
+/// How long a connection attempt may take before the node counts as unreachable.
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+/// HTTP/2 pings on idle connections, so a dead peer is noticed within a few seconds.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_millis(500);
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Connections to other nodes, speaking for one cluster and protocol version.
+pub struct Clients {
+    cluster_id: String,
+    protocol: u32,
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+impl Clients {
+    pub fn new(cluster_id: &str, protocol: u32) -> Clients {
+        Clients {
+            cluster_id: cluster_id.to_string(),
+            protocol,
+            channels: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    fn channel(&self, addr: &str) -> Result<Channel, CallError> {
+        let mut channels = self.channels.lock().expect("channels lock");
+        if let Some(channel) = channels.get(addr) {
+            return Ok(channel.clone());
+        }
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| CallError::BadAddress {
+                addr: addr.to_string(),
+                reason: e.to_string(),
+            })?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true)
+            .initial_stream_window_size(STREAM_WINDOW_BYTES)
+            .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+            .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
+            .keep_alive_timeout(KEEP_ALIVE_TIMEOUT);
+        let channel = endpoint.connect_lazy();
+        channels.insert(addr.to_string(), channel.clone());
+        Ok(channel)
+    }
+
+    /// Forgets a connection after an error so the next call reconnects.
+    pub fn reset(&self, addr: &str) {
+        self.channels.lock().expect("channels lock").remove(addr);
+    }
+
+    fn service(&self, addr: &str) -> Result<FlightServiceClient<Channel>, CallError> {
+        Ok(FlightServiceClient::new(self.channel(addr)?)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES))
+    }
+
+    fn client(&self, addr: &str) -> Result<FlightClient, CallError> {
+        Ok(FlightClient::new_from_inner(self.service(addr)?))
+    }
+
+    fn envelope<T: Serialize>(&self, body: T) -> Vec<u8> {
+        encode_envelope(&self.cluster_id, self.protocol, body)
+    }
+
+    fn tagged<R: WireRequest>(&self, request: &R) -> Vec<u8> {
+        self.envelope(Tagged(request))
+    }
+
+    /// Forgets the connection to `addr` if `result` says it broke.
+    fn note<T>(&self, addr: &str, result: Result<T, CallError>) -> Result<T, CallError> {
+        if matches!(result, Err(CallError::Transport(_))) {
+            self.reset(addr);
+        }
+        result
+    }
+
+    /// Sends a JSON action and decodes its JSON reply, within `timeout`.
+    pub async fn action<Req: Serialize, Resp: DeserializeOwned>(
+        &self,
+        addr: &str,
+        kind: &str,
+        body: Req,
+        timeout: Duration,
+    ) -> Result<Resp, CallError> {
+        let call = async {
+            let mut client = self.client(addr)?;
+            let action = Action::new(kind, Bytes::from(self.envelope(body)));
+            let mut replies = client
+                .do_action(action)
+                .await
+                .map_err(CallError::from_flight)?;
+            let reply = replies
+                .next()
+                .await
+                .ok_or_else(|| CallError::Transport(format!("empty reply to {kind}")))?
+                .map_err(CallError::from_flight)?;
+            serde_json::from_slice(&reply)
+                .map_err(|e| CallError::Transport(format!("undecodable reply to {kind}: {e}")))
+        };
+        let result = match tokio::time::timeout(timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(CallError::Transport(format!(
+                "no reply to {kind} within {} ms",
+                timeout.as_millis()
+            ))),
+        };
+        self.note(addr, result)
+    }
+
+    /// Sends a `do_put` stream of batches; returns the reply's metadata.
+    pub async fn put<R: WireRequest>(
+        &self,
+        addr: &str,
+        request: &R,
+        batches: Vec<RecordBatch>,
+    ) -> Result<Bytes, CallError> {
+        self.put_stream(addr, request, futures::stream::iter(batches))
+            .await
+    }
+
+    /// As [`Clients::put`], sending batches as they come.
+    pub async fn put_stream<R: WireRequest>(
+        &self,
+        addr: &str,
+        request: &R,
+        batches: impl Stream<Item = RecordBatch> + Send + 'static,
+    ) -> Result<Bytes, CallError> {
+        let descriptor = FlightDescriptor::new_cmd(self.tagged(request));
+        let result = async {
+            let mut client = self.client(addr)?;
+            let stream = FlightDataEncoderBuilder::new()
+                .with_flight_descriptor(Some(descriptor))
+                .build(batches.map(Ok));
+            let replies = client
+                .do_put(stream)
+                .await
+                .map_err(CallError::from_flight)?;
+            let replies = replies
+                .try_collect::<Vec<_>>()
+                .await
+                .map_err(CallError::from_flight)?;
+            Ok(replies
+                .into_iter()
+                .next()
+                .map(|r| r.app_metadata)
+                .unwrap_or_default())
+        }
+        .await;
+        self.note(addr, result)
+    }
+
+    /// Sends a `do_put` stream of ready-made Flight messages, the request in the first
+    /// one's descriptor; returns the last reply's metadata.
+    pub async fn put_flight<R: WireRequest>(
+        &self,
+        addr: &str,
+        request: &R,
+        messages: impl Stream<Item = FlightData> + Send + 'static,
+    ) -> Result<Bytes, CallError> {
+        let descriptor = FlightDescriptor::new_cmd(self.tagged(request));
+        let mut first = true;
+        let messages = messages.map(move |mut message| {
+            if std::mem::take(&mut first) {
+                message.flight_descriptor = Some(descriptor.clone());
+            }
+            message
+        });
+        let result = async {
+            let mut client = self.service(addr)?;
+            let mut replies = client
+                .do_put(messages)
+                .await
+                .map_err(CallError::from_status)?
+                .into_inner();
+            let mut metadata = Bytes::new();
+            while let Some(reply) = replies.message().await.map_err(CallError::from_status)? {
+                metadata = reply.app_metadata;
+            }
+            Ok(metadata)
+        }
+        .await;
+        self.note(addr, result)
+    }
+
+    /// Streams the batches a `do_get` request returns.
+    pub async fn get<R: WireRequest>(
+        &self,
+        addr: &str,
+        request: &R,
+    ) -> Result<impl Stream<Item = Result<RecordBatch, CallError>> + use<R>, CallError> {
+        let result = async {
+            let mut client = self.client(addr)?;
+            let ticket = Ticket::new(self.tagged(request));
+            let stream: FlightRecordBatchStream = client
+                .do_get(ticket)
+                .await
+                .map_err(CallError::from_flight)?;
+            Ok(stream.map_err(CallError::from_flight))
+        }
+        .await;
+        self.note(addr, result)
+    }
+
+    /// Streams a `do_get` reply decoded message by message, with each message's metadata
+    /// (a reply whose first message's metadata says something, such as an export).
+    pub async fn get_decoded<R: WireRequest>(
+        &self,
+        addr: &str,
+        request: &R,
+    ) -> Result<impl Stream<Item = Result<DecodedFlightData, CallError>> + use<R>, CallError>
+    {
+        let result = async {
+            let mut client = self.client(addr)?;
+            let ticket = Ticket::new(self.tagged(request));
+            let stream = client
+                .do_get(ticket)
+                .await
+                .map_err(CallError::from_flight)?
+                .into_inner();
+            Ok(stream.map_err(CallError::from_flight))
+        }
+        .await;
+        self.note(addr, result)
+    }
+
+    /// Streams a `do_get` reply's raw Flight messages (raw bytes, or JSON in metadata).
+    pub async fn get_messages<R: WireRequest>(
+        &self,
+        addr: &str,
+        request: &R,
+    ) -> Result<impl Stream<Item = Result<FlightData, CallError>> + use<R>, CallError> {
+        let result = async {
+            let mut client = self.service(addr)?;
+            let ticket = Ticket::new(self.tagged(request));
+            let stream = client
+                .do_get(ticket)
+                .await
+                .map_err(CallError::from_status)?
+                .into_inner();
+            Ok(stream.map_err(CallError::from_status))
+        }
+        .await;
+        self.note(addr, result)
+    }
+}

@@ -1,0 +1,215 @@
+//! What every request travels in, and how a node opens it.
+
+use crate::error::Refusal;
+use crate::NodeId;
+use serde::de::{DeserializeOwned, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::value::RawValue;
+
+/// Bumped whenever a request or reply changes shape.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The cluster id a client may send when it does not know it (SQL, publish, status).
+pub const ANY_CLUSTER: &str = "*";
+
+/// Every request's wrapper: who it is for.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Envelope<T> {
+    pub cluster_id: String,
+    pub protocol: u32,
+    pub body: T,
+}
+
+/// The bytes of one request as it travels: the action body, the `do_get` ticket or the
+/// `do_put` descriptor command.
+pub fn encode_envelope<T: Serialize>(cluster_id: &str, protocol: u32, body: T) -> Vec<u8> {
+    serde_json::to_vec(&Envelope {
+        cluster_id: cluster_id.to_string(),
+        protocol,
+        body,
+    })
+    .expect("requests serialize")
+}
+
+/// The bytes of a `do_get` ticket or `do_put` descriptor: the request tagged with its kind,
+/// in its envelope.
+pub fn encode_request<R: WireRequest>(cluster_id: &str, protocol: u32, request: &R) -> Vec<u8> {
+    encode_envelope(cluster_id, protocol, Tagged(request))
+}
+
+/// A `do_get` or `do_put` request, owned by the layer that serves it. It travels as
+/// `{"<KIND>": <the request>}`, so a server can route it by kind before decoding it.
+pub trait WireRequest: Serialize {
+    /// The tag naming this kind of request on the wire; unique across all layers.
+    const KIND: &'static str;
+}
+
+/// A request with its kind, as it travels.
+pub(crate) struct Tagged<'a, R>(pub &'a R);
+
+impl<R: WireRequest> Serialize for Tagged<'_, R> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(1))?;
+        map.serialize_entry(R::KIND, self.0)?;
+        map.end()
+    }
+}
+
+/// A received `do_get` or `do_put` request: its kind, and its body still undecoded.
+#[derive(Debug)]
+pub struct TaggedRequest {
+    pub kind: String,
+    body: Box<RawValue>,
+}
+
+impl TaggedRequest {
+    /// Decodes the body as the request type of this kind.
+    pub fn decode<R: WireRequest + DeserializeOwned>(&self) -> Result<R, Refusal> {
+        debug_assert_eq!(self.kind, R::KIND, "a request decoded as another kind");
+        serde_json::from_str(self.body.get())
+            .map_err(|e| Refusal::Failed(format!("malformed {} request: {e}", self.kind)))
+    }
+}
+
+impl<'de> Deserialize<'de> for TaggedRequest {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct OneEntry;
+        impl<'de> Visitor<'de> for OneEntry {
+            type Value = TaggedRequest;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a request: an object with one entry, its kind")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<TaggedRequest, A::Error> {
+                let (kind, body): (String, Box<RawValue>) = map
+                    .next_entry()?
+                    .ok_or_else(|| serde::de::Error::custom("a request names its kind"))?;
+                if map.next_key::<String>()?.is_some() {
+                    return Err(serde::de::Error::custom("a request has one kind"));
+                }
+                Ok(TaggedRequest { kind, body })
+            }
+        }
+        deserializer.deserialize_map(OneEntry)
+    }
+}
+
+/// A node's check of the requests it receives: right cluster, right protocol version.
+#[derive(Debug, Clone)]
+pub struct Gate {
+    pub node_id: NodeId,
+    pub cluster_id: String,
+    pub protocol: u32,
+}
+
+impl Gate {
+    /// Opens a node-to-node request, refusing one for another cluster or protocol version.
+    pub fn open<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, Refusal> {
+        let envelope = self.open_envelope(bytes)?;
+        self.check_cluster(&envelope.cluster_id, false)?;
+        Ok(envelope.body)
+    }
+
+    /// Opens a client request: clients may leave the cluster id open (`*`).
+    pub fn open_from_client<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, Refusal> {
+        let envelope = self.open_envelope(bytes)?;
+        self.check_cluster(&envelope.cluster_id, true)?;
+        Ok(envelope.body)
+    }
+
+    /// Opens an envelope, checking only its protocol version (the caller checks the
+    /// cluster with [`Gate::check_cluster`] once it knows who may send the request).
+    pub fn open_envelope<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<Envelope<T>, Refusal> {
+        let envelope: Envelope<T> = serde_json::from_slice(bytes)
+            .map_err(|e| Refusal::Failed(format!("malformed request: {e}")))?;
+        if envelope.protocol != self.protocol {
+            return Err(Refusal::VersionMismatch {
+                node_id: self.node_id,
+                protocol: self.protocol,
+            });
+        }
+        Ok(envelope)
+    }
+
+    pub fn check_cluster(&self, cluster_id: &str, any_allowed: bool) -> Result<(), Refusal> {
+        if cluster_id == self.cluster_id || (any_allowed && cluster_id == ANY_CLUSTER) {
+            return Ok(());
+        }
+        Err(Refusal::WrongCluster {
+            node_id: self.node_id,
+            cluster_id: self.cluster_id.clone(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Serialize, Deserialize, PartialEq)]
+    struct Versions {
+        table: String,
+        since: u64,
+    }
+    impl WireRequest for Versions {
+        const KIND: &'static str = "Versions";
+    }
+
+    /// The enum the tagged form replaced: its encoding is the tagged form's.
+    #[derive(Serialize)]
+    enum Old {
+        Versions { table: String, since: u64 },
+    }
+
+    #[test]
+    fn a_tagged_request_encodes_as_an_enum_variant_did() {
+        let new = serde_json::to_string(&Tagged(&Versions {
+            table: "t".into(),
+            since: 3,
+        }))
+        .unwrap();
+        let old = serde_json::to_string(&Old::Versions {
+            table: "t".into(),
+            since: 3,
+        })
+        .unwrap();
+        assert_eq!(new, old);
+        let received: TaggedRequest = serde_json::from_str(&new).unwrap();
+        assert_eq!(received.kind, "Versions");
+        assert_eq!(
+            received.decode::<Versions>().unwrap(),
+            Versions {
+                table: "t".into(),
+                since: 3
+            }
+        );
+    }
+
+    #[test]
+    fn malformed_requests_are_refused_by_name() {
+        assert!(serde_json::from_str::<TaggedRequest>("{}").is_err());
+        assert!(serde_json::from_str::<TaggedRequest>(r#"{"A":1,"B":2}"#).is_err());
+        let wrong: TaggedRequest = serde_json::from_str(r#"{"Versions":{"table":1}}"#).unwrap();
+        let refusal = wrong.decode::<Versions>().unwrap_err();
+        assert!(format!("{refusal:?}").contains("malformed Versions request"));
+    }
+
+    #[test]
+    fn the_gate_refuses_other_clusters_and_versions() {
+        let gate = Gate {
+            node_id: 1,
+            cluster_id: "c".into(),
+            protocol: PROTOCOL_VERSION,
+        };
+        let ours = encode_envelope("c", PROTOCOL_VERSION, 5u64);
+        assert_eq!(gate.open::<u64>(&ours).unwrap(), 5);
+        let any = encode_envelope(ANY_CLUSTER, PROTOCOL_VERSION, 5u64);
+        assert!(matches!(gate.open::<u64>(&any), Err(Refusal::WrongCluster { .. })));
+        assert_eq!(gate.open_from_client::<u64>(&any).unwrap(), 5);
+        let old = encode_envelope("c", PROTOCOL_VERSION + 1, 5u64);
+        assert!(matches!(
+            gate.open::<u64>(&old),
+            Err(Refusal::VersionMismatch { .. })
+        ));
+    }
+}

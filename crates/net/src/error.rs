@@ -1,0 +1,88 @@
+//! Why a call to another node failed, and how a node says no.
+
+use crate::NodeId;
+use serde::{Deserialize, Serialize};
+
+/// A refusal that the caller can act on, sent as the message of a gRPC error.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Refusal {
+    WrongCluster { node_id: NodeId, cluster_id: String },
+    VersionMismatch { node_id: NodeId, protocol: u32 },
+    NotLeader { leader: Option<NodeId> },
+    Failed(String),
+}
+
+impl Refusal {
+    pub fn into_status(self) -> tonic::Status {
+        let code = match self {
+            Refusal::Failed(_) => tonic::Code::Internal,
+            _ => tonic::Code::FailedPrecondition,
+        };
+        tonic::Status::new(
+            code,
+            serde_json::to_string(&self).expect("refusals serialize"),
+        )
+    }
+
+    pub fn from_status(status: &tonic::Status) -> Refusal {
+        serde_json::from_str(status.message())
+            .unwrap_or_else(|_| Refusal::Failed(status.message().to_string()))
+    }
+
+    /// A refusal for a failure the caller cannot act on beyond reporting it.
+    pub fn failed(error: impl std::fmt::Display) -> Refusal {
+        Refusal::Failed(error.to_string())
+    }
+}
+
+/// Why a call to another node failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// The node could not be reached or did not answer: it may be down.
+    #[error("{0}")]
+    Transport(String),
+    /// The node answered and refused.
+    #[error("{}", describe(.0))]
+    Refused(Refusal),
+    /// The address is not one a connection can be made to.
+    #[error("bad node address {addr:?}: {reason}")]
+    BadAddress { addr: String, reason: String },
+    /// The node answered with something this node cannot read.
+    #[error("undecodable {what} from {addr}: {reason}")]
+    Undecodable {
+        what: &'static str,
+        addr: String,
+        reason: String,
+    },
+}
+
+fn describe(refusal: &Refusal) -> String {
+    match refusal {
+        Refusal::Failed(reason) => reason.clone(),
+        other => format!("{other:?}"),
+    }
+}
+
+impl CallError {
+    pub(crate) fn from_flight(error: arrow_flight::error::FlightError) -> CallError {
+        match error {
+            arrow_flight::error::FlightError::Tonic(status) => CallError::from_status(*status),
+            other => CallError::Transport(other.to_string()),
+        }
+    }
+
+    pub(crate) fn from_status(status: tonic::Status) -> CallError {
+        match status.code() {
+            tonic::Code::Unavailable
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Cancelled
+            | tonic::Code::Unknown => CallError::Transport(status.to_string()),
+            _ => CallError::Refused(Refusal::from_status(&status)),
+        }
+    }
+
+    /// The node may be down (as opposed to having answered).
+    pub fn is_transport(&self) -> bool {
+        matches!(self, CallError::Transport(_))
+    }
+}
