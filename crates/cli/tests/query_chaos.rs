@@ -230,7 +230,11 @@ async fn queries_answer_exactly_when_a_peer_is_killed_at_random() {
         );
         match recovery {
             Some(recovery) => {
-                assert_eq!(recovery.dead(), victim, "the notice names the dead node: {recovery}");
+                assert_eq!(
+                    recovery.dead(),
+                    victim,
+                    "the notice names the dead node: {recovery}"
+                );
                 let how = outcome(recovery);
                 if let RecoveryOutcome::Rebuilt {
                     replayed_batches, ..

@@ -5,8 +5,8 @@
 use crate::error::ClusterError;
 use crate::meta::{MetaState, MetaView};
 use crate::node::Node;
-use crate::query::RecoveryOutcome;
 use crate::query::scan::{DistributedScanExec, ScanSpec, TableStatistics};
+use crate::query::RecoveryOutcome;
 use crate::rpc::ScanRequest;
 use crate::NodeId;
 use arrow::array::RecordBatch;
@@ -650,7 +650,8 @@ pub(crate) async fn read_from(
         .map_err(ClusterError::from);
     }
     let addr = node
-        .meta.addr_of(from)
+        .meta
+        .addr_of(from)
         .ok_or_else(|| ClusterError::Unreachable {
             node: from,
             addr: "?".into(),
@@ -675,11 +676,7 @@ pub(crate) async fn read_from(
             ClusterError::Rejected(format!("node {from}: {e}"))
         }
     };
-    let stream = node
-        .clients
-        .get(&addr, &request)
-        .await
-        .map_err(classify)?;
+    let stream = node.clients.get(&addr, &request).await.map_err(classify)?;
     stream.map_err(classify).try_collect().await
 }
 

@@ -7,6 +7,7 @@
 //!   snapshots, and the `MetaClient` handle.
 //! - [`rpc`], [`server`]: the requests between nodes (on `tessera-net`) and their dispatch.
 //! - [`node`]: one running node and its background duties.
+//! - [`failover`]: the failure detector, pure and driven by time and observations.
 //! - [`publish`]: the publish coordinator (two-phase: prepare on replicas, commit in Raft).
 //! - [`rebalance`]: moving partitions when members join or leave.
 //! - [`shipping`]: component replication to cold standbys, and checkpoint coordination.
@@ -19,6 +20,7 @@ pub use tessera_meta as meta;
 pub mod client;
 pub mod config;
 pub mod error;
+pub mod failover;
 pub mod node;
 pub mod publish;
 pub mod query;

@@ -3,11 +3,12 @@
 
 use crate::config::NodeConfig;
 use crate::error::{ClusterError, Result};
+use crate::failover::{Check, FailureDetector, Member};
 use crate::meta::log_store::LogStore;
-use crate::meta::state_machine::StateMachine;
-use crate::meta::{MetaCommand, Raft};
 use crate::meta::network::Network;
+use crate::meta::state_machine::StateMachine;
 use crate::meta::MetaClient;
+use crate::meta::{MetaCommand, Raft};
 use crate::rpc::{
     CallError, Clients, Heartbeat, Identity, Refusal, ACTION_HEARTBEAT, ACTION_HELLO,
     PROTOCOL_VERSION,
@@ -42,12 +43,9 @@ pub struct Node {
     pub clients: Arc<Clients>,
     /// Distributed queries' exchanges and channels running here.
     pub queries: Arc<crate::query::exchange::QueryRegistry>,
-    /// The leader's failure detector: when each node was last heard from.
-    last_seen: Mutex<HashMap<NodeId, Instant>>,
-    /// On the leader: since when each failed node has been failed (as this leader saw it).
-    failed_since: Mutex<HashMap<NodeId, Instant>>,
-    /// Nodes another node reported a dropped connection to; probed at once.
-    suspects: Mutex<BTreeSet<NodeId>>,
+    /// Heartbeats and suspicions: the leader decides liveness from them; a follower passes
+    /// its suspicions on.
+    detector: Mutex<FailureDetector>,
     /// Woken when a node becomes suspect: a follower passes it on at once, and the leader
     /// probes it at once, rather than on their next ticks.
     suspected: tokio::sync::Notify,
@@ -238,15 +236,17 @@ impl Node {
             .map(|p| (p.id, p.addr.to_string()))
             .collect();
         let meta = MetaClient::new(config.node_id, raft, meta, clients.clone(), peers);
+        let detector = Mutex::new(FailureDetector::new(
+            config.failure_timeout(),
+            config.rereplicate_after(),
+        ));
         let node = Arc::new(Node {
             config,
             store,
             clients,
             queries: Arc::default(),
             meta,
-            last_seen: Mutex::new(HashMap::new()),
-            failed_since: Mutex::new(HashMap::new()),
-            suspects: Mutex::new(BTreeSet::new()),
+            detector,
             suspected: tokio::sync::Notify::new(),
             checkpointing: AtomicBool::new(false),
             rebalancing: AtomicBool::new(false),
@@ -294,7 +294,12 @@ impl Node {
         // Long enough for a new leader's detector when the dead node led the metadata.
         let patience = (self.config.failure_timeout() * 4).max(Duration::from_secs(10));
         self.meta.wait_until_failed(id, patience).await;
-        self.meta.view().state.nodes.get(&id).is_none_or(|n| !n.alive)
+        self.meta
+            .view()
+            .state
+            .nodes
+            .get(&id)
+            .is_none_or(|n| !n.alive)
     }
 
     pub fn identity(&self) -> Identity {
@@ -311,7 +316,6 @@ impl Node {
         if voters.iter().next() != Some(&self.id())
             || self
                 .meta
-
                 .raft()
                 .is_initialized()
                 .await
@@ -333,18 +337,33 @@ impl Node {
         }
     }
 
+    fn detector(&self) -> std::sync::MutexGuard<'_, FailureDetector> {
+        self.detector.lock().expect("failure detector lock")
+    }
+
     /// Records a heartbeat (on the leader).
     pub fn heard_from(&self, heartbeat: &Heartbeat) {
-        self.last_seen
-            .lock()
-            .expect("last_seen lock")
-            .insert(heartbeat.node_id, Instant::now());
+        self.detector()
+            .heard_from(heartbeat.node_id, Instant::now());
     }
 
     /// Reports a dropped connection to `node`: the leader checks it at once.
     pub fn suspect(&self, node: NodeId) {
-        self.suspects.lock().expect("suspects lock").insert(node);
+        self.detector().suspect(node);
         self.suspected.notify_waiters();
+    }
+
+    /// The members as the failure detector sees them.
+    fn members(state: &crate::meta::MetaState) -> Vec<Member> {
+        state
+            .nodes
+            .values()
+            .filter(|n| !n.decommissioned)
+            .map(|n| Member {
+                id: n.id,
+                alive: n.alive,
+            })
+            .collect()
     }
 
     async fn heartbeat_loop(self: Arc<Self>) {
@@ -361,9 +380,7 @@ impl Node {
                 Some(leader) => {
                     if let Some(addr) = self.meta.addr_of(leader) {
                         let suspects: Vec<NodeId> =
-                            std::mem::take(&mut *self.suspects.lock().expect("suspects lock"))
-                                .into_iter()
-                                .collect();
+                            self.detector().take_suspects().into_iter().collect();
                         let _: std::result::Result<std::result::Result<(), Refusal>, CallError> =
                             self.clients
                                 .action(
@@ -392,23 +409,9 @@ impl Node {
             }
             let leading = self.meta.is_leader();
             if leading && !was_leader {
-                // A new leader has heard from nobody yet. It checks every node at once (the
-                // old leader, if it died, answers nobody) and gives the rest a full timeout.
-                let now = Instant::now();
-                self.failed_since.lock().expect("failed_since lock").clear();
-                let mut seen = self.last_seen.lock().expect("last_seen lock");
-                let mut suspects = self.suspects.lock().expect("suspects lock");
-                // Nodes already declared failed stay so until they send a heartbeat.
-                for node in self
-                    .meta.view()
-                    .state
-                    .nodes
-                    .values()
-                    .filter(|n| n.id != self.id() && n.alive)
-                {
-                    seen.insert(node.id, now);
-                    suspects.insert(node.id);
-                }
+                let members = Self::members(&self.meta.view().state);
+                self.detector()
+                    .became_leader(self.id(), &members, Instant::now());
             }
             was_leader = leading;
             if leading {
@@ -463,14 +466,15 @@ impl Node {
                 .iter()
                 .map(|p| (p.id, p.addr.to_string()))
                 .collect();
-            self.meta.write_as_leader(MetaCommand::Bootstrap {
-                cluster_id: self.config.cluster_id.clone(),
-                partition_count: self.config.partitions,
-                replication: self.config.replication,
-                hot_standby: self.config.hot_standby,
-                nodes,
-            })
-            .await?;
+            self.meta
+                .write_as_leader(MetaCommand::Bootstrap {
+                    cluster_id: self.config.cluster_id.clone(),
+                    partition_count: self.config.partitions,
+                    replication: self.config.replication,
+                    hot_standby: self.config.hot_standby,
+                    nodes,
+                })
+                .await?;
             return Ok(());
         }
         // Every member takes part in Raft: voters as configured, the rest as learners.
@@ -495,35 +499,20 @@ impl Node {
         }
         self.move_partitions(&state, &metrics).await?;
         // Failure detection.
-        let now = Instant::now();
-        let timeout = self.config.failure_timeout();
-        let suspects: BTreeSet<NodeId> =
-            std::mem::take(&mut *self.suspects.lock().expect("suspects lock"));
-        let seen = {
-            // A live node not heard from yet (one that just joined) starts its timeout now;
-            // a node declared failed stays so until it sends a heartbeat.
-            let mut seen = self.last_seen.lock().expect("last_seen lock");
-            for node in state.nodes.values().filter(|n| n.alive) {
-                seen.entry(node.id).or_insert(now);
-            }
-            seen.clone()
-        };
-        for node in state
-            .nodes
-            .values()
-            .filter(|n| !n.decommissioned && n.id != self.id())
-        {
-            let silent = seen
-                .get(&node.id)
-                .is_none_or(|t| now.duration_since(*t) > timeout);
-            let alive = if node.alive && suspects.contains(&node.id) {
-                self.probe(node.id, &node.addr).await
-            } else {
-                !silent
+        let checks = self
+            .detector()
+            .check(self.id(), &Self::members(&state), Instant::now());
+        for (id, check) in checks {
+            let node = &state.nodes[&id];
+            let alive = match check {
+                Check::Alive => true,
+                Check::Failed => false,
+                Check::Probe => self.probe(id, &node.addr).await,
             };
             if alive != node.alive {
-                tracing::warn!(node = node.id, alive, "node liveness changed");
-                self.meta.write_as_leader(MetaCommand::SetLiveness { id: node.id, alive })
+                tracing::warn!(node = id, alive, "node liveness changed");
+                self.meta
+                    .write_as_leader(MetaCommand::SetLiveness { id, alive })
                     .await?;
             }
         }
@@ -564,7 +553,8 @@ impl Node {
             {
                 continue;
             }
-            self.meta.write_as_leader(MetaCommand::Decommission { id: node.id })
+            self.meta
+                .write_as_leader(MetaCommand::Decommission { id: node.id })
                 .await?;
             let voters: BTreeSet<NodeId> =
                 metrics.membership_config.membership().voter_ids().collect();
@@ -584,24 +574,15 @@ impl Node {
     }
 
     /// Nodes failed for longer than `rereplicate_after`: their replicas are rebuilt on the
-    /// other nodes. The clock starts when this leader first sees a node failed, so a new
-    /// leader waits the full time again (it errs towards not moving data).
+    /// other nodes.
     fn lost_nodes(&self, state: &crate::meta::MetaState) -> BTreeSet<NodeId> {
-        let now = Instant::now();
-        let mut failed_since = self.failed_since.lock().expect("failed_since lock");
-        failed_since.retain(|id, _| state.nodes.get(id).is_some_and(|n| !n.alive));
-        for node in state
+        let failed = state
             .nodes
             .values()
             .filter(|n| !n.alive && !n.decommissioned)
-        {
-            failed_since.entry(node.id).or_insert(now);
-        }
-        failed_since
-            .iter()
-            .filter(|(_, since)| now.duration_since(**since) >= self.config.rereplicate_after())
-            .map(|(id, _)| *id)
-            .collect()
+            .map(|n| n.id)
+            .collect();
+        self.detector().lost(&failed, Instant::now())
     }
 
     /// Asks a node to leave: refuses metadata voters, whose departure would change the
@@ -629,13 +610,7 @@ impl Node {
             .action(addr, ACTION_HELLO, (), Duration::from_millis(300))
             .await;
         let alive = reply.is_ok_and(|identity| identity.node_id == id);
-        if alive {
-            self.heard_from(&Heartbeat { node_id: id });
-        } else {
-            // Its last heartbeat no longer counts: only a new one may revive it, or the next
-            // round would find it "recently seen" and flap it back to alive.
-            self.last_seen.lock().expect("last_seen lock").remove(&id);
-        }
+        self.detector().probed(id, alive, Instant::now());
         alive
     }
 

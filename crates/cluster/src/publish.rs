@@ -4,7 +4,6 @@
 //! epoch whose coordinator dies before the commit is aborted by the metadata leader, and
 //! its prepared rows are discarded everywhere.
 
-use tessera_meta::MetaError;
 use crate::error::{ClusterError, Result};
 use crate::meta::{MetaCommand, MetaResponse, MetaState};
 use crate::node::Node;
@@ -15,6 +14,7 @@ use arrow::datatypes::{DataType, Field, Schema};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use tessera_common::{Epoch, PartitionId, PartitionRing};
+use tessera_meta::MetaError;
 use tessera_storage::{versions, StorageError, TableChanges, TableDef};
 
 /// One table's rows routed to partitions: upserts (table columns) and deletes (key columns).
@@ -123,7 +123,8 @@ pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epo
         match publish_routed(node, &routed).await {
             Err(ClusterError::Meta(MetaError::Fenced(reason))) if attempt <= RETRIES => {
                 tracing::warn!(%reason, attempt, "publish fenced; retrying once this node is alive again");
-                node.meta.wait_until_alive(std::time::Duration::from_secs(10))
+                node.meta
+                    .wait_until_alive(std::time::Duration::from_secs(10))
                     .await;
             }
             Err(ClusterError::PrimaryLost {
@@ -132,7 +133,8 @@ pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epo
                 reason,
             }) if attempt <= RETRIES => {
                 tracing::warn!(node = lost, %epoch, %reason, attempt, "a primary was lost mid-publish; retrying once the metadata has a new one");
-                node.meta.wait_until_failed(lost, node.config.failure_timeout() * 2)
+                node.meta
+                    .wait_until_failed(lost, node.config.failure_timeout() * 2)
                     .await;
             }
             done => return done,
@@ -144,7 +146,18 @@ pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epo
 async fn publish_routed(node: &Arc<Node>, routed: &BTreeMap<String, Routed>) -> Result<Epoch> {
     let started = std::time::Instant::now();
     let tables: Vec<String> = routed.keys().cloned().collect();
-    let epoch = allocate_epoch(node, tables).await?;
+    let epoch = allocate_epoch(node, tables.clone()).await?;
+    let span = tracing::info_span!("publish", %epoch, ?tables);
+    tracing::Instrument::instrument(publish_epoch(node, routed, epoch, started), span).await
+}
+
+/// Prepares an allocated epoch's rows on every live replica, then commits it (or aborts it).
+async fn publish_epoch(
+    node: &Arc<Node>,
+    routed: &BTreeMap<String, Routed>,
+    epoch: Epoch,
+    started: std::time::Instant,
+) -> Result<Epoch> {
     // The placement is read only now, under the lease: a partition move or a refresh of a
     // stale replica (which leases every table) has finished before it and cannot start
     // until this epoch is decided, so the replicas and their staleness hold until the commit.
@@ -153,7 +166,8 @@ async fn publish_routed(node: &Arc<Node>, routed: &BTreeMap<String, Routed>) -> 
     match prepare_everywhere(node, &state, epoch, routed).await {
         Ok(missed) => {
             let prepared_at = started.elapsed();
-            node.meta.write(MetaCommand::CommitEpoch { epoch, missed })
+            node.meta
+                .write(MetaCommand::CommitEpoch { epoch, missed })
                 .await?;
             tracing::info!(
                 %epoch,

@@ -16,12 +16,13 @@ use crate::error::{ClusterError, Result};
 use crate::meta::{MetaCommand, MetaResponse, MetaState, PartitionMap};
 use crate::node::Node;
 use crate::rpc::{
-    CallError, CopyRequest, ExportRequest, PartitionMove, VersionsRequest, Refusal, ACTION_COPY_PARTITIONS,
+    CallError, CopyRequest, ExportRequest, PartitionMove, Refusal, VersionsRequest,
+    ACTION_COPY_PARTITIONS,
 };
 use crate::NodeId;
 use futures::TryStreamExt;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
 use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -211,13 +212,15 @@ pub async fn rebalance(node: &Arc<Node>, lost: &BTreeSet<NodeId>) -> Result<()> 
         let _ = abort(node, epoch, &error.to_string()).await;
         return Err(error);
     }
-    node.meta.write(MetaCommand::SetPartitionMap { map: wanted })
+    node.meta
+        .write(MetaCommand::SetPartitionMap { map: wanted })
         .await?;
-    node.meta.write(MetaCommand::CommitEpoch {
-        epoch,
-        missed: vec![],
-    })
-    .await?;
+    node.meta
+        .write(MetaCommand::CommitEpoch {
+            epoch,
+            missed: vec![],
+        })
+        .await?;
     tracing::info!(%epoch, moved, elapsed_ms = leased_at.elapsed().as_millis() as u64, "partition map switched");
     Ok(())
 }
@@ -255,13 +258,23 @@ pub async fn copy_partitions(node: &Arc<Node>, request: CopyRequest) -> Result<(
     }
     let started = std::time::Instant::now();
     for moved in &request.moves {
-        for (table, generation) in &request.tables {
-            if moved.since == Epoch::ZERO {
-                copy_whole(node, moved, table, *generation).await?;
-            } else {
-                copy_delta(node, moved, table, *generation).await?;
+        let span = tracing::info_span!(
+            "copy",
+            partition = moved.partition.0,
+            source = moved.source,
+            since = %moved.since
+        );
+        let copy = async {
+            for (table, generation) in &request.tables {
+                if moved.since == Epoch::ZERO {
+                    copy_whole(node, moved, table, *generation).await?;
+                } else {
+                    copy_delta(node, moved, table, *generation).await?;
+                }
             }
-        }
+            Ok::<(), ClusterError>(())
+        };
+        tracing::Instrument::instrument(copy, span).await?;
     }
     tracing::info!(
         partitions = request.moves.len(),

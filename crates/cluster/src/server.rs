@@ -4,7 +4,6 @@ use crate::meta::{MetaCommand, MetaResponse, MetaState};
 use crate::node::Node;
 use crate::query::run::RunRequest;
 use crate::rpc::*;
-use tessera_net::TaggedRequest;
 use crate::NodeId;
 use arrow::array::{Array, RecordBatch, UInt32Array};
 use arrow_flight::decode::FlightRecordBatchStream;
@@ -22,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::PartitionId;
+use tessera_net::TaggedRequest;
 use tessera_storage::versions::stored_user_schema;
 use tessera_storage::{PartitionChanges, TableChanges};
 use tonic::{Request, Response, Status, Streaming};
@@ -113,7 +113,9 @@ impl NodeService {
 
     /// Opens a client request: clients may leave the cluster id open (`*`).
     fn open_from_client<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, Status> {
-        self.gate.open_from_client(bytes).map_err(Refusal::into_status)
+        self.gate
+            .open_from_client(bytes)
+            .map_err(Refusal::into_status)
     }
 
     async fn action(
@@ -129,11 +131,14 @@ impl NodeService {
             }
             ACTION_RAFT_APPEND => reply(&node.meta.raft().append_entries(self.open(body)?).await),
             ACTION_RAFT_VOTE => reply(&node.meta.raft().vote(self.open(body)?).await),
-            ACTION_RAFT_SNAPSHOT => reply(&node.meta.raft().install_snapshot(self.open(body)?).await),
+            ACTION_RAFT_SNAPSHOT => {
+                reply(&node.meta.raft().install_snapshot(self.open(body)?).await)
+            }
             ACTION_META_WRITE => {
                 let command: MetaCommand = self.open(body)?;
                 let result: Result<MetaResponse, Refusal> = if node.meta.is_leader() {
-                    node.meta.write_as_leader(command)
+                    node.meta
+                        .write_as_leader(command)
                         .await
                         .map_err(|e| Refusal::Failed(e.to_string()))
                 } else {
@@ -274,6 +279,15 @@ impl NodeService {
         request: PrepareRequest,
         stream: FlightRecordBatchStream,
     ) -> Result<PrepareReply, Status> {
+        let span = tracing::info_span!("prepare", epoch = %request.epoch, table = %request.table);
+        tracing::Instrument::instrument(self.prepare_logged(request, stream), span).await
+    }
+
+    async fn prepare_logged(
+        &self,
+        request: PrepareRequest,
+        stream: FlightRecordBatchStream,
+    ) -> Result<PrepareReply, Status> {
         self.wait_for_table(&request.table).await;
         let (mut outlets, shipping) = self.start_shipping(&request);
         let mut stream = stream;
@@ -364,7 +378,9 @@ impl NodeService {
             let replica = forward.node;
             let task = tokio::spawn(async move {
                 match node.meta.addr_of(replica) {
-                    Some(addr) => crate::rpc::prepare(&node.clients, &addr, &onward, receiver).await,
+                    Some(addr) => {
+                        crate::rpc::prepare(&node.clients, &addr, &onward, receiver).await
+                    }
                     None => Err(CallError::Transport(format!(
                         "node {replica} has no address"
                     ))),
@@ -518,7 +534,8 @@ impl NodeService {
         scan: ScanRequest,
     ) -> Result<(arrow::datatypes::SchemaRef, Vec<RecordBatch>), Status> {
         let node = self.node.clone();
-        node.meta.wait_for_epoch(scan.epoch, Duration::from_secs(10))
+        node.meta
+            .wait_for_epoch(scan.epoch, Duration::from_secs(10))
             .await
             .map_err(failed)?;
         let def = self.local_table(&scan.table, scan.generation)?;
@@ -637,7 +654,8 @@ impl FlightService for NodeService {
             RunRequest::KIND => return self.run_stages(request.decode().map_err(decode_error)?),
             SpoolRequest::KIND => {
                 let spool: SpoolRequest = request.decode().map_err(decode_error)?;
-                return self.follow_spool((spool.query, spool.exchange, spool.channel), spool.bucket);
+                return self
+                    .follow_spool((spool.query, spool.exchange, spool.channel), spool.bucket);
             }
             VersionsRequest::KIND => {
                 let versions: VersionsRequest = request.decode().map_err(decode_error)?;
@@ -684,7 +702,11 @@ impl FlightService for NodeService {
                     .collect();
                 return Ok(Response::new(futures::stream::iter(chunks).boxed()));
             }
-            other => return Err(failed(format!("malformed request: unknown do_get request {other:?}"))),
+            other => {
+                return Err(failed(format!(
+                    "malformed request: unknown do_get request {other:?}"
+                )))
+            }
         };
         let stream = FlightDataEncoderBuilder::new()
             .with_schema(schema)
@@ -756,7 +778,11 @@ impl FlightService for NodeService {
                     .map_err(failed)?;
                 Bytes::from(serde_json::to_vec(&epoch).map_err(failed)?)
             }
-            other => return Err(failed(format!("malformed request: unknown do_put request {other:?}"))),
+            other => {
+                return Err(failed(format!(
+                    "malformed request: unknown do_put request {other:?}"
+                )))
+            }
         };
         let done = PutResult { app_metadata };
         Ok(Response::new(

@@ -28,13 +28,15 @@ impl Samples {
     /// A request body as it travels inside its envelope.
     fn request<T: Serialize>(&mut self, name: &str, body: T) {
         let bytes = encode_envelope(CLUSTER, PROTOCOL_VERSION, body);
-        self.0.push((name.to_string(), String::from_utf8(bytes).unwrap()));
+        self.0
+            .push((name.to_string(), String::from_utf8(bytes).unwrap()));
     }
 
     /// A `do_get` ticket or `do_put` descriptor: the request tagged with its kind.
     fn tagged<R: WireRequest>(&mut self, name: &str, request: R) {
         let bytes = tessera_net::encode_request(CLUSTER, PROTOCOL_VERSION, &request);
-        self.0.push((name.to_string(), String::from_utf8(bytes).unwrap()));
+        self.0
+            .push((name.to_string(), String::from_utf8(bytes).unwrap()));
     }
 
     /// A reply or a stored value, as plain JSON.
@@ -96,7 +98,10 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
         ),
         (
             "set-liveness",
-            MetaCommand::SetLiveness { id: 2, alive: false },
+            MetaCommand::SetLiveness {
+                id: 2,
+                alive: false,
+            },
         ),
         ("create-table", MetaCommand::CreateTable { def: kv_def() }),
         (
@@ -356,7 +361,12 @@ fn samples() -> Samples {
             protocol: PROTOCOL_VERSION,
         },
     );
-    s.value("prepare reply", &PrepareReply { unreachable: vec![3] });
+    s.value(
+        "prepare reply",
+        &PrepareReply {
+            unreachable: vec![3],
+        },
+    );
     for refusal in [
         Refusal::WrongCluster {
             node_id: 2,

@@ -30,7 +30,9 @@ pub enum MetaError {
     /// This node was declared failed, and may not take an epoch until it is alive again.
     #[error("this node was declared failed: {0}")]
     Fenced(String),
-    #[error("node {node} has not yet learnt that epoch {epoch} is visible (it sees epoch {visible})")]
+    #[error(
+        "node {node} has not yet learnt that epoch {epoch} is visible (it sees epoch {visible})"
+    )]
     EpochNotVisible {
         node: NodeId,
         epoch: Epoch,

@@ -29,8 +29,8 @@ pub use state::{
     OpenEpoch, PartitionMap, Placement, QueryLineage,
 };
 pub use state_machine::MetaView;
-pub use tessera_common::NodeId;
 use std::io::Cursor;
+pub use tessera_common::NodeId;
 
 openraft::declare_raft_types!(
     /// Raft types of the metadata group.

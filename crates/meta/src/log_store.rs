@@ -5,8 +5,8 @@
 //! the middle of an append) is cut off at start. Truncation and purging rewrite the file
 //! atomically; both are rare (conflict resolution, after a snapshot).
 
-use crate::TypeConfig;
 use crate::NodeId;
+use crate::TypeConfig;
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage};
 use openraft::{
     AnyError, Entry, LogId, OptionalSend, RaftLogReader, StorageError, StorageIOError, Vote,

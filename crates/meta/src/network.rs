@@ -1,9 +1,8 @@
 //! Raft messages between nodes, carried as Flight actions.
 
-use crate::TypeConfig;
 use crate::wire::{ACTION_RAFT_APPEND, ACTION_RAFT_SNAPSHOT, ACTION_RAFT_VOTE};
-use tessera_net::{CallError, Clients};
 use crate::NodeId;
+use crate::TypeConfig;
 use openraft::error::{
     InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
 };
@@ -16,6 +15,7 @@ use openraft::{AnyError, BasicNode};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::sync::Arc;
+use tessera_net::{CallError, Clients};
 
 /// The shortest time a Raft message is given to be answered.
 const RPC_TIMEOUT_FLOOR: std::time::Duration = std::time::Duration::from_millis(500);

@@ -305,10 +305,60 @@ impl MetaState {
     /// Applies one command. `index` is the command's log index, used as the generation of
     /// tables it creates.
     pub fn apply(&mut self, index: u64, command: MetaCommand) -> (MetaResponse, Vec<LocalEffect>) {
-        match self.try_apply(index, command) {
+        let visible_before = self.visible;
+        let applied = match self.try_apply(index, command) {
             Ok(applied) => applied,
             Err(reason) => (MetaResponse::Refused(reason), Vec::new()),
+        };
+        assert!(
+            self.visible >= visible_before,
+            "invariant: the visible epoch never moves back ({visible_before} became {})",
+            self.visible
+        );
+        debug_assert_eq!(self.broken_invariant(), None);
+        applied
+    }
+
+    /// The first cross-cutting invariant the state breaks, if any (checked after every
+    /// command in debug builds and tests):
+    /// - a partition's primary is one of its replicas, and never a stale one (it would
+    ///   serve reads missing committed epochs);
+    /// - every open epoch lies above the visible epoch (visible means decided);
+    /// - open epochs' table leases are exclusive: one writer per table at a time.
+    pub fn broken_invariant(&self) -> Option<String> {
+        for (p, placement) in self.map.partitions.iter().enumerate() {
+            if let Some(primary) = placement.primary {
+                if !placement.replicas.contains(&primary) {
+                    return Some(format!(
+                        "partition {p}'s primary {primary} is not among its replicas {:?}",
+                        placement.replicas
+                    ));
+                }
+                if placement.stale.contains_key(&primary) {
+                    return Some(format!(
+                        "partition {p}'s primary {primary} is stale (it missed epochs from {})",
+                        placement.stale[&primary]
+                    ));
+                }
+            }
         }
+        let mut leased: BTreeMap<&str, Epoch> = BTreeMap::new();
+        for (epoch, open) in &self.open {
+            if *epoch <= self.visible {
+                return Some(format!(
+                    "epoch {epoch} is open, but the visible epoch {} is not below it",
+                    self.visible
+                ));
+            }
+            for table in &open.tables {
+                if let Some(other) = leased.insert(table, *epoch) {
+                    return Some(format!(
+                        "table {table:?} is leased by open epochs {other} and {epoch} at once"
+                    ));
+                }
+            }
+        }
+        None
     }
 
     fn try_apply(
@@ -931,5 +981,28 @@ mod tests {
         assert_eq!(state.map.partitions[0].primary, Some(2));
         state.apply(9, MetaCommand::SetLiveness { id: 1, alive: true });
         assert_eq!(state.map.partitions[0].primary, Some(2));
+    }
+
+    #[test]
+    fn the_invariant_check_names_a_stale_primary_and_a_shared_lease() {
+        let mut state = bootstrapped(3);
+        assert_eq!(state.broken_invariant(), None);
+        let mut stale = state.clone();
+        let primary = stale.map.partitions[0].primary.unwrap();
+        stale.map.partitions[0].stale.insert(primary, Epoch(4));
+        assert!(stale.broken_invariant().is_some_and(|broken| broken
+            .contains("partition 0's primary")
+            && broken.contains("stale")));
+        let lease = |tables: &[&str]| OpenEpoch {
+            coordinator: 1,
+            incarnation: 0,
+            tables: tables.iter().map(|t| t.to_string()).collect(),
+            request: 0,
+        };
+        state.open.insert(Epoch(7), lease(&["t"]));
+        state.open.insert(Epoch(8), lease(&["u", "t"]));
+        assert!(state
+            .broken_invariant()
+            .is_some_and(|broken| broken.contains("leased by open epochs 7 and 8")));
     }
 }

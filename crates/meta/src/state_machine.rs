@@ -7,8 +7,8 @@
 //! idempotent, so a replay changes nothing that was already done.
 
 use crate::state::{LocalEffect, MetaResponse, MetaState};
-use crate::TypeConfig;
 use crate::NodeId;
+use crate::TypeConfig;
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{
     AnyError, BasicNode, Entry, EntryPayload, LogId, OptionalSend, RaftSnapshotBuilder,

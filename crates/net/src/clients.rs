@@ -238,8 +238,7 @@ impl Clients {
         &self,
         addr: &str,
         request: &R,
-    ) -> Result<impl Stream<Item = Result<DecodedFlightData, CallError>> + use<R>, CallError>
-    {
+    ) -> Result<impl Stream<Item = Result<DecodedFlightData, CallError>> + use<R>, CallError> {
         let result = async {
             let mut client = self.client(addr)?;
             let ticket = Ticket::new(self.tagged(request));

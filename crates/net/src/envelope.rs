@@ -204,7 +204,10 @@ mod tests {
         let ours = encode_envelope("c", PROTOCOL_VERSION, 5u64);
         assert_eq!(gate.open::<u64>(&ours).unwrap(), 5);
         let any = encode_envelope(ANY_CLUSTER, PROTOCOL_VERSION, 5u64);
-        assert!(matches!(gate.open::<u64>(&any), Err(Refusal::WrongCluster { .. })));
+        assert!(matches!(
+            gate.open::<u64>(&any),
+            Err(Refusal::WrongCluster { .. })
+        ));
         assert_eq!(gate.open_from_client::<u64>(&any).unwrap(), 5);
         let old = encode_envelope("c", PROTOCOL_VERSION + 1, 5u64);
         assert!(matches!(

@@ -1028,11 +1028,8 @@ impl ChannelWriter {
                 let first = FlightData::from(SchemaAsIpc::new(&self.schema, &self.options));
                 let messages =
                     futures::stream::once(async move { first }).chain(tokio_stream_from(rx));
-                let call = tokio::spawn(async move {
-                    clients
-                        .put_flight(&addr, &header, messages)
-                        .await
-                });
+                let call =
+                    tokio::spawn(async move { clients.put_flight(&addr, &header, messages).await });
                 Link::Remote {
                     node: dest,
                     tx,

@@ -180,39 +180,45 @@ fn start_stage(
             readers.clone(),
         );
         let keys = reads.remove(&channel).unwrap_or_default();
-        let task = tokio::spawn(async move {
-            let node = here;
-            let result = drain(plan.clone(), channel, ctx).await;
-            let writer = plan
-                .downcast_ref::<ExchangeWriteExec>()
-                .expect("checked above");
-            let mut report = match result {
-                Ok(()) => writer.report(channel).unwrap_or_default(),
-                Err(error) => ChannelReport {
-                    error: Some(error.to_string()),
-                    ..Default::default()
-                },
-            };
-            report.stage = stage;
-            report.channel = channel;
-            report.node = node.id();
-            report.first_input_us = keys
-                .iter()
-                .filter_map(|key| node.queries.peek(*key)?.first_batch_us())
-                .min()
-                .map(|at| at.saturating_sub(started_at_us));
-            {
-                let mut counts = readers.lock().expect("readers lock");
-                for key in &keys {
-                    let left = counts.get_mut(key).expect("counted above");
-                    *left -= 1;
-                    if *left == 0 && closes_inboxes {
-                        node.queries.close(*key);
+        // Every log line of the channel names it, so one grep follows a query across nodes.
+        let span =
+            tracing::info_span!("channel", query = %format_args!("{query:x}"), stage, channel);
+        let task = tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                let node = here;
+                let result = drain(plan.clone(), channel, ctx).await;
+                let writer = plan
+                    .downcast_ref::<ExchangeWriteExec>()
+                    .expect("checked above");
+                let mut report = match result {
+                    Ok(()) => writer.report(channel).unwrap_or_default(),
+                    Err(error) => ChannelReport {
+                        error: Some(error.to_string()),
+                        ..Default::default()
+                    },
+                };
+                report.stage = stage;
+                report.channel = channel;
+                report.node = node.id();
+                report.first_input_us = keys
+                    .iter()
+                    .filter_map(|key| node.queries.peek(*key)?.first_batch_us())
+                    .min()
+                    .map(|at| at.saturating_sub(started_at_us));
+                {
+                    let mut counts = readers.lock().expect("readers lock");
+                    for key in &keys {
+                        let left = counts.get_mut(key).expect("counted above");
+                        *left -= 1;
+                        if *left == 0 && closes_inboxes {
+                            node.queries.close(*key);
+                        }
                     }
                 }
-            }
-            let _ = reports.send(report).await;
-        });
+                let _ = reports.send(report).await;
+            },
+            span,
+        ));
         node.queries.track(query, task.abort_handle());
     }
     Ok(())
@@ -412,6 +418,16 @@ fn call_run_stages(node: &Arc<Node>, at: NodeId, request: RunRequest, events: mp
 /// recovery a participant's death is survived by rebuilding its channels on the others
 /// ([`super::recovery`]); otherwise it ends the query with the node's loss.
 pub async fn execute(
+    node: &Arc<Node>,
+    plan: &DistributedPlan,
+    work: Work,
+    schema: SchemaRef,
+) -> Result<QueryOutcome, ClusterError> {
+    let span = tracing::info_span!("query", query = %format_args!("{:x}", plan.query), initiator = node.id());
+    tracing::Instrument::instrument(execute_here(node, plan, work, schema), span).await
+}
+
+async fn execute_here(
     node: &Arc<Node>,
     plan: &DistributedPlan,
     work: Work,

@@ -212,7 +212,8 @@ async fn read_here(
     predicate: Option<Arc<dyn PhysicalExpr>>,
     context: Arc<TaskContext>,
 ) -> DfResult<SendableRecordBatchStream> {
-    node.meta.wait_for_epoch(spec.epoch, EPOCH_WAIT)
+    node.meta
+        .wait_for_epoch(spec.epoch, EPOCH_WAIT)
         .await
         .map_err(|e| DataFusionError::External(Box::new(e)))?;
     let store = node.store.clone();

@@ -1,0 +1,276 @@
+//! The failure detector (DESIGN §6): heartbeats to the metadata leader plus dropped
+//! connections reported as suspicions. The leader decides from it which nodes are alive
+//! and writes each change through Raft (`SetLiveness`, which promotes a dead node's
+//! standbys); a node failed for long enough is *lost*, and its replicas are rebuilt
+//! elsewhere.
+//!
+//! The detector is pure: it is fed the time and what was observed (heartbeats,
+//! suspicions, probe answers) and says what to do. The node's loops do the I/O (probes,
+//! metadata writes); tests drive it on simulated time (TigerBeetle's `fault_detector`).
+
+use crate::NodeId;
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+/// What the leader should do about one node this round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    /// Heard from within the timeout.
+    Alive,
+    /// Silent for longer than the timeout.
+    Failed,
+    /// Suspected by a peer while counted alive: ask it at once, and go by its answer
+    /// ([`FailureDetector::probed`]).
+    Probe,
+}
+
+/// One member as the metadata lists it.
+#[derive(Debug, Clone, Copy)]
+pub struct Member {
+    pub id: NodeId,
+    /// The metadata counts it alive.
+    pub alive: bool,
+}
+
+#[derive(Debug)]
+pub struct FailureDetector {
+    /// A node silent this long is failed.
+    timeout: Duration,
+    /// A node failed this long is lost: its replicas are rebuilt elsewhere.
+    lost_after: Duration,
+    /// When each node was last heard from.
+    last_seen: HashMap<NodeId, Instant>,
+    /// Nodes a peer reported a dropped connection to, not yet checked.
+    suspects: BTreeSet<NodeId>,
+    /// On the leader: since when each failed node has been failed, as this leader saw it.
+    failed_since: HashMap<NodeId, Instant>,
+}
+
+impl FailureDetector {
+    pub fn new(timeout: Duration, lost_after: Duration) -> FailureDetector {
+        assert!(
+            lost_after > timeout,
+            "a node is lost only after it has been failed for a while"
+        );
+        FailureDetector {
+            timeout,
+            lost_after,
+            last_seen: HashMap::new(),
+            suspects: BTreeSet::new(),
+            failed_since: HashMap::new(),
+        }
+    }
+
+    /// A heartbeat (or any answer) from `node` at `now`.
+    pub fn heard_from(&mut self, node: NodeId, now: Instant) {
+        self.last_seen.insert(node, now);
+    }
+
+    /// A peer (or this node) lost a connection to `node`: check it at once.
+    pub fn suspect(&mut self, node: NodeId) {
+        self.suspects.insert(node);
+    }
+
+    /// The suspicions gathered since last taken (a follower passes them to the leader).
+    pub fn take_suspects(&mut self) -> BTreeSet<NodeId> {
+        std::mem::take(&mut self.suspects)
+    }
+
+    /// This node just became the leader. It has heard from nobody yet: it checks every
+    /// live node at once (the old leader, if it died, answers nobody) and gives the rest a
+    /// full timeout. Nodes already failed stay so until they send a heartbeat, and the
+    /// time towards losing them starts again.
+    pub fn became_leader(&mut self, me: NodeId, members: &[Member], now: Instant) {
+        self.failed_since.clear();
+        for member in members.iter().filter(|m| m.id != me && m.alive) {
+            self.last_seen.insert(member.id, now);
+            self.suspects.insert(member.id);
+        }
+    }
+
+    /// What to do about each member but `me` this round, at `now`. Takes the suspicions.
+    pub fn check(&mut self, me: NodeId, members: &[Member], now: Instant) -> Vec<(NodeId, Check)> {
+        let suspects = self.take_suspects();
+        // A live node not heard from yet (one that just joined) starts its timeout now.
+        for member in members.iter().filter(|m| m.alive) {
+            self.last_seen.entry(member.id).or_insert(now);
+        }
+        members
+            .iter()
+            .filter(|m| m.id != me)
+            .map(|member| {
+                let check = if member.alive && suspects.contains(&member.id) {
+                    Check::Probe
+                } else if self.silent(member.id, now) {
+                    Check::Failed
+                } else {
+                    Check::Alive
+                };
+                (member.id, check)
+            })
+            .collect()
+    }
+
+    fn silent(&self, node: NodeId, now: Instant) -> bool {
+        self.last_seen
+            .get(&node)
+            .is_none_or(|seen| now.saturating_duration_since(*seen) > self.timeout)
+    }
+
+    /// The answer to a probe of `node`: it answered as itself, or not. A failed probe
+    /// forgets its last heartbeat: only a new one may revive it, or the next round would
+    /// find it "recently seen" and flap it back to alive.
+    pub fn probed(&mut self, node: NodeId, answered: bool, now: Instant) {
+        if answered {
+            self.heard_from(node, now);
+        } else {
+            self.last_seen.remove(&node);
+        }
+    }
+
+    /// Nodes failed for longer than the loss time, among `failed` (the members the metadata
+    /// counts failed). The clock starts when this leader first sees a node failed, so a new
+    /// leader waits the full time again: it errs towards not moving data.
+    pub fn lost(&mut self, failed: &BTreeSet<NodeId>, now: Instant) -> BTreeSet<NodeId> {
+        self.failed_since.retain(|id, _| failed.contains(id));
+        for id in failed {
+            self.failed_since.entry(*id).or_insert(now);
+        }
+        self.failed_since
+            .iter()
+            .filter(|(_, since)| now.saturating_duration_since(**since) >= self.lost_after)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TIMEOUT: Duration = Duration::from_millis(1500);
+    const LOST_AFTER: Duration = Duration::from_secs(300);
+    const ME: NodeId = 1;
+
+    fn members(alive: &[(NodeId, bool)]) -> Vec<Member> {
+        alive
+            .iter()
+            .map(|&(id, alive)| Member { id, alive })
+            .collect()
+    }
+
+    fn verdict(
+        detector: &mut FailureDetector,
+        members: &[Member],
+        now: Instant,
+        id: NodeId,
+    ) -> Check {
+        detector
+            .check(ME, members, now)
+            .into_iter()
+            .find(|(node, _)| *node == id)
+            .map(|(_, check)| check)
+            .unwrap()
+    }
+
+    #[test]
+    fn a_node_silent_past_the_timeout_fails_and_a_heartbeat_revives_it() {
+        let start = Instant::now();
+        let mut detector = FailureDetector::new(TIMEOUT, LOST_AFTER);
+        let nodes = members(&[(1, true), (2, true)]);
+        assert_eq!(verdict(&mut detector, &nodes, start, 2), Check::Alive);
+        detector.heard_from(2, start + Duration::from_millis(1000));
+        // Within the timeout of its last heartbeat.
+        let t = start + Duration::from_millis(2400);
+        assert_eq!(verdict(&mut detector, &nodes, t, 2), Check::Alive);
+        // Past it.
+        let t = start + Duration::from_millis(2600);
+        assert_eq!(verdict(&mut detector, &nodes, t, 2), Check::Failed);
+        let failed = members(&[(1, true), (2, false)]);
+        assert_eq!(verdict(&mut detector, &failed, t, 2), Check::Failed);
+        detector.heard_from(2, t + Duration::from_millis(10));
+        let t = t + Duration::from_millis(20);
+        assert_eq!(verdict(&mut detector, &failed, t, 2), Check::Alive);
+    }
+
+    #[test]
+    fn a_suspect_is_probed_at_once_and_a_failed_probe_does_not_flap() {
+        let start = Instant::now();
+        let mut detector = FailureDetector::new(TIMEOUT, LOST_AFTER);
+        let nodes = members(&[(1, true), (2, true), (3, true)]);
+        detector.heard_from(2, start);
+        detector.heard_from(3, start);
+        detector.suspect(2);
+        let t = start + Duration::from_millis(100);
+        let checks = detector.check(ME, &nodes, t);
+        assert_eq!(checks, vec![(2, Check::Probe), (3, Check::Alive)]);
+        // The suspicion is taken: the next round does not probe again.
+        detector.probed(2, false, t);
+        let failed = members(&[(1, true), (2, false), (3, true)]);
+        let t = t + Duration::from_millis(100);
+        // Its last heartbeat (100 ms ago) no longer counts.
+        assert_eq!(verdict(&mut detector, &failed, t, 2), Check::Failed);
+        // A suspect that answers stays alive.
+        detector.suspect(3);
+        assert_eq!(verdict(&mut detector, &failed, t, 3), Check::Probe);
+        detector.probed(3, true, t);
+        assert_eq!(
+            verdict(&mut detector, &failed, t + TIMEOUT, 3),
+            Check::Alive
+        );
+    }
+
+    #[test]
+    fn a_suspected_node_already_failed_is_not_probed() {
+        let start = Instant::now();
+        let mut detector = FailureDetector::new(TIMEOUT, LOST_AFTER);
+        detector.suspect(2);
+        let failed = members(&[(1, true), (2, false)]);
+        assert_eq!(verdict(&mut detector, &failed, start, 2), Check::Failed);
+    }
+
+    #[test]
+    fn a_new_leader_probes_everyone_and_gives_a_full_timeout() {
+        let start = Instant::now();
+        let mut detector = FailureDetector::new(TIMEOUT, LOST_AFTER);
+        let nodes = members(&[(1, true), (2, true), (3, false)]);
+        detector.became_leader(ME, &nodes, start);
+        let checks = detector.check(ME, &nodes, start);
+        assert_eq!(checks, vec![(2, Check::Probe), (3, Check::Failed)]);
+        detector.probed(2, true, start);
+        assert_eq!(
+            verdict(&mut detector, &nodes, start + TIMEOUT, 2),
+            Check::Alive
+        );
+        assert_eq!(
+            verdict(
+                &mut detector,
+                &nodes,
+                start + TIMEOUT + Duration::from_millis(1),
+                2
+            ),
+            Check::Failed
+        );
+    }
+
+    #[test]
+    fn a_node_failed_long_enough_is_lost_and_a_new_leader_starts_the_clock_again() {
+        let start = Instant::now();
+        let mut detector = FailureDetector::new(TIMEOUT, LOST_AFTER);
+        let failed = BTreeSet::from([3]);
+        assert!(detector.lost(&failed, start).is_empty());
+        assert!(detector.lost(&failed, start + LOST_AFTER / 2).is_empty());
+        assert_eq!(detector.lost(&failed, start + LOST_AFTER), failed);
+        // It came back: no longer counted.
+        assert!(detector
+            .lost(&BTreeSet::new(), start + LOST_AFTER)
+            .is_empty());
+        assert!(detector.lost(&failed, start + LOST_AFTER * 2).is_empty());
+        // A new leader waits the full time again, from its first look.
+        let elected = start + LOST_AFTER * 3;
+        detector.became_leader(ME, &members(&[(1, true), (3, false)]), elected);
+        assert!(detector.lost(&failed, elected).is_empty());
+        assert!(detector.lost(&failed, elected + LOST_AFTER / 2).is_empty());
+        assert_eq!(detector.lost(&failed, elected + LOST_AFTER), failed);
+    }
+}
