@@ -143,7 +143,9 @@ impl Backend for ClusterBackend {
 
     async fn publish(&self, changes: Vec<TableChanges>) -> tessera_sql::error::Result<Epoch> {
         // No re-pin afterwards: the next statement catches up with the leader anyway.
-        Ok(crate::publish::publish(&self.node, changes).await?)
+        Ok(crate::publish::publish(&self.node.replication, changes)
+            .await
+            .map_err(ClusterError::from)?)
     }
 
     async fn run_query(

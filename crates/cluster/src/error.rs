@@ -1,6 +1,5 @@
 //! Errors of the cluster layer, each naming the node, address or setting at fault.
 
-use tessera_common::Epoch;
 use tessera_storage::StorageError;
 use thiserror::Error;
 
@@ -54,14 +53,9 @@ pub enum ClusterError {
         query: u64,
         detail: String,
     },
-    #[error("epoch {epoch} aborted: {reason}")]
-    Aborted { epoch: Epoch, reason: String },
-    #[error("epoch {epoch} aborted: node {node}, a primary logging its rows, was lost: {reason}")]
-    PrimaryLost {
-        node: u64,
-        epoch: Epoch,
-        reason: String,
-    },
+    /// A replication protocol step failed (a publish aborted, a copy refused, ...).
+    #[error(transparent)]
+    Replication(#[from] tessera_replication::ReplicationError),
     #[error("{0}")]
     Storage(#[from] StorageError),
     #[error("{0}")]

@@ -17,17 +17,15 @@
 pub mod backend;
 /// The metadata layer, re-exported under its old path while the cluster crate is split.
 pub use tessera_meta as meta;
+/// The replication protocols, re-exported under their old paths while the crate is split.
+pub use tessera_replication::{failover, publish, rebalance, shipping};
 pub mod client;
 pub mod config;
 pub mod error;
-pub mod failover;
 pub mod node;
-pub mod publish;
 pub mod query;
-pub mod rebalance;
 pub mod rpc;
 pub mod server;
-pub mod shipping;
 
 pub use tessera_common::NodeId;
 

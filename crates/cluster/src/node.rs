@@ -16,11 +16,12 @@ use crate::rpc::{
 use crate::NodeId;
 use openraft::BasicNode;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tessera_replication::{Replication, Settings};
 use tessera_storage::{Store, StoreConfig};
 
 /// The format of a node's data directory; bumped on incompatible changes.
@@ -43,22 +44,11 @@ pub struct Node {
     pub clients: Arc<Clients>,
     /// Distributed queries' exchanges and channels running here.
     pub queries: Arc<crate::query::exchange::QueryRegistry>,
-    /// Heartbeats and suspicions: the leader decides liveness from them; a follower passes
-    /// its suspicions on.
-    detector: Mutex<FailureDetector>,
-    /// Woken when a node becomes suspect: a follower passes it on at once, and the leader
-    /// probes it at once, rather than on their next ticks.
-    suspected: tokio::sync::Notify,
     checkpointing: AtomicBool,
     rebalancing: AtomicBool,
-    /// The components last announced to standbys, per (table, partition) this node leads.
-    shipped:
-        Mutex<HashMap<(String, tessera_common::PartitionId), Vec<tessera_common::ComponentHash>>>,
     protocol: u32,
-    /// This process's incarnation: epochs it opens are tagged with it.
-    incarnation: u64,
-    /// What this node copied from others as a new or returning replica.
-    pub transfers: crate::rebalance::TransferCounters,
+    /// The replication protocols' handle: publish, shipping, failure detection, copies.
+    pub replication: Arc<Replication>,
 }
 
 impl std::fmt::Debug for Node {
@@ -236,9 +226,16 @@ impl Node {
             .map(|p| (p.id, p.addr.to_string()))
             .collect();
         let meta = MetaClient::new(config.node_id, raft, meta, clients.clone(), peers);
-        let detector = Mutex::new(FailureDetector::new(
-            config.failure_timeout(),
-            config.rereplicate_after(),
+        let replication = Arc::new(Replication::new(
+            incarnation,
+            store.clone(),
+            meta.clone(),
+            clients.clone(),
+            Settings {
+                failure_timeout: config.failure_timeout(),
+                rereplicate_after: config.rereplicate_after(),
+                delta_recovery: config.delta_recovery,
+            },
         ));
         let node = Arc::new(Node {
             config,
@@ -246,14 +243,10 @@ impl Node {
             clients,
             queries: Arc::default(),
             meta,
-            detector,
-            suspected: tokio::sync::Notify::new(),
             checkpointing: AtomicBool::new(false),
             rebalancing: AtomicBool::new(false),
-            shipped: Mutex::new(HashMap::new()),
             protocol,
-            incarnation,
-            transfers: Default::default(),
+            replication,
         });
         node.queries
             .set_spool_dir(node.config.data_dir.join("spool"));
@@ -283,7 +276,7 @@ impl Node {
     }
 
     pub fn incarnation(&self) -> u64 {
-        self.incarnation
+        self.replication.incarnation()
     }
 
     /// Makes `id` suspect and waits for the metadata leader's verdict (it probes the node
@@ -338,7 +331,7 @@ impl Node {
     }
 
     fn detector(&self) -> std::sync::MutexGuard<'_, FailureDetector> {
-        self.detector.lock().expect("failure detector lock")
+        self.replication.detector()
     }
 
     /// Records a heartbeat (on the leader).
@@ -349,8 +342,7 @@ impl Node {
 
     /// Reports a dropped connection to `node`: the leader checks it at once.
     pub fn suspect(&self, node: NodeId) {
-        self.detector().suspect(node);
-        self.suspected.notify_waiters();
+        self.replication.suspect(node);
     }
 
     /// The members as the failure detector sees them.
@@ -372,7 +364,7 @@ impl Node {
         loop {
             tokio::select! {
                 _ = ticker.tick() => {}
-                _ = self.suspected.notified() => {}
+                _ = self.replication.suspicion() => {}
             }
             let heartbeat = Heartbeat { node_id: self.id() };
             match self.meta.leader() {
@@ -405,7 +397,7 @@ impl Node {
         loop {
             tokio::select! {
                 _ = ticker.tick() => {}
-                _ = self.suspected.notified() => {}
+                _ = self.replication.suspicion() => {}
             }
             let leading = self.meta.is_leader();
             if leading && !was_leader {
@@ -448,13 +440,13 @@ impl Node {
         }
         let announcement = MetaCommand::Started {
             id: self.id(),
-            incarnation: self.incarnation,
+            incarnation: self.incarnation(),
         };
         while let Err(error) = self.meta.write(announcement.clone()).await {
             tracing::info!(%error, "could not announce this process yet");
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
-        tracing::info!(incarnation = self.incarnation, "process announced");
+        tracing::info!(incarnation = self.incarnation(), "process announced");
     }
 
     async fn lead(self: &Arc<Self>) -> Result<()> {
@@ -532,7 +524,7 @@ impl Node {
         {
             let node = self.clone();
             tokio::spawn(async move {
-                if let Err(error) = crate::rebalance::rebalance(&node, &lost).await {
+                if let Err(error) = crate::rebalance::rebalance(&node.replication, &lost).await {
                     tracing::warn!(%error, "rebalance failed; retrying in a second");
                     // Each attempt leases every table; back off so publishes get through.
                     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -620,7 +612,7 @@ impl Node {
         }
         let node = self.clone();
         tokio::spawn(async move {
-            if let Err(error) = crate::shipping::checkpoint(&node).await {
+            if let Err(error) = crate::shipping::checkpoint(&node.replication).await {
                 tracing::error!(%error, "checkpoint failed");
             }
             node.checkpointing.store(false, Ordering::SeqCst);
@@ -635,25 +627,8 @@ impl Node {
         tokio::task::spawn_blocking(move || store.flush())
             .await
             .map_err(|e| ClusterError::Rejected(format!("flush task: {e}")))??;
-        crate::shipping::announce(self).await;
+        crate::shipping::announce(&self.replication).await;
         Ok(())
-    }
-
-    /// Records the components last announced to the standbys of one partition; false if
-    /// they are the same as last time (nothing to announce).
-    pub fn note_shipped(
-        &self,
-        table: &str,
-        partition: tessera_common::PartitionId,
-        hashes: Vec<tessera_common::ComponentHash>,
-    ) -> bool {
-        let mut shipped = self.shipped.lock().expect("shipped lock");
-        let key = (table.to_string(), partition);
-        if shipped.get(&key) == Some(&hashes) {
-            return false;
-        }
-        shipped.insert(key, hashes);
-        true
     }
 }
 

@@ -5,7 +5,7 @@ use crate::node::Node;
 use crate::query::run::RunRequest;
 use crate::rpc::*;
 use crate::NodeId;
-use arrow::array::{Array, RecordBatch, UInt32Array};
+use arrow::array::RecordBatch;
 use arrow_flight::decode::FlightRecordBatchStream;
 use arrow_flight::encode::FlightDataEncoderBuilder;
 use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
@@ -15,7 +15,7 @@ use arrow_flight::{
 };
 use bytes::Bytes;
 use futures::stream::BoxStream;
-use futures::{SinkExt, StreamExt, TryStreamExt};
+use futures::{StreamExt, TryStreamExt};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -23,11 +23,8 @@ use std::time::Duration;
 use tessera_common::PartitionId;
 use tessera_net::TaggedRequest;
 use tessera_storage::versions::stored_user_schema;
-use tessera_storage::{PartitionChanges, TableChanges};
+use tessera_storage::TableChanges;
 use tonic::{Request, Response, Status, Streaming};
-
-/// Rows a replica collects before logging them (bounds its memory per publish stream).
-const PREPARE_CHUNK_BYTES: usize = 32 << 20;
 
 /// What `tessera status` shows of one node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -227,7 +224,8 @@ impl NodeService {
                 // Answered at once: the primary does not wait for its standbys' downloads.
                 tokio::spawn(async move {
                     if let Err(error) =
-                        crate::shipping::pull_from_primaries(&node, request.partitions).await
+                        crate::shipping::pull_from_primaries(&node.replication, request.partitions)
+                            .await
                     {
                         tracing::warn!(%error, "pulling a primary's components failed; the next checkpoint retries");
                     }
@@ -236,7 +234,7 @@ impl NodeService {
             }
             ACTION_COPY_PARTITIONS => {
                 let request: CopyRequest = self.open(body)?;
-                let result = crate::rebalance::copy_partitions(node, request)
+                let result = crate::rebalance::copy_partitions(&node.replication, request)
                     .await
                     .map_err(|e| Refusal::Failed(e.to_string()));
                 reply(&result)
@@ -263,145 +261,12 @@ impl NodeService {
                             partitions_with_data: t.partitions_with_data,
                         })
                         .collect(),
-                    transfers: node.transfers.counts(),
+                    transfers: node.replication.transfers.counts(),
                 };
                 reply(&status)
             }
             other => Err(Status::unimplemented(format!("unknown action {other:?}"))),
         }
-    }
-
-    /// Logs the rows of one prepare stream durably, in chunks; as a partition primary, also
-    /// ships them on to the replicas named in `request.forward` while they arrive, and
-    /// answers once those have logged them too (log shipping).
-    async fn prepare(
-        &self,
-        request: PrepareRequest,
-        stream: FlightRecordBatchStream,
-    ) -> Result<PrepareReply, Status> {
-        let span = tracing::info_span!("prepare", epoch = %request.epoch, table = %request.table);
-        tracing::Instrument::instrument(self.prepare_logged(request, stream), span).await
-    }
-
-    async fn prepare_logged(
-        &self,
-        request: PrepareRequest,
-        stream: FlightRecordBatchStream,
-    ) -> Result<PrepareReply, Status> {
-        self.wait_for_table(&request.table).await;
-        let (mut outlets, shipping) = self.start_shipping(&request);
-        let mut stream = stream;
-        let mut chunk: Vec<PartitionChanges> = Vec::new();
-        let mut chunk_bytes = 0;
-        while let Some(batch) = stream.try_next().await.map_err(failed)? {
-            let (partition, rows) = split_partition_column(&batch).map_err(failed)?;
-            for (partitions, outlet) in &mut outlets {
-                // A closed outlet means that replica's stream failed; its task reports it.
-                if partitions.contains(&partition) {
-                    let _ = outlet.send(batch.clone()).await;
-                }
-            }
-            chunk_bytes += rows.get_array_memory_size();
-            let (upserts, deletes) = if request.deletes {
-                (vec![], vec![rows])
-            } else {
-                (vec![rows], vec![])
-            };
-            chunk.push(PartitionChanges {
-                table: request.table.clone(),
-                partition,
-                upserts,
-                deletes,
-            });
-            if chunk_bytes >= PREPARE_CHUNK_BYTES {
-                self.prepare_chunk(&request, std::mem::take(&mut chunk))
-                    .await?;
-                chunk_bytes = 0;
-            }
-        }
-        drop(outlets); // ends the replicas' streams
-        if !chunk.is_empty() {
-            self.prepare_chunk(&request, chunk).await?;
-        }
-        let mut unreachable = Vec::new();
-        for (replica, task) in shipping {
-            match task.await {
-                Ok(Ok(_)) => {}
-                Ok(Err(error)) if error.is_transport() => {
-                    tracing::warn!(node = replica, epoch = %request.epoch, %error, "replica unreachable during log shipping");
-                    self.node.suspect(replica);
-                    unreachable.push(replica);
-                }
-                Ok(Err(error)) => {
-                    return Err(failed(format!(
-                        "replica {replica} refused the rows: {error}"
-                    )))
-                }
-                Err(join_error) => return Err(failed(join_error)),
-            }
-        }
-        Ok(PrepareReply { unreachable })
-    }
-
-    /// Waits (up to 10 s) for `table` to exist here. It may have been created moments ago
-    /// and this node not have applied that yet: it lags the majority that committed it, or
-    /// (a node that just started) has not been added to the metadata group yet.
-    async fn wait_for_table(&self, table: &str) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while self.node.store.table_def(table).is_none() && std::time::Instant::now() < deadline {
-            let view = self.node.meta.catch_up_with_leader().await;
-            tracing::debug!(
-                table,
-                applied = view.applied_index,
-                "a prepare for a table this store does not hold yet"
-            );
-            if self.node.store.table_def(table).is_none() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-
-    /// Opens one prepare stream to each replica in `request.forward`. Returns, per replica,
-    /// the partitions it takes and the sender feeding its stream, and the task that ends
-    /// once it has logged them.
-    fn start_shipping(&self, request: &PrepareRequest) -> (Vec<Outlet>, Vec<Shipping>) {
-        let mut outlets = Vec::new();
-        let mut shipping = Vec::new();
-        for forward in &request.forward {
-            let (sender, receiver) = futures::channel::mpsc::channel::<RecordBatch>(8);
-            outlets.push((forward.partitions.clone(), sender));
-            let onward = PrepareRequest {
-                forward: Vec::new(),
-                ..request.clone()
-            };
-            let node = self.node.clone();
-            let replica = forward.node;
-            let task = tokio::spawn(async move {
-                match node.meta.addr_of(replica) {
-                    Some(addr) => {
-                        crate::rpc::prepare(&node.clients, &addr, &onward, receiver).await
-                    }
-                    None => Err(CallError::Transport(format!(
-                        "node {replica} has no address"
-                    ))),
-                }
-            });
-            shipping.push((replica, task));
-        }
-        (outlets, shipping)
-    }
-
-    async fn prepare_chunk(
-        &self,
-        request: &PrepareRequest,
-        chunk: Vec<PartitionChanges>,
-    ) -> Result<(), Status> {
-        let store = self.node.store.clone();
-        let epoch = request.epoch;
-        tokio::task::spawn_blocking(move || store.prepare_epoch(epoch, chunk))
-            .await
-            .map_err(failed)?
-            .map_err(failed)
     }
 }
 
@@ -561,42 +426,6 @@ impl NodeService {
     }
 }
 
-/// The partitions a replica takes from a primary's prepare stream, and the sender that
-/// feeds them to it.
-type Outlet = (
-    Vec<PartitionId>,
-    futures::channel::mpsc::Sender<RecordBatch>,
-);
-/// A replica and the task shipping rows to it.
-type Shipping = (
-    NodeId,
-    tokio::task::JoinHandle<std::result::Result<PrepareReply, CallError>>,
-);
-
-/// A prepare batch's rows without the partition column, and that (single) partition.
-fn split_partition_column(batch: &RecordBatch) -> Result<(PartitionId, RecordBatch), String> {
-    let partitions = batch
-        .column(0)
-        .as_any()
-        .downcast_ref::<UInt32Array>()
-        .filter(|_| batch.schema().field(0).name() == PARTITION_COLUMN)
-        .ok_or_else(|| {
-            format!("prepare batches start with a UInt32 column {PARTITION_COLUMN:?}")
-        })?;
-    if partitions.null_count() > 0 || partitions.is_empty() {
-        return Err("a prepare batch needs rows, each naming its partition".into());
-    }
-    let first = partitions.value(0);
-    if partitions.values().iter().any(|p| *p != first) {
-        return Err("a prepare batch holds rows of one partition".into());
-    }
-    let columns: Vec<usize> = (1..batch.num_columns()).collect();
-    Ok((
-        PartitionId(first),
-        batch.project(&columns).map_err(|e| e.to_string())?,
-    ))
-}
-
 #[tonic::async_trait]
 impl FlightService for NodeService {
     type HandshakeStream = BoxStream<'static, Result<HandshakeResponse, Status>>;
@@ -745,7 +574,13 @@ impl FlightService for NodeService {
             PrepareRequest::KIND => {
                 let prepare: PrepareRequest = request.decode().map_err(decode_error)?;
                 let batches = FlightRecordBatchStream::new_from_flight_data(data);
-                let reply = self.prepare(prepare, batches).await?;
+                let reply = tessera_replication::log_shipping::receive(
+                    &self.node.replication,
+                    prepare,
+                    batches,
+                )
+                .await
+                .map_err(failed)?;
                 Bytes::from(serde_json::to_vec(&reply).map_err(failed)?)
             }
             ExchangeHeader::KIND => {
@@ -773,7 +608,7 @@ impl FlightService for NodeService {
                         deletes: vec![],
                     }
                 };
-                let epoch = crate::publish::publish(&self.node, vec![changes])
+                let epoch = crate::publish::publish(&self.node.replication, vec![changes])
                     .await
                     .map_err(failed)?;
                 Bytes::from(serde_json::to_vec(&epoch).map_err(failed)?)

@@ -3,8 +3,9 @@
 use crate::envelope::{encode_envelope, Tagged, WireRequest};
 use crate::error::CallError;
 use arrow::array::RecordBatch;
-use arrow_flight::decode::{DecodedFlightData, FlightRecordBatchStream};
+use arrow_flight::decode::{DecodedFlightData, FlightDataDecoder, FlightRecordBatchStream};
 use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::{Action, FlightClient, FlightData, FlightDescriptor, Ticket};
 use bytes::Bytes;
@@ -213,23 +214,33 @@ impl Clients {
         self.note(addr, result)
     }
 
+    /// Sends a `do_get` request; the reply's raw Flight messages.
+    async fn do_get<R: WireRequest>(
+        &self,
+        addr: &str,
+        request: &R,
+    ) -> Result<tonic::Streaming<FlightData>, CallError> {
+        let result = async {
+            let mut client = self.service(addr)?;
+            let ticket = Ticket::new(self.tagged(request));
+            Ok(client
+                .do_get(ticket)
+                .await
+                .map_err(CallError::from_status)?
+                .into_inner())
+        }
+        .await;
+        self.note(addr, result)
+    }
+
     /// Streams the batches a `do_get` request returns.
     pub async fn get<R: WireRequest>(
         &self,
         addr: &str,
         request: &R,
     ) -> Result<impl Stream<Item = Result<RecordBatch, CallError>> + use<R>, CallError> {
-        let result = async {
-            let mut client = self.client(addr)?;
-            let ticket = Ticket::new(self.tagged(request));
-            let stream: FlightRecordBatchStream = client
-                .do_get(ticket)
-                .await
-                .map_err(CallError::from_flight)?;
-            Ok(stream.map_err(CallError::from_flight))
-        }
-        .await;
-        self.note(addr, result)
+        let messages = self.do_get(addr, request).await?.map_err(FlightError::from);
+        Ok(FlightRecordBatchStream::new_from_flight_data(messages).map_err(CallError::from_flight))
     }
 
     /// Streams a `do_get` reply decoded message by message, with each message's metadata
@@ -239,18 +250,8 @@ impl Clients {
         addr: &str,
         request: &R,
     ) -> Result<impl Stream<Item = Result<DecodedFlightData, CallError>> + use<R>, CallError> {
-        let result = async {
-            let mut client = self.client(addr)?;
-            let ticket = Ticket::new(self.tagged(request));
-            let stream = client
-                .do_get(ticket)
-                .await
-                .map_err(CallError::from_flight)?
-                .into_inner();
-            Ok(stream.map_err(CallError::from_flight))
-        }
-        .await;
-        self.note(addr, result)
+        let messages = self.do_get(addr, request).await?.map_err(FlightError::from);
+        Ok(FlightDataDecoder::new(messages).map_err(CallError::from_flight))
     }
 
     /// Streams a `do_get` reply's raw Flight messages (raw bytes, or JSON in metadata).
@@ -259,17 +260,9 @@ impl Clients {
         addr: &str,
         request: &R,
     ) -> Result<impl Stream<Item = Result<FlightData, CallError>> + use<R>, CallError> {
-        let result = async {
-            let mut client = self.service(addr)?;
-            let ticket = Ticket::new(self.tagged(request));
-            let stream = client
-                .do_get(ticket)
-                .await
-                .map_err(CallError::from_status)?
-                .into_inner();
-            Ok(stream.map_err(CallError::from_status))
-        }
-        .await;
-        self.note(addr, result)
+        Ok(self
+            .do_get(addr, request)
+            .await?
+            .map_err(CallError::from_status))
     }
 }

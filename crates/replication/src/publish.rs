@@ -4,17 +4,18 @@
 //! epoch whose coordinator dies before the commit is aborted by the metadata leader, and
 //! its prepared rows are discarded everywhere.
 
-use crate::error::{ClusterError, Result};
-use crate::meta::{MetaCommand, MetaResponse, MetaState};
-use crate::node::Node;
-use crate::rpc::{CallError, Forward, PrepareRequest, PARTITION_COLUMN};
+use crate::error::{ReplicationError, Result};
+use crate::wire::{Forward, PrepareRequest, PARTITION_COLUMN};
 use crate::NodeId;
+use crate::Replication;
 use arrow::array::{ArrayRef, RecordBatch, UInt32Array};
 use arrow::datatypes::{DataType, Field, Schema};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use tessera_common::{Epoch, PartitionId, PartitionRing};
 use tessera_meta::MetaError;
+use tessera_meta::{MetaCommand, MetaResponse, MetaState};
+use tessera_net::CallError;
 use tessera_storage::{versions, StorageError, TableChanges, TableDef};
 
 /// One table's rows routed to partitions: upserts (table columns) and deletes (key columns).
@@ -29,7 +30,7 @@ struct Routed {
 fn route(state: &MetaState, changes: Vec<TableChanges>) -> Result<BTreeMap<String, Routed>> {
     if !state.is_bootstrapped() {
         // A node that just started and has not yet caught up with the metadata group.
-        return Err(ClusterError::Meta(MetaError::NoLeader));
+        return Err(ReplicationError::Meta(MetaError::NoLeader));
     }
     let ring = PartitionRing::new(state.partition_count);
     let mut routed: BTreeMap<String, Routed> = BTreeMap::new();
@@ -110,31 +111,31 @@ struct Shipment {
 const RETRIES: usize = 3;
 
 /// Publishes `changes` as one epoch across the cluster; returns once it is committed.
-pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epoch> {
+pub async fn publish(node: &Arc<Replication>, changes: Vec<TableChanges>) -> Result<Epoch> {
     let state = node.meta.catch_up_with_leader().await.state.clone();
     // Routing is CPU work proportional to the rows; keep it off the threads that answer
     // heartbeats and Raft.
     let routed = tokio::task::spawn_blocking(move || route(&state, changes))
         .await
-        .map_err(|e| ClusterError::Rejected(format!("routing the rows failed: {e}")))??;
+        .map_err(ReplicationError::task("routing the rows"))??;
     let mut attempt = 0;
     loop {
         attempt += 1;
         match publish_routed(node, &routed).await {
-            Err(ClusterError::Meta(MetaError::Fenced(reason))) if attempt <= RETRIES => {
+            Err(ReplicationError::Meta(MetaError::Fenced(reason))) if attempt <= RETRIES => {
                 tracing::warn!(%reason, attempt, "publish fenced; retrying once this node is alive again");
                 node.meta
                     .wait_until_alive(std::time::Duration::from_secs(10))
                     .await;
             }
-            Err(ClusterError::PrimaryLost {
+            Err(ReplicationError::PrimaryLost {
                 node: lost,
                 epoch,
                 reason,
             }) if attempt <= RETRIES => {
                 tracing::warn!(node = lost, %epoch, %reason, attempt, "a primary was lost mid-publish; retrying once the metadata has a new one");
                 node.meta
-                    .wait_until_failed(lost, node.config.failure_timeout() * 2)
+                    .wait_until_failed(lost, node.settings.failure_timeout * 2)
                     .await;
             }
             done => return done,
@@ -143,7 +144,10 @@ pub async fn publish(node: &Arc<Node>, changes: Vec<TableChanges>) -> Result<Epo
 }
 
 /// One attempt at publishing routed rows: an epoch, prepares on every live replica, commit.
-async fn publish_routed(node: &Arc<Node>, routed: &BTreeMap<String, Routed>) -> Result<Epoch> {
+async fn publish_routed(
+    node: &Arc<Replication>,
+    routed: &BTreeMap<String, Routed>,
+) -> Result<Epoch> {
     let started = std::time::Instant::now();
     let tables: Vec<String> = routed.keys().cloned().collect();
     let epoch = allocate_epoch(node, tables.clone()).await?;
@@ -153,7 +157,7 @@ async fn publish_routed(node: &Arc<Node>, routed: &BTreeMap<String, Routed>) -> 
 
 /// Prepares an allocated epoch's rows on every live replica, then commits it (or aborts it).
 async fn publish_epoch(
-    node: &Arc<Node>,
+    node: &Arc<Replication>,
     routed: &BTreeMap<String, Routed>,
     epoch: Epoch,
     started: std::time::Instant,
@@ -191,8 +195,8 @@ async fn publish_epoch(
                 tracing::warn!(%epoch, %abort_error, "could not abort epoch; the leader aborts it when this node is declared failed");
             }
             Err(match error {
-                lost @ ClusterError::PrimaryLost { .. } => lost,
-                _ => ClusterError::Aborted { epoch, reason },
+                lost @ ReplicationError::PrimaryLost { .. } => lost,
+                _ => ReplicationError::Aborted { epoch, reason },
             })
         }
     }
@@ -203,7 +207,7 @@ const LEASE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Takes an epoch and the ownership lease of `tables`, waiting while another writer holds
 /// one of them.
-pub async fn allocate_epoch(node: &Arc<Node>, tables: Vec<String>) -> Result<Epoch> {
+pub async fn allocate_epoch(node: &Arc<Replication>, tables: Vec<String>) -> Result<Epoch> {
     let deadline = std::time::Instant::now() + LEASE_PATIENCE;
     let request: u64 = rand::random();
     loop {
@@ -216,7 +220,7 @@ pub async fn allocate_epoch(node: &Arc<Node>, tables: Vec<String>) -> Result<Epo
         match node.meta.write(command).await {
             Ok(MetaResponse::Epoch(epoch)) => return Ok(epoch),
             Ok(other) => {
-                return Err(ClusterError::Meta(MetaError::Raft(format!(
+                return Err(ReplicationError::Meta(MetaError::Raft(format!(
                     "unexpected reply {other:?} to an epoch allocation"
                 ))))
             }
@@ -232,9 +236,9 @@ pub async fn allocate_epoch(node: &Arc<Node>, tables: Vec<String>) -> Result<Epo
 /// Has every live, up-to-date replica of each touched partition log its rows: the rows go
 /// to the partition's primary, which ships them on to the other replicas (log shipping).
 /// Returns the (partition, replica) pairs that did not log them (dead, stale or unreachable
-/// replicas); fails with [`ClusterError::PrimaryLost`] if a primary died before answering.
+/// replicas); fails with [`ReplicationError::PrimaryLost`] if a primary died before answering.
 async fn prepare_everywhere(
-    node: &Arc<Node>,
+    node: &Arc<Replication>,
     state: &MetaState,
     epoch: Epoch,
     routed: &BTreeMap<String, Routed>,
@@ -259,10 +263,10 @@ async fn prepare_everywhere(
                     .filter(|id| live(id) && !placement.stale.contains_key(id))
                     .collect();
                 if targets.is_empty() {
-                    return Err(ClusterError::Rejected(format!(
-                        "partition {partition} has no live, up-to-date replica (replicas {:?}); it cannot take writes until one returns",
-                        placement.replicas
-                    )));
+                    return Err(ReplicationError::NoWritableReplica {
+                        partition,
+                        replicas: placement.replicas.clone(),
+                    });
                 }
                 if let Some(i) = targets.iter().position(|id| Some(*id) == placement.primary) {
                     targets[..=i].rotate_right(1);
@@ -309,7 +313,7 @@ async fn prepare_everywhere(
             .collect();
         let result = match node.meta.addr_of(shipment.primary) {
             Some(addr) => {
-                crate::rpc::prepare(
+                crate::wire::prepare(
                     &node.clients,
                     &addr,
                     &shipment.request,
@@ -336,16 +340,18 @@ async fn prepare_everywhere(
             }
             Err(error) if error.is_transport() => {
                 node.suspect(primary);
-                return Err(ClusterError::PrimaryLost {
+                return Err(ReplicationError::PrimaryLost {
                     node: primary,
                     epoch,
                     reason: error.to_string(),
                 });
             }
             Err(error) => {
-                return Err(ClusterError::Rejected(format!(
-                    "node {primary} refused the rows: {error}"
-                )))
+                return Err(ReplicationError::Refused {
+                    node: primary,
+                    what: "an epoch's rows",
+                    reason: error.to_string(),
+                })
             }
         }
     }

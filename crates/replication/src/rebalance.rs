@@ -12,14 +12,12 @@
 //! missed, and keeps everything older (DESIGN §6, failback). If it fails again midway, the
 //! map still lists it as stale from the same epoch, and the next attempt redoes the delta.
 
-use crate::error::{ClusterError, Result};
-use crate::meta::{MetaCommand, MetaResponse, MetaState, PartitionMap};
-use crate::node::Node;
-use crate::rpc::{
-    CallError, CopyRequest, ExportRequest, PartitionMove, Refusal, VersionsRequest,
-    ACTION_COPY_PARTITIONS,
+use crate::error::{ReplicationError, Result};
+use crate::wire::{
+    CopyRequest, ExportRequest, PartitionMove, VersionsRequest, ACTION_COPY_PARTITIONS,
 };
 use crate::NodeId;
+use crate::Replication;
 use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -27,6 +25,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::{ComponentHash, Epoch, PartitionId};
+use tessera_meta::{MetaCommand, MetaResponse, MetaState, PartitionMap};
+use tessera_net::{CallError, Refusal};
 use tessera_storage::ComponentMeta;
 
 /// What this node fetched to become or return as a replica, since it started: `tessera
@@ -113,7 +113,7 @@ pub fn wanted_map(state: &MetaState, lost: &BTreeSet<NodeId>) -> Option<Partitio
 }
 
 /// Moves partitions to match [`wanted_map`]; run by the metadata leader.
-pub async fn rebalance(node: &Arc<Node>, lost: &BTreeSet<NodeId>) -> Result<()> {
+pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Result<()> {
     let state = node.meta.view().state.clone();
     let Some(mut wanted) = wanted_map(&state, lost) else {
         return Ok(());
@@ -141,7 +141,7 @@ pub async fn rebalance(node: &Arc<Node>, lost: &BTreeSet<NodeId>) -> Result<()> 
             }
             let since = match current.stale.get(replica) {
                 Some(first_missed)
-                    if current.replicas.contains(replica) && node.config.delta_recovery =>
+                    if current.replicas.contains(replica) && node.settings.delta_recovery =>
                 {
                     *first_missed
                 }
@@ -150,9 +150,7 @@ pub async fn rebalance(node: &Arc<Node>, lost: &BTreeSet<NodeId>) -> Result<()> 
             };
             let Some(source) = current.primary else {
                 let _ = abort(node, epoch, "a partition has no readable replica").await;
-                return Err(ClusterError::Rejected(format!(
-                    "partition {partition} has no readable replica to copy from"
-                )));
+                return Err(ReplicationError::NoReadableReplica { partition });
             };
             copies.entry(*replica).or_default().push(PartitionMove {
                 partition,
@@ -197,10 +195,12 @@ pub async fn rebalance(node: &Arc<Node>, lost: &BTreeSet<NodeId>) -> Result<()> 
                 .await;
             match reply {
                 Ok(Ok(())) => Ok(()),
-                Ok(Err(refusal)) => Err(ClusterError::Rejected(format!(
-                    "node {target}: {refusal:?}"
-                ))),
-                Err(e) => Err(ClusterError::Unreachable {
+                Ok(Err(refusal)) => Err(ReplicationError::Refused {
+                    node: target,
+                    what: "a partition copy",
+                    reason: format!("{refusal:?}"),
+                }),
+                Err(e) => Err(ReplicationError::Unreachable {
                     node: target,
                     addr,
                     reason: e.to_string(),
@@ -226,7 +226,7 @@ pub async fn rebalance(node: &Arc<Node>, lost: &BTreeSet<NodeId>) -> Result<()> 
 }
 
 async fn abort(
-    node: &Arc<Node>,
+    node: &Arc<Replication>,
     epoch: tessera_common::Epoch,
     reason: &str,
 ) -> Result<MetaResponse> {
@@ -240,7 +240,7 @@ async fn abort(
 }
 
 /// Copies the named partitions of every table from their sources into this node's store.
-pub async fn copy_partitions(node: &Arc<Node>, request: CopyRequest) -> Result<()> {
+pub async fn copy_partitions(node: &Arc<Replication>, request: CopyRequest) -> Result<()> {
     // The tables must exist here first: wait for the metadata that created them.
     let view = node.meta.catch_up_with_leader().await;
     for (table, generation) in &request.tables {
@@ -250,10 +250,11 @@ pub async fn copy_partitions(node: &Arc<Node>, request: CopyRequest) -> Result<(
             .get(table)
             .is_some_and(|d| d.generation == *generation)
         {
-            return Err(ClusterError::Rejected(format!(
-                "table {table:?} generation {generation} is unknown on node {}",
-                node.id()
-            )));
+            return Err(ReplicationError::UnknownTable {
+                table: table.clone(),
+                generation: *generation,
+                node: node.id(),
+            });
         }
     }
     let started = std::time::Instant::now();
@@ -272,7 +273,7 @@ pub async fn copy_partitions(node: &Arc<Node>, request: CopyRequest) -> Result<(
                     copy_delta(node, moved, table, *generation).await?;
                 }
             }
-            Ok::<(), ClusterError>(())
+            Ok::<(), ReplicationError>(())
         };
         tracing::Instrument::instrument(copy, span).await?;
     }
@@ -289,14 +290,17 @@ pub async fn copy_partitions(node: &Arc<Node>, request: CopyRequest) -> Result<(
     Ok(())
 }
 
-fn copy_error(source: NodeId, error: impl std::fmt::Display) -> ClusterError {
-    ClusterError::Rejected(format!("copy from node {source}: {error}"))
+fn copy_error(source: NodeId, error: impl std::fmt::Display) -> ReplicationError {
+    ReplicationError::Copy {
+        from: source,
+        reason: error.to_string(),
+    }
 }
 
 /// A new replica copies a partition by component: it fetches the components it lacks by
 /// hash (checked on both ends), plus the versions still in the source's memory.
 async fn copy_whole(
-    node: &Arc<Node>,
+    node: &Arc<Replication>,
     moved: &PartitionMove,
     table: &str,
     generation: u64,
@@ -307,7 +311,7 @@ async fn copy_whole(
         generation,
         partition: moved.partition,
     };
-    let (components, memtable) = crate::rpc::export(&node.clients, &addr, &request)
+    let (components, memtable) = crate::wire::export(&node.clients, &addr, &request)
         .await
         .map_err(|e| copy_error(moved.source, e))?;
     let fetched = fetch_missing_components(node, &addr, &components)
@@ -315,13 +319,11 @@ async fn copy_whole(
         .map_err(|e| copy_error(moved.source, e))?;
     let rows = components.iter().map(|c| c.rows).sum::<u64>()
         + memtable.iter().map(|b| b.num_rows() as u64).sum::<u64>();
-    let store = node.store.clone();
     let (table, partition) = (table.to_string(), moved.partition);
-    tokio::task::spawn_blocking(move || {
+    node.on_store("installing a copied partition", move |store| {
         store.install_partition_components(&table, partition, components, fetched, memtable)
     })
-    .await
-    .map_err(|e| ClusterError::Rejected(e.to_string()))??;
+    .await?;
     node.transfers.whole(rows);
     Ok(())
 }
@@ -329,7 +331,7 @@ async fn copy_whole(
 /// The bytes of those of `components` this node lacks, fetched by hash from `addr` (the
 /// receiving store checks them against their names before it writes them).
 pub(crate) async fn fetch_missing_components(
-    node: &Node,
+    node: &Replication,
     addr: &str,
     components: &[ComponentMeta],
 ) -> std::result::Result<HashMap<ComponentHash, Vec<u8>>, CallError> {
@@ -338,7 +340,7 @@ pub(crate) async fn fetch_missing_components(
         if node.store.has_component(&component.hash) || fetched.contains_key(&component.hash) {
             continue;
         }
-        let bytes = crate::rpc::component(&node.clients, addr, component.hash).await?;
+        let bytes = crate::wire::component(&node.clients, addr, component.hash).await?;
         fetched.insert(component.hash, bytes);
     }
     Ok(fetched)
@@ -346,7 +348,7 @@ pub(crate) async fn fetch_missing_components(
 
 /// A returning replica fetches only the versions from the first epoch it missed.
 async fn copy_delta(
-    node: &Arc<Node>,
+    node: &Arc<Replication>,
     moved: &PartitionMove,
     table: &str,
     generation: u64,
@@ -367,13 +369,11 @@ async fn copy_delta(
         .await
         .map_err(|e| copy_error(moved.source, e))?;
     let fetched = versions.iter().map(|b| b.num_rows() as u64).sum();
-    let store = node.store.clone();
     let (table, partition, since) = (table.to_string(), moved.partition, moved.since);
-    tokio::task::spawn_blocking(move || {
+    node.on_store("installing a partition's missed versions", move |store| {
         store.install_partition_since(&table, partition, since, versions)
     })
-    .await
-    .map_err(|e| ClusterError::Rejected(e.to_string()))??;
+    .await?;
     node.transfers.delta(fetched);
     Ok(())
 }

@@ -14,17 +14,18 @@
 //!   components, so its log replay at promotion stays bounded by its own checkpoints. What still is not covered (a primary that did not answer) the
 //!   store applies and flushes itself: no logged row is ever dropped uncovered.
 
-use crate::error::{ClusterError, Result};
-use crate::node::Node;
-use crate::rpc::{
-    ComponentsRequest, Refusal, ShippedManifest, ACTION_COMPONENTS_READY, ACTION_FLUSH,
+use crate::error::{ReplicationError, Result};
+use crate::wire::{
+    ComponentsRequest, ShippedManifest, ACTION_COMPONENTS_READY, ACTION_FLUSH,
     ACTION_SHIPPED_MANIFEST,
 };
 use crate::NodeId;
+use crate::Replication;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::PartitionId;
+use tessera_net::Refusal;
 
 /// How long a standby waits for a primary to flush before it applies its log itself.
 const FLUSH_PATIENCE: Duration = Duration::from_secs(120);
@@ -36,7 +37,7 @@ pub type TablePartition = (String, u64, PartitionId);
 
 /// Runs a checkpoint on this node, coordinated with the primaries of its standby partitions
 /// and followed by shipping its own new components to its standbys.
-pub async fn checkpoint(node: &Arc<Node>) -> Result<()> {
+pub async fn checkpoint(node: &Arc<Replication>) -> Result<()> {
     let lagging = lagging_by_primary(node);
     tracing::debug!(
         primaries = lagging.len(),
@@ -46,7 +47,8 @@ pub async fn checkpoint(node: &Arc<Node>) -> Result<()> {
         let Some(addr) = node.meta.addr_of(primary) else {
             continue;
         };
-        let flushed: Result<()> = call(node, &addr, ACTION_FLUSH, (), FLUSH_PATIENCE).await;
+        let flushed: Result<()> =
+            call(node, primary, &addr, ACTION_FLUSH, (), FLUSH_PATIENCE).await;
         if let Err(error) = flushed {
             tracing::warn!(primary, %error, "a primary did not flush for this node's checkpoint; applying its logged rows here");
             continue;
@@ -55,16 +57,14 @@ pub async fn checkpoint(node: &Arc<Node>) -> Result<()> {
             tracing::warn!(primary, %error, "could not take a primary's components; applying logged rows here");
         }
     }
-    let store = node.store.clone();
-    tokio::task::spawn_blocking(move || store.checkpoint())
-        .await
-        .map_err(|e| ClusterError::Rejected(format!("checkpoint task: {e}")))??;
+    node.on_store("the checkpoint", |store| store.checkpoint())
+        .await?;
     announce(node).await;
     Ok(())
 }
 
 /// The partitions holding logged rows no component covers yet, by their primary.
-fn lagging_by_primary(node: &Arc<Node>) -> BTreeMap<NodeId, Vec<TablePartition>> {
+fn lagging_by_primary(node: &Arc<Replication>) -> BTreeMap<NodeId, Vec<TablePartition>> {
     let view = node.meta.view();
     let mut lagging: BTreeMap<NodeId, Vec<TablePartition>> = BTreeMap::new();
     for (table, partition) in node.store.standby_lag() {
@@ -84,7 +84,7 @@ fn lagging_by_primary(node: &Arc<Node>) -> BTreeMap<NodeId, Vec<TablePartition>>
 
 /// Tells the standbys of every partition this node is primary of, and whose components
 /// changed since the last announcement, to pull them.
-pub async fn announce(node: &Arc<Node>) {
+pub async fn announce(node: &Arc<Replication>) {
     let view = node.meta.view();
     let mut by_standby: BTreeMap<NodeId, Vec<TablePartition>> = BTreeMap::new();
     for (table, def) in &view.state.tables {
@@ -120,6 +120,7 @@ pub async fn announce(node: &Arc<Node>) {
         let request = ComponentsRequest { partitions };
         let sent: Result<()> = call(
             node,
+            standby,
             &addr,
             ACTION_COMPONENTS_READY,
             request,
@@ -136,7 +137,7 @@ pub async fn announce(node: &Arc<Node>) {
 /// Pulls the components of `partitions` from their current primaries and installs them.
 /// Returns how many partitions changed.
 pub async fn pull_from_primaries(
-    node: &Arc<Node>,
+    node: &Arc<Replication>,
     partitions: Vec<TablePartition>,
 ) -> Result<usize> {
     let mut installed = 0;
@@ -155,29 +156,31 @@ pub async fn pull_from_primaries(
         let request = (table.clone(), generation, partition);
         let shipped: ShippedManifest = call(
             node,
+            primary,
             &addr,
             ACTION_SHIPPED_MANIFEST,
             request,
             FLUSH_PATIENCE,
         )
-        .await
-        .map_err(|e| ClusterError::Rejected(format!("manifest from node {primary}: {e}")))?;
+        .await?;
         let fetched = crate::rebalance::fetch_missing_components(node, &addr, &shipped.components)
             .await
-            .map_err(|e| ClusterError::Rejected(format!("component from node {primary}: {e}")))?;
-        let store = node.store.clone();
+            .map_err(|e| ReplicationError::Copy {
+                from: primary,
+                reason: format!("a shipped component: {e}"),
+            })?;
         let (table_name, covered) = (table.clone(), shipped.covered);
-        let changed = tokio::task::spawn_blocking(move || {
-            store.install_shipped_components(
-                &table,
-                partition,
-                shipped.components,
-                fetched,
-                shipped.covered,
-            )
-        })
-        .await
-        .map_err(|e| ClusterError::Rejected(e.to_string()))??;
+        let changed = node
+            .on_store("installing shipped components", move |store| {
+                store.install_shipped_components(
+                    &table,
+                    partition,
+                    shipped.components,
+                    fetched,
+                    shipped.covered,
+                )
+            })
+            .await?;
         tracing::debug!(table = %table_name, %partition, primary, %covered, changed, "pulled a primary's components");
         installed += usize::from(changed);
     }
@@ -186,9 +189,10 @@ pub async fn pull_from_primaries(
 
 /// One node-to-node action whose reply may be a refusal.
 async fn call<Req: serde::Serialize, Resp: serde::de::DeserializeOwned>(
-    node: &Node,
+    node: &Replication,
+    target: NodeId,
     addr: &str,
-    kind: &str,
+    kind: &'static str,
     body: Req,
     patience: Duration,
 ) -> Result<Resp> {
@@ -196,6 +200,14 @@ async fn call<Req: serde::Serialize, Resp: serde::de::DeserializeOwned>(
         .clients
         .action(addr, kind, body, patience)
         .await
-        .map_err(|e| ClusterError::Rejected(e.to_string()))?;
-    reply.map_err(|refusal| ClusterError::Rejected(format!("{refusal:?}")))
+        .map_err(|e| ReplicationError::Unreachable {
+            node: target,
+            addr: addr.to_string(),
+            reason: e.to_string(),
+        })?;
+    reply.map_err(|refusal| ReplicationError::Refused {
+        node: target,
+        what: kind,
+        reason: format!("{refusal:?}"),
+    })
 }

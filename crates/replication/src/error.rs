@@ -1,0 +1,78 @@
+//! Why a replication protocol step failed, naming the node, epoch or partition at fault.
+
+use crate::NodeId;
+use tessera_common::Epoch;
+use tessera_meta::MetaError;
+use tessera_net::CallError;
+use tessera_storage::StorageError;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ReplicationError {
+    #[error(transparent)]
+    Meta(#[from] MetaError),
+    #[error("{0}")]
+    Storage(#[from] StorageError),
+    #[error("{0}")]
+    Arrow(#[from] arrow::error::ArrowError),
+    #[error("epoch {epoch} aborted: {reason}")]
+    Aborted { epoch: Epoch, reason: String },
+    #[error("epoch {epoch} aborted: node {node}, a primary logging its rows, was lost: {reason}")]
+    PrimaryLost {
+        node: NodeId,
+        epoch: Epoch,
+        reason: String,
+    },
+    #[error("partition {partition} has no live, up-to-date replica (replicas {replicas:?}); it cannot take writes until one returns")]
+    NoWritableReplica {
+        partition: tessera_common::PartitionId,
+        replicas: Vec<NodeId>,
+    },
+    #[error("partition {partition} has no readable replica to copy from")]
+    NoReadableReplica {
+        partition: tessera_common::PartitionId,
+    },
+    /// Another node answered a request of this protocol with a refusal.
+    #[error("node {node} refused {what}: {reason}")]
+    Refused {
+        node: NodeId,
+        what: &'static str,
+        reason: String,
+    },
+    #[error("node {node} ({addr}) is unreachable: {reason}")]
+    Unreachable {
+        node: NodeId,
+        addr: String,
+        reason: String,
+    },
+    /// Copying a partition from another replica failed.
+    #[error("copy from node {from}: {reason}")]
+    Copy { from: NodeId, reason: String },
+    /// A prepare stream that is not what log shipping sends.
+    #[error("malformed prepare stream: {0}")]
+    BadPrepare(String),
+    /// A table named by a request is not (or not yet) on this node in that generation.
+    #[error("table {table:?} generation {generation} is unknown on node {node}")]
+    UnknownTable {
+        table: String,
+        generation: u64,
+        node: NodeId,
+    },
+    /// Local work handed to a blocking thread did not finish (it panicked or was cancelled).
+    #[error("{what} did not finish: {reason}")]
+    Task { what: &'static str, reason: String },
+    #[error("{0}")]
+    Call(#[from] CallError),
+}
+
+impl ReplicationError {
+    /// A blocking task's failure to finish.
+    pub fn task(what: &'static str) -> impl FnOnce(tokio::task::JoinError) -> ReplicationError {
+        move |error| ReplicationError::Task {
+            what,
+            reason: error.to_string(),
+        }
+    }
+}
+
+pub type Result<T, E = ReplicationError> = std::result::Result<T, E>;

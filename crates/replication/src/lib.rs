@@ -1,0 +1,155 @@
+//! Replication (DESIGN §5, §6): how a published epoch reaches every replica durably, how a
+//! dead node is detected and replaced, and how a returning or new replica catches up.
+//! See `README.md` beside this crate for the table of protocols, each with its file.
+//!
+//! Every protocol reaches the rest of the node through [`Replication`], a handle holding
+//! exactly what they use: the store, the metadata client, connections to other nodes, the
+//! failure detector and the transfer counters.
+//!
+//! Architecture invariant: only the metadata decides an epoch's fate or a partition's
+//! placement; these protocols move rows and components and then ask the metadata to record
+//! the outcome. Nothing here knows about SQL or queries.
+//! API boundary: [`Replication`], [`publish::publish`], [`log_shipping::receive`], [`rebalance::rebalance`],
+//! [`rebalance::copy_partitions`], [`shipping`]'s checkpoint and pull, [`failover`], [`wire`].
+
+pub mod error;
+pub mod failover;
+pub mod log_shipping;
+pub mod publish;
+pub mod rebalance;
+pub mod shipping;
+pub mod wire;
+
+pub use error::{ReplicationError, Result};
+pub use tessera_common::NodeId;
+
+use failover::FailureDetector;
+use rebalance::TransferCounters;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+use tessera_common::{ComponentHash, PartitionId};
+use tessera_meta::MetaClient;
+use tessera_net::Clients;
+use tessera_storage::Store;
+
+/// The settings the replication protocols follow (from `node.toml`).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// A node silent this long is declared failed.
+    pub failure_timeout: Duration,
+    /// A node failed this long loses its replicas, rebuilt on the other nodes.
+    pub rereplicate_after: Duration,
+    /// A returning replica fetches only the versions it missed (else its partitions whole).
+    pub delta_recovery: bool,
+}
+
+/// This node's part in the replication protocols.
+pub struct Replication {
+    id: NodeId,
+    /// This process's incarnation: epochs it opens are tagged with it.
+    incarnation: u64,
+    pub store: Arc<Store>,
+    pub meta: MetaClient,
+    pub clients: Arc<Clients>,
+    pub settings: Settings,
+    /// What this node copied from others as a new or returning replica.
+    pub transfers: TransferCounters,
+    /// Heartbeats and suspicions: the leader decides liveness from them; a follower passes
+    /// its suspicions on.
+    detector: Mutex<FailureDetector>,
+    /// Woken when a node becomes suspect: a follower passes it on at once, and the leader
+    /// probes it at once, rather than on their next ticks.
+    suspected: tokio::sync::Notify,
+    /// The components last announced to standbys, per (table, partition) this node leads.
+    shipped: Mutex<HashMap<(String, PartitionId), Vec<ComponentHash>>>,
+}
+
+impl std::fmt::Debug for Replication {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replication")
+            .field("node", &self.id)
+            .finish()
+    }
+}
+
+impl Replication {
+    pub fn new(
+        incarnation: u64,
+        store: Arc<Store>,
+        meta: MetaClient,
+        clients: Arc<Clients>,
+        settings: Settings,
+    ) -> Replication {
+        Replication {
+            id: meta.id(),
+            incarnation,
+            detector: Mutex::new(FailureDetector::new(
+                settings.failure_timeout,
+                settings.rereplicate_after,
+            )),
+            store,
+            meta,
+            clients,
+            settings,
+            transfers: TransferCounters::default(),
+            suspected: tokio::sync::Notify::new(),
+            shipped: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn id(&self) -> NodeId {
+        self.id
+    }
+
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    /// The failure detector, for the node's heartbeat and leader loops.
+    pub fn detector(&self) -> MutexGuard<'_, FailureDetector> {
+        self.detector.lock().expect("failure detector lock")
+    }
+
+    /// Reports a dropped connection to `node`: the leader checks it at once.
+    pub fn suspect(&self, node: NodeId) {
+        self.detector().suspect(node);
+        self.suspected.notify_waiters();
+    }
+
+    /// Resolves when some node becomes suspect.
+    pub async fn suspicion(&self) {
+        self.suspected.notified().await
+    }
+
+    /// Runs blocking store work (file I/O, fsync) off the async threads.
+    pub async fn on_store<T: Send + 'static>(
+        &self,
+        what: &'static str,
+        work: impl FnOnce(&Store) -> std::result::Result<T, tessera_storage::StorageError>
+            + Send
+            + 'static,
+    ) -> Result<T> {
+        let store = self.store.clone();
+        Ok(tokio::task::spawn_blocking(move || work(&store))
+            .await
+            .map_err(ReplicationError::task(what))??)
+    }
+
+    /// Records the components last announced to the standbys of one partition; false if
+    /// they are the same as last time (nothing to announce).
+    pub fn note_shipped(
+        &self,
+        table: &str,
+        partition: PartitionId,
+        hashes: Vec<ComponentHash>,
+    ) -> bool {
+        let mut shipped = self.shipped.lock().expect("shipped lock");
+        let key = (table.to_string(), partition);
+        if shipped.get(&key) == Some(&hashes) {
+            return false;
+        }
+        shipped.insert(key, hashes);
+        true
+    }
+}

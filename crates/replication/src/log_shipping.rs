@@ -1,0 +1,234 @@
+//! Log shipping, the participant side (DESIGN §6): a replica logs the rows of one prepare
+//! stream durably (`Prepared` WAL records, fsynced), in chunks; as a partition's primary it
+//! also ships them on to the replicas named in the request while they arrive, and answers
+//! only once those have logged them too, naming the ones it could not reach.
+
+use crate::error::{ReplicationError, Result};
+use crate::wire::{prepare, PrepareReply, PrepareRequest, PARTITION_COLUMN};
+use crate::{NodeId, Replication};
+use arrow::array::{Array, RecordBatch, UInt32Array};
+use futures::{SinkExt, Stream, TryStreamExt};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tessera_common::PartitionId;
+use tessera_net::CallError;
+use tessera_storage::PartitionChanges;
+
+/// Rows a replica collects before logging them (bounds its memory per publish stream).
+const PREPARE_CHUNK_BYTES: usize = 32 << 20;
+/// How long a replica waits to learn of a table a prepare names (just created elsewhere).
+const TABLE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// The partitions a replica takes from a primary's prepare stream, and the sender that
+/// feeds them to it.
+type Outlet = (
+    Vec<PartitionId>,
+    futures::channel::mpsc::Sender<RecordBatch>,
+);
+/// A replica and the task shipping rows to it.
+type Shipping = (
+    NodeId,
+    tokio::task::JoinHandle<std::result::Result<PrepareReply, CallError>>,
+);
+
+/// Logs the rows of one prepare stream durably, shipping them on to `request.forward`.
+pub async fn receive(
+    node: &Arc<Replication>,
+    request: PrepareRequest,
+    stream: impl Stream<Item = std::result::Result<RecordBatch, impl std::fmt::Display>> + Unpin,
+) -> Result<PrepareReply> {
+    let span = tracing::info_span!("prepare", epoch = %request.epoch, table = %request.table);
+    tracing::Instrument::instrument(receive_logged(node, request, stream), span).await
+}
+
+async fn receive_logged(
+    node: &Arc<Replication>,
+    request: PrepareRequest,
+    mut stream: impl Stream<Item = std::result::Result<RecordBatch, impl std::fmt::Display>> + Unpin,
+) -> Result<PrepareReply> {
+    wait_for_table(node, &request.table).await;
+    let (mut outlets, shipping) = start_shipping(node, &request);
+    let mut chunk: Vec<PartitionChanges> = Vec::new();
+    let mut chunk_bytes = 0;
+    while let Some(batch) = stream
+        .try_next()
+        .await
+        .map_err(|e| ReplicationError::BadPrepare(e.to_string()))?
+    {
+        let (partition, rows) = split_partition_column(&batch)?;
+        for (partitions, outlet) in &mut outlets {
+            // A closed outlet means that replica's stream failed; its task reports it.
+            if partitions.contains(&partition) {
+                let _ = outlet.send(batch.clone()).await;
+            }
+        }
+        chunk_bytes += rows.get_array_memory_size();
+        let (upserts, deletes) = if request.deletes {
+            (vec![], vec![rows])
+        } else {
+            (vec![rows], vec![])
+        };
+        chunk.push(PartitionChanges {
+            table: request.table.clone(),
+            partition,
+            upserts,
+            deletes,
+        });
+        if chunk_bytes >= PREPARE_CHUNK_BYTES {
+            log_chunk(node, &request, std::mem::take(&mut chunk)).await?;
+            chunk_bytes = 0;
+        }
+    }
+    drop(outlets); // ends the replicas' streams
+    if !chunk.is_empty() {
+        log_chunk(node, &request, chunk).await?;
+    }
+    let mut unreachable = Vec::new();
+    for (replica, task) in shipping {
+        match task.await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) if error.is_transport() => {
+                tracing::warn!(node = replica, epoch = %request.epoch, %error, "replica unreachable during log shipping");
+                node.suspect(replica);
+                unreachable.push(replica);
+            }
+            Ok(Err(error)) => {
+                return Err(ReplicationError::Refused {
+                    node: replica,
+                    what: "an epoch's rows",
+                    reason: error.to_string(),
+                })
+            }
+            Err(join_error) => return Err(ReplicationError::task("log shipping")(join_error)),
+        }
+    }
+    Ok(PrepareReply { unreachable })
+}
+
+/// Waits (up to [`TABLE_PATIENCE`]) for `table` to exist here. It may have been created
+/// moments ago and this node not have applied that yet: it lags the majority that committed
+/// it, or (a node that just started) has not been added to the metadata group yet.
+async fn wait_for_table(node: &Replication, table: &str) {
+    let deadline = Instant::now() + TABLE_PATIENCE;
+    while node.store.table_def(table).is_none() && Instant::now() < deadline {
+        let view = node.meta.catch_up_with_leader().await;
+        tracing::debug!(
+            table,
+            applied = view.applied_index,
+            "a prepare for a table this store does not hold yet"
+        );
+        if node.store.table_def(table).is_none() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Opens one prepare stream to each replica in `request.forward`. Returns, per replica,
+/// the partitions it takes and the sender feeding its stream, and the task that ends once
+/// it has logged them.
+fn start_shipping(
+    node: &Arc<Replication>,
+    request: &PrepareRequest,
+) -> (Vec<Outlet>, Vec<Shipping>) {
+    let mut outlets = Vec::new();
+    let mut shipping = Vec::new();
+    for forward in &request.forward {
+        let (sender, receiver) = futures::channel::mpsc::channel::<RecordBatch>(8);
+        outlets.push((forward.partitions.clone(), sender));
+        let onward = PrepareRequest {
+            forward: Vec::new(),
+            ..request.clone()
+        };
+        let node = node.clone();
+        let replica = forward.node;
+        let task = tokio::spawn(async move {
+            match node.meta.addr_of(replica) {
+                Some(addr) => prepare(&node.clients, &addr, &onward, receiver).await,
+                None => Err(CallError::Transport(format!(
+                    "node {replica} has no address"
+                ))),
+            }
+        });
+        shipping.push((replica, task));
+    }
+    (outlets, shipping)
+}
+
+async fn log_chunk(
+    node: &Replication,
+    request: &PrepareRequest,
+    chunk: Vec<PartitionChanges>,
+) -> Result<()> {
+    let epoch = request.epoch;
+    node.on_store("logging prepared rows", move |store| {
+        store.prepare_epoch(epoch, chunk)
+    })
+    .await
+}
+
+/// A prepare batch's rows without the partition column, and that (single) partition.
+fn split_partition_column(batch: &RecordBatch) -> Result<(PartitionId, RecordBatch)> {
+    let bad = |reason: String| ReplicationError::BadPrepare(reason);
+    let partitions = batch
+        .column(0)
+        .as_any()
+        .downcast_ref::<UInt32Array>()
+        .filter(|_| batch.schema().field(0).name() == PARTITION_COLUMN)
+        .ok_or_else(|| {
+            bad(format!(
+                "prepare batches start with a UInt32 column {PARTITION_COLUMN:?}"
+            ))
+        })?;
+    if partitions.null_count() > 0 || partitions.is_empty() {
+        return Err(bad(
+            "a prepare batch needs rows, each naming its partition".into()
+        ));
+    }
+    let first = partitions.value(0);
+    if partitions.values().iter().any(|p| *p != first) {
+        return Err(bad("a prepare batch holds rows of one partition".into()));
+    }
+    let columns: Vec<usize> = (1..batch.num_columns()).collect();
+    Ok((PartitionId(first), batch.project(&columns)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::Int64Array;
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    fn batch(partitions: Vec<Option<u32>>, name: &str) -> RecordBatch {
+        let rows = partitions.len() as i64;
+        RecordBatch::try_new(
+            Arc::new(Schema::new(vec![
+                Field::new(name, DataType::UInt32, true),
+                Field::new("k", DataType::Int64, false),
+            ])),
+            vec![
+                Arc::new(UInt32Array::from(partitions)),
+                Arc::new(Int64Array::from_iter_values(0..rows)),
+            ],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_prepare_batch_is_split_from_its_partition_column() {
+        let (partition, rows) =
+            split_partition_column(&batch(vec![Some(3), Some(3)], PARTITION_COLUMN)).unwrap();
+        assert_eq!(partition, PartitionId(3));
+        assert_eq!(rows.num_columns(), 1);
+        assert_eq!(rows.schema().field(0).name(), "k");
+    }
+
+    #[test]
+    fn malformed_prepare_batches_are_refused_by_name() {
+        let message = |b: RecordBatch| split_partition_column(&b).unwrap_err().to_string();
+        assert!(message(batch(vec![Some(1)], "p")).contains("start with a UInt32 column"));
+        assert!(message(batch(vec![Some(1), Some(2)], PARTITION_COLUMN))
+            .contains("rows of one partition"));
+        assert!(message(batch(vec![None], PARTITION_COLUMN)).contains("each naming its partition"));
+        assert!(message(batch(vec![], PARTITION_COLUMN)).contains("each naming its partition"));
+    }
+}
