@@ -13,11 +13,9 @@ use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
-use datafusion::common::DFSchema;
-use datafusion::common::{Constraints, DataFusionError, Result as DfResult};
+use datafusion::common::{DataFusionError, Result as DfResult};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::logical_expr::utils::conjunction;
-use datafusion::logical_expr::{Expr, LogicalPlan, TableProviderFilterPushDown, TableType};
+use datafusion::logical_expr::LogicalPlan;
 use datafusion::physical_expr::EquivalenceProperties;
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
@@ -29,6 +27,7 @@ use futures::{StreamExt, TryStreamExt};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use tessera_common::{Epoch, PartitionId, PartitionRing};
+use tessera_sql::provider::{RowSource, VersionedTable};
 use tessera_sql::time_travel::split_epoch_name;
 use tessera_sql::StatementOutput;
 use tessera_sql::{Backend, SqlError};
@@ -286,11 +285,13 @@ impl SchemaProvider for ClusterSchema {
                 visible: view.state.visible,
             }));
         }
-        Ok(Some(Arc::new(ClusterTable::new(
-            self.node.clone(),
-            self.view.clone(),
+        Ok(Some(Arc::new(VersionedTable::new(
             def,
-            epoch,
+            ClusterRows {
+                node: self.node.clone(),
+                view: self.view.clone(),
+                epoch,
+            },
         ))))
     }
 
@@ -300,84 +301,37 @@ impl SchemaProvider for ClusterSchema {
     }
 }
 
+/// A table's rows across the cluster: each channel reads a group of partitions on a
+/// live replica.
 #[derive(Debug)]
-struct ClusterTable {
+struct ClusterRows {
     node: Arc<Node>,
     /// The statement's metadata: re-pinned when a query restarts after a node failure, so
     /// a restarted scan reads from the survivors (at the same epoch).
     view: StatementView,
-    def: TableDef,
     epoch: Epoch,
-    schema: SchemaRef,
-    constraints: Constraints,
-}
-
-impl ClusterTable {
-    fn new(node: Arc<Node>, view: StatementView, def: TableDef, epoch: Epoch) -> Self {
-        let constraints = tessera_sql::provider::primary_key_constraints(&def);
-        ClusterTable {
-            node,
-            view,
-            schema: stored_user_schema(&def),
-            def,
-            epoch,
-            constraints,
-        }
-    }
 }
 
 #[async_trait]
-impl TableProvider for ClusterTable {
-    fn schema(&self) -> SchemaRef {
-        self.schema.clone()
-    }
-
-    fn constraints(&self) -> Option<&Constraints> {
-        Some(&self.constraints)
-    }
-
-    fn table_type(&self) -> TableType {
-        TableType::Base
-    }
-
-    fn supports_filters_pushdown(
+impl RowSource for ClusterRows {
+    async fn plan_scan(
         &self,
-        filters: &[&Expr],
-    ) -> DfResult<Vec<TableProviderFilterPushDown>> {
-        // Filters prune row groups of plain components where the data lies; DataFusion
-        // still applies them to every row (see `TesseraTable`).
-        Ok(vec![TableProviderFilterPushDown::Inexact; filters.len()])
-    }
-
-    async fn scan(
-        &self,
-        state: &dyn Session,
-        projection: Option<&Vec<usize>>,
-        filters: &[Expr],
+        def: &TableDef,
+        _state: &dyn Session,
+        projection: Vec<usize>,
+        predicate: Option<Arc<dyn datafusion::physical_expr::PhysicalExpr>>,
         limit: Option<usize>,
     ) -> DfResult<Arc<dyn ExecutionPlan>> {
-        let projection: Vec<usize> = match projection {
-            Some(p) => p.clone(),
-            None => (0..self.schema.fields().len()).collect(),
-        };
-        let predicate = match conjunction(filters.to_vec()) {
-            Some(predicate) => {
-                let stored = stored_schema(&self.def);
-                let df_schema = DFSchema::try_from(stored.as_ref().clone())?;
-                Some(state.create_physical_expr(predicate, &df_schema)?)
-            }
-            None => None,
-        };
         let view = self.view.get();
         let (partitions, replicas) = scan_channels(
             &view.state,
-            &self.def,
+            def,
             crate::query::cores_per_node(&view.state, self.node.id()),
         )
         .map_err(external)?;
-        let (estimated_rows, statistics) = self.statistics();
+        let (estimated_rows, statistics) = self.statistics(def);
         let spec = ScanSpec {
-            def: self.def.clone(),
+            def: def.clone(),
             epoch: self.epoch,
             projection,
             partitions,
@@ -392,18 +346,18 @@ impl TableProvider for ClusterTable {
     }
 }
 
-impl ClusterTable {
+impl ClusterRows {
     /// The table's rows, extrapolated from the current replicas this node holds, and their
     /// components' column statistics (for the optimizer's join order and filter estimates;
     /// nothing if it holds none).
-    fn statistics(&self) -> (Option<usize>, Option<TableStatistics>) {
+    fn statistics(&self, def: &TableDef) -> (Option<usize>, Option<TableStatistics>) {
         let me = self.node.id();
         let Some(snapshot) = self
             .node
             .store
-            .snapshot(&self.def.name, Some(self.epoch))
+            .snapshot(&def.name, Some(self.epoch))
             .ok()
-            .filter(|s| s.def.generation == self.def.generation)
+            .filter(|s| s.def.generation == def.generation)
         else {
             return (None, None);
         };
@@ -425,7 +379,7 @@ impl ClusterTable {
         }
         let rows: u64 = held.iter().map(|p| p.estimated_rows()).sum();
         let rows = (rows * placements.len() as u64 / held.len() as u64) as usize;
-        let stored = stored_schema(&self.def);
+        let stored = stored_schema(def);
         let components: Option<Vec<Arc<datafusion::common::Statistics>>> = held
             .iter()
             .flat_map(|p| &p.components)
@@ -444,7 +398,7 @@ impl ClusterTable {
             )
             .ok()?;
             // Only the user columns; the version columns are not the table's.
-            let user: Vec<usize> = (0..self.schema.fields().len()).collect();
+            let user: Vec<usize> = (0..def.schema.fields().len()).collect();
             let mut table = merged.project(Some(&user)).to_inexact();
             table.total_byte_size = datafusion::common::stats::Precision::Absent;
             Some(Arc::new(table))

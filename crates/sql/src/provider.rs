@@ -118,7 +118,7 @@ impl SchemaProvider for TesseraSchema {
                 .snapshot(table, Some(epoch))
                 .map_err(SqlError::to_datafusion)?;
         }
-        Ok(Some(Arc::new(TesseraTable::new(
+        Ok(Some(Arc::new(TesseraTable::local(
             self.store.clone(),
             def,
             epoch,
@@ -142,42 +142,49 @@ pub fn primary_key_constraints(def: &TableDef) -> Constraints {
     }
 }
 
-/// One table, read at a fixed epoch or at whatever epoch is visible when a scan starts.
-#[derive(Debug)]
-pub struct TesseraTable {
-    store: Arc<Store>,
-    def: TableDef,
-    epoch: Option<Epoch>,
-    layout: ScanLayout,
-    statistics: Arc<ComponentStatistics>,
-    schema: SchemaRef,
-    constraints: Constraints,
+/// How a versioned table's rows are read for a query: from this node's store
+/// ([`LocalRows`]), or from replicas across a cluster.
+#[async_trait]
+pub trait RowSource: std::fmt::Debug + Send + Sync + 'static {
+    /// Plans a scan of `def`'s user columns `projection` (indices into its user schema),
+    /// pruning by `predicate` (over its stored schema) where it can.
+    async fn plan_scan(
+        &self,
+        def: &TableDef,
+        state: &dyn Session,
+        projection: Vec<usize>,
+        predicate: Option<Arc<dyn PhysicalExpr>>,
+        limit: Option<usize>,
+    ) -> Result<Arc<dyn ExecutionPlan>>;
 }
 
-impl TesseraTable {
-    pub fn new(
-        store: Arc<Store>,
-        def: TableDef,
-        epoch: Option<Epoch>,
-        layout: ScanLayout,
-        statistics: Arc<ComponentStatistics>,
-    ) -> Self {
-        let schema = stored_user_schema(&def);
-        let constraints = primary_key_constraints(&def);
-        TesseraTable {
-            store,
+/// One versioned table as DataFusion sees it: its user columns, its primary key, and the
+/// source its rows are read from.
+#[derive(Debug)]
+pub struct VersionedTable<S> {
+    def: TableDef,
+    schema: SchemaRef,
+    constraints: Constraints,
+    source: S,
+}
+
+impl<S: RowSource> VersionedTable<S> {
+    pub fn new(def: TableDef, source: S) -> Self {
+        VersionedTable {
+            schema: stored_user_schema(&def),
+            constraints: primary_key_constraints(&def),
             def,
-            epoch,
-            layout,
-            statistics,
-            schema,
-            constraints,
+            source,
         }
+    }
+
+    pub fn source(&self) -> &S {
+        &self.source
     }
 }
 
 #[async_trait]
-impl TableProvider for TesseraTable {
+impl<S: RowSource> TableProvider for VersionedTable<S> {
     fn schema(&self) -> SchemaRef {
         self.schema.clone()
     }
@@ -206,26 +213,78 @@ impl TableProvider for TesseraTable {
         filters: &[Expr],
         limit: Option<usize>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
+        let projection = projection
+            .cloned()
+            .unwrap_or_else(|| (0..self.schema.fields().len()).collect());
+        let predicate = match conjunction(filters.to_vec()) {
+            Some(predicate) => {
+                let stored = stored_schema(&self.def);
+                let df_schema = DFSchema::try_from(stored.as_ref().clone())?;
+                Some(state.create_physical_expr(predicate, &df_schema)?)
+            }
+            None => None,
+        };
+        self.source
+            .plan_scan(&self.def, state, projection, predicate, limit)
+            .await
+    }
+}
+
+/// A table of this node's store, read at a fixed epoch or at whatever epoch is visible
+/// when a scan starts.
+#[derive(Debug)]
+pub struct LocalRows {
+    store: Arc<Store>,
+    epoch: Option<Epoch>,
+    layout: ScanLayout,
+    statistics: Arc<ComponentStatistics>,
+}
+
+/// A table of this node's store.
+pub type TesseraTable = VersionedTable<LocalRows>;
+
+impl TesseraTable {
+    pub fn local(
+        store: Arc<Store>,
+        def: TableDef,
+        epoch: Option<Epoch>,
+        layout: ScanLayout,
+        statistics: Arc<ComponentStatistics>,
+    ) -> Self {
+        VersionedTable::new(
+            def,
+            LocalRows {
+                store,
+                epoch,
+                layout,
+                statistics,
+            },
+        )
+    }
+}
+
+#[async_trait]
+impl RowSource for LocalRows {
+    async fn plan_scan(
+        &self,
+        def: &TableDef,
+        state: &dyn Session,
+        projection: Vec<usize>,
+        predicate: Option<Arc<dyn PhysicalExpr>>,
+        limit: Option<usize>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
         let snapshot = self
             .store
-            .snapshot(&self.def.name, self.epoch)
+            .snapshot(&def.name, self.epoch)
             .map_err(SqlError::to_datafusion)?;
         // This reads every partition of a local store; cold standbys exist only in a cluster,
         // whose scans replay them first (`read_local_partitions`, the distributed scan).
         if let Some(cold) = snapshot.partitions.iter().find(|p| p.rows_in_log) {
             return Err(datafusion::error::DataFusionError::Internal(format!(
                 "partition {} of {:?} holds rows in its log only (a cold standby); replay it before reading",
-                cold.partition, self.def.name
+                cold.partition, def.name
             )));
         }
-        let stored = stored_schema(&self.def);
-        let predicate = match conjunction(filters.to_vec()) {
-            Some(predicate) => {
-                let df_schema = DFSchema::try_from(stored.as_ref().clone())?;
-                Some(state.create_physical_expr(predicate, &df_schema)?)
-            }
-            None => None,
-        };
         let layout = match self.layout {
             ScanLayout::PerStoragePartition => FileGrouping::PerStoragePartition,
             ScanLayout::Packed => FileGrouping::Packed(state.config().target_partitions()),
@@ -234,9 +293,7 @@ impl TableProvider for TesseraTable {
             store: &self.store,
             snapshot: &snapshot,
             partitions: None,
-            projection: projection
-                .cloned()
-                .unwrap_or_else(|| (0..self.schema.fields().len()).collect()),
+            projection,
             predicate,
             limit,
             grouping: layout,

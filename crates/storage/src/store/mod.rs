@@ -1,0 +1,539 @@
+//! The store of one node: tables, their partitions, publishing epochs, snapshots for
+//! readers, checkpoints, merges and crash recovery.
+//!
+//! Concurrency: a publish through the log holds the *gate* shared, so publishes group-commit
+//! together; checkpoints, bulk publishes and DDL hold it exclusively, so they see no publish
+//! half done. Readers never take the gate: they copy what an epoch needs under the short
+//! state lock and read immutable components afterwards.
+//!
+//! Visibility: epochs are allocated in order and committed possibly out of order (group
+//! commit); the visible epoch advances only over a contiguous run of resolved (committed or
+//! aborted) epochs, so a visible epoch never moves back and never exposes a gap.
+//!
+//! By role: this file opens the store and holds its state; [`publish`] (local publishes,
+//! logged or bulk), [`participant`] (prepare, commit, abort: the store in a cluster
+//! publish), [`transfer`] (a partition's versions and export, installing copies),
+//! [`standby`] (cold standbys: promotion, shipped components), [`maintenance`]
+//! (checkpoints, merges, garbage collection), [`snapshot`] (what readers see), [`replay`]
+//! (crash recovery).
+
+use crate::catalog::TableDef;
+use crate::checkpoint::{Checkpoint, TableCheckpoint};
+use crate::component::{self, ComponentMeta};
+use crate::error::{Result, StorageError};
+use crate::fsio::{self, DirLock};
+use crate::manifest::Manifest;
+use crate::versions;
+use crate::wal::{self, Wal, WalRecord};
+use arrow::array::RecordBatch;
+use arrow::compute::concat_batches;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use tessera_common::{ComponentHash, Epoch, Lsn, PartitionId, PartitionRing, RowOp};
+
+mod maintenance;
+mod participant;
+mod publish;
+mod replay;
+mod snapshot;
+mod standby;
+mod transfer;
+
+use publish::PreparedChanges;
+use replay::replay;
+
+/// Store settings, with defaults suited to a laptop or a small server.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Partitions of the hash ring; fixed when the store is created.
+    pub partitions: u32,
+    /// A checkpoint runs once the in-memory components hold this many bytes.
+    pub memtable_flush_bytes: usize,
+    /// A checkpoint also runs once this many bytes of committed rows were logged since the
+    /// last one: it bounds how much log a restart, or a cold standby's promotion, replays.
+    pub checkpoint_log_bytes: usize,
+    /// Publishes at least this large bypass the log and write components directly.
+    pub bulk_publish_bytes: usize,
+    /// A partition with more components than this is merged at the next checkpoint.
+    pub merge_threshold: usize,
+    /// The largest publish accepted, in bytes of Arrow data.
+    pub max_publish_bytes: usize,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            partitions: 64,
+            memtable_flush_bytes: 64 << 20,
+            checkpoint_log_bytes: 256 << 20,
+            bulk_publish_bytes: 8 << 20,
+            merge_threshold: 8,
+            max_publish_bytes: 8 << 30,
+        }
+    }
+}
+
+/// One table's part of a publish: rows to upsert (the table's columns) and keys to delete
+/// (the primary-key columns).
+#[derive(Debug, Clone, Default)]
+pub struct TableChanges {
+    pub table: String,
+    pub upserts: Vec<RecordBatch>,
+    pub deletes: Vec<RecordBatch>,
+}
+
+/// Everything a reader needs to read one table at one epoch. Components it names are not
+/// deleted while the snapshot lives.
+impl std::fmt::Debug for TableSnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TableSnapshot")
+            .field("table", &self.def.name)
+            .field("epoch", &self.epoch)
+            .finish()
+    }
+}
+
+pub struct TableSnapshot {
+    pub def: TableDef,
+    pub epoch: Epoch,
+    pub partitions: Vec<PartitionSnapshot>,
+    _reader: ReaderGuard,
+}
+
+#[derive(Debug, Clone)]
+pub struct PartitionSnapshot {
+    pub partition: PartitionId,
+    pub components: Vec<ComponentMeta>,
+    /// In-memory row versions at or below the snapshot's epoch.
+    pub memtable: Vec<RecordBatch>,
+    /// A cold standby holds some of the partition's rows at this epoch in its log only:
+    /// reading it needs [`Store::replay_standby`] first.
+    pub rows_in_log: bool,
+}
+
+impl PartitionSnapshot {
+    pub fn is_empty(&self) -> bool {
+        self.components.is_empty() && self.memtable.is_empty()
+    }
+
+    /// True if the partition's rows at `epoch` are exactly its single component's rows, so
+    /// a reader may scan the Parquet file directly without resolving versions.
+    pub fn is_plain_scan(&self, epoch: Epoch) -> bool {
+        match (self.components.as_slice(), self.memtable.is_empty()) {
+            ([only], true) => only.unique_keys && only.tombstones == 0 && only.max_epoch <= epoch,
+            _ => false,
+        }
+    }
+
+    pub fn estimated_rows(&self) -> u64 {
+        self.components.iter().map(|c| c.rows).sum::<u64>()
+            + self
+                .memtable
+                .iter()
+                .map(|b| b.num_rows() as u64)
+                .sum::<u64>()
+    }
+}
+
+/// Per-table counts for `tessera status` and tests.
+#[derive(Debug, Clone)]
+pub struct TableStats {
+    pub name: String,
+    pub components: usize,
+    pub component_rows: u64,
+    pub memtable_rows: u64,
+    /// Rows a cold standby holds in its log only (committed, durable, not yet applied).
+    pub logged_rows: u64,
+    pub partitions_with_data: usize,
+}
+
+/// One partition's part of a cluster publish, as the coordinator routed it: rows to upsert
+/// (the table's columns) and keys to delete.
+#[derive(Debug, Clone)]
+pub struct PartitionChanges {
+    pub table: String,
+    pub partition: PartitionId,
+    pub upserts: Vec<RecordBatch>,
+    pub deletes: Vec<RecordBatch>,
+}
+
+/// Prepared rows of a cluster epoch that is not yet decided.
+struct PendingEntry {
+    /// Position among the epoch's entries; a commit assigns LSNs in this order.
+    seq: u32,
+    table: String,
+    partition: PartitionId,
+    batch: RecordBatch,
+}
+
+struct MemEntry {
+    lsn: Lsn,
+    epoch: Epoch,
+    batch: RecordBatch,
+}
+
+#[derive(Default)]
+struct PartitionState {
+    manifest: Manifest,
+    memtable: Vec<MemEntry>,
+    /// Cold standby: committed row batches (their LSNs and epochs) kept in the log only.
+    /// A promotion, a read or a checkpoint replays them into `memtable`; components shipped
+    /// by the primary make those they cover unnecessary.
+    unapplied: Vec<LoggedRows>,
+}
+
+/// A committed row batch a cold standby keeps in its log only.
+#[derive(Debug, Clone, Copy)]
+struct LoggedRows {
+    lsn: Lsn,
+    epoch: Epoch,
+    rows: u64,
+}
+
+struct TableState {
+    def: TableDef,
+    partitions: Vec<PartitionState>,
+}
+
+struct State {
+    tables: BTreeMap<String, TableState>,
+    partition_next_lsn: Vec<Lsn>,
+    next_epoch: Epoch,
+    visible: Epoch,
+    resolved_above_visible: BTreeSet<Epoch>,
+    retained_from: Epoch,
+    memtable_bytes: usize,
+    /// Cluster epochs prepared here and not yet committed or aborted by the metadata service.
+    pending: BTreeMap<Epoch, Vec<PendingEntry>>,
+    /// The next sequence number of each pending epoch's entries.
+    next_prepare_seq: HashMap<Epoch, u32>,
+    /// Partitions kept as a cold standby: their committed rows are logged, not applied.
+    standby: BTreeSet<PartitionId>,
+    /// The standby partitions the metadata asks for; `standby` also holds promoted ones
+    /// until their log is replayed.
+    standby_wanted: BTreeSet<PartitionId>,
+    /// Bytes of committed rows logged since the last checkpoint. Counted at commit, not at
+    /// prepare: a checkpoint set off in the middle of a large prepare would have to re-log
+    /// the whole undecided epoch, and could not have its primaries cover it yet.
+    logged_bytes: usize,
+}
+
+impl State {
+    /// Marks an epoch committed or aborted and advances the visible epoch over every
+    /// contiguous resolved epoch.
+    fn resolve(&mut self, epoch: Epoch) {
+        assert!(
+            epoch > self.visible,
+            "an epoch is resolved once, above the visible epoch"
+        );
+        self.resolved_above_visible.insert(epoch);
+        while self.resolved_above_visible.remove(&self.visible.next()) {
+            self.visible = self.visible.next();
+        }
+    }
+
+    /// Cluster mode: epochs are decided by the metadata service, so the store's visible
+    /// epoch only rises to what it is told.
+    fn advance_visible_to(&mut self, epoch: Epoch) {
+        if epoch > self.visible {
+            self.visible = epoch;
+            self.resolved_above_visible.retain(|e| *e > epoch);
+        }
+        self.next_epoch = self.next_epoch.max(epoch.next());
+    }
+
+    fn allocate_epoch(&mut self) -> Epoch {
+        let epoch = self.next_epoch;
+        self.next_epoch = epoch.next();
+        epoch
+    }
+
+    fn allocate_lsn(&mut self, partition: PartitionId) -> Lsn {
+        let slot = &mut self.partition_next_lsn[partition.0 as usize];
+        let lsn = *slot;
+        *slot = lsn.next();
+        lsn
+    }
+
+    fn table(&self, name: &str) -> Result<&TableState> {
+        self.tables
+            .get(name)
+            .ok_or_else(|| StorageError::UnknownTable(name.to_string()))
+    }
+
+    /// The (table, partition) pairs holding committed rows in the log only (cold standby).
+    fn logged_partitions(&self) -> impl Iterator<Item = (&str, PartitionId, &PartitionState)> {
+        self.tables.iter().flat_map(|(name, t)| {
+            t.partitions
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| !p.unapplied.is_empty())
+                .map(move |(i, p)| (name.as_str(), PartitionId(i as u32), p))
+        })
+    }
+
+    fn partition(&self, table: &str, partition: PartitionId) -> Result<&PartitionState> {
+        self.table(table)?
+            .partitions
+            .get(partition.0 as usize)
+            .ok_or_else(|| StorageError::InvalidTable {
+                table: table.to_string(),
+                reason: format!("no partition {partition}"),
+            })
+    }
+
+    fn to_checkpoint(&self, partition_count: u32) -> Checkpoint {
+        Checkpoint {
+            format: crate::checkpoint::FORMAT_VERSION,
+            partition_count,
+            next_epoch: self.next_epoch,
+            retained_from: self.retained_from,
+            partition_next_lsn: self.partition_next_lsn.clone(),
+            tables: self
+                .tables
+                .values()
+                .map(|t| TableCheckpoint {
+                    def: t.def.clone(),
+                    manifests: t.partitions.iter().map(|p| p.manifest.clone()).collect(),
+                })
+                .collect(),
+        }
+    }
+
+    fn referenced_components(&self) -> HashSet<ComponentHash> {
+        self.tables
+            .values()
+            .flat_map(|t| t.partitions.iter())
+            .flat_map(|p| p.manifest.components.iter().map(|c| c.hash))
+            .collect()
+    }
+}
+
+/// Tracks live snapshots so merged-away components are deleted only once no reader can
+/// still open them.
+#[derive(Default)]
+struct ReaderRegistry {
+    generation: u64,
+    active: BTreeMap<u64, usize>,
+    /// Components dropped from manifests, with the generation at which they were dropped.
+    garbage: Vec<(u64, ComponentHash)>,
+}
+
+struct ReaderGuard {
+    registry: Arc<Mutex<ReaderRegistry>>,
+    generation: u64,
+}
+
+impl Drop for ReaderGuard {
+    fn drop(&mut self) {
+        let mut registry = self.registry.lock().expect("reader registry lock");
+        if let Some(count) = registry.active.get_mut(&self.generation) {
+            *count -= 1;
+            if *count == 0 {
+                registry.active.remove(&self.generation);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("dir", &self.dir)
+            .field("partitions", &self.ring.partition_count())
+            .finish()
+    }
+}
+
+pub struct Store {
+    dir: PathBuf,
+    components_dir: PathBuf,
+    config: StoreConfig,
+    ring: PartitionRing,
+    state: Mutex<State>,
+    gate: RwLock<()>,
+    wal: Wal,
+    verified: Mutex<HashSet<ComponentHash>>,
+    readers: Arc<Mutex<ReaderRegistry>>,
+    poisoned: Mutex<Option<String>>,
+    _lock: DirLock,
+}
+
+/// What recovery did, for logs and tests.
+#[derive(Debug, Clone, Default)]
+pub struct RecoveryReport {
+    pub replayed_records: usize,
+    pub skipped_uncommitted_records: usize,
+    pub torn_bytes: u64,
+    pub visible_epoch: Epoch,
+}
+
+impl Store {
+    /// Opens (or creates) the store in `dir`, recovering from the last checkpoint and the log.
+    pub fn open(dir: &Path, config: StoreConfig) -> Result<Arc<Store>> {
+        Ok(Self::open_with_report(dir, config)?.0)
+    }
+
+    pub fn open_with_report(
+        dir: &Path,
+        mut config: StoreConfig,
+    ) -> Result<(Arc<Store>, RecoveryReport)> {
+        fsio::create_dir_all(dir)?;
+        // Absolute paths: components are handed to readers (and, later, peers) by path.
+        let dir = &dir.canonicalize().map_err(|e| StorageError::io(dir, e))?;
+        let lock = DirLock::acquire(dir)?;
+        let components_dir = dir.join("components");
+        let wal_dir = dir.join("wal");
+        fsio::create_dir_all(&components_dir)?;
+        fsio::create_dir_all(&wal_dir)?;
+        let checkpoint = match Checkpoint::load(dir)? {
+            Some(checkpoint) => checkpoint,
+            None => {
+                if !wal::list_segments(&wal_dir)?.is_empty() {
+                    return Err(StorageError::CorruptCheckpoint {
+                        path: dir.join(crate::checkpoint::CHECKPOINT_FILE),
+                        reason: "missing, yet the write-ahead log has segments; refusing to start empty over existing data".into(),
+                    });
+                }
+                let fresh = Checkpoint::empty(config.partitions);
+                fresh.store(dir)?;
+                fresh
+            }
+        };
+        if checkpoint.partition_count != config.partitions {
+            tracing::info!(
+                stored = checkpoint.partition_count,
+                configured = config.partitions,
+                "using the partition count the store was created with"
+            );
+            config.partitions = checkpoint.partition_count;
+        }
+        let log = wal::recover(&wal_dir)?;
+        let (state, report) = replay(checkpoint, log.records, log.torn_bytes)?;
+        // Appending to the last segment is safe: recovery cut any torn tail off it.
+        let wal = Wal::start(&wal_dir, log.last_segment.max(1))?;
+        let store = Store {
+            dir: dir.to_path_buf(),
+            components_dir,
+            ring: PartitionRing::new(config.partitions),
+            config,
+            state: Mutex::new(state),
+            gate: RwLock::new(()),
+            wal,
+            verified: Mutex::new(HashSet::new()),
+            readers: Arc::new(Mutex::new(ReaderRegistry::default())),
+            poisoned: Mutex::new(None),
+            _lock: lock,
+        };
+        store.delete_unreferenced_component_files()?;
+        tracing::info!(dir = %dir.display(), visible_epoch = %report.visible_epoch, replayed = report.replayed_records, torn_bytes = report.torn_bytes, "store opened");
+        Ok((Arc::new(store), report))
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn components_dir(&self) -> &Path {
+        &self.components_dir
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    pub fn ring(&self) -> PartitionRing {
+        self.ring
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("store state lock")
+    }
+
+    pub fn visible_epoch(&self) -> Epoch {
+        self.state().visible
+    }
+
+    pub fn table_names(&self) -> Vec<String> {
+        self.state().tables.keys().cloned().collect()
+    }
+
+    pub fn table_def(&self, name: &str) -> Option<TableDef> {
+        self.state().tables.get(name).map(|t| t.def.clone())
+    }
+
+    fn check_poisoned(&self) -> Result<()> {
+        if let Some(reason) = self
+            .poisoned
+            .lock()
+            .expect("poison lock")
+            .clone()
+            .or_else(|| self.wal.poisoned())
+        {
+            return Err(StorageError::Poisoned(reason));
+        }
+        Ok(())
+    }
+
+    /// Runs a step whose failure leaves memory and disk possibly apart; on error the store
+    /// refuses further writes until restarted, when it recovers from what is on disk.
+    fn or_poison<T>(&self, result: Result<T>) -> Result<T> {
+        if let Err(e) = &result {
+            tracing::error!(error = %e, "store poisoned");
+            self.poisoned
+                .lock()
+                .expect("poison lock")
+                .get_or_insert(e.to_string());
+        }
+        result
+    }
+
+    fn write_checkpoint(&self, state: &State) -> Result<()> {
+        let result = state
+            .to_checkpoint(self.ring.partition_count())
+            .store(&self.dir);
+        self.or_poison(result)
+    }
+
+    fn empty_table(&self, def: TableDef) -> TableState {
+        let partitions = (0..self.ring.partition_count())
+            .map(|_| PartitionState::default())
+            .collect();
+        TableState { def, partitions }
+    }
+
+    pub fn create_table(&self, mut def: TableDef) -> Result<()> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        let mut state = self.state();
+        if state.tables.contains_key(&def.name) {
+            return Err(StorageError::TableExists(def.name));
+        }
+        def.created_at = state.visible;
+        state.tables.insert(def.name.clone(), self.empty_table(def));
+        self.write_checkpoint(&state)
+    }
+
+    pub fn drop_table(&self, name: &str) -> Result<()> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        let mut state = self.state();
+        let table = state
+            .tables
+            .remove(name)
+            .ok_or_else(|| StorageError::UnknownTable(name.to_string()))?;
+        state.memtable_bytes -= table
+            .partitions
+            .iter()
+            .flat_map(|p| &p.memtable)
+            .map(|e| e.batch.get_array_memory_size())
+            .sum::<usize>();
+        self.write_checkpoint(&state)?;
+        let dropped = table
+            .partitions
+            .iter()
+            .flat_map(|p| p.manifest.components.iter().map(|c| c.hash));
+        self.collect_garbage(dropped.collect(), &state)
+    }
+}

@@ -1,0 +1,180 @@
+//! The store as a replica in a cluster publish (two-phase): prepared rows are logged
+//! durably, then committed or aborted when the metadata decides the epoch.
+
+use super::*;
+
+impl Store {
+    /// Creates a table exactly as the cluster catalog defines it. A table of that name and
+    /// the same or a newer generation makes this a no-op (a replayed metadata entry); an
+    /// older one is replaced.
+    pub fn ensure_table(&self, def: TableDef) -> Result<()> {
+        if let Some(existing) = self.table_def(&def.name) {
+            if existing.generation >= def.generation {
+                return Ok(());
+            }
+            self.drop_table_generation(&def.name, existing.generation)?;
+        }
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        let mut state = self.state();
+        state.tables.insert(def.name.clone(), self.empty_table(def));
+        self.write_checkpoint(&state)
+    }
+
+    /// Drops the table if it exists with a generation at or below `generation`.
+    pub fn drop_table_generation(&self, name: &str, generation: u64) -> Result<()> {
+        match self.table_def(name) {
+            Some(existing) if existing.generation <= generation => self.drop_table(name),
+            _ => Ok(()),
+        }
+    }
+
+    /// Durably logs the rows a coordinator routed here for cluster epoch `epoch`. They stay
+    /// invisible until [`Store::commit_epoch`]; [`Store::abort_epoch`] discards them. A
+    /// large publish may arrive in several calls; each adds to the epoch's rows.
+    pub fn prepare_epoch(&self, epoch: Epoch, changes: Vec<PartitionChanges>) -> Result<()> {
+        self.check_poisoned()?;
+        let mut grouped: BTreeMap<(String, PartitionId), Vec<RecordBatch>> = BTreeMap::new();
+        for change in changes {
+            let def = self
+                .table_def(&change.table)
+                .ok_or_else(|| StorageError::UnknownTable(change.table.clone()))?;
+            let prepared = PreparedChanges::checked(def, &change.upserts, &change.deletes)?;
+            for (partition, batch) in prepared.stamped_by_partition(epoch, &self.ring)? {
+                if partition != change.partition {
+                    return Err(StorageError::MisroutedRows {
+                        table: change.table.clone(),
+                        sent_to: change.partition,
+                        belongs_to: partition,
+                    });
+                }
+                grouped
+                    .entry((change.table.clone(), partition))
+                    .or_default()
+                    .push(batch);
+            }
+        }
+        let _gate = self.gate.read().expect("gate lock");
+        let mut state = self.state();
+        let next_seq = state.next_prepare_seq.entry(epoch).or_insert(0);
+        let first_seq = *next_seq;
+        *next_seq += grouped.len() as u32;
+        let mut entries = Vec::with_capacity(grouped.len());
+        for (i, ((table, partition), batches)) in grouped.into_iter().enumerate() {
+            state.table(&table)?;
+            entries.push(PendingEntry {
+                seq: first_seq + i as u32,
+                table,
+                partition,
+                batch: concat_batches(&batches[0].schema(), &batches)?,
+            });
+        }
+        let mut frames = Vec::new();
+        for entry in &entries {
+            frames.extend(
+                WalRecord::Prepared {
+                    table: entry.table.clone(),
+                    partition: entry.partition,
+                    epoch,
+                    seq: entry.seq,
+                    batch: entry.batch.clone(),
+                }
+                .encode_frame()?,
+            );
+        }
+        state.next_epoch = state.next_epoch.max(epoch.next());
+        let ticket = self.wal.submit(frames);
+        drop(state);
+        let durable = ticket.wait();
+        let mut state = self.state();
+        let slot = state.pending.entry(epoch).or_default();
+        if durable.is_ok() {
+            slot.extend(entries);
+            slot.sort_by_key(|e| e.seq);
+        }
+        durable
+    }
+
+    /// Makes the rows prepared for `epoch` part of their partitions. Returns whether this
+    /// node had any; committing an epoch it never prepared (or already committed) is a no-op.
+    pub fn commit_epoch(&self, epoch: Epoch) -> Result<bool> {
+        self.check_poisoned()?;
+        let _gate = self.gate.read().expect("gate lock");
+        let mut state = self.state();
+        state.advance_visible_to(epoch);
+        state.next_prepare_seq.remove(&epoch);
+        let Some(entries) = state.pending.remove(&epoch) else {
+            return Ok(false);
+        };
+        debug_assert!(
+            entries.windows(2).all(|w| w[0].seq < w[1].seq),
+            "entries sorted by seq"
+        );
+        state.logged_bytes += entries
+            .iter()
+            .map(|e| e.batch.get_array_memory_size())
+            .sum::<usize>();
+        let mut lsns = Vec::with_capacity(entries.len());
+        let mut assigned = Vec::with_capacity(entries.len());
+        for entry in entries {
+            let lsn = state.allocate_lsn(entry.partition);
+            lsns.push((entry.table.clone(), entry.partition, lsn));
+            assigned.push((entry, lsn));
+        }
+        let frame = WalRecord::CommitPrepared { epoch, lsns }.encode_frame()?;
+        let ticket = self.wal.submit(frame);
+        drop(state);
+        self.or_poison(ticket.wait())?;
+        let mut state = self.state();
+        for (entry, lsn) in assigned {
+            let cold = state.standby.contains(&entry.partition);
+            let Some(table) = state.tables.get_mut(&entry.table) else {
+                continue;
+            };
+            let part = &mut table.partitions[entry.partition.0 as usize];
+            if cold {
+                // The rows are durable in the log; a promotion replays them from there.
+                part.unapplied.push(LoggedRows {
+                    lsn,
+                    epoch,
+                    rows: entry.batch.num_rows() as u64,
+                });
+                continue;
+            }
+            let bytes = entry.batch.get_array_memory_size();
+            part.memtable.push(MemEntry {
+                lsn,
+                epoch,
+                batch: entry.batch,
+            });
+            state.memtable_bytes += bytes;
+        }
+        Ok(true)
+    }
+
+    /// Discards the rows prepared for `epoch`, if any.
+    pub fn abort_epoch(&self, epoch: Epoch) -> Result<()> {
+        self.check_poisoned()?;
+        let _gate = self.gate.read().expect("gate lock");
+        let mut state = self.state();
+        state.advance_visible_to(epoch);
+        state.next_prepare_seq.remove(&epoch);
+        if state.pending.remove(&epoch).is_none() {
+            return Ok(());
+        }
+        let ticket = self.wal.submit(WalRecord::Abort { epoch }.encode_frame()?);
+        drop(state);
+        self.or_poison(ticket.wait())
+    }
+
+    /// Cluster epochs prepared here whose fate this node has not yet learnt.
+    pub fn undecided_epochs(&self) -> Vec<Epoch> {
+        self.state().pending.keys().copied().collect()
+    }
+
+    /// Lets readers ask for any epoch up to `epoch`: in a cluster the metadata service, not
+    /// this store, decides which epochs are visible.
+    pub fn advance_visible(&self, epoch: Epoch) {
+        self.state().advance_visible_to(epoch);
+    }
+}

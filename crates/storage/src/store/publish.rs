@@ -1,0 +1,304 @@
+//! Local publishes: a batch of changes checked and made one new epoch, through the log
+//! (small: group-committed WAL frames into memtables) or in bulk (large: one component per
+//! touched partition, committed by the checkpoint file).
+
+use super::*;
+
+impl Store {
+    /// Publishes a batch of changes as one new epoch, visible atomically once this returns.
+    pub fn publish(&self, changes: Vec<TableChanges>) -> Result<Epoch> {
+        self.check_poisoned()?;
+        let prepared = self.prepare(changes)?;
+        let bytes: usize = prepared.iter().map(|p| p.bytes()).sum();
+        if bytes > self.config.max_publish_bytes {
+            return Err(StorageError::PublishTooLarge {
+                bytes,
+                limit: self.config.max_publish_bytes,
+            });
+        }
+        let epoch = if bytes >= self.config.bulk_publish_bytes {
+            self.publish_bulk(prepared)?
+        } else {
+            self.publish_logged(prepared)?
+        };
+        if self.state().memtable_bytes >= self.config.memtable_flush_bytes {
+            self.checkpoint()?;
+        }
+        Ok(epoch)
+    }
+
+    /// Validates changes against the catalog: schemas, keys, duplicates within the publish.
+    fn prepare(&self, changes: Vec<TableChanges>) -> Result<Vec<PreparedChanges>> {
+        let mut prepared: Vec<PreparedChanges> = Vec::new();
+        for change in changes {
+            let def = self
+                .table_def(&change.table)
+                .ok_or_else(|| StorageError::UnknownTable(change.table.clone()))?;
+            if def.append_only && change.deletes.iter().any(|b| b.num_rows() > 0) {
+                return Err(StorageError::delete_from_append_only(&def.name));
+            }
+            let checked = PreparedChanges::checked(def, &change.upserts, &change.deletes)?;
+            if let Some(existing) = prepared.iter_mut().find(|p| p.def.name == checked.def.name) {
+                existing.upserts.extend(checked.upserts);
+                existing.deletes.extend(checked.deletes);
+            } else {
+                prepared.push(checked);
+            }
+        }
+        for p in &prepared {
+            let all: Vec<RecordBatch> = p.upserts.iter().chain(&p.deletes).cloned().collect();
+            versions::reject_duplicate_keys(&p.def, &all)?;
+        }
+        prepared.retain(|p| !p.upserts.is_empty() || !p.deletes.is_empty());
+        Ok(prepared)
+    }
+
+    /// The log path: row records and a commit record go to the log, group-committed.
+    fn publish_logged(&self, prepared: Vec<PreparedChanges>) -> Result<Epoch> {
+        let _gate = self.gate.read().expect("gate lock");
+        // Tables can only disappear under the exclusive gate; recheck now that we hold it.
+        let mut state = self.state();
+        for p in &prepared {
+            state.table(&p.def.name)?;
+        }
+        let epoch = state.allocate_epoch();
+        let encoded = (|| -> Result<(Vec<u8>, Vec<(String, PartitionId, MemEntry)>)> {
+            let mut frames = Vec::new();
+            let mut entries = Vec::new();
+            for p in &prepared {
+                for (partition, batch) in p.stamped_by_partition(epoch, &self.ring)? {
+                    let lsn = state.allocate_lsn(partition);
+                    let record = WalRecord::Rows {
+                        table: p.def.name.clone(),
+                        partition,
+                        lsn,
+                        epoch,
+                        batch,
+                    };
+                    frames.extend(record.encode_frame()?);
+                    let WalRecord::Rows { batch, .. } = record else {
+                        unreachable!()
+                    };
+                    entries.push((
+                        p.def.name.clone(),
+                        partition,
+                        MemEntry { lsn, epoch, batch },
+                    ));
+                }
+            }
+            frames.extend(WalRecord::Commit { epoch }.encode_frame()?);
+            Ok((frames, entries))
+        })();
+        let (frames, entries) = match encoded {
+            Ok(encoded) => encoded,
+            Err(e) => {
+                state.resolve(epoch);
+                return Err(e);
+            }
+        };
+        // Submitting under the state lock keeps the log in epoch and LSN order.
+        let ticket = self.wal.submit(frames);
+        drop(state);
+        let durable = ticket.wait();
+        let mut state = self.state();
+        if durable.is_ok() {
+            for (table, partition, entry) in entries {
+                state.memtable_bytes += entry.batch.get_array_memory_size();
+                let table = state
+                    .tables
+                    .get_mut(&table)
+                    .expect("tables outlive publishes holding the gate");
+                table.partitions[partition.0 as usize].memtable.push(entry);
+            }
+        }
+        state.resolve(epoch);
+        durable.map(|()| epoch)
+    }
+
+    /// The bulk path: rows become components directly; the checkpoint that lists them is
+    /// the commit point.
+    fn publish_bulk(&self, prepared: Vec<PreparedChanges>) -> Result<Epoch> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        // Flushing first keeps LSNs rising within each manifest.
+        self.flush_memtables()?;
+        let epoch = {
+            let mut state = self.state();
+            for p in &prepared {
+                state.table(&p.def.name)?;
+            }
+            state.allocate_epoch()
+        };
+        let written = (|| -> Result<Vec<(String, PartitionId, ComponentMeta)>> {
+            let mut written = Vec::new();
+            for p in &prepared {
+                for (partition, batch) in p.stamped_by_partition(epoch, &self.ring)? {
+                    let lsn = self.state().allocate_lsn(partition);
+                    let meta = self.write_component(&p.def, &[batch], lsn, lsn)?;
+                    written.push((p.def.name.clone(), partition, meta));
+                }
+            }
+            Ok(written)
+        })();
+        let mut state = self.state();
+        let written = match written {
+            Ok(written) => written,
+            Err(e) => {
+                // Nothing references the new files: the epoch is aborted and stays invisible.
+                state.resolve(epoch);
+                return Err(e);
+            }
+        };
+        for (table, partition, meta) in written {
+            let table = state
+                .tables
+                .get_mut(&table)
+                .expect("tables outlive publishes holding the gate");
+            table.partitions[partition.0 as usize].manifest.add(meta);
+        }
+        state.resolve(epoch);
+        self.write_checkpoint(&state)?;
+        drop(state);
+        // Memtables were just flushed, so checkpointing now is cheap: it trims the log and
+        // merges the partitions this publish crowded. The epoch is committed either way; a
+        // failure here poisons the store or is retried by the next checkpoint.
+        if let Err(error) = self.checkpoint_holding_gate() {
+            tracing::error!(%error, %epoch, "checkpoint after bulk publish failed");
+        }
+        Ok(epoch)
+    }
+
+    pub(super) fn write_component(
+        &self,
+        def: &TableDef,
+        batches: &[RecordBatch],
+        min_lsn: Lsn,
+        max_lsn: Lsn,
+    ) -> Result<ComponentMeta> {
+        let batch = concat_batches(&batches[0].schema(), batches)?;
+        let stats = versions::version_stats(&batch, &def.primary_key_indices(), def.append_only)?;
+        let bytes = component::encode_parquet(&[batch.clone()])?;
+        let hash = component::write_component(&self.components_dir, &bytes)?;
+        self.verified.lock().expect("verified lock").insert(hash);
+        Ok(ComponentMeta {
+            hash,
+            rows: batch.num_rows() as u64,
+            bytes: bytes.len() as u64,
+            min_lsn,
+            max_lsn,
+            min_epoch: stats.min_epoch,
+            max_epoch: stats.max_epoch,
+            unique_keys: stats.unique_keys,
+            tombstones: stats.tombstones,
+        })
+    }
+
+    /// Writes every in-memory component to disk and records the new manifests. Callers hold
+    /// the gate exclusively, so memtables do not change underneath.
+    pub(super) fn flush_memtables(&self) -> Result<()> {
+        let work: Vec<(TableDef, PartitionId, Vec<RecordBatch>, Lsn, Lsn)> = {
+            let state = self.state();
+            state
+                .tables
+                .values()
+                .flat_map(|t| {
+                    t.partitions
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, p)| !p.memtable.is_empty())
+                        .map(|(i, p)| {
+                            let batches = p.memtable.iter().map(|e| e.batch.clone()).collect();
+                            let min = p.memtable.iter().map(|e| e.lsn).min().expect("non-empty");
+                            let max = p.memtable.iter().map(|e| e.lsn).max().expect("non-empty");
+                            (t.def.clone(), PartitionId(i as u32), batches, min, max)
+                        })
+                })
+                .collect()
+        };
+        if work.is_empty() {
+            return Ok(());
+        }
+        let mut flushed = Vec::with_capacity(work.len());
+        for (def, partition, batches, min_lsn, max_lsn) in work {
+            let meta = self.or_poison(self.write_component(&def, &batches, min_lsn, max_lsn))?;
+            flushed.push((def.name, partition, meta));
+        }
+        let mut state = self.state();
+        for (table, partition, meta) in flushed {
+            let table = state
+                .tables
+                .get_mut(&table)
+                .expect("tables outlive the exclusive gate");
+            let partition = &mut table.partitions[partition.0 as usize];
+            partition.manifest.add(meta);
+            partition.memtable.clear();
+        }
+        state.memtable_bytes = 0;
+        self.write_checkpoint(&state)
+    }
+}
+
+pub(super) struct PreparedChanges {
+    def: TableDef,
+    upserts: Vec<RecordBatch>,
+    deletes: Vec<RecordBatch>,
+}
+
+impl PreparedChanges {
+    /// Upserts conformed to the table's schema and deletes turned into tombstones; empty
+    /// batches dropped.
+    pub(super) fn checked(
+        def: TableDef,
+        upserts: &[RecordBatch],
+        deletes: &[RecordBatch],
+    ) -> Result<Self> {
+        Ok(PreparedChanges {
+            upserts: upserts
+                .iter()
+                .filter(|b| b.num_rows() > 0)
+                .map(|b| versions::conform_to_schema(&def, b))
+                .collect::<Result<_>>()?,
+            deletes: deletes
+                .iter()
+                .filter(|b| b.num_rows() > 0)
+                .map(|b| versions::tombstone_rows(&def, b))
+                .collect::<Result<_>>()?,
+            def,
+        })
+    }
+
+    pub(super) fn bytes(&self) -> usize {
+        self.upserts
+            .iter()
+            .chain(&self.deletes)
+            .map(|b| b.get_array_memory_size())
+            .sum()
+    }
+
+    /// Row versions of this publish, stamped with `epoch`, grouped by partition.
+    pub(super) fn stamped_by_partition(
+        &self,
+        epoch: Epoch,
+        ring: &PartitionRing,
+    ) -> Result<Vec<(PartitionId, RecordBatch)>> {
+        let mut stamped = Vec::new();
+        for batch in &self.upserts {
+            stamped.push(versions::stamp(&self.def, batch, epoch, RowOp::Upsert)?);
+        }
+        for batch in &self.deletes {
+            stamped.push(versions::stamp(&self.def, batch, epoch, RowOp::Delete)?);
+        }
+        let mut by_partition: BTreeMap<PartitionId, Vec<RecordBatch>> = BTreeMap::new();
+        for batch in &stamped {
+            for (partition, rows) in versions::split_by_partition(&self.def, ring, batch)? {
+                by_partition.entry(partition).or_default().push(rows);
+            }
+        }
+        by_partition
+            .into_iter()
+            .map(|(partition, batches)| {
+                Ok((partition, concat_batches(&batches[0].schema(), &batches)?))
+            })
+            .collect()
+    }
+}

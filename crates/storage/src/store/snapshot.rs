@@ -1,0 +1,117 @@
+//! What readers see: a table's snapshot at an epoch, component verification, table
+//! versions and statistics.
+
+use super::*;
+
+impl Store {
+    /// A consistent view of `table` at `epoch` (the visible epoch if `None`).
+    pub fn snapshot(&self, table: &str, epoch: Option<Epoch>) -> Result<Arc<TableSnapshot>> {
+        let state = self.state();
+        let epoch = epoch.unwrap_or(state.visible);
+        if epoch > state.visible {
+            return Err(StorageError::EpochNotVisible {
+                requested: epoch,
+                visible: state.visible,
+            });
+        }
+        if epoch < state.retained_from {
+            return Err(StorageError::EpochNotRetained {
+                requested: epoch,
+                retained_from: state.retained_from,
+            });
+        }
+        let table = state.table(table)?;
+        let partitions = table
+            .partitions
+            .iter()
+            .enumerate()
+            .map(|(i, p)| PartitionSnapshot {
+                partition: PartitionId(i as u32),
+                rows_in_log: p.unapplied.iter().any(|l| l.epoch <= epoch),
+                components: p.manifest.components_at(epoch),
+                memtable: p
+                    .memtable
+                    .iter()
+                    .filter(|e| e.epoch <= epoch)
+                    .map(|e| e.batch.clone())
+                    .collect(),
+            })
+            .collect();
+        let reader = {
+            let mut registry = self.readers.lock().expect("reader registry lock");
+            let generation = registry.generation;
+            *registry.active.entry(generation).or_insert(0) += 1;
+            ReaderGuard {
+                registry: self.readers.clone(),
+                generation,
+            }
+        };
+        Ok(Arc::new(TableSnapshot {
+            def: table.def.clone(),
+            epoch,
+            partitions,
+            _reader: reader,
+        }))
+    }
+
+    /// Checks, once per process, that a component's bytes hash to its name.
+    pub fn verify_component(&self, hash: &ComponentHash) -> Result<()> {
+        if self.verified.lock().expect("verified lock").contains(hash) {
+            return Ok(());
+        }
+        component::verify_component(&self.components_dir, hash)?;
+        self.verified.lock().expect("verified lock").insert(*hash);
+        Ok(())
+    }
+
+    /// The table version id at `epoch`: a hash over its partition manifests, equal on any
+    /// node holding the same data (Pond's version GUID). Rows still only in memory are not
+    /// part of a manifest, so call after a checkpoint for a stable id.
+    pub fn table_version(&self, table: &str, epoch: Epoch) -> Result<ComponentHash> {
+        let state = self.state();
+        let table = state.table(table)?;
+        let mut hasher = blake3::Hasher::new();
+        for partition in &table.partitions {
+            hasher.update(&partition.manifest.hash_at(epoch).0);
+        }
+        Ok(ComponentHash(*hasher.finalize().as_bytes()))
+    }
+
+    pub fn table_stats(&self) -> Vec<TableStats> {
+        let state = self.state();
+        state
+            .tables
+            .values()
+            .map(|t| TableStats {
+                name: t.def.name.clone(),
+                components: t
+                    .partitions
+                    .iter()
+                    .map(|p| p.manifest.components.len())
+                    .sum(),
+                component_rows: t.partitions.iter().map(|p| p.manifest.row_count()).sum(),
+                memtable_rows: t
+                    .partitions
+                    .iter()
+                    .flat_map(|p| &p.memtable)
+                    .map(|e| e.batch.num_rows() as u64)
+                    .sum(),
+                logged_rows: t
+                    .partitions
+                    .iter()
+                    .flat_map(|p| &p.unapplied)
+                    .map(|l| l.rows)
+                    .sum(),
+                partitions_with_data: t
+                    .partitions
+                    .iter()
+                    .filter(|p| {
+                        !p.manifest.components.is_empty()
+                            || !p.memtable.is_empty()
+                            || !p.unapplied.is_empty()
+                    })
+                    .count(),
+            })
+            .collect()
+    }
+}

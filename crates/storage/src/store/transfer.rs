@@ -1,0 +1,252 @@
+//! Moving partitions between replicas: a partition's versions (all, or since an epoch),
+//! its export (components and in-memory versions), and installing what was fetched.
+
+use super::*;
+
+impl Store {
+    /// The stored row versions of one partition of `table` with an epoch at or above `since`
+    /// (the stored schema, version columns included). `Epoch::ZERO` gives every version: what
+    /// a new replica needs; a later epoch gives the delta a returning replica missed.
+    pub fn partition_versions(
+        &self,
+        table: &str,
+        partition: PartitionId,
+        since: Epoch,
+    ) -> Result<Vec<RecordBatch>> {
+        self.replay_standby(&[partition])?;
+        let snapshot = self.snapshot_with_partition(table, partition)?;
+        let part = &snapshot.partitions[partition.0 as usize];
+        let mut batches = Vec::new();
+        for component in part.components.iter().filter(|c| c.max_epoch >= since) {
+            self.verify_component(&component.hash)?;
+            batches.extend(component::read_component(
+                &self.components_dir,
+                &component.hash,
+                None,
+            )?);
+        }
+        batches.extend(part.memtable.iter().cloned());
+        versions::versions_since(batches, since)
+    }
+
+    /// A snapshot of `table` at the visible epoch that has partition `partition`; holding it
+    /// keeps that partition's components from being collected while they are read.
+    fn snapshot_with_partition(
+        &self,
+        table: &str,
+        partition: PartitionId,
+    ) -> Result<Arc<TableSnapshot>> {
+        let snapshot = self.snapshot(table, None)?;
+        if snapshot.partitions.len() <= partition.0 as usize {
+            return Err(StorageError::InvalidTable {
+                table: table.to_string(),
+                reason: format!("no partition {partition}"),
+            });
+        }
+        Ok(snapshot)
+    }
+
+    /// What a new replica of one partition of `table` copies: the components that hold its
+    /// flushed versions (by hash) and the versions still only in memory.
+    pub fn export_partition(
+        &self,
+        table: &str,
+        partition: PartitionId,
+    ) -> Result<(Vec<ComponentMeta>, Vec<RecordBatch>)> {
+        self.replay_standby(&[partition])?;
+        let snapshot = self.snapshot_with_partition(table, partition)?;
+        let part = &snapshot.partitions[partition.0 as usize];
+        Ok((part.components.clone(), part.memtable.clone()))
+    }
+
+    /// The bytes of a component, checked against its hash before they leave this node.
+    pub fn component_bytes(&self, hash: &ComponentHash) -> Result<Vec<u8>> {
+        component::read_verified(&self.components_dir, hash)
+    }
+
+    /// True if this node holds a component under `hash` whose bytes hash to it: a copy
+    /// need not fetch it again.
+    pub fn has_component(&self, hash: &ComponentHash) -> bool {
+        self.verify_component(hash).is_ok()
+    }
+
+    /// Replaces one partition of `table` with copied components and in-memory versions
+    /// (component replication by hash). `fetched` holds the bytes of the components this
+    /// node lacked; each is checked against its name before it is written, and the others
+    /// must already be here. LSNs are this node's own, so each component is re-stamped.
+    pub fn install_partition_components(
+        &self,
+        table: &str,
+        partition: PartitionId,
+        components: Vec<ComponentMeta>,
+        fetched: HashMap<ComponentHash, Vec<u8>>,
+        memtable: Vec<RecordBatch>,
+    ) -> Result<()> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        let def = self.state().table(table)?.def.clone();
+        self.store_fetched_components(&components, &fetched)?;
+        let mut installed = Vec::with_capacity(components.len() + 1);
+        for mut meta in components {
+            let lsn = self.state().allocate_lsn(partition);
+            (meta.min_lsn, meta.max_lsn) = (lsn, lsn);
+            installed.push(meta);
+        }
+        let memtable: Vec<RecordBatch> =
+            memtable.into_iter().filter(|b| b.num_rows() > 0).collect();
+        if !memtable.is_empty() {
+            let lsn = self.state().allocate_lsn(partition);
+            installed.push(self.or_poison(self.write_component(&def, &memtable, lsn, lsn))?);
+        }
+        let mut state = self.state();
+        let table_state = state
+            .tables
+            .get_mut(table)
+            .expect("tables outlive the exclusive gate");
+        let part = &mut table_state.partitions[partition.0 as usize];
+        let dropped: Vec<ComponentHash> = part.manifest.components.iter().map(|c| c.hash).collect();
+        let freed: usize = part
+            .memtable
+            .iter()
+            .map(|e| e.batch.get_array_memory_size())
+            .sum();
+        part.memtable.clear();
+        // Standby rows in the log are older than the LSNs just allocated: replay skips them.
+        part.unapplied.clear();
+        part.manifest.components.clear();
+        for meta in installed {
+            part.manifest.add(meta);
+        }
+        state.memtable_bytes -= freed;
+        self.write_checkpoint(&state)?;
+        self.collect_garbage(dropped, &state)
+    }
+
+    /// Replaces one partition of `table` with the given row versions (copied from a
+    /// replica), as one durable component.
+    pub fn install_partition(
+        &self,
+        table: &str,
+        partition: PartitionId,
+        versions: Vec<RecordBatch>,
+    ) -> Result<()> {
+        self.install_partition_since(table, partition, Epoch::ZERO, versions)
+    }
+
+    /// Delta recovery: replaces the versions of one partition with an epoch at or above
+    /// `since` by `delta` (the primary's versions since then), keeping everything older.
+    ///
+    /// Idempotent: a returning replica may fail mid-failback and install the same delta
+    /// again. When nothing local is at or above `since` (the usual case: the node was down),
+    /// the existing components and memory stay and only the delta is written, as one more
+    /// component; otherwise the partition is rewritten without its newer versions.
+    pub fn install_partition_since(
+        &self,
+        table: &str,
+        partition: PartitionId,
+        since: Epoch,
+        delta: Vec<RecordBatch>,
+    ) -> Result<()> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        self.replay_standby_holding_gate(|p| *p == partition)?;
+        let (def, components, memtable, memtable_reaches_since) = {
+            let state = self.state();
+            let table_state = state.table(table)?;
+            let part = &table_state.partitions[partition.0 as usize];
+            (
+                table_state.def.clone(),
+                part.manifest.components.clone(),
+                part.memtable
+                    .iter()
+                    .map(|e| e.batch.clone())
+                    .collect::<Vec<_>>(),
+                part.memtable.iter().any(|e| e.epoch >= since),
+            )
+        };
+        let rewrite = since == Epoch::ZERO
+            || memtable_reaches_since
+            || components.iter().any(|c| c.max_epoch >= since);
+        let mut rows: Vec<RecordBatch> = Vec::new();
+        if rewrite && since > Epoch::ZERO {
+            let mut old = Vec::new();
+            for component in &components {
+                self.verify_component(&component.hash)?;
+                old.extend(component::read_component(
+                    &self.components_dir,
+                    &component.hash,
+                    None,
+                )?);
+            }
+            old.extend(memtable);
+            rows.extend(versions::versions_before(old, since)?);
+        }
+        rows.extend(delta);
+        let rows: Vec<RecordBatch> = rows.into_iter().filter(|b| b.num_rows() > 0).collect();
+        let meta = match (rows.is_empty(), rewrite) {
+            (true, _) => None,
+            // The partition's own versions (memory included) go into the new component, so
+            // its LSN covers the log records they came from.
+            (false, true) => {
+                let lsn = self.state().allocate_lsn(partition);
+                Some(self.or_poison(self.write_component(&def, &rows, lsn, lsn))?)
+            }
+            // Only the delta: it came from no local log record, so it takes LSN zero and
+            // leaves the memtable (and the replay point of its log records) alone.
+            (false, false) => {
+                Some(self.or_poison(self.write_component(&def, &rows, Lsn::ZERO, Lsn::ZERO))?)
+            }
+        };
+        let mut state = self.state();
+        let table_state = state
+            .tables
+            .get_mut(table)
+            .expect("tables outlive the exclusive gate");
+        let part = &mut table_state.partitions[partition.0 as usize];
+        let mut dropped = Vec::new();
+        let mut freed = 0;
+        if rewrite {
+            dropped = part.manifest.components.iter().map(|c| c.hash).collect();
+            part.manifest.components.clear();
+            freed = part
+                .memtable
+                .iter()
+                .map(|e| e.batch.get_array_memory_size())
+                .sum();
+            part.memtable.clear();
+        }
+        if let Some(meta) = meta {
+            part.manifest.add(meta);
+        }
+        state.memtable_bytes -= freed;
+        self.write_checkpoint(&state)?;
+        self.collect_garbage(dropped, &state)
+    }
+
+    /// Writes the components among `components` that were fetched from a peer, each checked
+    /// against its name first; the others must already be here, intact.
+    pub(super) fn store_fetched_components(
+        &self,
+        components: &[ComponentMeta],
+        fetched: &HashMap<ComponentHash, Vec<u8>>,
+    ) -> Result<()> {
+        for meta in components {
+            match fetched.get(&meta.hash) {
+                Some(bytes) => {
+                    let actual = ComponentHash::of_bytes(bytes);
+                    if actual != meta.hash {
+                        return Err(StorageError::CorruptComponent {
+                            hash: meta.hash,
+                            path: component::component_path(&self.components_dir, &meta.hash),
+                            actual,
+                        });
+                    }
+                    self.or_poison(component::write_component(&self.components_dir, bytes))?;
+                    self.verified.lock().expect("verified lock").insert(actual);
+                }
+                None => self.verify_component(&meta.hash)?,
+            }
+        }
+        Ok(())
+    }
+}
