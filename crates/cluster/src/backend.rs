@@ -5,9 +5,8 @@
 use crate::error::ClusterError;
 use crate::meta::{MetaState, MetaView};
 use crate::node::Node;
-use crate::query::scan::{DistributedScanExec, ScanSpec, TableStatistics};
+use crate::query::scan::{read_from, DistributedScanExec, ScanSpec, TableStatistics};
 use crate::query::RecoveryOutcome;
-use crate::rpc::ScanRequest;
 use crate::NodeId;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
@@ -574,66 +573,6 @@ impl ClusterScanExec {
 
 fn is_unreachable(error: &ClusterError) -> bool {
     matches!(error, ClusterError::Unreachable { .. })
-}
-
-/// The live rows of `partitions` held by node `from` (this node or another).
-pub(crate) async fn read_from(
-    node: &Arc<Node>,
-    from: NodeId,
-    def: &TableDef,
-    epoch: Epoch,
-    partitions: &[PartitionId],
-    columns: &[usize],
-) -> Result<Vec<RecordBatch>, ClusterError> {
-    if from == node.id() {
-        let (store, def, partitions, columns) = (
-            node.store.clone(),
-            def.clone(),
-            partitions.to_vec(),
-            columns.to_vec(),
-        );
-        return tokio::task::spawn_blocking(move || {
-            tessera_sql::backend::read_local_partitions(
-                &store,
-                &def,
-                Some(epoch),
-                &partitions,
-                &columns,
-            )
-        })
-        .await
-        .map_err(|e| ClusterError::Rejected(e.to_string()))?
-        .map_err(ClusterError::from);
-    }
-    let addr = node
-        .meta
-        .addr_of(from)
-        .ok_or_else(|| ClusterError::Unreachable {
-            node: from,
-            addr: "?".into(),
-            reason: "no known address".into(),
-        })?;
-    let unreachable = |reason: String| ClusterError::Unreachable {
-        node: from,
-        addr: addr.clone(),
-        reason,
-    };
-    let request = ScanRequest {
-        table: def.name.clone(),
-        generation: def.generation,
-        epoch,
-        partitions: partitions.to_vec(),
-        columns: columns.to_vec(),
-    };
-    let classify = |e: crate::rpc::CallError| {
-        if e.is_transport() {
-            unreachable(e.to_string())
-        } else {
-            ClusterError::Rejected(format!("node {from}: {e}"))
-        }
-    };
-    let stream = node.clients.get(&addr, &request).await.map_err(classify)?;
-    stream.map_err(classify).try_collect().await
 }
 
 impl DisplayAs for ClusterScanExec {

@@ -10,6 +10,7 @@ use crate::server::NodeStatus;
 use arrow::array::RecordBatch;
 use futures::TryStreamExt;
 use std::time::Duration;
+use tessera_common::hex::from_hex;
 use tessera_common::{Epoch, PartitionId};
 use tessera_sql::StatementOutput;
 
@@ -210,24 +211,4 @@ impl ClusterClient {
             .await
             .map_err(|e| self.call_error(e))
     }
-}
-
-pub fn to_hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(DIGITS[(b >> 4) as usize] as char);
-        out.push(DIGITS[(b & 15) as usize] as char);
-    }
-    out
-}
-
-pub fn from_hex(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 {
-        return None;
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
-        .collect()
 }

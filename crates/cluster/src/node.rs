@@ -279,20 +279,10 @@ impl Node {
         self.replication.incarnation()
     }
 
-    /// Makes `id` suspect and waits for the metadata leader's verdict (it probes the node
-    /// at once, or its failure detector times it out). True once the metadata counts `id`
-    /// failed.
+    /// Makes `id` suspect and waits for the metadata leader's verdict; see
+    /// [`Replication::confirm_failed`].
     pub async fn confirm_failed(&self, id: NodeId) -> bool {
-        self.suspect(id);
-        // Long enough for a new leader's detector when the dead node led the metadata.
-        let patience = (self.config.failure_timeout() * 4).max(Duration::from_secs(10));
-        self.meta.wait_until_failed(id, patience).await;
-        self.meta
-            .view()
-            .state
-            .nodes
-            .get(&id)
-            .is_none_or(|n| !n.alive)
+        self.replication.confirm_failed(id).await
     }
 
     pub fn identity(&self) -> Identity {

@@ -281,7 +281,7 @@ fn sql_output(output: tessera_sql::StatementOutput) -> Result<SqlOutput, arrow::
             writer.finish()?;
             drop(writer);
             SqlOutput::Rows {
-                ipc_hex: crate::client::to_hex(&ipc),
+                ipc_hex: tessera_common::hex::to_hex(&ipc),
             }
         }
         tessera_sql::StatementOutput::Done { tag, epoch } => SqlOutput::Done { tag, epoch },

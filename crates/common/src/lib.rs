@@ -6,6 +6,7 @@
 //! hash or the version column names moves data, so both are fixed and tested against
 //! known vectors.
 
+pub mod hex;
 pub mod ids;
 pub mod partitioning;
 pub mod version;

@@ -117,6 +117,22 @@ impl Replication {
         self.suspected.notify_waiters();
     }
 
+    /// Makes `id` suspect and waits for the metadata leader's verdict (it probes the node
+    /// at once, or its failure detector times it out). True once the metadata counts `id`
+    /// failed.
+    pub async fn confirm_failed(&self, id: NodeId) -> bool {
+        self.suspect(id);
+        // Long enough for a new leader's detector when the dead node led the metadata.
+        let patience = (self.settings.failure_timeout * 4).max(Duration::from_secs(10));
+        self.meta.wait_until_failed(id, patience).await;
+        self.meta
+            .view()
+            .state
+            .nodes
+            .get(&id)
+            .is_none_or(|n| !n.alive)
+    }
+
     /// Resolves when some node becomes suspect.
     pub async fn suspicion(&self) {
         self.suspected.notified().await

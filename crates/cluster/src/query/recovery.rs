@@ -17,7 +17,6 @@ use super::exchange::{ExchangeReadExec, ExchangeWriteExec, Replay};
 use super::plan::{leaves_of, DistributedPlan, Leaf};
 use super::run::{RunRequest, StageTask};
 use super::{RecoveryOutcome, StageId};
-use crate::client::to_hex;
 use crate::node::Node;
 use crate::NodeId;
 use datafusion::common::tree_node::{Transformed, TreeNode};
@@ -25,6 +24,7 @@ use datafusion::physical_plan::ExecutionPlan;
 use datafusion_proto::bytes::physical_plan_to_bytes_with_proto_converter;
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use tessera_common::hex::to_hex;
 
 /// What recovery knows while a query runs: where each channel runs now.
 pub struct Recovery {

@@ -7,7 +7,6 @@ use super::codec::TesseraCodec;
 use super::exchange::{ExchangeMode, ExchangeReadExec, ExchangeWriteExec, InboxKey, ReadSpec};
 use super::plan::{leaves_of, DistributedPlan, Leaf};
 use super::{ChannelReport, QueryId, StageId};
-use crate::client::{from_hex, to_hex};
 use crate::error::ClusterError;
 use crate::node::Node;
 use crate::NodeId;
@@ -25,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
+use tessera_common::hex::{from_hex, to_hex};
 use tokio::sync::mpsc;
 
 /// How long the initiator waits, once it has the answer, for the remaining channels to
