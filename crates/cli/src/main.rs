@@ -40,16 +40,16 @@ struct Cli {
 #[derive(clap::Args, Clone)]
 struct StoreFlags {
     /// Partitions of the hash ring (fixed when a store is created).
-    #[arg(long, global = true, default_value_t = 64)]
+    #[arg(long, global = true, default_value_t = tessera_common::DEFAULT_PARTITIONS)]
     partitions: u32,
     /// Checkpoint once in-memory components hold this many bytes.
-    #[arg(long, global = true, default_value_t = 64 << 20)]
+    #[arg(long, global = true, default_value_t = StoreConfig::DEFAULT_MEMTABLE_FLUSH_BYTES)]
     memtable_flush_bytes: usize,
     /// Publishes at least this large write components directly instead of the log.
-    #[arg(long, global = true, default_value_t = 8 << 20)]
+    #[arg(long, global = true, default_value_t = StoreConfig::DEFAULT_BULK_PUBLISH_BYTES)]
     bulk_publish_bytes: usize,
     /// Merge a partition's components once it has more than this many.
-    #[arg(long, global = true, default_value_t = 8)]
+    #[arg(long, global = true, default_value_t = StoreConfig::DEFAULT_MERGE_THRESHOLD)]
     merge_threshold: usize,
 }
 

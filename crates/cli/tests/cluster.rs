@@ -1,5 +1,8 @@
 //! Multi-process clusters on loopback: real `tessera node` processes, real Raft, real
 //! SIGKILL. Every node must answer every TPC-H query exactly as plain DataFusion does.
+//!
+//! Why this file is long (over 800 lines): its tests share one cluster harness and one
+//! lock that keeps them from running their clusters at once on a 2-core machine.
 
 use arrow::array::{Int64Array, RecordBatch, StringArray};
 use datafusion::prelude::SessionContext;

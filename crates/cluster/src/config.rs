@@ -80,23 +80,30 @@ pub struct Peer {
     pub addr: SocketAddr,
 }
 
+impl NodeConfig {
+    pub const DEFAULT_REPLICATION: u32 = 3;
+    pub const DEFAULT_HEARTBEAT_MS: u64 = 200;
+    pub const DEFAULT_FAILURE_TIMEOUT_MS: u64 = 1500;
+    pub const DEFAULT_REREPLICATE_AFTER_MS: u64 = 5 * 60 * 1000;
+}
+
 fn default_partitions() -> u32 {
-    64
+    tessera_common::DEFAULT_PARTITIONS
 }
 fn default_replication() -> u32 {
-    3
+    NodeConfig::DEFAULT_REPLICATION
 }
 fn default_heartbeat_ms() -> u64 {
-    200
+    NodeConfig::DEFAULT_HEARTBEAT_MS
 }
 fn default_failure_timeout_ms() -> u64 {
-    1500
+    NodeConfig::DEFAULT_FAILURE_TIMEOUT_MS
 }
 fn default_true() -> bool {
     true
 }
 fn default_rereplicate_after_ms() -> u64 {
-    5 * 60 * 1000
+    NodeConfig::DEFAULT_REREPLICATE_AFTER_MS
 }
 
 impl NodeConfig {

@@ -12,5 +12,7 @@ pub mod partitioning;
 pub mod version;
 
 pub use ids::{ComponentHash, Epoch, Lsn, NodeId, PartitionId};
-pub use partitioning::{is_key_type, partition_key_hashes, PartitionRing, PartitioningError};
+pub use partitioning::{
+    is_key_type, partition_key_hashes, PartitionRing, PartitioningError, DEFAULT_PARTITIONS,
+};
 pub use version::{RowOp, EPOCH_COLUMN, OP_COLUMN};

@@ -74,6 +74,9 @@ pub fn is_key_type(data_type: &DataType) -> bool {
     check_key_type("", data_type).is_ok()
 }
 
+/// Partitions of the ring when a cluster or store is created without saying (DESIGN §3).
+pub const DEFAULT_PARTITIONS: u32 = 64;
+
 /// The stable 64-bit partition hash of every row, given the key columns in key order.
 pub fn partition_key_hashes(
     key_columns: &[(&str, &ArrayRef)],

@@ -4,6 +4,9 @@
 //! order and reaches the same state. What applying a command means for the local store
 //! (create a table, commit an epoch's prepared rows) is returned as [`LocalEffect`]s for the
 //! state machine to carry out.
+//!
+//! Why this file is long (over 800 lines): a third of it is the unit tests of the state
+//! machine, kept beside the commands they drive.
 
 use crate::NodeId;
 use serde::{Deserialize, Serialize};

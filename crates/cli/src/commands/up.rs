@@ -76,13 +76,13 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
             voters: None,
             partitions: options.partitions,
             replication: options.replication,
-            heartbeat_ms: 200,
-            failure_timeout_ms: 1500,
+            heartbeat_ms: NodeConfig::DEFAULT_HEARTBEAT_MS,
+            failure_timeout_ms: NodeConfig::DEFAULT_FAILURE_TIMEOUT_MS,
             memtable_flush_bytes: options.memtable_flush_bytes,
             checkpoint_log_bytes: options.checkpoint_log_bytes,
             hot_standby: options.hot_standby,
             delta_recovery: options.delta_recovery,
-            rereplicate_after_ms: 5 * 60 * 1000,
+            rereplicate_after_ms: NodeConfig::DEFAULT_REREPLICATE_AFTER_MS,
         };
         let path = dir.join("node.toml");
         std::fs::write(&path, toml::to_string(&config)?)?;

@@ -7,6 +7,10 @@
 //! merge above it still sees sorted inputs). A bucket goes to every node that hosts a
 //! consumer channel reading it: normally one, several for a broadcast (the build side of
 //! a join collected on each node).
+//!
+//! Why this file is long (over 800 lines): inbox, registry, reader, writer and receive
+//! still live together, with lineage state woven through them; splitting them apart, with
+//! lineage as hooks, is the next step of the crate-per-layer work.
 
 use super::spool::{Spool, SpoolKey};
 use super::{now_us, ChannelReport, QueryId, StageId};

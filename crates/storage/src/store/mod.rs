@@ -61,15 +61,23 @@ pub struct StoreConfig {
     pub max_publish_bytes: usize,
 }
 
+impl StoreConfig {
+    pub const DEFAULT_MEMTABLE_FLUSH_BYTES: usize = 64 << 20;
+    pub const DEFAULT_CHECKPOINT_LOG_BYTES: usize = 256 << 20;
+    pub const DEFAULT_BULK_PUBLISH_BYTES: usize = 8 << 20;
+    pub const DEFAULT_MERGE_THRESHOLD: usize = 8;
+    pub const DEFAULT_MAX_PUBLISH_BYTES: usize = 8 << 30;
+}
+
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
-            partitions: 64,
-            memtable_flush_bytes: 64 << 20,
-            checkpoint_log_bytes: 256 << 20,
-            bulk_publish_bytes: 8 << 20,
-            merge_threshold: 8,
-            max_publish_bytes: 8 << 30,
+            partitions: tessera_common::DEFAULT_PARTITIONS,
+            memtable_flush_bytes: Self::DEFAULT_MEMTABLE_FLUSH_BYTES,
+            checkpoint_log_bytes: Self::DEFAULT_CHECKPOINT_LOG_BYTES,
+            bulk_publish_bytes: Self::DEFAULT_BULK_PUBLISH_BYTES,
+            merge_threshold: Self::DEFAULT_MERGE_THRESHOLD,
+            max_publish_bytes: Self::DEFAULT_MAX_PUBLISH_BYTES,
         }
     }
 }
