@@ -158,7 +158,7 @@ impl Backend for ClusterBackend {
         loop {
             let view = self.view();
             let run = crate::query::session::run_query(
-                &self.node,
+                &self.node.exec,
                 &view,
                 ctx,
                 plan.clone(),
@@ -339,7 +339,7 @@ impl RowSource for ClusterRows {
             estimated_rows,
         };
         Ok(Arc::new(
-            DistributedScanExec::try_new(spec, predicate, self.node.clone())?
+            DistributedScanExec::try_new(spec, predicate, self.node.exec.clone())?
                 .with_statistics(statistics),
         ))
     }
@@ -384,6 +384,7 @@ impl ClusterRows {
             .flat_map(|p| &p.components)
             .map(|c| {
                 self.node
+                    .exec
                     .queries
                     .statistics
                     .get(&self.node.store, &c.hash, &stored)
@@ -529,7 +530,16 @@ impl ClusterScanExec {
         let epoch = self.epoch;
         let columns = self.columns.clone();
         let read = async move {
-            match read_from(&node, group.node, &def, epoch, &group.partitions, &columns).await {
+            match read_from(
+                &node.exec,
+                group.node,
+                &def,
+                epoch,
+                &group.partitions,
+                &columns,
+            )
+            .await
+            {
                 Ok(batches) => Ok(batches),
                 Err(error) if group.node != node.id() && is_unreachable(&error) => {
                     tracing::warn!(from = group.node, %error, "replica unreachable; reading its partitions from the next replica");
@@ -539,8 +549,15 @@ impl ClusterScanExec {
                         let mut last = error.to_string();
                         let mut done = false;
                         for replica in fallbacks {
-                            match read_from(&node, *replica, &def, epoch, &[*partition], &columns)
-                                .await
+                            match read_from(
+                                &node.exec,
+                                *replica,
+                                &def,
+                                epoch,
+                                &[*partition],
+                                &columns,
+                            )
+                            .await
                             {
                                 Ok(more) => {
                                     batches.extend(more);

@@ -42,8 +42,9 @@ pub struct Node {
     /// The metadata group: reads, writes through the leader, this node's Raft member.
     pub meta: MetaClient,
     pub clients: Arc<Clients>,
-    /// Distributed queries' exchanges and channels running here.
-    pub queries: Arc<crate::query::exchange::QueryRegistry>,
+    /// Distributed execution's handle: the exchanges and channels running here, and what
+    /// they use of this node.
+    pub exec: Arc<crate::query::Exec>,
     checkpointing: AtomicBool,
     rebalancing: AtomicBool,
     protocol: u32,
@@ -237,25 +238,33 @@ impl Node {
                 delta_recovery: config.delta_recovery,
             },
         ));
+        let exec = Arc::new(crate::query::Exec::new(
+            store.clone(),
+            meta.clone(),
+            clients.clone(),
+            Arc::default(),
+            replication.clone(),
+        ));
         let node = Arc::new(Node {
             config,
             store,
             clients,
-            queries: Arc::default(),
+            exec,
             meta,
             checkpointing: AtomicBool::new(false),
             rebalancing: AtomicBool::new(false),
             protocol,
             replication,
         });
-        node.queries
+        node.exec
+            .queries
             .set_spool_dir(node.config.data_dir.join("spool"));
         crate::server::serve(node.clone(), listener);
         node.initialize_if_founder().await?;
         tokio::spawn(node.clone().heartbeat_loop());
         tokio::spawn(node.clone().duty_loop());
         tokio::spawn(node.clone().registration_loop());
-        tokio::spawn(crate::query::lineage::commit_lineage(node.clone()));
+        tokio::spawn(crate::query::lineage::commit_lineage(node.exec.clone()));
         tracing::info!(node = node.config.node_id, listen = %node.config.listen, "node started");
         Ok(node)
     }

@@ -183,7 +183,7 @@ impl NodeService {
             }
             ACTION_QUERY_END => {
                 let query: crate::query::QueryId = self.open(body)?;
-                node.queries.end_query(query);
+                node.exec.queries.end_query(query);
                 reply(&Ok::<(), Refusal>(()))
             }
             ACTION_DECOMMISSION => {
@@ -297,7 +297,7 @@ struct EndQueryOnDrop {
 
 impl Drop for EndQueryOnDrop {
     fn drop(&mut self) {
-        self.node.queries.end_query(self.query);
+        self.node.exec.queries.end_query(self.query);
     }
 }
 
@@ -310,7 +310,7 @@ impl NodeService {
         use crate::query::run::StagesEvent;
         let query = run.query;
         let lineage = run.lineage;
-        let reports = crate::query::run::run_stages(&self.node, run).map_err(failed)?;
+        let reports = crate::query::run::run_stages(&self.node.exec, run).map_err(failed)?;
         let guard = EndQueryOnDrop {
             node: self.node.clone(),
             query,
@@ -327,7 +327,7 @@ impl NodeService {
         .chain(
             futures::stream::once(async move {
                 if lineage {
-                    node.queries.wait_ended(query).await;
+                    node.exec.queries.wait_ended(query).await;
                 }
                 drop(guard);
             })
@@ -352,7 +352,7 @@ impl NodeService {
         bucket: usize,
     ) -> Result<Response<BoxStream<'static, Result<FlightData, Status>>>, Status> {
         use crate::query::spool::Next;
-        let spool = self.node.queries.spool(key).ok_or_else(|| {
+        let spool = self.node.exec.queries.spool(key).ok_or_else(|| {
             Status::failed_precondition(format!("query {:x} has ended on this node", key.0))
         })?;
         let schema = {
@@ -586,7 +586,7 @@ impl FlightService for NodeService {
             ExchangeHeader::KIND => {
                 let header: ExchangeHeader = request.decode().map_err(decode_error)?;
                 let messages = arrow_flight::decode::FlightDataDecoder::new(data);
-                crate::query::exchange::receive(&self.node.queries, &header, messages)
+                crate::query::exchange::receive(&self.node.exec.queries, &header, messages)
                     .await
                     .map_err(failed)?;
                 Bytes::new()

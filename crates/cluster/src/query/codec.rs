@@ -4,7 +4,7 @@
 
 use super::exchange::{ExchangeReadExec, ExchangeWriteExec, ReadSpec, WriteSpec};
 use super::scan::{DistributedScanExec, ScanSpec};
-use crate::node::Node;
+use super::Exec;
 use datafusion::common::{DataFusionError, Result as DfResult};
 use datafusion::execution::TaskContext;
 use datafusion::physical_expr::PhysicalExpr;
@@ -36,7 +36,7 @@ enum Encoded {
 /// Encodes and decodes Tessera's operators; decoding binds them to `node`.
 #[derive(Debug)]
 pub struct TesseraCodec {
-    pub node: Arc<Node>,
+    pub node: Arc<Exec>,
 }
 
 impl TesseraCodec {

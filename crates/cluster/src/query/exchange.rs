@@ -13,8 +13,8 @@
 //! lineage as hooks, is the next step of the crate-per-layer work.
 
 use super::spool::{Spool, SpoolKey};
+use super::Exec;
 use super::{now_us, ChannelReport, QueryId, StageId};
-use crate::node::Node;
 use crate::rpc::{CallError, ExchangeHeader};
 use crate::NodeId;
 use arrow::array::RecordBatch;
@@ -613,12 +613,12 @@ pub struct Replay {
 pub struct ExchangeReadExec {
     pub spec: ReadSpec,
     schema: SchemaRef,
-    node: Arc<Node>,
+    node: Arc<Exec>,
     properties: Arc<PlanProperties>,
 }
 
 impl ExchangeReadExec {
-    pub fn new(spec: ReadSpec, schema: SchemaRef, node: Arc<Node>) -> Self {
+    pub fn new(spec: ReadSpec, schema: SchemaRef, node: Arc<Exec>) -> Self {
         let properties = Arc::new(PlanProperties::new(
             EquivalenceProperties::new(schema.clone()),
             Partitioning::UnknownPartitioning(spec.buckets),
@@ -768,7 +768,7 @@ pub struct ExchangeWriteExec {
     /// The hash expressions of a hash exchange, over the input's schema.
     pub hash_exprs: Vec<Arc<dyn PhysicalExpr>>,
     input: Arc<dyn ExecutionPlan>,
-    node: Option<Arc<Node>>,
+    node: Option<Arc<Exec>>,
     reports: Arc<Mutex<HashMap<usize, ChannelReport>>>,
     properties: Arc<PlanProperties>,
 }
@@ -778,7 +778,7 @@ impl ExchangeWriteExec {
         spec: WriteSpec,
         hash_exprs: Vec<Arc<dyn PhysicalExpr>>,
         input: Arc<dyn ExecutionPlan>,
-        node: Option<Arc<Node>>,
+        node: Option<Arc<Exec>>,
     ) -> Self {
         let properties = Arc::new(PlanProperties::new(
             EquivalenceProperties::new(input.schema()),
@@ -945,7 +945,7 @@ enum Link {
 }
 
 struct ChannelWriter {
-    node: Arc<Node>,
+    node: Arc<Exec>,
     spec: WriteSpec,
     hash_exprs: Vec<Arc<dyn PhysicalExpr>>,
     channel: usize,

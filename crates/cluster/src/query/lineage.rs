@@ -12,8 +12,8 @@
 //! it) cost four times the Raft writes and about a quarter of the query time.
 
 use super::exchange::{tokio_stream_from, ExchangeMode, ReadSpec, Replay};
+use super::Exec;
 use crate::meta::{LineageEntry, MetaCommand};
-use crate::node::Node;
 use crate::rpc::SpoolRequest;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
@@ -27,7 +27,7 @@ use tokio::sync::mpsc;
 
 /// Writes the reading order of this node's logged inboxes to the metadata store, in
 /// rounds: one Raft entry carries everything read since the previous round began.
-pub async fn commit_lineage(node: Arc<Node>) {
+pub async fn commit_lineage(node: Arc<Exec>) {
     let wake = node.queries.lineage_committer.clone();
     loop {
         // A writer waits on this node's lineage; demands made during a round wake the
@@ -84,7 +84,7 @@ pub async fn commit_lineage(node: Arc<Node>) {
 /// from its spool (on the node that holds the channel now), delivered first in the logged
 /// order, then as they arrive.
 pub fn replay_bucket(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     spec: &ReadSpec,
     replay: &Replay,
     bucket: usize,

@@ -41,6 +41,57 @@ pub mod spool;
 pub mod subquery;
 
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+
+/// What distributed execution uses of its node, and nothing more: the store it scans,
+/// the metadata it plans against, connections to other nodes, the registry of the
+/// exchanges and channels running here, and the failure detector it reports dead peers to.
+pub struct Exec {
+    pub store: Arc<tessera_storage::Store>,
+    pub meta: tessera_meta::MetaClient,
+    pub clients: Arc<tessera_net::Clients>,
+    pub queries: Arc<exchange::QueryRegistry>,
+    replication: Arc<tessera_replication::Replication>,
+}
+
+impl std::fmt::Debug for Exec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exec").field("node", &self.id()).finish()
+    }
+}
+
+impl Exec {
+    pub fn new(
+        store: Arc<tessera_storage::Store>,
+        meta: tessera_meta::MetaClient,
+        clients: Arc<tessera_net::Clients>,
+        queries: Arc<exchange::QueryRegistry>,
+        replication: Arc<tessera_replication::Replication>,
+    ) -> Exec {
+        Exec {
+            store,
+            meta,
+            clients,
+            queries,
+            replication,
+        }
+    }
+
+    /// This node's id.
+    pub fn id(&self) -> crate::NodeId {
+        self.meta.id()
+    }
+
+    /// Reports a broken connection to `node`: the metadata leader checks it at once.
+    pub fn suspect(&self, node: crate::NodeId) {
+        self.replication.suspect(node);
+    }
+
+    /// Makes `node` suspect and waits for the metadata leader's verdict.
+    pub async fn confirm_failed(&self, node: crate::NodeId) -> bool {
+        self.replication.confirm_failed(node).await
+    }
+}
 
 /// Names one query cluster-wide (random, chosen by the initiator).
 pub type QueryId = u64;

@@ -18,9 +18,9 @@
 
 use super::exchange::{ExchangeMode, ExchangeReadExec, ExchangeWriteExec, ReadSpec, WriteSpec};
 use super::scan::DistributedScanExec;
+use super::Exec;
 use super::{QueryId, StageId};
 use crate::meta::MetaState;
-use crate::node::Node;
 use crate::NodeId;
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::common::{DataFusionError, JoinType, Result as DfResult};
@@ -150,7 +150,7 @@ struct Cut {
 struct Cutter {
     query: QueryId,
     lineage: bool,
-    node: Arc<Node>,
+    node: Arc<Exec>,
     stages: Vec<Option<Cut>>,
 }
 
@@ -395,7 +395,7 @@ fn adapt_joins_for_distribution(
 
 /// Cuts `plan` into stages for `query`, placed by the snapshot `state`.
 pub fn distribute(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     query: QueryId,
     plan: Arc<dyn ExecutionPlan>,
     state: &MetaState,

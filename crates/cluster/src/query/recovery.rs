@@ -16,8 +16,8 @@
 use super::exchange::{ExchangeReadExec, ExchangeWriteExec, Replay};
 use super::plan::{leaves_of, DistributedPlan, Leaf};
 use super::run::{RunRequest, StageTask};
+use super::Exec;
 use super::{RecoveryOutcome, StageId};
-use crate::node::Node;
 use crate::NodeId;
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::physical_plan::ExecutionPlan;
@@ -67,7 +67,7 @@ impl Recovery {
     /// the `RunStages` requests that start them on the survivors.
     pub async fn rebuild(
         &mut self,
-        node: &Arc<Node>,
+        node: &Arc<Exec>,
         plan: &DistributedPlan,
         dead: NodeId,
     ) -> Result<BTreeMap<NodeId, RunRequest>, String> {

@@ -6,9 +6,9 @@
 use super::codec::TesseraCodec;
 use super::exchange::{ExchangeMode, ExchangeReadExec, ExchangeWriteExec, InboxKey, ReadSpec};
 use super::plan::{leaves_of, DistributedPlan, Leaf};
+use super::Exec;
 use super::{ChannelReport, QueryId, StageId};
 use crate::error::ClusterError;
-use crate::node::Node;
 use crate::NodeId;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
@@ -99,7 +99,7 @@ pub fn task_context() -> Arc<TaskContext> {
 /// Starts the channels `request` names on this node. The receiver yields each channel's
 /// report as it ends, and closes when all have.
 pub fn run_stages(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     request: RunRequest,
 ) -> Result<mpsc::Receiver<ChannelReport>, ClusterError> {
     let ctx = task_context();
@@ -118,7 +118,7 @@ pub fn run_stages(
 
 /// Starts channels of stage plans already in memory (the initiator's own share).
 fn start_plans(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     query: QueryId,
     plans: Vec<(Arc<dyn ExecutionPlan>, StageId, Vec<usize>)>,
 ) -> Result<mpsc::Receiver<ChannelReport>, ClusterError> {
@@ -134,7 +134,7 @@ fn start_plans(
 /// no other channel of the instance still reads are closed, so their producers stop
 /// waiting on them (a join whose build side is empty never reads its probe side).
 fn start_stage(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     query: QueryId,
     stage: StageId,
     plan: Arc<dyn ExecutionPlan>,
@@ -260,7 +260,7 @@ impl Event {
     /// The event for a `RunStages` call to `at` that ended in `error`. A broken
     /// connection makes `at` suspect at once: the metadata leader hears of it with this
     /// node's heartbeat, sent at once, and probes it at once.
-    fn broken(node: &Node, at: NodeId, error: crate::rpc::CallError) -> Event {
+    fn broken(node: &Exec, at: NodeId, error: crate::rpc::CallError) -> Event {
         if error.is_transport() {
             node.suspect(at);
             Event::NodeFailed(at, error.to_string())
@@ -287,7 +287,7 @@ const SUSPECT_GRACE: Duration = Duration::from_millis(1500);
 /// stream broke (or breaks within [`SUSPECT_GRACE`]) and the metadata leader confirms that
 /// node dead; the failure as it was otherwise.
 async fn diagnose(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     query: QueryId,
     failure: Failure,
     incoming: &mut mpsc::Receiver<Event>,
@@ -334,7 +334,7 @@ pub struct Work {
 
 /// Encodes each stage once for the nodes that run its channels. Fails (before anything
 /// starts) if a stage holds an operator that cannot travel.
-pub fn encode(node: &Arc<Node>, plan: &DistributedPlan) -> DfResult<Work> {
+pub fn encode(node: &Arc<Exec>, plan: &DistributedPlan) -> DfResult<Work> {
     let me = node.id();
     let codec = TesseraCodec { node: node.clone() };
     let mut remote: BTreeMap<NodeId, RunRequest> = BTreeMap::new();
@@ -378,7 +378,7 @@ pub fn encode(node: &Arc<Node>, plan: &DistributedPlan) -> DfResult<Work> {
 }
 
 /// Starts a `RunStages` call to `at`; its reports and its end become events.
-fn call_run_stages(node: &Arc<Node>, at: NodeId, request: RunRequest, events: mpsc::Sender<Event>) {
+fn call_run_stages(node: &Arc<Exec>, at: NodeId, request: RunRequest, events: mpsc::Sender<Event>) {
     let node = node.clone();
     tokio::spawn(async move {
         let Some(addr) = node.meta.addr_of(at) else {
@@ -418,7 +418,7 @@ fn call_run_stages(node: &Arc<Node>, at: NodeId, request: RunRequest, events: mp
 /// recovery a participant's death is survived by rebuilding its channels on the others
 /// ([`super::recovery`]); otherwise it ends the query with the node's loss.
 pub async fn execute(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     plan: &DistributedPlan,
     work: Work,
     schema: SchemaRef,
@@ -428,7 +428,7 @@ pub async fn execute(
 }
 
 async fn execute_here(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     plan: &DistributedPlan,
     work: Work,
     schema: SchemaRef,
@@ -596,7 +596,7 @@ fn settle(outstanding: &mut BTreeMap<NodeId, usize>, at: NodeId) {
 /// answer, gives up, or is itself cancelled (its client went away). Here at once;
 /// elsewhere in the background, so the answer does not wait for it.
 struct EndEverywhere {
-    node: Arc<Node>,
+    node: Arc<Exec>,
     query: QueryId,
     participants: Vec<NodeId>,
     /// The query logged lineage: the metadata store drops it.

@@ -3,8 +3,8 @@
 //! with projection and row-group pruning, replaying a cold standby's log first), else from
 //! a replica over Flight.
 
+use super::Exec;
 use crate::error::ClusterError;
-use crate::node::Node;
 use crate::NodeId;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
@@ -64,7 +64,7 @@ pub struct DistributedScanExec {
     /// still filters every row).
     pub predicate: Option<Arc<dyn PhysicalExpr>>,
     statistics: Option<TableStatistics>,
-    node: Arc<Node>,
+    node: Arc<Exec>,
     schema: SchemaRef,
     properties: Arc<PlanProperties>,
 }
@@ -73,7 +73,7 @@ impl DistributedScanExec {
     pub fn try_new(
         spec: ScanSpec,
         predicate: Option<Arc<dyn PhysicalExpr>>,
-        node: Arc<Node>,
+        node: Arc<Exec>,
     ) -> DfResult<Self> {
         assert_eq!(
             spec.partitions.len(),
@@ -207,7 +207,7 @@ impl ExecutionPlan for DistributedScanExec {
 /// Reads partitions this node holds: waits for the query's epoch, replays a cold
 /// standby's logged rows, and streams the snapshot through DataFusion's Parquet reader.
 async fn read_here(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     spec: &ScanSpec,
     partitions: Vec<PartitionId>,
     predicate: Option<Arc<dyn PhysicalExpr>>,
@@ -275,7 +275,7 @@ async fn read_here(
 
 /// Reads partitions from the first replica that answers.
 async fn read_remotely(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     spec: &ScanSpec,
     partitions: &[PartitionId],
     replicas: &[NodeId],
@@ -316,7 +316,7 @@ async fn read_remotely(
 
 /// The live rows of `partitions` held by node `from` (this node or another).
 pub async fn read_from(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     from: NodeId,
     def: &TableDef,
     epoch: Epoch,

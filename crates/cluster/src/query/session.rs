@@ -6,9 +6,9 @@ use super::explain::{describe, describe_with_metrics};
 use super::now_us;
 use super::plan::{distribute, DistributedPlan};
 use super::run::{encode, execute, Work};
+use super::Exec;
 use crate::error::ClusterError;
 use crate::meta::MetaView;
-use crate::node::Node;
 use arrow::array::{RecordBatch, StringArray};
 use arrow::datatypes::SchemaRef;
 use datafusion::common::config::ConfigOptions;
@@ -25,7 +25,7 @@ fn sql_error(error: datafusion::error::DataFusionError) -> ClusterError {
 
 /// Hash-exchange buckets for a query: a channel per core of every live node (the
 /// initiator sees only its own machine; nodes of one cluster are alike).
-pub fn exchange_buckets(node: &Node, view: &MetaView) -> usize {
+pub fn exchange_buckets(node: &Exec, view: &MetaView) -> usize {
     let nodes = view.state.live_nodes().count().max(1);
     nodes * super::cores_per_node(&view.state, node.id())
 }
@@ -69,7 +69,7 @@ pub enum Prepared {
 
 /// Plans `plan` for the cluster, cuts it into placed stages, and encodes them.
 pub async fn prepare(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     view: &MetaView,
     ctx: &SessionContext,
     plan: &LogicalPlan,
@@ -134,7 +134,7 @@ fn explain_rows(
 /// statement that a node failure ended (`EXPLAIN ANALYZE` lists them); what lineage
 /// recovery rebuilt during this run is added to it.
 pub async fn run_query(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     view: &MetaView,
     ctx: &SessionContext,
     plan: LogicalPlan,

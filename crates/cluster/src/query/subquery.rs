@@ -9,9 +9,9 @@
 
 use super::plan::distribute;
 use super::run::{encode, execute};
+use super::Exec;
 use crate::error::ClusterError;
 use crate::meta::MetaView;
-use crate::node::Node;
 use arrow::array::RecordBatch;
 use datafusion::common::{DataFusionError, Result as DfResult, ScalarValue};
 use datafusion::logical_expr::ColumnarValue;
@@ -38,7 +38,7 @@ type Resolved<'a> =
 /// Runs every scalar subquery in `plan` on the cluster and returns the plan without its
 /// `ScalarSubqueryExec`s, their expressions filled in.
 pub fn resolve<'a>(
-    node: &'a Arc<Node>,
+    node: &'a Arc<Exec>,
     view: &'a MetaView,
     plan: Arc<dyn ExecutionPlan>,
     started_at_us: u64,
@@ -70,7 +70,7 @@ pub fn resolve<'a>(
 
 /// A subquery's single value: NULL for no row, an error for more than one.
 async fn run_scalar(
-    node: &Arc<Node>,
+    node: &Arc<Exec>,
     view: &MetaView,
     plan: Arc<dyn ExecutionPlan>,
     started_at_us: u64,
