@@ -1,0 +1,279 @@
+//! Unit tests of the metadata state machine: commands driven directly, no Raft.
+
+use super::*;
+use arrow::datatypes::{DataType, Field, Schema};
+
+fn bootstrapped(nodes: u64) -> MetaState {
+    let mut state = MetaState::default();
+    let (response, _) = state.apply(
+        1,
+        MetaCommand::Bootstrap {
+            cluster_id: "c".into(),
+            partition_count: 8,
+            replication: 3,
+            hot_standby: false,
+            nodes: (1..=nodes)
+                .map(|id| (id, format!("127.0.0.1:{id}")))
+                .collect(),
+        },
+    );
+    assert_eq!(response, MetaResponse::Done);
+    let def = TableDef::new(
+        "t",
+        Schema::new(vec![Field::new("k", DataType::Int64, false)]),
+        vec!["k".into()],
+        None,
+    )
+    .unwrap();
+    state.apply(2, MetaCommand::CreateTable { def });
+    state
+}
+
+fn lineage(query: u64, from: u64, runs: Vec<(u32, u32)>) -> MetaCommand {
+    MetaCommand::Lineage {
+        node: 2,
+        entries: vec![LineageEntry {
+            query,
+            initiator: 1,
+            exchange: 3,
+            bucket: 0,
+            from,
+            runs,
+        }],
+    }
+}
+
+#[test]
+fn lineage_appends_runs_skips_retried_entries_and_refuses_gaps() {
+    let mut state = bootstrapped(3);
+    state.apply(3, lineage(9, 0, vec![(0, 2), (1, 1)]));
+    // A retry of the first entry plus one more batch: only the new batch counts.
+    state.apply(4, lineage(9, 0, vec![(0, 2), (1, 2)]));
+    state.apply(5, lineage(9, 4, vec![(2, 1)]));
+    // Position 7 would leave batches 5 and 6 unknown.
+    state.apply(6, lineage(9, 7, vec![(0, 1)]));
+    let inbox = &state.lineage[&9].inboxes[0];
+    assert_eq!(inbox.runs, vec![(0, 2), (1, 2), (2, 1)]);
+    assert_eq!(inbox.batches, 5);
+    assert_eq!((inbox.node, inbox.exchange, inbox.bucket), (2, 3, 0));
+}
+
+#[test]
+fn lineage_is_dropped_when_its_query_ends_or_its_initiator_dies() {
+    let mut state = bootstrapped(3);
+    state.apply(3, lineage(9, 0, vec![(0, 1)]));
+    state.apply(4, lineage(10, 0, vec![(0, 1)]));
+    state.apply(5, MetaCommand::LineageEnd { query: 9 });
+    assert!(!state.lineage.contains_key(&9));
+    assert!(state.lineage.contains_key(&10));
+    // Query 10's initiator is node 1: nobody is left to replay it.
+    state.apply(
+        6,
+        MetaCommand::SetLiveness {
+            id: 1,
+            alive: false,
+        },
+    );
+    assert!(state.lineage.is_empty());
+}
+
+fn allocate(state: &mut MetaState, coordinator: NodeId) -> Epoch {
+    match allocate_as(state, coordinator, 0, 7) {
+        MetaResponse::Epoch(e) => e,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn allocate_as(
+    state: &mut MetaState,
+    coordinator: NodeId,
+    incarnation: u64,
+    request: u64,
+) -> MetaResponse {
+    let command = MetaCommand::AllocateEpoch {
+        coordinator,
+        incarnation,
+        tables: vec!["t".into()],
+        request,
+    };
+    state.apply(3, command).0
+}
+
+#[test]
+fn retried_allocations_and_commits_are_idempotent() {
+    let mut state = bootstrapped(3);
+    let first = allocate(&mut state, 1);
+    assert_eq!(
+        allocate(&mut state, 1),
+        first,
+        "the same request gets the same epoch"
+    );
+    assert_eq!(state.open.len(), 1);
+    let commit = MetaCommand::CommitEpoch {
+        epoch: first,
+        missed: vec![],
+    };
+    assert_eq!(state.apply(5, commit.clone()).0, MetaResponse::Epoch(first));
+    assert_eq!(state.apply(6, commit).0, MetaResponse::Epoch(first));
+    let abort = state.apply(
+        7,
+        MetaCommand::AbortEpoch {
+            epoch: first,
+            reason: "late".into(),
+        },
+    );
+    assert!(matches!(abort.0, MetaResponse::Refused(ref r) if r.contains("already committed")));
+    assert!(state.is_committed(first));
+}
+
+#[test]
+fn uniform_map_uses_chained_declustering() {
+    let map = PartitionMap::uniform(8, 3, &[3, 1, 2, 4]);
+    assert_eq!(map.partitions[0].replicas, vec![1, 2, 3]);
+    assert_eq!(map.partitions[7].replicas, vec![4, 1, 2]);
+    // Contiguous, uniform runs: two partitions per node.
+    let originals: Vec<NodeId> = map.partitions.iter().map(|p| p.original).collect();
+    assert_eq!(originals, vec![1, 1, 2, 2, 3, 3, 4, 4]);
+}
+
+#[test]
+fn visible_epoch_waits_for_every_earlier_epoch() {
+    let mut state = bootstrapped(3);
+    let first = allocate(&mut state, 1);
+    state.apply(
+        4,
+        MetaCommand::AbortEpoch {
+            epoch: first,
+            reason: "test".into(),
+        },
+    );
+    let second = allocate(&mut state, 2);
+    let _third = {
+        // Another table would be needed for a concurrent epoch; t is leased by `second`.
+        let refused = state.apply(
+            5,
+            MetaCommand::AllocateEpoch {
+                coordinator: 3,
+                incarnation: 0,
+                tables: vec!["t".into()],
+                request: 8,
+            },
+        );
+        assert!(
+            matches!(refused.0, MetaResponse::TableBusy(ref r) if r.contains("one writer at a time"))
+        );
+    };
+    assert_eq!(state.visible, first);
+    state.apply(
+        6,
+        MetaCommand::CommitEpoch {
+            epoch: second,
+            missed: vec![],
+        },
+    );
+    assert_eq!(state.visible, second);
+    assert!(state.is_committed(second));
+    assert!(!state.is_committed(first));
+}
+
+#[test]
+fn a_dead_coordinator_aborts_its_open_epochs_and_moves_primaries() {
+    let mut state = bootstrapped(3);
+    let epoch = allocate(&mut state, 1);
+    let (_, effects) = state.apply(
+        7,
+        MetaCommand::SetLiveness {
+            id: 1,
+            alive: false,
+        },
+    );
+    assert_eq!(effects, vec![LocalEffect::Abort(epoch)]);
+    assert_eq!(state.visible, epoch);
+    assert!(state.map.partitions.iter().all(|p| p.primary != Some(1)));
+    assert!(state.map.partitions.iter().all(|p| p.primary.is_some()));
+}
+
+#[test]
+fn a_restarted_coordinator_releases_what_its_earlier_process_left_open() {
+    let mut state = bootstrapped(3);
+    let MetaResponse::Epoch(orphan) = allocate_as(&mut state, 1, 5, 1) else {
+        panic!("the first process allocates");
+    };
+    // Killed and restarted before the failure detector noticed: still alive, and the
+    // new process announces itself.
+    let (response, effects) = state.apply(
+        4,
+        MetaCommand::Started {
+            id: 1,
+            incarnation: 6,
+        },
+    );
+    assert_eq!(response, MetaResponse::Done);
+    assert_eq!(effects, vec![LocalEffect::Abort(orphan)]);
+    assert_eq!(
+        state.visible, orphan,
+        "the aborted epoch no longer holds visibility back"
+    );
+    // Announcing an older or the same process again changes nothing.
+    for incarnation in [5, 6] {
+        let (_, effects) = state.apply(5, MetaCommand::Started { id: 1, incarnation });
+        assert!(effects.is_empty());
+    }
+    // The lease is free for the new process; a late request of the old one is fenced.
+    let MetaResponse::Epoch(next) = allocate_as(&mut state, 1, 6, 2) else {
+        panic!("the new process allocates");
+    };
+    assert!(next > orphan);
+    assert!(
+        matches!(allocate_as(&mut state, 1, 5, 3), MetaResponse::Fenced(ref r) if r.contains("restarted"))
+    );
+    // A restart seen first through an allocation (no announcement yet) frees the lease too.
+    let (response, effects) = {
+        let response = allocate_as(&mut state, 1, 7, 4);
+        (response, state.aborted.contains(&next))
+    };
+    assert!(matches!(response, MetaResponse::Epoch(e) if e > next));
+    assert!(effects, "the epoch of process 6 was aborted");
+    assert_eq!(state.nodes[&1].incarnation, 7);
+}
+
+#[test]
+fn a_replica_that_missed_an_epoch_is_not_read() {
+    let mut state = bootstrapped(3);
+    let epoch = allocate(&mut state, 2);
+    state.apply(
+        8,
+        MetaCommand::CommitEpoch {
+            epoch,
+            missed: vec![(PartitionId(0), 1)],
+        },
+    );
+    assert_eq!(state.map.partitions[0].primary, Some(2));
+    state.apply(9, MetaCommand::SetLiveness { id: 1, alive: true });
+    assert_eq!(state.map.partitions[0].primary, Some(2));
+}
+
+#[test]
+fn the_invariant_check_names_a_stale_primary_and_a_shared_lease() {
+    let mut state = bootstrapped(3);
+    assert_eq!(state.broken_invariant(), None);
+    let mut stale = state.clone();
+    let primary = stale.map.partitions[0].primary.unwrap();
+    stale.map.partitions[0].stale.insert(primary, Epoch(4));
+    assert!(
+        stale.broken_invariant().is_some_and(
+            |broken| broken.contains("partition 0's primary") && broken.contains("stale")
+        )
+    );
+    let lease = |tables: &[&str]| OpenEpoch {
+        coordinator: 1,
+        incarnation: 0,
+        tables: tables.iter().map(|t| t.to_string()).collect(),
+        request: 0,
+    };
+    state.open.insert(Epoch(7), lease(&["t"]));
+    state.open.insert(Epoch(8), lease(&["u", "t"]));
+    assert!(state
+        .broken_invariant()
+        .is_some_and(|broken| broken.contains("leased by open epochs 7 and 8")));
+}
