@@ -269,7 +269,7 @@ async fn run(cli: Cli) -> Result<()> {
             let Some(addr) = &cli.node else {
                 anyhow::bail!("decommission works on a cluster: give --node ADDR of any member");
             };
-            tessera_cluster::ClusterClient::new(addr)
+            tessera_server::ClusterClient::new(addr)
                 .decommission(*id)
                 .await?;
             println!("node {id} is leaving: its partitions are moving to the other members; `tessera --node {addr} status` shows it removed when done");

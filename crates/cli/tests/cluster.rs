@@ -8,7 +8,7 @@ use arrow::array::{Int64Array, RecordBatch, StringArray};
 use datafusion::prelude::SessionContext;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use tessera_cluster::ClusterClient;
+use tessera_server::ClusterClient;
 use tessera_testkit::{kv_batch, LocalCluster};
 
 mod common;

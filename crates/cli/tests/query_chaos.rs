@@ -16,8 +16,8 @@ use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use tessera_cluster::query::RecoveryOutcome;
-use tessera_cluster::ClusterClient;
+use tessera_server::ClusterClient;
+use tessera_server::RecoveryOutcome;
 use tessera_testkit::LocalCluster;
 
 mod common;

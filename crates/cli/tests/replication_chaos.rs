@@ -15,8 +15,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_cluster::{ClusterClient, ClusterError};
 use tessera_common::PartitionId;
+use tessera_server::{ClusterClient, ClusterError};
 use tessera_testkit::{kv_batch, LocalCluster};
 
 mod common;

@@ -7,7 +7,7 @@ use arrow::array::RecordBatch;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use tessera_cluster::{ClusterClient, NodeConfig};
+use tessera_server::{ClusterClient, NodeConfig};
 
 /// A local cluster of node processes for a benchmark, killed when dropped.
 pub(super) struct Nodes {

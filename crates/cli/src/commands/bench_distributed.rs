@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use arrow::array::{Array, StringArray};
 use std::path::Path;
 use std::time::{Duration, Instant};
-use tessera_cluster::ClusterClient;
+use tessera_server::ClusterClient;
 
 /// One local cluster for the benchmark, with TPC-H loaded.
 pub(super) async fn cluster(

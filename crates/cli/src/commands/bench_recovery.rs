@@ -14,8 +14,8 @@ use super::bench_distributed::{cluster, timed};
 use anyhow::{bail, Result};
 use std::path::Path;
 use std::time::{Duration, Instant};
-use tessera_cluster::query::RecoveryOutcome;
-use tessera_cluster::{ClusterClient, Notice};
+use tessera_server::RecoveryOutcome;
+use tessera_server::{ClusterClient, Notice};
 
 /// Runs `sql` under recovery `mode` from `client`.
 async fn query_in_mode(

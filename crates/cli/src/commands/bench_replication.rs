@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use arrow::array::{Int64Array, RecordBatch};
 use std::path::Path;
 use std::time::{Duration, Instant};
-use tessera_cluster::ClusterClient;
+use tessera_server::ClusterClient;
 
 const NODES: u64 = 3;
 /// Rows of the small publish the killed node misses before it returns.

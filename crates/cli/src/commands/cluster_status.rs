@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use std::collections::BTreeMap;
-use tessera_cluster::ClusterClient;
+use tessera_server::ClusterClient;
 
 pub async fn run(addr: &str) -> Result<()> {
     let status = ClusterClient::new(addr).status().await?;

@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result};
 use std::path::Path;
-use tessera_cluster::{Node, NodeConfig};
+use tessera_server::{Node, NodeConfig};
 
 pub async fn run(config_path: &Path) -> Result<()> {
     let mut config = NodeConfig::load(config_path)?;
@@ -16,7 +16,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         .map(|v| v.parse::<u32>())
         .transpose()
         .context("TESSERA_PROTOCOL_VERSION_FOR_TESTS")?
-        .unwrap_or(tessera_cluster::rpc::PROTOCOL_VERSION);
+        .unwrap_or(tessera_server::rpc::PROTOCOL_VERSION);
     let node = Node::start_with_protocol(config, protocol).await?;
     println!(
         "node {} of cluster {:?} listening on {}",

@@ -3,8 +3,8 @@
 
 use anyhow::{bail, Result};
 use std::sync::Arc;
-use tessera_cluster::ClusterClient;
 use tessera_common::Epoch;
+use tessera_server::ClusterClient;
 use tessera_sql::{Engine, StatementOutput};
 use tessera_storage::{Store, TableChanges, TableDef};
 

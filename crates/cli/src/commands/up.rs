@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
-use tessera_cluster::{ClusterClient, NodeConfig, Peer};
+use tessera_server::{ClusterClient, NodeConfig, Peer};
 
 pub struct UpOptions {
     pub nodes: u64,

@@ -3,7 +3,7 @@
 
 use arrow::array::RecordBatch;
 use std::time::{Duration, Instant};
-use tessera_cluster::ClusterClient;
+use tessera_server::ClusterClient;
 use tessera_testkit::LocalCluster;
 
 /// Polls `check` every 100 ms until it returns a value; panics after `timeout`.

@@ -1,0 +1,90 @@
+//! What distributed execution asks of lineage recovery, as traits the exchange and the
+//! initiator call; the `tessera-recovery` crate implements them (write-ahead lineage,
+//! spools, rebuilding a dead node's channels). Execution keeps no lineage state of its own:
+//! an inbox only records the order it was read in ([`Inbox::read_since`]), a writer only
+//! hands its batches to a [`Backup`] and waits where [`Lineage::wait_logged`] says.
+
+use crate::exchange::{BatchTag, Inbox, InboxKey, QueryRegistry, ReadSpec, Replay};
+use crate::plan::DistributedPlan;
+use crate::run::RunRequest;
+use crate::{Exec, NodeId, QueryId, RecoveryOutcome, StageId};
+use arrow::datatypes::SchemaRef;
+use arrow_flight::FlightData;
+use datafusion::execution::SendableRecordBatchStream;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Names one producer channel's upstream backup: (query, exchange, channel).
+pub type BackupKey = (QueryId, StageId, usize);
+
+/// The lineage hooks of one node (seed 003 §III–IV).
+#[async_trait::async_trait]
+pub trait Lineage: Send + Sync + 'static {
+    /// Logs the order `inbox` (a bucket several producer channels feed) is read in, for a
+    /// query whose initiator is `initiator`.
+    fn log_reading_order(&self, inbox: &Arc<Inbox>, initiator: NodeId);
+
+    /// True if the reading order of `key` is logged.
+    fn logs_reading_order(&self, key: InboxKey) -> bool;
+
+    /// Waits until the reading order of `key` up to `position` is durable: output computed
+    /// from those batches may then leave the node (write-ahead lineage). An error if
+    /// logging it failed. Returns at once for a bucket whose order is not logged.
+    async fn wait_logged(&self, key: InboxKey, position: usize) -> Result<(), String>;
+
+    /// Starts the upstream backup of producer channel `key`, whose batches follow the
+    /// schema message `schema`.
+    fn back_up(&self, key: BackupKey, schema: FlightData) -> Result<Arc<dyn Backup>, String>;
+
+    /// Bucket `bucket` of a rebuilt consumer: its input replayed from the producers'
+    /// backups, first in the logged reading order. Its tasks are tracked in `registry`.
+    fn replay_bucket(
+        &self,
+        registry: &QueryRegistry,
+        spec: &ReadSpec,
+        replay: &Replay,
+        bucket: usize,
+        schema: SchemaRef,
+    ) -> SendableRecordBatchStream;
+
+    /// The initiator's recovery of one run of `plan`.
+    fn recovery(&self, plan: &DistributedPlan) -> Box<dyn QueryRecovery>;
+
+    /// `query` ended on this node: its logs and backups here go.
+    fn end_query(&self, query: QueryId);
+
+    /// The initiator is done with `query`: its logged reading orders go from the metadata
+    /// store (in the background; a failure only leaves them until the initiator is gone).
+    fn forget(&self, query: QueryId);
+}
+
+/// Where a producer channel keeps what it sent, until its query ends.
+pub trait Backup: Send + Sync {
+    /// Keeps the encoded messages of batch `tag`.
+    fn append(&self, tag: BatchTag, messages: &[FlightData]) -> std::io::Result<()>;
+    /// The channel sent everything (or failed with `failed`): followers stop waiting.
+    fn finish(&self, failed: Option<String>);
+}
+
+/// The initiator's recovery of one query run: which deaths it can survive, and the
+/// channels to start on the survivors when one happens.
+#[async_trait::async_trait]
+pub trait QueryRecovery: Send {
+    /// True if the death of `node` can be recovered from without restarting the query.
+    fn can_recover(&self, node: NodeId) -> bool;
+
+    /// Rebuilds the channels of `dead` once the metadata leader confirms it dead: the
+    /// requests that start them on the survivors.
+    async fn rebuild(
+        &mut self,
+        exec: &Arc<Exec>,
+        plan: &DistributedPlan,
+        dead: NodeId,
+    ) -> Result<BTreeMap<NodeId, RunRequest>, String>;
+
+    /// The node whose channels were rebuilt, if any.
+    fn lost(&self) -> Option<NodeId>;
+
+    /// One outcome per recovered failure.
+    fn into_outcomes(self: Box<Self>) -> Vec<RecoveryOutcome>;
+}

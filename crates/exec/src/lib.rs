@@ -1,0 +1,275 @@
+//! Distributed, pipelined query execution (DESIGN §7).
+//!
+//! The initiator (any node) plans a query with DataFusion, then [`plan::distribute`] cuts
+//! the physical plan into *stages* at exchange boundaries: every hash or round-robin
+//! repartition becomes an exchange between two stages, and every gather (coalesce or
+//! sort-preserving merge) reads its input from the channels of the stage below. Each
+//! stage runs as *channels*, one per output partition of its fragment: a channel that
+//! reads a storage partition runs on that partition's primary in the query's snapshot of
+//! the partition map; the others are spread over the nodes by hash range.
+//!
+//! Every stage's fragment ends in an [`exchange::ExchangeWriteExec`], which partitions the
+//! channel's output by destination and pushes it, numbered in sequence and compressed, to
+//! the nodes that consume it (Arrow Flight `do_put`, one stream per channel and node).
+//! Consumers read through [`exchange::ExchangeReadExec`]; each input bucket is an
+//! [`exchange::Inbox`] with a byte budget, so a slow consumer slows its producers (flow
+//! control) rather than growing memory. A consumer's input ends only when every producer
+//! channel has sent its end of stream, and a producer channel ends only when every node
+//! it sends to has acknowledged its end of stream.
+//!
+//! Stages start together (pipelined): a consumer works on the first batches while its
+//! producers still scan. Fragments travel serialized with datafusion-proto and
+//! [`codec::TesseraCodec`] for Tessera's own operators.
+//!
+//! Channels are deterministic given their inputs: a channel's input order is the
+//! producers' sequence numbers per sender, and its outputs are numbered per destination
+//! bucket, so a channel can be re-run and its re-sent outputs recognised. Lineage
+//! recovery (the `tessera-recovery` crate, called through the [`hooks`]) builds on that: it
+//! logs the order inputs were read in, backs up what producers send, and rebuilds only a
+//! dead node's channels.
+
+pub mod codec;
+pub mod error;
+pub mod exchange;
+pub mod explain;
+pub mod hooks;
+pub mod plan;
+pub mod run;
+pub mod scan;
+pub mod session;
+pub mod subquery;
+pub mod wire;
+
+pub use error::ExecError;
+pub use tessera_common::NodeId;
+
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+
+/// What distributed execution uses of its node, and nothing more: the store it scans,
+/// the metadata it plans against, connections to other nodes, the registry of the
+/// exchanges and channels running here, the failure detector it reports dead peers to, and
+/// the lineage hooks.
+pub struct Exec {
+    pub(crate) store: Arc<tessera_storage::Store>,
+    pub(crate) meta: tessera_meta::MetaClient,
+    pub(crate) clients: Arc<tessera_net::Clients>,
+    pub(crate) queries: Arc<exchange::QueryRegistry>,
+    pub(crate) lineage: Arc<dyn hooks::Lineage>,
+    replication: Arc<tessera_replication::Replication>,
+}
+
+impl std::fmt::Debug for Exec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exec").field("node", &self.id()).finish()
+    }
+}
+
+impl Exec {
+    pub fn new(
+        store: Arc<tessera_storage::Store>,
+        meta: tessera_meta::MetaClient,
+        clients: Arc<tessera_net::Clients>,
+        replication: Arc<tessera_replication::Replication>,
+        lineage: Arc<dyn hooks::Lineage>,
+    ) -> Exec {
+        Exec {
+            store,
+            meta,
+            clients,
+            queries: Arc::default(),
+            lineage,
+            replication,
+        }
+    }
+
+    /// This node's id.
+    pub fn id(&self) -> NodeId {
+        self.meta.id()
+    }
+
+    pub fn meta(&self) -> &tessera_meta::MetaClient {
+        &self.meta
+    }
+
+    pub fn clients(&self) -> &Arc<tessera_net::Clients> {
+        &self.clients
+    }
+
+    pub fn store(&self) -> &Arc<tessera_storage::Store> {
+        &self.store
+    }
+
+    /// The exchanges and channels of the queries running here.
+    pub fn queries(&self) -> &exchange::QueryRegistry {
+        &self.queries
+    }
+
+    /// Reports a broken connection to `node`: the metadata leader checks it at once.
+    pub fn suspect(&self, node: NodeId) {
+        self.replication.suspect(node);
+    }
+
+    /// Makes `node` suspect and waits for the metadata leader's verdict.
+    pub async fn confirm_failed(&self, node: NodeId) -> bool {
+        self.replication.confirm_failed(node).await
+    }
+
+    /// Starts the upstream backup of a producer channel; an error once its query ended here.
+    pub fn back_up(
+        &self,
+        key: hooks::BackupKey,
+        schema: arrow_flight::FlightData,
+    ) -> Result<Arc<dyn hooks::Backup>, String> {
+        if self.queries.has_ended(key.0) {
+            return Err(format!("query {:x} has ended on this node", key.0));
+        }
+        self.lineage.back_up(key, schema)
+    }
+
+    /// Ends `query` on this node: stops its channels, drops its inboxes, its lineage logs
+    /// and its backups. Idempotent.
+    pub fn end_query(&self, query: QueryId) {
+        self.queries.end_query(query);
+        self.lineage.end_query(query);
+    }
+}
+
+/// Names one query cluster-wide (random, chosen by the initiator).
+pub type QueryId = u64;
+
+/// A stage's index in its query; a stage's output exchange has the same number.
+pub type StageId = usize;
+
+/// How a query survived the death of a node it ran on: the typed record behind the
+/// client's notice and `EXPLAIN ANALYZE`'s `Recovery:` line (whose text is its `Display`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum RecoveryOutcome {
+    /// Only the dead node's channels ran again, on the survivors, replaying their logged
+    /// inputs from the producers' spools (write-ahead lineage).
+    Rebuilt {
+        dead: u64,
+        query: QueryId,
+        /// Channels placed on survivors.
+        channels: usize,
+        /// Logged input batches the rebuilt channels replayed in their logged order.
+        replayed_batches: u64,
+        /// Where each rebuilt stage's channels went, e.g. "stage 2 channel(s) [1] on node 3".
+        placed: Vec<String>,
+        /// From noticing the death to sending the rebuilt channels.
+        replan_ms: u64,
+    },
+    /// The whole query ran again on the survivors with a fresh partition map.
+    Restarted {
+        dead: u64,
+        query: QueryId,
+        /// 1 for the first restart of this statement, and so on.
+        restart: usize,
+        /// Set when lineage recovery was asked for but could not go on: why.
+        lineage_gave_up: Option<String>,
+    },
+}
+
+impl RecoveryOutcome {
+    pub fn dead(&self) -> u64 {
+        match self {
+            RecoveryOutcome::Rebuilt { dead, .. } | RecoveryOutcome::Restarted { dead, .. } => {
+                *dead
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for RecoveryOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RecoveryOutcome::Rebuilt {
+                dead,
+                query,
+                channels,
+                replayed_batches,
+                placed,
+                replan_ms,
+            } => write!(
+                f,
+                "node {dead} died during query {query:x}; its {channels} channel(s) were rebuilt on the surviving nodes from write-ahead lineage (tessera.recovery = lineage), replaying {replayed_batches} logged input batch(es) in their logged order; surviving channels kept their work ({}; confirmed and replanned in {replan_ms} ms)",
+                placed.join(", ")
+            ),
+            RecoveryOutcome::Restarted {
+                dead,
+                query,
+                restart,
+                lineage_gave_up,
+            } => {
+                let how = match lineage_gave_up {
+                    Some(detail) => format!(
+                        "tessera.recovery = lineage, whose rebuilding could not go on: {}",
+                        clipped(detail, 300)
+                    ),
+                    None => "tessera.recovery = restart".to_string(),
+                };
+                write!(
+                    f,
+                    "node {dead} died during query {query:x}; the query was restarted on the surviving nodes ({how}; restart {restart}), recomputing every stage"
+                )
+            }
+        }
+    }
+}
+
+/// `text` cut to at most `limit` characters, marked when cut.
+fn clipped(text: &str, limit: usize) -> String {
+    match text.char_indices().nth(limit) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_string(),
+    }
+}
+
+/// What a channel did, as its node reports it to the initiator.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ChannelReport {
+    pub stage: StageId,
+    pub channel: usize,
+    pub node: u64,
+    /// Rows and batches the channel produced.
+    pub rows: u64,
+    pub batches: u64,
+    /// Encoded bytes sent to other nodes (batches to this node itself cost nothing).
+    pub bytes_sent: u64,
+    /// Microseconds since the query started, by the node's clock.
+    pub started_us: u64,
+    /// When the first batch of any exchange input arrived (none for pure scans).
+    pub first_input_us: Option<u64>,
+    /// When the channel's output was acknowledged by every receiver.
+    pub finished_us: u64,
+    pub error: Option<String>,
+}
+
+/// The cores one node can use for channels: this machine's, shared among the live nodes
+/// whose address names the same host as `node`'s (a local cluster on one machine, or
+/// several nodes per server). At least one.
+pub fn cores_per_node(state: &tessera_meta::MetaState, node: NodeId) -> usize {
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let host = |addr: &str| {
+        addr.rsplit_once(':')
+            .map_or(addr, |(host, _)| host)
+            .to_string()
+    };
+    let Some(mine) = state.nodes.get(&node).map(|n| host(&n.addr)) else {
+        return cores;
+    };
+    let sharing = state
+        .live_nodes()
+        .filter(|n| host(&n.addr) == mine)
+        .count()
+        .max(1);
+    (cores / sharing).max(1)
+}
+
+/// Microseconds since the Unix epoch by this machine's clock.
+pub(crate) fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}

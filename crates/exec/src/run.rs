@@ -1,0 +1,643 @@
+//! Running a distributed plan: the initiator sends each node the fragments of the stages
+//! it hosts channels of; each node starts those channels at once (all stages together, so
+//! they pipeline) and reports each channel as it ends. The initiator reads the answer from
+//! the result exchange while the reports come in.
+
+use crate::codec::TesseraCodec;
+use crate::exchange::{ExchangeMode, ExchangeReadExec, ExchangeWriteExec, InboxKey, ReadSpec};
+use crate::plan::{leaves_of, DistributedPlan, Leaf};
+use crate::Exec;
+use crate::ExecError;
+use crate::NodeId;
+use crate::{ChannelReport, QueryId, StageId};
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use datafusion::common::Result as DfResult;
+use datafusion::execution::TaskContext;
+use datafusion::physical_plan::ExecutionPlan;
+use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion_proto::bytes::{
+    physical_plan_from_bytes_with_extension_codec, physical_plan_to_bytes_with_proto_converter,
+};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+use tessera_common::hex::{from_hex, to_hex};
+use tokio::sync::mpsc;
+
+/// How long the initiator waits, once it has the answer, for the remaining channels to
+/// report (their receivers' acknowledgements) before it ends the query everywhere.
+const REPORT_GRACE: Duration = Duration::from_secs(2);
+const QUERY_END_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The channels one node runs for a query.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunRequest {
+    pub query: QueryId,
+    pub initiator: NodeId,
+    pub stages: Vec<StageTask>,
+    /// Lineage recovery: the node keeps the query (its spools) until the initiator ends
+    /// it, not only until its channels are done.
+    #[serde(default)]
+    pub lineage: bool,
+}
+
+impl tessera_net::WireRequest for RunRequest {
+    const KIND: &'static str = "RunStages";
+}
+
+/// Starts channels of a query on the node at `addr`; yields their reports as they end.
+pub async fn run_stages_at(
+    clients: &tessera_net::Clients,
+    addr: &str,
+    request: &RunRequest,
+) -> Result<
+    impl futures::Stream<Item = Result<StagesEvent, tessera_net::CallError>> + use<>,
+    tessera_net::CallError,
+> {
+    let stream = clients.get_messages(addr, request).await?;
+    let addr = addr.to_string();
+    Ok(stream.map(move |message| {
+        serde_json::from_slice(&message?.app_metadata).map_err(|e| {
+            tessera_net::CallError::Undecodable {
+                what: "channel report",
+                addr: addr.clone(),
+                reason: e.to_string(),
+            }
+        })
+    }))
+}
+
+/// What a node's `RunStages` stream carries.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum StagesEvent {
+    /// A channel ended.
+    Report(ChannelReport),
+    /// Every channel of the request has ended.
+    AllDone,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StageTask {
+    pub stage: StageId,
+    /// The fragment as datafusion-proto bytes, hex-encoded.
+    pub fragment: String,
+    pub channels: Vec<usize>,
+}
+
+/// The task context channels run in: the default session settings and one runtime per
+/// process, so Parquet footers stay cached across queries.
+pub fn task_context() -> Arc<TaskContext> {
+    static CONTEXT: OnceLock<Arc<TaskContext>> = OnceLock::new();
+    CONTEXT
+        .get_or_init(|| SessionContext::new_with_config(SessionConfig::new()).task_ctx())
+        .clone()
+}
+
+/// Starts the channels `request` names on this node. The receiver yields each channel's
+/// report as it ends, and closes when all have.
+pub fn run_stages(
+    node: &Arc<Exec>,
+    request: RunRequest,
+) -> Result<mpsc::Receiver<ChannelReport>, ExecError> {
+    let ctx = task_context();
+    let codec = TesseraCodec { node: node.clone() };
+    let mut plans = Vec::with_capacity(request.stages.len());
+    for task in &request.stages {
+        let bytes = from_hex(&task.fragment).ok_or_else(|| ExecError::GarbledStage {
+            stage: task.stage,
+            reason: "not hex".into(),
+        })?;
+        let plan =
+            physical_plan_from_bytes_with_extension_codec(&bytes, &ctx, &codec).map_err(|e| {
+                ExecError::GarbledStage {
+                    stage: task.stage,
+                    reason: e.to_string(),
+                }
+            })?;
+        plans.push((plan, task.stage, task.channels.clone()));
+    }
+    start_plans(node, request.query, plans)
+}
+
+/// Starts channels of stage plans already in memory (the initiator's own share).
+fn start_plans(
+    node: &Arc<Exec>,
+    query: QueryId,
+    plans: Vec<(Arc<dyn ExecutionPlan>, StageId, Vec<usize>)>,
+) -> Result<mpsc::Receiver<ChannelReport>, ExecError> {
+    let ctx = task_context();
+    let (tx, rx) = mpsc::channel(256);
+    for (plan, stage, channels) in plans {
+        start_stage(node, query, stage, plan, channels, &ctx, &tx)?;
+    }
+    Ok(rx)
+}
+
+/// Starts `channels` of one stage's plan instance. When a channel ends, the inboxes that
+/// no other channel of the instance still reads are closed, so their producers stop
+/// waiting on them (a join whose build side is empty never reads its probe side).
+fn start_stage(
+    node: &Arc<Exec>,
+    query: QueryId,
+    stage: StageId,
+    plan: Arc<dyn ExecutionPlan>,
+    channels: Vec<usize>,
+    ctx: &Arc<TaskContext>,
+    reports: &mpsc::Sender<ChannelReport>,
+) -> Result<(), ExecError> {
+    let writer = plan
+        .downcast_ref::<ExchangeWriteExec>()
+        .ok_or_else(|| ExecError::NoWriter { stage })?;
+    let started_at_us = writer.spec.started_at_us;
+    // A rebuilt channel replays its input from spools: the inboxes under its keys belong
+    // to the original instance of its stage on this node, if any, and stay open.
+    let closes_inboxes = !writer.spec.rebuilt;
+    let mut reads: HashMap<usize, Vec<InboxKey>> = HashMap::new();
+    let readers: Arc<Mutex<HashMap<InboxKey, usize>>> = Arc::default();
+    for &channel in &channels {
+        let mut leaves = Vec::new();
+        leaves_of(writer.input(), channel, &mut leaves);
+        let keys: Vec<InboxKey> = leaves
+            .into_iter()
+            .filter_map(|leaf| match leaf {
+                Leaf::Exchange { exchange, bucket } => Some(InboxKey {
+                    query,
+                    exchange,
+                    bucket,
+                }),
+                Leaf::Scan { .. } => None,
+            })
+            .collect();
+        let mut counts = readers.lock().expect("readers lock");
+        for key in &keys {
+            *counts.entry(*key).or_insert(0) += 1;
+        }
+        reads.insert(channel, keys);
+    }
+    for channel in channels {
+        let (here, plan, ctx, reports, readers) = (
+            node.clone(),
+            plan.clone(),
+            ctx.clone(),
+            reports.clone(),
+            readers.clone(),
+        );
+        let keys = reads.remove(&channel).unwrap_or_default();
+        // Every log line of the channel names it, so one grep follows a query across nodes.
+        let span =
+            tracing::info_span!("channel", query = %format_args!("{query:x}"), stage, channel);
+        let task = tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                let node = here;
+                let result = drain(plan.clone(), channel, ctx).await;
+                let writer = plan
+                    .downcast_ref::<ExchangeWriteExec>()
+                    .expect("checked above");
+                let mut report = match result {
+                    Ok(()) => writer.report(channel).unwrap_or_default(),
+                    Err(error) => ChannelReport {
+                        error: Some(error.to_string()),
+                        ..Default::default()
+                    },
+                };
+                report.stage = stage;
+                report.channel = channel;
+                report.node = node.id();
+                report.first_input_us = keys
+                    .iter()
+                    .filter_map(|key| node.queries.peek(*key)?.first_batch_us())
+                    .min()
+                    .map(|at| at.saturating_sub(started_at_us));
+                {
+                    let mut counts = readers.lock().expect("readers lock");
+                    for key in &keys {
+                        let left = counts.get_mut(key).expect("counted above");
+                        *left -= 1;
+                        if *left == 0 && closes_inboxes {
+                            node.queries.close(*key);
+                        }
+                    }
+                }
+                let _ = reports.send(report).await;
+            },
+            span,
+        ));
+        node.queries.track(query, task.abort_handle());
+    }
+    Ok(())
+}
+
+async fn drain(
+    plan: Arc<dyn ExecutionPlan>,
+    channel: usize,
+    ctx: Arc<TaskContext>,
+) -> DfResult<()> {
+    let mut stream = plan.execute(channel, ctx)?;
+    while let Some(batch) = stream.next().await {
+        batch?;
+    }
+    Ok(())
+}
+
+/// What a distributed query returned.
+#[derive(Debug)]
+pub struct QueryOutcome {
+    pub batches: Vec<RecordBatch>,
+    /// What lineage recovery rebuilt after a node died, one line per failure.
+    pub recoveries: Vec<crate::RecoveryOutcome>,
+    /// Every channel's report that arrived, sorted by stage and channel.
+    pub reports: Vec<ChannelReport>,
+    pub elapsed: Duration,
+}
+
+enum Event {
+    Report(ChannelReport),
+    NodeDone(NodeId),
+    /// The node's `RunStages` stream broke: the node is suspect.
+    NodeFailed(NodeId, String),
+    /// The node answered, but refused or failed the request.
+    NodeRefused(NodeId, String),
+}
+
+impl Event {
+    /// The event for a `RunStages` call to `at` that ended in `error`. A broken
+    /// connection makes `at` suspect at once: the metadata leader hears of it with this
+    /// node's heartbeat, sent at once, and probes it at once.
+    fn broken(node: &Exec, at: NodeId, error: tessera_net::CallError) -> Event {
+        if error.is_transport() {
+            node.suspect(at);
+            Event::NodeFailed(at, error.to_string())
+        } else {
+            Event::NodeRefused(at, error.to_string())
+        }
+    }
+}
+
+/// Why a query stopped before its answer was complete.
+enum Failure {
+    /// A participant's stream broke.
+    Node(NodeId, String),
+    /// A channel or the answer reported an error.
+    Other(String),
+}
+
+/// How long after a channel's error the initiator waits for a participant's stream to
+/// break: a dead node's peers often notice it (their exchange streams to it fail) a moment
+/// before the initiator's own stream to it does.
+const SUSPECT_GRACE: Duration = Duration::from_millis(1500);
+
+/// Turns a failure into the query's error: [`ExecError::NodeLost`] if a participant's
+/// stream broke (or breaks within [`SUSPECT_GRACE`]) and the metadata leader confirms that
+/// node dead; the failure as it was otherwise.
+async fn diagnose(
+    node: &Arc<Exec>,
+    query: QueryId,
+    failure: Failure,
+    incoming: &mut mpsc::Receiver<Event>,
+) -> ExecError {
+    let (suspect, detail) = match failure {
+        Failure::Node(at, detail) => (Some(at), detail),
+        Failure::Other(detail) => {
+            let broke = tokio::time::timeout(SUSPECT_GRACE, async {
+                while let Some(event) = incoming.recv().await {
+                    if let Event::NodeFailed(at, _) = event {
+                        return Some(at);
+                    }
+                }
+                None
+            })
+            .await
+            .ok()
+            .flatten();
+            (broke, detail)
+        }
+    };
+    let Some(suspect) = suspect else {
+        return ExecError::Failed { query, detail };
+    };
+    if node.confirm_failed(suspect).await {
+        ExecError::NodeLost {
+            node: suspect,
+            query,
+            detail,
+        }
+    } else {
+        ExecError::Unconfirmed {
+            query,
+            node: suspect,
+            detail,
+        }
+    }
+}
+
+/// A distributed plan's channels, ready to start: fragments encoded for the other nodes,
+/// plans in memory for this one.
+pub struct Work {
+    remote: BTreeMap<NodeId, RunRequest>,
+    local: Vec<(Arc<dyn ExecutionPlan>, StageId, Vec<usize>)>,
+}
+
+/// Encodes each stage once for the nodes that run its channels. Fails (before anything
+/// starts) if a stage holds an operator that cannot travel.
+pub fn encode(node: &Arc<Exec>, plan: &DistributedPlan) -> DfResult<Work> {
+    let me = node.id();
+    let codec = TesseraCodec { node: node.clone() };
+    let mut remote: BTreeMap<NodeId, RunRequest> = BTreeMap::new();
+    let mut local = Vec::new();
+    for stage in &plan.stages {
+        let mut by_node: BTreeMap<NodeId, Vec<usize>> = BTreeMap::new();
+        for (channel, &at) in stage.channels.iter().enumerate() {
+            by_node.entry(at).or_default().push(channel);
+        }
+        let mut fragment: Option<String> = None;
+        for (at, channels) in by_node {
+            if at == me {
+                local.push((stage.plan.clone(), stage.id, channels));
+                continue;
+            }
+            if fragment.is_none() {
+                let bytes = physical_plan_to_bytes_with_proto_converter(
+                    stage.plan.clone(),
+                    &codec,
+                    &crate::subquery::LiteralSubqueries,
+                )?;
+                fragment = Some(to_hex(&bytes));
+            }
+            remote
+                .entry(at)
+                .or_insert_with(|| RunRequest {
+                    query: plan.query,
+                    initiator: me,
+                    stages: vec![],
+                    lineage: plan.lineage,
+                })
+                .stages
+                .push(StageTask {
+                    stage: stage.id,
+                    fragment: fragment.clone().unwrap_or_default(),
+                    channels,
+                });
+        }
+    }
+    Ok(Work { remote, local })
+}
+
+/// Starts a `RunStages` call to `at`; its reports and its end become events.
+fn call_run_stages(node: &Arc<Exec>, at: NodeId, request: RunRequest, events: mpsc::Sender<Event>) {
+    let node = node.clone();
+    tokio::spawn(async move {
+        let Some(addr) = node.meta.addr_of(at) else {
+            let _ = events
+                .send(Event::NodeRefused(at, "no known address".into()))
+                .await;
+            return;
+        };
+        let mut stream = match run_stages_at(&node.clients, &addr, &request).await {
+            Ok(stream) => stream,
+            Err(error) => {
+                let _ = events.send(Event::broken(&node, at, error)).await;
+                return;
+            }
+        };
+        let event = loop {
+            match stream.next().await {
+                Some(Ok(StagesEvent::Report(report))) => {
+                    let _ = events.send(Event::Report(report)).await;
+                }
+                Some(Ok(StagesEvent::AllDone)) | None => break Event::NodeDone(at),
+                Some(Err(error)) => break Event::broken(&node, at, error),
+            }
+        };
+        let done = matches!(event, Event::NodeDone(_));
+        let _ = events.send(event).await;
+        if done {
+            // Under lineage recovery the node holds on to the query (its spools) while
+            // this stream is open, until the query ends. A failure now takes nothing the
+            // query still needs: every consumer of its channels acknowledged their output.
+            while stream.next().await.is_some() {}
+        }
+    });
+}
+
+/// Runs `plan` from this node (the initiator) and returns its answer. Under lineage
+/// recovery a participant's death is survived by rebuilding its channels on the others
+/// (the [`crate::hooks::QueryRecovery`]); otherwise it ends the query with the node's loss.
+pub async fn execute(
+    node: &Arc<Exec>,
+    plan: &DistributedPlan,
+    work: Work,
+    schema: SchemaRef,
+) -> Result<QueryOutcome, ExecError> {
+    let span = tracing::info_span!("query", query = %format_args!("{:x}", plan.query), initiator = node.id());
+    tracing::Instrument::instrument(execute_here(node, plan, work, schema), span).await
+}
+
+async fn execute_here(
+    node: &Arc<Exec>,
+    plan: &DistributedPlan,
+    work: Work,
+    schema: SchemaRef,
+) -> Result<QueryOutcome, ExecError> {
+    let started = std::time::Instant::now();
+    let me = node.id();
+    let Work {
+        remote: requests,
+        local,
+    } = work;
+
+    // The answer: stage 0's single channel gathers it here.
+    let reader = ExchangeReadExec::new(
+        ReadSpec {
+            query: plan.query,
+            exchange: 0,
+            mode: ExchangeMode::Gather,
+            buckets: 1,
+            producer_channels: 1,
+            lineage: plan.lineage,
+            initiator: me,
+            replay: None,
+        },
+        schema,
+        node.clone(),
+    );
+    let mut answer = reader.execute(0, task_context()).map_err(ExecError::Plan)?;
+
+    let (events, mut incoming) = mpsc::channel::<Event>(1024);
+    let mut participants: Vec<NodeId> = requests.keys().copied().collect();
+    participants.push(me);
+    let mut end = EndEverywhere {
+        node: node.clone(),
+        query: plan.query,
+        participants,
+        lineage: plan.lineage,
+    };
+    // RunStages calls not yet done, per node.
+    let mut outstanding: BTreeMap<NodeId, usize> = BTreeMap::new();
+    {
+        let mut reports = start_plans(node, plan.query, local)?;
+        let events = events.clone();
+        tokio::spawn(async move {
+            while let Some(report) = reports.recv().await {
+                let _ = events.send(Event::Report(report)).await;
+            }
+            let _ = events.send(Event::NodeDone(me)).await;
+        });
+        outstanding.insert(me, 1);
+    }
+    for (at, request) in requests {
+        call_run_stages(node, at, request, events.clone());
+        *outstanding.entry(at).or_default() += 1;
+    }
+    let mut recovery = node.lineage.recovery(plan);
+    // Kept while recovery may start more calls (the loop then ends on `outstanding`).
+    let events = plan.lineage.then_some(events);
+
+    let mut batches = Vec::new();
+    let mut reports = Vec::new();
+    let mut answered = false;
+    let mut events_open = true;
+    let failure = loop {
+        tokio::select! {
+            batch = answer.next(), if !answered => match batch {
+                Some(Ok(batch)) => batches.push(batch),
+                Some(Err(error)) => break Some(Failure::Other(error.to_string())),
+                None => answered = true,
+            },
+            event = incoming.recv(), if events_open => match event {
+                Some(Event::Report(report)) => {
+                    if let Some(error) = &report.error {
+                        break Some(Failure::Other(format!(
+                            "stage {} channel {} on node {} failed: {error}",
+                            report.stage, report.channel, report.node
+                        )));
+                    }
+                    reports.push(report);
+                }
+                Some(Event::NodeDone(at)) => settle(&mut outstanding, at),
+                Some(Event::NodeFailed(at, error)) => {
+                    settle(&mut outstanding, at);
+                    let Some(events) = events.as_ref().filter(|_| recovery.can_recover(at)) else {
+                        break Some(Failure::Node(at, error));
+                    };
+                    match recovery.rebuild(node, plan, at).await {
+                        Ok(requests) => {
+                            outstanding.remove(&at);
+                            for (host, request) in requests {
+                                call_run_stages(node, host, request, events.clone());
+                                *outstanding.entry(host).or_default() += 1;
+                                if !end.participants.contains(&host) {
+                                    end.participants.push(host);
+                                }
+                            }
+                        }
+                        Err(why) => break Some(Failure::Node(at, format!("{error}; lineage recovery failed: {why}"))),
+                    }
+                }
+                Some(Event::NodeRefused(at, error)) => {
+                    break Some(Failure::Other(format!("node {at} refused its stages: {error}")))
+                }
+                // Every node finished, so the answer's stream is about to end.
+                None => events_open = false,
+            },
+        }
+        if answered && (!events_open || outstanding.is_empty()) {
+            break None;
+        }
+    };
+    if failure.is_none() && !outstanding.is_empty() {
+        // The answer is complete; give the last acknowledgements a moment to land.
+        let _ = tokio::time::timeout(REPORT_GRACE, async {
+            while let Some(event) = incoming.recv().await {
+                match event {
+                    Event::Report(report) => reports.push(report),
+                    Event::NodeDone(at) => {
+                        settle(&mut outstanding, at);
+                        if outstanding.is_empty() {
+                            break;
+                        }
+                    }
+                    Event::NodeFailed(..) | Event::NodeRefused(..) => break,
+                }
+            }
+        })
+        .await;
+    }
+    drop(end);
+    drop(events);
+    if let Some(failure) = failure {
+        // Whatever fails after a lineage recovery began (a rebuilt channel that did not
+        // reproduce its output, a second death) is that node's loss: the query restarts.
+        let failure = match (failure, recovery.lost()) {
+            (Failure::Other(detail), Some(dead)) => Failure::Node(
+                dead,
+                format!("after rebuilding node {dead}'s channels: {detail}"),
+            ),
+            (failure, _) => failure,
+        };
+        return Err(diagnose(node, plan.query, failure, &mut incoming).await);
+    }
+    reports.sort_by_key(|r| (r.stage, r.channel));
+    Ok(QueryOutcome {
+        batches,
+        reports,
+        elapsed: started.elapsed(),
+        recoveries: recovery.into_outcomes(),
+    })
+}
+
+/// One `RunStages` call to `at` is over.
+fn settle(outstanding: &mut BTreeMap<NodeId, usize>, at: NodeId) {
+    if let Some(calls) = outstanding.get_mut(&at) {
+        *calls -= 1;
+        if *calls == 0 {
+            outstanding.remove(&at);
+        }
+    }
+}
+
+/// Ends the query on every node that took part when dropped: when the initiator has the
+/// answer, gives up, or is itself cancelled (its client went away). Here at once;
+/// elsewhere in the background, so the answer does not wait for it.
+struct EndEverywhere {
+    node: Arc<Exec>,
+    query: QueryId,
+    participants: Vec<NodeId>,
+    /// The query logged lineage: the metadata store drops it.
+    lineage: bool,
+}
+
+impl Drop for EndEverywhere {
+    fn drop(&mut self) {
+        self.node.end_query(self.query);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let query = self.query;
+        if self.lineage {
+            self.node.lineage.forget(query);
+        }
+        let calls: Vec<_> = self
+            .participants
+            .iter()
+            .filter(|&&at| at != self.node.id())
+            .filter_map(|&at| self.node.meta.addr_of(at))
+            .map(|addr| {
+                let clients = self.node.clients.clone();
+                async move {
+                    let _: Result<(), _> = clients
+                        .action(
+                            &addr,
+                            crate::wire::ACTION_QUERY_END,
+                            query,
+                            QUERY_END_TIMEOUT,
+                        )
+                        .await;
+                }
+            })
+            .collect();
+        runtime.spawn(futures::future::join_all(calls));
+    }
+}

@@ -1,0 +1,381 @@
+//! The table scan of a cluster query: one output partition per storage partition, read on
+//! whichever node runs it: from its own store when it holds a current replica (Parquet
+//! with projection and row-group pruning, replaying a cold standby's log first), else from
+//! a replica over Flight.
+
+use crate::Exec;
+use crate::ExecError;
+use crate::NodeId;
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use datafusion::common::config::TableParquetOptions;
+use datafusion::common::stats::Precision;
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::{DataFusionError, Result as DfResult, Statistics};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, Partitioning,
+    PlanProperties,
+};
+use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_common::{Epoch, PartitionId};
+use tessera_sql::provider::{plan_snapshot_scan, FileGrouping, SnapshotScan};
+use tessera_sql::SqlError;
+use tessera_storage::versions::stored_user_schema;
+use tessera_storage::TableDef;
+
+/// How long a node waits to learn of the query's epoch before it gives up on a scan.
+const EPOCH_WAIT: Duration = Duration::from_secs(10);
+
+/// What a scan reads; travels inside plan fragments.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ScanSpec {
+    pub def: TableDef,
+    pub epoch: Epoch,
+    /// User column indices to output.
+    pub projection: Vec<usize>,
+    /// The storage partitions each output partition (channel) reads: partitions with the
+    /// same replicas, so that one node holds all of them.
+    pub partitions: Vec<Vec<PartitionId>>,
+    /// For each output partition, the replicas that hold its partitions, best first: the
+    /// primary in the query's snapshot of the partition map, then the other current live
+    /// replicas.
+    pub replicas: Vec<Vec<NodeId>>,
+    pub limit: Option<usize>,
+    /// Rows of the whole table, estimated from the partitions the planning node holds.
+    pub estimated_rows: Option<usize>,
+}
+
+/// What the planning node knows of a whole table: rows extrapolated from the partitions
+/// it holds, and their components' column statistics (min, max, nulls), over the user
+/// columns. Only the optimizer uses them; they do not travel.
+pub type TableStatistics = Arc<Statistics>;
+
+#[derive(Debug)]
+pub struct DistributedScanExec {
+    pub spec: ScanSpec,
+    /// Over the stored schema; prunes row groups of plain components (the plan above
+    /// still filters every row).
+    pub predicate: Option<Arc<dyn PhysicalExpr>>,
+    statistics: Option<TableStatistics>,
+    node: Arc<Exec>,
+    schema: SchemaRef,
+    properties: Arc<PlanProperties>,
+}
+
+impl DistributedScanExec {
+    pub fn try_new(
+        spec: ScanSpec,
+        predicate: Option<Arc<dyn PhysicalExpr>>,
+        node: Arc<Exec>,
+    ) -> DfResult<Self> {
+        assert_eq!(
+            spec.partitions.len(),
+            spec.replicas.len(),
+            "every scanned partition names its replicas"
+        );
+        let schema = Arc::new(stored_user_schema(&spec.def).project(&spec.projection)?);
+        let properties = Arc::new(PlanProperties::new(
+            EquivalenceProperties::new(schema.clone()),
+            Partitioning::UnknownPartitioning(spec.partitions.len().max(1)),
+            EmissionType::Incremental,
+            Boundedness::Bounded,
+        ));
+        Ok(DistributedScanExec {
+            spec,
+            predicate,
+            statistics: None,
+            node,
+            schema,
+            properties,
+        })
+    }
+}
+
+impl DistributedScanExec {
+    /// Gives the optimizer the table's statistics (on the planning node).
+    pub fn with_statistics(mut self, statistics: Option<TableStatistics>) -> Self {
+        self.statistics = statistics;
+        self
+    }
+}
+
+impl DisplayAs for DistributedScanExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        let columns: Vec<&str> = self
+            .schema
+            .fields()
+            .iter()
+            .map(|f| f.name().as_str())
+            .collect();
+        write!(
+            f,
+            "DistributedScanExec: table={}, epoch={}, partitions={} in {} channel(s), columns=[{}]",
+            self.spec.def.name,
+            self.spec.epoch,
+            self.spec.partitions.iter().map(Vec::len).sum::<usize>(),
+            self.spec.partitions.len(),
+            columns.join(", ")
+        )?;
+        if let Some(predicate) = &self.predicate {
+            write!(f, ", pruning_predicate={predicate}")?;
+        }
+        Ok(())
+    }
+}
+
+impl ExecutionPlan for DistributedScanExec {
+    tessera_sql::leaf_plan_methods!("DistributedScanExec");
+
+    fn apply_expressions(
+        &self,
+        f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> DfResult<TreeNodeRecursion>,
+    ) -> DfResult<TreeNodeRecursion> {
+        match &self.predicate {
+            Some(predicate) => f(predicate),
+            None => Ok(TreeNodeRecursion::Continue),
+        }
+    }
+
+    fn partition_statistics(&self, partition: Option<usize>) -> DfResult<Arc<Statistics>> {
+        let mut statistics = match &self.statistics {
+            Some(table) => table.as_ref().clone().project(Some(&self.spec.projection)),
+            None => Statistics::new_unknown(&self.schema),
+        };
+        if let Some(rows) = self.spec.estimated_rows {
+            statistics.num_rows = Precision::Inexact(rows);
+        }
+        if partition.is_some() {
+            // One channel's share: bounds still hold, counts are a fraction.
+            let channels = self.spec.partitions.len().max(1);
+            statistics = statistics.to_inexact();
+            statistics.num_rows = statistics.num_rows.map(|rows| rows / channels);
+            statistics.total_byte_size = statistics.total_byte_size.map(|b| b / channels);
+            for column in &mut statistics.column_statistics {
+                column.null_count = column.null_count.map(|n| n / channels);
+            }
+        }
+        Ok(Arc::new(statistics))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> DfResult<SendableRecordBatchStream> {
+        if self.spec.partitions.is_empty() && partition == 0 {
+            return Ok(Box::pin(RecordBatchStreamAdapter::new(
+                self.schema.clone(),
+                futures::stream::empty(),
+            )));
+        }
+        let storage_partitions = self
+            .spec
+            .partitions
+            .get(partition)
+            .cloned()
+            .ok_or_else(|| {
+                DataFusionError::Internal(format!(
+                    "DistributedScanExec has no partition {partition}"
+                ))
+            })?;
+        let replicas = self.spec.replicas[partition].clone();
+        let node = self.node.clone();
+        let spec = self.spec.clone();
+        let predicate = self.predicate.clone();
+        let open = async move {
+            if replicas.contains(&node.id()) {
+                read_here(&node, &spec, storage_partitions, predicate, context).await
+            } else {
+                read_remotely(&node, &spec, &storage_partitions, &replicas).await
+            }
+        };
+        let stream = futures::stream::once(open).try_flatten();
+        Ok(Box::pin(RecordBatchStreamAdapter::new(
+            self.schema.clone(),
+            stream,
+        )))
+    }
+}
+
+/// Reads partitions this node holds: waits for the query's epoch, replays a cold
+/// standby's logged rows, and streams the snapshot through DataFusion's Parquet reader.
+async fn read_here(
+    node: &Arc<Exec>,
+    spec: &ScanSpec,
+    partitions: Vec<PartitionId>,
+    predicate: Option<Arc<dyn PhysicalExpr>>,
+    context: Arc<TaskContext>,
+) -> DfResult<SendableRecordBatchStream> {
+    node.meta
+        .wait_for_epoch(spec.epoch, EPOCH_WAIT)
+        .await
+        .map_err(|e| DataFusionError::External(Box::new(e)))?;
+    let store = node.store.clone();
+    let table = spec.def.name.clone();
+    let epoch = spec.epoch;
+    let generation = spec.def.generation;
+    let wanted = partitions.clone();
+    let snapshot = tokio::task::spawn_blocking(move || {
+        if store
+            .table_def(&table)
+            .is_none_or(|d| d.generation != generation)
+        {
+            return Err(tessera_storage::StorageError::UnknownTable(table));
+        }
+        // A commit may add logged rows between the replay and the snapshot: go round again.
+        loop {
+            store.replay_standby(&wanted)?;
+            let snapshot = store.snapshot(&table, Some(epoch))?;
+            let logged = wanted.iter().any(|p| {
+                snapshot
+                    .partitions
+                    .get(p.0 as usize)
+                    .is_some_and(|p| p.rows_in_log)
+            });
+            if !logged {
+                return Ok(snapshot);
+            }
+        }
+    })
+    .await
+    .map_err(|e| DataFusionError::Execution(format!("scan task failed: {e}")))?
+    .map_err(SqlError::to_datafusion)?;
+    let mut parquet = TableParquetOptions::default();
+    parquet.global = context.session_config().options().execution.parquet.clone();
+    let plan = plan_snapshot_scan(SnapshotScan {
+        store: &node.store,
+        snapshot: &snapshot,
+        partitions: Some(&partitions),
+        projection: spec.projection.clone(),
+        predicate,
+        limit: spec.limit,
+        grouping: FileGrouping::Packed(1),
+        statistics: node.queries.statistics(),
+        runtime: &context.runtime_env(),
+        parquet,
+    })?;
+    let schema = plan.schema();
+    let parts = plan.output_partitioning().partition_count();
+    // The snapshot protects its components from deletion until the stream is done.
+    let stream = futures::stream::iter(0..parts)
+        .map(move |i| {
+            let _keep = &snapshot;
+            plan.execute(i, context.clone())
+        })
+        .try_flatten();
+    Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
+}
+
+/// Reads partitions from the first replica that answers.
+async fn read_remotely(
+    node: &Arc<Exec>,
+    spec: &ScanSpec,
+    partitions: &[PartitionId],
+    replicas: &[NodeId],
+) -> DfResult<SendableRecordBatchStream> {
+    let schema = Arc::new(stored_user_schema(&spec.def).project(&spec.projection)?);
+    let mut last =
+        format!("partitions {partitions:?} have no live replica in the query's snapshot");
+    for &replica in replicas {
+        match read_from(
+            node,
+            replica,
+            &spec.def,
+            spec.epoch,
+            partitions,
+            &spec.projection,
+        )
+        .await
+        {
+            Ok(batches) => {
+                return Ok(Box::pin(RecordBatchStreamAdapter::new(
+                    schema,
+                    futures::stream::iter(batches.into_iter().map(Ok)),
+                )))
+            }
+            Err(error) => {
+                if matches!(error, ExecError::Unreachable { .. }) {
+                    node.suspect(replica);
+                }
+                last = format!("node {replica}: {error}");
+            }
+        }
+    }
+    Err(DataFusionError::Execution(format!(
+        "no replica of partitions {partitions:?} of {:?} could be read: {last}",
+        spec.def.name
+    )))
+}
+
+/// The live rows of `partitions` held by node `from` (this node or another).
+pub async fn read_from(
+    node: &Arc<Exec>,
+    from: NodeId,
+    def: &TableDef,
+    epoch: Epoch,
+    partitions: &[PartitionId],
+    columns: &[usize],
+) -> Result<Vec<RecordBatch>, ExecError> {
+    if from == node.id() {
+        let (store, def, partitions, columns) = (
+            node.store.clone(),
+            def.clone(),
+            partitions.to_vec(),
+            columns.to_vec(),
+        );
+        return tokio::task::spawn_blocking(move || {
+            tessera_sql::backend::read_local_partitions(
+                &store,
+                &def,
+                Some(epoch),
+                &partitions,
+                &columns,
+            )
+        })
+        .await
+        .map_err(|e| ExecError::Task {
+            what: "reading local partitions",
+            reason: e.to_string(),
+        })?
+        .map_err(ExecError::from);
+    }
+    let addr = node
+        .meta
+        .addr_of(from)
+        .ok_or_else(|| ExecError::Unreachable {
+            node: from,
+            addr: "?".into(),
+            reason: "no known address".into(),
+        })?;
+    let unreachable = |reason: String| ExecError::Unreachable {
+        node: from,
+        addr: addr.clone(),
+        reason,
+    };
+    let request = crate::wire::ScanRequest {
+        table: def.name.clone(),
+        generation: def.generation,
+        epoch,
+        partitions: partitions.to_vec(),
+        columns: columns.to_vec(),
+    };
+    let classify = |e: tessera_net::CallError| {
+        if e.is_transport() {
+            unreachable(e.to_string())
+        } else {
+            ExecError::Refused {
+                node: from,
+                error: e,
+            }
+        }
+    };
+    let stream = node.clients.get(&addr, &request).await.map_err(classify)?;
+    stream.map_err(classify).try_collect().await
+}

@@ -1,0 +1,302 @@
+//! Write-ahead lineage (seed 003 §III): under `tessera.recovery = lineage` every consumer
+//! bucket fed by several producer channels logs the order it read their batches in, as
+//! runs of (sender, batches). A channel's output waits until the reading order it was
+//! computed from is committed to the metadata store ([`LineageLog::wait_logged`]), so
+//! whatever a consumer elsewhere has used can be recomputed exactly, by
+//! [`crate::replay::replay_bucket`], from the producers' spools in the logged order.
+//!
+//! A node's [`commit_rounds`] task writes on demand: when output waits, one Raft entry
+//! carries everything every logged inbox on the node has read so far, however many
+//! inboxes and queries. Logging as batches are read instead (not only when output needs
+//! it) cost four times the Raft writes and about a quarter of the query time.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tessera_common::NodeId;
+use tessera_exec::exchange::{Inbox, InboxKey};
+use tessera_exec::QueryId;
+use tessera_meta::{LineageEntry, MetaClient, MetaCommand};
+use tokio::sync::{watch, Notify};
+
+/// One inbox whose reading order is logged.
+struct Logged {
+    inbox: Arc<Inbox>,
+    /// The query's initiator (its lineage is dropped if the initiator dies).
+    initiator: NodeId,
+    /// Entries of the reading order handed to the committer.
+    handed: usize,
+    /// How many entries the metadata store holds, or why logging them failed.
+    committed: watch::Sender<Result<usize, String>>,
+}
+
+/// The reading orders of this node's logged inboxes, and the committer they wake.
+#[derive(Default)]
+pub struct LineageLog {
+    inboxes: Mutex<HashMap<InboxKey, Logged>>,
+    committer: Notify,
+}
+
+/// Reading order handed to the committer: runs of (sender, batches) from `from` on.
+#[derive(Debug, PartialEq)]
+pub struct Unlogged {
+    pub key: InboxKey,
+    pub initiator: NodeId,
+    pub from: usize,
+    pub runs: Vec<(u32, u32)>,
+}
+
+impl Unlogged {
+    /// The position in the reading order this hand-over reaches.
+    pub fn upto(&self) -> usize {
+        self.from + self.runs.iter().map(|&(_, n)| n as usize).sum::<usize>()
+    }
+}
+
+impl LineageLog {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<InboxKey, Logged>> {
+        self.inboxes.lock().expect("lineage log lock")
+    }
+
+    /// Logs the reading order of `inbox` from now on.
+    pub fn log(&self, inbox: &Arc<Inbox>, initiator: NodeId) {
+        self.lock().entry(inbox.key()).or_insert_with(|| Logged {
+            inbox: inbox.clone(),
+            initiator,
+            handed: 0,
+            committed: watch::Sender::new(Ok(0)),
+        });
+    }
+
+    pub fn logs(&self, key: InboxKey) -> bool {
+        self.lock().contains_key(&key)
+    }
+
+    /// Waits until the reading order of `key` up to `position` is in the metadata store.
+    /// Wakes the committer if it is behind: a round covers whatever every logged inbox here
+    /// has read, so a channel that only emits at its end costs one round, not one per batch.
+    pub async fn wait_logged(&self, key: InboxKey, position: usize) -> Result<(), String> {
+        let mut watch = {
+            let inboxes = self.lock();
+            let Some(logged) = inboxes.get(&key) else {
+                return Ok(());
+            };
+            logged.committed.subscribe()
+        };
+        if matches!(&*watch.borrow(), Ok(at) if *at < position) {
+            self.committer.notify_one();
+        }
+        let reached = watch
+            .wait_for(|committed| match committed {
+                Ok(at) => *at >= position,
+                Err(_) => true,
+            })
+            .await
+            .map_err(|_| format!("the query of exchange {} ended", key.exchange))?;
+        match &*reached {
+            Ok(_) => Ok(()),
+            Err(reason) => Err(format!(
+                "logging the lineage of exchange {} bucket {} failed: {reason}",
+                key.exchange, key.bucket
+            )),
+        }
+    }
+
+    /// Waits until output waits on the log (a writer called [`LineageLog::wait_logged`]).
+    pub async fn demanded(&self) {
+        self.committer.notified().await
+    }
+
+    /// Every logged inbox's reading order not yet handed over; marks it handed.
+    pub fn take_unlogged(&self) -> Vec<Unlogged> {
+        let mut inboxes = self.lock();
+        let mut taken = Vec::new();
+        for (&key, logged) in inboxes.iter_mut() {
+            let senders = logged.inbox.read_since(logged.handed);
+            if senders.is_empty() {
+                continue;
+            }
+            let mut runs: Vec<(u32, u32)> = Vec::new();
+            for sender in senders {
+                match runs.last_mut() {
+                    Some((last, count)) if *last == sender as u32 => *count += 1,
+                    _ => runs.push((sender as u32, 1)),
+                }
+            }
+            let from = logged.handed;
+            let unlogged = Unlogged {
+                key,
+                initiator: logged.initiator,
+                from,
+                runs,
+            };
+            logged.handed = unlogged.upto();
+            taken.push(unlogged);
+        }
+        taken.sort_by_key(|u| u.key);
+        taken
+    }
+
+    /// The metadata store holds the reading order of `key` up to `position`.
+    pub fn committed_up_to(&self, key: InboxKey, position: usize) {
+        if let Some(logged) = self.lock().get(&key) {
+            logged
+                .committed
+                .send_if_modified(|committed| match committed {
+                    Ok(at) if *at < position => {
+                        *at = position;
+                        true
+                    }
+                    _ => false,
+                });
+        }
+    }
+
+    /// Logging the reading order of `key` failed: whoever waits on it fails with `reason`.
+    pub fn commit_failed(&self, key: InboxKey, reason: String) {
+        if let Some(logged) = self.lock().get(&key) {
+            let _ = logged.committed.send_replace(Err(reason));
+        }
+    }
+
+    /// `query` ended on this node: its inboxes are no longer logged.
+    pub fn end_query(&self, query: QueryId) {
+        self.lock().retain(|key, _| key.query != query);
+    }
+}
+
+/// Writes the reading order of this node's logged inboxes to the metadata store, in
+/// rounds: one Raft entry carries everything read since the previous round began.
+pub async fn commit_rounds(log: Arc<LineageLog>, meta: MetaClient) {
+    loop {
+        // A writer waits on this node's lineage; demands made during a round wake the
+        // next one, which covers them all.
+        log.demanded().await;
+        let unlogged = log.take_unlogged();
+        if unlogged.is_empty() {
+            continue;
+        }
+        let entries = unlogged
+            .iter()
+            .map(|u| LineageEntry {
+                query: u.key.query,
+                initiator: u.initiator,
+                exchange: u.key.exchange,
+                bucket: u.key.bucket,
+                from: u.from as u64,
+                runs: u.runs.clone(),
+            })
+            .collect();
+        let command = MetaCommand::Lineage {
+            node: meta.id(),
+            entries,
+        };
+        let started = std::time::Instant::now();
+        let written = meta.write(command).await;
+        tracing::debug!(
+            took_us = started.elapsed().as_micros() as u64,
+            "lineage round committed"
+        );
+        match written {
+            Ok(_) => {
+                for u in &unlogged {
+                    log.committed_up_to(u.key, u.upto());
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "could not log query lineage");
+                for u in &unlogged {
+                    log.commit_failed(u.key, error.to_string());
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Int64Array, RecordBatch};
+    use arrow::datatypes::{DataType, Field, Schema};
+    use std::time::Duration;
+
+    fn batch() -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![Field::new("v", DataType::Int64, false)]));
+        RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from(vec![1]))]).unwrap()
+    }
+
+    fn key(bucket: usize) -> InboxKey {
+        InboxKey {
+            query: 7,
+            exchange: 1,
+            bucket,
+        }
+    }
+
+    #[tokio::test]
+    async fn output_waits_until_the_reading_order_is_committed() {
+        let log = Arc::new(LineageLog::default());
+        let inbox = Arc::new(Inbox::new(key(0), 2));
+        inbox.push(0, 0, batch(), None).await.unwrap();
+        inbox.push(1, 0, batch(), None).await.unwrap();
+        inbox.push(0, 1, batch(), None).await.unwrap();
+        log.log(&inbox, 1);
+        assert!(log.logs(key(0)) && !log.logs(key(1)));
+        for _ in 0..3 {
+            inbox.next().await.unwrap().unwrap();
+        }
+        let waiting = {
+            let log = log.clone();
+            tokio::spawn(async move { log.wait_logged(key(0), 3).await })
+        };
+        tokio::time::timeout(Duration::from_secs(5), log.demanded())
+            .await
+            .expect("a waiting writer wakes the committer");
+        let unlogged = log.take_unlogged();
+        assert_eq!(
+            unlogged,
+            vec![Unlogged {
+                key: key(0),
+                initiator: 1,
+                from: 0,
+                runs: vec![(0, 1), (1, 1), (0, 1)]
+            }]
+        );
+        assert!(log.take_unlogged().is_empty(), "handed over once");
+        log.committed_up_to(key(0), 2);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !waiting.is_finished(),
+            "output went out before its lineage was logged"
+        );
+        log.committed_up_to(key(0), 3);
+        waiting.await.unwrap().unwrap();
+        log.commit_failed(key(0), "no leader".into());
+        let failed = log.wait_logged(key(0), 4).await.unwrap_err();
+        assert!(failed.contains("no leader"), "{failed}");
+        assert!(
+            log.wait_logged(key(1), 9).await.is_ok(),
+            "a bucket whose order is not logged never waits"
+        );
+        log.end_query(7);
+        assert!(!log.logs(key(0)), "an ended query's inboxes are not logged");
+    }
+
+    #[tokio::test]
+    async fn a_later_round_hands_over_only_what_was_read_since() {
+        let log = LineageLog::default();
+        let inbox = Arc::new(Inbox::new(key(0), 2));
+        log.log(&inbox, 1);
+        inbox.push(1, 0, batch(), None).await.unwrap();
+        inbox.next().await.unwrap().unwrap();
+        assert_eq!(log.take_unlogged()[0].upto(), 1);
+        inbox.push(1, 1, batch(), None).await.unwrap();
+        inbox.push(0, 0, batch(), None).await.unwrap();
+        inbox.next().await.unwrap().unwrap();
+        inbox.next().await.unwrap().unwrap();
+        let round = log.take_unlogged();
+        assert_eq!(
+            (round[0].from, round[0].runs.clone()),
+            (1, vec![(1, 1), (0, 1)])
+        );
+    }
+}

@@ -1,0 +1,629 @@
+//! The SQL engine's view of the cluster: the catalog from the metadata, scans that read each
+//! partition on a replica, queries distributed over the nodes (the `tessera-exec` crate), and
+//! publishes through the coordinator.
+
+use crate::error::ClusterError;
+use crate::meta::{MetaState, MetaView};
+use crate::node::Node;
+use crate::NodeId;
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use async_trait::async_trait;
+use datafusion::catalog::{SchemaProvider, Session, TableProvider};
+use datafusion::common::{DataFusionError, Result as DfResult};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::logical_expr::LogicalPlan;
+use datafusion::physical_expr::EquivalenceProperties;
+use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
+};
+use datafusion::prelude::SessionContext;
+use futures::{StreamExt, TryStreamExt};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use tessera_common::{Epoch, PartitionId, PartitionRing};
+use tessera_exec::scan::{read_from, DistributedScanExec, ScanSpec, TableStatistics};
+use tessera_exec::{ExecError, RecoveryOutcome};
+use tessera_sql::provider::{RowSource, VersionedTable};
+use tessera_sql::time_travel::split_epoch_name;
+use tessera_sql::StatementOutput;
+use tessera_sql::{Backend, SqlError};
+use tessera_storage::versions::stored_schema;
+use tessera_storage::versions::stored_user_schema;
+use tessera_storage::{StorageError, TableChanges, TableDef};
+
+fn external(error: ExecError) -> DataFusionError {
+    match error {
+        ExecError::Storage(e) => SqlError::to_datafusion(e),
+        other => DataFusionError::External(Box::new(other)),
+    }
+}
+
+/// The metadata a statement runs against: pinned when it starts, or else the node's latest.
+#[derive(Debug, Clone)]
+struct StatementView {
+    node: Arc<Node>,
+    pinned: Arc<Mutex<Option<Arc<MetaView>>>>,
+}
+
+impl StatementView {
+    fn get(&self) -> Arc<MetaView> {
+        self.pinned
+            .lock()
+            .expect("pinned lock")
+            .clone()
+            .unwrap_or_else(|| self.node.meta.view())
+    }
+
+    fn pin(&self, view: Arc<MetaView>) {
+        *self.pinned.lock().expect("pinned lock") = Some(view);
+    }
+}
+
+/// The cluster as one database, seen from `node`.
+pub struct ClusterBackend {
+    node: Arc<Node>,
+    view: StatementView,
+    /// How this backend's statements survived node failures, until taken.
+    recoveries: Mutex<Vec<RecoveryOutcome>>,
+}
+
+/// How many node failures one query may restart after before it gives up.
+const MAX_RESTARTS: usize = 3;
+
+impl ClusterBackend {
+    pub fn new(node: Arc<Node>) -> ClusterBackend {
+        ClusterBackend {
+            view: StatementView {
+                node: node.clone(),
+                pinned: Arc::default(),
+            },
+            recoveries: Mutex::default(),
+            node,
+        }
+    }
+
+    fn view(&self) -> Arc<MetaView> {
+        self.view.get()
+    }
+
+    /// How the statements run so far survived node failures (each is also a notice).
+    pub fn take_recoveries(&self) -> Vec<RecoveryOutcome> {
+        std::mem::take(&mut *self.recoveries.lock().expect("recoveries lock"))
+    }
+}
+
+#[async_trait]
+impl Backend for ClusterBackend {
+    fn table_def(&self, name: &str) -> Option<TableDef> {
+        self.view().state.tables.get(name).cloned()
+    }
+
+    fn ring(&self) -> PartitionRing {
+        PartitionRing::new(self.view().state.partition_count)
+    }
+
+    fn schema_provider(&self) -> Arc<dyn SchemaProvider> {
+        Arc::new(ClusterSchema {
+            node: self.node.clone(),
+            view: self.view.clone(),
+        })
+    }
+
+    async fn begin_statement(&self) {
+        self.view.pin(self.node.meta.catch_up_with_leader().await);
+    }
+
+    async fn create_table(&self, def: TableDef) -> tessera_sql::error::Result<()> {
+        self.node
+            .meta
+            .write(crate::meta::MetaCommand::CreateTable { def })
+            .await
+            .map_err(ClusterError::from)?;
+        // CREATE TABLE AS inserts next, within this statement: it must see the new table.
+        self.begin_statement().await;
+        Ok(())
+    }
+
+    async fn drop_table(&self, name: &str) -> tessera_sql::error::Result<()> {
+        self.node
+            .meta
+            .write(crate::meta::MetaCommand::DropTable {
+                name: name.to_string(),
+            })
+            .await
+            .map_err(ClusterError::from)?;
+        self.begin_statement().await;
+        Ok(())
+    }
+
+    async fn publish(&self, changes: Vec<TableChanges>) -> tessera_sql::error::Result<Epoch> {
+        // No re-pin afterwards: the next statement catches up with the leader anyway.
+        Ok(crate::publish::publish(&self.node.replication, changes)
+            .await
+            .map_err(ClusterError::from)?)
+    }
+
+    async fn run_query(
+        &self,
+        ctx: &SessionContext,
+        plan: LogicalPlan,
+    ) -> tessera_sql::error::Result<StatementOutput> {
+        use tessera_sql::options::RecoveryMode;
+        let mode = tessera_sql::options::tessera_options(ctx.state().config()).recovery;
+        let mut restarts = 0;
+        let mut recoveries: Vec<RecoveryOutcome> = Vec::new();
+        loop {
+            let view = self.view();
+            let run = tessera_exec::session::run_query(
+                &self.node.exec,
+                &view,
+                ctx,
+                plan.clone(),
+                &mut recoveries,
+            );
+            match run.await {
+                Ok(output) => {
+                    self.recoveries
+                        .lock()
+                        .expect("recoveries lock")
+                        .extend(recoveries);
+                    return Ok(output);
+                }
+                Err(ExecError::NodeLost {
+                    node: lost,
+                    query,
+                    detail,
+                }) if mode != RecoveryMode::None && restarts < MAX_RESTARTS => {
+                    restarts += 1;
+                    tracing::warn!(lost, query, %detail, "restarting a query on the survivors");
+                    // A fresh partition map (the survivors' promotions); the tables keep the
+                    // epoch they were resolved at, so the answer is the one the first run
+                    // would have given.
+                    self.view.pin(self.node.meta.catch_up_with_leader().await);
+                    recoveries.push(RecoveryOutcome::Restarted {
+                        dead: lost,
+                        query,
+                        restart: restarts,
+                        lineage_gave_up: (mode == RecoveryMode::Lineage).then_some(detail),
+                    });
+                }
+                Err(ExecError::NodeLost {
+                    node,
+                    query,
+                    detail,
+                }) => {
+                    let why = if mode == RecoveryMode::None {
+                        "tessera.recovery = none".to_string()
+                    } else {
+                        format!("gave up after {MAX_RESTARTS} restarts")
+                    };
+                    return Err(ExecError::NodeLost {
+                        node,
+                        query,
+                        detail: format!("{detail}; {why}"),
+                    }
+                    .into());
+                }
+                Err(other) => return Err(other.into()),
+            }
+        }
+    }
+
+    fn take_notices(&self) -> Vec<String> {
+        self.take_recoveries()
+            .iter()
+            .map(RecoveryOutcome::to_string)
+            .collect()
+    }
+
+    async fn read_partitions(
+        &self,
+        def: &TableDef,
+        partitions: Vec<PartitionId>,
+        columns: Vec<usize>,
+    ) -> tessera_sql::error::Result<Vec<RecordBatch>> {
+        let view = self.view();
+        let scan = ClusterScanExec::new(
+            self.node.clone(),
+            &view.state,
+            def.clone(),
+            view.state.visible,
+            &partitions,
+            columns,
+        )
+        .map_err(ClusterError::from)?;
+        let mut batches = Vec::new();
+        for i in 0..scan.groups.len() {
+            let stream = scan.execute_group(i);
+            batches.extend(
+                stream
+                    .try_collect::<Vec<_>>()
+                    .await
+                    .map_err(tessera_sql::error::from_datafusion)?,
+            );
+        }
+        Ok(batches)
+    }
+}
+
+/// The `public` schema of the cluster.
+#[derive(Debug)]
+struct ClusterSchema {
+    node: Arc<Node>,
+    view: StatementView,
+}
+
+impl ClusterSchema {
+    fn view(&self) -> Arc<MetaView> {
+        self.view.get()
+    }
+}
+
+#[async_trait]
+impl SchemaProvider for ClusterSchema {
+    fn table_names(&self) -> Vec<String> {
+        self.view().state.tables.keys().cloned().collect()
+    }
+
+    async fn table(&self, name: &str) -> DfResult<Option<Arc<dyn TableProvider>>> {
+        let (table, epoch) = match split_epoch_name(name) {
+            Some((table, epoch)) => (table, Some(Epoch(epoch))),
+            None => (name, None),
+        };
+        let view = self.view();
+        let Some(def) = view.state.tables.get(table).cloned() else {
+            return Ok(None);
+        };
+        let epoch = epoch.unwrap_or(view.state.visible);
+        if epoch > view.state.visible {
+            return Err(SqlError::to_datafusion(StorageError::EpochNotVisible {
+                requested: epoch,
+                visible: view.state.visible,
+            }));
+        }
+        Ok(Some(Arc::new(VersionedTable::new(
+            def,
+            ClusterRows {
+                node: self.node.clone(),
+                view: self.view.clone(),
+                epoch,
+            },
+        ))))
+    }
+
+    fn table_exist(&self, name: &str) -> bool {
+        let table = split_epoch_name(name).map(|(t, _)| t).unwrap_or(name);
+        self.view().state.tables.contains_key(table)
+    }
+}
+
+/// A table's rows across the cluster: each channel reads a group of partitions on a
+/// live replica.
+#[derive(Debug)]
+struct ClusterRows {
+    node: Arc<Node>,
+    /// The statement's metadata: re-pinned when a query restarts after a node failure, so
+    /// a restarted scan reads from the survivors (at the same epoch).
+    view: StatementView,
+    epoch: Epoch,
+}
+
+#[async_trait]
+impl RowSource for ClusterRows {
+    async fn plan_scan(
+        &self,
+        def: &TableDef,
+        _state: &dyn Session,
+        projection: Vec<usize>,
+        predicate: Option<Arc<dyn datafusion::physical_expr::PhysicalExpr>>,
+        limit: Option<usize>,
+    ) -> DfResult<Arc<dyn ExecutionPlan>> {
+        let view = self.view.get();
+        let (partitions, replicas) = scan_channels(
+            &view.state,
+            def,
+            tessera_exec::cores_per_node(&view.state, self.node.id()),
+        )
+        .map_err(external)?;
+        let (estimated_rows, statistics) = self.statistics(def);
+        let spec = ScanSpec {
+            def: def.clone(),
+            epoch: self.epoch,
+            projection,
+            partitions,
+            replicas,
+            limit,
+            estimated_rows,
+        };
+        Ok(Arc::new(
+            DistributedScanExec::try_new(spec, predicate, self.node.exec.clone())?
+                .with_statistics(statistics),
+        ))
+    }
+}
+
+impl ClusterRows {
+    /// The table's rows, extrapolated from the current replicas this node holds, and their
+    /// components' column statistics (for the optimizer's join order and filter estimates;
+    /// nothing if it holds none).
+    fn statistics(&self, def: &TableDef) -> (Option<usize>, Option<TableStatistics>) {
+        let me = self.node.id();
+        let Some(snapshot) = self
+            .node
+            .store
+            .snapshot(&def.name, Some(self.epoch))
+            .ok()
+            .filter(|s| s.def.generation == def.generation)
+        else {
+            return (None, None);
+        };
+        let view = self.view.get();
+        let placements = &view.state.map.partitions;
+        let held: Vec<&tessera_storage::PartitionSnapshot> = snapshot
+            .partitions
+            .iter()
+            .filter(|p| {
+                placements
+                    .get(p.partition.0 as usize)
+                    .is_some_and(|placement| {
+                        placement.replicas.contains(&me) && !placement.stale.contains_key(&me)
+                    })
+            })
+            .collect();
+        if held.is_empty() {
+            return (None, None);
+        }
+        let rows: u64 = held.iter().map(|p| p.estimated_rows()).sum();
+        let rows = (rows * placements.len() as u64 / held.len() as u64) as usize;
+        let stored = stored_schema(def);
+        let components: Option<Vec<Arc<datafusion::common::Statistics>>> = held
+            .iter()
+            .flat_map(|p| &p.components)
+            .map(|c| {
+                self.node
+                    .exec
+                    .queries()
+                    .statistics()
+                    .get(&self.node.store, &c.hash, &stored)
+                    .ok()
+            })
+            .collect();
+        let columns = components.and_then(|components| {
+            let merged = datafusion::common::Statistics::try_merge_iter(
+                components.iter().map(|s| s.as_ref()),
+                &stored,
+            )
+            .ok()?;
+            // Only the user columns; the version columns are not the table's.
+            let user: Vec<usize> = (0..def.schema.fields().len()).collect();
+            let mut table = merged.project(Some(&user)).to_inexact();
+            table.total_byte_size = datafusion::common::stats::Precision::Absent;
+            Some(Arc::new(table))
+        });
+        (Some(rows), columns)
+    }
+}
+
+/// How a scan of `def` splits into channels: the partitions with the same replicas (the
+/// same primary, under chained declustering) in as many contiguous groups as a node has
+/// cores for channels, each group with those replicas. Fewer, larger channels than one per partition
+/// keep the exchanges' streams and batches few and large.
+fn scan_channels(
+    state: &MetaState,
+    def: &TableDef,
+    cores: usize,
+) -> Result<(Vec<Vec<PartitionId>>, Vec<Vec<NodeId>>), ExecError> {
+    let mut by_replicas: Vec<(Vec<NodeId>, Vec<PartitionId>)> = Vec::new();
+    for index in 0..state.partition_count {
+        let partition = PartitionId(index);
+        let replicas = current_replicas(state, def, partition)?;
+        match by_replicas.iter_mut().find(|(r, _)| *r == replicas) {
+            Some((_, partitions)) => partitions.push(partition),
+            None => by_replicas.push((replicas, vec![partition])),
+        }
+    }
+    let mut groups = Vec::new();
+    let mut replicas = Vec::new();
+    for (holders, partitions) in by_replicas {
+        let chunk = partitions.len().div_ceil(cores);
+        for group in partitions.chunks(chunk) {
+            groups.push(group.to_vec());
+            replicas.push(holders.clone());
+        }
+    }
+    Ok((groups, replicas))
+}
+
+/// A partition's replicas that hold every committed epoch, its primary first; an error if
+/// it has none (it is unavailable until one returns).
+fn current_replicas(
+    state: &MetaState,
+    def: &TableDef,
+    partition: PartitionId,
+) -> Result<Vec<NodeId>, ExecError> {
+    let placement = &state.map.partitions[partition.0 as usize];
+    let primary = placement
+        .primary
+        .ok_or_else(|| ExecError::PartitionUnavailable {
+            table: def.name.clone(),
+            partition,
+            replicas: placement.replicas.clone(),
+        })?;
+    let mut replicas = vec![primary];
+    replicas.extend(placement.replicas.iter().copied().filter(|id| {
+        *id != primary
+            && !placement.stale.contains_key(id)
+            && state.nodes.get(id).is_some_and(|n| n.alive)
+    }));
+    Ok(replicas)
+}
+
+/// Partitions read from one node.
+#[derive(Debug, Clone)]
+struct ReadGroup {
+    node: NodeId,
+    partitions: Vec<PartitionId>,
+    /// For each partition, the other replicas able to serve it, in ring order.
+    fallbacks: Vec<Vec<NodeId>>,
+}
+
+/// Reads a table's live rows at an epoch: one output partition per node holding primaries.
+#[derive(Debug)]
+pub struct ClusterScanExec {
+    node: Arc<Node>,
+    def: TableDef,
+    epoch: Epoch,
+    columns: Vec<usize>,
+    schema: SchemaRef,
+    groups: Vec<ReadGroup>,
+    properties: Arc<PlanProperties>,
+}
+
+impl ClusterScanExec {
+    fn new(
+        node: Arc<Node>,
+        state: &MetaState,
+        def: TableDef,
+        epoch: Epoch,
+        partitions: &[PartitionId],
+        columns: Vec<usize>,
+    ) -> Result<Self, ClusterError> {
+        let schema = Arc::new(stored_user_schema(&def).project(&columns)?);
+        let mut by_node: BTreeMap<NodeId, ReadGroup> = BTreeMap::new();
+        for &partition in partitions {
+            let mut fallbacks = current_replicas(state, &def, partition)?;
+            let reader = fallbacks.remove(0);
+            let group = by_node.entry(reader).or_insert_with(|| ReadGroup {
+                node: reader,
+                partitions: Vec::new(),
+                fallbacks: Vec::new(),
+            });
+            group.partitions.push(partition);
+            group.fallbacks.push(fallbacks);
+        }
+        let groups: Vec<ReadGroup> = by_node.into_values().collect();
+        let properties = Arc::new(PlanProperties::new(
+            EquivalenceProperties::new(schema.clone()),
+            Partitioning::UnknownPartitioning(groups.len().max(1)),
+            EmissionType::Incremental,
+            Boundedness::Bounded,
+        ));
+        Ok(ClusterScanExec {
+            node,
+            def,
+            epoch,
+            columns,
+            schema,
+            groups,
+            properties,
+        })
+    }
+
+    /// Streams one group's rows; if its node cannot be reached before it sends anything,
+    /// each partition is read from its next replica instead.
+    fn execute_group(&self, index: usize) -> SendableRecordBatchStream {
+        let group = self.groups[index].clone();
+        let node = self.node.clone();
+        let def = self.def.clone();
+        let epoch = self.epoch;
+        let columns = self.columns.clone();
+        let read = async move {
+            match read_from(
+                &node.exec,
+                group.node,
+                &def,
+                epoch,
+                &group.partitions,
+                &columns,
+            )
+            .await
+            {
+                Ok(batches) => Ok(batches),
+                Err(error) if group.node != node.id() && is_unreachable(&error) => {
+                    tracing::warn!(from = group.node, %error, "replica unreachable; reading its partitions from the next replica");
+                    node.suspect(group.node);
+                    let mut batches = Vec::new();
+                    for (partition, fallbacks) in group.partitions.iter().zip(&group.fallbacks) {
+                        let mut last = error.to_string();
+                        let mut done = false;
+                        for replica in fallbacks {
+                            match read_from(
+                                &node.exec,
+                                *replica,
+                                &def,
+                                epoch,
+                                &[*partition],
+                                &columns,
+                            )
+                            .await
+                            {
+                                Ok(more) => {
+                                    batches.extend(more);
+                                    done = true;
+                                    break;
+                                }
+                                Err(e) => last = e.to_string(),
+                            }
+                        }
+                        if !done {
+                            return Err(ExecError::NoReadableReplica {
+                                partition: *partition,
+                                last,
+                            });
+                        }
+                    }
+                    Ok(batches)
+                }
+                Err(error) => Err(error),
+            }
+        };
+        let stream = futures::stream::once(read)
+            .map(|result| match result {
+                Ok(batches) => futures::stream::iter(batches.into_iter().map(Ok)).boxed(),
+                Err(error) => futures::stream::once(async move { Err(external(error)) }).boxed(),
+            })
+            .flatten();
+        Box::pin(RecordBatchStreamAdapter::new(self.schema.clone(), stream))
+    }
+}
+
+fn is_unreachable(error: &ExecError) -> bool {
+    matches!(error, ExecError::Unreachable { .. })
+}
+
+impl DisplayAs for ClusterScanExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        let groups: Vec<String> = self
+            .groups
+            .iter()
+            .map(|g| format!("node {}: {} partitions", g.node, g.partitions.len()))
+            .collect();
+        write!(
+            f,
+            "ClusterScanExec: table={}, epoch={}, [{}]",
+            self.def.name,
+            self.epoch,
+            groups.join(", ")
+        )
+    }
+}
+
+impl ExecutionPlan for ClusterScanExec {
+    tessera_sql::leaf_plan_methods!("ClusterScanExec", no_expressions);
+
+    fn execute(
+        &self,
+        partition: usize,
+        _context: Arc<TaskContext>,
+    ) -> DfResult<SendableRecordBatchStream> {
+        if partition >= self.groups.len() {
+            return Err(DataFusionError::Internal(format!(
+                "ClusterScanExec has no partition {partition}"
+            )));
+        }
+        Ok(self.execute_group(partition))
+    }
+}

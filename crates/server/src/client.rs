@@ -1,0 +1,214 @@
+//! A client of a running cluster, for the CLI and tests: SQL, publishes and status through
+//! any node.
+
+use crate::error::{ClusterError, Result};
+use crate::rpc::{
+    CallError, Clients, PublishRequest, ScanRequest, SqlOutput, ACTION_SQL, ACTION_STATUS,
+    PROTOCOL_VERSION,
+};
+use crate::server::NodeStatus;
+use arrow::array::RecordBatch;
+use futures::TryStreamExt;
+use std::time::Duration;
+use tessera_common::hex::from_hex;
+use tessera_common::{Epoch, PartitionId};
+use tessera_sql::StatementOutput;
+
+/// Something a node told the client beside a statement's output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Notice {
+    pub message: String,
+    /// How a query survived a node's death, when that is what the notice is about.
+    pub recovery: Option<tessera_exec::RecoveryOutcome>,
+}
+
+pub struct ClusterClient {
+    addr: String,
+    clients: Clients,
+}
+
+impl ClusterClient {
+    /// A client of the node at `addr`, whatever cluster it belongs to.
+    pub fn new(addr: &str) -> ClusterClient {
+        ClusterClient {
+            addr: addr.to_string(),
+            clients: Clients::new(crate::rpc::ANY_CLUSTER, PROTOCOL_VERSION),
+        }
+    }
+
+    fn call_error(&self, error: CallError) -> ClusterError {
+        match error {
+            CallError::Refused(crate::rpc::Refusal::WrongCluster {
+                node_id,
+                cluster_id,
+            }) => ClusterError::WrongCluster {
+                node: node_id,
+                addr: self.addr.clone(),
+                ours: self.clients.cluster_id().to_string(),
+                theirs: cluster_id,
+            },
+            CallError::Transport(reason) => ClusterError::Unreachable {
+                node: 0,
+                addr: self.addr.clone(),
+                reason,
+            },
+            other => ClusterError::Rejected(other.to_string()),
+        }
+    }
+
+    pub async fn sql(&self, sql: &str) -> Result<Vec<StatementOutput>> {
+        Ok(self.sql_with_notices(sql).await?.0)
+    }
+
+    /// As [`ClusterClient::sql`], with the notices the node raised (such as a query that
+    /// recovered from a node failure).
+    pub async fn sql_with_notices(&self, sql: &str) -> Result<(Vec<StatementOutput>, Vec<Notice>)> {
+        let reply: std::result::Result<
+            std::result::Result<Vec<SqlOutput>, crate::rpc::Refusal>,
+            CallError,
+        > = self
+            .clients
+            .action(&self.addr, ACTION_SQL, sql, Duration::from_secs(3600))
+            .await;
+        let outputs = match reply.map_err(|e| self.call_error(e))? {
+            Ok(outputs) => outputs,
+            Err(refusal) => return Err(self.call_error(CallError::Refused(refusal))),
+        };
+        let mut notices = Vec::new();
+        let mut results = Vec::new();
+        for output in outputs {
+            results.push(match output {
+                SqlOutput::Notice { message, recovery } => {
+                    notices.push(Notice { message, recovery });
+                    continue;
+                }
+                SqlOutput::Done { tag, epoch } => StatementOutput::Done { tag, epoch },
+                SqlOutput::Rows { ipc_hex } => {
+                    let bytes = from_hex(&ipc_hex).ok_or_else(|| {
+                        ClusterError::Rejected("the node sent undecodable rows".into())
+                    })?;
+                    let reader = arrow::ipc::reader::StreamReader::try_new(
+                        std::io::Cursor::new(bytes),
+                        None,
+                    )?;
+                    let schema = reader.schema();
+                    let batches = reader.collect::<std::result::Result<Vec<_>, _>>()?;
+                    StatementOutput::Rows { schema, batches }
+                }
+            });
+        }
+        Ok((results, notices))
+    }
+
+    /// Runs SQL whose last statement returns rows; also returns the node's notices.
+    pub async fn query_with_notices(&self, sql: &str) -> Result<(Vec<RecordBatch>, Vec<Notice>)> {
+        let (mut outputs, notices) = self.sql_with_notices(sql).await?;
+        match outputs.pop() {
+            Some(StatementOutput::Rows { batches, .. }) => Ok((batches, notices)),
+            other => Err(ClusterError::Rejected(format!(
+                "expected rows, got {other:?}"
+            ))),
+        }
+    }
+
+    /// Runs SQL whose last statement returns rows.
+    pub async fn query(&self, sql: &str) -> Result<Vec<RecordBatch>> {
+        match self.sql(sql).await?.pop() {
+            Some(StatementOutput::Rows { batches, .. }) => Ok(batches),
+            other => Err(ClusterError::Rejected(format!(
+                "expected rows, got {other:?}"
+            ))),
+        }
+    }
+
+    /// Publishes rows of one table as a new epoch, coordinated by this client's node.
+    pub async fn publish(
+        &self,
+        table: &str,
+        rows: Vec<RecordBatch>,
+        deletes: bool,
+    ) -> Result<Epoch> {
+        let request = PublishRequest {
+            table: table.to_string(),
+            deletes,
+        };
+        let metadata = self
+            .clients
+            .put(&self.addr, &request, rows)
+            .await
+            .map_err(|e| self.call_error(e))?;
+        serde_json::from_slice(&metadata)
+            .map_err(|e| ClusterError::Rejected(format!("undecodable publish reply: {e}")))
+    }
+
+    /// Starts moving node `id`'s partitions away; the cluster then retires it.
+    pub async fn decommission(&self, id: u64) -> Result<()> {
+        self.unit_action(crate::rpc::ACTION_DECOMMISSION, id, Duration::from_secs(30))
+            .await
+    }
+
+    /// Flushes this node's in-memory rows to components and ships them to the standbys
+    /// of the partitions it leads (after a bulk load: standbys then hold, and scan, the
+    /// very components their primaries do).
+    pub async fn flush(&self) -> Result<()> {
+        self.unit_action(crate::rpc::ACTION_FLUSH, (), Duration::from_secs(300))
+            .await
+    }
+
+    async fn unit_action(
+        &self,
+        action: &str,
+        body: impl serde::Serialize,
+        patience: Duration,
+    ) -> Result<()> {
+        let reply: std::result::Result<std::result::Result<(), crate::rpc::Refusal>, CallError> =
+            self.clients
+                .action(&self.addr, action, body, patience)
+                .await;
+        match reply.map_err(|e| self.call_error(e))? {
+            Ok(()) => Ok(()),
+            Err(refusal) => Err(self.call_error(CallError::Refused(refusal))),
+        }
+    }
+
+    /// Reads one partition of `table` at `epoch` from this node's own store, whether or not
+    /// it is the partition's primary: how a test or an operator checks that replicas agree.
+    /// Node-to-node reads name their cluster, so the caller gives its id.
+    pub async fn read_replica(
+        &self,
+        cluster_id: &str,
+        table: &str,
+        partition: PartitionId,
+        epoch: Epoch,
+    ) -> Result<Vec<RecordBatch>> {
+        let status = self.status().await?;
+        let def = status
+            .meta
+            .tables
+            .get(table)
+            .ok_or_else(|| ClusterError::Rejected(format!("no table {table:?}")))?;
+        let request = ScanRequest {
+            table: table.to_string(),
+            generation: def.generation,
+            epoch,
+            partitions: vec![partition],
+            columns: (0..def.schema.fields().len()).collect(),
+        };
+        let clients = Clients::new(cluster_id, PROTOCOL_VERSION);
+        let stream = clients
+            .get(&self.addr, &request)
+            .await
+            .map_err(|e| self.call_error(e))?;
+        stream
+            .try_collect()
+            .await
+            .map_err(|e: CallError| self.call_error(e))
+    }
+
+    pub async fn status(&self) -> Result<NodeStatus> {
+        self.clients
+            .action(&self.addr, ACTION_STATUS, (), Duration::from_secs(5))
+            .await
+            .map_err(|e| self.call_error(e))
+    }
+}

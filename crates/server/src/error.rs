@@ -1,0 +1,80 @@
+//! Errors of the cluster layer, each naming the node, address or setting at fault.
+
+use tessera_storage::StorageError;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ClusterError {
+    #[error("invalid node configuration {path}: {reason}")]
+    Config { path: String, reason: String },
+    #[error("cannot listen on {addr}: {reason}")]
+    Listen { addr: String, reason: String },
+    #[error("node {node} at {addr} belongs to cluster {theirs:?}, but this node is configured for cluster {ours:?}")]
+    WrongCluster {
+        node: u64,
+        addr: String,
+        ours: String,
+        theirs: String,
+    },
+    #[error("node {node} at {addr} speaks protocol version {theirs}, this node speaks version {ours}; run the same Tessera release on every node")]
+    VersionMismatch {
+        node: u64,
+        addr: String,
+        ours: u32,
+        theirs: u32,
+    },
+    #[error("the address {addr} answers as node {theirs}, but the configuration says node {expected} is there")]
+    WrongNode {
+        addr: String,
+        expected: u64,
+        theirs: u64,
+    },
+    #[error("data directory {dir}: {reason}")]
+    DataDir { dir: String, reason: String },
+    #[error("node {node} ({addr}) is unreachable: {reason}")]
+    Unreachable {
+        node: u64,
+        addr: String,
+        reason: String,
+    },
+    /// The metadata group could not read or write (no leader, a refused command, a
+    /// fenced node, a busy table).
+    #[error(transparent)]
+    Meta(#[from] tessera_meta::MetaError),
+    /// A call to another node failed.
+    #[error("{0}")]
+    Call(#[from] tessera_net::CallError),
+    #[error("{0}")]
+    Rejected(String),
+    /// Distributed execution failed (a node lost under a query, a plan that cannot run).
+    #[error(transparent)]
+    Exec(#[from] tessera_exec::ExecError),
+    /// A replication protocol step failed (a publish aborted, a copy refused, ...).
+    #[error(transparent)]
+    Replication(#[from] tessera_replication::ReplicationError),
+    #[error("{0}")]
+    Storage(#[from] StorageError),
+    #[error("{0}")]
+    Arrow(#[from] arrow::error::ArrowError),
+    #[error("{0}")]
+    Sql(#[from] tessera_sql::SqlError),
+}
+
+impl ClusterError {
+    pub fn raft(error: impl std::fmt::Display) -> ClusterError {
+        ClusterError::Meta(tessera_meta::MetaError::raft(error))
+    }
+}
+
+impl From<ClusterError> for tessera_sql::SqlError {
+    fn from(error: ClusterError) -> Self {
+        match error {
+            ClusterError::Storage(e) => tessera_sql::SqlError::Storage(e),
+            ClusterError::Sql(e) => e,
+            ClusterError::Exec(e) => e.into(),
+            other => tessera_sql::SqlError::Cluster(other.to_string()),
+        }
+    }
+}
+
+pub type Result<T, E = ClusterError> = std::result::Result<T, E>;

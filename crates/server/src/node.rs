@@ -1,0 +1,685 @@
+//! One node: its store, its member of the metadata group, its RPC server, and the loops
+//! that keep it in the cluster (heartbeats, failure detection, membership, checkpoints).
+
+use crate::config::NodeConfig;
+use crate::error::{ClusterError, Result};
+use crate::failover::{Check, FailureDetector, Member};
+use crate::meta::log_store::LogStore;
+use crate::meta::network::Network;
+use crate::meta::state_machine::StateMachine;
+use crate::meta::MetaClient;
+use crate::meta::{MetaCommand, Raft};
+use crate::rpc::{
+    CallError, Clients, Heartbeat, Identity, Refusal, ACTION_HEARTBEAT, ACTION_HELLO,
+    PROTOCOL_VERSION,
+};
+use crate::NodeId;
+use openraft::BasicNode;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tessera_replication::{Replication, Settings};
+use tessera_storage::{Store, StoreConfig};
+
+/// The format of a node's data directory; bumped on incompatible changes.
+pub const DATA_FORMAT_VERSION: u32 = 1;
+const IDENTITY_FILE: &str = "node.json";
+
+/// Written into the data directory on first start, checked on every later one.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct DataIdentity {
+    cluster_id: String,
+    node_id: NodeId,
+    format: u32,
+}
+
+pub struct Node {
+    pub config: NodeConfig,
+    pub store: Arc<Store>,
+    /// The metadata group: reads, writes through the leader, this node's Raft member.
+    pub meta: MetaClient,
+    pub clients: Arc<Clients>,
+    /// Distributed execution's handle: the exchanges and channels running here, and what
+    /// they use of this node.
+    pub exec: Arc<tessera_exec::Exec>,
+    /// Write-ahead lineage: the reading-order log, its committer and the spools.
+    pub lineage: Arc<tessera_recovery::WriteAheadLineage>,
+    checkpointing: AtomicBool,
+    rebalancing: AtomicBool,
+    protocol: u32,
+    /// The replication protocols' handle: publish, shipping, failure detection, copies.
+    pub replication: Arc<Replication>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("id", &self.config.node_id)
+            .finish()
+    }
+}
+
+/// Checks (or records) which cluster and node a data directory belongs to.
+fn check_data_identity(dir: &Path, config: &NodeConfig) -> Result<()> {
+    let data_error = |reason: String| ClusterError::DataDir {
+        dir: dir.display().to_string(),
+        reason,
+    };
+    std::fs::create_dir_all(dir).map_err(|e| data_error(e.to_string()))?;
+    let path = dir.join(IDENTITY_FILE);
+    let ours = DataIdentity {
+        cluster_id: config.cluster_id.clone(),
+        node_id: config.node_id,
+        format: DATA_FORMAT_VERSION,
+    };
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            let found: DataIdentity = serde_json::from_slice(&bytes)
+                .map_err(|e| data_error(format!("{IDENTITY_FILE} is unreadable: {e}")))?;
+            if found.format != DATA_FORMAT_VERSION {
+                return Err(data_error(format!(
+                    "written by data format version {}, this build reads version {DATA_FORMAT_VERSION}",
+                    found.format
+                )));
+            }
+            if found.cluster_id != ours.cluster_id {
+                return Err(data_error(format!(
+                    "belongs to cluster {:?}, but the configuration names cluster {:?}",
+                    found.cluster_id, ours.cluster_id
+                )));
+            }
+            if found.node_id != ours.node_id {
+                return Err(data_error(format!(
+                    "belongs to node {}, but the configuration says this is node {}",
+                    found.node_id, ours.node_id
+                )));
+            }
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let bytes = serde_json::to_vec_pretty(&ours).expect("identity serializes");
+            std::fs::write(&path, bytes).map_err(|e| data_error(e.to_string()))
+        }
+        Err(e) => Err(data_error(e.to_string())),
+    }
+}
+
+/// The file in a data directory holding the node's incarnation.
+const INCARNATION_FILE: &str = "incarnation";
+
+/// Raises and durably records this node's incarnation (see [`NodeInfo::incarnation`]): above
+/// the last one recorded here, and at least the wall clock in microseconds, so it still rises
+/// if the directory was wiped and the node rejoins under the same id.
+///
+/// [`NodeInfo::incarnation`]: crate::meta::NodeInfo::incarnation
+fn next_incarnation(dir: &Path) -> Result<u64> {
+    let data_error = |reason: String| ClusterError::DataDir {
+        dir: dir.display().to_string(),
+        reason,
+    };
+    let path = dir.join(INCARNATION_FILE);
+    let previous: u64 = match std::fs::read_to_string(&path) {
+        Ok(text) => text.trim().parse().map_err(|e| {
+            data_error(format!(
+                "{INCARNATION_FILE} holds {text:?}, not a number: {e}"
+            ))
+        })?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(data_error(e.to_string())),
+    };
+    let clock = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64);
+    let incarnation = (previous + 1).max(clock);
+    let write = || -> std::io::Result<()> {
+        let temporary = dir.join(format!("{INCARNATION_FILE}.tmp"));
+        let mut file = std::fs::File::create(&temporary)?;
+        std::io::Write::write_all(&mut file, incarnation.to_string().as_bytes())?;
+        file.sync_all()?;
+        std::fs::rename(&temporary, &path)?;
+        std::fs::File::open(dir)?.sync_all()
+    };
+    write().map_err(|e| data_error(format!("recording the incarnation: {e}")))?;
+    Ok(incarnation)
+}
+
+impl Node {
+    /// Starts a node: checks its data directory and its peers, opens its store, joins the
+    /// metadata group and serves RPC on `config.listen` until the process ends.
+    pub async fn start(config: NodeConfig) -> Result<Arc<Node>> {
+        Self::start_with_protocol(config, PROTOCOL_VERSION).await
+    }
+
+    /// As [`Node::start`], speaking a given protocol version (tests of version checks).
+    pub async fn start_with_protocol(config: NodeConfig, protocol: u32) -> Result<Arc<Node>> {
+        check_data_identity(&config.data_dir, &config)?;
+        let incarnation = next_incarnation(&config.data_dir)?;
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|e| ClusterError::Listen {
+                addr: config.listen.to_string(),
+                reason: e.to_string(),
+            })?;
+        let clients = Arc::new(Clients::new(&config.cluster_id, protocol));
+        check_peers(&config, &clients, protocol).await?;
+
+        let mut store_config = StoreConfig {
+            partitions: config.partitions,
+            ..StoreConfig::default()
+        };
+        if let Some(bytes) = config.memtable_flush_bytes {
+            store_config.memtable_flush_bytes = bytes;
+        }
+        if let Some(bytes) = config.checkpoint_log_bytes {
+            store_config.checkpoint_log_bytes = bytes;
+        }
+        let store_dir = config.data_dir.join("store");
+        let store = tokio::task::spawn_blocking(move || Store::open(&store_dir, store_config))
+            .await
+            .map_err(|e| ClusterError::Rejected(e.to_string()))??;
+        if store.ring().partition_count() != config.partitions {
+            return Err(ClusterError::DataDir {
+                dir: config.data_dir.display().to_string(),
+                reason: format!(
+                    "holds {} partitions, the configuration says {}",
+                    store.ring().partition_count(),
+                    config.partitions
+                ),
+            });
+        }
+
+        let raft_dir = config.data_dir.join("raft");
+        let data_error = |e: std::io::Error| ClusterError::DataDir {
+            dir: raft_dir.display().to_string(),
+            reason: e.to_string(),
+        };
+        let log_store = LogStore::open(&raft_dir).map_err(data_error)?;
+        let (state_machine, meta) =
+            StateMachine::open(config.node_id, &raft_dir, store.clone()).map_err(data_error)?;
+        let raft_config = openraft::Config {
+            cluster_name: config.cluster_id.clone(),
+            // Elections finish well inside the 2 s failure-detection budget.
+            heartbeat_interval: 100,
+            election_timeout_min: 300,
+            election_timeout_max: 600,
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(1000),
+            max_in_snapshot_log_to_keep: 200,
+            ..Default::default()
+        };
+        let raft_config = Arc::new(raft_config.validate().map_err(ClusterError::raft)?);
+        let network = Network {
+            clients: clients.clone(),
+        };
+        let raft = Raft::new(
+            config.node_id,
+            raft_config,
+            network,
+            log_store,
+            state_machine,
+        )
+        .await
+        .map_err(ClusterError::raft)?;
+
+        let peers = config
+            .peers
+            .iter()
+            .map(|p| (p.id, p.addr.to_string()))
+            .collect();
+        let meta = MetaClient::new(config.node_id, raft, meta, clients.clone(), peers);
+        let replication = Arc::new(Replication::new(
+            incarnation,
+            store.clone(),
+            meta.clone(),
+            clients.clone(),
+            Settings {
+                failure_timeout: config.failure_timeout(),
+                rereplicate_after: config.rereplicate_after(),
+                delta_recovery: config.delta_recovery,
+            },
+        ));
+        let lineage = tessera_recovery::WriteAheadLineage::start(
+            meta.clone(),
+            clients.clone(),
+            config.data_dir.join("spool"),
+        );
+        let exec = Arc::new(tessera_exec::Exec::new(
+            store.clone(),
+            meta.clone(),
+            clients.clone(),
+            replication.clone(),
+            lineage.clone(),
+        ));
+        let node = Arc::new(Node {
+            config,
+            store,
+            clients,
+            exec,
+            lineage,
+            meta,
+            checkpointing: AtomicBool::new(false),
+            rebalancing: AtomicBool::new(false),
+            protocol,
+            replication,
+        });
+        crate::server::serve(node.clone(), listener);
+        node.initialize_if_founder().await?;
+        tokio::spawn(node.clone().heartbeat_loop());
+        tokio::spawn(node.clone().duty_loop());
+        tokio::spawn(node.clone().registration_loop());
+        tracing::info!(node = node.config.node_id, listen = %node.config.listen, "node started");
+        Ok(node)
+    }
+
+    /// Stops taking part in the metadata group (a clean stop; the store needs nothing).
+    pub async fn shutdown(&self) {
+        if let Err(error) = self.meta.raft().shutdown().await {
+            tracing::warn!(%error, "metadata shutdown");
+        }
+    }
+
+    pub fn id(&self) -> NodeId {
+        self.config.node_id
+    }
+
+    pub fn protocol(&self) -> u32 {
+        self.protocol
+    }
+
+    pub fn incarnation(&self) -> u64 {
+        self.replication.incarnation()
+    }
+
+    /// Makes `id` suspect and waits for the metadata leader's verdict; see
+    /// [`Replication::confirm_failed`].
+    pub async fn confirm_failed(&self, id: NodeId) -> bool {
+        self.replication.confirm_failed(id).await
+    }
+
+    pub fn identity(&self) -> Identity {
+        Identity {
+            node_id: self.id(),
+            cluster_id: self.config.cluster_id.clone(),
+            protocol: self.protocol,
+        }
+    }
+
+    /// The lowest-id voter of a fresh cluster proposes the founding membership.
+    async fn initialize_if_founder(&self) -> Result<()> {
+        let voters = self.config.voter_ids();
+        if voters.iter().next() != Some(&self.id())
+            || self
+                .meta
+                .raft()
+                .is_initialized()
+                .await
+                .map_err(ClusterError::raft)?
+        {
+            return Ok(());
+        }
+        let members: BTreeMap<NodeId, BasicNode> = voters
+            .iter()
+            .filter_map(|id| self.config.peer(*id))
+            .map(|p| (p.id, BasicNode::new(p.addr.to_string())))
+            .collect();
+        match self.meta.raft().initialize(members).await {
+            Ok(()) => Ok(()),
+            Err(openraft::error::RaftError::APIError(
+                openraft::error::InitializeError::NotAllowed(_),
+            )) => Ok(()),
+            Err(e) => Err(ClusterError::raft(e)),
+        }
+    }
+
+    fn detector(&self) -> std::sync::MutexGuard<'_, FailureDetector> {
+        self.replication.detector()
+    }
+
+    /// Records a heartbeat (on the leader).
+    pub fn heard_from(&self, heartbeat: &Heartbeat) {
+        self.detector()
+            .heard_from(heartbeat.node_id, Instant::now());
+    }
+
+    /// Reports a dropped connection to `node`: the leader checks it at once.
+    pub fn suspect(&self, node: NodeId) {
+        self.replication.suspect(node);
+    }
+
+    /// The members as the failure detector sees them.
+    fn members(state: &crate::meta::MetaState) -> Vec<Member> {
+        state
+            .nodes
+            .values()
+            .filter(|n| !n.decommissioned)
+            .map(|n| Member {
+                id: n.id,
+                alive: n.alive,
+            })
+            .collect()
+    }
+
+    async fn heartbeat_loop(self: Arc<Self>) {
+        let mut ticker = tokio::time::interval(self.config.heartbeat());
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = self.replication.suspicion() => {}
+            }
+            let heartbeat = Heartbeat { node_id: self.id() };
+            match self.meta.leader() {
+                Some(leader) if leader == self.id() => self.heard_from(&heartbeat),
+                Some(leader) => {
+                    if let Some(addr) = self.meta.addr_of(leader) {
+                        let suspects: Vec<NodeId> =
+                            self.detector().take_suspects().into_iter().collect();
+                        let _: std::result::Result<std::result::Result<(), Refusal>, CallError> =
+                            self.clients
+                                .action(
+                                    &addr,
+                                    ACTION_HEARTBEAT,
+                                    (heartbeat, suspects),
+                                    self.config.heartbeat(),
+                                )
+                                .await;
+                    }
+                }
+                None => {}
+            }
+        }
+    }
+
+    /// Leader duties (bootstrap, membership, failure detection) and local checkpoints.
+    async fn duty_loop(self: Arc<Self>) {
+        let mut ticker = tokio::time::interval(Duration::from_millis(100));
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut was_leader = false;
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = self.replication.suspicion() => {}
+            }
+            let leading = self.meta.is_leader();
+            if leading && !was_leader {
+                let members = Self::members(&self.meta.view().state);
+                self.detector()
+                    .became_leader(self.id(), &members, Instant::now());
+            }
+            was_leader = leading;
+            if leading {
+                if let Err(error) = self.lead().await {
+                    tracing::debug!(%error, "leader duty failed; retrying");
+                }
+            }
+            self.maybe_checkpoint();
+        }
+    }
+
+    /// A node missing from the metadata (one joining a running cluster) asks to be added,
+    /// until it sees itself listed; then it announces this process (see
+    /// [`MetaCommand::Started`]).
+    async fn registration_loop(self: Arc<Self>) {
+        let voter = self.config.voter_ids().contains(&self.id());
+        loop {
+            let view = self.meta.view();
+            if view.state.nodes.contains_key(&self.id()) {
+                break;
+            }
+            // A founding voter is listed by the bootstrap entry; others must ask.
+            if view.state.is_bootstrapped() || !voter {
+                let command = MetaCommand::RegisterNode {
+                    id: self.id(),
+                    addr: self.config.listen.to_string(),
+                };
+                match self.meta.write(command).await {
+                    Ok(_) => tracing::info!("registered with the cluster"),
+                    Err(error) => tracing::info!(%error, "could not register with the cluster yet"),
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let announcement = MetaCommand::Started {
+            id: self.id(),
+            incarnation: self.incarnation(),
+        };
+        while let Err(error) = self.meta.write(announcement.clone()).await {
+            tracing::info!(%error, "could not announce this process yet");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        tracing::info!(incarnation = self.incarnation(), "process announced");
+    }
+
+    async fn lead(self: &Arc<Self>) -> Result<()> {
+        let state = self.meta.view().state.clone();
+        if !state.is_bootstrapped() {
+            let nodes = self
+                .config
+                .peers
+                .iter()
+                .map(|p| (p.id, p.addr.to_string()))
+                .collect();
+            self.meta
+                .write_as_leader(MetaCommand::Bootstrap {
+                    cluster_id: self.config.cluster_id.clone(),
+                    partition_count: self.config.partitions,
+                    replication: self.config.replication,
+                    hot_standby: self.config.hot_standby,
+                    nodes,
+                })
+                .await?;
+            return Ok(());
+        }
+        // Every member takes part in Raft: voters as configured, the rest as learners.
+        let metrics = self.meta.raft().metrics().borrow().clone();
+        let in_raft: BTreeSet<NodeId> = metrics
+            .membership_config
+            .nodes()
+            .map(|(id, _)| *id)
+            .collect();
+        for node in state
+            .nodes
+            .values()
+            .filter(|n| !n.decommissioned && !n.leaving)
+        {
+            if !in_raft.contains(&node.id) {
+                self.meta
+                    .raft()
+                    .add_learner(node.id, BasicNode::new(node.addr.clone()), false)
+                    .await
+                    .map_err(ClusterError::raft)?;
+            }
+        }
+        self.move_partitions(&state, &metrics).await?;
+        // Failure detection.
+        let checks = self
+            .detector()
+            .check(self.id(), &Self::members(&state), Instant::now());
+        for (id, check) in checks {
+            let node = &state.nodes[&id];
+            let alive = match check {
+                Check::Alive => true,
+                Check::Failed => false,
+                Check::Probe => self.probe(id, &node.addr).await,
+            };
+            if alive != node.alive {
+                tracing::warn!(node = id, alive, "node liveness changed");
+                self.meta
+                    .write_as_leader(MetaCommand::SetLiveness { id, alive })
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Membership changes: rebalance onto joined nodes and off leaving ones, then retire
+    /// nodes left holding nothing.
+    async fn move_partitions(
+        self: &Arc<Self>,
+        state: &crate::meta::MetaState,
+        metrics: &openraft::RaftMetrics<NodeId, BasicNode>,
+    ) -> Result<()> {
+        let lost = self.lost_nodes(state);
+        if crate::rebalance::wanted_map(state, &lost).is_some()
+            && !self.rebalancing.swap(true, Ordering::SeqCst)
+        {
+            let node = self.clone();
+            tokio::spawn(async move {
+                if let Err(error) = crate::rebalance::rebalance(&node.replication, &lost).await {
+                    tracing::warn!(%error, "rebalance failed; retrying in a second");
+                    // Each attempt leases every table; back off so publishes get through.
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                node.rebalancing.store(false, Ordering::SeqCst);
+            });
+        }
+        for node in state
+            .nodes
+            .values()
+            .filter(|n| n.leaving && !n.decommissioned)
+        {
+            if state
+                .map
+                .partitions
+                .iter()
+                .any(|p| p.replicas.contains(&node.id))
+            {
+                continue;
+            }
+            self.meta
+                .write_as_leader(MetaCommand::Decommission { id: node.id })
+                .await?;
+            let voters: BTreeSet<NodeId> =
+                metrics.membership_config.membership().voter_ids().collect();
+            if !voters.contains(&node.id) {
+                self.meta
+                    .raft()
+                    .change_membership(
+                        openraft::ChangeMembers::RemoveNodes(BTreeSet::from([node.id])),
+                        false,
+                    )
+                    .await
+                    .map_err(ClusterError::raft)?;
+            }
+            tracing::info!(node = node.id, "node decommissioned");
+        }
+        Ok(())
+    }
+
+    /// Nodes failed for longer than `rereplicate_after`: their replicas are rebuilt on the
+    /// other nodes.
+    fn lost_nodes(&self, state: &crate::meta::MetaState) -> BTreeSet<NodeId> {
+        let failed = state
+            .nodes
+            .values()
+            .filter(|n| !n.alive && !n.decommissioned)
+            .map(|n| n.id)
+            .collect();
+        self.detector().lost(&failed, Instant::now())
+    }
+
+    /// Asks a node to leave: refuses metadata voters, whose departure would change the
+    /// quorum.
+    pub async fn decommission(&self, id: NodeId) -> Result<()> {
+        let metrics = self.meta.raft().metrics().borrow().clone();
+        if metrics
+            .membership_config
+            .membership()
+            .voter_ids()
+            .any(|v| v == id)
+        {
+            return Err(ClusterError::Rejected(format!(
+                "node {id} votes in the metadata group; only non-voting nodes can be decommissioned"
+            )));
+        }
+        self.meta.write(MetaCommand::Leave { id }).await?;
+        Ok(())
+    }
+
+    /// Asks a suspected node who it is; a prompt answer clears the suspicion.
+    async fn probe(&self, id: NodeId, addr: &str) -> bool {
+        let reply: std::result::Result<Identity, CallError> = self
+            .clients
+            .action(addr, ACTION_HELLO, (), Duration::from_millis(300))
+            .await;
+        let alive = reply.is_ok_and(|identity| identity.node_id == id);
+        self.detector().probed(id, alive, Instant::now());
+        alive
+    }
+
+    fn maybe_checkpoint(self: &Arc<Self>) {
+        if !self.store.wants_checkpoint() || self.checkpointing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let node = self.clone();
+        tokio::spawn(async move {
+            if let Err(error) = crate::shipping::checkpoint(&node.replication).await {
+                tracing::error!(%error, "checkpoint failed");
+            }
+            node.checkpointing.store(false, Ordering::SeqCst);
+        });
+    }
+
+    /// Flushes memory to components now and ships them to the standbys: a standby asks
+    /// this of its primary before it truncates its own log. (Not a checkpoint, which would
+    /// coordinate with this node's own primaries in turn, and could wait on the asker.)
+    pub async fn flush_and_ship(self: &Arc<Self>) -> Result<()> {
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || store.flush())
+            .await
+            .map_err(|e| ClusterError::Rejected(format!("flush task: {e}")))??;
+        crate::shipping::announce(&self.replication).await;
+        Ok(())
+    }
+}
+
+/// Refuses to start next to peers of another cluster, another protocol version, or at an
+/// address where another node answers. Peers that do not answer are fine: they may start
+/// later.
+async fn check_peers(config: &NodeConfig, clients: &Clients, protocol: u32) -> Result<()> {
+    for peer in config.peers.iter().filter(|p| p.id != config.node_id) {
+        let addr = peer.addr.to_string();
+        let reply: std::result::Result<Identity, CallError> = clients
+            .action(&addr, ACTION_HELLO, (), Duration::from_millis(500))
+            .await;
+        let identity = match reply {
+            Ok(identity) => identity,
+            Err(CallError::Refused(Refusal::WrongCluster {
+                node_id,
+                cluster_id,
+            })) => {
+                return Err(ClusterError::WrongCluster {
+                    node: node_id,
+                    addr,
+                    ours: config.cluster_id.clone(),
+                    theirs: cluster_id,
+                })
+            }
+            Err(CallError::Refused(Refusal::VersionMismatch {
+                node_id,
+                protocol: theirs,
+            })) => {
+                return Err(ClusterError::VersionMismatch {
+                    node: node_id,
+                    addr,
+                    ours: protocol,
+                    theirs,
+                })
+            }
+            Err(error) => {
+                tracing::info!(peer = peer.id, %addr, %error, "peer not reachable yet");
+                continue;
+            }
+        };
+        if identity.node_id != peer.id {
+            return Err(ClusterError::WrongNode {
+                addr,
+                expected: peer.id,
+                theirs: identity.node_id,
+            });
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,632 @@
+//! The RPC server of a node: the Flight service behind [`crate::rpc`].
+
+use crate::meta::{MetaCommand, MetaResponse, MetaState};
+use crate::node::Node;
+use crate::rpc::*;
+use crate::NodeId;
+use arrow::array::RecordBatch;
+use arrow_flight::decode::FlightRecordBatchStream;
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
+use arrow_flight::{
+    Action, ActionType, Criteria, Empty, FlightData, FlightDescriptor, FlightInfo,
+    HandshakeRequest, HandshakeResponse, PollInfo, PutResult, SchemaResult, Ticket,
+};
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_common::PartitionId;
+use tessera_exec::run::RunRequest;
+use tessera_net::TaggedRequest;
+use tessera_storage::versions::stored_user_schema;
+use tessera_storage::TableChanges;
+use tonic::{Request, Response, Status, Streaming};
+
+/// What `tessera status` shows of one node.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub node_id: NodeId,
+    pub listen: String,
+    pub leader: Option<NodeId>,
+    pub term: u64,
+    pub applied_index: u64,
+    pub meta: MetaState,
+    pub tables: Vec<TableCount>,
+    /// What this node copied as a new or returning replica since it started.
+    #[serde(default)]
+    pub transfers: crate::rebalance::TransferCounts,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TableCount {
+    pub name: String,
+    /// Committed rows this node holds, applied or not.
+    pub rows: u64,
+    /// Of `rows`, those a cold standby holds in its log only (not yet covered by
+    /// components from their primary).
+    #[serde(default)]
+    pub logged_rows: u64,
+    pub partitions_with_data: usize,
+}
+
+/// The HTTP/2 receive windows both ends of a connection use (see
+/// [`tessera_net::CONNECTION_WINDOW_BYTES`] for why the connection's is so large).
+use tessera_net::{CONNECTION_WINDOW_BYTES, STREAM_WINDOW_BYTES};
+
+/// Serves the node's RPC on `listener` in the background.
+pub fn serve(node: Arc<Node>, listener: tokio::net::TcpListener) {
+    let gate = tessera_net::Gate {
+        node_id: node.id(),
+        cluster_id: node.config.cluster_id.clone(),
+        protocol: node.protocol(),
+    };
+    let service = FlightServiceServer::new(NodeService { node, gate })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    tokio::spawn(async move {
+        if let Err(error) = tonic::transport::Server::builder()
+            .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+            .initial_stream_window_size(STREAM_WINDOW_BYTES)
+            .add_service(service)
+            .serve_with_incoming(incoming)
+            .await
+        {
+            tracing::error!(%error, "RPC server stopped");
+        }
+    });
+}
+
+struct NodeService {
+    node: Arc<Node>,
+    gate: tessera_net::Gate,
+}
+
+fn failed(error: impl std::fmt::Display) -> Status {
+    Refusal::Failed(error.to_string()).into_status()
+}
+
+fn reply<T: Serialize>(
+    value: &T,
+) -> Result<Response<BoxStream<'static, Result<arrow_flight::Result, Status>>>, Status> {
+    let body = serde_json::to_vec(value).map_err(failed)?;
+    let item = arrow_flight::Result {
+        body: Bytes::from(body),
+    };
+    Ok(Response::new(
+        futures::stream::once(async { Ok(item) }).boxed(),
+    ))
+}
+
+impl NodeService {
+    /// Opens a node-to-node request, refusing one for another cluster or protocol version.
+    fn open<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, Status> {
+        self.gate.open(bytes).map_err(Refusal::into_status)
+    }
+
+    /// Opens a client request: clients may leave the cluster id open (`*`).
+    fn open_from_client<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, Status> {
+        self.gate
+            .open_from_client(bytes)
+            .map_err(Refusal::into_status)
+    }
+
+    async fn action(
+        &self,
+        action: Action,
+    ) -> Result<Response<BoxStream<'static, Result<arrow_flight::Result, Status>>>, Status> {
+        let node = &self.node;
+        let body = action.body.as_ref();
+        match action.r#type.as_str() {
+            ACTION_HELLO => {
+                self.open::<()>(body)?;
+                reply(&node.identity())
+            }
+            ACTION_RAFT_APPEND => reply(&node.meta.raft().append_entries(self.open(body)?).await),
+            ACTION_RAFT_VOTE => reply(&node.meta.raft().vote(self.open(body)?).await),
+            ACTION_RAFT_SNAPSHOT => {
+                reply(&node.meta.raft().install_snapshot(self.open(body)?).await)
+            }
+            ACTION_META_WRITE => {
+                let command: MetaCommand = self.open(body)?;
+                let result: Result<MetaResponse, Refusal> = if node.meta.is_leader() {
+                    node.meta
+                        .write_as_leader(command)
+                        .await
+                        .map_err(|e| Refusal::Failed(e.to_string()))
+                } else {
+                    Err(Refusal::NotLeader {
+                        leader: node.meta.leader(),
+                    })
+                };
+                reply(&result)
+            }
+            ACTION_READ_INDEX => {
+                self.open::<()>(body)?;
+                reply(&node.meta.read_index().await)
+            }
+            ACTION_HEARTBEAT => {
+                let (heartbeat, suspects): (Heartbeat, Vec<NodeId>) = self.open(body)?;
+                node.heard_from(&heartbeat);
+                for suspect in suspects {
+                    node.suspect(suspect);
+                }
+                reply(&Ok::<(), Refusal>(()))
+            }
+            ACTION_SQL => {
+                let sql: String = self.open_from_client(body)?;
+                let backend = Arc::new(crate::ClusterBackend::new(node.clone()));
+                let engine = tessera_sql::Engine::with_backend(
+                    backend.clone(),
+                    datafusion::prelude::SessionConfig::new(),
+                );
+                let result: Result<Vec<SqlOutput>, Refusal> = match engine.execute(&sql).await {
+                    Ok(outputs) => backend
+                        .take_recoveries()
+                        .into_iter()
+                        .map(|recovery| {
+                            Ok(SqlOutput::Notice {
+                                message: recovery.to_string(),
+                                recovery: Some(recovery),
+                            })
+                        })
+                        .chain(outputs.into_iter().map(sql_output))
+                        .collect::<Result<_, _>>()
+                        .map_err(|e| Refusal::Failed(e.to_string())),
+                    Err(e) => Err(Refusal::Failed(e.to_string())),
+                };
+                reply(&result)
+            }
+            ACTION_QUERY_END => {
+                let query: tessera_exec::QueryId = self.open(body)?;
+                node.exec.end_query(query);
+                reply(&Ok::<(), Refusal>(()))
+            }
+            ACTION_DECOMMISSION => {
+                let id: NodeId = self.open_from_client(body)?;
+                let result = node
+                    .decommission(id)
+                    .await
+                    .map_err(|e| Refusal::Failed(e.to_string()));
+                reply(&result)
+            }
+            ACTION_FLUSH => {
+                // Clients may ask too (after a bulk load, so standbys scan what primaries do).
+                self.open_from_client::<()>(body)?;
+                let result = node
+                    .flush_and_ship()
+                    .await
+                    .map_err(|e| Refusal::Failed(e.to_string()));
+                reply(&result)
+            }
+            ACTION_SHIPPED_MANIFEST => {
+                let (table, generation, partition): (String, u64, PartitionId) = self.open(body)?;
+                let result = match self.local_table(&table, generation) {
+                    Ok(_) => node
+                        .store
+                        .shipped_manifest(&table, partition)
+                        .map(|(components, covered)| ShippedManifest {
+                            components,
+                            covered,
+                        })
+                        .map_err(|e| Refusal::Failed(e.to_string())),
+                    Err(status) => Err(Refusal::Failed(status.message().to_string())),
+                };
+                reply(&result)
+            }
+            ACTION_COMPONENTS_READY => {
+                let request: ComponentsRequest = self.open(body)?;
+                let node = node.clone();
+                // Answered at once: the primary does not wait for its standbys' downloads.
+                tokio::spawn(async move {
+                    if let Err(error) =
+                        crate::shipping::pull_from_primaries(&node.replication, request.partitions)
+                            .await
+                    {
+                        tracing::warn!(%error, "pulling a primary's components failed; the next checkpoint retries");
+                    }
+                });
+                reply(&Ok::<(), Refusal>(()))
+            }
+            ACTION_COPY_PARTITIONS => {
+                let request: CopyRequest = self.open(body)?;
+                let result = crate::rebalance::copy_partitions(&node.replication, request)
+                    .await
+                    .map_err(|e| Refusal::Failed(e.to_string()));
+                reply(&result)
+            }
+            ACTION_STATUS => {
+                self.open_from_client::<()>(body)?;
+                let metrics = node.meta.raft().metrics().borrow().clone();
+                let view = node.meta.view();
+                let status = NodeStatus {
+                    node_id: node.id(),
+                    listen: node.config.listen.to_string(),
+                    leader: metrics.current_leader,
+                    term: metrics.current_term,
+                    applied_index: view.applied_index,
+                    meta: view.state.clone(),
+                    tables: node
+                        .store
+                        .table_stats()
+                        .into_iter()
+                        .map(|t| TableCount {
+                            name: t.name,
+                            rows: t.component_rows + t.memtable_rows + t.logged_rows,
+                            logged_rows: t.logged_rows,
+                            partitions_with_data: t.partitions_with_data,
+                        })
+                        .collect(),
+                    transfers: node.replication.transfers.counts(),
+                };
+                reply(&status)
+            }
+            other => Err(Status::unimplemented(format!("unknown action {other:?}"))),
+        }
+    }
+}
+
+fn sql_output(output: tessera_sql::StatementOutput) -> Result<SqlOutput, arrow::error::ArrowError> {
+    Ok(match output {
+        tessera_sql::StatementOutput::Rows { schema, batches } => {
+            let mut ipc = Vec::new();
+            let mut writer = arrow::ipc::writer::StreamWriter::try_new(&mut ipc, &schema)?;
+            for batch in &batches {
+                writer.write(batch)?;
+            }
+            writer.finish()?;
+            drop(writer);
+            SqlOutput::Rows {
+                ipc_hex: tessera_common::hex::to_hex(&ipc),
+            }
+        }
+        tessera_sql::StatementOutput::Done { tag, epoch } => SqlOutput::Done { tag, epoch },
+    })
+}
+
+/// Ends a query's part on this node when the initiator stops listening (it finished,
+/// gave up, or died), or when every channel here has ended.
+struct EndQueryOnDrop {
+    node: Arc<Node>,
+    query: tessera_exec::QueryId,
+}
+
+impl Drop for EndQueryOnDrop {
+    fn drop(&mut self) {
+        self.node.exec.end_query(self.query);
+    }
+}
+
+impl NodeService {
+    /// Starts a query's channels here; the reply streams their reports as they end.
+    fn run_stages(
+        &self,
+        run: tessera_exec::run::RunRequest,
+    ) -> Result<Response<BoxStream<'static, Result<FlightData, Status>>>, Status> {
+        use tessera_exec::run::StagesEvent;
+        let query = run.query;
+        let lineage = run.lineage;
+        let reports = tessera_exec::run::run_stages(&self.node.exec, run).map_err(failed)?;
+        let guard = EndQueryOnDrop {
+            node: self.node.clone(),
+            query,
+        };
+        let node = self.node.clone();
+        // Each channel's report as it ends, then word that all have. Under lineage recovery
+        // the stream then stays open until the query ends, so this node keeps its spools
+        // for consumers rebuilt after another node dies.
+        let events = futures::stream::unfold(reports, |mut reports| async move {
+            let report = reports.recv().await?;
+            Some((StagesEvent::Report(report), reports))
+        })
+        .chain(futures::stream::once(async { StagesEvent::AllDone }))
+        .chain(
+            futures::stream::once(async move {
+                if lineage {
+                    node.exec.queries().wait_ended(query).await;
+                }
+                drop(guard);
+            })
+            .filter_map(|()| async { None }),
+        );
+        let stream = events.map(|event| {
+            serde_json::to_vec(&event)
+                .map(|json| FlightData {
+                    app_metadata: Bytes::from(json),
+                    ..Default::default()
+                })
+                .map_err(failed)
+        });
+        Ok(Response::new(stream.boxed()))
+    }
+
+    /// Streams one bucket of a producer channel's spool, waiting for batches it has yet
+    /// to write, until the channel finishes.
+    fn follow_spool(
+        &self,
+        key: tessera_recovery::spool::SpoolKey,
+        bucket: usize,
+    ) -> Result<Response<BoxStream<'static, Result<FlightData, Status>>>, Status> {
+        if self.node.exec.queries().has_ended(key.0) {
+            return Err(Status::failed_precondition(format!(
+                "query {:x} has ended on this node",
+                key.0
+            )));
+        }
+        let messages = self.node.lineage.follow_spool(key, bucket).map_err(failed);
+        Ok(Response::new(messages.boxed()))
+    }
+
+    fn local_table(
+        &self,
+        table: &str,
+        generation: u64,
+    ) -> Result<tessera_storage::TableDef, Status> {
+        self.node
+            .store
+            .table_def(table)
+            .filter(|d| d.generation == generation)
+            .ok_or_else(|| {
+                failed(format!(
+                    "table {table:?} (generation {generation}) is not on node {}",
+                    self.node.id()
+                ))
+            })
+    }
+
+    async fn scan(
+        &self,
+        scan: ScanRequest,
+    ) -> Result<(arrow::datatypes::SchemaRef, Vec<RecordBatch>), Status> {
+        let node = self.node.clone();
+        node.meta
+            .wait_for_epoch(scan.epoch, Duration::from_secs(10))
+            .await
+            .map_err(failed)?;
+        let def = self.local_table(&scan.table, scan.generation)?;
+        let schema = Arc::new(
+            stored_user_schema(&def)
+                .project(&scan.columns)
+                .map_err(failed)?,
+        );
+        let store = node.store.clone();
+        let batches = tokio::task::spawn_blocking(move || {
+            tessera_sql::backend::read_local_partitions(
+                &store,
+                &def,
+                Some(scan.epoch),
+                &scan.partitions,
+                &scan.columns,
+            )
+        })
+        .await
+        .map_err(failed)?
+        .map_err(failed)?;
+        Ok((schema, batches))
+    }
+}
+
+#[tonic::async_trait]
+impl FlightService for NodeService {
+    type HandshakeStream = BoxStream<'static, Result<HandshakeResponse, Status>>;
+    type ListFlightsStream = BoxStream<'static, Result<FlightInfo, Status>>;
+    type DoGetStream = BoxStream<'static, Result<FlightData, Status>>;
+    type DoPutStream = BoxStream<'static, Result<PutResult, Status>>;
+    type DoActionStream = BoxStream<'static, Result<arrow_flight::Result, Status>>;
+    type ListActionsStream = BoxStream<'static, Result<ActionType, Status>>;
+    type DoExchangeStream = BoxStream<'static, Result<FlightData, Status>>;
+
+    async fn handshake(
+        &self,
+        _request: Request<Streaming<HandshakeRequest>>,
+    ) -> Result<Response<Self::HandshakeStream>, Status> {
+        Err(Status::unimplemented("handshake"))
+    }
+
+    async fn list_flights(
+        &self,
+        _request: Request<Criteria>,
+    ) -> Result<Response<Self::ListFlightsStream>, Status> {
+        Err(Status::unimplemented("list_flights"))
+    }
+
+    async fn get_flight_info(
+        &self,
+        _request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        Err(Status::unimplemented("get_flight_info"))
+    }
+
+    async fn poll_flight_info(
+        &self,
+        _request: Request<FlightDescriptor>,
+    ) -> Result<Response<PollInfo>, Status> {
+        Err(Status::unimplemented("poll_flight_info"))
+    }
+
+    async fn get_schema(
+        &self,
+        _request: Request<FlightDescriptor>,
+    ) -> Result<Response<SchemaResult>, Status> {
+        Err(Status::unimplemented("get_schema"))
+    }
+
+    async fn do_get(
+        &self,
+        request: Request<Ticket>,
+    ) -> Result<Response<Self::DoGetStream>, Status> {
+        let request: TaggedRequest = self.open(&request.into_inner().ticket)?;
+        let decode_error = Refusal::into_status;
+        let mut metadata = Bytes::new();
+        let (schema, batches) = match request.kind.as_str() {
+            ScanRequest::KIND => self.scan(request.decode().map_err(decode_error)?).await?,
+            RunRequest::KIND => return self.run_stages(request.decode().map_err(decode_error)?),
+            SpoolRequest::KIND => {
+                let spool: SpoolRequest = request.decode().map_err(decode_error)?;
+                return self
+                    .follow_spool((spool.query, spool.exchange, spool.channel), spool.bucket);
+            }
+            VersionsRequest::KIND => {
+                let versions: VersionsRequest = request.decode().map_err(decode_error)?;
+                self.node.meta.catch_up_with_leader().await;
+                let def = self.local_table(&versions.table, versions.generation)?;
+                let store = self.node.store.clone();
+                let batches = tokio::task::spawn_blocking(move || {
+                    store.partition_versions(&versions.table, versions.partition, versions.since)
+                })
+                .await
+                .map_err(failed)?
+                .map_err(failed)?;
+                (tessera_storage::versions::stored_schema(&def), batches)
+            }
+            ExportRequest::KIND => {
+                let export: ExportRequest = request.decode().map_err(decode_error)?;
+                self.node.meta.catch_up_with_leader().await;
+                let def = self.local_table(&export.table, export.generation)?;
+                let (components, memtable) = self
+                    .node
+                    .store
+                    .export_partition(&export.table, export.partition)
+                    .map_err(failed)?;
+                metadata = Bytes::from(serde_json::to_vec(&components).map_err(failed)?);
+                (tessera_storage::versions::stored_schema(&def), memtable)
+            }
+            ComponentRequest::KIND => {
+                let ComponentRequest { hash } = request.decode().map_err(decode_error)?;
+                let store = self.node.store.clone();
+                let bytes = tokio::task::spawn_blocking(move || store.component_bytes(&hash))
+                    .await
+                    .map_err(failed)?
+                    .map_err(failed)?;
+                let bytes = Bytes::from(bytes);
+                let chunks: Vec<Result<FlightData, Status>> = (0..bytes.len())
+                    .step_by(COMPONENT_CHUNK_BYTES)
+                    .map(|start| {
+                        let end = (start + COMPONENT_CHUNK_BYTES).min(bytes.len());
+                        Ok(FlightData {
+                            data_body: bytes.slice(start..end),
+                            ..Default::default()
+                        })
+                    })
+                    .collect();
+                return Ok(Response::new(futures::stream::iter(chunks).boxed()));
+            }
+            other => {
+                return Err(failed(format!(
+                    "malformed request: unknown do_get request {other:?}"
+                )))
+            }
+        };
+        let stream = FlightDataEncoderBuilder::new()
+            .with_schema(schema)
+            .with_metadata(metadata)
+            .build(futures::stream::iter(batches.into_iter().map(Ok)))
+            .map_err(failed);
+        Ok(Response::new(stream.boxed()))
+    }
+
+    async fn do_put(
+        &self,
+        request: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoPutStream>, Status> {
+        let mut input = request.into_inner();
+        let first = input
+            .message()
+            .await?
+            .ok_or_else(|| failed("empty prepare stream"))?;
+        let descriptor = first
+            .flight_descriptor
+            .clone()
+            .ok_or_else(|| failed("a prepare stream starts with a descriptor"))?;
+        let envelope: Envelope<TaggedRequest> = self
+            .gate
+            .open_envelope(&descriptor.cmd)
+            .map_err(Refusal::into_status)?;
+        let request = envelope.body;
+        // Clients publish without knowing the cluster's id; nodes name it.
+        self.gate
+            .check_cluster(&envelope.cluster_id, request.kind == PublishRequest::KIND)
+            .map_err(Refusal::into_status)?;
+        let decode_error = Refusal::into_status;
+        let rest = input.map_err(arrow_flight::error::FlightError::from);
+        let data = futures::stream::once(async { Ok(first) }).chain(rest);
+        let app_metadata = match request.kind.as_str() {
+            PrepareRequest::KIND => {
+                let prepare: PrepareRequest = request.decode().map_err(decode_error)?;
+                let batches = FlightRecordBatchStream::new_from_flight_data(data);
+                let reply = tessera_replication::log_shipping::receive(
+                    &self.node.replication,
+                    prepare,
+                    batches,
+                )
+                .await
+                .map_err(failed)?;
+                Bytes::from(serde_json::to_vec(&reply).map_err(failed)?)
+            }
+            ExchangeHeader::KIND => {
+                let header: ExchangeHeader = request.decode().map_err(decode_error)?;
+                let messages = arrow_flight::decode::FlightDataDecoder::new(data);
+                tessera_exec::exchange::receive(self.node.exec.queries(), &header, messages)
+                    .await
+                    .map_err(failed)?;
+                Bytes::new()
+            }
+            PublishRequest::KIND => {
+                let PublishRequest { table, deletes } = request.decode().map_err(decode_error)?;
+                let batches = FlightRecordBatchStream::new_from_flight_data(data);
+                let rows: Vec<RecordBatch> = batches.try_collect().await.map_err(failed)?;
+                let changes = if deletes {
+                    TableChanges {
+                        table,
+                        upserts: vec![],
+                        deletes: rows,
+                    }
+                } else {
+                    TableChanges {
+                        table,
+                        upserts: rows,
+                        deletes: vec![],
+                    }
+                };
+                let epoch = crate::publish::publish(&self.node.replication, vec![changes])
+                    .await
+                    .map_err(failed)?;
+                Bytes::from(serde_json::to_vec(&epoch).map_err(failed)?)
+            }
+            other => {
+                return Err(failed(format!(
+                    "malformed request: unknown do_put request {other:?}"
+                )))
+            }
+        };
+        let done = PutResult { app_metadata };
+        Ok(Response::new(
+            futures::stream::once(async { Ok(done) }).boxed(),
+        ))
+    }
+
+    async fn do_exchange(
+        &self,
+        _request: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoExchangeStream>, Status> {
+        Err(Status::unimplemented("do_exchange"))
+    }
+
+    async fn do_action(
+        &self,
+        request: Request<Action>,
+    ) -> Result<Response<Self::DoActionStream>, Status> {
+        self.action(request.into_inner()).await
+    }
+
+    async fn list_actions(
+        &self,
+        _request: Request<Empty>,
+    ) -> Result<Response<Self::ListActionsStream>, Status> {
+        Err(Status::unimplemented("list_actions"))
+    }
+}

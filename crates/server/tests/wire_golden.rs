@@ -1,0 +1,554 @@
+//! The node-to-node wire format, pinned: one sample of every request (action bodies,
+//! `do_get` tickets, `do_put` descriptors), every reply and every metadata command, encoded
+//! exactly as it travels, compared byte for byte with `tests/golden/wire.txt`.
+//!
+//! A refactoring that moves these types between modules or crates must leave this file
+//! unchanged; a deliberate change of the protocol bumps `PROTOCOL_VERSION` and regenerates
+//! it with `TESSERA_BLESS=1 cargo test -p tessera-server --test wire_golden`.
+
+use arrow::datatypes::{DataType, Field, Schema};
+use openraft::{CommittedLeaderId, EntryPayload, LogId, Membership, Vote};
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use tessera_common::{ComponentHash, Epoch, Lsn, PartitionId};
+use tessera_exec::run::{RunRequest, StageTask, StagesEvent};
+use tessera_exec::ChannelReport;
+use tessera_server::meta::{LineageEntry, MetaCommand, MetaResponse, MetaState, TypeConfig};
+use tessera_server::rpc::*;
+use tessera_server::server::{NodeStatus, TableCount};
+use tessera_storage::{ComponentMeta, TableDef};
+
+const CLUSTER: &str = "golden";
+
+/// Every sample, named, in a fixed order.
+struct Samples(Vec<(String, String)>);
+
+impl Samples {
+    /// A request body as it travels inside its envelope.
+    fn request<T: Serialize>(&mut self, name: &str, body: T) {
+        let bytes = encode_envelope(CLUSTER, PROTOCOL_VERSION, body);
+        self.0
+            .push((name.to_string(), String::from_utf8(bytes).unwrap()));
+    }
+
+    /// A `do_get` ticket or `do_put` descriptor: the request tagged with its kind.
+    fn tagged<R: WireRequest>(&mut self, name: &str, request: R) {
+        let bytes = tessera_net::encode_request(CLUSTER, PROTOCOL_VERSION, &request);
+        self.0
+            .push((name.to_string(), String::from_utf8(bytes).unwrap()));
+    }
+
+    /// A reply or a stored value, as plain JSON.
+    fn value<T: Serialize>(&mut self, name: &str, value: &T) {
+        self.0
+            .push((name.to_string(), serde_json::to_string(value).unwrap()));
+    }
+
+    fn text(&self) -> String {
+        self.0
+            .iter()
+            .map(|(name, json)| format!("{name}: {json}\n"))
+            .collect()
+    }
+}
+
+fn kv_def() -> TableDef {
+    let schema = Schema::new(vec![
+        Field::new("k", DataType::Int64, false),
+        Field::new("v", DataType::Utf8, true),
+    ]);
+    let mut def = TableDef::new("kv", schema, vec!["k".into()], None).unwrap();
+    def.generation = 7;
+    def
+}
+
+fn component() -> ComponentMeta {
+    ComponentMeta {
+        hash: ComponentHash::of_bytes(b"a component"),
+        rows: 10,
+        bytes: 2048,
+        min_lsn: Lsn(1),
+        max_lsn: Lsn(9),
+        min_epoch: Epoch(2),
+        max_epoch: Epoch(3),
+        unique_keys: true,
+        tombstones: 1,
+    }
+}
+
+fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
+    vec![
+        (
+            "bootstrap",
+            MetaCommand::Bootstrap {
+                cluster_id: CLUSTER.into(),
+                partition_count: 4,
+                replication: 2,
+                hot_standby: false,
+                nodes: vec![(1, "127.0.0.1:7001".into()), (2, "127.0.0.1:7002".into())],
+            },
+        ),
+        (
+            "register-node",
+            MetaCommand::RegisterNode {
+                id: 3,
+                addr: "127.0.0.1:7003".into(),
+            },
+        ),
+        (
+            "set-liveness",
+            MetaCommand::SetLiveness {
+                id: 2,
+                alive: false,
+            },
+        ),
+        ("create-table", MetaCommand::CreateTable { def: kv_def() }),
+        (
+            "started",
+            MetaCommand::Started {
+                id: 1,
+                incarnation: 1_700_000_000_000_000,
+            },
+        ),
+        (
+            "allocate-epoch",
+            MetaCommand::AllocateEpoch {
+                coordinator: 1,
+                incarnation: 1_700_000_000_000_000,
+                tables: vec!["kv".into()],
+                request: 42,
+            },
+        ),
+        (
+            "commit-epoch",
+            MetaCommand::CommitEpoch {
+                epoch: Epoch(1),
+                missed: vec![(PartitionId(3), 2)],
+            },
+        ),
+        (
+            "abort-epoch",
+            MetaCommand::AbortEpoch {
+                epoch: Epoch(2),
+                reason: "coordinator lost".into(),
+            },
+        ),
+        (
+            "set-partition-map",
+            MetaCommand::SetPartitionMap {
+                map: tessera_server::meta::PartitionMap::uniform(4, 2, &[1, 2, 3]),
+            },
+        ),
+        ("leave", MetaCommand::Leave { id: 3 }),
+        ("decommission", MetaCommand::Decommission { id: 3 }),
+        (
+            "lineage",
+            MetaCommand::Lineage {
+                node: 2,
+                entries: vec![LineageEntry {
+                    query: 0xfeed,
+                    initiator: 1,
+                    exchange: 2,
+                    bucket: 5,
+                    from: 0,
+                    runs: vec![(0, 3), (1, 2)],
+                }],
+            },
+        ),
+        ("lineage-end", MetaCommand::LineageEnd { query: 0xfeed }),
+        ("drop-table", MetaCommand::DropTable { name: "kv".into() }),
+    ]
+}
+
+fn log_id(index: u64) -> LogId<u64> {
+    LogId::new(CommittedLeaderId::new(3, 1), index)
+}
+
+fn samples() -> Samples {
+    let mut s = Samples(Vec::new());
+
+    // Actions.
+    s.request(ACTION_HELLO, ());
+    let entries: Vec<openraft::Entry<TypeConfig>> = vec![
+        openraft::Entry {
+            log_id: log_id(5),
+            payload: EntryPayload::Normal(MetaCommand::LineageEnd { query: 9 }),
+        },
+        openraft::Entry {
+            log_id: log_id(6),
+            payload: EntryPayload::Membership(Membership::new(
+                vec![BTreeSet::from([1, 2, 3])],
+                None,
+            )),
+        },
+        openraft::Entry {
+            log_id: log_id(7),
+            payload: EntryPayload::Blank,
+        },
+    ];
+    s.request(
+        ACTION_RAFT_APPEND,
+        openraft::raft::AppendEntriesRequest::<TypeConfig> {
+            vote: Vote::new_committed(3, 1),
+            prev_log_id: Some(log_id(4)),
+            entries,
+            leader_commit: Some(log_id(4)),
+        },
+    );
+    s.request(
+        ACTION_RAFT_VOTE,
+        openraft::raft::VoteRequest::<u64> {
+            vote: Vote::new(4, 2),
+            last_log_id: Some(log_id(7)),
+        },
+    );
+    s.request(
+        ACTION_RAFT_SNAPSHOT,
+        openraft::raft::InstallSnapshotRequest::<TypeConfig> {
+            vote: Vote::new_committed(3, 1),
+            meta: openraft::SnapshotMeta {
+                last_log_id: Some(log_id(7)),
+                last_membership: openraft::StoredMembership::new(
+                    Some(log_id(6)),
+                    Membership::new(vec![BTreeSet::from([1, 2, 3])], None),
+                ),
+                snapshot_id: "3-1-7".into(),
+            },
+            offset: 0,
+            data: b"{}".to_vec(),
+            done: true,
+        },
+    );
+    for (name, command) in meta_commands() {
+        s.request(&format!("{ACTION_META_WRITE} {name}"), command);
+    }
+    s.request(ACTION_HEARTBEAT, (Heartbeat { node_id: 2 }, vec![3u64]));
+    s.request(ACTION_STATUS, ());
+    s.request(ACTION_READ_INDEX, ());
+    s.request(ACTION_SQL, "SELECT 1");
+    s.request(ACTION_QUERY_END, 0xfeedu64);
+    s.request(ACTION_DECOMMISSION, 3u64);
+    s.request(ACTION_FLUSH, ());
+    s.request(
+        ACTION_SHIPPED_MANIFEST,
+        ("kv".to_string(), 7u64, PartitionId(3)),
+    );
+    s.request(
+        ACTION_COMPONENTS_READY,
+        ComponentsRequest {
+            partitions: vec![("kv".into(), 7, PartitionId(3))],
+        },
+    );
+    s.request(
+        ACTION_COPY_PARTITIONS,
+        CopyRequest {
+            moves: vec![
+                PartitionMove {
+                    partition: PartitionId(1),
+                    source: 2,
+                    since: Epoch(0),
+                },
+                PartitionMove {
+                    partition: PartitionId(2),
+                    source: 1,
+                    since: Epoch(5),
+                },
+            ],
+            tables: vec![("kv".into(), 7)],
+        },
+    );
+
+    // `do_get` tickets.
+    s.tagged(
+        "get scan",
+        ScanRequest {
+            table: "kv".into(),
+            generation: 7,
+            epoch: Epoch(4),
+            partitions: vec![PartitionId(0), PartitionId(2)],
+            columns: vec![0, 1],
+        },
+    );
+    s.tagged(
+        "get versions",
+        VersionsRequest {
+            table: "kv".into(),
+            generation: 7,
+            partition: PartitionId(1),
+            since: Epoch(3),
+        },
+    );
+    s.tagged(
+        "get export",
+        ExportRequest {
+            table: "kv".into(),
+            generation: 7,
+            partition: PartitionId(1),
+        },
+    );
+    s.tagged(
+        "get component",
+        ComponentRequest {
+            hash: ComponentHash::of_bytes(b"a component"),
+        },
+    );
+    s.tagged(
+        "get run-stages",
+        RunRequest {
+            query: 0xfeed,
+            initiator: 1,
+            stages: vec![StageTask {
+                stage: 2,
+                fragment: "0a0b".into(),
+                channels: vec![0, 3],
+            }],
+            lineage: true,
+        },
+    );
+    s.tagged(
+        "get spool",
+        SpoolRequest {
+            query: 0xfeed,
+            exchange: 2,
+            channel: 1,
+            bucket: 4,
+        },
+    );
+
+    // `do_put` descriptors.
+    s.tagged(
+        "put prepare",
+        PrepareRequest {
+            epoch: Epoch(4),
+            table: "kv".into(),
+            deletes: false,
+            forward: vec![Forward {
+                node: 2,
+                partitions: vec![PartitionId(1)],
+            }],
+        },
+    );
+    s.tagged(
+        "put publish",
+        PublishRequest {
+            table: "kv".into(),
+            deletes: true,
+        },
+    );
+    s.tagged(
+        "put exchange",
+        ExchangeHeader {
+            query: 0xfeed,
+            exchange: 2,
+            sender: 1,
+            senders_per_bucket: 4,
+            buckets: vec![0, 2],
+            lineage: true,
+        },
+    );
+    s.value(
+        "exchange batch tag",
+        &tessera_exec::exchange::BatchTag { bucket: 2, seq: 17 },
+    );
+
+    // Replies.
+    s.value(
+        "identity",
+        &Identity {
+            node_id: 2,
+            cluster_id: CLUSTER.into(),
+            protocol: PROTOCOL_VERSION,
+        },
+    );
+    s.value(
+        "prepare reply",
+        &PrepareReply {
+            unreachable: vec![3],
+        },
+    );
+    for refusal in [
+        Refusal::WrongCluster {
+            node_id: 2,
+            cluster_id: "other".into(),
+        },
+        Refusal::VersionMismatch {
+            node_id: 2,
+            protocol: 9,
+        },
+        Refusal::NotLeader { leader: Some(1) },
+        Refusal::Failed("no such table".into()),
+    ] {
+        s.value("refusal", &refusal);
+        s.value("refused reply", &Err::<(), Refusal>(refusal));
+    }
+    s.value("empty reply", &Ok::<(), Refusal>(()));
+    s.value("read-index reply", &Ok::<u64, Refusal>(12));
+    for response in [
+        MetaResponse::Done,
+        MetaResponse::Epoch(Epoch(4)),
+        MetaResponse::Refused("why".into()),
+        MetaResponse::TableBusy("kv".into()),
+        MetaResponse::Fenced("failed".into()),
+    ] {
+        s.value("meta response", &Ok::<_, Refusal>(response));
+    }
+    for output in [
+        SqlOutput::Rows {
+            ipc_hex: "ffff".into(),
+        },
+        SqlOutput::Done {
+            tag: "INSERT 0 3".into(),
+            epoch: Some(Epoch(4)),
+        },
+        SqlOutput::Notice {
+            message: "a notice".into(),
+            recovery: None,
+        },
+        SqlOutput::Notice {
+            message: "node 2 died".into(),
+            recovery: Some(tessera_exec::RecoveryOutcome::Rebuilt {
+                dead: 2,
+                query: 0xfeed,
+                channels: 3,
+                replayed_batches: 12,
+                placed: vec!["stage 2 channel(s) [1] on node 3".into()],
+                replan_ms: 40,
+            }),
+        },
+        SqlOutput::Notice {
+            message: "node 2 died".into(),
+            recovery: Some(tessera_exec::RecoveryOutcome::Restarted {
+                dead: 2,
+                query: 0xfeed,
+                restart: 1,
+                lineage_gave_up: Some("why".into()),
+            }),
+        },
+    ] {
+        s.value("sql output", &output);
+    }
+    s.value(
+        "shipped manifest",
+        &ShippedManifest {
+            components: vec![component()],
+            covered: Epoch(3),
+        },
+    );
+    s.value("export components", &vec![component()]);
+    s.value(
+        "stages event report",
+        &StagesEvent::Report(ChannelReport {
+            stage: 1,
+            channel: 2,
+            node: 3,
+            rows: 100,
+            batches: 2,
+            bytes_sent: 4096,
+            started_us: 10,
+            first_input_us: Some(20),
+            finished_us: 30,
+            error: None,
+        }),
+    );
+    s.value("stages event done", &StagesEvent::AllDone);
+    s.value("publish reply", &Epoch(4));
+
+    // The metadata state every node builds (also its Raft snapshot) and `tessera status`.
+    let mut state = MetaState::default();
+    for (index, (_, command)) in meta_commands().into_iter().enumerate() {
+        if matches!(command, MetaCommand::DropTable { .. }) {
+            continue;
+        }
+        state.apply(index as u64 + 1, command);
+    }
+    s.value("meta state", &state);
+    s.value(
+        "node status",
+        &NodeStatus {
+            node_id: 1,
+            listen: "127.0.0.1:7001".into(),
+            leader: Some(1),
+            term: 3,
+            applied_index: 12,
+            meta: MetaState::default(),
+            tables: vec![TableCount {
+                name: "kv".into(),
+                rows: 10,
+                logged_rows: 2,
+                partitions_with_data: 3,
+            }],
+            transfers: tessera_server::rebalance::TransferCounts {
+                whole_copies: 1,
+                whole_rows: 100,
+                delta_copies: 2,
+                delta_versions: 30,
+            },
+        },
+    );
+    s
+}
+
+fn golden_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/wire.txt")
+}
+
+#[test]
+fn every_request_and_reply_encodes_as_pinned() {
+    let actual = samples().text();
+    let path = golden_path();
+    if std::env::var_os("TESSERA_BLESS").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &actual).unwrap();
+        return;
+    }
+    let expected = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (TESSERA_BLESS=1 writes it from the current encodings)",
+            path.display()
+        )
+    });
+    let mut expected_lines = expected.lines();
+    for line in actual.lines() {
+        let pinned = expected_lines.next().unwrap_or("<missing>");
+        assert_eq!(
+            line, pinned,
+            "an encoding changed (first line is now, second was pinned)"
+        );
+    }
+    assert_eq!(
+        expected_lines.next(),
+        None,
+        "the golden file pins more samples than the test produces"
+    );
+}
+
+/// Every action the server dispatches has a sample above.
+#[test]
+fn every_action_has_a_sample() {
+    let samples = samples();
+    let names: BTreeMap<&str, ()> = samples
+        .0
+        .iter()
+        .map(|(name, _)| (name.split(' ').next().unwrap(), ()))
+        .collect();
+    for action in [
+        ACTION_HELLO,
+        ACTION_RAFT_APPEND,
+        ACTION_RAFT_VOTE,
+        ACTION_RAFT_SNAPSHOT,
+        ACTION_META_WRITE,
+        ACTION_HEARTBEAT,
+        ACTION_STATUS,
+        ACTION_READ_INDEX,
+        ACTION_SQL,
+        ACTION_QUERY_END,
+        ACTION_DECOMMISSION,
+        ACTION_FLUSH,
+        ACTION_SHIPPED_MANIFEST,
+        ACTION_COMPONENTS_READY,
+        ACTION_COPY_PARTITIONS,
+    ] {
+        assert!(names.contains_key(action), "no sample of action {action}");
+    }
+}
