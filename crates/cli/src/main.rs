@@ -104,6 +104,10 @@ enum Command {
     Node {
         #[arg(long)]
         config: PathBuf,
+        /// Overrides a setting of the file by its dotted path, e.g.
+        /// `--set failure.timeout_ms=3000` (repeatable).
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        overrides: Vec<String>,
     },
     /// Move a node's partitions to the other members and retire it (needs --node).
     Decommission {
@@ -264,7 +268,7 @@ async fn run(cli: Cli) -> Result<()> {
             delete,
             files,
         } => commands::publish::run(target(&cli)?, table, *delete, files).await,
-        Command::Node { config } => commands::node::run(config).await,
+        Command::Node { config, overrides } => commands::node::run(config, overrides).await,
         Command::Decommission { id } => {
             let Some(addr) = &cli.node else {
                 anyhow::bail!("decommission works on a cluster: give --node ADDR of any member");

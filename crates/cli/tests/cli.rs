@@ -240,3 +240,40 @@ fn the_cluster_benchmark_compares_nodes_with_one_node_and_datafusion() {
     );
     assert!(String::from_utf8_lossy(&one.stderr).contains("give 2 or more"));
 }
+
+#[test]
+fn a_node_refuses_a_bad_setting_and_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("node.toml");
+    std::fs::write(
+        &config,
+        "cluster_id = \"c\"\nnode_id = 1\nlisten = \"127.0.0.1:1\"\ndata_dir = \"d\"\n[[peers]]\nid = 1\naddr = \"127.0.0.1:1\"\n",
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let refused = |overrides: &[&str]| {
+        let mut args = vec!["node", "--config", config];
+        for o in overrides {
+            args.extend(["--set", o]);
+        }
+        let output = tessera(dir.path(), &args, None);
+        assert!(!output.status.success(), "{overrides:?} was accepted");
+        String::from_utf8_lossy(&output.stderr).to_string()
+    };
+    let typo = refused(&["failure.timout_ms=3000"]);
+    assert!(typo.contains("unknown field `timout_ms`"), "{typo}");
+    let rule = refused(&["failure.heartbeat_ms=2000"]);
+    assert!(
+        rule.contains("failure.timeout_ms (1500) must exceed failure.heartbeat_ms (2000)"),
+        "the override reached the checks: {rule}"
+    );
+    let moved = refused(&["failure_timeout_ms=900"]);
+    assert!(
+        moved.contains("write it as `failure.timeout_ms`"),
+        "{moved}"
+    );
+    assert!(
+        !dir.path().join("d").exists(),
+        "a refused configuration touches no data"
+    );
+}

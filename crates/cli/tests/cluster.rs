@@ -760,10 +760,10 @@ async fn a_lost_node_is_rereplicated_and_takes_its_share_back_when_it_returns() 
     let _exclusive = exclusive();
     let root = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 4, PARTITIONS, 3);
-    cluster.set_option("rereplicate_after_ms", "3000");
+    cluster.set_option("failure.rereplicate_after_ms", "3000");
     // Small memtables: the partitions are flushed to components, which the new replicas
     // then copy by hash.
-    cluster.set_option("memtable_flush_bytes", "65536");
+    cluster.set_option("store.memtable_flush_bytes", "65536");
     cluster.start_all();
     wait_formed(&cluster, 1, 4).await;
     let client = ClusterClient::new(cluster.addr(1));
@@ -964,7 +964,7 @@ async fn cold_standbys_take_their_primaries_components_and_replay_the_rest_when_
     let root = tempfile::tempdir().unwrap();
     // Checkpoints every 64 KiB of log: primaries flush and ship components often.
     let (mut cluster, client) =
-        kv_cluster_with(root.path(), 3, &[("checkpoint_log_bytes", "65536")]).await;
+        kv_cluster_with(root.path(), 3, &[("store.checkpoint_log_bytes", "65536")]).await;
     const BATCHES: i64 = 20;
     for b in 0..BATCHES {
         client
@@ -1021,7 +1021,8 @@ async fn cold_standbys_take_their_primaries_components_and_replay_the_rest_when_
 async fn hot_standbys_apply_rows_as_they_commit() {
     let _exclusive = exclusive();
     let root = tempfile::tempdir().unwrap();
-    let (mut cluster, client) = kv_cluster_with(root.path(), 3, &[("hot_standby", "true")]).await;
+    let (mut cluster, client) =
+        kv_cluster_with(root.path(), 3, &[("replicas.hot_standby", "true")]).await;
     client
         .publish("kv", vec![kv_batch(0, 2000)], false)
         .await

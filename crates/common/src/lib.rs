@@ -6,11 +6,13 @@
 //! hash or the version column names moves data, so both are fixed and tested against
 //! known vectors.
 
+pub mod config;
 pub mod hex;
 pub mod ids;
 pub mod partitioning;
 pub mod version;
 
+pub use config::{ConfigError, NodeConfig, Peer};
 pub use ids::{ComponentHash, Epoch, Lsn, NodeId, PartitionId};
 pub use partitioning::{
     is_key_type, partition_key_hashes, PartitionRing, PartitioningError, DEFAULT_PARTITIONS,

@@ -56,6 +56,7 @@ pub struct Exec {
     pub(crate) clients: Arc<tessera_net::Clients>,
     pub(crate) queries: Arc<exchange::QueryRegistry>,
     pub(crate) lineage: Arc<dyn hooks::Lineage>,
+    pub(crate) settings: tessera_common::config::ExecSettings,
     replication: Arc<tessera_replication::Replication>,
 }
 
@@ -72,13 +73,15 @@ impl Exec {
         clients: Arc<tessera_net::Clients>,
         replication: Arc<tessera_replication::Replication>,
         lineage: Arc<dyn hooks::Lineage>,
+        settings: tessera_common::config::ExecSettings,
     ) -> Exec {
         Exec {
             store,
             meta,
             clients,
-            queries: Arc::default(),
+            queries: Arc::new(exchange::QueryRegistry::new(settings.inbox_budget_bytes)),
             lineage,
+            settings,
             replication,
         }
     }

@@ -5,8 +5,8 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum ClusterError {
-    #[error("invalid node configuration {path}: {reason}")]
-    Config { path: String, reason: String },
+    #[error(transparent)]
+    Config(#[from] tessera_common::ConfigError),
     #[error("cannot listen on {addr}: {reason}")]
     Listen { addr: String, reason: String },
     #[error("node {node} at {addr} belongs to cluster {theirs:?}, but this node is configured for cluster {ours:?}")]

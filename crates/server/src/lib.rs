@@ -21,7 +21,6 @@ pub use tessera_meta as meta;
 /// The replication protocols, re-exported under their old paths while the crate is split.
 pub use tessera_replication::{failover, publish, rebalance, shipping};
 pub mod client;
-pub mod config;
 pub mod error;
 pub mod node;
 pub mod rpc;
@@ -31,7 +30,7 @@ pub use tessera_common::NodeId;
 
 pub use backend::ClusterBackend;
 pub use client::{ClusterClient, Notice};
-pub use config::{NodeConfig, Peer};
 pub use error::{ClusterError, Result};
 pub use node::Node;
+pub use tessera_common::config::{self, ConfigError, NodeConfig, Peer};
 pub use tessera_exec::RecoveryOutcome;

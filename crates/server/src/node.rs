@@ -1,7 +1,6 @@
 //! One node: its store, its member of the metadata group, its RPC server, and the loops
 //! that keep it in the cluster (heartbeats, failure detection, membership, checkpoints).
 
-use crate::config::NodeConfig;
 use crate::error::{ClusterError, Result};
 use crate::failover::{Check, FailureDetector, Member};
 use crate::meta::log_store::LogStore;
@@ -21,6 +20,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tessera_common::NodeConfig;
 use tessera_replication::{Replication, Settings};
 use tessera_storage::{Store, StoreConfig};
 
@@ -166,16 +166,7 @@ impl Node {
         let clients = Arc::new(Clients::new(&config.cluster_id, protocol));
         check_peers(&config, &clients, protocol).await?;
 
-        let mut store_config = StoreConfig {
-            partitions: config.partitions,
-            ..StoreConfig::default()
-        };
-        if let Some(bytes) = config.memtable_flush_bytes {
-            store_config.memtable_flush_bytes = bytes;
-        }
-        if let Some(bytes) = config.checkpoint_log_bytes {
-            store_config.checkpoint_log_bytes = bytes;
-        }
+        let store_config = StoreConfig::with_settings(config.partitions, &config.store);
         let store_dir = config.data_dir.join("store");
         let store = tokio::task::spawn_blocking(move || Store::open(&store_dir, store_config))
             .await
@@ -237,7 +228,7 @@ impl Node {
             Settings {
                 failure_timeout: config.failure_timeout(),
                 rereplicate_after: config.rereplicate_after(),
-                delta_recovery: config.delta_recovery,
+                delta_recovery: config.replicas.delta_recovery,
             },
         ));
         let lineage = tessera_recovery::WriteAheadLineage::start(
@@ -251,6 +242,7 @@ impl Node {
             clients.clone(),
             replication.clone(),
             lineage.clone(),
+            config.exec.clone(),
         ));
         let node = Arc::new(Node {
             config,
@@ -466,7 +458,7 @@ impl Node {
                     cluster_id: self.config.cluster_id.clone(),
                     partition_count: self.config.partitions,
                     replication: self.config.replication,
-                    hot_standby: self.config.hot_standby,
+                    hot_standby: self.config.replicas.hot_standby,
                     nodes,
                 })
                 .await?;

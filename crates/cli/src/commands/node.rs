@@ -1,11 +1,12 @@
-//! `tessera node --config node.toml`: run one node of a cluster until stopped.
+//! `tessera node --config node.toml [--set section.key=value]...`: run one node of a
+//! cluster until stopped.
 
 use anyhow::{Context, Result};
 use std::path::Path;
 use tessera_server::{Node, NodeConfig};
 
-pub async fn run(config_path: &Path) -> Result<()> {
-    let mut config = NodeConfig::load(config_path)?;
+pub async fn run(config_path: &Path, overrides: &[String]) -> Result<()> {
+    let mut config = NodeConfig::load_with(config_path, overrides)?;
     if config.data_dir.is_relative() {
         // Relative to the configuration file, so a config works from any directory.
         let base = config_path.parent().unwrap_or(Path::new("."));

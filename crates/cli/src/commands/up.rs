@@ -6,6 +6,7 @@ use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
+use tessera_server::config::{ReplicaSettings, StoreSettings};
 use tessera_server::{ClusterClient, NodeConfig, Peer};
 
 pub struct UpOptions {
@@ -76,13 +77,17 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
             voters: None,
             partitions: options.partitions,
             replication: options.replication,
-            heartbeat_ms: NodeConfig::DEFAULT_HEARTBEAT_MS,
-            failure_timeout_ms: NodeConfig::DEFAULT_FAILURE_TIMEOUT_MS,
-            memtable_flush_bytes: options.memtable_flush_bytes,
-            checkpoint_log_bytes: options.checkpoint_log_bytes,
-            hot_standby: options.hot_standby,
-            delta_recovery: options.delta_recovery,
-            rereplicate_after_ms: NodeConfig::DEFAULT_REREPLICATE_AFTER_MS,
+            store: StoreSettings {
+                memtable_flush_bytes: options.memtable_flush_bytes,
+                checkpoint_log_bytes: options.checkpoint_log_bytes,
+                ..Default::default()
+            },
+            replicas: ReplicaSettings {
+                hot_standby: options.hot_standby,
+                delta_recovery: options.delta_recovery,
+            },
+            failure: Default::default(),
+            exec: Default::default(),
         };
         let path = dir.join("node.toml");
         std::fs::write(&path, toml::to_string(&config)?)?;

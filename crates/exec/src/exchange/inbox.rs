@@ -2,17 +2,20 @@
 //! yet read, under a byte budget (a full inbox makes its producers wait), in sequence per
 //! producer channel, until every producer has ended its stream.
 
-use super::{Digest, InboxKey, INBOX_BUDGET_BYTES};
+use super::{Digest, InboxKey};
 use crate::now_us;
 use arrow::array::RecordBatch;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Mutex;
+use tessera_common::config::ExecSettings;
 use tokio::sync::{Notify, Semaphore};
 
 /// The batches of one bucket that arrived and are not yet read.
 pub struct Inbox {
     key: InboxKey,
     state: Mutex<InboxState>,
+    /// The whole budget, in KiB: a batch larger than that takes all of it.
+    budget_kib: u32,
     /// Free budget in KiB; a producer takes some per batch, the reader gives it back.
     space: Semaphore,
     arrived: Notify,
@@ -39,8 +42,20 @@ struct InboxState {
 }
 
 impl Inbox {
+    /// An inbox with the default budget.
     pub fn new(key: InboxKey, expected_senders: usize) -> Inbox {
+        Inbox::with_budget(
+            key,
+            expected_senders,
+            ExecSettings::default().inbox_budget_bytes,
+        )
+    }
+
+    /// An inbox that holds up to `budget_bytes` unread before its producers wait.
+    pub fn with_budget(key: InboxKey, expected_senders: usize, budget_bytes: usize) -> Inbox {
+        let budget_kib = (budget_bytes >> 10).max(1);
         Inbox {
+            budget_kib: budget_kib as u32,
             key,
             state: Mutex::new(InboxState {
                 expected_senders,
@@ -55,7 +70,7 @@ impl Inbox {
                 reader_taken: false,
                 first_batch_us: None,
             }),
-            space: Semaphore::new(INBOX_BUDGET_BYTES >> 10),
+            space: Semaphore::new(budget_kib),
             arrived: Notify::new(),
         }
     }
@@ -86,8 +101,7 @@ impl Inbox {
         if self.is_resent(sender, seq, digest)? {
             return Ok(());
         }
-        let kib = ((batch.get_array_memory_size() >> 10) as u32)
-            .clamp(1, (INBOX_BUDGET_BYTES >> 10) as u32);
+        let kib = ((batch.get_array_memory_size() >> 10) as u32).clamp(1, self.budget_kib);
         match self.space.acquire_many(kib).await {
             Ok(permit) => permit.forget(),
             // Closed: the consumer is done with this bucket.

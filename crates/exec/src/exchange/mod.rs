@@ -35,11 +35,6 @@ use crate::{QueryId, StageId};
 use arrow_flight::FlightData;
 use serde::{Deserialize, Serialize};
 
-/// Bytes one bucket may hold unread before its producers wait (flow control).
-pub const INBOX_BUDGET_BYTES: usize = 16 << 20;
-/// Rows a producer gathers per destination bucket before sending a batch.
-pub const SEND_BATCH_ROWS: usize = 8192;
-
 /// How an exchange routes a producer's rows to buckets.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub enum ExchangeMode {

@@ -5,14 +5,16 @@ use super::{Inbox, InboxKey};
 use crate::QueryId;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
+use tessera_common::config::ExecSettings;
 use tokio::sync::Notify;
 
 /// Queries remembered as ended, so late batches for them are dropped, not buffered.
 const ENDED_QUERIES_KEPT: usize = 4096;
 
 /// A node's exchanges and running channels, by query.
-#[derive(Default)]
 pub struct QueryRegistry {
+    /// Unread bytes each inbox holds before its producers wait.
+    inbox_budget_bytes: usize,
     inboxes: Mutex<HashMap<InboxKey, Arc<Inbox>>>,
     ended: Mutex<(HashSet<QueryId>, VecDeque<QueryId>)>,
     /// Woken whenever a query ends here.
@@ -22,7 +24,25 @@ pub struct QueryRegistry {
     statistics: tessera_sql::provider::ComponentStatistics,
 }
 
+impl Default for QueryRegistry {
+    fn default() -> Self {
+        QueryRegistry::new(ExecSettings::default().inbox_budget_bytes)
+    }
+}
+
 impl QueryRegistry {
+    /// A registry whose inboxes hold up to `inbox_budget_bytes` each.
+    pub fn new(inbox_budget_bytes: usize) -> QueryRegistry {
+        QueryRegistry {
+            inbox_budget_bytes,
+            inboxes: Mutex::default(),
+            ended: Mutex::default(),
+            ended_now: Notify::new(),
+            running: Mutex::default(),
+            statistics: Default::default(),
+        }
+    }
+
     /// The inbox of `key`, made on first use by whichever end comes first. `None` if the
     /// query has ended here: whatever still arrives for it is not needed.
     pub fn inbox(&self, key: InboxKey, expected_senders: usize) -> Option<Arc<Inbox>> {
@@ -33,7 +53,13 @@ impl QueryRegistry {
         Some(
             inboxes
                 .entry(key)
-                .or_insert_with(|| Arc::new(Inbox::new(key, expected_senders)))
+                .or_insert_with(|| {
+                    Arc::new(Inbox::with_budget(
+                        key,
+                        expected_senders,
+                        self.inbox_budget_bytes,
+                    ))
+                })
                 .clone(),
         )
     }

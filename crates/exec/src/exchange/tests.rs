@@ -1,6 +1,12 @@
 //! Unit tests of inboxes, flow control and end of stream, on one node.
 
 use super::*;
+use tessera_common::config::ExecSettings;
+
+/// The default inbox budget, which `Inbox::new` takes.
+fn budget() -> usize {
+    ExecSettings::default().inbox_budget_bytes
+}
 use arrow::array::Int64Array;
 use arrow::array::RecordBatch;
 use arrow::datatypes::{DataType, Field, Schema};
@@ -82,7 +88,7 @@ async fn re_sent_batches_are_dropped_if_identical_and_refused_if_not() {
 async fn a_full_inbox_holds_its_sender_until_the_reader_takes_a_batch() {
     let inbox = Arc::new(Inbox::new(key(0), 1));
     // Each batch is a little over a quarter of the budget: three fit, a fourth does not.
-    let rows = (INBOX_BUDGET_BYTES / 8 / 4 + 1024) as i64;
+    let rows = (budget() / 8 / 4 + 1024) as i64;
     for seq in 0..3 {
         inbox.push(0, seq, batch(rows), None).await.unwrap();
     }
@@ -106,7 +112,7 @@ async fn a_full_inbox_holds_its_sender_until_the_reader_takes_a_batch() {
 #[tokio::test]
 async fn closing_an_inbox_releases_a_waiting_sender_and_drops_what_arrives() {
     let inbox = Arc::new(Inbox::new(key(0), 1));
-    let rows = (INBOX_BUDGET_BYTES / 8) as i64;
+    let rows = (budget() / 8) as i64;
     inbox.push(0, 0, batch(rows), None).await.unwrap();
     let sender = {
         let inbox = inbox.clone();

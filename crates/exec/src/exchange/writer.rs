@@ -4,9 +4,7 @@
 //! lineage recovery it backs up what it sends, gives up links to nodes that die, and holds
 //! output until the reading order it was computed from is logged (the lineage hooks).
 
-use super::{
-    batch_digest, tokio_stream_from, BatchTag, ExchangeMode, Inbox, InboxKey, SEND_BATCH_ROWS,
-};
+use super::{batch_digest, tokio_stream_from, BatchTag, ExchangeMode, Inbox, InboxKey};
 use crate::hooks::Backup;
 use crate::wire::ExchangeHeader;
 use crate::{now_us, ChannelReport, Exec, NodeId, QueryId, StageId};
@@ -482,9 +480,9 @@ impl ChannelWriter {
                 None => parts.push((own_bucket, batch)),
             }
             for (bucket, part) in parts {
-                let coalescer = pending
-                    .entry(bucket)
-                    .or_insert_with(|| BatchCoalescer::new(self.schema.clone(), SEND_BATCH_ROWS));
+                let coalescer = pending.entry(bucket).or_insert_with(|| {
+                    BatchCoalescer::new(self.schema.clone(), self.node.settings.send_batch_rows)
+                });
                 coalescer.push_batch(part)?;
                 while let Some(full) = coalescer.next_completed_batch() {
                     hand_over(bucket, full).await?;

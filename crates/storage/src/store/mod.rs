@@ -69,6 +69,33 @@ impl StoreConfig {
     pub const DEFAULT_MAX_PUBLISH_BYTES: usize = 8 << 30;
 }
 
+impl StoreConfig {
+    /// A store of `partitions` tuned by a node's `[store]` section: what it leaves unset
+    /// keeps the default above.
+    pub fn with_settings(
+        partitions: u32,
+        settings: &tessera_common::config::StoreSettings,
+    ) -> Self {
+        let default = StoreConfig::default();
+        StoreConfig {
+            partitions,
+            memtable_flush_bytes: settings
+                .memtable_flush_bytes
+                .unwrap_or(default.memtable_flush_bytes),
+            checkpoint_log_bytes: settings
+                .checkpoint_log_bytes
+                .unwrap_or(default.checkpoint_log_bytes),
+            bulk_publish_bytes: settings
+                .bulk_publish_bytes
+                .unwrap_or(default.bulk_publish_bytes),
+            merge_threshold: settings.merge_threshold.unwrap_or(default.merge_threshold),
+            max_publish_bytes: settings
+                .max_publish_bytes
+                .unwrap_or(default.max_publish_bytes),
+        }
+    }
+}
+
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {

@@ -1,0 +1,469 @@
+//! A node's configuration (`node.toml`), typed: the node's identity and its cluster at the
+//! top, then one section per layer. Every default is written once, in its section's
+//! `Default`; every knob can be overridden when the node starts (`tessera node --set
+//! failure.timeout_ms=3000`, the same dotted path as in the file).
+//!
+//! ```toml
+//! cluster_id = "lab-cluster"
+//! node_id = 1
+//! listen = "127.0.0.1:7001"
+//! data_dir = "tessera-data/node-1"
+//! partitions = 64          # fixed when the cluster is created
+//! replication = 3
+//! voters = [1, 2, 3]       # default: the three lowest ids
+//!
+//! [[peers]]
+//! id = 1
+//! addr = "127.0.0.1:7001"
+//! [[peers]]
+//! id = 2
+//! addr = "127.0.0.1:7002"
+//!
+//! [store]                  # the storage engine (defaults: the store's own)
+//! memtable_flush_bytes = 67108864
+//! checkpoint_log_bytes = 268435456
+//! bulk_publish_bytes = 8388608
+//! merge_threshold = 8
+//! max_publish_bytes = 8589934592
+//!
+//! [replicas]               # how replicas follow their primaries
+//! hot_standby = false
+//! delta_recovery = true
+//!
+//! [failure]                # failure detection and re-replication
+//! heartbeat_ms = 200
+//! timeout_ms = 1500
+//! rereplicate_after_ms = 300000
+//!
+//! [exec]                   # distributed query execution
+//! inbox_budget_bytes = 16777216
+//! send_batch_rows = 8192
+//! ```
+
+use crate::{NodeId, DEFAULT_PARTITIONS};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use thiserror::Error;
+
+/// A configuration that cannot be used, naming the file (or flag) and the problem.
+#[derive(Debug, Error)]
+#[error("invalid node configuration {path}: {reason}")]
+pub struct ConfigError {
+    pub path: String,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    pub cluster_id: String,
+    pub node_id: NodeId,
+    /// Where this node serves RPC (Arrow Flight over gRPC).
+    pub listen: SocketAddr,
+    pub data_dir: PathBuf,
+    /// Every node the cluster starts with, this one included. A node joining a running
+    /// cluster lists itself and at least one member.
+    pub peers: Vec<Peer>,
+    /// Nodes that vote in the metadata group; default: the three lowest peer ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub voters: Option<Vec<NodeId>>,
+    #[serde(default = "default_partitions")]
+    pub partitions: u32,
+    #[serde(default = "default_replication")]
+    pub replication: u32,
+    #[serde(default)]
+    pub store: StoreSettings,
+    #[serde(default)]
+    pub replicas: ReplicaSettings,
+    #[serde(default)]
+    pub failure: FailureSettings,
+    #[serde(default)]
+    pub exec: ExecSettings,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Peer {
+    pub id: NodeId,
+    pub addr: SocketAddr,
+}
+
+/// `[store]`: the storage engine's tuning; unset means the store's own default.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreSettings {
+    /// Memtable bytes (all partitions) that start a checkpoint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memtable_flush_bytes: Option<usize>,
+    /// A checkpoint also runs once this many bytes were logged since the last one. It
+    /// bounds the log a cold standby replays when promoted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_log_bytes: Option<usize>,
+    /// Publishes at least this large bypass the log and write components directly.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bulk_publish_bytes: Option<usize>,
+    /// A partition with more components than this is merged at the next checkpoint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub merge_threshold: Option<usize>,
+    /// The largest publish accepted, in bytes of Arrow data.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_publish_bytes: Option<usize>,
+}
+
+/// `[replicas]`: how replicas follow their primaries. Cluster-wide: the metadata leader's
+/// (for `hot_standby`, the founding leader's) value applies.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReplicaSettings {
+    /// Replicas apply committed rows as they arrive (hot standby: a promotion replays
+    /// nothing) instead of keeping them in the log until promoted (cold standby, the
+    /// default: replicas do no flushing or merging; their primaries ship components).
+    pub hot_standby: bool,
+    /// A returning replica fetches only the versions it missed (true), or copies its stale
+    /// partitions whole (false: for comparison).
+    pub delta_recovery: bool,
+}
+
+impl Default for ReplicaSettings {
+    fn default() -> Self {
+        ReplicaSettings {
+            hot_standby: false,
+            delta_recovery: true,
+        }
+    }
+}
+
+/// `[failure]`: failure detection and re-replication.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FailureSettings {
+    /// Heartbeat period to the metadata leader.
+    pub heartbeat_ms: u64,
+    /// A node silent this long is declared failed.
+    pub timeout_ms: u64,
+    /// A node failed for this long loses its replicas: the metadata leader builds new ones
+    /// on the other nodes so every partition has `replication` copies again. When the node
+    /// returns it is given its share back.
+    pub rereplicate_after_ms: u64,
+}
+
+impl Default for FailureSettings {
+    fn default() -> Self {
+        FailureSettings {
+            heartbeat_ms: 200,
+            timeout_ms: 1500,
+            rereplicate_after_ms: 5 * 60 * 1000,
+        }
+    }
+}
+
+/// `[exec]`: distributed query execution.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExecSettings {
+    /// Bytes one exchange bucket may hold unread before its producers wait (flow control).
+    pub inbox_budget_bytes: usize,
+    /// Rows a producer gathers per destination bucket before sending a batch.
+    pub send_batch_rows: usize,
+}
+
+impl Default for ExecSettings {
+    fn default() -> Self {
+        ExecSettings {
+            inbox_budget_bytes: 16 << 20,
+            send_batch_rows: 8192,
+        }
+    }
+}
+
+pub const DEFAULT_REPLICATION: u32 = 3;
+
+fn default_partitions() -> u32 {
+    DEFAULT_PARTITIONS
+}
+
+fn default_replication() -> u32 {
+    DEFAULT_REPLICATION
+}
+
+/// Keys of the flat configuration that moved into a section: their new dotted path.
+const MOVED: &[(&str, &str)] = &[
+    ("memtable_flush_bytes", "store.memtable_flush_bytes"),
+    ("checkpoint_log_bytes", "store.checkpoint_log_bytes"),
+    ("hot_standby", "replicas.hot_standby"),
+    ("delta_recovery", "replicas.delta_recovery"),
+    ("heartbeat_ms", "failure.heartbeat_ms"),
+    ("failure_timeout_ms", "failure.timeout_ms"),
+    ("rereplicate_after_ms", "failure.rereplicate_after_ms"),
+];
+
+impl NodeConfig {
+    pub fn load(path: &Path) -> Result<NodeConfig, ConfigError> {
+        Self::load_with(path, &[])
+    }
+
+    /// Reads `path`, then applies `overrides` (each `section.key=value`, the value in TOML
+    /// syntax or a bare string), then checks the result.
+    pub fn load_with(path: &Path, overrides: &[String]) -> Result<NodeConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Self::parse_with(&text, path, overrides)
+    }
+
+    pub fn parse(text: &str, path: &Path) -> Result<NodeConfig, ConfigError> {
+        Self::parse_with(text, path, &[])
+    }
+
+    pub fn parse_with(
+        text: &str,
+        path: &Path,
+        overrides: &[String],
+    ) -> Result<NodeConfig, ConfigError> {
+        let error = |reason: String| ConfigError {
+            path: path.display().to_string(),
+            reason,
+        };
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| error(e.to_string()))?;
+        for assignment in overrides {
+            apply_override(&mut table, assignment)
+                .map_err(|reason| error(format!("override {assignment:?}: {reason}")))?;
+        }
+        for (old, new) in MOVED {
+            if table.contains_key(*old) {
+                return Err(error(format!(
+                    "`{old}` moved into a section: write it as `{new}` (in [{}])",
+                    new.split('.').next().unwrap_or_default()
+                )));
+            }
+        }
+        let config: NodeConfig = table.try_into().map_err(|e| error(e.to_string()))?;
+        config.validate().map_err(error)?;
+        Ok(config)
+    }
+
+    /// The voters: configured, or the three lowest peer ids.
+    pub fn voter_ids(&self) -> BTreeSet<NodeId> {
+        match &self.voters {
+            Some(voters) => voters.iter().copied().collect(),
+            None => self.peers.iter().map(|p| p.id).take(3).collect(),
+        }
+    }
+
+    pub fn peer(&self, id: NodeId) -> Option<&Peer> {
+        self.peers.iter().find(|p| p.id == id)
+    }
+
+    pub fn heartbeat(&self) -> Duration {
+        Duration::from_millis(self.failure.heartbeat_ms)
+    }
+
+    pub fn failure_timeout(&self) -> Duration {
+        Duration::from_millis(self.failure.timeout_ms)
+    }
+
+    pub fn rereplicate_after(&self) -> Duration {
+        Duration::from_millis(self.failure.rereplicate_after_ms)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.cluster_id.trim().is_empty() {
+            return Err("cluster_id is empty".into());
+        }
+        if self.node_id == 0 {
+            return Err("node_id must be at least 1".into());
+        }
+        let mut ids = BTreeSet::new();
+        let mut addrs = BTreeSet::new();
+        for peer in &self.peers {
+            if peer.id == 0 {
+                return Err("peer ids must be at least 1".into());
+            }
+            if !ids.insert(peer.id) {
+                return Err(format!("peer id {} is listed twice", peer.id));
+            }
+            if !addrs.insert(peer.addr) {
+                return Err(format!("address {} is given to two peers", peer.addr));
+            }
+        }
+        let Some(me) = self.peer(self.node_id) else {
+            return Err(format!(
+                "node_id {} is not among the peers (ids {:?}); list this node in [[peers]]",
+                self.node_id, ids
+            ));
+        };
+        if me.addr.port() != self.listen.port() {
+            return Err(format!(
+                "this node listens on {} but its [[peers]] entry says {}",
+                self.listen, me.addr
+            ));
+        }
+        if let Some(voters) = &self.voters {
+            if voters.is_empty() {
+                return Err("voters is empty; at least one node must vote".into());
+            }
+            for voter in voters {
+                if !ids.contains(voter) {
+                    return Err(format!(
+                        "voter {voter} is not a known peer (peers are {ids:?})"
+                    ));
+                }
+            }
+        }
+        if !(1..=1 << 16).contains(&self.partitions) {
+            return Err(format!(
+                "partitions = {} is out of range 1..=65536",
+                self.partitions
+            ));
+        }
+        if self.replication == 0 {
+            return Err("replication must be at least 1".into());
+        }
+        let failure = &self.failure;
+        if failure.heartbeat_ms == 0 || failure.timeout_ms <= failure.heartbeat_ms {
+            return Err(format!(
+                "failure.timeout_ms ({}) must exceed failure.heartbeat_ms ({}), which must be positive",
+                failure.timeout_ms, failure.heartbeat_ms
+            ));
+        }
+        if failure.rereplicate_after_ms <= failure.timeout_ms {
+            return Err(format!(
+                "failure.rereplicate_after_ms ({}) must exceed failure.timeout_ms ({})",
+                failure.rereplicate_after_ms, failure.timeout_ms
+            ));
+        }
+        if self.exec.inbox_budget_bytes < 1 << 10 || self.exec.send_batch_rows == 0 {
+            return Err(format!(
+                "exec.inbox_budget_bytes ({}) must be at least 1024 and exec.send_batch_rows ({}) positive",
+                self.exec.inbox_budget_bytes, self.exec.send_batch_rows
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Sets `section.key=value` in `table`, creating the section if the file has none.
+fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<(), String> {
+    let (path, value) = assignment
+        .split_once('=')
+        .ok_or("expected section.key=value")?;
+    let keys: Vec<&str> = path.trim().split('.').collect();
+    if keys.iter().any(|k| k.is_empty()) {
+        return Err(format!("{path:?} is not a dotted key"));
+    }
+    let value = value.trim();
+    // A TOML value (number, bool, quoted string, array); anything else is a bare string.
+    let value = toml::from_str::<toml::Table>(&format!("v = {value}"))
+        .ok()
+        .and_then(|mut parsed| parsed.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.to_string()));
+    let (last, sections) = keys.split_last().expect("at least one key");
+    let mut at = table;
+    for section in sections {
+        at = at
+            .entry(section.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            .as_table_mut()
+            .ok_or_else(|| format!("`{section}` is not a section"))?;
+    }
+    at.insert(last.to_string(), value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+        cluster_id = "c"
+        node_id = 1
+        listen = "127.0.0.1:7001"
+        data_dir = "d"
+        [[peers]]
+        id = 1
+        addr = "127.0.0.1:7001"
+        [[peers]]
+        id = 2
+        addr = "127.0.0.1:7002"
+    "#;
+
+    fn error(text: &str) -> String {
+        NodeConfig::parse(text, Path::new("node.toml"))
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn a_good_config_gets_defaults() {
+        let config = NodeConfig::parse(GOOD, Path::new("node.toml")).unwrap();
+        assert_eq!(config.partitions, 64);
+        assert_eq!(config.replication, 3);
+        assert_eq!(config.voter_ids(), BTreeSet::from([1, 2]));
+        assert_eq!(config.failure, FailureSettings::default());
+        assert_eq!(config.exec.send_batch_rows, 8192);
+        assert!(config.replicas.delta_recovery && !config.replicas.hot_standby);
+    }
+
+    #[test]
+    fn sections_and_flags_set_every_knob() {
+        let text = format!(
+            "{GOOD}\n[failure]\ntimeout_ms = 4000\n[store]\ncheckpoint_log_bytes = 65536\n"
+        );
+        let overrides = [
+            "failure.heartbeat_ms=300".to_string(),
+            "replicas.hot_standby = true".to_string(),
+            "exec.send_batch_rows=1024".to_string(),
+        ];
+        let config = NodeConfig::parse_with(&text, Path::new("node.toml"), &overrides).unwrap();
+        assert_eq!(config.failure.timeout_ms, 4000, "from the file");
+        assert_eq!(config.failure.heartbeat_ms, 300, "from a flag");
+        assert_eq!(config.failure.rereplicate_after_ms, 300_000, "the default");
+        assert_eq!(config.store.checkpoint_log_bytes, Some(65536));
+        assert!(config.replicas.hot_standby);
+        assert_eq!(config.exec.send_batch_rows, 1024);
+        let round_trip = toml::to_string(&config).unwrap();
+        assert_eq!(
+            NodeConfig::parse(&round_trip, Path::new("x")).unwrap(),
+            config
+        );
+    }
+
+    #[test]
+    fn bad_configs_name_the_problem() {
+        assert!(error(&GOOD.replace("node_id = 1", "node_id = 9"))
+            .contains("node_id 9 is not among the peers"));
+        assert!(error(&format!("voters = [1, 7]\n{GOOD}")).contains("voter 7 is not a known peer"));
+        assert!(error(&GOOD.replace("id = 2", "id = 1")).contains("peer id 1 is listed twice"));
+        assert!(error(&format!("bogus = 1\n{GOOD}")).contains("unknown field `bogus`"));
+        assert!(
+            error(&GOOD.replace("listen = \"127.0.0.1:7001\"", "listen = \"127.0.0.1:9999\""))
+                .contains("its [[peers]] entry says")
+        );
+        assert!(
+            error(&GOOD.replace("127.0.0.1:7002", "nonsense")).contains("invalid socket address")
+        );
+        let moved = error(&format!("failure_timeout_ms = 900\n{GOOD}"));
+        assert!(
+            moved.contains("write it as `failure.timeout_ms`"),
+            "{moved}"
+        );
+        let typo = error(&format!("{GOOD}\n[failure]\ntimeout = 900\n"));
+        assert!(typo.contains("unknown field `timeout`"), "{typo}");
+        let bad_flag = NodeConfig::parse_with(GOOD, Path::new("n"), &["failure.timeout_ms".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            bad_flag.contains("expected section.key=value"),
+            "{bad_flag}"
+        );
+        let wrong_type =
+            NodeConfig::parse_with(GOOD, Path::new("n"), &["failure.timeout_ms=soon".into()])
+                .unwrap_err()
+                .to_string();
+        assert!(wrong_type.contains("timeout_ms"), "{wrong_type}");
+    }
+}
