@@ -61,7 +61,7 @@ fn classify(result: &Result<tessera_common::Epoch, ClusterError>) -> Outcome {
     match result {
         Ok(_) => Outcome::Acknowledged,
         // The coordinator said so itself after aborting the epoch in the metadata.
-        Err(ClusterError::Rejected(reason)) if reason.contains(" aborted: ") => Outcome::Aborted,
+        Err(ClusterError::PublishAborted { .. }) => Outcome::Aborted,
         Err(_) => Outcome::InDoubt,
     }
 }
@@ -87,8 +87,9 @@ async fn publisher(
             client.publish(table, vec![kv_batch(keys.start, keys.end)], false),
         )
         .await
-        .unwrap_or_else(|_| Err(ClusterError::Rejected("client timeout".into())));
-        let outcome = classify(&result);
+        .ok();
+        // A publish the client gave up waiting on is in doubt, like a lost reply.
+        let outcome = result.as_ref().map_or(Outcome::InDoubt, classify);
         if outcome != Outcome::Acknowledged {
             // Give a dead coordinator's failure time to be noticed.
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -97,7 +98,7 @@ async fn publisher(
             table,
             keys,
             outcome,
-            epoch: result.ok(),
+            epoch: result.and_then(Result::ok),
         });
     }
     log

@@ -9,6 +9,8 @@ pub enum Refusal {
     WrongCluster { node_id: NodeId, cluster_id: String },
     VersionMismatch { node_id: NodeId, protocol: u32 },
     NotLeader { leader: Option<NodeId> },
+    /// The publish's epoch was aborted: nothing of it is visible, and it may be retried.
+    Aborted { epoch: tessera_common::Epoch, detail: String },
     Failed(String),
 }
 

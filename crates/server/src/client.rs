@@ -52,7 +52,10 @@ impl ClusterClient {
                 addr: self.addr.clone(),
                 reason,
             },
-            other => ClusterError::Rejected(other.to_string()),
+            CallError::Refused(crate::rpc::Refusal::Aborted { epoch, detail }) => {
+                ClusterError::PublishAborted { epoch, detail }
+            }
+            other => ClusterError::Call(other),
         }
     }
 
@@ -84,8 +87,10 @@ impl ClusterClient {
                 }
                 SqlOutput::Done { tag, epoch } => StatementOutput::Done { tag, epoch },
                 SqlOutput::Rows { ipc_hex } => {
-                    let bytes = from_hex(&ipc_hex).ok_or_else(|| {
-                        ClusterError::Rejected("the node sent undecodable rows".into())
+                    let bytes = from_hex(&ipc_hex).ok_or_else(|| ClusterError::Undecodable {
+                        addr: self.addr.clone(),
+                        what: "rows",
+                        reason: "not hex".into(),
                     })?;
                     let reader = arrow::ipc::reader::StreamReader::try_new(
                         std::io::Cursor::new(bytes),
@@ -105,9 +110,10 @@ impl ClusterClient {
         let (mut outputs, notices) = self.sql_with_notices(sql).await?;
         match outputs.pop() {
             Some(StatementOutput::Rows { batches, .. }) => Ok((batches, notices)),
-            other => Err(ClusterError::Rejected(format!(
-                "expected rows, got {other:?}"
-            ))),
+            other => Err(ClusterError::UnexpectedOutput {
+                expected: "rows",
+                got: format!("{other:?}"),
+            }),
         }
     }
 
@@ -115,9 +121,10 @@ impl ClusterClient {
     pub async fn query(&self, sql: &str) -> Result<Vec<RecordBatch>> {
         match self.sql(sql).await?.pop() {
             Some(StatementOutput::Rows { batches, .. }) => Ok(batches),
-            other => Err(ClusterError::Rejected(format!(
-                "expected rows, got {other:?}"
-            ))),
+            other => Err(ClusterError::UnexpectedOutput {
+                expected: "rows",
+                got: format!("{other:?}"),
+            }),
         }
     }
 
@@ -138,7 +145,11 @@ impl ClusterClient {
             .await
             .map_err(|e| self.call_error(e))?;
         serde_json::from_slice(&metadata)
-            .map_err(|e| ClusterError::Rejected(format!("undecodable publish reply: {e}")))
+            .map_err(|e| ClusterError::Undecodable {
+                addr: self.addr.clone(),
+                what: "a publish reply",
+                reason: e.to_string(),
+            })
     }
 
     /// Starts moving node `id`'s partitions away; the cluster then retires it.
@@ -186,7 +197,9 @@ impl ClusterClient {
             .meta
             .tables
             .get(table)
-            .ok_or_else(|| ClusterError::Rejected(format!("no table {table:?}")))?;
+            .ok_or_else(|| ClusterError::UnknownTable {
+                table: table.to_string(),
+            })?;
         let request = ScanRequest {
             table: table.to_string(),
             generation: def.generation,

@@ -44,8 +44,27 @@ pub enum ClusterError {
     /// A call to another node failed.
     #[error("{0}")]
     Call(#[from] tessera_net::CallError),
-    #[error("{0}")]
-    Rejected(String),
+    /// A publish whose epoch was aborted: nothing of it is visible; it may be retried.
+    #[error("{detail}")]
+    PublishAborted { epoch: tessera_common::Epoch, detail: String },
+    /// A node answered with something this client cannot read.
+    #[error("node at {addr} sent undecodable {what}: {reason}")]
+    Undecodable {
+        addr: String,
+        what: &'static str,
+        reason: String,
+    },
+    /// A statement answered with another kind of output than the caller asked for.
+    #[error("expected {expected}, got {got}")]
+    UnexpectedOutput { expected: &'static str, got: String },
+    #[error("no table {table:?}")]
+    UnknownTable { table: String },
+    /// Only non-voting nodes can leave: a voter's departure would change the quorum.
+    #[error("node {node} votes in the metadata group; only non-voting nodes can be decommissioned")]
+    VoterCannotLeave { node: u64 },
+    /// A task of this node's failed (panicked or was cancelled).
+    #[error("{what} failed: {reason}")]
+    Task { what: &'static str, reason: String },
     /// Distributed execution failed (a node lost under a query, a plan that cannot run).
     #[error(transparent)]
     Exec(#[from] tessera_exec::ExecError),

@@ -170,7 +170,10 @@ impl Node {
         let store_dir = config.data_dir.join("store");
         let store = tokio::task::spawn_blocking(move || Store::open(&store_dir, store_config))
             .await
-            .map_err(|e| ClusterError::Rejected(e.to_string()))??;
+            .map_err(|e| ClusterError::Task {
+                what: "opening the store",
+                reason: e.to_string(),
+            })??;
         if store.ring().partition_count() != config.partitions {
             return Err(ClusterError::DataDir {
                 dir: config.data_dir.display().to_string(),
@@ -582,9 +585,7 @@ impl Node {
             .voter_ids()
             .any(|v| v == id)
         {
-            return Err(ClusterError::Rejected(format!(
-                "node {id} votes in the metadata group; only non-voting nodes can be decommissioned"
-            )));
+            return Err(ClusterError::VoterCannotLeave { node: id });
         }
         self.meta.write(MetaCommand::Leave { id }).await?;
         Ok(())
@@ -621,7 +622,10 @@ impl Node {
         let store = self.store.clone();
         tokio::task::spawn_blocking(move || store.flush())
             .await
-            .map_err(|e| ClusterError::Rejected(format!("flush task: {e}")))??;
+            .map_err(|e| ClusterError::Task {
+                what: "flushing the store",
+                reason: e.to_string(),
+            })??;
         crate::shipping::announce(&self.replication).await;
         Ok(())
     }

@@ -594,7 +594,15 @@ impl FlightService for NodeService {
                 };
                 let epoch = crate::publish::publish(&self.node.replication, vec![changes])
                     .await
-                    .map_err(failed)?;
+                    .map_err(|error| match error {
+                        tessera_replication::ReplicationError::Aborted { epoch, .. }
+                        | tessera_replication::ReplicationError::PrimaryLost { epoch, .. } => Refusal::Aborted {
+                            epoch,
+                            detail: error.to_string(),
+                        }
+                        .into_status(),
+                        other => failed(other),
+                    })?;
                 Bytes::from(serde_json::to_vec(&epoch).map_err(failed)?)
             }
             other => {

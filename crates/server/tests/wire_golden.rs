@@ -377,6 +377,10 @@ fn samples() -> Samples {
             protocol: 9,
         },
         Refusal::NotLeader { leader: Some(1) },
+        Refusal::Aborted {
+            epoch: Epoch(7),
+            detail: "epoch 7 aborted: a replica refused".into(),
+        },
         Refusal::Failed("no such table".into()),
     ] {
         s.value("refusal", &refusal);
