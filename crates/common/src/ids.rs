@@ -28,6 +28,68 @@ impl fmt::Display for Epoch {
 /// integer: it is the Raft node id too, and turning it into a newtype is a step of its own.)
 pub type NodeId = u64;
 
+/// Names one distributed query cluster-wide: random, chosen by its initiator; shown in hex
+/// (the form log lines and notices use).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default)]
+#[serde(transparent)]
+pub struct QueryId(pub u64);
+
+impl fmt::Display for QueryId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:x}", self.0)
+    }
+}
+
+impl fmt::LowerHex for QueryId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::LowerHex::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Debug for QueryId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "QueryId({:x})", self.0)
+    }
+}
+
+/// A stage's index in its query's plan; a stage's output exchange has the same number, and
+/// stage 0 gathers the answer on the initiator.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
+)]
+#[serde(transparent)]
+pub struct StageId(pub usize);
+
+impl StageId {
+    /// The top stage: one channel on the initiator, gathering the answer.
+    pub const ANSWER: StageId = StageId(0);
+
+    /// The stage's position in its plan's list of stages.
+    pub fn index(self) -> usize {
+        self.0
+    }
+}
+
+impl fmt::Display for StageId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// One of a stage's channels (an output partition of its fragment); a producer channel is
+/// also the sender its consumers' inboxes sequence batches by.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
+)]
+#[serde(transparent)]
+pub struct ChannelId(pub usize);
+
+impl fmt::Display for ChannelId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
 /// One of the `P` equal, contiguous ranges of the 64-bit hash ring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct PartitionId(pub u32);

@@ -13,7 +13,7 @@ pub mod partitioning;
 pub mod version;
 
 pub use config::{ConfigError, NodeConfig, Peer};
-pub use ids::{ComponentHash, Epoch, Lsn, NodeId, PartitionId};
+pub use ids::{ChannelId, ComponentHash, Epoch, Lsn, NodeId, PartitionId, QueryId, StageId};
 pub use partitioning::{
     is_key_type, partition_key_hashes, PartitionRing, PartitioningError, DEFAULT_PARTITIONS,
 };

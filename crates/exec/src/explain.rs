@@ -53,7 +53,7 @@ fn output(stage: &Stage, plan: &DistributedPlan) -> String {
         .plan
         .downcast_ref::<ExchangeWriteExec>()
         .expect("every stage ends in an exchange writer");
-    if stage.id == 0 {
+    if stage.id == crate::StageId::ANSWER {
         return format!("answer gathered on node {}", plan.initiator);
     }
     let mut consumers: Vec<NodeId> = writer.spec.destinations.iter().flatten().copied().collect();

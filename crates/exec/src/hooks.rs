@@ -7,7 +7,7 @@
 use crate::exchange::{BatchTag, Inbox, InboxKey, QueryRegistry, ReadSpec, Replay};
 use crate::plan::DistributedPlan;
 use crate::run::RunRequest;
-use crate::{Exec, NodeId, QueryId, RecoveryOutcome, StageId};
+use crate::{ChannelId, Exec, NodeId, QueryId, RecoveryOutcome, StageId};
 use arrow::datatypes::SchemaRef;
 use arrow_flight::FlightData;
 use datafusion::execution::SendableRecordBatchStream;
@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Names one producer channel's upstream backup: (query, exchange, channel).
-pub type BackupKey = (QueryId, StageId, usize);
+pub type BackupKey = (QueryId, StageId, ChannelId);
 
 /// The lineage hooks of one node (seed 003 §III–IV).
 #[async_trait::async_trait]

@@ -41,7 +41,7 @@ pub mod subquery;
 pub mod wire;
 
 pub use error::ExecError;
-pub use tessera_common::NodeId;
+pub use tessera_common::{ChannelId, NodeId, QueryId, StageId};
 
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -138,12 +138,6 @@ impl Exec {
     }
 }
 
-/// Names one query cluster-wide (random, chosen by the initiator).
-pub type QueryId = u64;
-
-/// A stage's index in its query; a stage's output exchange has the same number.
-pub type StageId = usize;
-
 /// How a query survived the death of a node it ran on: the typed record behind the
 /// client's notice and `EXPLAIN ANALYZE`'s `Recovery:` line (whose text is its `Display`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -232,7 +226,7 @@ fn clipped(text: &str, limit: usize) -> String {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct ChannelReport {
     pub stage: StageId,
-    pub channel: usize,
+    pub channel: ChannelId,
     pub node: u64,
     /// Rows and batches the channel produced.
     pub rows: u64,

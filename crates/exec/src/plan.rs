@@ -165,7 +165,7 @@ impl Cutter {
         hash_exprs: Vec<Arc<dyn PhysicalExpr>>,
         buckets: usize,
     ) -> (Arc<dyn ExecutionPlan>, StageId) {
-        let id = self.stages.len();
+        let id = StageId(self.stages.len());
         let producer_channels = root.output_partitioning().partition_count();
         let reader = ExchangeReadExec::new(
             ReadSpec {
@@ -446,7 +446,7 @@ pub fn distribute(
             leaves_of(&cut.root, channel, &mut leaves);
             for leaf in leaves {
                 if let Leaf::Exchange { exchange, bucket } = leaf {
-                    destinations[exchange][bucket].insert(node_id);
+                    destinations[exchange.index()][bucket].insert(node_id);
                 }
             }
         }
@@ -467,13 +467,14 @@ pub fn distribute(
     let stages = cuts
         .into_iter()
         .enumerate()
-        .map(|(id, cut)| {
+        .map(|(index, cut)| {
+            let id = StageId(index);
             let spec = WriteSpec {
                 query,
                 exchange: id,
                 mode: cut.mode,
                 buckets: cut.buckets,
-                destinations: destinations[id]
+                destinations: destinations[index]
                     .iter()
                     .map(|d| d.iter().copied().collect())
                     .collect(),
@@ -486,7 +487,7 @@ pub fn distribute(
             Stage {
                 id,
                 plan: Arc::new(root),
-                channels: placements[id].clone(),
+                channels: placements[index].clone(),
                 inputs: cut.inputs,
             }
         })

@@ -9,7 +9,7 @@ use crate::plan::{leaves_of, DistributedPlan, Leaf};
 use crate::Exec;
 use crate::ExecError;
 use crate::NodeId;
-use crate::{ChannelReport, QueryId, StageId};
+use crate::{ChannelId, ChannelReport, QueryId, StageId};
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::common::Result as DfResult;
@@ -84,7 +84,7 @@ pub struct StageTask {
     pub stage: StageId,
     /// The fragment as datafusion-proto bytes, hex-encoded.
     pub fragment: String,
-    pub channels: Vec<usize>,
+    pub channels: Vec<ChannelId>,
 }
 
 /// The task context channels run in: the default session settings and one runtime per
@@ -117,7 +117,11 @@ pub fn run_stages(
                     reason: e.to_string(),
                 }
             })?;
-        plans.push((plan, task.stage, task.channels.clone()));
+        plans.push((
+            plan,
+            task.stage,
+            task.channels.iter().map(|c| c.0).collect(),
+        ));
     }
     start_plans(node, request.query, plans)
 }
@@ -187,8 +191,7 @@ fn start_stage(
         );
         let keys = reads.remove(&channel).unwrap_or_default();
         // Every log line of the channel names it, so one grep follows a query across nodes.
-        let span =
-            tracing::info_span!("channel", query = %format_args!("{query:x}"), stage, channel);
+        let span = tracing::info_span!("channel", query = %query, stage = stage.0, channel);
         let task = tokio::spawn(tracing::Instrument::instrument(
             async move {
                 let node = here;
@@ -204,7 +207,7 @@ fn start_stage(
                     },
                 };
                 report.stage = stage;
-                report.channel = channel;
+                report.channel = ChannelId(channel);
                 report.node = node.id();
                 report.first_input_us = keys
                     .iter()
@@ -378,7 +381,7 @@ pub fn encode(node: &Arc<Exec>, plan: &DistributedPlan) -> DfResult<Work> {
                 .push(StageTask {
                     stage: stage.id,
                     fragment: fragment.clone().unwrap_or_default(),
-                    channels,
+                    channels: channels.into_iter().map(ChannelId).collect(),
                 });
         }
     }
@@ -452,7 +455,7 @@ async fn execute_here(
     let reader = ExchangeReadExec::new(
         ReadSpec {
             query: plan.query,
-            exchange: 0,
+            exchange: StageId::ANSWER,
             mode: ExchangeMode::Gather,
             buckets: 1,
             producer_channels: 1,

@@ -81,7 +81,7 @@ pub async fn prepare(
     let schema = physical.schema();
     let started_at_us = now_us();
     let physical = crate::subquery::resolve(node, view, physical, started_at_us, buckets).await?;
-    let query = rand::random::<u64>();
+    let query = crate::QueryId(rand::random());
     // Scalar subqueries above ran on their own; a node's death there restarts the query.
     let lineage = tessera_sql::options::tessera_options(ctx.state().config()).recovery
         == tessera_sql::options::RecoveryMode::Lineage;

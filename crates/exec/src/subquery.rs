@@ -81,7 +81,7 @@ async fn run_scalar(
             columns: schema.fields().len(),
         });
     }
-    let query = rand::random::<u64>();
+    let query = crate::QueryId(rand::random());
     let distributed = distribute(
         node,
         query,

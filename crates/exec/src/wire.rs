@@ -2,7 +2,7 @@
 //! those of the enums these types replaced, so the encoding is unchanged (pinned by the
 //! server's `tests/wire_golden.rs`). Starting channels is [`crate::run::RunRequest`].
 
-use crate::{QueryId, StageId};
+use crate::{ChannelId, QueryId, StageId};
 use serde::{Deserialize, Serialize};
 use tessera_common::{Epoch, PartitionId};
 use tessera_net::WireRequest;
@@ -15,7 +15,7 @@ pub struct ExchangeHeader {
     pub query: QueryId,
     pub exchange: StageId,
     /// The producer channel.
-    pub sender: usize,
+    pub sender: ChannelId,
     /// Producer channels that feed each bucket (for the receiver's end-of-stream count).
     pub senders_per_bucket: usize,
     pub buckets: Vec<usize>,

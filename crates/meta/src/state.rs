@@ -8,7 +8,7 @@
 use crate::NodeId;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
-use tessera_common::{Epoch, PartitionId};
+use tessera_common::{Epoch, PartitionId, QueryId, StageId};
 use tessera_storage::TableDef;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -169,7 +169,7 @@ pub enum MetaCommand {
     },
     /// A query ended: its lineage is no longer needed.
     LineageEnd {
-        query: u64,
+        query: QueryId,
     },
 }
 
@@ -177,9 +177,9 @@ pub enum MetaCommand {
 /// (producer channel, batches read in a row).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct LineageEntry {
-    pub query: u64,
+    pub query: QueryId,
     pub initiator: NodeId,
-    pub exchange: usize,
+    pub exchange: StageId,
     pub bucket: usize,
     pub from: u64,
     pub runs: Vec<(u32, u32)>,
@@ -196,7 +196,7 @@ pub struct QueryLineage {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct InboxLineage {
     pub node: NodeId,
-    pub exchange: usize,
+    pub exchange: StageId,
     pub bucket: usize,
     /// Batches read, in order, as runs of (producer channel, batches).
     pub runs: Vec<(u32, u32)>,
@@ -285,7 +285,7 @@ pub struct MetaState {
     pub aborted: BTreeSet<Epoch>,
     /// The logged reading orders of running queries under lineage recovery, by query.
     #[serde(default)]
-    pub lineage: BTreeMap<u64, QueryLineage>,
+    pub lineage: BTreeMap<QueryId, QueryLineage>,
 }
 
 impl MetaState {

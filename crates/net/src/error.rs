@@ -6,11 +6,22 @@ use serde::{Deserialize, Serialize};
 /// A refusal that the caller can act on, sent as the message of a gRPC error.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Refusal {
-    WrongCluster { node_id: NodeId, cluster_id: String },
-    VersionMismatch { node_id: NodeId, protocol: u32 },
-    NotLeader { leader: Option<NodeId> },
+    WrongCluster {
+        node_id: NodeId,
+        cluster_id: String,
+    },
+    VersionMismatch {
+        node_id: NodeId,
+        protocol: u32,
+    },
+    NotLeader {
+        leader: Option<NodeId>,
+    },
     /// The publish's epoch was aborted: nothing of it is visible, and it may be retried.
-    Aborted { epoch: tessera_common::Epoch, detail: String },
+    Aborted {
+        epoch: tessera_common::Epoch,
+        detail: String,
+    },
     Failed(String),
 }
 

@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use tessera_exec::exchange::{Inbox, InboxKey, QueryRegistry, ReadSpec, Replay};
 use tessera_exec::hooks::{Backup, BackupKey, Lineage, QueryRecovery};
 use tessera_exec::plan::DistributedPlan;
-use tessera_exec::{NodeId, QueryId, StageId};
+use tessera_exec::{ChannelId, NodeId, QueryId, StageId};
 use tessera_meta::{MetaClient, MetaCommand};
 use tessera_net::{Clients, WireRequest};
 
@@ -40,7 +40,7 @@ use tessera_net::{Clients, WireRequest};
 pub struct SpoolRequest {
     pub query: QueryId,
     pub exchange: StageId,
-    pub channel: usize,
+    pub channel: ChannelId,
     pub bucket: usize,
 }
 
@@ -189,7 +189,7 @@ impl Lineage for WriteAheadLineage {
         let meta = self.meta.clone();
         tokio::spawn(async move {
             if let Err(error) = meta.write(MetaCommand::LineageEnd { query }).await {
-                tracing::warn!(query, %error, "could not drop a query's lineage");
+                tracing::warn!(%query, %error, "could not drop a query's lineage");
             }
         });
     }
@@ -204,15 +204,15 @@ mod tests {
     fn ending_a_query_deletes_its_spools() {
         let dir = tempfile::tempdir().unwrap();
         let spools = Spools::new(dir.path().to_path_buf());
-        let spool = spools.spool((7, 1, 0));
+        let spool = spools.spool((QueryId(7), StageId(1), ChannelId(0)));
         spool.start(FlightData::default()).unwrap();
         spool
             .append(BatchTag { bucket: 0, seq: 0 }, &[FlightData::default()])
             .unwrap();
-        let other = spools.spool((8, 1, 0));
+        let other = spools.spool((QueryId(8), StageId(1), ChannelId(0)));
         other.start(FlightData::default()).unwrap();
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
-        spools.end_query(7);
+        spools.end_query(QueryId(7));
         assert_eq!(
             std::fs::read_dir(dir.path()).unwrap().count(),
             1,

@@ -218,6 +218,7 @@ mod tests {
     use arrow::array::{Int64Array, RecordBatch};
     use arrow::datatypes::{DataType, Field, Schema};
     use std::time::Duration;
+    use tessera_exec::StageId;
 
     fn batch() -> RecordBatch {
         let schema = Arc::new(Schema::new(vec![Field::new("v", DataType::Int64, false)]));
@@ -226,8 +227,8 @@ mod tests {
 
     fn key(bucket: usize) -> InboxKey {
         InboxKey {
-            query: 7,
-            exchange: 1,
+            query: QueryId(7),
+            exchange: StageId(1),
             bucket,
         }
     }
@@ -277,7 +278,7 @@ mod tests {
             log.wait_logged(key(1), 9).await.is_ok(),
             "a bucket whose order is not logged never waits"
         );
-        log.end_query(7);
+        log.end_query(QueryId(7));
         assert!(!log.logs(key(0)), "an ended query's inboxes are not logged");
     }
 

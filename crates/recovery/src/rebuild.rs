@@ -23,7 +23,7 @@ use tessera_exec::exchange::{ExchangeReadExec, ExchangeWriteExec, Replay};
 use tessera_exec::hooks::QueryRecovery;
 use tessera_exec::plan::{leaves_of, DistributedPlan, Leaf};
 use tessera_exec::run::{RunRequest, StageTask};
-use tessera_exec::{Exec, NodeId, RecoveryOutcome, StageId};
+use tessera_exec::{ChannelId, Exec, NodeId, RecoveryOutcome, StageId};
 
 /// What recovery knows while a query runs: where each channel runs now.
 pub struct Recovery {
@@ -84,8 +84,8 @@ impl Recovery {
         let mut moved: BTreeMap<StageId, BTreeMap<NodeId, Vec<usize>>> = BTreeMap::new();
         for stage in &plan.stages {
             let writer = writer_of(&stage.plan)?;
-            for channel in 0..self.hosts[stage.id].len() {
-                if self.hosts[stage.id][channel] != dead {
+            for channel in 0..self.hosts[stage.id.index()].len() {
+                if self.hosts[stage.id.index()][channel] != dead {
                     continue;
                 }
                 let mut leaves = Vec::new();
@@ -96,9 +96,9 @@ impl Recovery {
                     }
                     Leaf::Exchange { .. } => None,
                 });
-                let spread = survivors[(stage.id * 7 + channel) % survivors.len()];
+                let spread = survivors[(stage.id.index() * 7 + channel) % survivors.len()];
                 let host = replica.unwrap_or(spread);
-                self.hosts[stage.id][channel] = host;
+                self.hosts[stage.id.index()][channel] = host;
                 moved
                     .entry(stage.id)
                     .or_default()
@@ -107,7 +107,7 @@ impl Recovery {
                     .push(channel);
             }
         }
-        if moved.contains_key(&0) {
+        if moved.contains_key(&StageId::ANSWER) {
             return Err("the initiator's own stage cannot be rebuilt".into());
         }
 
@@ -128,7 +128,7 @@ impl Recovery {
         let mut requests: BTreeMap<NodeId, RunRequest> = BTreeMap::new();
         let mut placed = Vec::new();
         for (&stage_id, by_host) in &moved {
-            let stage = &plan.stages[stage_id];
+            let stage = &plan.stages[stage_id.index()];
             let fragment = self.rebuilt_fragment(&stage.plan, dead, &addrs, &logged)?;
             let bytes = physical_plan_to_bytes_with_proto_converter(
                 fragment,
@@ -153,7 +153,7 @@ impl Recovery {
                     .push(StageTask {
                         stage: stage_id,
                         fragment: fragment.clone(),
-                        channels: channels.clone(),
+                        channels: channels.iter().copied().map(ChannelId).collect(),
                     });
             }
         }
@@ -168,7 +168,7 @@ impl Recovery {
         });
         tracing::warn!(
             dead,
-            query = plan.query,
+            query = %plan.query,
             channels,
             replayed,
             "rebuilding a dead node's channels from lineage"
@@ -195,7 +195,7 @@ impl Recovery {
                 };
                 let exchange = reader.spec.exchange;
                 let replay = Replay {
-                    producers: self.hosts[exchange].clone(),
+                    producers: self.hosts[exchange.index()].clone(),
                     addrs: addrs.clone(),
                     scripts: logged.get(&exchange).cloned().unwrap_or_default(),
                 };

@@ -41,7 +41,7 @@ pub fn replay_bucket(
         let request = SpoolRequest {
             query: spec.query,
             exchange: spec.exchange,
-            channel: sender,
+            channel: tessera_exec::ChannelId(sender),
             bucket,
         };
         let clients = clients.clone();

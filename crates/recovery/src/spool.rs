@@ -241,6 +241,7 @@ fn decode_record(record: Bytes) -> Result<Vec<FlightData>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_exec::{ChannelId, QueryId, StageId};
 
     fn message(body: &'static [u8], metadata: &'static [u8]) -> FlightData {
         FlightData {
@@ -254,7 +255,10 @@ mod tests {
     #[tokio::test]
     async fn a_follower_reads_batches_as_they_are_written_then_the_end() {
         let dir = tempfile::tempdir().unwrap();
-        let spool = std::sync::Arc::new(Spool::new(dir.path(), (1, 2, 3)));
+        let spool = std::sync::Arc::new(Spool::new(
+            dir.path(),
+            (QueryId(1), StageId(2), ChannelId(3)),
+        ));
         let follower = {
             let spool = spool.clone();
             tokio::spawn(async move {

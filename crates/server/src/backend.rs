@@ -178,7 +178,7 @@ impl Backend for ClusterBackend {
                     detail,
                 }) if mode != RecoveryMode::None && restarts < MAX_RESTARTS => {
                     restarts += 1;
-                    tracing::warn!(lost, query, %detail, "restarting a query on the survivors");
+                    tracing::warn!(lost, %query, %detail, "restarting a query on the survivors");
                     // A fresh partition map (the survivors' promotions); the tables keep the
                     // epoch they were resolved at, so the answer is the one the first run
                     // would have given.

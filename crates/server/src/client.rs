@@ -144,12 +144,11 @@ impl ClusterClient {
             .put(&self.addr, &request, rows)
             .await
             .map_err(|e| self.call_error(e))?;
-        serde_json::from_slice(&metadata)
-            .map_err(|e| ClusterError::Undecodable {
-                addr: self.addr.clone(),
-                what: "a publish reply",
-                reason: e.to_string(),
-            })
+        serde_json::from_slice(&metadata).map_err(|e| ClusterError::Undecodable {
+            addr: self.addr.clone(),
+            what: "a publish reply",
+            reason: e.to_string(),
+        })
     }
 
     /// Starts moving node `id`'s partitions away; the cluster then retires it.

@@ -46,7 +46,10 @@ pub enum ClusterError {
     Call(#[from] tessera_net::CallError),
     /// A publish whose epoch was aborted: nothing of it is visible; it may be retried.
     #[error("{detail}")]
-    PublishAborted { epoch: tessera_common::Epoch, detail: String },
+    PublishAborted {
+        epoch: tessera_common::Epoch,
+        detail: String,
+    },
     /// A node answered with something this client cannot read.
     #[error("node at {addr} sent undecodable {what}: {reason}")]
     Undecodable {
@@ -60,7 +63,9 @@ pub enum ClusterError {
     #[error("no table {table:?}")]
     UnknownTable { table: String },
     /// Only non-voting nodes can leave: a voter's departure would change the quorum.
-    #[error("node {node} votes in the metadata group; only non-voting nodes can be decommissioned")]
+    #[error(
+        "node {node} votes in the metadata group; only non-voting nodes can be decommissioned"
+    )]
     VoterCannotLeave { node: u64 },
     /// A task of this node's failed (panicked or was cancelled).
     #[error("{what} failed: {reason}")]

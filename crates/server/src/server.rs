@@ -596,11 +596,13 @@ impl FlightService for NodeService {
                     .await
                     .map_err(|error| match error {
                         tessera_replication::ReplicationError::Aborted { epoch, .. }
-                        | tessera_replication::ReplicationError::PrimaryLost { epoch, .. } => Refusal::Aborted {
-                            epoch,
-                            detail: error.to_string(),
+                        | tessera_replication::ReplicationError::PrimaryLost { epoch, .. } => {
+                            Refusal::Aborted {
+                                epoch,
+                                detail: error.to_string(),
+                            }
+                            .into_status()
                         }
-                        .into_status(),
                         other => failed(other),
                     })?;
                 Bytes::from(serde_json::to_vec(&epoch).map_err(failed)?)

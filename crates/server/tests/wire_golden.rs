@@ -11,7 +11,7 @@ use openraft::{CommittedLeaderId, EntryPayload, LogId, Membership, Vote};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use tessera_common::{ComponentHash, Epoch, Lsn, PartitionId};
+use tessera_common::{ChannelId, ComponentHash, Epoch, Lsn, PartitionId, QueryId, StageId};
 use tessera_exec::run::{RunRequest, StageTask, StagesEvent};
 use tessera_exec::ChannelReport;
 use tessera_server::meta::{LineageEntry, MetaCommand, MetaResponse, MetaState, TypeConfig};
@@ -147,16 +147,21 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
             MetaCommand::Lineage {
                 node: 2,
                 entries: vec![LineageEntry {
-                    query: 0xfeed,
+                    query: QueryId(0xfeed),
                     initiator: 1,
-                    exchange: 2,
+                    exchange: StageId(2),
                     bucket: 5,
                     from: 0,
                     runs: vec![(0, 3), (1, 2)],
                 }],
             },
         ),
-        ("lineage-end", MetaCommand::LineageEnd { query: 0xfeed }),
+        (
+            "lineage-end",
+            MetaCommand::LineageEnd {
+                query: QueryId(0xfeed),
+            },
+        ),
         ("drop-table", MetaCommand::DropTable { name: "kv".into() }),
     ]
 }
@@ -173,7 +178,7 @@ fn samples() -> Samples {
     let entries: Vec<openraft::Entry<TypeConfig>> = vec![
         openraft::Entry {
             log_id: log_id(5),
-            payload: EntryPayload::Normal(MetaCommand::LineageEnd { query: 9 }),
+            payload: EntryPayload::Normal(MetaCommand::LineageEnd { query: QueryId(9) }),
         },
         openraft::Entry {
             log_id: log_id(6),
@@ -296,12 +301,12 @@ fn samples() -> Samples {
     s.tagged(
         "get run-stages",
         RunRequest {
-            query: 0xfeed,
+            query: QueryId(0xfeed),
             initiator: 1,
             stages: vec![StageTask {
-                stage: 2,
+                stage: StageId(2),
                 fragment: "0a0b".into(),
-                channels: vec![0, 3],
+                channels: vec![ChannelId(0), ChannelId(3)],
             }],
             lineage: true,
         },
@@ -309,9 +314,9 @@ fn samples() -> Samples {
     s.tagged(
         "get spool",
         SpoolRequest {
-            query: 0xfeed,
-            exchange: 2,
-            channel: 1,
+            query: QueryId(0xfeed),
+            exchange: StageId(2),
+            channel: ChannelId(1),
             bucket: 4,
         },
     );
@@ -339,9 +344,9 @@ fn samples() -> Samples {
     s.tagged(
         "put exchange",
         ExchangeHeader {
-            query: 0xfeed,
-            exchange: 2,
-            sender: 1,
+            query: QueryId(0xfeed),
+            exchange: StageId(2),
+            sender: ChannelId(1),
             senders_per_bucket: 4,
             buckets: vec![0, 2],
             lineage: true,
@@ -413,7 +418,7 @@ fn samples() -> Samples {
             message: "node 2 died".into(),
             recovery: Some(tessera_exec::RecoveryOutcome::Rebuilt {
                 dead: 2,
-                query: 0xfeed,
+                query: QueryId(0xfeed),
                 channels: 3,
                 replayed_batches: 12,
                 placed: vec!["stage 2 channel(s) [1] on node 3".into()],
@@ -424,7 +429,7 @@ fn samples() -> Samples {
             message: "node 2 died".into(),
             recovery: Some(tessera_exec::RecoveryOutcome::Restarted {
                 dead: 2,
-                query: 0xfeed,
+                query: QueryId(0xfeed),
                 restart: 1,
                 lineage_gave_up: Some("why".into()),
             }),
@@ -443,8 +448,8 @@ fn samples() -> Samples {
     s.value(
         "stages event report",
         &StagesEvent::Report(ChannelReport {
-            stage: 1,
-            channel: 2,
+            stage: StageId(1),
+            channel: ChannelId(2),
             node: 3,
             rows: 100,
             batches: 2,

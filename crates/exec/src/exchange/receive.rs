@@ -65,11 +65,11 @@ pub async fn receive(
         // No inbox: the query ended here, the batch is not needed.
         if let Some(inbox) = inboxes.get(&tag.bucket) {
             let digest = header.lineage.then(|| batch_digest(&message.inner));
-            inbox.push(header.sender, tag.seq, batch, digest).await?;
+            inbox.push(header.sender.0, tag.seq, batch, digest).await?;
         }
     }
     for inbox in inboxes.values() {
-        inbox.finish(header.sender);
+        inbox.finish(header.sender.0);
     }
     Ok(())
 }

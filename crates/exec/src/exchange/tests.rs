@@ -1,6 +1,7 @@
 //! Unit tests of inboxes, flow control and end of stream, on one node.
 
 use super::*;
+use crate::{QueryId, StageId};
 use tessera_common::config::ExecSettings;
 
 /// The default inbox budget, which `Inbox::new` takes.
@@ -24,8 +25,8 @@ fn batch(rows: i64) -> RecordBatch {
 
 fn key(bucket: usize) -> InboxKey {
     InboxKey {
-        query: 7,
-        exchange: 1,
+        query: QueryId(7),
+        exchange: StageId(1),
         bucket,
     }
 }
@@ -144,11 +145,14 @@ async fn a_failed_exchange_reaches_the_reader() {
 fn an_ended_query_takes_no_more_batches() {
     let registry = QueryRegistry::default();
     let inbox = registry.inbox(key(0), 1).unwrap();
-    registry.end_query(7);
+    registry.end_query(QueryId(7));
     assert!(registry.inbox(key(0), 1).is_none());
     assert_eq!(registry.open_inboxes(), 0);
     drop(inbox);
     // Another query is unaffected.
-    let other = InboxKey { query: 8, ..key(0) };
+    let other = InboxKey {
+        query: QueryId(8),
+        ..key(0)
+    };
     assert!(registry.inbox(other, 1).is_some());
 }

@@ -7,7 +7,7 @@
 use super::{batch_digest, tokio_stream_from, BatchTag, ExchangeMode, Inbox, InboxKey};
 use crate::hooks::Backup;
 use crate::wire::ExchangeHeader;
-use crate::{now_us, ChannelReport, Exec, NodeId, QueryId, StageId};
+use crate::{now_us, ChannelId, ChannelReport, Exec, NodeId, QueryId, StageId};
 use arrow::array::RecordBatch;
 use arrow::compute::BatchCoalescer;
 use arrow::datatypes::SchemaRef;
@@ -322,7 +322,7 @@ impl ChannelWriter {
                 let header = ExchangeHeader {
                     query: self.spec.query,
                     exchange: self.spec.exchange,
-                    sender: self.channel,
+                    sender: ChannelId(self.channel),
                     senders_per_bucket: senders,
                     buckets,
                     lineage: self.spec.lineage,
@@ -360,7 +360,7 @@ impl ChannelWriter {
         // Stage 0 runs on the initiator, whose death ends the query: it is never rebuilt,
         // so its output need not wait for its lineage. Nor a rebuilt channel's, which
         // logs none (a second failure restarts the query).
-        if !self.spec.lineage || self.spec.rebuilt || self.spec.exchange == 0 {
+        if !self.spec.lineage || self.spec.rebuilt || self.spec.exchange == StageId::ANSWER {
             return Vec::new();
         }
         self.reads
@@ -375,7 +375,7 @@ impl ChannelWriter {
         let started_us = now_us();
         let report = ChannelReport {
             stage: self.spec.exchange,
-            channel: self.channel,
+            channel: ChannelId(self.channel),
             node: self.node.id(),
             started_us: started_us.saturating_sub(self.spec.started_at_us),
             ..Default::default()
@@ -387,7 +387,7 @@ impl ChannelWriter {
             )));
         }
         let spool = if self.spec.lineage {
-            let key = (self.spec.query, self.spec.exchange, self.channel);
+            let key = (self.spec.query, self.spec.exchange, ChannelId(self.channel));
             let schema = FlightData::from(SchemaAsIpc::new(&self.schema, &self.options));
             Some(self.node.back_up(key, schema).map_err(exec_error)?)
         } else {
@@ -514,8 +514,8 @@ impl ChannelWriter {
         match outcome {
             Err(error) if error.is_transport() && self.spec.lineage => {
                 tracing::warn!(
-                    query = self.spec.query,
-                    exchange = self.spec.exchange,
+                    query = %self.spec.query,
+                    exchange = self.spec.exchange.0,
                     channel = self.channel,
                     dest,
                     %error,

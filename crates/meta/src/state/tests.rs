@@ -2,6 +2,7 @@
 
 use super::*;
 use arrow::datatypes::{DataType, Field, Schema};
+use tessera_common::{QueryId, StageId};
 
 fn bootstrapped(nodes: u64) -> MetaState {
     let mut state = MetaState::default();
@@ -33,9 +34,9 @@ fn lineage(query: u64, from: u64, runs: Vec<(u32, u32)>) -> MetaCommand {
     MetaCommand::Lineage {
         node: 2,
         entries: vec![LineageEntry {
-            query,
+            query: QueryId(query),
             initiator: 1,
-            exchange: 3,
+            exchange: StageId(3),
             bucket: 0,
             from,
             runs,
@@ -52,10 +53,13 @@ fn lineage_appends_runs_skips_retried_entries_and_refuses_gaps() {
     state.apply(5, lineage(9, 4, vec![(2, 1)]));
     // Position 7 would leave batches 5 and 6 unknown.
     state.apply(6, lineage(9, 7, vec![(0, 1)]));
-    let inbox = &state.lineage[&9].inboxes[0];
+    let inbox = &state.lineage[&QueryId(9)].inboxes[0];
     assert_eq!(inbox.runs, vec![(0, 2), (1, 2), (2, 1)]);
     assert_eq!(inbox.batches, 5);
-    assert_eq!((inbox.node, inbox.exchange, inbox.bucket), (2, 3, 0));
+    assert_eq!(
+        (inbox.node, inbox.exchange, inbox.bucket),
+        (2, StageId(3), 0)
+    );
 }
 
 #[test]
@@ -63,9 +67,9 @@ fn lineage_is_dropped_when_its_query_ends_or_its_initiator_dies() {
     let mut state = bootstrapped(3);
     state.apply(3, lineage(9, 0, vec![(0, 1)]));
     state.apply(4, lineage(10, 0, vec![(0, 1)]));
-    state.apply(5, MetaCommand::LineageEnd { query: 9 });
-    assert!(!state.lineage.contains_key(&9));
-    assert!(state.lineage.contains_key(&10));
+    state.apply(5, MetaCommand::LineageEnd { query: QueryId(9) });
+    assert!(!state.lineage.contains_key(&QueryId(9)));
+    assert!(state.lineage.contains_key(&QueryId(10)));
     // Query 10's initiator is node 1: nobody is left to replay it.
     state.apply(
         6,
