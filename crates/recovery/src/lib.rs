@@ -7,13 +7,15 @@
 //! | Upstream backup               | a producer keeps what it sent to other nodes in a spool file       | `spool.rs`    |
 //! | Replay                        | a rebuilt consumer pulls its input from spools in the logged order | `replay.rs`   |
 //! | Rebuild                       | the initiator re-places only a dead node's channels on survivors   | `rebuild.rs`  |
+//! | Restart                       | the whole statement again on the survivors, at the same epochs     | `restart.rs`  |
 //!
-//! A second failure, or a rebuild that cannot go on, ends the run with the node's loss, and
-//! the statement is restarted whole by the server's backend.
+//! A second failure, or a rebuild that cannot go on, ends the run with the node's loss
+//! (diagnosed by `tessera_exec::run`), and the statement is restarted whole.
 
 pub mod lineage;
 pub mod rebuild;
 pub mod replay;
+pub mod restart;
 pub mod spool;
 
 use arrow::datatypes::SchemaRef;

@@ -70,9 +70,6 @@ pub struct ClusterBackend {
     recoveries: Mutex<Vec<RecoveryOutcome>>,
 }
 
-/// How many node failures one query may restart after before it gives up.
-const MAX_RESTARTS: usize = 3;
-
 impl ClusterBackend {
     pub fn new(node: Arc<Node>) -> ClusterBackend {
         ClusterBackend {
@@ -151,65 +148,23 @@ impl Backend for ClusterBackend {
         ctx: &SessionContext,
         plan: LogicalPlan,
     ) -> tessera_sql::error::Result<StatementOutput> {
-        use tessera_sql::options::RecoveryMode;
-        let mode = tessera_sql::options::tessera_options(ctx.state().config()).recovery;
-        let mut restarts = 0;
         let mut recoveries: Vec<RecoveryOutcome> = Vec::new();
-        loop {
-            let view = self.view();
-            let run = tessera_exec::session::run_query(
-                &self.node.exec,
-                &view,
-                ctx,
-                plan.clone(),
-                &mut recoveries,
-            );
-            match run.await {
-                Ok(output) => {
-                    self.recoveries
-                        .lock()
-                        .expect("recoveries lock")
-                        .extend(recoveries);
-                    return Ok(output);
-                }
-                Err(ExecError::NodeLost {
-                    node: lost,
-                    query,
-                    detail,
-                }) if mode != RecoveryMode::None && restarts < MAX_RESTARTS => {
-                    restarts += 1;
-                    tracing::warn!(lost, %query, %detail, "restarting a query on the survivors");
-                    // A fresh partition map (the survivors' promotions); the tables keep the
-                    // epoch they were resolved at, so the answer is the one the first run
-                    // would have given.
-                    self.view.pin(self.node.meta.catch_up_with_leader().await);
-                    recoveries.push(RecoveryOutcome::Restarted {
-                        dead: lost,
-                        query,
-                        restart: restarts,
-                        lineage_gave_up: (mode == RecoveryMode::Lineage).then_some(detail),
-                    });
-                }
-                Err(ExecError::NodeLost {
-                    node,
-                    query,
-                    detail,
-                }) => {
-                    let why = if mode == RecoveryMode::None {
-                        "tessera.recovery = none".to_string()
-                    } else {
-                        format!("gave up after {MAX_RESTARTS} restarts")
-                    };
-                    return Err(ExecError::NodeLost {
-                        node,
-                        query,
-                        detail: format!("{detail}; {why}"),
-                    }
-                    .into());
-                }
-                Err(other) => return Err(other.into()),
-            }
-        }
+        let output = tessera_recovery::restart::run_restarting(
+            &self.node.exec,
+            ctx,
+            plan,
+            || self.view(),
+            |fresh| self.view.pin(fresh),
+            &mut recoveries,
+        )
+        .await
+        .map_err(ClusterError::from)?;
+        // The notices of a statement that answered; a failed one's error says it all.
+        self.recoveries
+            .lock()
+            .expect("recoveries lock")
+            .extend(recoveries);
+        Ok(output)
     }
 
     fn take_notices(&self) -> Vec<String> {

@@ -1,0 +1,70 @@
+//! Restarting a statement whose run lost a node: under `tessera.recovery = restart`, or
+//! when lineage recovery could not go on (a second death, a rebuild that failed), the whole
+//! query runs again on the survivors with a fresh partition map, each table still at the
+//! epoch it was resolved at, so the answer is the one the first run would have given.
+
+use datafusion::logical_expr::LogicalPlan;
+use datafusion::prelude::SessionContext;
+use std::sync::Arc;
+use tessera_exec::{Exec, ExecError, RecoveryOutcome};
+use tessera_meta::MetaView;
+use tessera_sql::options::RecoveryMode;
+use tessera_sql::StatementOutput;
+
+/// How many node failures one query may restart after before it gives up.
+pub const MAX_RESTARTS: usize = 3;
+
+/// Runs a statement, restarting it after a node's death as its session's
+/// `tessera.recovery` allows. `view` gives the statement's pinned metadata; `repin` pins a
+/// fresh one (with the survivors' promotions) before a restart. How each run survived is
+/// added to `recoveries`.
+pub async fn run_restarting(
+    exec: &Arc<Exec>,
+    ctx: &SessionContext,
+    plan: LogicalPlan,
+    view: impl Fn() -> Arc<MetaView>,
+    repin: impl Fn(Arc<MetaView>),
+    recoveries: &mut Vec<RecoveryOutcome>,
+) -> Result<StatementOutput, ExecError> {
+    let mode = tessera_sql::options::tessera_options(ctx.state().config()).recovery;
+    let mut restarts = 0;
+    loop {
+        let pinned = view();
+        let run = tessera_exec::session::run_query(exec, &pinned, ctx, plan.clone(), recoveries);
+        match run.await {
+            Ok(output) => return Ok(output),
+            Err(ExecError::NodeLost {
+                node: lost,
+                query,
+                detail,
+            }) if mode != RecoveryMode::None && restarts < MAX_RESTARTS => {
+                restarts += 1;
+                tracing::warn!(lost, %query, %detail, "restarting a query on the survivors");
+                repin(exec.meta().catch_up_with_leader().await);
+                recoveries.push(RecoveryOutcome::Restarted {
+                    dead: lost,
+                    query,
+                    restart: restarts,
+                    lineage_gave_up: (mode == RecoveryMode::Lineage).then_some(detail),
+                });
+            }
+            Err(ExecError::NodeLost {
+                node,
+                query,
+                detail,
+            }) => {
+                let why = if mode == RecoveryMode::None {
+                    "tessera.recovery = none".to_string()
+                } else {
+                    format!("gave up after {MAX_RESTARTS} restarts")
+                };
+                return Err(ExecError::NodeLost {
+                    node,
+                    query,
+                    detail: format!("{detail}; {why}"),
+                });
+            }
+            Err(other) => return Err(other),
+        }
+    }
+}
