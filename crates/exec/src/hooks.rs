@@ -14,6 +14,42 @@ use datafusion::execution::SendableRecordBatchStream;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+/// Why lineage could not log, back up or rebuild what a query needed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LineageError {
+    /// The metadata store did not take a reading order: output computed from it is held.
+    #[error("logging the lineage of exchange {exchange} bucket {bucket} failed: {reason}")]
+    NotLogged {
+        exchange: StageId,
+        bucket: usize,
+        reason: String,
+    },
+    /// The query ended on this node while something still waited on its lineage.
+    #[error("query {query} ended on this node")]
+    QueryEnded { query: QueryId },
+    /// A producer's backup could not be written.
+    #[error("backing up channel {channel} of exchange {exchange}: {reason}")]
+    Backup {
+        exchange: StageId,
+        channel: ChannelId,
+        reason: String,
+    },
+    /// A node stopped answering, but the metadata does not confirm it dead: rebuilding its
+    /// channels elsewhere could run them twice.
+    #[error("node {node} stopped answering, but the metadata leader still counts it alive")]
+    Unconfirmed { node: NodeId },
+    #[error("no node survives to rebuild on")]
+    NoSurvivor,
+    /// Stage 0 runs on the initiator, whose death ends the query.
+    #[error("the initiator's own stage cannot be rebuilt")]
+    InitiatorStage,
+    #[error("stage {stage} does not end in an exchange writer")]
+    NoWriter { stage: StageId },
+    /// A rebuilt stage's plan could not be made or encoded.
+    #[error("rebuilding stage {stage}: {reason}")]
+    Plan { stage: StageId, reason: String },
+}
+
 /// Names one producer channel's upstream backup: (query, exchange, channel).
 pub type BackupKey = (QueryId, StageId, ChannelId);
 
@@ -30,11 +66,11 @@ pub trait Lineage: Send + Sync + 'static {
     /// Waits until the reading order of `key` up to `position` is durable: output computed
     /// from those batches may then leave the node (write-ahead lineage). An error if
     /// logging it failed. Returns at once for a bucket whose order is not logged.
-    async fn wait_logged(&self, key: InboxKey, position: usize) -> Result<(), String>;
+    async fn wait_logged(&self, key: InboxKey, position: usize) -> Result<(), LineageError>;
 
     /// Starts the upstream backup of producer channel `key`, whose batches follow the
     /// schema message `schema`.
-    fn back_up(&self, key: BackupKey, schema: FlightData) -> Result<Arc<dyn Backup>, String>;
+    fn back_up(&self, key: BackupKey, schema: FlightData) -> Result<Arc<dyn Backup>, LineageError>;
 
     /// Bucket `bucket` of a rebuilt consumer: its input replayed from the producers'
     /// backups, first in the logged reading order. Its tasks are tracked in `registry`.
@@ -80,7 +116,7 @@ pub trait QueryRecovery: Send {
         exec: &Arc<Exec>,
         plan: &DistributedPlan,
         dead: NodeId,
-    ) -> Result<BTreeMap<NodeId, RunRequest>, String>;
+    ) -> Result<BTreeMap<NodeId, RunRequest>, LineageError>;
 
     /// The node whose channels were rebuilt, if any.
     fn lost(&self) -> Option<NodeId>;

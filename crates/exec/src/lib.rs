@@ -123,9 +123,9 @@ impl Exec {
         &self,
         key: hooks::BackupKey,
         schema: arrow_flight::FlightData,
-    ) -> Result<Arc<dyn hooks::Backup>, String> {
+    ) -> Result<Arc<dyn hooks::Backup>, hooks::LineageError> {
         if self.queries.has_ended(key.0) {
-            return Err(format!("query {:x} has ended on this node", key.0));
+            return Err(hooks::LineageError::QueryEnded { query: key.0 });
         }
         self.lineage.back_up(key, schema)
     }

@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use tessera_exec::exchange::{Inbox, InboxKey, QueryRegistry, ReadSpec, Replay};
-use tessera_exec::hooks::{Backup, BackupKey, Lineage, QueryRecovery};
+use tessera_exec::hooks::{Backup, BackupKey, Lineage, LineageError, QueryRecovery};
 use tessera_exec::plan::DistributedPlan;
 use tessera_exec::{ChannelId, NodeId, QueryId, StageId};
 use tessera_meta::{MetaClient, MetaCommand};
@@ -155,15 +155,17 @@ impl Lineage for WriteAheadLineage {
         self.log.logs(key)
     }
 
-    async fn wait_logged(&self, key: InboxKey, position: usize) -> Result<(), String> {
+    async fn wait_logged(&self, key: InboxKey, position: usize) -> Result<(), LineageError> {
         self.log.wait_logged(key, position).await
     }
 
-    fn back_up(&self, key: BackupKey, schema: FlightData) -> Result<Arc<dyn Backup>, String> {
+    fn back_up(&self, key: BackupKey, schema: FlightData) -> Result<Arc<dyn Backup>, LineageError> {
         let spool = self.spools.spool(key);
-        spool
-            .start(schema)
-            .map_err(|e| format!("starting a spool: {e}"))?;
+        spool.start(schema).map_err(|e| LineageError::Backup {
+            exchange: key.1,
+            channel: key.2,
+            reason: format!("starting its spool: {e}"),
+        })?;
         Ok(spool)
     }
 

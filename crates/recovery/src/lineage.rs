@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tessera_common::NodeId;
 use tessera_exec::exchange::{Inbox, InboxKey};
+use tessera_exec::hooks::LineageError;
 use tessera_exec::QueryId;
 use tessera_meta::{LineageEntry, MetaClient, MetaCommand};
 use tokio::sync::{watch, Notify};
@@ -74,7 +75,7 @@ impl LineageLog {
     /// Waits until the reading order of `key` up to `position` is in the metadata store.
     /// Wakes the committer if it is behind: a round covers whatever every logged inbox here
     /// has read, so a channel that only emits at its end costs one round, not one per batch.
-    pub async fn wait_logged(&self, key: InboxKey, position: usize) -> Result<(), String> {
+    pub async fn wait_logged(&self, key: InboxKey, position: usize) -> Result<(), LineageError> {
         let mut watch = {
             let inboxes = self.lock();
             let Some(logged) = inboxes.get(&key) else {
@@ -91,13 +92,14 @@ impl LineageLog {
                 Err(_) => true,
             })
             .await
-            .map_err(|_| format!("the query of exchange {} ended", key.exchange))?;
+            .map_err(|_| LineageError::QueryEnded { query: key.query })?;
         match &*reached {
             Ok(_) => Ok(()),
-            Err(reason) => Err(format!(
-                "logging the lineage of exchange {} bucket {} failed: {reason}",
-                key.exchange, key.bucket
-            )),
+            Err(reason) => Err(LineageError::NotLogged {
+                exchange: key.exchange,
+                bucket: key.bucket,
+                reason: reason.clone(),
+            }),
         }
     }
 
@@ -273,7 +275,10 @@ mod tests {
         waiting.await.unwrap().unwrap();
         log.commit_failed(key(0), "no leader".into());
         let failed = log.wait_logged(key(0), 4).await.unwrap_err();
-        assert!(failed.contains("no leader"), "{failed}");
+        assert!(
+            matches!(&failed, LineageError::NotLogged { reason, .. } if reason == "no leader"),
+            "{failed}"
+        );
         assert!(
             log.wait_logged(key(1), 9).await.is_ok(),
             "a bucket whose order is not logged never waits"

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use tessera_common::hex::to_hex;
 use tessera_exec::exchange::{ExchangeReadExec, ExchangeWriteExec, Replay};
-use tessera_exec::hooks::QueryRecovery;
+use tessera_exec::hooks::{LineageError, QueryRecovery};
 use tessera_exec::plan::{leaves_of, DistributedPlan, Leaf};
 use tessera_exec::run::{RunRequest, StageTask};
 use tessera_exec::{ChannelId, Exec, NodeId, RecoveryOutcome, StageId};
@@ -53,13 +53,11 @@ impl Recovery {
         node: &Arc<Exec>,
         plan: &DistributedPlan,
         dead: NodeId,
-    ) -> Result<BTreeMap<NodeId, RunRequest>, String> {
+    ) -> Result<BTreeMap<NodeId, RunRequest>, LineageError> {
         self.lost = Some(dead);
         let noticed = std::time::Instant::now();
         if !node.confirm_failed(dead).await {
-            return Err(format!(
-                "node {dead} stopped answering, but the metadata leader still counts it alive"
-            ));
+            return Err(LineageError::Unconfirmed { node: dead });
         }
         // Past the leader's commit of the node's death, so past every lineage entry the
         // dead node's committer had written.
@@ -71,7 +69,7 @@ impl Recovery {
             .filter(|&id| id != dead)
             .collect();
         if survivors.is_empty() {
-            return Err("no node survives to rebuild on".into());
+            return Err(LineageError::NoSurvivor);
         }
         let addrs: BTreeMap<NodeId, String> = view
             .state
@@ -83,7 +81,7 @@ impl Recovery {
         // New homes, stage by stage.
         let mut moved: BTreeMap<StageId, BTreeMap<NodeId, Vec<usize>>> = BTreeMap::new();
         for stage in &plan.stages {
-            let writer = writer_of(&stage.plan)?;
+            let writer = writer_of(&stage.plan, stage.id)?;
             for channel in 0..self.hosts[stage.id.index()].len() {
                 if self.hosts[stage.id.index()][channel] != dead {
                     continue;
@@ -108,7 +106,7 @@ impl Recovery {
             }
         }
         if moved.contains_key(&StageId::ANSWER) {
-            return Err("the initiator's own stage cannot be rebuilt".into());
+            return Err(LineageError::InitiatorStage);
         }
 
         // The reading orders the dead node logged, by (exchange, bucket).
@@ -129,13 +127,16 @@ impl Recovery {
         let mut placed = Vec::new();
         for (&stage_id, by_host) in &moved {
             let stage = &plan.stages[stage_id.index()];
-            let fragment = self.rebuilt_fragment(&stage.plan, dead, &addrs, &logged)?;
+            let fragment = self.rebuilt_fragment(stage_id, &stage.plan, dead, &addrs, &logged)?;
             let bytes = physical_plan_to_bytes_with_proto_converter(
                 fragment,
                 &codec,
                 &tessera_exec::subquery::LiteralSubqueries,
             )
-            .map_err(|e| format!("encoding stage {stage_id}: {e}"))?;
+            .map_err(|e| LineageError::Plan {
+                stage: stage_id,
+                reason: format!("encoding it: {e}"),
+            })?;
             let fragment = to_hex(&bytes);
             for (&host, channels) in by_host {
                 placed.push(format!(
@@ -180,12 +181,13 @@ impl Recovery {
     /// (where the producers run now), and the writer sends only to surviving consumers.
     fn rebuilt_fragment(
         &self,
+        stage_id: StageId,
         stage: &Arc<dyn ExecutionPlan>,
         dead: NodeId,
         addrs: &BTreeMap<NodeId, String>,
         logged: &BTreeMap<StageId, BTreeMap<usize, Vec<(u32, u32)>>>,
-    ) -> Result<Arc<dyn ExecutionPlan>, String> {
-        let writer = writer_of(stage)?;
+    ) -> Result<Arc<dyn ExecutionPlan>, LineageError> {
+        let writer = writer_of(stage, stage_id)?;
         let input = writer
             .input()
             .clone()
@@ -203,7 +205,10 @@ impl Recovery {
                     Arc::new(reader.replaying(replay)) as Arc<dyn ExecutionPlan>
                 ))
             })
-            .map_err(|e| e.to_string())?
+            .map_err(|e| LineageError::Plan {
+                stage: stage_id,
+                reason: e.to_string(),
+            })?
             .data;
         Ok(Arc::new(writer.rebuilt(input, dead)))
     }
@@ -232,12 +237,15 @@ impl QueryRecovery for Recovery {
         exec: &Arc<Exec>,
         plan: &DistributedPlan,
         dead: NodeId,
-    ) -> Result<BTreeMap<NodeId, RunRequest>, String> {
+    ) -> Result<BTreeMap<NodeId, RunRequest>, LineageError> {
         self.rebuild_channels(exec, plan, dead).await
     }
 }
 
-fn writer_of(plan: &Arc<dyn ExecutionPlan>) -> Result<&ExchangeWriteExec, String> {
+fn writer_of(
+    plan: &Arc<dyn ExecutionPlan>,
+    stage: StageId,
+) -> Result<&ExchangeWriteExec, LineageError> {
     plan.downcast_ref::<ExchangeWriteExec>()
-        .ok_or_else(|| "a stage does not end in an exchange writer".to_string())
+        .ok_or(LineageError::NoWriter { stage })
 }

@@ -389,7 +389,11 @@ impl ChannelWriter {
         let spool = if self.spec.lineage {
             let key = (self.spec.query, self.spec.exchange, ChannelId(self.channel));
             let schema = FlightData::from(SchemaAsIpc::new(&self.schema, &self.options));
-            Some(self.node.back_up(key, schema).map_err(exec_error)?)
+            Some(
+                self.node
+                    .back_up(key, schema)
+                    .map_err(|e| exec_error(e.to_string()))?,
+            )
         } else {
             None
         };
@@ -409,7 +413,7 @@ impl ChannelWriter {
                         .lineage
                         .wait_logged(inbox, position)
                         .await
-                        .map_err(exec_error)?;
+                        .map_err(|e| exec_error(e.to_string()))?;
                 }
                 self.send(&mut outbox, ready.bucket, ready.batch).await?;
             }
