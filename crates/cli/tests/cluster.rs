@@ -8,7 +8,7 @@ use arrow::array::{Int64Array, RecordBatch, StringArray};
 use datafusion::prelude::SessionContext;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use tessera_server::ClusterClient;
+use tessera_server::{ClusterClient, NodeId};
 use tessera_testkit::{kv_batch, LocalCluster};
 
 mod common;
@@ -30,7 +30,7 @@ const PARTITIONS: u32 = 16;
 async fn leader_of(cluster: &LocalCluster, via: u64) -> u64 {
     let client = ClusterClient::new(cluster.addr(via));
     wait_until("a leader", Duration::from_secs(30), || async {
-        client.status().await.ok()?.leader
+        client.status().await.ok()?.leader.map(|id| id.0)
     })
     .await
 }
@@ -350,7 +350,7 @@ async fn killing_the_leader_loses_no_committed_epoch() {
     // A new leader takes over and the dead node is declared failed within 2 s.
     let new_leader = wait_until("a new leader", Duration::from_secs(10), || async {
         let status = client.status().await.ok()?;
-        status.leader.filter(|l| *l != leader)
+        status.leader.filter(|l| *l != NodeId(leader))
     })
     .await;
     wait_until(
@@ -358,7 +358,7 @@ async fn killing_the_leader_loses_no_committed_epoch() {
         Duration::from_secs(5),
         || async {
             let status = client.status().await.ok()?;
-            (!status.meta.nodes[&leader].alive).then_some(())
+            (!status.meta.nodes[&NodeId(leader)].alive).then_some(())
         },
     )
     .await;
@@ -367,7 +367,7 @@ async fn killing_the_leader_loses_no_committed_epoch() {
         detected < Duration::from_secs(2),
         "the dead leader was declared failed after {detected:?}"
     );
-    assert_ne!(new_leader, leader);
+    assert_ne!(new_leader, NodeId(leader));
     assert_eq!(
         count_and_sum(&client).await.0,
         rows,
@@ -465,7 +465,7 @@ async fn a_coordinator_killed_mid_publish_leaves_its_epoch_invisible() {
         Duration::from_secs(5),
         || async {
             let status = client.status().await.ok()?;
-            (!status.meta.nodes[&3].alive && status.meta.open.is_empty()).then_some(())
+            (!status.meta.nodes[&NodeId(3)].alive && status.meta.open.is_empty()).then_some(())
         },
     )
     .await;
@@ -586,7 +586,7 @@ async fn replicas_held_by(client: &ClusterClient, id: u64) -> usize {
         .map
         .partitions
         .iter()
-        .filter(|p| p.replicas.contains(&id))
+        .filter(|p| p.replicas.contains(&NodeId(id)))
         .count()
 }
 
@@ -663,7 +663,9 @@ async fn a_joining_node_takes_its_share_while_queries_stay_exact() {
         Duration::from_secs(60),
         || async {
             let status = client.status().await.ok()?;
-            status.meta.nodes[&newcomer].decommissioned.then_some(())
+            status.meta.nodes[&NodeId(newcomer)]
+                .decommissioned
+                .then_some(())
         },
     )
     .await;
@@ -797,7 +799,9 @@ async fn a_lost_node_is_rereplicated_and_takes_its_share_back_when_it_returns() 
                 .map
                 .partitions
                 .iter()
-                .all(|p| p.replicas.len() == 3 && !p.replicas.contains(&4) && p.stale.is_empty())
+                .all(|p| {
+                    p.replicas.len() == 3 && !p.replicas.contains(&NodeId(4)) && p.stale.is_empty()
+                })
                 .then_some(())
         },
     )
@@ -826,7 +830,7 @@ async fn a_lost_node_is_rereplicated_and_takes_its_share_back_when_it_returns() 
         Duration::from_secs(60),
         || async {
             let status = client.status().await.ok()?;
-            let back = status.meta.nodes.get(&4).is_some_and(|n| n.alive)
+            let back = status.meta.nodes.get(&NodeId(4)).is_some_and(|n| n.alive)
                 && status
                     .meta
                     .map
@@ -838,7 +842,7 @@ async fn a_lost_node_is_rereplicated_and_takes_its_share_back_when_it_returns() 
                     .map
                     .partitions
                     .iter()
-                    .filter(|p| p.replicas.contains(&4))
+                    .filter(|p| p.replicas.contains(&NodeId(4)))
                     .count()
                     == 12;
             back.then_some(())
@@ -886,7 +890,7 @@ async fn tpch_answers_stay_exact_through_failover_and_delta_failback() {
         .map
         .partitions
         .iter()
-        .filter(|p| p.stale.contains_key(&3))
+        .filter(|p| p.stale.contains_key(&NodeId(3)))
         .count();
     assert!(stale > 0, "node 3 missed the epoch");
 
@@ -895,7 +899,7 @@ async fn tpch_answers_stay_exact_through_failover_and_delta_failback() {
     cluster.start(3);
     wait_until("node 3 to catch up", Duration::from_secs(60), || async {
         let status = client.status().await.ok()?;
-        let back = status.meta.nodes.get(&3).is_some_and(|n| n.alive)
+        let back = status.meta.nodes.get(&NodeId(3)).is_some_and(|n| n.alive)
             && status
                 .meta
                 .map
@@ -910,7 +914,7 @@ async fn tpch_answers_stay_exact_through_failover_and_delta_failback() {
     let status = returned.status().await.unwrap();
     let mut live_rows = 0;
     for (p, placement) in status.meta.map.partitions.iter().enumerate() {
-        if placement.replicas.contains(&3) {
+        if placement.replicas.contains(&NodeId(3)) {
             let batches = returned
                 .read_replica(
                     cluster.cluster_id(),

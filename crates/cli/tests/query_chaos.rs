@@ -181,7 +181,7 @@ async fn queries_answer_exactly_when_a_peer_is_killed_at_random() {
         match (line, recovery) {
             (None, None) => continue,
             (Some(line), Some(recovery)) => {
-                assert_eq!(recovery.dead(), victim, "the recovery names the dead node");
+                assert_eq!(recovery.dead(), tessera_server::NodeId(victim), "the recovery names the dead node");
                 assert!(
                     line.contains(&format!("node {victim} died")),
                     "the recovery line names the dead node: {line}"
@@ -263,7 +263,7 @@ async fn queries_answer_exactly_when_a_peer_is_killed_at_random() {
             Some(recovery) => {
                 assert_eq!(
                     recovery.dead(),
-                    victim,
+                    tessera_server::NodeId(victim),
                     "the notice names the dead node: {recovery}"
                 );
                 let how = outcome(recovery);

@@ -243,9 +243,9 @@ async fn acknowledged_epochs_survive_random_kills() {
     let mut visible: BTreeMap<&str, BTreeSet<i64>> = BTreeMap::new();
     for table in TABLES {
         for (p, placement) in status.meta.map.partitions.iter().enumerate() {
-            let mut first: Option<(u64, Vec<(i64, i64)>)> = None;
+            let mut first: Option<(tessera_server::NodeId, Vec<(i64, i64)>)> = None;
             for &replica in &placement.replicas {
-                let client = ClusterClient::new(cluster.addr(replica));
+                let client = ClusterClient::new(cluster.addr(replica.0));
                 let rows = keys_of(
                     &client
                         .read_replica(cluster.cluster_id(), table, PartitionId(p as u32), epoch)

@@ -274,13 +274,13 @@ impl NodeConfig {
         if self.cluster_id.trim().is_empty() {
             return Err("cluster_id is empty".into());
         }
-        if self.node_id == 0 {
+        if self.node_id.0 == 0 {
             return Err("node_id must be at least 1".into());
         }
         let mut ids = BTreeSet::new();
         let mut addrs = BTreeSet::new();
         for peer in &self.peers {
-            if peer.id == 0 {
+            if peer.id.0 == 0 {
                 return Err("peer ids must be at least 1".into());
             }
             if !ids.insert(peer.id) {
@@ -402,7 +402,7 @@ mod tests {
         let config = NodeConfig::parse(GOOD, Path::new("node.toml")).unwrap();
         assert_eq!(config.partitions, 64);
         assert_eq!(config.replication, 3);
-        assert_eq!(config.voter_ids(), BTreeSet::from([1, 2]));
+        assert_eq!(config.voter_ids(), BTreeSet::from([NodeId(1), NodeId(2)]));
         assert_eq!(config.failure, FailureSettings::default());
         assert_eq!(config.exec.send_batch_rows, 8192);
         assert!(config.replicas.delta_recovery && !config.replicas.hot_standby);

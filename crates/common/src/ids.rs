@@ -24,9 +24,23 @@ impl fmt::Display for Epoch {
     }
 }
 
-/// A node of the cluster: a positive integer fixed in its configuration. (Still a bare
-/// integer: it is the Raft node id too, and turning it into a newtype is a step of its own.)
-pub type NodeId = u64;
+/// A node of the cluster: a positive integer fixed in its configuration, and its Raft node
+/// id. Shown (and debug-printed) as the bare number, as in configurations and messages.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default)]
+#[serde(transparent)]
+pub struct NodeId(pub u64);
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl fmt::Debug for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
 
 /// Names one distributed query cluster-wide: random, chosen by its initiator; shown in hex
 /// (the form log lines and notices use).

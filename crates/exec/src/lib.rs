@@ -145,7 +145,7 @@ pub enum RecoveryOutcome {
     /// Only the dead node's channels ran again, on the survivors, replaying their logged
     /// inputs from the producers' spools (write-ahead lineage).
     Rebuilt {
-        dead: u64,
+        dead: NodeId,
         query: QueryId,
         /// Channels placed on survivors.
         channels: usize,
@@ -158,7 +158,7 @@ pub enum RecoveryOutcome {
     },
     /// The whole query ran again on the survivors with a fresh partition map.
     Restarted {
-        dead: u64,
+        dead: NodeId,
         query: QueryId,
         /// 1 for the first restart of this statement, and so on.
         restart: usize,
@@ -168,7 +168,7 @@ pub enum RecoveryOutcome {
 }
 
 impl RecoveryOutcome {
-    pub fn dead(&self) -> u64 {
+    pub fn dead(&self) -> NodeId {
         match self {
             RecoveryOutcome::Rebuilt { dead, .. } | RecoveryOutcome::Restarted { dead, .. } => {
                 *dead
@@ -227,7 +227,7 @@ fn clipped(text: &str, limit: usize) -> String {
 pub struct ChannelReport {
     pub stage: StageId,
     pub channel: ChannelId,
-    pub node: u64,
+    pub node: NodeId,
     /// Rows and batches the channel produced.
     pub rows: u64,
     pub batches: u64,

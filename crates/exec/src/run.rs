@@ -434,7 +434,7 @@ pub async fn execute(
     work: Work,
     schema: SchemaRef,
 ) -> Result<QueryOutcome, ExecError> {
-    let span = tracing::info_span!("query", query = %format_args!("{:x}", plan.query), initiator = node.id());
+    let span = tracing::info_span!("query", query = %plan.query, initiator = node.id().0);
     tracing::Instrument::instrument(execute_here(node, plan, work, schema), span).await
 }
 

@@ -37,6 +37,7 @@ openraft::declare_raft_types!(
     pub TypeConfig:
         D = MetaCommand,
         R = MetaResponse,
+        NodeId = NodeId,
 );
 
 pub type Raft = openraft::Raft<TypeConfig>;

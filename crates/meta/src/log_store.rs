@@ -271,7 +271,7 @@ mod tests {
 
     fn entry(index: u64) -> Entry<TypeConfig> {
         Entry {
-            log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
+            log_id: LogId::new(CommittedLeaderId::new(1, NodeId(1)), index),
             payload: EntryPayload::Blank,
         }
     }
@@ -312,7 +312,7 @@ mod tests {
             let mut store = LogStore::open(dir.path()).unwrap();
             store.truncate(entry(8).log_id).await.unwrap();
             store.purge(entry(3).log_id).await.unwrap();
-            let vote = Vote::new(2, 1);
+            let vote = Vote::new(2, NodeId(1));
             store.save_vote(&vote).await.unwrap();
         }
         let mut store = LogStore::open(dir.path()).unwrap();
@@ -326,6 +326,9 @@ mod tests {
         assert_eq!(indices, vec![4, 5, 6, 7]);
         let state = store.get_log_state().await.unwrap();
         assert_eq!(state.last_purged_log_id.unwrap().index, 3);
-        assert_eq!(store.read_vote().await.unwrap(), Some(Vote::new(2, 1)));
+        assert_eq!(
+            store.read_vote().await.unwrap(),
+            Some(Vote::new(2, NodeId(1)))
+        );
     }
 }

@@ -689,7 +689,7 @@ impl MetaState {
             .map(|(epoch, _)| *epoch)
             .collect();
         for epoch in orphaned {
-            tracing::info!(%epoch, coordinator, "aborting an epoch whose coordinator is gone");
+            tracing::info!(%epoch, %coordinator, "aborting an epoch whose coordinator is gone");
             self.decide(epoch, false);
             effects.push(LocalEffect::Abort(epoch));
         }

@@ -197,7 +197,7 @@ mod tests {
     #[test]
     fn the_gate_refuses_other_clusters_and_versions() {
         let gate = Gate {
-            node_id: 1,
+            node_id: NodeId(1),
             cluster_id: "c".into(),
             protocol: PROTOCOL_VERSION,
         };

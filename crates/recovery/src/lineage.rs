@@ -242,7 +242,7 @@ mod tests {
         inbox.push(0, 0, batch(), None).await.unwrap();
         inbox.push(1, 0, batch(), None).await.unwrap();
         inbox.push(0, 1, batch(), None).await.unwrap();
-        log.log(&inbox, 1);
+        log.log(&inbox, NodeId(1));
         assert!(log.logs(key(0)) && !log.logs(key(1)));
         for _ in 0..3 {
             inbox.next().await.unwrap().unwrap();
@@ -259,7 +259,7 @@ mod tests {
             unlogged,
             vec![Unlogged {
                 key: key(0),
-                initiator: 1,
+                initiator: NodeId(1),
                 from: 0,
                 runs: vec![(0, 1), (1, 1), (0, 1)]
             }]
@@ -291,7 +291,7 @@ mod tests {
     async fn a_later_round_hands_over_only_what_was_read_since() {
         let log = LineageLog::default();
         let inbox = Arc::new(Inbox::new(key(0), 2));
-        log.log(&inbox, 1);
+        log.log(&inbox, NodeId(1));
         inbox.push(1, 0, batch(), None).await.unwrap();
         inbox.next().await.unwrap().unwrap();
         assert_eq!(log.take_unlogged()[0].upto(), 1);

@@ -168,7 +168,7 @@ impl Recovery {
             replan_ms: noticed.elapsed().as_millis() as u64,
         });
         tracing::warn!(
-            dead,
+            dead = dead.0,
             query = %plan.query,
             channels,
             replayed,

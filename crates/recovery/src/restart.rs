@@ -39,7 +39,7 @@ pub async fn run_restarting(
                 detail,
             }) if mode != RecoveryMode::None && restarts < MAX_RESTARTS => {
                 restarts += 1;
-                tracing::warn!(lost, %query, %detail, "restarting a query on the survivors");
+                tracing::warn!(lost = lost.0, %query, %detail, "restarting a query on the survivors");
                 repin(exec.meta().catch_up_with_leader().await);
                 recoveries.push(RecoveryOutcome::Restarted {
                     dead: lost,

@@ -150,7 +150,7 @@ mod tests {
 
     const TIMEOUT: Duration = Duration::from_millis(1500);
     const LOST_AFTER: Duration = Duration::from_secs(300);
-    const ME: NodeId = 1;
+    const ME: NodeId = NodeId(1);
 
     fn members(alive: &[(NodeId, bool)]) -> Vec<Member> {
         alive
@@ -177,45 +177,51 @@ mod tests {
     fn a_node_silent_past_the_timeout_fails_and_a_heartbeat_revives_it() {
         let start = Instant::now();
         let mut detector = FailureDetector::new(TIMEOUT, LOST_AFTER);
-        let nodes = members(&[(1, true), (2, true)]);
-        assert_eq!(verdict(&mut detector, &nodes, start, 2), Check::Alive);
-        detector.heard_from(2, start + Duration::from_millis(1000));
+        let nodes = members(&[(NodeId(1), true), (NodeId(2), true)]);
+        assert_eq!(
+            verdict(&mut detector, &nodes, start, NodeId(2)),
+            Check::Alive
+        );
+        detector.heard_from(NodeId(2), start + Duration::from_millis(1000));
         // Within the timeout of its last heartbeat.
         let t = start + Duration::from_millis(2400);
-        assert_eq!(verdict(&mut detector, &nodes, t, 2), Check::Alive);
+        assert_eq!(verdict(&mut detector, &nodes, t, NodeId(2)), Check::Alive);
         // Past it.
         let t = start + Duration::from_millis(2600);
-        assert_eq!(verdict(&mut detector, &nodes, t, 2), Check::Failed);
-        let failed = members(&[(1, true), (2, false)]);
-        assert_eq!(verdict(&mut detector, &failed, t, 2), Check::Failed);
-        detector.heard_from(2, t + Duration::from_millis(10));
+        assert_eq!(verdict(&mut detector, &nodes, t, NodeId(2)), Check::Failed);
+        let failed = members(&[(NodeId(1), true), (NodeId(2), false)]);
+        assert_eq!(verdict(&mut detector, &failed, t, NodeId(2)), Check::Failed);
+        detector.heard_from(NodeId(2), t + Duration::from_millis(10));
         let t = t + Duration::from_millis(20);
-        assert_eq!(verdict(&mut detector, &failed, t, 2), Check::Alive);
+        assert_eq!(verdict(&mut detector, &failed, t, NodeId(2)), Check::Alive);
     }
 
     #[test]
     fn a_suspect_is_probed_at_once_and_a_failed_probe_does_not_flap() {
         let start = Instant::now();
         let mut detector = FailureDetector::new(TIMEOUT, LOST_AFTER);
-        let nodes = members(&[(1, true), (2, true), (3, true)]);
-        detector.heard_from(2, start);
-        detector.heard_from(3, start);
-        detector.suspect(2);
+        let nodes = members(&[(NodeId(1), true), (NodeId(2), true), (NodeId(3), true)]);
+        detector.heard_from(NodeId(2), start);
+        detector.heard_from(NodeId(3), start);
+        detector.suspect(NodeId(2));
         let t = start + Duration::from_millis(100);
         let checks = detector.check(ME, &nodes, t);
-        assert_eq!(checks, vec![(2, Check::Probe), (3, Check::Alive)]);
+        assert_eq!(
+            checks,
+            vec![(NodeId(2), Check::Probe), (NodeId(3), Check::Alive)]
+        );
         // The suspicion is taken: the next round does not probe again.
-        detector.probed(2, false, t);
-        let failed = members(&[(1, true), (2, false), (3, true)]);
+        detector.probed(NodeId(2), false, t);
+        let failed = members(&[(NodeId(1), true), (NodeId(2), false), (NodeId(3), true)]);
         let t = t + Duration::from_millis(100);
         // Its last heartbeat (100 ms ago) no longer counts.
-        assert_eq!(verdict(&mut detector, &failed, t, 2), Check::Failed);
+        assert_eq!(verdict(&mut detector, &failed, t, NodeId(2)), Check::Failed);
         // A suspect that answers stays alive.
-        detector.suspect(3);
-        assert_eq!(verdict(&mut detector, &failed, t, 3), Check::Probe);
-        detector.probed(3, true, t);
+        detector.suspect(NodeId(3));
+        assert_eq!(verdict(&mut detector, &failed, t, NodeId(3)), Check::Probe);
+        detector.probed(NodeId(3), true, t);
         assert_eq!(
-            verdict(&mut detector, &failed, t + TIMEOUT, 3),
+            verdict(&mut detector, &failed, t + TIMEOUT, NodeId(3)),
             Check::Alive
         );
     }
@@ -224,22 +230,28 @@ mod tests {
     fn a_suspected_node_already_failed_is_not_probed() {
         let start = Instant::now();
         let mut detector = FailureDetector::new(TIMEOUT, LOST_AFTER);
-        detector.suspect(2);
-        let failed = members(&[(1, true), (2, false)]);
-        assert_eq!(verdict(&mut detector, &failed, start, 2), Check::Failed);
+        detector.suspect(NodeId(2));
+        let failed = members(&[(NodeId(1), true), (NodeId(2), false)]);
+        assert_eq!(
+            verdict(&mut detector, &failed, start, NodeId(2)),
+            Check::Failed
+        );
     }
 
     #[test]
     fn a_new_leader_probes_everyone_and_gives_a_full_timeout() {
         let start = Instant::now();
         let mut detector = FailureDetector::new(TIMEOUT, LOST_AFTER);
-        let nodes = members(&[(1, true), (2, true), (3, false)]);
+        let nodes = members(&[(NodeId(1), true), (NodeId(2), true), (NodeId(3), false)]);
         detector.became_leader(ME, &nodes, start);
         let checks = detector.check(ME, &nodes, start);
-        assert_eq!(checks, vec![(2, Check::Probe), (3, Check::Failed)]);
-        detector.probed(2, true, start);
         assert_eq!(
-            verdict(&mut detector, &nodes, start + TIMEOUT, 2),
+            checks,
+            vec![(NodeId(2), Check::Probe), (NodeId(3), Check::Failed)]
+        );
+        detector.probed(NodeId(2), true, start);
+        assert_eq!(
+            verdict(&mut detector, &nodes, start + TIMEOUT, NodeId(2)),
             Check::Alive
         );
         assert_eq!(
@@ -247,7 +259,7 @@ mod tests {
                 &mut detector,
                 &nodes,
                 start + TIMEOUT + Duration::from_millis(1),
-                2
+                NodeId(2)
             ),
             Check::Failed
         );
@@ -257,7 +269,7 @@ mod tests {
     fn a_node_failed_long_enough_is_lost_and_a_new_leader_starts_the_clock_again() {
         let start = Instant::now();
         let mut detector = FailureDetector::new(TIMEOUT, LOST_AFTER);
-        let failed = BTreeSet::from([3]);
+        let failed = BTreeSet::from([NodeId(3)]);
         assert!(detector.lost(&failed, start).is_empty());
         assert!(detector.lost(&failed, start + LOST_AFTER / 2).is_empty());
         assert_eq!(detector.lost(&failed, start + LOST_AFTER), failed);
@@ -268,7 +280,11 @@ mod tests {
         assert!(detector.lost(&failed, start + LOST_AFTER * 2).is_empty());
         // A new leader waits the full time again, from its first look.
         let elected = start + LOST_AFTER * 3;
-        detector.became_leader(ME, &members(&[(1, true), (3, false)]), elected);
+        detector.became_leader(
+            ME,
+            &members(&[(NodeId(1), true), (NodeId(3), false)]),
+            elected,
+        );
         assert!(detector.lost(&failed, elected).is_empty());
         assert!(detector.lost(&failed, elected + LOST_AFTER / 2).is_empty());
         assert_eq!(detector.lost(&failed, elected + LOST_AFTER), failed);

@@ -88,7 +88,7 @@ async fn receive_logged(
         match task.await {
             Ok(Ok(_)) => {}
             Ok(Err(error)) if error.is_transport() => {
-                tracing::warn!(node = replica, epoch = %request.epoch, %error, "replica unreachable during log shipping");
+                tracing::warn!(node = replica.0, epoch = %request.epoch, %error, "replica unreachable during log shipping");
                 node.suspect(replica);
                 unreachable.push(replica);
             }

@@ -133,7 +133,7 @@ pub async fn publish(node: &Arc<Replication>, changes: Vec<TableChanges>) -> Res
                 epoch,
                 reason,
             }) if attempt <= RETRIES => {
-                tracing::warn!(node = lost, %epoch, %reason, attempt, "a primary was lost mid-publish; retrying once the metadata has a new one");
+                tracing::warn!(node = lost.0, %epoch, %reason, attempt, "a primary was lost mid-publish; retrying once the metadata has a new one");
                 node.meta
                     .wait_until_failed(lost, node.settings.failure_timeout * 2)
                     .await;

@@ -262,7 +262,7 @@ pub async fn copy_partitions(node: &Arc<Replication>, request: CopyRequest) -> R
         let span = tracing::info_span!(
             "copy",
             partition = moved.partition.0,
-            source = moved.source,
+            source = moved.source.0,
             since = %moved.since
         );
         let copy = async {

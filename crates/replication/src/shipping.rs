@@ -50,11 +50,11 @@ pub async fn checkpoint(node: &Arc<Replication>) -> Result<()> {
         let flushed: Result<()> =
             call(node, primary, &addr, ACTION_FLUSH, (), FLUSH_PATIENCE).await;
         if let Err(error) = flushed {
-            tracing::warn!(primary, %error, "a primary did not flush for this node's checkpoint; applying its logged rows here");
+            tracing::warn!(primary = primary.0, %error, "a primary did not flush for this node's checkpoint; applying its logged rows here");
             continue;
         }
         if let Err(error) = pull_from_primaries(node, partitions).await {
-            tracing::warn!(primary, %error, "could not take a primary's components; applying logged rows here");
+            tracing::warn!(primary = primary.0, %error, "could not take a primary's components; applying logged rows here");
         }
     }
     node.on_store("the checkpoint", |store| store.checkpoint())
@@ -129,7 +129,7 @@ pub async fn announce(node: &Arc<Replication>) {
         .await;
         if let Err(error) = sent {
             // It pulls at its own next checkpoint instead.
-            tracing::debug!(standby, %error, "a standby did not take a component announcement");
+            tracing::debug!(standby = standby.0, %error, "a standby did not take a component announcement");
         }
     }
 }
@@ -181,7 +181,7 @@ pub async fn pull_from_primaries(
                 )
             })
             .await?;
-        tracing::debug!(table = %table_name, %partition, primary, %covered, changed, "pulled a primary's components");
+        tracing::debug!(table = %table_name, %partition, primary = primary.0, %covered, changed, "pulled a primary's components");
         installed += usize::from(changed);
     }
     Ok(installed)

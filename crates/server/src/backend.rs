@@ -498,7 +498,7 @@ impl ClusterScanExec {
             {
                 Ok(batches) => Ok(batches),
                 Err(error) if group.node != node.id() && is_unreachable(&error) => {
-                    tracing::warn!(from = group.node, %error, "replica unreachable; reading its partitions from the next replica");
+                    tracing::warn!(from = group.node.0, %error, "replica unreachable; reading its partitions from the next replica");
                     node.suspect(group.node);
                     let mut batches = Vec::new();
                     for (partition, fallbacks) in group.partitions.iter().zip(&group.fallbacks) {

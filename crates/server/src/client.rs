@@ -47,8 +47,7 @@ impl ClusterClient {
                 ours: self.clients.cluster_id().to_string(),
                 theirs: cluster_id,
             },
-            CallError::Transport(reason) => ClusterError::Unreachable {
-                node: 0,
+            CallError::Transport(reason) => ClusterError::AddressUnreachable {
                 addr: self.addr.clone(),
                 reason,
             },

@@ -1,5 +1,6 @@
 //! Errors of the cluster layer, each naming the node, address or setting at fault.
 
+use tessera_common::NodeId;
 use tessera_storage::StorageError;
 use thiserror::Error;
 
@@ -11,14 +12,14 @@ pub enum ClusterError {
     Listen { addr: String, reason: String },
     #[error("node {node} at {addr} belongs to cluster {theirs:?}, but this node is configured for cluster {ours:?}")]
     WrongCluster {
-        node: u64,
+        node: NodeId,
         addr: String,
         ours: String,
         theirs: String,
     },
     #[error("node {node} at {addr} speaks protocol version {theirs}, this node speaks version {ours}; run the same Tessera release on every node")]
     VersionMismatch {
-        node: u64,
+        node: NodeId,
         addr: String,
         ours: u32,
         theirs: u32,
@@ -26,14 +27,17 @@ pub enum ClusterError {
     #[error("the address {addr} answers as node {theirs}, but the configuration says node {expected} is there")]
     WrongNode {
         addr: String,
-        expected: u64,
-        theirs: u64,
+        expected: NodeId,
+        theirs: NodeId,
     },
     #[error("data directory {dir}: {reason}")]
     DataDir { dir: String, reason: String },
+    /// A client could not reach the node it was given (whose id it does not know).
+    #[error("the node at {addr} is unreachable: {reason}")]
+    AddressUnreachable { addr: String, reason: String },
     #[error("node {node} ({addr}) is unreachable: {reason}")]
     Unreachable {
-        node: u64,
+        node: NodeId,
         addr: String,
         reason: String,
     },
@@ -66,7 +70,7 @@ pub enum ClusterError {
     #[error(
         "node {node} votes in the metadata group; only non-voting nodes can be decommissioned"
     )]
-    VoterCannotLeave { node: u64 },
+    VoterCannotLeave { node: NodeId },
     /// A task of this node's failed (panicked or was cancelled).
     #[error("{what} failed: {reason}")]
     Task { what: &'static str, reason: String },

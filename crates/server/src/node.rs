@@ -264,7 +264,7 @@ impl Node {
         tokio::spawn(node.clone().heartbeat_loop());
         tokio::spawn(node.clone().duty_loop());
         tokio::spawn(node.clone().registration_loop());
-        tracing::info!(node = node.config.node_id, listen = %node.config.listen, "node started");
+        tracing::info!(node = node.config.node_id.0, listen = %node.config.listen, "node started");
         Ok(node)
     }
 
@@ -500,7 +500,7 @@ impl Node {
                 Check::Probe => self.probe(id, &node.addr).await,
             };
             if alive != node.alive {
-                tracing::warn!(node = id, alive, "node liveness changed");
+                tracing::warn!(node = id.0, alive, "node liveness changed");
                 self.meta
                     .write_as_leader(MetaCommand::SetLiveness { id, alive })
                     .await?;
@@ -558,7 +558,7 @@ impl Node {
                     .await
                     .map_err(ClusterError::raft)?;
             }
-            tracing::info!(node = node.id, "node decommissioned");
+            tracing::info!(node = node.id.0, "node decommissioned");
         }
         Ok(())
     }
@@ -665,7 +665,7 @@ async fn check_peers(config: &NodeConfig, clients: &Clients, protocol: u32) -> R
                 })
             }
             Err(error) => {
-                tracing::info!(peer = peer.id, %addr, %error, "peer not reachable yet");
+                tracing::info!(peer = peer.id.0, %addr, %error, "peer not reachable yet");
                 continue;
             }
         };

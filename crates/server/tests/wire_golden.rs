@@ -11,7 +11,7 @@ use openraft::{CommittedLeaderId, EntryPayload, LogId, Membership, Vote};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use tessera_common::{ChannelId, ComponentHash, Epoch, Lsn, PartitionId, QueryId, StageId};
+use tessera_common::{ChannelId, ComponentHash, Epoch, Lsn, NodeId, PartitionId, QueryId, StageId};
 use tessera_exec::run::{RunRequest, StageTask, StagesEvent};
 use tessera_exec::ChannelReport;
 use tessera_server::meta::{LineageEntry, MetaCommand, MetaResponse, MetaState, TypeConfig};
@@ -86,20 +86,23 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                 partition_count: 4,
                 replication: 2,
                 hot_standby: false,
-                nodes: vec![(1, "127.0.0.1:7001".into()), (2, "127.0.0.1:7002".into())],
+                nodes: vec![
+                    (NodeId(1), "127.0.0.1:7001".into()),
+                    (NodeId(2), "127.0.0.1:7002".into()),
+                ],
             },
         ),
         (
             "register-node",
             MetaCommand::RegisterNode {
-                id: 3,
+                id: NodeId(3),
                 addr: "127.0.0.1:7003".into(),
             },
         ),
         (
             "set-liveness",
             MetaCommand::SetLiveness {
-                id: 2,
+                id: NodeId(2),
                 alive: false,
             },
         ),
@@ -107,14 +110,14 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
         (
             "started",
             MetaCommand::Started {
-                id: 1,
+                id: NodeId(1),
                 incarnation: 1_700_000_000_000_000,
             },
         ),
         (
             "allocate-epoch",
             MetaCommand::AllocateEpoch {
-                coordinator: 1,
+                coordinator: NodeId(1),
                 incarnation: 1_700_000_000_000_000,
                 tables: vec!["kv".into()],
                 request: 42,
@@ -124,7 +127,7 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
             "commit-epoch",
             MetaCommand::CommitEpoch {
                 epoch: Epoch(1),
-                missed: vec![(PartitionId(3), 2)],
+                missed: vec![(PartitionId(3), NodeId(2))],
             },
         ),
         (
@@ -137,18 +140,22 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
         (
             "set-partition-map",
             MetaCommand::SetPartitionMap {
-                map: tessera_server::meta::PartitionMap::uniform(4, 2, &[1, 2, 3]),
+                map: tessera_server::meta::PartitionMap::uniform(
+                    4,
+                    2,
+                    &[NodeId(1), NodeId(2), NodeId(3)],
+                ),
             },
         ),
-        ("leave", MetaCommand::Leave { id: 3 }),
-        ("decommission", MetaCommand::Decommission { id: 3 }),
+        ("leave", MetaCommand::Leave { id: NodeId(3) }),
+        ("decommission", MetaCommand::Decommission { id: NodeId(3) }),
         (
             "lineage",
             MetaCommand::Lineage {
-                node: 2,
+                node: NodeId(2),
                 entries: vec![LineageEntry {
                     query: QueryId(0xfeed),
-                    initiator: 1,
+                    initiator: NodeId(1),
                     exchange: StageId(2),
                     bucket: 5,
                     from: 0,
@@ -166,8 +173,8 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
     ]
 }
 
-fn log_id(index: u64) -> LogId<u64> {
-    LogId::new(CommittedLeaderId::new(3, 1), index)
+fn log_id(index: u64) -> LogId<NodeId> {
+    LogId::new(CommittedLeaderId::new(3, NodeId(1)), index)
 }
 
 fn samples() -> Samples {
@@ -183,7 +190,7 @@ fn samples() -> Samples {
         openraft::Entry {
             log_id: log_id(6),
             payload: EntryPayload::Membership(Membership::new(
-                vec![BTreeSet::from([1, 2, 3])],
+                vec![BTreeSet::from([NodeId(1), NodeId(2), NodeId(3)])],
                 None,
             )),
         },
@@ -195,7 +202,7 @@ fn samples() -> Samples {
     s.request(
         ACTION_RAFT_APPEND,
         openraft::raft::AppendEntriesRequest::<TypeConfig> {
-            vote: Vote::new_committed(3, 1),
+            vote: Vote::new_committed(3, NodeId(1)),
             prev_log_id: Some(log_id(4)),
             entries,
             leader_commit: Some(log_id(4)),
@@ -203,20 +210,23 @@ fn samples() -> Samples {
     );
     s.request(
         ACTION_RAFT_VOTE,
-        openraft::raft::VoteRequest::<u64> {
-            vote: Vote::new(4, 2),
+        openraft::raft::VoteRequest::<NodeId> {
+            vote: Vote::new(4, NodeId(2)),
             last_log_id: Some(log_id(7)),
         },
     );
     s.request(
         ACTION_RAFT_SNAPSHOT,
         openraft::raft::InstallSnapshotRequest::<TypeConfig> {
-            vote: Vote::new_committed(3, 1),
+            vote: Vote::new_committed(3, NodeId(1)),
             meta: openraft::SnapshotMeta {
                 last_log_id: Some(log_id(7)),
                 last_membership: openraft::StoredMembership::new(
                     Some(log_id(6)),
-                    Membership::new(vec![BTreeSet::from([1, 2, 3])], None),
+                    Membership::new(
+                        vec![BTreeSet::from([NodeId(1), NodeId(2), NodeId(3)])],
+                        None,
+                    ),
                 ),
                 snapshot_id: "3-1-7".into(),
             },
@@ -228,7 +238,10 @@ fn samples() -> Samples {
     for (name, command) in meta_commands() {
         s.request(&format!("{ACTION_META_WRITE} {name}"), command);
     }
-    s.request(ACTION_HEARTBEAT, (Heartbeat { node_id: 2 }, vec![3u64]));
+    s.request(
+        ACTION_HEARTBEAT,
+        (Heartbeat { node_id: NodeId(2) }, vec![3u64]),
+    );
     s.request(ACTION_STATUS, ());
     s.request(ACTION_READ_INDEX, ());
     s.request(ACTION_SQL, "SELECT 1");
@@ -251,12 +264,12 @@ fn samples() -> Samples {
             moves: vec![
                 PartitionMove {
                     partition: PartitionId(1),
-                    source: 2,
+                    source: NodeId(2),
                     since: Epoch(0),
                 },
                 PartitionMove {
                     partition: PartitionId(2),
-                    source: 1,
+                    source: NodeId(1),
                     since: Epoch(5),
                 },
             ],
@@ -302,7 +315,7 @@ fn samples() -> Samples {
         "get run-stages",
         RunRequest {
             query: QueryId(0xfeed),
-            initiator: 1,
+            initiator: NodeId(1),
             stages: vec![StageTask {
                 stage: StageId(2),
                 fragment: "0a0b".into(),
@@ -329,7 +342,7 @@ fn samples() -> Samples {
             table: "kv".into(),
             deletes: false,
             forward: vec![Forward {
-                node: 2,
+                node: NodeId(2),
                 partitions: vec![PartitionId(1)],
             }],
         },
@@ -361,7 +374,7 @@ fn samples() -> Samples {
     s.value(
         "identity",
         &Identity {
-            node_id: 2,
+            node_id: NodeId(2),
             cluster_id: CLUSTER.into(),
             protocol: PROTOCOL_VERSION,
         },
@@ -369,19 +382,21 @@ fn samples() -> Samples {
     s.value(
         "prepare reply",
         &PrepareReply {
-            unreachable: vec![3],
+            unreachable: vec![NodeId(3)],
         },
     );
     for refusal in [
         Refusal::WrongCluster {
-            node_id: 2,
+            node_id: NodeId(2),
             cluster_id: "other".into(),
         },
         Refusal::VersionMismatch {
-            node_id: 2,
+            node_id: NodeId(2),
             protocol: 9,
         },
-        Refusal::NotLeader { leader: Some(1) },
+        Refusal::NotLeader {
+            leader: Some(NodeId(1)),
+        },
         Refusal::Aborted {
             epoch: Epoch(7),
             detail: "epoch 7 aborted: a replica refused".into(),
@@ -417,7 +432,7 @@ fn samples() -> Samples {
         SqlOutput::Notice {
             message: "node 2 died".into(),
             recovery: Some(tessera_exec::RecoveryOutcome::Rebuilt {
-                dead: 2,
+                dead: NodeId(2),
                 query: QueryId(0xfeed),
                 channels: 3,
                 replayed_batches: 12,
@@ -428,7 +443,7 @@ fn samples() -> Samples {
         SqlOutput::Notice {
             message: "node 2 died".into(),
             recovery: Some(tessera_exec::RecoveryOutcome::Restarted {
-                dead: 2,
+                dead: NodeId(2),
                 query: QueryId(0xfeed),
                 restart: 1,
                 lineage_gave_up: Some("why".into()),
@@ -450,7 +465,7 @@ fn samples() -> Samples {
         &StagesEvent::Report(ChannelReport {
             stage: StageId(1),
             channel: ChannelId(2),
-            node: 3,
+            node: NodeId(3),
             rows: 100,
             batches: 2,
             bytes_sent: 4096,
@@ -475,9 +490,9 @@ fn samples() -> Samples {
     s.value(
         "node status",
         &NodeStatus {
-            node_id: 1,
+            node_id: NodeId(1),
             listen: "127.0.0.1:7001".into(),
-            leader: Some(1),
+            leader: Some(NodeId(1)),
             term: 3,
             applied_index: 12,
             meta: MetaState::default(),

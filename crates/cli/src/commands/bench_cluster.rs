@@ -143,10 +143,12 @@ async fn measure(
     let median = median_publish_time(&client, rows, runs).await?;
     let failover = if nodes >= 3 {
         let leader = client.status().await?.leader.context("no leader")?;
-        let survivor = (1..=nodes).find(|id| *id != leader).expect("another node");
+        let survivor = (1..=nodes)
+            .find(|id| *id != leader.0)
+            .expect("another node");
         let survivor = ClusterClient::new(&cluster.addrs[survivor as usize - 1]);
         let killed = Instant::now();
-        cluster.kill9(leader);
+        cluster.kill9(leader.0);
         let elected = loop {
             if let Ok(status) = survivor.status().await {
                 if status.leader.is_some_and(|l| l != leader) {

@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use arrow::array::{Int64Array, RecordBatch};
 use std::path::Path;
 use std::time::{Duration, Instant};
-use tessera_server::ClusterClient;
+use tessera_server::{ClusterClient, NodeId};
 
 const NODES: u64 = 3;
 /// Rows of the small publish the killed node misses before it returns.
@@ -132,7 +132,7 @@ async fn failover(nodes: &mut Nodes, victim: u64) -> Result<Failover> {
             client
                 .status()
                 .await
-                .is_ok_and(|s| s.meta.nodes.get(&victim).is_some_and(|n| !n.alive))
+                .is_ok_and(|s| s.meta.nodes.get(&NodeId(victim)).is_some_and(|n| !n.alive))
         },
     )
     .await?;
@@ -171,7 +171,7 @@ async fn failback(nodes: &mut Nodes, victim: u64, delta: &RecordBatch) -> Result
         client
             .status()
             .await
-            .is_ok_and(|s| s.meta.nodes.get(&victim).is_some_and(|n| n.alive))
+            .is_ok_and(|s| s.meta.nodes.get(&NodeId(victim)).is_some_and(|n| n.alive))
     })
     .await?;
     let caught_up = poll_until("the node caught up", Duration::from_secs(600), || async {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 use tessera_server::config::{ReplicaSettings, StoreSettings};
-use tessera_server::{ClusterClient, NodeConfig, Peer};
+use tessera_server::{ClusterClient, NodeConfig, NodeId, Peer};
 
 pub struct UpOptions {
     pub nodes: u64,
@@ -58,7 +58,7 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
     let cluster_id = format!("local-{:08x}", rand::random::<u32>());
     let peers: Vec<Peer> = (1..=options.nodes)
         .map(|id| Peer {
-            id,
+            id: NodeId(id),
             addr: format!("127.0.0.1:{}", options.base_port as u64 + id - 1)
                 .parse()
                 .expect("loopback address"),

@@ -521,7 +521,7 @@ impl ChannelWriter {
                     query = %self.spec.query,
                     exchange = self.spec.exchange.0,
                     channel = self.channel,
-                    dest,
+                    dest = dest.0,
                     %error,
                     "exchange stream to a node broke; its batches stay spooled for its rebuilt consumers"
                 );

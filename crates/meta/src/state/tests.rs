@@ -1,6 +1,11 @@
 //! Unit tests of the metadata state machine: commands driven directly, no Raft.
 
 use super::*;
+
+/// Node ids from numbers.
+fn ids(numbers: &[u64]) -> Vec<NodeId> {
+    numbers.iter().copied().map(NodeId).collect()
+}
 use arrow::datatypes::{DataType, Field, Schema};
 use tessera_common::{QueryId, StageId};
 
@@ -14,7 +19,7 @@ fn bootstrapped(nodes: u64) -> MetaState {
             replication: 3,
             hot_standby: false,
             nodes: (1..=nodes)
-                .map(|id| (id, format!("127.0.0.1:{id}")))
+                .map(|id| (NodeId(id), format!("127.0.0.1:{id}")))
                 .collect(),
         },
     );
@@ -32,10 +37,10 @@ fn bootstrapped(nodes: u64) -> MetaState {
 
 fn lineage(query: u64, from: u64, runs: Vec<(u32, u32)>) -> MetaCommand {
     MetaCommand::Lineage {
-        node: 2,
+        node: NodeId(2),
         entries: vec![LineageEntry {
             query: QueryId(query),
-            initiator: 1,
+            initiator: NodeId(1),
             exchange: StageId(3),
             bucket: 0,
             from,
@@ -58,7 +63,7 @@ fn lineage_appends_runs_skips_retried_entries_and_refuses_gaps() {
     assert_eq!(inbox.batches, 5);
     assert_eq!(
         (inbox.node, inbox.exchange, inbox.bucket),
-        (2, StageId(3), 0)
+        (NodeId(2), StageId(3), 0)
     );
 }
 
@@ -74,7 +79,7 @@ fn lineage_is_dropped_when_its_query_ends_or_its_initiator_dies() {
     state.apply(
         6,
         MetaCommand::SetLiveness {
-            id: 1,
+            id: NodeId(1),
             alive: false,
         },
     );
@@ -106,9 +111,9 @@ fn allocate_as(
 #[test]
 fn retried_allocations_and_commits_are_idempotent() {
     let mut state = bootstrapped(3);
-    let first = allocate(&mut state, 1);
+    let first = allocate(&mut state, NodeId(1));
     assert_eq!(
-        allocate(&mut state, 1),
+        allocate(&mut state, NodeId(1)),
         first,
         "the same request gets the same epoch"
     );
@@ -132,18 +137,18 @@ fn retried_allocations_and_commits_are_idempotent() {
 
 #[test]
 fn uniform_map_uses_chained_declustering() {
-    let map = PartitionMap::uniform(8, 3, &[3, 1, 2, 4]);
-    assert_eq!(map.partitions[0].replicas, vec![1, 2, 3]);
-    assert_eq!(map.partitions[7].replicas, vec![4, 1, 2]);
+    let map = PartitionMap::uniform(8, 3, &ids(&[3, 1, 2, 4]));
+    assert_eq!(map.partitions[0].replicas, ids(&[1, 2, 3]));
+    assert_eq!(map.partitions[7].replicas, ids(&[4, 1, 2]));
     // Contiguous, uniform runs: two partitions per node.
     let originals: Vec<NodeId> = map.partitions.iter().map(|p| p.original).collect();
-    assert_eq!(originals, vec![1, 1, 2, 2, 3, 3, 4, 4]);
+    assert_eq!(originals, ids(&[1, 1, 2, 2, 3, 3, 4, 4]));
 }
 
 #[test]
 fn visible_epoch_waits_for_every_earlier_epoch() {
     let mut state = bootstrapped(3);
-    let first = allocate(&mut state, 1);
+    let first = allocate(&mut state, NodeId(1));
     state.apply(
         4,
         MetaCommand::AbortEpoch {
@@ -151,13 +156,13 @@ fn visible_epoch_waits_for_every_earlier_epoch() {
             reason: "test".into(),
         },
     );
-    let second = allocate(&mut state, 2);
+    let second = allocate(&mut state, NodeId(2));
     let _third = {
         // Another table would be needed for a concurrent epoch; t is leased by `second`.
         let refused = state.apply(
             5,
             MetaCommand::AllocateEpoch {
-                coordinator: 3,
+                coordinator: NodeId(3),
                 incarnation: 0,
                 tables: vec!["t".into()],
                 request: 8,
@@ -183,24 +188,28 @@ fn visible_epoch_waits_for_every_earlier_epoch() {
 #[test]
 fn a_dead_coordinator_aborts_its_open_epochs_and_moves_primaries() {
     let mut state = bootstrapped(3);
-    let epoch = allocate(&mut state, 1);
+    let epoch = allocate(&mut state, NodeId(1));
     let (_, effects) = state.apply(
         7,
         MetaCommand::SetLiveness {
-            id: 1,
+            id: NodeId(1),
             alive: false,
         },
     );
     assert_eq!(effects, vec![LocalEffect::Abort(epoch)]);
     assert_eq!(state.visible, epoch);
-    assert!(state.map.partitions.iter().all(|p| p.primary != Some(1)));
+    assert!(state
+        .map
+        .partitions
+        .iter()
+        .all(|p| p.primary != Some(NodeId(1))));
     assert!(state.map.partitions.iter().all(|p| p.primary.is_some()));
 }
 
 #[test]
 fn a_restarted_coordinator_releases_what_its_earlier_process_left_open() {
     let mut state = bootstrapped(3);
-    let MetaResponse::Epoch(orphan) = allocate_as(&mut state, 1, 5, 1) else {
+    let MetaResponse::Epoch(orphan) = allocate_as(&mut state, NodeId(1), 5, 1) else {
         panic!("the first process allocates");
     };
     // Killed and restarted before the failure detector noticed: still alive, and the
@@ -208,7 +217,7 @@ fn a_restarted_coordinator_releases_what_its_earlier_process_left_open() {
     let (response, effects) = state.apply(
         4,
         MetaCommand::Started {
-            id: 1,
+            id: NodeId(1),
             incarnation: 6,
         },
     );
@@ -220,41 +229,53 @@ fn a_restarted_coordinator_releases_what_its_earlier_process_left_open() {
     );
     // Announcing an older or the same process again changes nothing.
     for incarnation in [5, 6] {
-        let (_, effects) = state.apply(5, MetaCommand::Started { id: 1, incarnation });
+        let (_, effects) = state.apply(
+            5,
+            MetaCommand::Started {
+                id: NodeId(1),
+                incarnation,
+            },
+        );
         assert!(effects.is_empty());
     }
     // The lease is free for the new process; a late request of the old one is fenced.
-    let MetaResponse::Epoch(next) = allocate_as(&mut state, 1, 6, 2) else {
+    let MetaResponse::Epoch(next) = allocate_as(&mut state, NodeId(1), 6, 2) else {
         panic!("the new process allocates");
     };
     assert!(next > orphan);
     assert!(
-        matches!(allocate_as(&mut state, 1, 5, 3), MetaResponse::Fenced(ref r) if r.contains("restarted"))
+        matches!(allocate_as(&mut state, NodeId(1), 5, 3), MetaResponse::Fenced(ref r) if r.contains("restarted"))
     );
     // A restart seen first through an allocation (no announcement yet) frees the lease too.
     let (response, effects) = {
-        let response = allocate_as(&mut state, 1, 7, 4);
+        let response = allocate_as(&mut state, NodeId(1), 7, 4);
         (response, state.aborted.contains(&next))
     };
     assert!(matches!(response, MetaResponse::Epoch(e) if e > next));
     assert!(effects, "the epoch of process 6 was aborted");
-    assert_eq!(state.nodes[&1].incarnation, 7);
+    assert_eq!(state.nodes[&NodeId(1)].incarnation, 7);
 }
 
 #[test]
 fn a_replica_that_missed_an_epoch_is_not_read() {
     let mut state = bootstrapped(3);
-    let epoch = allocate(&mut state, 2);
+    let epoch = allocate(&mut state, NodeId(2));
     state.apply(
         8,
         MetaCommand::CommitEpoch {
             epoch,
-            missed: vec![(PartitionId(0), 1)],
+            missed: vec![(PartitionId(0), NodeId(1))],
         },
     );
-    assert_eq!(state.map.partitions[0].primary, Some(2));
-    state.apply(9, MetaCommand::SetLiveness { id: 1, alive: true });
-    assert_eq!(state.map.partitions[0].primary, Some(2));
+    assert_eq!(state.map.partitions[0].primary, Some(NodeId(2)));
+    state.apply(
+        9,
+        MetaCommand::SetLiveness {
+            id: NodeId(1),
+            alive: true,
+        },
+    );
+    assert_eq!(state.map.partitions[0].primary, Some(NodeId(2)));
 }
 
 #[test]
@@ -270,7 +291,7 @@ fn the_invariant_check_names_a_stale_primary_and_a_shared_lease() {
         )
     );
     let lease = |tables: &[&str]| OpenEpoch {
-        coordinator: 1,
+        coordinator: NodeId(1),
         incarnation: 0,
         tables: tables.iter().map(|t| t.to_string()).collect(),
         request: 0,
