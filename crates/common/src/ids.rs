@@ -18,23 +18,11 @@ impl Epoch {
     }
 }
 
-impl fmt::Display for Epoch {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
-
 /// A node of the cluster: a positive integer fixed in its configuration, and its Raft node
 /// id. Shown (and debug-printed) as the bare number, as in configurations and messages.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default)]
 #[serde(transparent)]
 pub struct NodeId(pub u64);
-
-impl fmt::Display for NodeId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
 
 impl fmt::Debug for NodeId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -84,12 +72,6 @@ impl StageId {
     }
 }
 
-impl fmt::Display for StageId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
-
 /// One of a stage's channels (an output partition of its fragment); a producer channel is
 /// also the sender its consumers' inboxes sequence batches by.
 #[derive(
@@ -97,12 +79,6 @@ impl fmt::Display for StageId {
 )]
 #[serde(transparent)]
 pub struct ChannelId(pub usize);
-
-impl fmt::Display for ChannelId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
 
 /// One of the `P` equal, contiguous ranges of the 64-bit hash ring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -126,12 +102,6 @@ impl Lsn {
 
     pub fn next(self) -> Lsn {
         Lsn(self.0.checked_add(1).expect("LSN counter overflowed u64"))
-    }
-}
-
-impl fmt::Display for Lsn {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
     }
 }
 
@@ -181,6 +151,20 @@ impl<'de> Deserialize<'de> for ComponentHash {
             .ok_or_else(|| serde::de::Error::custom(format!("not a BLAKE3 hex hash: {text:?}")))
     }
 }
+
+/// `Display` as the bare number: how these ids are written in configurations, messages
+/// and logs.
+macro_rules! display_as_number {
+    ($($id:ty),*) => {
+        $(impl fmt::Display for $id {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}", self.0)
+            }
+        })*
+    };
+}
+
+display_as_number!(Epoch, Lsn, NodeId, StageId, ChannelId);
 
 #[cfg(test)]
 mod tests {
