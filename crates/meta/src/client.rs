@@ -18,8 +18,9 @@ const FORWARDED_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 const RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// How long a read index from the leader may take.
 const READ_INDEX_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long this node may take to apply up to a read index.
-const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a read that must be current waits, by default, for a leader to confirm an
+/// index and this node to apply it (an election takes about a second).
+pub const LINEARIZABLE_READ_PATIENCE: Duration = Duration::from_secs(10);
 
 /// A node's handle on the metadata group: its Raft member, the state it has applied, and
 /// connections to reach the leader. Cheap to clone.
@@ -75,7 +76,8 @@ impl MetaClient {
         &self.inner.raft
     }
 
-    /// The metadata as this node last applied it.
+    /// The metadata as this node last applied it: may lag the leader. A read that must see
+    /// every acknowledged epoch uses [`MetaClient::read_linearizable`] instead.
     pub fn view(&self) -> Arc<MetaView> {
         self.inner.applied.borrow().clone()
     }
@@ -188,41 +190,72 @@ impl MetaClient {
         }
     }
 
-    /// Waits until this node has applied every metadata entry the leader had committed when
-    /// asked, so a read here sees every publish acknowledged anywhere before it. Falls back to
-    /// the local view if no leader answers in time (an election is running).
-    pub async fn catch_up_with_leader(&self) -> Arc<MetaView> {
-        let target = if self.is_leader() {
-            self.inner
-                .raft
-                .ensure_linearizable()
-                .await
-                .ok()
-                .flatten()
-                .map(|l| l.index)
-        } else if let Some(addr) = self.leader().and_then(|l| self.addr_of(l)) {
-            let reply: std::result::Result<std::result::Result<u64, Refusal>, CallError> = self
-                .inner
-                .clients
-                .action(&addr, ACTION_READ_INDEX, (), READ_INDEX_TIMEOUT)
-                .await;
-            reply.ok().and_then(|r| r.ok())
-        } else {
-            None
-        };
-        if let Some(index) = target {
-            let mut applied = self.inner.applied.clone();
-            let reached = tokio::time::timeout(
-                CATCH_UP_TIMEOUT,
-                applied.wait_for(|view| view.applied_index >= index),
+    /// A linearizable read of the metadata: waits until this node has applied every entry
+    /// the leader had committed when asked (a read index), so the returned view holds every
+    /// epoch acknowledged anywhere before the call. Retries while no leader answers (an
+    /// election), up to `patience`; then refuses with [`MetaError::NotCurrent`] rather than
+    /// return a view that may be stale. For a view that need not be current, use
+    /// [`MetaClient::view`], which says so.
+    pub async fn read_linearizable(&self, patience: Duration) -> Result<Arc<MetaView>> {
+        let deadline = Instant::now() + patience;
+        loop {
+            let attempt = match self.confirmed_read_index().await {
+                Ok(index) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if self
+                        .wait_until(left, |view| view.applied_index >= index)
+                        .await
+                    {
+                        return Ok(self.view());
+                    }
+                    format!(
+                        "it applied index {} but the leader's read index is {index}",
+                        self.view().applied_index
+                    )
+                }
+                Err(reason) => reason,
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(MetaError::NotCurrent {
+                    node: self.id(),
+                    reason: format!("after {patience:?}: {attempt}"),
+                });
+            }
+            tokio::time::sleep(RETRY_PAUSE.min(left)).await;
+        }
+    }
+
+    /// The leader's commit index, confirmed by a quorum (this node's own, if it leads).
+    async fn confirmed_read_index(&self) -> std::result::Result<u64, String> {
+        if self.is_leader() {
+            return match tokio::time::timeout(
+                READ_INDEX_TIMEOUT,
+                self.inner.raft.ensure_linearizable(),
             )
             .await
-            .is_ok_and(|r| r.is_ok());
-            if !reached {
-                tracing::warn!(index, "metadata did not catch up with the leader in time");
-            }
+            {
+                Ok(Ok(log_id)) => Ok(log_id.map_or(0, |l| l.index)),
+                Ok(Err(error)) => Err(format!("as leader, it could not confirm its lead: {error}")),
+                Err(_) => Err("as leader, no quorum confirmed its lead in time".into()),
+            };
         }
-        self.view()
+        let Some(leader) = self.leader() else {
+            return Err("no metadata leader is known".into());
+        };
+        let Some(addr) = self.addr_of(leader) else {
+            return Err(format!("leader {leader} has no known address"));
+        };
+        let reply: std::result::Result<std::result::Result<u64, Refusal>, CallError> = self
+            .inner
+            .clients
+            .action(&addr, ACTION_READ_INDEX, (), READ_INDEX_TIMEOUT)
+            .await;
+        match reply {
+            Ok(Ok(index)) => Ok(index),
+            Ok(Err(refusal)) => Err(format!("leader {leader} refused a read index: {refusal:?}")),
+            Err(error) => Err(format!("leader {leader} at {addr} did not answer: {error}")),
+        }
     }
 
     /// Waits until `condition` holds of the applied metadata, up to `patience`; true if it

@@ -8,6 +8,11 @@ use thiserror::Error;
 pub enum MetaError {
     #[error("no metadata leader is known yet; the cluster may still be electing one (a majority of voters must be up)")]
     NoLeader,
+    /// A read that must be current could not be proven so: no leader confirmed an index
+    /// this node then applied, in time. The read is refused, not answered from a view that
+    /// may miss acknowledged epochs.
+    #[error("node {node} cannot prove its metadata is current ({reason}); it refuses rather than answer from a view that may be stale")]
+    NotCurrent { node: NodeId, reason: String },
     #[error("this node does not lead the metadata group (leader: {0:?})")]
     NotLeader(Option<NodeId>),
     /// The metadata knows no address for a node (it never joined, or was retired).

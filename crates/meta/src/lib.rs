@@ -22,7 +22,7 @@ pub mod state;
 pub mod state_machine;
 pub mod wire;
 
-pub use client::MetaClient;
+pub use client::{MetaClient, LINEARIZABLE_READ_PATIENCE};
 pub use error::MetaError;
 pub use state::{
     InboxLineage, LineageEntry, LocalEffect, MetaCommand, MetaResponse, MetaState, NodeInfo,

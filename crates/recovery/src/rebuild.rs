@@ -61,7 +61,13 @@ impl Recovery {
         }
         // Past the leader's commit of the node's death, so past every lineage entry the
         // dead node's committer had written.
-        let view = node.meta().catch_up_with_leader().await;
+        let view = node
+            .meta()
+            .read_linearizable(tessera_meta::LINEARIZABLE_READ_PATIENCE)
+            .await
+            .map_err(|e| LineageError::Metadata {
+                reason: e.to_string(),
+            })?;
         let survivors: Vec<NodeId> = view
             .state
             .live_nodes()

@@ -40,7 +40,11 @@ pub async fn run_restarting(
             }) if mode != RecoveryMode::None && restarts < MAX_RESTARTS => {
                 restarts += 1;
                 tracing::warn!(lost = lost.0, %query, %detail, "restarting a query on the survivors");
-                repin(exec.meta().catch_up_with_leader().await);
+                repin(
+                    exec.meta()
+                        .read_linearizable(tessera_meta::LINEARIZABLE_READ_PATIENCE)
+                        .await?,
+                );
                 recoveries.push(RecoveryOutcome::Restarted {
                     dead: lost,
                     query,

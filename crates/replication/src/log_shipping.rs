@@ -111,7 +111,11 @@ async fn receive_logged(
 async fn wait_for_table(node: &Replication, table: &str) {
     let deadline = Instant::now() + TABLE_PATIENCE;
     while node.store.table_def(table).is_none() && Instant::now() < deadline {
-        let view = node.meta.catch_up_with_leader().await;
+        // Local is enough: this only waits for the table to appear, until its deadline.
+        let view = match node.meta.read_linearizable(TABLE_PATIENCE).await {
+            Ok(view) => view,
+            Err(_) => node.meta.view(),
+        };
         tracing::debug!(
             table,
             applied = view.applied_index,

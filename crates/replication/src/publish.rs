@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use tessera_common::{Epoch, PartitionId, PartitionRing};
 use tessera_meta::MetaError;
-use tessera_meta::{MetaCommand, MetaResponse, MetaState};
+use tessera_meta::{MetaCommand, MetaResponse, MetaState, LINEARIZABLE_READ_PATIENCE};
 use tessera_net::CallError;
 use tessera_storage::{versions, StorageError, TableChanges, TableDef};
 
@@ -112,7 +112,12 @@ const RETRIES: usize = 3;
 
 /// Publishes `changes` as one epoch across the cluster; returns once it is committed.
 pub async fn publish(node: &Arc<Replication>, changes: Vec<TableChanges>) -> Result<Epoch> {
-    let state = node.meta.catch_up_with_leader().await.state.clone();
+    let state = node
+        .meta
+        .read_linearizable(LINEARIZABLE_READ_PATIENCE)
+        .await?
+        .state
+        .clone();
     // Routing is CPU work proportional to the rows; keep it off the threads that answer
     // heartbeats and Raft.
     let routed = tokio::task::spawn_blocking(move || route(&state, changes))
@@ -165,9 +170,15 @@ async fn publish_epoch(
     // The placement is read only now, under the lease: a partition move or a refresh of a
     // stale replica (which leases every table) has finished before it and cannot start
     // until this epoch is decided, so the replicas and their staleness hold until the commit.
-    let state = node.meta.catch_up_with_leader().await.state.clone();
     let allocated_at = started.elapsed();
-    match prepare_everywhere(node, &state, epoch, routed).await {
+    let prepared = async {
+        let view = node
+            .meta
+            .read_linearizable(LINEARIZABLE_READ_PATIENCE)
+            .await?;
+        prepare_everywhere(node, &view.state, epoch, routed).await
+    };
+    match prepared.await {
         Ok(missed) => {
             let prepared_at = started.elapsed();
             node.meta

@@ -25,7 +25,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::{ComponentHash, Epoch, PartitionId};
-use tessera_meta::{MetaCommand, MetaResponse, MetaState, PartitionMap};
+use tessera_meta::{
+    MetaCommand, MetaResponse, MetaState, PartitionMap, LINEARIZABLE_READ_PATIENCE,
+};
 use tessera_net::{CallError, Refusal};
 use tessera_storage::ComponentMeta;
 
@@ -121,7 +123,20 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
     let tables: Vec<String> = state.tables.keys().cloned().collect();
     let epoch = crate::publish::allocate_epoch(node, tables).await?;
     // Every epoch before ours is decided (we hold every table's lease): copy as of then.
-    let state = node.meta.catch_up_with_leader().await.state.clone();
+    let state = match node
+        .meta
+        .read_linearizable(LINEARIZABLE_READ_PATIENCE)
+        .await
+    {
+        Ok(view) => view.state.clone(),
+        Err(error) => {
+            // Release every table's lease at once, not when this node is declared failed.
+            if let Err(abort_error) = abort(node, epoch, &error.to_string()).await {
+                tracing::warn!(%epoch, %abort_error, "could not abort the rebalance epoch");
+            }
+            return Err(error.into());
+        }
+    };
     let generations: Vec<(String, u64)> = state
         .tables
         .values()
@@ -242,7 +257,10 @@ async fn abort(
 /// Copies the named partitions of every table from their sources into this node's store.
 pub async fn copy_partitions(node: &Arc<Replication>, request: CopyRequest) -> Result<()> {
     // The tables must exist here first: wait for the metadata that created them.
-    let view = node.meta.catch_up_with_leader().await;
+    let view = node
+        .meta
+        .read_linearizable(LINEARIZABLE_READ_PATIENCE)
+        .await?;
     for (table, generation) in &request.tables {
         if !view
             .state

@@ -109,8 +109,17 @@ impl Backend for ClusterBackend {
         })
     }
 
-    async fn begin_statement(&self) {
-        self.view.pin(self.node.meta.catch_up_with_leader().await);
+    /// Pins a linearizable view of the metadata: the statement sees every epoch
+    /// acknowledged anywhere before it started, or is refused.
+    async fn begin_statement(&self) -> tessera_sql::error::Result<()> {
+        let view = self
+            .node
+            .meta
+            .read_linearizable(crate::meta::LINEARIZABLE_READ_PATIENCE)
+            .await
+            .map_err(ClusterError::from)?;
+        self.view.pin(view);
+        Ok(())
     }
 
     async fn create_table(&self, def: TableDef) -> tessera_sql::error::Result<()> {
@@ -120,8 +129,7 @@ impl Backend for ClusterBackend {
             .await
             .map_err(ClusterError::from)?;
         // CREATE TABLE AS inserts next, within this statement: it must see the new table.
-        self.begin_statement().await;
-        Ok(())
+        self.begin_statement().await
     }
 
     async fn drop_table(&self, name: &str) -> tessera_sql::error::Result<()> {
@@ -132,8 +140,7 @@ impl Backend for ClusterBackend {
             })
             .await
             .map_err(ClusterError::from)?;
-        self.begin_statement().await;
-        Ok(())
+        self.begin_statement().await
     }
 
     async fn publish(&self, changes: Vec<TableChanges>) -> tessera_sql::error::Result<Epoch> {

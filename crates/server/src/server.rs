@@ -472,7 +472,13 @@ impl FlightService for NodeService {
             }
             VersionsRequest::KIND => {
                 let versions: VersionsRequest = request.decode().map_err(decode_error)?;
-                self.node.meta.catch_up_with_leader().await;
+                // A failback source must hold every epoch committed in Raft, or the
+                // returning replica would be marked fresh without some of them.
+                self.node
+                    .meta
+                    .read_linearizable(crate::meta::LINEARIZABLE_READ_PATIENCE)
+                    .await
+                    .map_err(failed)?;
                 let def = self.local_table(&versions.table, versions.generation)?;
                 let store = self.node.store.clone();
                 let batches = tokio::task::spawn_blocking(move || {
@@ -485,7 +491,11 @@ impl FlightService for NodeService {
             }
             ExportRequest::KIND => {
                 let export: ExportRequest = request.decode().map_err(decode_error)?;
-                self.node.meta.catch_up_with_leader().await;
+                self.node
+                    .meta
+                    .read_linearizable(crate::meta::LINEARIZABLE_READ_PATIENCE)
+                    .await
+                    .map_err(failed)?;
                 let def = self.local_table(&export.table, export.generation)?;
                 let (components, memtable) = self
                     .node

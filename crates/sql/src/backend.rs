@@ -26,8 +26,10 @@ pub trait Backend: Send + Sync + 'static {
     fn schema_provider(&self) -> Arc<dyn SchemaProvider>;
 
     /// Called before each statement is planned: a backend may fix the catalog and epoch the
-    /// statement sees here.
-    async fn begin_statement(&self) {}
+    /// statement sees here, or refuse the statement (it cannot see a current catalog).
+    async fn begin_statement(&self) -> Result<()> {
+        Ok(())
+    }
 
     async fn create_table(&self, def: TableDef) -> Result<()>;
 

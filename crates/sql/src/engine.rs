@@ -151,7 +151,7 @@ impl Engine {
                 _ => {}
             }
         }
-        self.backend.begin_statement().await;
+        self.backend.begin_statement().await?;
         let state = self.ctx.state();
         let plan = state
             .statement_to_plan(statement)

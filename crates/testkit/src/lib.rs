@@ -59,6 +59,14 @@ impl TesseraProcess {
         }
         let _ = self.child.wait();
     }
+
+    /// Sends `signal` (SIGSTOP to pause, SIGCONT to resume) to the process.
+    pub fn signal(&self, signal: libc::c_int) {
+        // SAFETY: kill(2) on the pid of a child we own and have not reaped.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, signal);
+        }
+    }
 }
 
 impl Drop for TesseraProcess {
@@ -260,6 +268,21 @@ impl LocalCluster {
     pub fn kill9(&mut self, id: u64) {
         if let Some(mut process) = self.processes[id as usize - 1].take() {
             process.kill9();
+        }
+    }
+
+    /// Pauses node `id` (SIGSTOP): it keeps its sockets but answers nothing, like a node in
+    /// a long GC pause or a stopped VM. SIGKILL on drop still ends it.
+    pub fn pause(&self, id: u64) {
+        if let Some(process) = &self.processes[id as usize - 1] {
+            process.signal(libc::SIGSTOP);
+        }
+    }
+
+    /// Resumes a paused node (SIGCONT).
+    pub fn resume(&self, id: u64) {
+        if let Some(process) = &self.processes[id as usize - 1] {
+            process.signal(libc::SIGCONT);
         }
     }
 
