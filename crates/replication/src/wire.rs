@@ -51,14 +51,44 @@ pub async fn prepare(
     batches: impl Stream<Item = RecordBatch> + Send + 'static,
 ) -> Result<PrepareReply, CallError> {
     let metadata = clients.put_stream(addr, request, batches).await?;
-    if metadata.is_empty() {
-        return Ok(PrepareReply::default());
-    }
-    serde_json::from_slice(&metadata).map_err(|e| CallError::Undecodable {
+    decode_prepare_reply(addr, &metadata)
+}
+
+/// A replica's prepare reply. An empty one is an error, not a success: a replica always
+/// answers with the replicas it could not reach, so a stream that ended without that answer
+/// (a truncated reply) proves nothing was logged.
+fn decode_prepare_reply(addr: &str, metadata: &[u8]) -> Result<PrepareReply, CallError> {
+    let undecodable = |reason: String| CallError::Undecodable {
         what: "prepare reply",
         addr: addr.to_string(),
-        reason: e.to_string(),
-    })
+        reason,
+    };
+    if metadata.is_empty() {
+        return Err(undecodable(
+            "the stream ended without one, so the rows may not be logged".into(),
+        ));
+    }
+    serde_json::from_slice(metadata).map_err(|e| undecodable(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_complete_prepare_reply_counts_as_logged() {
+        let reply = PrepareReply {
+            unreachable: vec![NodeId(3)],
+        };
+        let encoded = serde_json::to_vec(&reply).unwrap();
+        assert_eq!(decode_prepare_reply("a:1", &encoded).unwrap(), reply);
+        let empty = decode_prepare_reply("a:1", b"").unwrap_err().to_string();
+        assert!(empty.contains("ended without one"), "{empty}");
+        let torn = decode_prepare_reply("a:1", &encoded[..encoded.len() - 2])
+            .unwrap_err()
+            .to_string();
+        assert!(torn.contains("prepare reply"), "{torn}");
+    }
 }
 
 /// A client's rows for one table, to publish as a new epoch (the receiver coordinates).
