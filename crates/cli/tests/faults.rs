@@ -69,3 +69,71 @@ async fn a_node_cut_off_from_the_majority_refuses_reads_instead_of_answering_sta
     .await;
     assert_eq!(answered, 100, "every acknowledged row, after the pause");
 }
+
+/// A coordinator stalled mid-publish (paused, but not yet declared failed) must not hold its
+/// tables' lease for ever: the metadata leader aborts an epoch left open past
+/// `failure.open_epoch_timeout_ms`, other writers go on at once, and none of the stalled
+/// publish's rows become visible, then or after the coordinator resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_epoch_left_open_by_a_stalled_coordinator_is_aborted_and_frees_its_tables() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
+    // Detection is slow on purpose: only the open-epoch timeout can free the table soon.
+    cluster.set_option("failure.timeout_ms", "60000");
+    cluster.set_option("failure.rereplicate_after_ms", "120000");
+    cluster.set_option("failure.open_epoch_timeout_ms", "3000");
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    let writer = ClusterClient::new(cluster.addr(1));
+    writer
+        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .await
+        .unwrap();
+    writer
+        .publish("kv", vec![kv_batch(0, 100)], false)
+        .await
+        .unwrap();
+
+    let stalled = ClusterClient::new(cluster.addr(3));
+    let stalled_publish = tokio::spawn(async move {
+        let batches = (0..40)
+            .map(|i| kv_batch(1_000 + i * 50_000, 1_000 + (i + 1) * 50_000))
+            .collect();
+        stalled.publish("kv", batches, false).await
+    });
+    // Pause it once its epoch is open (it holds the table's lease), mid-prepare.
+    wait_until(
+        "the stalled publish's epoch to open",
+        Duration::from_secs(30),
+        || async { (!writer.status().await.ok()?.meta.open.is_empty()).then_some(()) },
+    )
+    .await;
+    cluster.pause(3);
+
+    let asked = Instant::now();
+    writer
+        .publish("kv", vec![kv_batch(100, 200)], false)
+        .await
+        .expect("the table takes writes once the stalled epoch is aborted");
+    let waited = asked.elapsed();
+    assert!(
+        waited < Duration::from_secs(20),
+        "the next writer waited {waited:?}: the stalled epoch held the lease until its coordinator was declared failed"
+    );
+    assert_eq!(
+        count(&writer).await,
+        Ok(200),
+        "none of the stalled publish's rows"
+    );
+
+    cluster.resume(3);
+    let outcome = tokio::time::timeout(Duration::from_secs(60), stalled_publish)
+        .await
+        .expect("the stalled coordinator hears the outcome")
+        .unwrap();
+    // Its client's own connection may have timed out during the pause (then the client
+    // cannot tell); what must never happen is an acknowledgement of the aborted epoch.
+    let error = outcome.expect_err("an aborted epoch was acknowledged");
+    eprintln!("the stalled publish ended with: {error}");
+    assert_eq!(count(&writer).await, Ok(200), "still none of its rows");
+}

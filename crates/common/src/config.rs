@@ -34,6 +34,7 @@
 //! heartbeat_ms = 200
 //! timeout_ms = 1500
 //! rereplicate_after_ms = 300000
+//! open_epoch_timeout_ms = 300000
 //!
 //! [exec]                   # distributed query execution
 //! inbox_budget_bytes = 16777216
@@ -148,6 +149,10 @@ pub struct FailureSettings {
     /// on the other nodes so every partition has `replication` copies again. When the node
     /// returns it is given its share back.
     pub rereplicate_after_ms: u64,
+    /// The metadata leader aborts an epoch open this long, its coordinator alive or not,
+    /// so a coordinator that cannot commit (or is stalled) never holds its tables' lease
+    /// for ever. A publish that takes longer fails as aborted, and may be retried.
+    pub open_epoch_timeout_ms: u64,
 }
 
 impl Default for FailureSettings {
@@ -156,6 +161,7 @@ impl Default for FailureSettings {
             heartbeat_ms: 200,
             timeout_ms: 1500,
             rereplicate_after_ms: 5 * 60 * 1000,
+            open_epoch_timeout_ms: 5 * 60 * 1000,
         }
     }
 }
@@ -270,6 +276,10 @@ impl NodeConfig {
         Duration::from_millis(self.failure.rereplicate_after_ms)
     }
 
+    pub fn open_epoch_timeout(&self) -> Duration {
+        Duration::from_millis(self.failure.open_epoch_timeout_ms)
+    }
+
     fn validate(&self) -> Result<(), String> {
         if self.cluster_id.trim().is_empty() {
             return Err("cluster_id is empty".into());
@@ -328,6 +338,12 @@ impl NodeConfig {
             return Err(format!(
                 "failure.timeout_ms ({}) must exceed failure.heartbeat_ms ({}), which must be positive",
                 failure.timeout_ms, failure.heartbeat_ms
+            ));
+        }
+        if failure.open_epoch_timeout_ms <= failure.heartbeat_ms {
+            return Err(format!(
+                "failure.open_epoch_timeout_ms ({}) must exceed failure.heartbeat_ms ({})",
+                failure.open_epoch_timeout_ms, failure.heartbeat_ms
             ));
         }
         if failure.rereplicate_after_ms <= failure.timeout_ms {

@@ -9,8 +9,9 @@
 //! metadata writes); tests drive it on simulated time (TigerBeetle's `fault_detector`).
 
 use crate::NodeId;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
+use tessera_common::Epoch;
 
 /// What the leader should do about one node this round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +45,12 @@ pub struct FailureDetector {
     suspects: BTreeSet<NodeId>,
     /// On the leader: since when each failed node has been failed, as this leader saw it.
     failed_since: HashMap<NodeId, Instant>,
+    /// An epoch open this long is aborted by the leader, its coordinator alive or not: a
+    /// coordinator whose commit or abort keeps failing (or that is stalled) must not hold
+    /// its tables' lease for ever.
+    open_epoch_timeout: Duration,
+    /// On the leader: since when each open epoch has been open, as this leader saw it.
+    open_since: BTreeMap<Epoch, Instant>,
 }
 
 impl FailureDetector {
@@ -58,7 +65,15 @@ impl FailureDetector {
             last_seen: HashMap::new(),
             suspects: BTreeSet::new(),
             failed_since: HashMap::new(),
+            open_epoch_timeout: Duration::MAX,
+            open_since: BTreeMap::new(),
         }
+    }
+
+    /// Open epochs are aborted after `timeout` (none by default).
+    pub fn with_open_epoch_timeout(mut self, timeout: Duration) -> FailureDetector {
+        self.open_epoch_timeout = timeout;
+        self
     }
 
     /// A heartbeat (or any answer) from `node` at `now`.
@@ -82,6 +97,7 @@ impl FailureDetector {
     /// time towards losing them starts again.
     pub fn became_leader(&mut self, me: NodeId, members: &[Member], now: Instant) {
         self.failed_since.clear();
+        self.open_since.clear();
         for member in members.iter().filter(|m| m.id != me && m.alive) {
             self.last_seen.insert(member.id, now);
             self.suspects.insert(member.id);
@@ -142,6 +158,21 @@ impl FailureDetector {
             .map(|(id, _)| *id)
             .collect()
     }
+
+    /// The epochs of `open` (the metadata's open epochs) that have been open for the open
+    /// epoch timeout at `now`, as this leader saw them: to abort. A new leader waits the
+    /// full time again, from its first look.
+    pub fn overdue_epochs(&mut self, open: &BTreeSet<Epoch>, now: Instant) -> Vec<Epoch> {
+        self.open_since.retain(|epoch, _| open.contains(epoch));
+        for epoch in open {
+            self.open_since.entry(*epoch).or_insert(now);
+        }
+        self.open_since
+            .iter()
+            .filter(|(_, since)| now.saturating_duration_since(**since) >= self.open_epoch_timeout)
+            .map(|(epoch, _)| *epoch)
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -171,6 +202,40 @@ mod tests {
             .find(|(node, _)| *node == id)
             .map(|(_, check)| check)
             .unwrap()
+    }
+
+    #[test]
+    fn an_epoch_left_open_is_overdue_after_the_timeout_as_the_leader_saw_it() {
+        let start = Instant::now();
+        let timeout = Duration::from_secs(30);
+        let mut detector =
+            FailureDetector::new(TIMEOUT, LOST_AFTER).with_open_epoch_timeout(timeout);
+        let open = BTreeSet::from([Epoch(7), Epoch(8)]);
+        assert!(detector.overdue_epochs(&open, start).is_empty());
+        // Epoch 8 commits; epoch 9 opens later.
+        let later = BTreeSet::from([Epoch(7), Epoch(9)]);
+        assert!(detector
+            .overdue_epochs(&later, start + timeout / 2)
+            .is_empty());
+        assert_eq!(
+            detector.overdue_epochs(&later, start + timeout),
+            vec![Epoch(7)]
+        );
+        assert_eq!(
+            detector.overdue_epochs(&later, start + timeout * 3 / 2),
+            vec![Epoch(7), Epoch(9)]
+        );
+        // A new leader starts counting again.
+        let elected = start + timeout * 2;
+        detector.became_leader(ME, &members(&[(NodeId(1), true)]), elected);
+        assert!(detector.overdue_epochs(&later, elected).is_empty());
+        assert_eq!(detector.overdue_epochs(&later, elected + timeout).len(), 2);
+        // No timeout configured: nothing is ever overdue.
+        let mut patient = FailureDetector::new(TIMEOUT, LOST_AFTER);
+        assert!(patient.overdue_epochs(&open, start).is_empty());
+        assert!(patient
+            .overdue_epochs(&open, start + Duration::from_secs(1 << 30))
+            .is_empty());
     }
 
     #[test]

@@ -42,6 +42,8 @@ pub struct Settings {
     pub rereplicate_after: Duration,
     /// A returning replica fetches only the versions it missed (else its partitions whole).
     pub delta_recovery: bool,
+    /// The metadata leader aborts an epoch open this long.
+    pub open_epoch_timeout: Duration,
 }
 
 /// This node's part in the replication protocols.
@@ -84,10 +86,10 @@ impl Replication {
         Replication {
             id: meta.id(),
             incarnation,
-            detector: Mutex::new(FailureDetector::new(
-                settings.failure_timeout,
-                settings.rereplicate_after,
-            )),
+            detector: Mutex::new(
+                FailureDetector::new(settings.failure_timeout, settings.rereplicate_after)
+                    .with_open_epoch_timeout(settings.open_epoch_timeout),
+            ),
             store,
             meta,
             clients,

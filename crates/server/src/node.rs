@@ -20,7 +20,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_common::NodeConfig;
+use tessera_common::{Epoch, NodeConfig};
 use tessera_replication::{Replication, Settings};
 use tessera_storage::{Store, StoreConfig};
 
@@ -232,6 +232,7 @@ impl Node {
                 failure_timeout: config.failure_timeout(),
                 rereplicate_after: config.rereplicate_after(),
                 delta_recovery: config.replicas.delta_recovery,
+                open_epoch_timeout: config.open_epoch_timeout(),
             },
         ));
         let lineage = tessera_recovery::WriteAheadLineage::start(
@@ -505,6 +506,21 @@ impl Node {
                     .write_as_leader(MetaCommand::SetLiveness { id, alive })
                     .await?;
             }
+        }
+        // Epochs left open too long, whoever coordinates them.
+        let open: BTreeSet<Epoch> = state.open.keys().copied().collect();
+        let overdue = self.detector().overdue_epochs(&open, Instant::now());
+        for epoch in overdue {
+            let timeout = self.config.open_epoch_timeout();
+            tracing::warn!(%epoch, ?timeout, "aborting an epoch left open too long");
+            self.meta
+                .write_as_leader(MetaCommand::AbortEpoch {
+                    epoch,
+                    reason: format!(
+                        "it was open for {timeout:?} without its coordinator committing or aborting it"
+                    ),
+                })
+                .await?;
         }
         Ok(())
     }
