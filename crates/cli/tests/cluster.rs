@@ -289,18 +289,7 @@ async fn kv_cluster_with(
     replication: u32,
     options: &[(&str, &str)],
 ) -> (LocalCluster, ClusterClient) {
-    let mut cluster = LocalCluster::configure(Path::new(BINARY), root, 3, PARTITIONS, replication);
-    for (key, value) in options {
-        cluster.set_option(key, value);
-    }
-    cluster.start_all();
-    wait_formed(&cluster, 1, 3).await;
-    let client = ClusterClient::new(cluster.addr(1));
-    client
-        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
-        .await
-        .unwrap();
-    (cluster, client)
+    common::kv_cluster_with(BINARY, root, PARTITIONS, replication, options).await
 }
 
 async fn count_and_sum(client: &ClusterClient) -> (i64, i64) {

@@ -4,11 +4,10 @@
 mod common;
 
 use arrow::array::Int64Array;
-use common::{wait_formed, wait_until};
-use std::path::Path;
+use common::{kv_cluster_with, wait_until};
 use std::time::{Duration, Instant};
 use tessera_server::ClusterClient;
-use tessera_testkit::{kv_batch, LocalCluster};
+use tessera_testkit::kv_batch;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 
@@ -31,13 +30,8 @@ async fn count(client: &ClusterClient) -> Result<i64, String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_cut_off_from_the_majority_refuses_reads_instead_of_answering_stale() {
     let root = tempfile::tempdir().unwrap();
-    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
-    cluster.start_all();
-    wait_formed(&cluster, 1, 3).await;
+    let (cluster, _) = kv_cluster_with(BINARY, root.path(), 8, 3, &[]).await;
     let lone = ClusterClient::new(cluster.addr(3));
-    lone.sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
-        .await
-        .unwrap();
     lone.publish("kv", vec![kv_batch(0, 100)], false)
         .await
         .unwrap();
@@ -77,18 +71,13 @@ async fn a_node_cut_off_from_the_majority_refuses_reads_instead_of_answering_sta
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_epoch_left_open_by_a_stalled_coordinator_is_aborted_and_frees_its_tables() {
     let root = tempfile::tempdir().unwrap();
-    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
     // Detection is slow on purpose: only the open-epoch timeout can free the table soon.
-    cluster.set_option("failure.timeout_ms", "60000");
-    cluster.set_option("failure.rereplicate_after_ms", "120000");
-    cluster.set_option("failure.open_epoch_timeout_ms", "3000");
-    cluster.start_all();
-    wait_formed(&cluster, 1, 3).await;
-    let writer = ClusterClient::new(cluster.addr(1));
-    writer
-        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
-        .await
-        .unwrap();
+    let slow_detection = [
+        ("failure.timeout_ms", "60000"),
+        ("failure.rereplicate_after_ms", "120000"),
+        ("failure.open_epoch_timeout_ms", "3000"),
+    ];
+    let (cluster, writer) = kv_cluster_with(BINARY, root.path(), 8, 3, &slow_detection).await;
     writer
         .publish("kv", vec![kv_batch(0, 100)], false)
         .await

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use arrow::array::RecordBatch;
+use std::path::Path;
 use std::time::{Duration, Instant};
 use tessera_server::ClusterClient;
 use tessera_testkit::LocalCluster;
@@ -73,4 +74,27 @@ pub async fn flush_everywhere(cluster: &LocalCluster) {
     for id in cluster.node_ids() {
         ClusterClient::new(cluster.addr(id)).flush().await.unwrap();
     }
+}
+
+/// A 3-node cluster of `binary` under `root` with table `kv`, each node configured with
+/// `options` (dotted key, value); the client talks to node 1.
+pub async fn kv_cluster_with(
+    binary: &str,
+    root: &Path,
+    partitions: u32,
+    replication: u32,
+    options: &[(&str, &str)],
+) -> (LocalCluster, ClusterClient) {
+    let mut cluster = LocalCluster::configure(Path::new(binary), root, 3, partitions, replication);
+    for (key, value) in options {
+        cluster.set_option(key, value);
+    }
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    let client = ClusterClient::new(cluster.addr(1));
+    client
+        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .await
+        .unwrap();
+    (cluster, client)
 }
