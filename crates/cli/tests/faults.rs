@@ -126,3 +126,27 @@ async fn an_epoch_left_open_by_a_stalled_coordinator_is_aborted_and_frees_its_ta
     eprintln!("the stalled publish ended with: {error}");
     assert_eq!(count(&writer).await, Ok(200), "still none of its rows");
 }
+
+/// A coordinator still working on its epoch renews it with every heartbeat: a publish
+/// that takes longer than the open-epoch timeout is acknowledged, not aborted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_longer_than_the_open_epoch_timeout_is_renewed_not_aborted() {
+    let root = tempfile::tempdir().unwrap();
+    let short_timeout = [("failure.open_epoch_timeout_ms", "1000")];
+    let (cluster, _) = kv_cluster_with(BINARY, root.path(), 8, 3, &short_timeout).await;
+    let coordinator = ClusterClient::new(cluster.addr(3));
+    let batches = (0..40)
+        .map(|i| kv_batch(i * 50_000, (i + 1) * 50_000))
+        .collect();
+    let started = Instant::now();
+    coordinator
+        .publish("kv", batches, false)
+        .await
+        .expect("a publish still being worked on is not aborted");
+    let took = started.elapsed();
+    assert!(
+        took > Duration::from_millis(1500),
+        "the publish took {took:?}, too short to outlast the 1 s timeout: the test proves nothing"
+    );
+    assert_eq!(count(&coordinator).await, Ok(2_000_000));
+}

@@ -16,4 +16,9 @@ pub const ACTION_HEARTBEAT: &str = "heartbeat";
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Heartbeat {
     pub node_id: NodeId,
+    /// The open epochs this node is still coordinating (a long publish or partition copy):
+    /// the leader renews their open-epoch timeout. An epoch its coordinator gave up on is
+    /// not listed, and times out.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub working_on: Vec<tessera_common::Epoch>,
 }

@@ -159,6 +159,16 @@ impl FailureDetector {
             .collect()
     }
 
+    /// `epochs` are still being worked on by their coordinator (its heartbeat says so at
+    /// `now`): their open-epoch timeout starts again.
+    pub fn renew_epochs(&mut self, epochs: &[Epoch], now: Instant) {
+        for epoch in epochs {
+            if let Some(since) = self.open_since.get_mut(epoch) {
+                *since = now;
+            }
+        }
+    }
+
     /// The epochs of `open` (the metadata's open epochs) that have been open for the open
     /// epoch timeout at `now`, as this leader saw them: to abort. A new leader waits the
     /// full time again, from its first look.
@@ -230,6 +240,12 @@ mod tests {
         detector.became_leader(ME, &members(&[(NodeId(1), true)]), elected);
         assert!(detector.overdue_epochs(&later, elected).is_empty());
         assert_eq!(detector.overdue_epochs(&later, elected + timeout).len(), 2);
+        // A coordinator still working on epoch 9 renews it; epoch 7 stays overdue.
+        detector.renew_epochs(&[Epoch(9)], elected + timeout);
+        assert_eq!(
+            detector.overdue_epochs(&later, elected + timeout + timeout / 2),
+            vec![Epoch(7)]
+        );
         // No timeout configured: nothing is ever overdue.
         let mut patient = FailureDetector::new(TIMEOUT, LOST_AFTER);
         assert!(patient.overdue_epochs(&open, start).is_empty());

@@ -25,10 +25,10 @@ pub use tessera_common::NodeId;
 
 use failover::FailureDetector;
 use rebalance::TransferCounters;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use tessera_common::{ComponentHash, PartitionId};
+use tessera_common::{ComponentHash, Epoch, PartitionId};
 use tessera_meta::MetaClient;
 use tessera_net::Clients;
 use tessera_storage::Store;
@@ -65,6 +65,27 @@ pub struct Replication {
     suspected: tokio::sync::Notify,
     /// The components last announced to standbys, per (table, partition) this node leads.
     shipped: Mutex<HashMap<(String, PartitionId), Vec<ComponentHash>>>,
+    /// The open epochs this node is coordinating now, with how many tasks work on each.
+    working_on: Mutex<BTreeMap<Epoch, usize>>,
+}
+
+/// Marks an epoch as being worked on by this node until dropped (its heartbeats renew the
+/// epoch's open-epoch timeout meanwhile).
+pub struct WorkingOn<'a> {
+    node: &'a Replication,
+    epoch: Epoch,
+}
+
+impl Drop for WorkingOn<'_> {
+    fn drop(&mut self) {
+        let mut working = self.node.working_on.lock().expect("working-on lock");
+        if let Some(count) = working.get_mut(&self.epoch) {
+            *count -= 1;
+            if *count == 0 {
+                working.remove(&self.epoch);
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Replication {
@@ -97,7 +118,29 @@ impl Replication {
             transfers: TransferCounters::default(),
             suspected: tokio::sync::Notify::new(),
             shipped: Mutex::new(HashMap::new()),
+            working_on: Mutex::default(),
         }
+    }
+
+    /// This node coordinates `epoch` until the guard is dropped.
+    pub fn work_on(&self, epoch: Epoch) -> WorkingOn<'_> {
+        *self
+            .working_on
+            .lock()
+            .expect("working-on lock")
+            .entry(epoch)
+            .or_default() += 1;
+        WorkingOn { node: self, epoch }
+    }
+
+    /// The open epochs this node is coordinating now (its heartbeats list them).
+    pub fn working_on(&self) -> Vec<Epoch> {
+        self.working_on
+            .lock()
+            .expect("working-on lock")
+            .keys()
+            .copied()
+            .collect()
     }
 
     pub fn id(&self) -> NodeId {

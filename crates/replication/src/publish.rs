@@ -171,6 +171,8 @@ async fn publish_epoch(
     // stale replica (which leases every table) has finished before it and cannot start
     // until this epoch is decided, so the replicas and their staleness hold until the commit.
     let allocated_at = started.elapsed();
+    // Until this returns, committed or aborted, heartbeats keep the epoch from timing out.
+    let _working = node.work_on(epoch);
     let prepared = async {
         let view = node
             .meta

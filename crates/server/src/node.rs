@@ -335,8 +335,10 @@ impl Node {
 
     /// Records a heartbeat (on the leader).
     pub fn heard_from(&self, heartbeat: &Heartbeat) {
-        self.detector()
-            .heard_from(heartbeat.node_id, Instant::now());
+        let now = Instant::now();
+        let mut detector = self.detector();
+        detector.heard_from(heartbeat.node_id, now);
+        detector.renew_epochs(&heartbeat.working_on, now);
     }
 
     /// Reports a dropped connection to `node`: the leader checks it at once.
@@ -365,7 +367,10 @@ impl Node {
                 _ = ticker.tick() => {}
                 _ = self.replication.suspicion() => {}
             }
-            let heartbeat = Heartbeat { node_id: self.id() };
+            let heartbeat = Heartbeat {
+                node_id: self.id(),
+                working_on: self.replication.working_on(),
+            };
             match self.meta.leader() {
                 Some(leader) if leader == self.id() => self.heard_from(&heartbeat),
                 Some(leader) => {

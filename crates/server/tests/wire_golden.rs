@@ -240,7 +240,23 @@ fn samples() -> Samples {
     }
     s.request(
         ACTION_HEARTBEAT,
-        (Heartbeat { node_id: NodeId(2) }, vec![3u64]),
+        (
+            Heartbeat {
+                node_id: NodeId(2),
+                working_on: vec![],
+            },
+            vec![3u64],
+        ),
+    );
+    s.request(
+        &format!("{ACTION_HEARTBEAT} working"),
+        (
+            Heartbeat {
+                node_id: NodeId(2),
+                working_on: vec![Epoch(4)],
+            },
+            Vec::<u64>::new(),
+        ),
     );
     s.request(ACTION_STATUS, ());
     s.request(ACTION_READ_INDEX, ());
