@@ -150,3 +150,63 @@ async fn a_publish_longer_than_the_open_epoch_timeout_is_renewed_not_aborted() {
     );
     assert_eq!(count(&coordinator).await, Ok(2_000_000));
 }
+
+/// Bad input from peers: garbage on the RPC port, and a request for the spool of a query
+/// that never ran there, get an error in bounded time, naming the problem, and the node
+/// goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_naming_unknown_queries_and_garbage_get_clear_errors_in_time() {
+    use futures::StreamExt;
+    use std::io::Write;
+    use tessera_server::rpc::{Clients, SpoolRequest, PROTOCOL_VERSION};
+
+    let root = tempfile::tempdir().unwrap();
+    let patience = [("exec.spool_start_timeout_ms", "1000")];
+    let (cluster, client) = kv_cluster_with(BINARY, root.path(), 8, 3, &patience).await;
+    client
+        .publish("kv", vec![kv_batch(0, 10)], false)
+        .await
+        .unwrap();
+
+    // Garbage where HTTP/2 is expected, then a connection cut mid-frame.
+    for bytes in [
+        &b"GET / HTTP/1.1\r\n\r\n\x00\xff garbage"[..],
+        b"PRI * HTTP/2.0\r\n",
+    ] {
+        let mut stream = std::net::TcpStream::connect(cluster.addr(2)).unwrap();
+        stream.write_all(bytes).unwrap();
+    }
+
+    let peer = Clients::new(cluster.cluster_id(), PROTOCOL_VERSION);
+    let unknown = SpoolRequest {
+        query: tessera_common::QueryId(0xdead),
+        exchange: tessera_common::StageId(1),
+        channel: tessera_common::ChannelId(0),
+        bucket: 0,
+    };
+    let asked = Instant::now();
+    let ask = async {
+        match peer.get(cluster.addr(2), &unknown).await {
+            Err(error) => Err(error.to_string()),
+            Ok(mut batches) => match batches.next().await {
+                Some(Err(error)) => Err(error.to_string()),
+                other => Ok(format!("{other:?}")),
+            },
+        }
+    };
+    let outcome = tokio::time::timeout(Duration::from_secs(20), ask)
+        .await
+        .expect("a request for an unknown query's spool got no answer in 20 s");
+    let error = outcome.expect_err("a spool of a query that never ran here was served");
+    assert!(
+        error.contains("did not start on this node within"),
+        "the error names the problem: {error}"
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(15),
+        "it has a deadline"
+    );
+
+    let other = ClusterClient::new(cluster.addr(2));
+    assert_eq!(count(&other).await, Ok(10), "the node goes on serving");
+}

@@ -39,6 +39,7 @@
 //! [exec]                   # distributed query execution
 //! inbox_budget_bytes = 16777216
 //! send_batch_rows = 8192
+//! spool_start_timeout_ms = 30000
 //! ```
 
 use crate::{NodeId, DEFAULT_PARTITIONS};
@@ -174,6 +175,10 @@ pub struct ExecSettings {
     pub inbox_budget_bytes: usize,
     /// Rows a producer gathers per destination bucket before sending a batch.
     pub send_batch_rows: usize,
+    /// How long a rebuilt consumer's request for a producer's spool waits for that producer
+    /// to start, before it fails naming the channel (a request for a query that never ran
+    /// here must not wait for ever).
+    pub spool_start_timeout_ms: u64,
 }
 
 impl Default for ExecSettings {
@@ -181,6 +186,7 @@ impl Default for ExecSettings {
         ExecSettings {
             inbox_budget_bytes: 16 << 20,
             send_batch_rows: 8192,
+            spool_start_timeout_ms: 30_000,
         }
     }
 }

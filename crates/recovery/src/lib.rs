@@ -96,6 +96,8 @@ impl Spools {
 pub struct WriteAheadLineage {
     log: Arc<LineageLog>,
     spools: Spools,
+    /// How long a follower waits for a spool's producer to start.
+    spool_start_timeout: std::time::Duration,
     meta: MetaClient,
     clients: Arc<Clients>,
 }
@@ -103,12 +105,18 @@ pub struct WriteAheadLineage {
 impl WriteAheadLineage {
     /// Lineage for the node of `meta`, spooling under `spool_dir`. Starts the committer,
     /// which runs for the life of the runtime.
-    pub fn start(meta: MetaClient, clients: Arc<Clients>, spool_dir: PathBuf) -> Arc<Self> {
+    pub fn start(
+        meta: MetaClient,
+        clients: Arc<Clients>,
+        spool_dir: PathBuf,
+        spool_start_timeout: std::time::Duration,
+    ) -> Arc<Self> {
         let log = Arc::new(LineageLog::default());
         tokio::spawn(lineage::commit_rounds(log.clone(), meta.clone()));
         Arc::new(WriteAheadLineage {
             log,
             spools: Spools::new(spool_dir),
+            spool_start_timeout,
             meta,
             clients,
         })
@@ -124,7 +132,17 @@ impl WriteAheadLineage {
         let spool = self.spools.spool(key);
         let schema = {
             let spool = spool.clone();
-            futures::stream::once(async move { spool.schema().await })
+            let patience = self.spool_start_timeout;
+            let (query, exchange, channel) = key;
+            futures::stream::once(async move {
+                tokio::time::timeout(patience, spool.schema())
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(format!(
+                            "channel {channel} of exchange {exchange} of query {query} did not start on this node within {patience:?}"
+                        ))
+                    })
+            })
         };
         let batches =
             futures::stream::unfold((spool, 0u64, false), move |(spool, seq, done)| async move {

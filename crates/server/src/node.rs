@@ -239,6 +239,7 @@ impl Node {
             meta.clone(),
             clients.clone(),
             config.data_dir.join("spool"),
+            Duration::from_millis(config.exec.spool_start_timeout_ms),
         );
         let exec = Arc::new(tessera_exec::Exec::new(
             store.clone(),
