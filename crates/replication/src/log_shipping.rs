@@ -111,14 +111,15 @@ async fn receive_logged(
 async fn wait_for_table(node: &Replication, table: &str) {
     let deadline = Instant::now() + TABLE_PATIENCE;
     while node.store.table_def(table).is_none() && Instant::now() < deadline {
-        // Local is enough: this only waits for the table to appear, until its deadline.
-        let view = match node.meta.read_linearizable(TABLE_PATIENCE).await {
-            Ok(view) => view,
-            Err(_) => node.meta.view(),
-        };
+        // Catching up with the leader applies the table's creation if it is committed; the
+        // loop checks the store again either way, until its own deadline.
+        let left = deadline.saturating_duration_since(Instant::now());
+        if let Err(error) = node.meta.read_linearizable(left).await {
+            tracing::debug!(table, %error, "could not catch up while waiting for a table");
+        }
         tracing::debug!(
             table,
-            applied = view.applied_index,
+            applied = node.meta.view().applied_index,
             "a prepare for a table this store does not hold yet"
         );
         if node.store.table_def(table).is_none() {

@@ -78,33 +78,16 @@ impl Store {
         let (work, retained_from) = {
             let state = self.state();
             let work: Vec<(TableDef, PartitionId, Vec<ComponentMeta>)> = state
-                .tables
-                .values()
-                .flat_map(|t| {
-                    t.partitions
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, p)| p.manifest.components.len() > self.config.merge_threshold)
-                        .map(|(i, p)| {
-                            (
-                                t.def.clone(),
-                                PartitionId(i as u32),
-                                p.manifest.components.clone(),
-                            )
-                        })
-                })
+                .all_partitions()
+                .filter(|(_, _, p)| p.manifest.components.len() > self.config.merge_threshold)
+                .map(|(t, partition, p)| (t.def.clone(), partition, p.manifest.components.clone()))
                 .collect();
             (work, state.retained_from)
         };
         for (def, partition, inputs) in work {
             let mut batches = Vec::new();
             for input in &inputs {
-                self.verify_component(&input.hash)?;
-                batches.extend(component::read_component(
-                    &self.components_dir,
-                    &input.hash,
-                    None,
-                )?);
+                batches.extend(self.read_verified_rows(&input.hash)?);
             }
             let merged = versions::merge_versions(
                 &batches,
@@ -128,11 +111,7 @@ impl Store {
                 None
             };
             let mut state = self.state();
-            let table = state
-                .tables
-                .get_mut(&def.name)
-                .expect("tables outlive the exclusive gate");
-            let manifest = &mut table.partitions[partition.0 as usize].manifest;
+            let manifest = &mut state.held_partition_mut(&def.name, partition).manifest;
             assert_eq!(
                 manifest.components, inputs,
                 "manifests change only under the exclusive gate"

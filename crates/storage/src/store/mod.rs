@@ -297,15 +297,32 @@ impl State {
             .ok_or_else(|| StorageError::UnknownTable(name.to_string()))
     }
 
-    /// The (table, partition) pairs holding committed rows in the log only (cold standby).
-    fn logged_partitions(&self) -> impl Iterator<Item = (&str, PartitionId, &PartitionState)> {
-        self.tables.iter().flat_map(|(name, t)| {
+    /// Every partition of every table.
+    fn all_partitions(&self) -> impl Iterator<Item = (&TableState, PartitionId, &PartitionState)> {
+        self.tables.values().flat_map(|t| {
             t.partitions
                 .iter()
                 .enumerate()
-                .filter(|(_, p)| !p.unapplied.is_empty())
-                .map(move |(i, p)| (name.as_str(), PartitionId(i as u32), p))
+                .map(move |(i, p)| (t, PartitionId(i as u32), p))
         })
+    }
+
+    /// The (table, partition) pairs holding committed rows in the log only (cold standby).
+    fn logged_partitions(&self) -> impl Iterator<Item = (&str, PartitionId, &PartitionState)> {
+        self.all_partitions()
+            .filter(|(_, _, p)| !p.unapplied.is_empty())
+            .map(|(t, partition, p)| (t.def.name.as_str(), partition, p))
+    }
+
+    /// A partition of a table that cannot have been dropped: the caller holds the store's
+    /// gate (a publish shares it, maintenance and transfers hold it exclusively), and a
+    /// drop takes it exclusively.
+    fn held_partition_mut(&mut self, table: &str, partition: PartitionId) -> &mut PartitionState {
+        &mut self
+            .tables
+            .get_mut(table)
+            .expect("tables outlive the store's gate, which the caller holds")
+            .partitions[partition.0 as usize]
     }
 
     fn partition(&self, table: &str, partition: PartitionId) -> Result<&PartitionState> {

@@ -104,11 +104,10 @@ impl Store {
         if durable.is_ok() {
             for (table, partition, entry) in entries {
                 state.memtable_bytes += entry.batch.get_array_memory_size();
-                let table = state
-                    .tables
-                    .get_mut(&table)
-                    .expect("tables outlive publishes holding the gate");
-                table.partitions[partition.0 as usize].memtable.push(entry);
+                state
+                    .held_partition_mut(&table, partition)
+                    .memtable
+                    .push(entry);
             }
         }
         state.resolve(epoch);
@@ -150,11 +149,10 @@ impl Store {
             }
         };
         for (table, partition, meta) in written {
-            let table = state
-                .tables
-                .get_mut(&table)
-                .expect("tables outlive publishes holding the gate");
-            table.partitions[partition.0 as usize].manifest.add(meta);
+            state
+                .held_partition_mut(&table, partition)
+                .manifest
+                .add(meta);
         }
         state.resolve(epoch);
         self.write_checkpoint(&state)?;
@@ -199,19 +197,13 @@ impl Store {
         let work: Vec<(TableDef, PartitionId, Vec<RecordBatch>, Lsn, Lsn)> = {
             let state = self.state();
             state
-                .tables
-                .values()
-                .flat_map(|t| {
-                    t.partitions
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, p)| !p.memtable.is_empty())
-                        .map(|(i, p)| {
-                            let batches = p.memtable.iter().map(|e| e.batch.clone()).collect();
-                            let min = p.memtable.iter().map(|e| e.lsn).min().expect("non-empty");
-                            let max = p.memtable.iter().map(|e| e.lsn).max().expect("non-empty");
-                            (t.def.clone(), PartitionId(i as u32), batches, min, max)
-                        })
+                .all_partitions()
+                .filter(|(_, _, p)| !p.memtable.is_empty())
+                .map(|(t, partition, p)| {
+                    let batches = p.memtable.iter().map(|e| e.batch.clone()).collect();
+                    let min = p.memtable.iter().map(|e| e.lsn).min().expect("non-empty");
+                    let max = p.memtable.iter().map(|e| e.lsn).max().expect("non-empty");
+                    (t.def.clone(), partition, batches, min, max)
                 })
                 .collect()
         };
@@ -225,11 +217,7 @@ impl Store {
         }
         let mut state = self.state();
         for (table, partition, meta) in flushed {
-            let table = state
-                .tables
-                .get_mut(&table)
-                .expect("tables outlive the exclusive gate");
-            let partition = &mut table.partitions[partition.0 as usize];
+            let partition = state.held_partition_mut(&table, partition);
             partition.manifest.add(meta);
             partition.memtable.clear();
         }

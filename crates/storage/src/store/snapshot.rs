@@ -64,6 +64,12 @@ impl Store {
         Ok(())
     }
 
+    /// The row versions of a component, its bytes checked against its name first.
+    pub(super) fn read_verified_rows(&self, hash: &ComponentHash) -> Result<Vec<RecordBatch>> {
+        self.verify_component(hash)?;
+        component::read_component(&self.components_dir, hash, None)
+    }
+
     /// The table version id at `epoch`: a hash over its partition manifests, equal on any
     /// node holding the same data (Pond's version GUID). Rows still only in memory are not
     /// part of a manifest, so call after a checkpoint for a stable id.

@@ -211,11 +211,7 @@ impl Store {
         }
         self.store_fetched_components(&components, &fetched)?;
         let mut state = self.state();
-        let part = &mut state
-            .tables
-            .get_mut(table)
-            .expect("tables outlive the exclusive gate")
-            .partitions[partition.0 as usize];
+        let part = state.held_partition_mut(table, partition);
         // Everything at or below this LSN is now in the components: the dropped rows' log
         // records, as a table's later epochs also have later LSNs.
         let mut covered_lsn = part.manifest.max_lsn;

@@ -18,12 +18,7 @@ impl Store {
         let part = &snapshot.partitions[partition.0 as usize];
         let mut batches = Vec::new();
         for component in part.components.iter().filter(|c| c.max_epoch >= since) {
-            self.verify_component(&component.hash)?;
-            batches.extend(component::read_component(
-                &self.components_dir,
-                &component.hash,
-                None,
-            )?);
+            batches.extend(self.read_verified_rows(&component.hash)?);
         }
         batches.extend(part.memtable.iter().cloned());
         versions::versions_since(batches, since)
@@ -99,11 +94,7 @@ impl Store {
             installed.push(self.or_poison(self.write_component(&def, &memtable, lsn, lsn))?);
         }
         let mut state = self.state();
-        let table_state = state
-            .tables
-            .get_mut(table)
-            .expect("tables outlive the exclusive gate");
-        let part = &mut table_state.partitions[partition.0 as usize];
+        let part = state.held_partition_mut(table, partition);
         let dropped: Vec<ComponentHash> = part.manifest.components.iter().map(|c| c.hash).collect();
         let freed: usize = part
             .memtable
@@ -171,12 +162,7 @@ impl Store {
         if rewrite && since > Epoch::ZERO {
             let mut old = Vec::new();
             for component in &components {
-                self.verify_component(&component.hash)?;
-                old.extend(component::read_component(
-                    &self.components_dir,
-                    &component.hash,
-                    None,
-                )?);
+                old.extend(self.read_verified_rows(&component.hash)?);
             }
             old.extend(memtable);
             rows.extend(versions::versions_before(old, since)?);
@@ -198,11 +184,7 @@ impl Store {
             }
         };
         let mut state = self.state();
-        let table_state = state
-            .tables
-            .get_mut(table)
-            .expect("tables outlive the exclusive gate");
-        let part = &mut table_state.partitions[partition.0 as usize];
+        let part = state.held_partition_mut(table, partition);
         let mut dropped = Vec::new();
         let mut freed = 0;
         if rewrite {
