@@ -46,6 +46,7 @@ fn outcome(recovery: &RecoveryOutcome) -> &'static str {
     match recovery {
         RecoveryOutcome::Rebuilt { .. } => "rebuilt from lineage",
         RecoveryOutcome::Restarted { .. } => "restarted",
+        RecoveryOutcome::Rerouted { .. } => "rerouted around an unreachable node",
     }
 }
 

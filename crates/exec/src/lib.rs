@@ -34,6 +34,7 @@ pub mod exchange;
 pub mod explain;
 pub mod hooks;
 pub mod plan;
+pub mod reachability;
 pub mod run;
 pub mod scan;
 pub mod session;
@@ -58,6 +59,8 @@ pub struct Exec {
     pub(crate) lineage: Arc<dyn hooks::Lineage>,
     pub(crate) settings: tessera_common::config::ExecSettings,
     replication: Arc<tessera_replication::Replication>,
+    /// Peers this node could not reach though the leader counts them alive.
+    pub(crate) unreachable: reachability::Unreachable,
 }
 
 impl std::fmt::Debug for Exec {
@@ -83,6 +86,7 @@ impl Exec {
             lineage,
             settings,
             replication,
+            unreachable: reachability::Unreachable::default(),
         }
     }
 
@@ -116,6 +120,16 @@ impl Exec {
     /// Makes `node` suspect and waits for the metadata leader's verdict.
     pub async fn confirm_failed(&self, node: NodeId) -> bool {
         self.replication.confirm_failed(node).await
+    }
+
+    /// Remembers that `peer` did not answer this node although the metadata leader counts
+    /// it alive (a partial partition): plans made here avoid it for a while.
+    pub fn note_unreachable(&self, peer: NodeId) {
+        tracing::warn!(
+            peer = peer.0,
+            "peer unreachable from here but alive to the leader: plans avoid it"
+        );
+        self.unreachable.note(peer);
     }
 
     /// Starts the upstream backup of a producer channel; an error once its query ended here.
@@ -165,14 +179,25 @@ pub enum RecoveryOutcome {
         /// Set when lineage recovery was asked for but could not go on: why.
         lineage_gave_up: Option<String>,
     },
+    /// A node stopped answering the initiator while the metadata leader still counted it
+    /// alive (a partial partition): the query ran again with no channel on that node,
+    /// reading its partitions from other replicas.
+    Rerouted {
+        unreachable: NodeId,
+        initiator: NodeId,
+        query: QueryId,
+        restart: usize,
+    },
 }
 
 impl RecoveryOutcome {
+    /// The node the query went on without: dead, or unreachable from the initiator.
     pub fn dead(&self) -> NodeId {
         match self {
             RecoveryOutcome::Rebuilt { dead, .. } | RecoveryOutcome::Restarted { dead, .. } => {
                 *dead
             }
+            RecoveryOutcome::Rerouted { unreachable, .. } => *unreachable,
         }
     }
 }
@@ -210,6 +235,15 @@ impl std::fmt::Display for RecoveryOutcome {
                     "node {dead} died during query {query:x}; the query was restarted on the surviving nodes ({how}; restart {restart}), recomputing every stage"
                 )
             }
+            RecoveryOutcome::Rerouted {
+                unreachable,
+                initiator,
+                query,
+                restart,
+            } => write!(
+                f,
+                "node {unreachable} stopped answering node {initiator} during query {query:x} but the metadata leader still counts it alive (a partial partition); the query was restarted with no channel on node {unreachable}, reading its partitions from other replicas (restart {restart})"
+            ),
         }
     }
 }

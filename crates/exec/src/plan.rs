@@ -252,8 +252,14 @@ impl Cutter {
     }
 }
 
-/// The node of each channel of a stage rooted at `root`.
-fn place(root: &Arc<dyn ExecutionPlan>, state: &MetaState, fallback: NodeId) -> Vec<NodeId> {
+/// The node of each channel of a stage rooted at `root`, never one in `avoid` (peers the
+/// initiator cannot reach) while another will do.
+fn place(
+    root: &Arc<dyn ExecutionPlan>,
+    state: &MetaState,
+    fallback: NodeId,
+    avoid: &BTreeSet<NodeId>,
+) -> Vec<NodeId> {
     let channels = root.output_partitioning().partition_count();
     let partitions = state.map.partitions.len();
     (0..channels)
@@ -261,17 +267,20 @@ fn place(root: &Arc<dyn ExecutionPlan>, state: &MetaState, fallback: NodeId) -> 
             let mut leaves = Vec::new();
             leaves_of(root, channel, &mut leaves);
             let by_data = leaves.iter().find_map(|leaf| match leaf {
-                Leaf::Scan { replicas } => replicas.first().copied(),
+                Leaf::Scan { replicas } => replicas
+                    .iter()
+                    .find(|r| !avoid.contains(r))
+                    .or(replicas.first())
+                    .copied(),
                 Leaf::Exchange { .. } => None,
             });
             by_data.unwrap_or_else(|| {
-                // The middle of this channel's share of the ring.
-                let position = (2 * channel + 1) * partitions / (2 * channels.max(1));
-                state
-                    .map
-                    .partitions
-                    .get(position)
-                    .and_then(|p| p.primary)
+                // The middle of this channel's share of the ring, or the next primary
+                // along it that is not avoided.
+                let middle = (2 * channel + 1) * partitions / (2 * channels.max(1));
+                (0..partitions)
+                    .filter_map(|step| state.map.partitions[(middle + step) % partitions].primary)
+                    .find(|primary| !avoid.contains(primary))
                     .unwrap_or(fallback)
             })
         })
@@ -427,12 +436,16 @@ pub fn distribute(
         .collect();
 
     // Placement, then who reads which bucket.
+    let avoid = node.unreachable.current();
+    if !avoid.is_empty() {
+        tracing::info!(%query, ?avoid, "placing no channel on peers unreachable from here");
+    }
     let placements: Vec<Vec<NodeId>> = cuts
         .iter()
         .enumerate()
         .map(|(id, cut)| match id {
             0 => vec![initiator],
-            _ => place(&cut.root, state, initiator),
+            _ => place(&cut.root, state, initiator, &avoid),
         })
         .collect();
     let mut destinations: Vec<Vec<BTreeSet<NodeId>>> = cuts

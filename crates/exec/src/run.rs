@@ -328,6 +328,7 @@ async fn diagnose(
             detail,
         }
     } else {
+        node.note_unreachable(suspect);
         ExecError::Unconfirmed {
             query,
             node: suspect,

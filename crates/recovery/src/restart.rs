@@ -52,6 +52,21 @@ pub async fn run_restarting(
                     lineage_gave_up: (mode == RecoveryMode::Lineage).then_some(detail),
                 });
             }
+            Err(ExecError::Unconfirmed {
+                node: unreachable,
+                query,
+                detail,
+            }) if mode != RecoveryMode::None && restarts < MAX_RESTARTS => {
+                // Diagnosis noted the peer as unreachable from here: the next plan avoids it.
+                restarts += 1;
+                tracing::warn!(unreachable = unreachable.0, %query, %detail, "restarting a query without a peer this node cannot reach");
+                recoveries.push(RecoveryOutcome::Rerouted {
+                    unreachable,
+                    initiator: exec.id(),
+                    query,
+                    restart: restarts,
+                });
+            }
             Err(ExecError::NodeLost {
                 node,
                 query,

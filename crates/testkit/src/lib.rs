@@ -1,6 +1,13 @@
 //! Test harness: run the real `tessera` binary as child processes, kill them with SIGKILL,
 //! and always stop what was started (by pid, also when a test panics).
 
+pub mod netlab;
+pub mod proxy;
+
+pub use netlab::NetLab;
+pub use proxy::{LinkFaults, LinkProxy};
+
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Output, Stdio};
@@ -17,14 +24,20 @@ pub struct TesseraProcess {
 impl TesseraProcess {
     /// Starts `binary` with `--data-dir data_dir` and `args`, capturing stdout line by line.
     pub fn spawn(binary: &Path, data_dir: &Path, args: &[&str]) -> TesseraProcess {
-        let mut child = Command::new(binary)
+        Self::spawn_command(Command::new(binary), data_dir, args)
+    }
+
+    /// As [`TesseraProcess::spawn`], for a command already naming the binary (run inside a
+    /// network namespace, say).
+    pub fn spawn_command(mut command: Command, data_dir: &Path, args: &[&str]) -> TesseraProcess {
+        let mut child = command
             .arg("--data-dir")
             .arg(data_dir)
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .unwrap_or_else(|e| panic!("could not start {}: {e}", binary.display()));
+            .unwrap_or_else(|e| panic!("could not start {command:?}: {e}"));
         let stdout: ChildStdout = child.stdout.take().expect("stdout is piped");
         let (tx, lines) = mpsc::channel();
         thread::spawn(move || {
@@ -139,7 +152,24 @@ pub struct LocalCluster {
     voters: Option<Vec<u64>>,
     /// More `key = value` lines for every configuration.
     extra: String,
+    // Dropped in this order: the processes die before their links and namespaces go.
     processes: Vec<Option<TesseraProcess>>,
+    /// The proxy of every directed link `(from, to)`, when links are proxied.
+    links: BTreeMap<(u64, u64), LinkProxy>,
+    /// Seed for the link proxies' randomness, when links are proxied.
+    link_seed: Option<u64>,
+    /// The namespaces the nodes run in, for network fault tests; loopback when `None`.
+    lab: Option<NetLab>,
+}
+
+/// How the nodes of a networked cluster reach each other.
+#[derive(Clone, Copy, Debug)]
+pub enum Links {
+    /// Straight across the lab's bridge: partitions only.
+    Direct,
+    /// Every directed link through its own [`LinkProxy`] (seeded), so links can also be
+    /// delayed, slowed, stalled and reset.
+    Proxied { seed: u64 },
 }
 
 impl LocalCluster {
@@ -151,25 +181,119 @@ impl LocalCluster {
         partitions: u32,
         replication: u32,
     ) -> LocalCluster {
+        let addrs = free_ports(nodes)
+            .into_iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        Self::configure_at(binary, root, addrs, partitions, replication, None, None)
+    }
+
+    /// As [`LocalCluster::configure`], each node in its own network namespace of a new
+    /// [`NetLab`] (needs root and iptables), its links to the others as `links` says.
+    pub fn configure_networked(
+        binary: &Path,
+        root: &Path,
+        nodes: usize,
+        partitions: u32,
+        replication: u32,
+        links: Links,
+    ) -> LocalCluster {
+        let lab = NetLab::create(nodes);
+        let addrs = lab.node_ids().iter().map(|&id| lab.node_addr(id)).collect();
+        let seed = match links {
+            Links::Direct => None,
+            Links::Proxied { seed } => Some(seed),
+        };
+        let mut cluster = Self::configure_at(
+            binary,
+            root,
+            addrs,
+            partitions,
+            replication,
+            Some(lab),
+            seed,
+        );
+        for id in cluster.node_ids() {
+            cluster.wire_links(id);
+        }
+        cluster
+    }
+
+    fn configure_at(
+        binary: &Path,
+        root: &Path,
+        addrs: Vec<String>,
+        partitions: u32,
+        replication: u32,
+        lab: Option<NetLab>,
+        link_seed: Option<u64>,
+    ) -> LocalCluster {
+        let nodes = addrs.len();
         let cluster = LocalCluster {
             binary: binary.to_path_buf(),
             root: root.to_path_buf(),
             cluster_id: format!("test-{}", std::process::id()),
             partitions,
             replication,
-            addrs: free_ports(nodes)
-                .into_iter()
-                .map(|p| format!("127.0.0.1:{p}"))
-                .collect(),
+            addrs,
             founders: nodes,
             voters: None,
             extra: String::new(),
             processes: (0..nodes).map(|_| None).collect(),
+            links: BTreeMap::new(),
+            link_seed,
+            lab,
         };
         for id in 1..=nodes as u64 {
             cluster.write_config(id, &cluster.cluster_id.clone());
         }
         cluster
+    }
+
+    /// Puts a proxy on every link to and from node `id` not proxied yet (if links are
+    /// proxied): node `from`'s connections to `to` are rewritten to `to`'s alias on the host,
+    /// port `17000 + from`, and leave the proxy from `from`'s alias.
+    fn wire_links(&mut self, id: u64) {
+        let (Some(lab), Some(seed)) = (&self.lab, self.link_seed) else {
+            return;
+        };
+        for other in lab.node_ids().into_iter().filter(|&o| o != id) {
+            for (from, to) in [(id, other), (other, id)] {
+                if self.links.contains_key(&(from, to)) {
+                    continue;
+                }
+                let listen =
+                    std::net::SocketAddr::new(lab.alias_ip(to).into(), 17000 + from as u16);
+                let target = lab.node_addr(to).parse().expect("node address");
+                let proxy = LinkProxy::start(
+                    listen,
+                    lab.alias_ip(from).into(),
+                    target,
+                    seed ^ (from << 32 | to),
+                );
+                lab.route_through(from, to, listen);
+                self.links.insert((from, to), proxy);
+            }
+        }
+    }
+
+    /// The namespaces of a networked cluster, to partition it; panics for a loopback one.
+    pub fn net(&self) -> &NetLab {
+        self.lab
+            .as_ref()
+            .expect("a network fault needs LocalCluster::configure_networked")
+    }
+
+    /// The proxy of the link from `from` to `to`; panics if links are not proxied.
+    pub fn link(&self, from: u64, to: u64) -> &LinkProxy {
+        self.links
+            .get(&(from, to))
+            .expect("a link fault needs Links::Proxied")
+    }
+
+    /// Every directed link's proxy (empty unless links are proxied).
+    pub fn links(&self) -> impl Iterator<Item = (&(u64, u64), &LinkProxy)> {
+        self.links.iter()
     }
 
     /// Makes `voters` the Raft voters (rewrites every configuration; call before starting).
@@ -240,18 +364,29 @@ impl LocalCluster {
 
     /// Configures one more node, which will join the running cluster when started.
     pub fn add_node(&mut self) -> u64 {
-        let port = free_ports(1)[0];
-        self.addrs.push(format!("127.0.0.1:{port}"));
+        let addr = match &mut self.lab {
+            Some(lab) => {
+                let id = lab.add_node();
+                lab.node_addr(id)
+            }
+            None => format!("127.0.0.1:{}", free_ports(1)[0]),
+        };
+        self.addrs.push(addr);
         self.processes.push(None);
         let id = self.addrs.len() as u64;
         self.write_config(id, &self.cluster_id.clone());
+        self.wire_links(id);
         id
     }
 
     pub fn start(&mut self, id: u64) {
         let config = self.config_path(id);
-        let process = TesseraProcess::spawn(
-            &self.binary,
+        let command = match &self.lab {
+            Some(lab) => lab.command(id, &self.binary),
+            None => Command::new(&self.binary),
+        };
+        let process = TesseraProcess::spawn_command(
+            command,
             &self.root,
             &["node", "--config", config.to_str().expect("UTF-8 path")],
         );

@@ -118,6 +118,7 @@ pub async fn run(
                     .map(|recovery| match recovery {
                         RecoveryOutcome::Rebuilt { .. } => "rebuilt",
                         RecoveryOutcome::Restarted { .. } => "restarted",
+                        RecoveryOutcome::Rerouted { .. } => "rerouted",
                     }),
                 same: same(&actual),
             };

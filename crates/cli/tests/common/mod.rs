@@ -85,12 +85,21 @@ pub async fn kv_cluster_with(
     replication: u32,
     options: &[(&str, &str)],
 ) -> (LocalCluster, ClusterClient) {
-    let mut cluster = LocalCluster::configure(Path::new(binary), root, 3, partitions, replication);
+    let cluster = LocalCluster::configure(Path::new(binary), root, 3, partitions, replication);
+    start_kv(cluster, options).await
+}
+
+/// Starts every node of `cluster`, each configured with `options` (dotted key, value), and
+/// creates table `kv`; the client talks to node 1.
+pub async fn start_kv(
+    mut cluster: LocalCluster,
+    options: &[(&str, &str)],
+) -> (LocalCluster, ClusterClient) {
     for (key, value) in options {
         cluster.set_option(key, value);
     }
     cluster.start_all();
-    wait_formed(&cluster, 1, 3).await;
+    wait_formed(&cluster, 1, cluster.node_ids().len()).await;
     let client = ClusterClient::new(cluster.addr(1));
     client
         .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
