@@ -28,14 +28,13 @@ impl TesseraProcess {
     }
 
     /// As [`TesseraProcess::spawn`], for a command already naming the binary (run inside a
-    /// network namespace, say).
+    /// network namespace, say); its stderr goes where the command says (inherited unless set).
     pub fn spawn_command(mut command: Command, data_dir: &Path, args: &[&str]) -> TesseraProcess {
         let mut child = command
             .arg("--data-dir")
             .arg(data_dir)
             .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
             .spawn()
             .unwrap_or_else(|e| panic!("could not start {command:?}: {e}"));
         let stdout: ChildStdout = child.stdout.take().expect("stdout is piped");
@@ -160,6 +159,8 @@ pub struct LocalCluster {
     link_seed: Option<u64>,
     /// The namespaces the nodes run in, for network fault tests; loopback when `None`.
     lab: Option<NetLab>,
+    /// Nodes write their logs (stderr) to [`LocalCluster::log_path`] instead of the test's.
+    log_to_files: bool,
 }
 
 /// How the nodes of a networked cluster reach each other.
@@ -243,6 +244,7 @@ impl LocalCluster {
             links: BTreeMap::new(),
             link_seed,
             lab,
+            log_to_files: false,
         };
         for id in 1..=nodes as u64 {
             cluster.write_config(id, &cluster.cluster_id.clone());
@@ -379,12 +381,45 @@ impl LocalCluster {
         id
     }
 
+    /// Sends every node's log to its own file from the next start on (appending across
+    /// restarts), for runs too long to read mixed together, and to search them afterwards.
+    pub fn log_to_files(&mut self) {
+        self.log_to_files = true;
+    }
+
+    /// Where node `id` writes its log under [`LocalCluster::log_to_files`].
+    pub fn log_path(&self, id: u64) -> PathBuf {
+        self.root.join(format!("node-{id}")).join("node.log")
+    }
+
+    /// The lines of every node's log file that report a panic, each prefixed by its node.
+    pub fn panics_logged(&self) -> Vec<String> {
+        let mut panics = Vec::new();
+        for id in self.node_ids() {
+            let text = std::fs::read_to_string(self.log_path(id)).unwrap_or_default();
+            panics.extend(
+                text.lines()
+                    .filter(|line| line.contains("panicked at"))
+                    .map(|line| format!("node {id}: {line}")),
+            );
+        }
+        panics
+    }
+
     pub fn start(&mut self, id: u64) {
         let config = self.config_path(id);
-        let command = match &self.lab {
+        let mut command = match &self.lab {
             Some(lab) => lab.command(id, &self.binary),
             None => Command::new(&self.binary),
         };
+        if self.log_to_files {
+            let log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(self.log_path(id))
+                .expect("open the node's log file");
+            command.stderr(log);
+        }
         let process = TesseraProcess::spawn_command(
             command,
             &self.root,

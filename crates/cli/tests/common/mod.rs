@@ -1,6 +1,8 @@
 //! Helpers shared by the multi-process cluster tests.
 #![allow(dead_code)]
 
+pub mod history;
+
 use arrow::array::RecordBatch;
 use std::path::Path;
 use std::time::{Duration, Instant};

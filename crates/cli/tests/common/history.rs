@@ -1,0 +1,416 @@
+//! A Jepsen-style history of publishes and reads made through random nodes while faults
+//! happen, and the checks run on it: no acknowledged publish lost, no aborted one seen,
+//! in-doubt ones all or nothing, no row nobody wrote, replicas equal; and for reads, no
+//! stale read (a read started after a publish was acknowledged sees it), no read going
+//! backwards after another finished, no phantom rows, and `AS OF EPOCH` answers that never
+//! change.
+
+use super::wait_until;
+use arrow::array::{Int64Array, RecordBatch};
+use rand::{Rng, SeedableRng};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tessera_common::{Epoch, PartitionId};
+use tessera_server::server::NodeStatus;
+use tessera_server::{ClusterClient, ClusterError};
+use tessera_testkit::{kv_batch, LocalCluster};
+
+/// How long a client waits for any one call before counting it unanswered.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What the client learnt about one publish.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Outcome {
+    /// Acknowledged: committed, must be everywhere.
+    Acknowledged,
+    /// Refused as aborted by a live coordinator: must be nowhere.
+    Aborted,
+    /// The reply never came (coordinator or connection died): all of it or none of it.
+    InDoubt,
+}
+
+#[derive(Debug, Clone)]
+pub struct Publish {
+    pub table: &'static str,
+    pub keys: std::ops::Range<i64>,
+    pub outcome: Outcome,
+    /// The epoch an acknowledged publish became.
+    pub epoch: Option<Epoch>,
+    pub started: Instant,
+    /// When the acknowledgement arrived.
+    pub acknowledged: Option<Instant>,
+}
+
+impl Publish {
+    fn rows(&self) -> i64 {
+        self.keys.end - self.keys.start
+    }
+}
+
+pub fn classify(result: &Result<Epoch, ClusterError>) -> Outcome {
+    match result {
+        Ok(_) => Outcome::Acknowledged,
+        // The coordinator said so itself after aborting the epoch in the metadata.
+        Err(ClusterError::PublishAborted { .. }) => Outcome::Aborted,
+        Err(_) => Outcome::InDoubt,
+    }
+}
+
+/// Acknowledged epochs so far, per table, for readers to ask `AS OF`.
+pub type AcknowledgedEpochs = Arc<Mutex<Vec<(&'static str, Epoch)>>>;
+
+/// Publishes batches of `rows` fresh keys into `table` through random nodes until `stop`.
+pub async fn publisher(
+    table: &'static str,
+    first_key: i64,
+    rows: i64,
+    addrs: Vec<String>,
+    stop: Arc<AtomicBool>,
+    seed: u64,
+    acknowledged: AcknowledgedEpochs,
+) -> Vec<Publish> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut log = Vec::new();
+    let mut next = first_key;
+    while !stop.load(Ordering::Relaxed) {
+        let coordinator = &addrs[rng.random_range(0..addrs.len())];
+        let keys = next..next + rows;
+        next += rows;
+        let client = ClusterClient::new(coordinator);
+        let started = Instant::now();
+        let result = tokio::time::timeout(
+            CALL_TIMEOUT * 2,
+            client.publish(table, vec![kv_batch(keys.start, keys.end)], false),
+        )
+        .await
+        .ok();
+        // A publish the client gave up waiting on is in doubt, like a lost reply.
+        let outcome = result.as_ref().map_or(Outcome::InDoubt, classify);
+        let epoch = result.and_then(Result::ok);
+        if let Some(epoch) = epoch {
+            acknowledged.lock().unwrap().push((table, epoch));
+        } else {
+            // Give a dead coordinator's failure time to be noticed.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        log.push(Publish {
+            table,
+            keys,
+            outcome,
+            epoch,
+            started,
+            acknowledged: (outcome == Outcome::Acknowledged).then(Instant::now),
+        });
+    }
+    log
+}
+
+/// One read of `count(*)`, current or `AS OF` an acknowledged epoch.
+#[derive(Debug, Clone)]
+pub struct Read {
+    pub table: &'static str,
+    pub node: usize,
+    pub as_of: Option<Epoch>,
+    pub started: Instant,
+    pub ended: Instant,
+    /// The count, or why there was none (a refusal is allowed; a wrong count is not).
+    pub answer: Result<i64, String>,
+}
+
+/// Reads counts through random nodes until `stop`; one read in four is `AS OF` an epoch
+/// already acknowledged.
+pub async fn reader(
+    tables: &'static [&'static str],
+    addrs: Vec<String>,
+    stop: Arc<AtomicBool>,
+    seed: u64,
+    acknowledged: AcknowledgedEpochs,
+) -> Vec<Read> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut reads = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        let node = rng.random_range(0..addrs.len());
+        let table = tables[rng.random_range(0..tables.len())];
+        let as_of = if rng.random_bool(0.25) {
+            let known: Vec<Epoch> = acknowledged
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(t, _)| *t == table)
+                .map(|(_, e)| *e)
+                .collect();
+            (!known.is_empty()).then(|| known[rng.random_range(0..known.len())])
+        } else {
+            None
+        };
+        let sql = match as_of {
+            Some(epoch) => format!("SELECT count(*) AS n FROM {table} AS OF EPOCH {}", epoch.0),
+            None => format!("SELECT count(*) AS n FROM {table}"),
+        };
+        let client = ClusterClient::new(&addrs[node]);
+        let started = Instant::now();
+        let answer = match tokio::time::timeout(CALL_TIMEOUT, client.query(&sql)).await {
+            Err(_) => Err(format!("no answer in {CALL_TIMEOUT:?}")),
+            Ok(Err(e)) => Err(e.to_string()),
+            Ok(Ok(batches)) => Ok(batches[0]
+                .column(0)
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .expect("count is BIGINT")
+                .value(0)),
+        };
+        reads.push(Read {
+            table,
+            node: node + 1,
+            as_of,
+            started,
+            ended: Instant::now(),
+            answer,
+        });
+        tokio::time::sleep(Duration::from_millis(rng.random_range(20..200))).await;
+    }
+    reads
+}
+
+/// What the read checks found.
+#[derive(Debug, Default)]
+pub struct ReadReport {
+    pub answered: usize,
+    pub refused: usize,
+    /// Each violation, described.
+    pub violations: Vec<String>,
+}
+
+/// Checks every answered read against the publishes (each publish's keys are fresh, and
+/// nothing is deleted, so a table's count only grows):
+/// - not stale: at least the rows of every publish acknowledged before the read started;
+/// - no phantom: at most the rows of every publish started before the read ended;
+/// - monotonic: at least what any read of the same table that ended before it started saw;
+/// - `AS OF e`: the same count every time, and at least the publishes acknowledged at or
+///   below `e`.
+pub fn check_reads(publishes: &[Publish], reads: &[Read]) -> ReadReport {
+    let mut report = ReadReport::default();
+    let mut as_of_answers: BTreeMap<(&str, Epoch), BTreeSet<i64>> = BTreeMap::new();
+    let mut current: Vec<(&Read, i64)> = Vec::new();
+    for read in reads {
+        let Ok(count) = read.answer else {
+            report.refused += 1;
+            continue;
+        };
+        report.answered += 1;
+        let of_table = publishes.iter().filter(|p| p.table == read.table);
+        match read.as_of {
+            Some(epoch) => {
+                let floor: i64 = of_table
+                    .filter(|p| p.epoch.is_some_and(|e| e <= epoch))
+                    .map(Publish::rows)
+                    .sum();
+                if count < floor {
+                    report.violations.push(format!(
+                        "{} AS OF EPOCH {epoch} through node {} counted {count}, but publishes acknowledged at or below it hold {floor}",
+                        read.table, read.node
+                    ));
+                }
+                as_of_answers
+                    .entry((read.table, epoch))
+                    .or_default()
+                    .insert(count);
+            }
+            None => {
+                let (mut floor, mut ceiling) = (0, 0);
+                for publish in of_table {
+                    if publish.acknowledged.is_some_and(|at| at < read.started) {
+                        floor += publish.rows();
+                    }
+                    if publish.started < read.ended && publish.outcome != Outcome::Aborted {
+                        ceiling += publish.rows();
+                    }
+                }
+                if count < floor {
+                    report.violations.push(format!(
+                        "stale read: {} through node {} counted {count} rows, but {floor} were acknowledged before it started",
+                        read.table, read.node
+                    ));
+                }
+                if count > ceiling {
+                    report.violations.push(format!(
+                        "phantom rows: {} through node {} counted {count} rows, but publishes started by its end hold at most {ceiling}",
+                        read.table, read.node
+                    ));
+                }
+                current.push((read, count));
+            }
+        }
+    }
+    for ((table, epoch), counts) in as_of_answers {
+        if counts.len() > 1 {
+            report.violations.push(format!(
+                "{table} AS OF EPOCH {epoch} answered differently over time: {counts:?}"
+            ));
+        }
+    }
+    // Monotonic reads: a read that started after another ended sees at least as much.
+    current.sort_by_key(|(read, _)| read.ended);
+    let mut seen: BTreeMap<&str, Vec<(Instant, i64)>> = BTreeMap::new();
+    for (read, count) in &current {
+        let before = seen.entry(read.table).or_default();
+        if let Some((_, earlier)) = before
+            .iter()
+            .filter(|(ended, _)| *ended < read.started)
+            .max_by_key(|(_, c)| *c)
+        {
+            if count < earlier {
+                report.violations.push(format!(
+                    "non-monotonic read: {} through node {} counted {count} after an earlier finished read counted {earlier}",
+                    read.table, read.node
+                ));
+            }
+        }
+        before.push((read.ended, *count));
+    }
+    report
+}
+
+/// Waits until node `via` sees every node alive, no replica stale, no epoch open, and
+/// every acknowledged epoch visible; returns its status.
+pub async fn wait_recovered(
+    cluster: &LocalCluster,
+    via: u64,
+    publishes: &[Publish],
+    timeout: Duration,
+) -> NodeStatus {
+    let last_acknowledged = publishes
+        .iter()
+        .filter_map(|p| p.epoch)
+        .max()
+        .unwrap_or_default();
+    let nodes = cluster.node_ids().len();
+    let admin = ClusterClient::new(cluster.addr(via));
+    wait_until("the cluster to recover", timeout, || async {
+        let status = admin.status().await.ok()?;
+        let recovered = status.leader.is_some()
+            && status.meta.visible >= last_acknowledged
+            && status.meta.live_nodes().count() == nodes
+            && status.meta.open.is_empty()
+            && status
+                .meta
+                .map
+                .partitions
+                .iter()
+                .all(|p| p.stale.is_empty());
+        recovered.then_some(status)
+    })
+    .await
+}
+
+fn keys_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
+    let mut rows = Vec::new();
+    for batch in batches {
+        let column = |i: usize| {
+            batch
+                .column(i)
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .unwrap()
+                .clone()
+        };
+        let (k, v) = (column(0), column(1));
+        rows.extend(k.values().iter().copied().zip(v.values().iter().copied()));
+    }
+    rows.sort_unstable();
+    rows
+}
+
+/// The publishes' fate, once checked.
+#[derive(Debug, Default)]
+pub struct PublishReport {
+    pub by_outcome: BTreeMap<Outcome, usize>,
+    /// In-doubt publishes that turned out committed.
+    pub in_doubt_committed: usize,
+}
+
+/// Checks, at `status`'s visible epoch, that every replica of every partition of every
+/// table holds the same rows with the right values, every acknowledged publish is there in
+/// full, every aborted one is not, every in-doubt one is all or nothing, and no row is
+/// there that no publish wrote. Panics naming the first violation.
+pub async fn check_replicas(
+    cluster: &LocalCluster,
+    status: &NodeStatus,
+    tables: &[&'static str],
+    publishes: &[Publish],
+) -> PublishReport {
+    let epoch = status.meta.visible;
+    let mut visible: BTreeMap<&str, BTreeSet<i64>> = BTreeMap::new();
+    for &table in tables {
+        for (p, placement) in status.meta.map.partitions.iter().enumerate() {
+            let mut first: Option<(tessera_server::NodeId, Vec<(i64, i64)>)> = None;
+            for &replica in &placement.replicas {
+                let client = ClusterClient::new(cluster.addr(replica.0));
+                let rows = keys_of(
+                    &client
+                        .read_replica(cluster.cluster_id(), table, PartitionId(p as u32), epoch)
+                        .await
+                        .unwrap_or_else(|e| {
+                            panic!("reading p{p} of {table} on node {replica}: {e}")
+                        }),
+                );
+                assert!(
+                    rows.iter().all(|(k, v)| *v == k * 10),
+                    "{table} p{p} on node {replica} holds a wrong value"
+                );
+                match &first {
+                    None => first = Some((replica, rows)),
+                    Some((other, expected)) => assert!(
+                        *expected == rows,
+                        "{table} p{p}: node {replica} holds {} rows, node {other} holds {}",
+                        rows.len(),
+                        expected.len()
+                    ),
+                }
+            }
+            let (_, rows) = first.expect("every partition has a replica");
+            let keys = visible.entry(table).or_default();
+            for (k, _) in rows {
+                assert!(keys.insert(k), "{table}: key {k} in two partitions");
+            }
+        }
+    }
+
+    let mut report = PublishReport::default();
+    let mut expected_rows: BTreeMap<&str, usize> = BTreeMap::new();
+    for publish in publishes {
+        *report.by_outcome.entry(publish.outcome).or_default() += 1;
+        let keys = &visible[publish.table];
+        let present = publish.keys.clone().filter(|k| keys.contains(k)).count() as i64;
+        let all = publish.rows();
+        match publish.outcome {
+            Outcome::Acknowledged => assert_eq!(
+                present,
+                all,
+                "acknowledged publish {publish:?} lost {} rows",
+                all - present
+            ),
+            Outcome::Aborted => assert_eq!(present, 0, "aborted publish {publish:?} is visible"),
+            Outcome::InDoubt => {
+                assert!(
+                    present == 0 || present == all,
+                    "publish {publish:?} is partly visible ({present} of {all} rows)"
+                );
+                report.in_doubt_committed += usize::from(present == all);
+            }
+        }
+        if present == all {
+            *expected_rows.entry(publish.table).or_default() += all as usize;
+        }
+    }
+    for &table in tables {
+        assert_eq!(
+            visible[table].len(),
+            expected_rows.get(table).copied().unwrap_or(0),
+            "{table} holds rows no publish wrote"
+        );
+    }
+    report
+}

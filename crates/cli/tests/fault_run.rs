@@ -1,0 +1,394 @@
+//! A seeded fault run (Jepsen style): 5 nodes, each in its own network namespace with every
+//! link through a proxy, r = 3; publishers and readers go through random nodes while a
+//! nemesis injects one fault at a time (up to 2 nodes impaired): SIGKILL, SIGSTOP,
+//! isolation, a minority split (the metadata leader inside it half the time), a bridge
+//! (two nodes that only a third sees both of), a one-way drop, slow links, connection
+//! resets. Each is healed after a few seconds. The history is checked
+//! (`common::history`): no acknowledged publish lost, no aborted one seen, no stale,
+//! phantom or backwards read, `AS OF` answers stable, replicas equal, no panic in any
+//! node's log; and each fault's availability is measured.
+//!
+//! The default run is short (CI). The long run is a command:
+//! `TESSERA_FAULTS=1000 TESSERA_FAULTS_VOTERS=5 cargo faults` (an alias in
+//! `.cargo/config.toml`); `TESSERA_FAULTS_SEED` replays a run's schedule.
+
+mod common;
+
+use common::history::{self, Outcome, Publish};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tessera_server::ClusterClient;
+use tessera_testkit::{LinkFaults, Links, LocalCluster};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
+const NODES: u64 = 5;
+const PARTITIONS: u32 = 16;
+const REPLICATION: u32 = 3;
+const ROWS_PER_PUBLISH: i64 = 200;
+const TABLES: [&str; 2] = ["kv_a", "kv_b"];
+
+/// After a fault is healed, the whole cluster acknowledges publishes again within this.
+const HEALED_LIVENESS: Duration = Duration::from_secs(30);
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Kill,
+    Pause,
+    Isolate,
+    SplitMinority,
+    Bridge,
+    OneWay,
+    SlowLinks,
+    ResetLinks,
+}
+
+const KINDS: [Kind; 8] = [
+    Kind::Kill,
+    Kind::Pause,
+    Kind::Isolate,
+    Kind::SplitMinority,
+    Kind::Bridge,
+    Kind::OneWay,
+    Kind::SlowLinks,
+    Kind::ResetLinks,
+];
+
+/// One injected fault and when it was healed.
+#[derive(Debug)]
+struct Fault {
+    kind: Kind,
+    /// The metadata leader was among the impaired nodes.
+    leader_inside: bool,
+    started: Instant,
+    healed: Instant,
+}
+
+/// The nemesis: injects faults one at a time, each held for a while and then healed.
+struct Nemesis {
+    rng: StdRng,
+    leader_hint: Option<u64>,
+}
+
+impl Nemesis {
+    /// `count` distinct nodes, the leader first half the time when it is known.
+    fn pick(&mut self, count: usize) -> (Vec<u64>, bool) {
+        let mut all: Vec<u64> = (1..=NODES).collect();
+        let mut picked = Vec::new();
+        if let Some(leader) = self.leader_hint.filter(|_| self.rng.random_bool(0.5)) {
+            all.retain(|&n| n != leader);
+            picked.push(leader);
+        }
+        while picked.len() < count {
+            let i = self.rng.random_range(0..all.len());
+            picked.push(all.remove(i));
+        }
+        let leader_inside = self.leader_hint.is_some_and(|l| picked.contains(&l));
+        (picked, leader_inside)
+    }
+
+    /// Applies a fault of `kind`; returns the nodes it impairs.
+    fn apply(&mut self, cluster: &mut LocalCluster, kind: Kind) -> (Vec<u64>, bool) {
+        let two_or_one = if self.rng.random_bool(0.5) { 2 } else { 1 };
+        match kind {
+            Kind::Kill => {
+                let (nodes, leader) = self.pick(two_or_one);
+                nodes.iter().for_each(|&n| cluster.kill9(n));
+                (nodes, leader)
+            }
+            Kind::Pause => {
+                let (nodes, leader) = self.pick(two_or_one);
+                nodes.iter().for_each(|&n| cluster.pause(n));
+                (nodes, leader)
+            }
+            Kind::Isolate => {
+                let (nodes, leader) = self.pick(1);
+                cluster.net().isolate(nodes[0]);
+                (nodes, leader)
+            }
+            Kind::SplitMinority => {
+                let (minority, leader) = self.pick(2);
+                let majority: Vec<u64> = (1..=NODES).filter(|n| !minority.contains(n)).collect();
+                cluster.net().split(&minority, &majority);
+                (minority, leader)
+            }
+            Kind::Bridge => {
+                // Two nodes that cannot see each other; every other node sees both.
+                let (pair, leader) = self.pick(2);
+                cluster.net().cut(pair[0], pair[1]);
+                (pair, leader)
+            }
+            Kind::OneWay => {
+                let (pair, leader) = self.pick(2);
+                cluster.net().drop_from(pair[0], pair[1]);
+                (pair, leader)
+            }
+            Kind::SlowLinks => {
+                let (nodes, leader) = self.pick(two_or_one);
+                let faults = LinkFaults {
+                    delay: Duration::from_millis(self.rng.random_range(20..200)),
+                    jitter: Duration::from_millis(self.rng.random_range(0..100)),
+                    stall_probability: 0.05,
+                    stall: Duration::from_millis(self.rng.random_range(200..1000)),
+                    bytes_per_second: Some(self.rng.random_range(256 << 10..8 << 20)),
+                };
+                for (&(from, to), link) in cluster.links() {
+                    if nodes.contains(&from) || nodes.contains(&to) {
+                        link.set(faults.clone());
+                    }
+                }
+                (nodes, leader)
+            }
+            Kind::ResetLinks => {
+                let (nodes, leader) = self.pick(two_or_one);
+                for (&(from, to), link) in cluster.links() {
+                    if nodes.contains(&from) || nodes.contains(&to) {
+                        link.reset();
+                    }
+                }
+                (nodes, leader)
+            }
+        }
+    }
+}
+
+/// Undoes every fault: restarts killed nodes, resumes paused ones, heals the network and
+/// the links.
+fn heal(cluster: &mut LocalCluster, fault: Kind, nodes: &[u64]) {
+    match fault {
+        Kind::Kill => nodes.iter().for_each(|&n| cluster.start(n)),
+        Kind::Pause => nodes.iter().for_each(|&n| cluster.resume(n)),
+        Kind::Isolate | Kind::SplitMinority | Kind::Bridge | Kind::OneWay => cluster.net().heal(),
+        Kind::SlowLinks => cluster
+            .links()
+            .for_each(|(_, link)| link.set(LinkFaults::default())),
+        Kind::ResetLinks => {}
+    }
+}
+
+/// Per fault kind: how many, the longest stretch without an acknowledged publish while
+/// it lasted, and the longest wait for the first acknowledgement after healing.
+#[derive(Debug, Default)]
+struct Availability {
+    injected: usize,
+    with_leader_inside: usize,
+    longest_gap: Duration,
+    longest_after_heal: Duration,
+}
+
+fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Availability> {
+    let mut acks: Vec<Instant> = publishes.iter().filter_map(|p| p.acknowledged).collect();
+    acks.sort();
+    let mut by_kind: BTreeMap<Kind, Availability> = BTreeMap::new();
+    for fault in faults {
+        let entry = by_kind.entry(fault.kind).or_default();
+        entry.injected += 1;
+        entry.with_leader_inside += usize::from(fault.leader_inside);
+        let mut previous = fault.started;
+        for &ack in acks
+            .iter()
+            .filter(|&&a| a > fault.started && a <= fault.healed)
+        {
+            entry.longest_gap = entry.longest_gap.max(ack - previous);
+            previous = ack;
+        }
+        entry.longest_gap = entry.longest_gap.max(fault.healed - previous);
+        if let Some(&first) = acks.iter().find(|&&a| a > fault.healed) {
+            entry.longest_after_heal = entry.longest_after_heal.max(first - fault.healed);
+        }
+    }
+    by_kind
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_seeded_fault_run_keeps_every_guarantee() {
+    let faults_wanted: usize = env_or("TESSERA_FAULTS", 10);
+    let voters: u64 = env_or("TESSERA_FAULTS_VOTERS", 3);
+    let seed: u64 = env_or("TESSERA_FAULTS_SEED", rand::random());
+    println!("fault run: seed {seed} (TESSERA_FAULTS_SEED reruns it), {faults_wanted} faults, {voters} voters");
+
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure_networked(
+        Path::new(BINARY),
+        root.path(),
+        NODES as usize,
+        PARTITIONS,
+        REPLICATION,
+        Links::Proxied { seed },
+    );
+    cluster.set_voters(&(1..=voters).collect::<Vec<_>>());
+    cluster.log_to_files();
+    cluster.start_all();
+    common::wait_formed(&cluster, 1, NODES as usize).await;
+    let admin = ClusterClient::new(cluster.addr(1));
+    for table in TABLES {
+        admin
+            .sql(&format!(
+                "CREATE TABLE {table} (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)"
+            ))
+            .await
+            .unwrap();
+    }
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let acknowledged = history::AcknowledgedEpochs::default();
+    let addrs: Vec<String> = cluster
+        .node_ids()
+        .iter()
+        .map(|&id| cluster.addr(id).to_string())
+        .collect();
+    let publishers: Vec<_> = TABLES
+        .iter()
+        .enumerate()
+        .map(|(i, &table)| {
+            tokio::spawn(history::publisher(
+                table,
+                i as i64 * 1_000_000_000,
+                ROWS_PER_PUBLISH,
+                addrs.clone(),
+                stop.clone(),
+                seed + i as u64,
+                acknowledged.clone(),
+            ))
+        })
+        .collect();
+    let readers: Vec<_> = (0..2)
+        .map(|i| {
+            tokio::spawn(history::reader(
+                &TABLES,
+                addrs.clone(),
+                stop.clone(),
+                seed ^ (0xbeef + i),
+                acknowledged.clone(),
+            ))
+        })
+        .collect();
+
+    let mut nemesis = Nemesis {
+        rng: StdRng::seed_from_u64(seed ^ 0xfa017),
+        leader_hint: None,
+    };
+    let mut faults = Vec::new();
+    let run_started = Instant::now();
+    for n in 0..faults_wanted {
+        nemesis.leader_hint = tokio::time::timeout(Duration::from_secs(2), async {
+            for id in cluster.node_ids() {
+                if let Ok(status) = ClusterClient::new(cluster.addr(id)).status().await {
+                    if let Some(leader) = status.leader {
+                        return Some(leader.0);
+                    }
+                }
+            }
+            None
+        })
+        .await
+        .ok()
+        .flatten();
+        let kind = KINDS[nemesis.rng.random_range(0..KINDS.len())];
+        let started = Instant::now();
+        let (nodes, leader_inside) = nemesis.apply(&mut cluster, kind);
+        let hold = Duration::from_millis(nemesis.rng.random_range(1000..4000));
+        tokio::time::sleep(hold).await;
+        heal(&mut cluster, kind, &nodes);
+        let healed = Instant::now();
+        println!(
+            "fault {n}: {kind:?} on {nodes:?}{} for {hold:?}",
+            if leader_inside {
+                " (leader inside)"
+            } else {
+                ""
+            }
+        );
+        faults.push(Fault {
+            kind,
+            leader_inside,
+            started,
+            healed,
+        });
+        let settle = Duration::from_millis(nemesis.rng.random_range(300..1500));
+        tokio::time::sleep(settle).await;
+    }
+    // Let the last fault's aftermath show in the history before stopping.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut publishes: Vec<Publish> = Vec::new();
+    for publisher in publishers {
+        publishes.extend(publisher.await.unwrap());
+    }
+    let mut reads = Vec::new();
+    for reader in readers {
+        reads.extend(reader.await.unwrap());
+    }
+    let run_took = run_started.elapsed();
+
+    let status = history::wait_recovered(&cluster, 1, &publishes, Duration::from_secs(120)).await;
+    let report = history::check_replicas(&cluster, &status, &TABLES, &publishes).await;
+    let read_report = history::check_reads(&publishes, &reads);
+    let by_kind = availability(&faults, &publishes);
+    let panics = cluster.panics_logged();
+
+    let count = |outcome| report.by_outcome.get(&outcome).copied().unwrap_or(0);
+    println!(
+        "fault run: {} faults in {run_took:?}, {} voters; {} publishes: {} acknowledged, {} aborted, {} in doubt ({} of them committed); {} reads: {} answered and checked, {} refused or failed; {} violations; {} panics",
+        faults.len(),
+        voters,
+        publishes.len(),
+        count(Outcome::Acknowledged),
+        count(Outcome::Aborted),
+        count(Outcome::InDoubt),
+        report.in_doubt_committed,
+        reads.len(),
+        read_report.answered,
+        read_report.refused,
+        read_report.violations.len(),
+        panics.len(),
+    );
+    println!(
+        "{:<14} {:>8} {:>14} {:>22} {:>22}",
+        "fault", "injected", "leader inside", "longest no-ack window", "first ack after heal"
+    );
+    for (kind, figures) in &by_kind {
+        println!(
+            "{:<14} {:>8} {:>14} {:>21.1}s {:>21.1}s",
+            format!("{kind:?}"),
+            figures.injected,
+            figures.with_leader_inside,
+            figures.longest_gap.as_secs_f64(),
+            figures.longest_after_heal.as_secs_f64(),
+        );
+    }
+    for violation in &read_report.violations {
+        println!("VIOLATION: {violation}");
+    }
+    for panic in &panics {
+        println!("PANIC: {panic}");
+    }
+    assert!(
+        count(Outcome::Acknowledged) > 0,
+        "no publish was acknowledged"
+    );
+    assert!(read_report.answered > 0, "no read was answered");
+    assert!(
+        read_report.violations.is_empty(),
+        "read violations (seed {seed})"
+    );
+    assert!(panics.is_empty(), "a node panicked (seed {seed})");
+    for (kind, figures) in &by_kind {
+        assert!(
+            figures.longest_after_heal <= HEALED_LIVENESS,
+            "after a {kind:?} was healed, no publish was acknowledged for {:?} (seed {seed})",
+            figures.longest_after_heal
+        );
+    }
+}
