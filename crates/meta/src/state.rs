@@ -729,4 +729,6 @@ impl MetaState {
 }
 
 #[cfg(test)]
+mod model_tests;
+#[cfg(test)]
 mod tests;
