@@ -18,14 +18,19 @@ use common::history::{self, Outcome, Publish};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_server::ClusterClient;
 use tessera_testkit::{LinkFaults, Links, LocalCluster};
 
-const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
+/// The `tessera` binary the nodes run: this build's, or `TESSERA_FAULTS_BINARY` (a copy,
+/// so a long run is not affected by rebuilding meanwhile).
+fn binary() -> std::path::PathBuf {
+    std::env::var_os("TESSERA_FAULTS_BINARY")
+        .map(Into::into)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_tessera").into())
+}
 const NODES: u64 = 5;
 const PARTITIONS: u32 = 16;
 const REPLICATION: u32 = 3;
@@ -220,7 +225,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
 
     let root = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::configure_networked(
-        Path::new(BINARY),
+        &binary(),
         root.path(),
         NODES as usize,
         PARTITIONS,

@@ -7,6 +7,7 @@
 //! known vectors.
 
 pub mod config;
+pub mod disk;
 pub mod hex;
 pub mod ids;
 pub mod partitioning;

@@ -15,10 +15,10 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::ops::RangeBounds;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use tessera_common::disk;
 
 const LOG_FILE: &str = "raft-log";
 const STATE_FILE: &str = "raft-state.json";
@@ -79,18 +79,13 @@ fn read_frames(bytes: &[u8]) -> (Vec<Entry<TypeConfig>>, usize) {
 }
 
 fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = dir.join(format!("{name}.tmp"));
-    let mut file = File::create(&tmp)?;
-    file.write_all(bytes)?;
-    file.sync_all()?;
-    std::fs::rename(&tmp, dir.join(name))?;
-    File::open(dir)?.sync_all()
+    disk::write_atomically(&dir.join(name), bytes)
 }
 
 impl LogStore {
     pub fn open(dir: &Path) -> std::io::Result<LogStore> {
         std::fs::create_dir_all(dir)?;
-        let meta: LogMeta = match std::fs::read(dir.join(STATE_FILE)) {
+        let meta: LogMeta = match disk::read(&dir.join(STATE_FILE)) {
             Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
                 std::io::Error::new(
                     std::io::ErrorKind::InvalidData,
@@ -101,7 +96,7 @@ impl LogStore {
             Err(e) => return Err(e),
         };
         let path = dir.join(LOG_FILE);
-        let bytes = match std::fs::read(&path) {
+        let bytes = match disk::read(&path) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(e) => return Err(e),
@@ -111,7 +106,7 @@ impl LogStore {
         if valid < bytes.len() {
             tracing::warn!(path = %path.display(), torn_bytes = bytes.len() - valid, "cutting a torn tail off the metadata log");
             file.set_len(valid as u64)?;
-            file.sync_all()?;
+            disk::sync_all(&file, &path)?;
         }
         let purged = meta.last_purged.map(|l| l.index);
         let mut entries = BTreeMap::new();
@@ -232,10 +227,9 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             bytes.extend(encode_frame(&entry).map_err(io_error)?);
             appended.push(entry);
         }
-        let result = inner
-            .file
-            .write_all(&bytes)
-            .and_then(|()| inner.file.sync_data());
+        let path = inner.dir.join(LOG_FILE);
+        let result = disk::write_all(&mut inner.file, &path, &bytes)
+            .and_then(|()| disk::sync_data(&inner.file, &path));
         if result.is_ok() {
             for entry in appended {
                 inner.entries.insert(entry.log_id.index, entry);

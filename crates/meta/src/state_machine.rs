@@ -58,25 +58,26 @@ impl StateMachine {
         dir: &Path,
         store: Arc<Store>,
     ) -> std::io::Result<(StateMachine, watch::Receiver<Arc<MetaView>>)> {
-        let (state, last_applied, membership) = match std::fs::read(dir.join(SNAPSHOT_FILE)) {
-            Ok(bytes) => {
-                let stored: StoredSnapshot = serde_json::from_slice(&bytes).map_err(|e| {
-                    std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        format!("{} is corrupt: {e}", dir.join(SNAPSHOT_FILE).display()),
+        let (state, last_applied, membership) =
+            match tessera_common::disk::read(&dir.join(SNAPSHOT_FILE)) {
+                Ok(bytes) => {
+                    let stored: StoredSnapshot = serde_json::from_slice(&bytes).map_err(|e| {
+                        std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            format!("{} is corrupt: {e}", dir.join(SNAPSHOT_FILE).display()),
+                        )
+                    })?;
+                    (
+                        stored.state,
+                        stored.meta.last_log_id,
+                        stored.meta.last_membership,
                     )
-                })?;
-                (
-                    stored.state,
-                    stored.meta.last_log_id,
-                    stored.meta.last_membership,
-                )
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                (MetaState::default(), None, StoredMembership::default())
-            }
-            Err(e) => return Err(e),
-        };
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    (MetaState::default(), None, StoredMembership::default())
+                }
+                Err(e) => return Err(e),
+            };
         let (view, receiver) = watch::channel(Arc::new(MetaView {
             state: state.clone(),
             applied_index: last_applied.map_or(0, |l| l.index),
@@ -254,7 +255,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     async fn get_current_snapshot(
         &mut self,
     ) -> Result<Option<Snapshot<TypeConfig>>, StorageError<NodeId>> {
-        match std::fs::read(self.dir.join(SNAPSHOT_FILE)) {
+        match tessera_common::disk::read(&self.dir.join(SNAPSHOT_FILE)) {
             Ok(bytes) => {
                 let stored: StoredSnapshot = serde_json::from_slice(&bytes).map_err(sm_error)?;
                 Ok(Some(Snapshot {
@@ -269,13 +270,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 }
 
 fn write_snapshot_file(dir: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    let tmp = dir.join(format!("{SNAPSHOT_FILE}.tmp"));
-    let mut file = std::fs::File::create(&tmp)?;
-    file.write_all(bytes)?;
-    file.sync_all()?;
-    std::fs::rename(&tmp, dir.join(SNAPSHOT_FILE))?;
-    std::fs::File::open(dir)?.sync_all()
+    tessera_common::disk::write_atomically(&dir.join(SNAPSHOT_FILE), bytes)
 }
 
 pub struct SnapshotBuilder {

@@ -270,6 +270,14 @@ impl Node {
         Ok(node)
     }
 
+    /// Why this node's disk can no longer be trusted, if it cannot: an fsync failed (of its
+    /// log, a component, a checkpoint or the metadata log), or a write to its log did.
+    /// After that it must acknowledge nothing more (fsyncgate): the process should stop,
+    /// and a restart recovers from what is durable.
+    pub fn disk_failure(&self) -> Option<String> {
+        tessera_common::disk::fatal_error().or_else(|| self.store.poisoned_by())
+    }
+
     /// Stops taking part in the metadata group (a clean stop; the store needs nothing).
     pub async fn shutdown(&self) {
         if let Err(error) = self.meta.raft().shutdown().await {

@@ -50,7 +50,7 @@ impl Checkpoint {
 
     pub fn load(dir: &Path) -> Result<Option<Checkpoint>> {
         let path = dir.join(CHECKPOINT_FILE);
-        let bytes = match std::fs::read(&path) {
+        let bytes = match tessera_common::disk::read(&path) {
             Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(StorageError::io(&path, e)),

@@ -14,9 +14,8 @@ use parquet::basic::Compression;
 use parquet::file::properties::WriterProperties;
 use serde::{Deserialize, Serialize};
 use std::fs::{self, File};
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use tessera_common::{ComponentHash, Epoch, Lsn};
+use tessera_common::{disk, ComponentHash, Epoch, Lsn};
 
 /// Rows per Parquet row group: small enough for statistics to prune, large enough to scan fast.
 pub const ROW_GROUP_ROWS: usize = 128 * 1024;
@@ -76,9 +75,8 @@ pub fn write_component(dir: &Path, bytes: &[u8]) -> Result<ComponentHash> {
     let tmp = path.with_extension("parquet.tmp");
     {
         let mut file = File::create(&tmp).map_err(|e| StorageError::io(&tmp, e))?;
-        file.write_all(bytes)
-            .map_err(|e| StorageError::io(&tmp, e))?;
-        file.sync_all().map_err(|e| StorageError::io(&tmp, e))?;
+        disk::write_all(&mut file, &tmp, bytes).map_err(|e| StorageError::io(&tmp, e))?;
+        disk::sync_all(&file, &tmp).map_err(|e| StorageError::io(&tmp, e))?;
     }
     fs::rename(&tmp, &path).map_err(|e| StorageError::io(&path, e))?;
     fsio::sync_dir(dir)?;
@@ -93,7 +91,7 @@ pub fn verify_component(dir: &Path, hash: &ComponentHash) -> Result<()> {
 /// A component's bytes, checked against its name.
 pub fn read_verified(dir: &Path, hash: &ComponentHash) -> Result<Vec<u8>> {
     let path = component_path(dir, hash);
-    let bytes = match fs::read(&path) {
+    let bytes = match disk::read(&path) {
         Ok(bytes) => bytes,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             return Err(StorageError::MissingComponent { hash: *hash, path })
@@ -122,7 +120,7 @@ pub fn read_component(
         path: path.clone(),
         source,
     };
-    let file = File::open(&path).map_err(|e| StorageError::io(&path, e))?;
+    let file = disk::open(&path).map_err(|e| StorageError::io(&path, e))?;
     let mut builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(parquet_err)?;
     if let Some(columns) = columns {
         let mask = ProjectionMask::roots(builder.parquet_schema(), columns.iter().copied());

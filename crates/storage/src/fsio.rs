@@ -1,28 +1,19 @@
-//! Durable file operations: every write that must survive a crash goes through here.
+//! Durable file operations: every write that must survive a crash goes through here, and
+//! through the fault-injecting layer [`tessera_common::disk`] under it.
 
 use crate::error::{Result, StorageError};
 use std::fs::{self, File, OpenOptions};
-use std::io::Write;
 use std::path::Path;
+use tessera_common::disk;
 
 /// Writes `bytes` to `path` so that after a crash the file holds either its old content or
 /// all of `bytes`: write a temporary file, fsync it, rename it over, fsync the directory.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    {
-        let mut file = File::create(&tmp).map_err(|e| StorageError::io(&tmp, e))?;
-        file.write_all(bytes)
-            .map_err(|e| StorageError::io(&tmp, e))?;
-        file.sync_all().map_err(|e| StorageError::io(&tmp, e))?;
-    }
-    fs::rename(&tmp, path).map_err(|e| StorageError::io(path, e))?;
-    sync_dir(path.parent().expect("a data file lives in a directory"))
+    disk::write_atomically(path, bytes).map_err(|e| StorageError::io(path, e))
 }
 
 pub fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| StorageError::io(dir, e))
+    disk::sync_dir(dir).map_err(|e| StorageError::io(dir, e))
 }
 
 pub fn create_dir_all(dir: &Path) -> Result<()> {

@@ -22,12 +22,12 @@ use arrow::array::RecordBatch;
 use arrow::ipc::reader::StreamReader;
 use arrow::ipc::writer::StreamWriter;
 use std::fs::{self, File, OpenOptions};
-use std::io::{Cursor, Write};
+use std::io::Cursor;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread;
-use tessera_common::{Epoch, Lsn, PartitionId};
+use tessera_common::{disk, Epoch, Lsn, PartitionId};
 
 /// Frames larger than this are refused when written and treated as garbage when read.
 pub const MAX_FRAME_BYTES: usize = 512 << 20;
@@ -287,7 +287,7 @@ pub fn recover(dir: &Path) -> Result<RecoveredLog> {
     let mut torn_bytes = 0;
     for (i, &seq) in segments.iter().enumerate() {
         let path = segment_path(dir, seq);
-        let bytes = fs::read(&path).map_err(|e| StorageError::io(&path, e))?;
+        let bytes = disk::read(&path).map_err(|e| StorageError::io(&path, e))?;
         let is_last = i + 1 == segments.len();
         let valid_len = scan_segment(&path, &bytes, is_last, &mut records)?;
         if valid_len < bytes.len() {
@@ -299,7 +299,7 @@ pub fn recover(dir: &Path) -> Result<RecoveredLog> {
                 .map_err(|e| StorageError::io(&path, e))?;
             file.set_len(valid_len as u64)
                 .map_err(|e| StorageError::io(&path, e))?;
-            file.sync_all().map_err(|e| StorageError::io(&path, e))?;
+            disk::sync_all(&file, &path).map_err(|e| StorageError::io(&path, e))?;
         }
     }
     Ok(RecoveredLog {
@@ -514,7 +514,8 @@ impl SegmentWriter {
                 match request {
                     Request::Append { frames, done } => {
                         if result.is_ok() {
-                            result = self.file.write_all(&frames).map_err(|e| {
+                            let path = segment_path(&self.dir, self.seq);
+                            result = disk::write_all(&mut self.file, &path, &frames).map_err(|e| {
                                 format!("write to log segment {} failed: {e}", self.seq)
                             });
                         }
@@ -556,8 +557,7 @@ impl SegmentWriter {
     fn sync(&mut self) -> Result<(), String> {
         // fsync failure cannot be retried safely (the kernel may have dropped the pages), so
         // it poisons the log rather than risk acknowledging what is not on disk.
-        self.file
-            .sync_data()
+        disk::sync_data(&self.file, &segment_path(&self.dir, self.seq))
             .map_err(|e| format!("fsync of log segment {} failed: {e}", self.seq))
     }
 

@@ -53,6 +53,11 @@ impl TesseraProcess {
         self.child.id()
     }
 
+    /// How the process ended, if it has (reaping it).
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
     /// Waits up to `timeout` for the next line of output; `None` on timeout or exit.
     pub fn next_line(&self, timeout: Duration) -> Option<String> {
         self.lines.recv_timeout(timeout).ok()
@@ -63,8 +68,11 @@ impl TesseraProcess {
         self.lines.try_iter().collect()
     }
 
-    /// Sends SIGKILL and reaps the process.
+    /// Sends SIGKILL and reaps the process (unless it has already ended).
     pub fn kill9(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return; // Reaped: its pid may belong to another process by now.
+        }
         // SAFETY: kill(2) on the pid of a child we own and have not reaped.
         unsafe {
             libc::kill(self.child.id() as libc::pid_t, libc::SIGKILL);
@@ -161,6 +169,8 @@ pub struct LocalCluster {
     lab: Option<NetLab>,
     /// Nodes write their logs (stderr) to [`LocalCluster::log_path`] instead of the test's.
     log_to_files: bool,
+    /// Environment variables for a node's next starts (disk faults, say).
+    env: BTreeMap<u64, Vec<(String, String)>>,
 }
 
 /// How the nodes of a networked cluster reach each other.
@@ -245,6 +255,7 @@ impl LocalCluster {
             link_seed,
             lab,
             log_to_files: false,
+            env: BTreeMap::new(),
         };
         for id in 1..=nodes as u64 {
             cluster.write_config(id, &cluster.cluster_id.clone());
@@ -406,12 +417,33 @@ impl LocalCluster {
         panics
     }
 
+    /// Sets an environment variable for node `id`'s next starts.
+    pub fn set_node_env(&mut self, id: u64, key: &str, value: &str) {
+        self.env
+            .entry(id)
+            .or_default()
+            .push((key.to_string(), value.to_string()));
+    }
+
+    /// Forgets the variables set for node `id`.
+    pub fn clear_node_env(&mut self, id: u64) {
+        self.env.remove(&id);
+    }
+
+    /// How node `id`'s process ended, if it has ended by itself.
+    pub fn exit_status(&mut self, id: u64) -> Option<std::process::ExitStatus> {
+        self.processes[id as usize - 1].as_mut()?.exit_status()
+    }
+
     pub fn start(&mut self, id: u64) {
         let config = self.config_path(id);
         let mut command = match &self.lab {
             Some(lab) => lab.command(id, &self.binary),
             None => Command::new(&self.binary),
         };
+        for (key, value) in self.env.get(&id).into_iter().flatten() {
+            command.env(key, value);
+        }
         if self.log_to_files {
             let log = std::fs::OpenOptions::new()
                 .create(true)

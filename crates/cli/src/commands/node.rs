@@ -25,10 +25,35 @@ pub async fn run(config_path: &Path, overrides: &[String]) -> Result<()> {
         node.config.cluster_id,
         node.config.listen
     );
-    wait_for_shutdown().await;
+    tokio::select! {
+        _ = wait_for_shutdown() => {}
+        failure = disk_failure(&node) => {
+            // Not a clean stop: the disk may have dropped what it was given, so nothing
+            // more is acknowledged from it. A restart recovers from what is durable.
+            eprintln!(
+                "node {} stopping at once: its disk failed ({failure}); restart it to recover from what is durable",
+                node.id()
+            );
+            std::process::exit(DISK_FAILURE_EXIT);
+        }
+    }
     println!("node {} stopping", node.id());
     node.shutdown().await;
     Ok(())
+}
+
+/// The exit status of a node stopped by a disk failure (EX_IOERR).
+pub const DISK_FAILURE_EXIT: i32 = 74;
+
+/// Resolves with the reason once the node's disk has failed.
+async fn disk_failure(node: &Node) -> String {
+    let mut ticker = tokio::time::interval(std::time::Duration::from_millis(50));
+    loop {
+        ticker.tick().await;
+        if let Some(reason) = node.disk_failure() {
+            return reason;
+        }
+    }
 }
 
 /// Waits for Ctrl-C or SIGTERM.

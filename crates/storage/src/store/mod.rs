@@ -516,16 +516,20 @@ impl Store {
     }
 
     fn check_poisoned(&self) -> Result<()> {
-        if let Some(reason) = self
-            .poisoned
+        match self.poisoned_by() {
+            Some(reason) => Err(StorageError::Poisoned(reason)),
+            None => Ok(()),
+        }
+    }
+
+    /// Why the store stopped taking writes (a failed write or fsync of its log or data),
+    /// if it did: nothing it holds beyond its last good fsync can be trusted.
+    pub fn poisoned_by(&self) -> Option<String> {
+        self.poisoned
             .lock()
             .expect("poison lock")
             .clone()
             .or_else(|| self.wal.poisoned())
-        {
-            return Err(StorageError::Poisoned(reason));
-        }
-        Ok(())
     }
 
     /// Runs a step whose failure leaves memory and disk possibly apart; on error the store

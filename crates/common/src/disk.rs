@@ -1,0 +1,306 @@
+//! The file layer under the storage engine and the metadata log: every durable write,
+//! fsync and data read of the write-ahead log, components, checkpoints and the Raft log goes
+//! through here, so that tests can make the disk misbehave the way real disks do.
+//!
+//! Faults are read once, at the first I/O, from the `TESSERA_DISK_FAULTS` environment
+//! variable: rules separated by `;`, each `kind:path-part[:key=value...]`, applying to
+//! files whose path contains `path-part`:
+//!
+//! - `fsync-fails:wal:after=20`: the 21st and later fsyncs of matching files fail with
+//!   EIO (the kernel may have dropped the dirty pages: the write is not on disk, and a
+//!   retried fsync would lie);
+//! - `read-eio:components`: reads of matching files fail with EIO;
+//! - `crash:wal:after=40`: the 41st write to a matching file writes only half its bytes,
+//!   then the process dies (a torn write);
+//! - `crash:wal:after=40:lose-unsynced`: as `crash`, and first every matching file is cut
+//!   back to what its last fsync made durable (a power cut loses the page cache).
+//!
+//! With no rules every call is the plain `std` operation. An fsync failure anywhere is
+//! recorded ([`fatal_error`]): after one, nothing written since the last good fsync can be
+//! trusted, so the node stops (fsyncgate).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+/// The environment variable holding the fault rules.
+pub const FAULTS_VAR: &str = "TESSERA_DISK_FAULTS";
+
+#[derive(Debug, Clone, PartialEq)]
+enum Kind {
+    FsyncFails,
+    ReadEio,
+    Crash { lose_unsynced: bool },
+}
+
+#[derive(Debug)]
+struct Rule {
+    kind: Kind,
+    path_part: String,
+    /// The rule fires once this many matching operations have passed.
+    after: u64,
+    seen: AtomicU64,
+}
+
+impl Rule {
+    fn matches(&self, path: &Path) -> bool {
+        path.to_string_lossy().contains(&self.path_part)
+    }
+
+    /// Counts one matching operation; true once the rule fires.
+    fn fires(&self) -> bool {
+        self.seen.fetch_add(1, Ordering::SeqCst) >= self.after
+    }
+}
+
+/// Parses fault rules (see the module docs).
+fn parse(text: &str) -> Result<Vec<Rule>, String> {
+    let mut rules = Vec::new();
+    for spec in text.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+        let mut parts = spec.split(':');
+        let kind = parts.next().unwrap_or_default();
+        let path_part = parts
+            .next()
+            .filter(|p| !p.is_empty())
+            .ok_or_else(|| format!("disk fault {spec:?} names no path part (kind:path[:after=N])"))?
+            .to_string();
+        let mut after = 0;
+        let mut lose_unsynced = false;
+        for option in parts {
+            match option.split_once('=') {
+                Some(("after", n)) => {
+                    after = n
+                        .parse()
+                        .map_err(|_| format!("disk fault {spec:?}: after={n} is not a count"))?
+                }
+                None if option == "lose-unsynced" => lose_unsynced = true,
+                _ => return Err(format!("disk fault {spec:?}: unknown option {option:?}")),
+            }
+        }
+        let kind = match kind {
+            "fsync-fails" => Kind::FsyncFails,
+            "read-eio" => Kind::ReadEio,
+            "crash" => Kind::Crash { lose_unsynced },
+            other => {
+                return Err(format!(
+                    "unknown disk fault {other:?} (fsync-fails, read-eio or crash)"
+                ))
+            }
+        };
+        rules.push(Rule {
+            kind,
+            path_part,
+            after,
+            seen: AtomicU64::new(0),
+        });
+    }
+    Ok(rules)
+}
+
+struct Faults {
+    rules: Vec<Rule>,
+    /// Per file written under a `lose-unsynced` rule: its length at its last good fsync.
+    synced_len: Mutex<HashMap<PathBuf, u64>>,
+    fatal: Mutex<Option<String>>,
+}
+
+fn faults() -> &'static Faults {
+    static FAULTS: OnceLock<Faults> = OnceLock::new();
+    FAULTS.get_or_init(|| {
+        let rules = match std::env::var(FAULTS_VAR) {
+            Ok(text) => parse(&text).unwrap_or_else(|e| panic!("{FAULTS_VAR}: {e}")),
+            Err(_) => Vec::new(),
+        };
+        if !rules.is_empty() {
+            tracing::warn!(?rules, "disk faults injected");
+        }
+        Faults {
+            rules,
+            synced_len: Mutex::new(HashMap::new()),
+            fatal: Mutex::new(None),
+        }
+    })
+}
+
+fn rule_firing(path: &Path, wanted: impl Fn(&Kind) -> bool) -> Option<&'static Rule> {
+    faults()
+        .rules
+        .iter()
+        .find(|rule| wanted(&rule.kind) && rule.matches(path) && rule.fires())
+}
+
+fn injected(what: &str, path: &Path) -> io::Error {
+    io::Error::other(format!("injected disk fault: {what} of {}", path.display()))
+}
+
+/// The first fsync failure this process met, if any: after it the node must not
+/// acknowledge anything more (see the module docs).
+pub fn fatal_error() -> Option<String> {
+    faults().fatal.lock().expect("fatal lock").clone()
+}
+
+fn record_fatal(error: &io::Error, path: &Path) {
+    faults()
+        .fatal
+        .lock()
+        .expect("fatal lock")
+        .get_or_insert_with(|| format!("fsync of {} failed: {error}", path.display()));
+}
+
+/// `file.write_all(bytes)`; under a `crash` rule that fires, a torn write and death.
+pub fn write_all(file: &mut File, path: &Path, bytes: &[u8]) -> io::Result<()> {
+    if let Some(rule) = rule_firing(path, |k| matches!(k, Kind::Crash { .. })) {
+        if rule.kind
+            == (Kind::Crash {
+                lose_unsynced: true,
+            })
+        {
+            lose_unsynced(rule);
+        }
+        let _ = file.write_all(&bytes[..bytes.len() / 2]);
+        eprintln!(
+            "injected disk fault: crash in the middle of a {}-byte write to {}",
+            bytes.len(),
+            path.display()
+        );
+        std::process::abort();
+    }
+    file.write_all(bytes)
+}
+
+/// Cuts every file a `lose-unsynced` rule covers back to its last synced length.
+fn lose_unsynced(rule: &Rule) {
+    let synced = faults().synced_len.lock().expect("synced lock");
+    for (path, len) in synced.iter().filter(|(p, _)| rule.matches(p)) {
+        if let Ok(file) = std::fs::OpenOptions::new().write(true).open(path) {
+            let _ = file.set_len(*len);
+        }
+    }
+}
+
+fn synced(file: &File, path: &Path, result: io::Result<()>) -> io::Result<()> {
+    match &result {
+        Ok(()) => {
+            let tracked = faults().rules.iter().any(|r| {
+                r.kind
+                    == (Kind::Crash {
+                        lose_unsynced: true,
+                    })
+                    && r.matches(path)
+            });
+            if tracked {
+                if let Ok(metadata) = file.metadata() {
+                    faults()
+                        .synced_len
+                        .lock()
+                        .expect("synced lock")
+                        .insert(path.to_path_buf(), metadata.len());
+                }
+            }
+        }
+        Err(error) => record_fatal(error, path),
+    }
+    result
+}
+
+/// `file.sync_all()`, or an injected EIO.
+pub fn sync_all(file: &File, path: &Path) -> io::Result<()> {
+    let result = match rule_firing(path, |k| *k == Kind::FsyncFails) {
+        Some(_) => Err(injected("fsync", path)),
+        None => file.sync_all(),
+    };
+    synced(file, path, result)
+}
+
+/// `file.sync_data()`, or an injected EIO.
+pub fn sync_data(file: &File, path: &Path) -> io::Result<()> {
+    let result = match rule_firing(path, |k| *k == Kind::FsyncFails) {
+        Some(_) => Err(injected("fsync", path)),
+        None => file.sync_data(),
+    };
+    synced(file, path, result)
+}
+
+/// Fsyncs a directory (after creating, renaming or removing a file in it).
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    let handle = File::open(dir)?;
+    sync_all(&handle, dir)
+}
+
+/// `std::fs::read`, or an injected EIO.
+pub fn read(path: &Path) -> io::Result<Vec<u8>> {
+    check_read(path)?;
+    std::fs::read(path)
+}
+
+/// `File::open` for reading, or an injected EIO.
+pub fn open(path: &Path) -> io::Result<File> {
+    check_read(path)?;
+    File::open(path)
+}
+
+fn check_read(path: &Path) -> io::Result<()> {
+    match rule_firing(path, |k| *k == Kind::ReadEio) {
+        Some(_) => Err(injected("read", path)),
+        None => Ok(()),
+    }
+}
+
+/// Writes `bytes` to `path` so that after a crash the file holds either its old content or
+/// all of `bytes`: write a temporary file, fsync it, rename it over, fsync the directory.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    {
+        let mut file = File::create(&tmp)?;
+        write_all(&mut file, &tmp, bytes)?;
+        sync_all(&file, &tmp)?;
+    }
+    std::fs::rename(&tmp, path)?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rules_parse_and_bad_ones_are_named() {
+        let rules =
+            parse("fsync-fails:wal:after=3; read-eio:components;crash:raft:after=2:lose-unsynced")
+                .unwrap();
+        assert_eq!(rules.len(), 3);
+        assert_eq!(rules[0].kind, Kind::FsyncFails);
+        assert_eq!(rules[0].after, 3);
+        assert_eq!(rules[1].kind, Kind::ReadEio);
+        assert_eq!(
+            rules[2].kind,
+            Kind::Crash {
+                lose_unsynced: true
+            }
+        );
+        for (bad, named) in [
+            ("explode:wal", "unknown disk fault \"explode\""),
+            ("fsync-fails", "names no path part"),
+            ("fsync-fails:wal:after=x", "after=x is not a count"),
+            ("crash:wal:sometimes", "unknown option \"sometimes\""),
+        ] {
+            let error = parse(bad).unwrap_err();
+            assert!(error.contains(named), "{bad}: {error}");
+        }
+    }
+
+    #[test]
+    fn a_rule_fires_after_its_count_and_only_for_its_paths() {
+        let rules = parse("fsync-fails:wal:after=2").unwrap();
+        let rule = &rules[0];
+        assert!(rule.matches(Path::new("/data/wal/1.wal")));
+        assert!(!rule.matches(Path::new("/data/components/x.parquet")));
+        assert!(!rule.fires());
+        assert!(!rule.fires());
+        assert!(rule.fires(), "the third matching operation fails");
+        assert!(rule.fires(), "and every later one");
+    }
+}
