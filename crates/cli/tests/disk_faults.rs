@@ -157,3 +157,135 @@ async fn a_crash_mid_write_that_loses_unsynced_data_loses_no_acknowledged_publis
         "the restart found and cut the torn write; log:\n{log}"
     );
 }
+
+/// Every component file under `dir`, recursively.
+fn component_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            found.extend(component_files(&path));
+        } else if path.extension().is_some_and(|e| e == "parquet") {
+            found.push(path);
+        }
+    }
+    found
+}
+
+/// True if the file's bytes hash to the name it bears.
+fn intact(path: &Path) -> bool {
+    let name = path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or_default();
+    let bytes = std::fs::read(path).unwrap_or_default();
+    tessera_common::ComponentHash::of_bytes(&bytes).to_hex() == name
+}
+
+/// Bit rot at rest and a lost file: while node 3 is down, a byte of every one of its
+/// components is flipped and one component is deleted. Back up, it answers a query over
+/// every partition exactly, and every read of its own replicas either answers or names the
+/// damaged component: a component that another replica also holds (the same bytes, by
+/// hash) is fetched from it, checked, and written back; one that only node 3 holds (its
+/// replicas flushed the same rows into other components) is read from the other replicas
+/// instead, so the query still answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn damaged_and_missing_components_are_fetched_from_a_replica_by_hash() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
+    cluster.log_to_files();
+    let (mut cluster, client) = common::start_kv(cluster, &[]).await;
+    let publishes = publish_batches(&client, 0, 6).await;
+    common::flush_everywhere(&cluster).await;
+
+    const DAMAGED: u64 = 3;
+    let elsewhere: std::collections::BTreeSet<std::ffi::OsString> = [1, 2]
+        .iter()
+        .flat_map(|id| component_files(&root.path().join(format!("node-{id}"))))
+        .filter_map(|f| f.file_name().map(|n| n.to_os_string()))
+        .collect();
+    cluster.kill9(DAMAGED);
+    let mut files = component_files(&root.path().join(format!("node-{DAMAGED}")));
+    // Damage shared components first, so the deleted one is shared (repairable) too.
+    files.sort_by_key(|f| !elsewhere.contains(f.file_name().unwrap()));
+    let shared: Vec<_> = files
+        .iter()
+        .filter(|f| elsewhere.contains(f.file_name().unwrap()))
+        .cloned()
+        .collect();
+    assert!(
+        shared.len() >= 2,
+        "node {DAMAGED} shares components with the others: {files:?}"
+    );
+    for file in &files[1..] {
+        let mut bytes = std::fs::read(file).unwrap();
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 0x10;
+        std::fs::write(file, bytes).unwrap();
+    }
+    std::fs::remove_file(&files[0]).unwrap();
+    cluster.start(DAMAGED);
+    let through = ClusterClient::new(cluster.addr(DAMAGED));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while through.status().await.is_err() {
+        if Instant::now() > deadline || cluster.exit_status(DAMAGED).is_some() {
+            let log = std::fs::read_to_string(cluster.log_path(DAMAGED)).unwrap_or_default();
+            panic!("node {DAMAGED} did not come back with damaged components; log:\n{log}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let status = history::wait_recovered(&cluster, 1, &publishes, Duration::from_secs(60)).await;
+
+    let rows: i64 = publishes
+        .iter()
+        .filter(|p| p.outcome == Outcome::Acknowledged)
+        .map(|p| p.keys.end - p.keys.start)
+        .sum();
+    let sql = "SELECT count(*) AS n, sum(v) AS s FROM kv";
+    for via in [DAMAGED, 1] {
+        let batches = tokio::time::timeout(
+            history::CALL_TIMEOUT,
+            ClusterClient::new(cluster.addr(via)).query(sql),
+        )
+        .await
+        .expect("an answer in time")
+        .unwrap_or_else(|e| panic!("a query through node {via} failed: {e}"));
+        let count = batches[0]
+            .column(0)
+            .as_any()
+            .downcast_ref::<arrow::array::Int64Array>()
+            .unwrap()
+            .value(0);
+        assert_eq!(count, rows, "every acknowledged row, through node {via}");
+    }
+    // Node 3's own replicas: each answers, or names the component no replica could supply.
+    for p in 0..8 {
+        let read = through
+            .read_replica(
+                cluster.cluster_id(),
+                "kv",
+                tessera_common::PartitionId(p),
+                status.meta.visible,
+            )
+            .await;
+        if let Err(e) = read {
+            assert!(
+                e.to_string()
+                    .contains("no other replica supplied a good copy"),
+                "partition {p} on node {DAMAGED}: {e}"
+            );
+        }
+    }
+    // Reads repair what they use; a damaged file no manifest uses any more (replaced by a
+    // later flush) is left to the collector.
+    let repaired = shared.iter().filter(|f| intact(f)).count();
+    assert!(
+        repaired > 0,
+        "no component that another replica holds was repaired on node {DAMAGED}"
+    );
+    let log = std::fs::read_to_string(cluster.log_path(DAMAGED)).unwrap();
+    assert!(
+        log.contains("replaced a damaged component with a replica's copy"),
+        "the repair is logged"
+    );
+}

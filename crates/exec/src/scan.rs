@@ -24,7 +24,7 @@ use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
-use tessera_common::{Epoch, PartitionId};
+use tessera_common::{ComponentHash, Epoch, PartitionId};
 use tessera_sql::provider::{plan_snapshot_scan, FileGrouping, SnapshotScan};
 use tessera_sql::SqlError;
 use tessera_storage::versions::stored_user_schema;
@@ -191,7 +191,17 @@ impl ExecutionPlan for DistributedScanExec {
         let predicate = self.predicate.clone();
         let open = async move {
             if replicas.contains(&node.id()) {
-                read_here(&node, &spec, storage_partitions, predicate, context).await
+                let partitions = storage_partitions.clone();
+                match read_here(&node, &spec, partitions, predicate, context).await? {
+                    Some(stream) => Ok(stream),
+                    None => {
+                        // Damaged here and not repairable by hash: the rows are read from
+                        // the other replicas instead.
+                        let others: Vec<NodeId> =
+                            replicas.into_iter().filter(|&r| r != node.id()).collect();
+                        read_remotely(&node, &spec, &storage_partitions, &others).await
+                    }
+                }
             } else {
                 read_remotely(&node, &spec, &storage_partitions, &replicas).await
             }
@@ -205,14 +215,16 @@ impl ExecutionPlan for DistributedScanExec {
 }
 
 /// Reads partitions this node holds: waits for the query's epoch, replays a cold
-/// standby's logged rows, and streams the snapshot through DataFusion's Parquet reader.
+/// standby's logged rows, replaces any component found damaged or missing with another
+/// replica's copy, and streams the snapshot through DataFusion's Parquet reader. `None`
+/// if a damaged component could not be replaced: the caller reads elsewhere.
 async fn read_here(
     node: &Arc<Exec>,
     spec: &ScanSpec,
     partitions: Vec<PartitionId>,
     predicate: Option<Arc<dyn PhysicalExpr>>,
     context: Arc<TaskContext>,
-) -> DfResult<SendableRecordBatchStream> {
+) -> DfResult<Option<SendableRecordBatchStream>> {
     node.meta
         .wait_for_epoch(spec.epoch, EPOCH_WAIT)
         .await
@@ -230,7 +242,7 @@ async fn read_here(
             return Err(tessera_storage::StorageError::UnknownTable(table));
         }
         // A commit may add logged rows between the replay and the snapshot: go round again.
-        loop {
+        let snapshot = loop {
             store.replay_standby(&wanted)?;
             let snapshot = store.snapshot(&table, Some(epoch))?;
             let logged = wanted.iter().any(|p| {
@@ -240,13 +252,25 @@ async fn read_here(
                     .is_some_and(|p| p.rows_in_log)
             });
             if !logged {
-                return Ok(snapshot);
+                break snapshot;
             }
-        }
+        };
+        let damaged = find_damaged(&store, &snapshot, &wanted);
+        Ok((snapshot, damaged))
     })
     .await
     .map_err(|e| DataFusionError::Execution(format!("scan task failed: {e}")))?
     .map_err(SqlError::to_datafusion)?;
+    let (snapshot, damaged) = snapshot;
+    let unrepaired = repair_damaged(node, damaged).await?;
+    if !unrepaired.is_empty() {
+        tracing::warn!(
+            ?partitions,
+            ?unrepaired,
+            "reading partitions from other replicas: damaged here"
+        );
+        return Ok(None);
+    }
     let mut parquet = TableParquetOptions::default();
     parquet.global = context.session_config().options().execution.parquet.clone();
     let plan = plan_snapshot_scan(SnapshotScan {
@@ -270,7 +294,108 @@ async fn read_here(
             plan.execute(i, context.clone())
         })
         .try_flatten();
-    Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
+    Ok(Some(Box::pin(RecordBatchStreamAdapter::new(
+        schema, stream,
+    ))))
+}
+
+/// A component of a partition this node holds that is damaged or missing here, and why.
+pub struct Damaged {
+    pub partition: PartitionId,
+    pub hash: ComponentHash,
+    pub why: String,
+}
+
+/// The components of `partitions` in `snapshot` whose bytes here do not hash to their
+/// name (bit rot, a torn copy) or are gone. Blocking: it reads them (once per process).
+pub fn find_damaged(
+    store: &tessera_storage::Store,
+    snapshot: &tessera_storage::store::TableSnapshot,
+    partitions: &[PartitionId],
+) -> Vec<Damaged> {
+    snapshot
+        .partitions
+        .iter()
+        .filter(|p| partitions.contains(&p.partition))
+        .flat_map(|p| p.components.iter().map(move |c| (p.partition, c.hash)))
+        .filter_map(|(partition, hash)| {
+            let check = store.verify_component(&hash);
+            check.err().map(|e| Damaged {
+                partition,
+                hash,
+                why: e.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// Replaces each damaged component with a good copy from another replica of its
+/// partition. Returns what could not be replaced (no other replica holds the same
+/// component: replicas that flushed on their own hold the same rows in other components),
+/// each described; those partitions must be read elsewhere until they are copied again.
+pub async fn repair_damaged(node: &Arc<Exec>, damaged: Vec<Damaged>) -> DfResult<Vec<String>> {
+    let mut unrepaired = Vec::new();
+    for Damaged {
+        partition,
+        hash,
+        why,
+    } in damaged
+    {
+        let replicas = node
+            .meta
+            .view()
+            .state
+            .map
+            .partitions
+            .get(partition.0 as usize)
+            .map(|p| p.replicas.clone())
+            .unwrap_or_default();
+        if let Err(failed) = repair_component(node, hash, &why, &replicas).await {
+            unrepaired.push(failed);
+        }
+    }
+    Ok(unrepaired)
+}
+
+/// Replaces this node's damaged or missing copy of component `hash` (`why` says what is
+/// wrong with it) with the first good copy another replica sends: components are named by
+/// their hash, so any replica's copy that hashes right is the same component.
+async fn repair_component(
+    node: &Arc<Exec>,
+    hash: ComponentHash,
+    why: &str,
+    replicas: &[NodeId],
+) -> Result<(), String> {
+    let mut tried = Vec::new();
+    for &replica in replicas.iter().filter(|&&r| r != node.id()) {
+        let Some(addr) = node.meta.addr_of(replica) else {
+            continue;
+        };
+        let fetched = tessera_replication::wire::component(&node.clients, &addr, hash).await;
+        let bytes = match fetched {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                tried.push(format!("node {replica}: {e}"));
+                continue;
+            }
+        };
+        let store = node.store.clone();
+        let repaired = tokio::task::spawn_blocking(move || store.repair_component(&hash, &bytes))
+            .await
+            .map_err(|e| format!("repair task failed: {e}"))?;
+        match repaired {
+            Ok(()) => {
+                tracing::warn!(%hash, %why, from = replica.0, "replaced a damaged component with a replica's copy");
+                return Ok(());
+            }
+            Err(e) => tried.push(format!("node {replica}: {e}")),
+        }
+    }
+    Err(format!(
+        "component {hash} is damaged on node {} ({why}) and no other replica supplied a good copy ({})",
+        node.id(),
+        if tried.is_empty() { "none was reachable".to_string() } else { tried.join("; ") }
+    ))
 }
 
 /// Reads partitions from the first replica that answers.

@@ -393,6 +393,27 @@ impl NodeService {
                 .project(&scan.columns)
                 .map_err(failed)?,
         );
+        // Damaged or missing components are replaced from another replica first.
+        let store = node.store.clone();
+        let (table, partitions) = (scan.table.clone(), scan.partitions.clone());
+        let damaged = tokio::task::spawn_blocking(move || {
+            let snapshot = store.snapshot(&table, Some(scan.epoch))?;
+            Ok::<_, tessera_storage::StorageError>(tessera_exec::scan::find_damaged(
+                &store,
+                &snapshot,
+                &partitions,
+            ))
+        })
+        .await
+        .map_err(failed)?
+        .map_err(failed)?;
+        let unrepaired = tessera_exec::scan::repair_damaged(&node.exec, damaged)
+            .await
+            .map_err(failed)?;
+        if !unrepaired.is_empty() {
+            // The reader goes on to another replica.
+            return Err(failed(unrepaired.join("; ")));
+        }
         let store = node.store.clone();
         let batches = tokio::task::spawn_blocking(move || {
             tessera_sql::backend::read_local_partitions(

@@ -83,6 +83,22 @@ pub fn write_component(dir: &Path, bytes: &[u8]) -> Result<ComponentHash> {
     Ok(hash)
 }
 
+/// Writes `bytes` over the component they hash to, whatever is there now (a damaged or
+/// missing copy): the bytes are checked against `hash` first, and the file is replaced
+/// atomically.
+pub fn replace_component(dir: &Path, hash: &ComponentHash, bytes: &[u8]) -> Result<()> {
+    let actual = ComponentHash::of_bytes(bytes);
+    let path = component_path(dir, hash);
+    if actual != *hash {
+        return Err(StorageError::CorruptComponent {
+            hash: *hash,
+            path,
+            actual,
+        });
+    }
+    fsio::write_atomically(&path, bytes)
+}
+
 /// Checks that a component's bytes hash to its name.
 pub fn verify_component(dir: &Path, hash: &ComponentHash) -> Result<()> {
     read_verified(dir, hash).map(|_| ())

@@ -59,6 +59,14 @@ impl Store {
         component::read_verified(&self.components_dir, hash)
     }
 
+    /// Replaces this node's copy of a component (found damaged or missing) with `bytes`
+    /// from another replica, after checking them against `hash`.
+    pub fn repair_component(&self, hash: &ComponentHash, bytes: &[u8]) -> Result<()> {
+        component::replace_component(&self.components_dir, hash, bytes)?;
+        self.verified.lock().expect("verified lock").insert(*hash);
+        Ok(())
+    }
+
     /// True if this node holds a component under `hash` whose bytes hash to it: a copy
     /// need not fetch it again.
     pub fn has_component(&self, hash: &ComponentHash) -> bool {
