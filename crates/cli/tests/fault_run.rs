@@ -3,7 +3,9 @@
 //! nemesis injects one fault at a time (up to 2 nodes impaired): SIGKILL, SIGSTOP,
 //! isolation, a minority split (the metadata leader inside it half the time), a bridge
 //! (two nodes that only a third sees both of), a one-way drop, slow links, connection
-//! resets. Each is healed after a few seconds. The history is checked
+//! resets, and disk faults (a node restarted on a disk whose log fsync fails after a
+//! while, or that crashes mid-write losing what it had not fsynced). Each is healed after
+//! a few seconds. The history is checked
 //! (`common::history`): no acknowledged publish lost, no aborted one seen, no stale,
 //! phantom or backwards read, `AS OF` answers stable, replicas equal, no panic in any
 //! node's log; and each fault's availability is measured.
@@ -57,9 +59,11 @@ enum Kind {
     OneWay,
     SlowLinks,
     ResetLinks,
+    FsyncFails,
+    TornWrite,
 }
 
-const KINDS: [Kind; 8] = [
+const KINDS: [Kind; 10] = [
     Kind::Kill,
     Kind::Pause,
     Kind::Isolate,
@@ -68,6 +72,8 @@ const KINDS: [Kind; 8] = [
     Kind::OneWay,
     Kind::SlowLinks,
     Kind::ResetLinks,
+    Kind::FsyncFails,
+    Kind::TornWrite,
 ];
 
 /// One injected fault and when it was healed.
@@ -164,6 +170,19 @@ impl Nemesis {
                 }
                 (nodes, leader)
             }
+            Kind::FsyncFails | Kind::TornWrite => {
+                // Restarted on a disk that fails a little later: it dies by itself.
+                let (nodes, leader) = self.pick(1);
+                let after = self.rng.random_range(5..60);
+                let rule = match kind {
+                    Kind::FsyncFails => format!("fsync-fails:.wal:after={after}"),
+                    _ => format!("crash:.wal:after={after}:lose-unsynced"),
+                };
+                cluster.set_node_env(nodes[0], tessera_common::disk::FAULTS_VAR, &rule);
+                cluster.kill9(nodes[0]);
+                cluster.start(nodes[0]);
+                (nodes, leader)
+            }
         }
     }
 }
@@ -179,6 +198,14 @@ fn heal(cluster: &mut LocalCluster, fault: Kind, nodes: &[u64]) {
             .links()
             .for_each(|(_, link)| link.set(LinkFaults::default())),
         Kind::ResetLinks => {}
+        Kind::FsyncFails | Kind::TornWrite => {
+            // Back on a healthy disk, whether or not the fault struck yet.
+            for &n in nodes {
+                cluster.clear_node_env(n);
+                cluster.kill9(n);
+                cluster.start(n);
+            }
+        }
     }
 }
 

@@ -210,3 +210,62 @@ async fn requests_naming_unknown_queries_and_garbage_get_clear_errors_in_time() 
     let other = ClusterClient::new(cluster.addr(2));
     assert_eq!(count(&other).await, Ok(10), "the node goes on serving");
 }
+
+/// Component shipping asks a partition's primary for its components and the epoch they
+/// cover. A node that is not the primary (it lost the role while cut off, say, and may lack
+/// committed epochs) refuses, naming the primary, instead of shipping what it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_partitions_primary_ships_its_components() {
+    use tessera_server::rpc::{Clients, Refusal, PROTOCOL_VERSION};
+    use tessera_server::shipping::TablePartition;
+
+    let root = tempfile::tempdir().unwrap();
+    let (cluster, client) = kv_cluster_with(BINARY, root.path(), 8, 3, &[]).await;
+    client
+        .publish("kv", vec![kv_batch(0, 1000)], false)
+        .await
+        .unwrap();
+    common::flush_everywhere(&cluster).await;
+    let status = client.status().await.unwrap();
+    let generation = status.meta.tables["kv"].generation;
+    let placement = &status.meta.map.partitions[0];
+    let primary = placement.primary.expect("partition 0 has a primary");
+    let standby = *placement
+        .replicas
+        .iter()
+        .find(|&&r| r != primary)
+        .expect("partition 0 has a standby");
+
+    let peer = Clients::new(cluster.cluster_id(), PROTOCOL_VERSION);
+    let ask = |node: tessera_server::NodeId| {
+        let peer = &peer;
+        let addr = cluster.addr(node.0).to_string();
+        async move {
+            let request: TablePartition =
+                ("kv".to_string(), generation, tessera_common::PartitionId(0));
+            let reply: Result<serde_json::Value, Refusal> = peer
+                .action(
+                    &addr,
+                    tessera_server::rpc::ACTION_SHIPPED_MANIFEST,
+                    request,
+                    Duration::from_secs(20),
+                )
+                .await
+                .expect("the node answers");
+            reply
+        }
+    };
+    ask(primary).await.expect("the primary ships");
+    let refused = ask(standby)
+        .await
+        .expect_err("a standby shipped components as if it were the primary");
+    let refused = format!("{refused:?}");
+    assert!(
+        refused.contains(&format!(
+            "not the primary of partition p0 (the primary is node {primary})"
+        )) || refused.contains(&format!(
+            "not the primary of partition 0 (the primary is node {primary})"
+        )),
+        "the refusal names the primary: {refused}"
+    );
+}

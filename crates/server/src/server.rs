@@ -205,16 +205,22 @@ impl NodeService {
             }
             ACTION_SHIPPED_MANIFEST => {
                 let (table, generation, partition): (String, u64, PartitionId) = self.open(body)?;
-                let result = match self.local_table(&table, generation) {
-                    Ok(_) => node
-                        .store
-                        .shipped_manifest(&table, partition)
-                        .map(|(components, covered)| ShippedManifest {
-                            components,
-                            covered,
-                        })
-                        .map_err(|e| Refusal::Failed(e.to_string())),
-                    Err(status) => Err(Refusal::Failed(status.message().to_string())),
+                // Only the partition's primary, as the metadata says now, ships: a node that
+                // lost the role (it was failed over while cut off) may lack committed epochs
+                // its components would claim to cover.
+                let result = match self.check_primary_now(partition).await {
+                    Err(refusal) => Err(refusal),
+                    Ok(()) => match self.local_table(&table, generation) {
+                        Ok(_) => node
+                            .store
+                            .shipped_manifest(&table, partition)
+                            .map(|(components, covered)| ShippedManifest {
+                                components,
+                                covered,
+                            })
+                            .map_err(|e| Refusal::Failed(e.to_string())),
+                        Err(status) => Err(Refusal::Failed(status.message().to_string())),
+                    },
                 };
                 reply(&result)
             }
@@ -376,6 +382,32 @@ impl NodeService {
                     self.node.id()
                 ))
             })
+    }
+
+    /// Refuses unless this node is `partition`'s primary in a linearizable read of the
+    /// metadata (so it holds every committed epoch of the partition).
+    async fn check_primary_now(&self, partition: PartitionId) -> Result<(), Refusal> {
+        let view = self
+            .node
+            .meta
+            .read_linearizable(crate::meta::LINEARIZABLE_READ_PATIENCE)
+            .await
+            .map_err(|e| Refusal::Failed(e.to_string()))?;
+        let me = self.node.id();
+        let primary = view
+            .state
+            .map
+            .partitions
+            .get(partition.0 as usize)
+            .ok_or_else(|| Refusal::Failed(format!("there is no partition {partition}")))?
+            .primary;
+        if primary != Some(me) {
+            let now = primary.map_or("none".to_string(), |p| format!("node {p}"));
+            return Err(Refusal::Failed(format!(
+                "node {me} is not the primary of partition {partition} (the primary is {now}): it ships no components for it"
+            )));
+        }
+        Ok(())
     }
 
     async fn scan(

@@ -448,3 +448,72 @@ fn a_cold_standby_never_drops_uncovered_rows_when_it_truncates_its_log() {
         assert_eq!(keys(&standby, Epoch(epoch)), keys(&reference, Epoch(epoch)));
     }
 }
+
+/// A shipment that covers an epoch this standby has prepared but not yet seen committed
+/// (its metadata lags the primary's) is not installed: the epoch's rows, once its commit
+/// arrives, would be applied a second time over components that already hold them,
+/// duplicating its versions. Once the standby has committed the epoch, the shipment
+/// installs, and the standby holds exactly the primary's versions.
+#[test]
+fn a_cold_standby_does_not_install_components_covering_an_epoch_it_has_only_prepared() {
+    let (primary_dir, standby_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let primary = Store::open(primary_dir.path(), config()).unwrap();
+    let standby = Store::open(standby_dir.path(), config()).unwrap();
+    standby.set_standby_partitions(all_partitions());
+    let (first, second) = (rows(0, 100), rows(50, 120));
+    for store in [&primary, &standby] {
+        store.ensure_table(def()).unwrap();
+        commit(store, Epoch(1), &first);
+        store.prepare_epoch(Epoch(2), routed(&second)).unwrap();
+    }
+    // The primary learns of the commit first, and flushes.
+    assert!(primary.commit_epoch(Epoch(2)).unwrap());
+    primary.advance_visible(Epoch(2));
+    primary.checkpoint().unwrap();
+    let shipments: Vec<_> = all_partitions()
+        .into_iter()
+        .map(|p| {
+            let (components, covered) = primary.shipped_manifest("kv", p).unwrap();
+            assert_eq!(covered, Epoch(2));
+            let fetched: std::collections::HashMap<_, _> = components
+                .iter()
+                .map(|c| (c.hash, primary.component_bytes(&c.hash).unwrap()))
+                .collect();
+            (p, components, fetched)
+        })
+        .collect();
+    for (p, components, fetched) in &shipments {
+        let installed = standby
+            .install_shipped_components("kv", *p, components.clone(), fetched.clone(), Epoch(2))
+            .unwrap();
+        assert!(
+            !installed,
+            "partition {p}: installed components covering epoch 2, which it has only prepared"
+        );
+    }
+    assert!(standby.commit_epoch(Epoch(2)).unwrap());
+    standby.advance_visible(Epoch(2));
+    for (p, components, fetched) in shipments {
+        assert!(standby
+            .install_shipped_components("kv", p, components, fetched, Epoch(2))
+            .unwrap());
+    }
+    let promoted = standby.set_standby_partitions(Default::default());
+    standby.promote(&promoted).unwrap();
+    for p in all_partitions() {
+        let versions = |store: &Store| -> usize {
+            store
+                .partition_versions("kv", p, Epoch(0))
+                .unwrap()
+                .iter()
+                .map(|b| b.num_rows())
+                .sum()
+        };
+        assert_eq!(
+            versions(&standby),
+            versions(&primary),
+            "partition {p}: the standby holds other versions than its primary"
+        );
+    }
+    assert_eq!(keys(&standby, Epoch(2)), keys(&primary, Epoch(2)));
+}

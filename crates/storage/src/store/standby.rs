@@ -177,7 +177,10 @@ impl Store {
     /// merge inputs included, are deleted only now that the replacements are here.
     ///
     /// Returns false, changing nothing, if this node holds a component newer than `covered`
-    /// (it flushed rows the primary had not yet flushed): a later shipment covers them.
+    /// (it flushed rows the primary had not yet flushed), or still holds an epoch up to
+    /// `covered` prepared but undecided for this partition (its metadata lags the
+    /// primary's: the commit, arriving later, would apply the epoch's rows again over
+    /// components that hold them): a later shipment covers them.
     pub fn install_shipped_components(
         &self,
         table: &str,
@@ -199,6 +202,14 @@ impl Store {
                 .eq(components.iter().map(|c| c.hash));
             let nothing_to_drop = part.memtable.iter().all(|e| e.epoch > covered)
                 && part.unapplied.iter().all(|l| l.epoch > covered);
+            let undecided_covered = state.pending.range(..=covered).any(|(_, entries)| {
+                entries
+                    .iter()
+                    .any(|e| e.table == table && e.partition == partition)
+            });
+            if undecided_covered {
+                return Ok(false);
+            }
             if part
                 .manifest
                 .components
