@@ -250,10 +250,22 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
     let seed: u64 = env_or("TESSERA_FAULTS_SEED", rand::random());
     println!("fault run: seed {seed} (TESSERA_FAULTS_SEED reruns it), {faults_wanted} faults, {voters} voters");
 
-    let root = tempfile::tempdir().unwrap();
+    let root = tempfile::Builder::new()
+        .prefix("tessera-fault-run-")
+        .tempdir()
+        .unwrap();
+    // TESSERA_FAULTS_KEEP keeps the nodes' data and logs for a post-mortem.
+    let keep = std::env::var_os("TESSERA_FAULTS_KEEP").is_some();
+    let root_path = if keep {
+        let kept = root.keep();
+        println!("fault run: keeping {}", kept.display());
+        kept
+    } else {
+        root.path().to_path_buf()
+    };
     let mut cluster = LocalCluster::configure_networked(
         &binary(),
-        root.path(),
+        &root_path,
         NODES as usize,
         PARTITIONS,
         REPLICATION,

@@ -323,6 +323,46 @@ fn keys_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
     rows
 }
 
+/// Which keys one replica holds and the other lacks, and the publishes they came from.
+fn describe_difference(
+    table: &str,
+    publishes: &[Publish],
+    (a, a_rows): (tessera_server::NodeId, &[(i64, i64)]),
+    (b, b_rows): (tessera_server::NodeId, &[(i64, i64)]),
+) -> String {
+    let keys = |rows: &[(i64, i64)]| rows.iter().map(|(k, _)| *k).collect::<BTreeSet<i64>>();
+    let (a_keys, b_keys) = (keys(a_rows), keys(b_rows));
+    let origin = |key: i64| {
+        publishes
+            .iter()
+            .find(|p| p.table == table && p.keys.contains(&key))
+            .map(|p| format!("{:?} epoch {:?} keys {:?}", p.outcome, p.epoch, p.keys))
+            .unwrap_or_else(|| "no publish".into())
+    };
+    let mut lines = Vec::new();
+    for (holder, lacker, only) in [
+        (
+            a,
+            b,
+            a_keys.difference(&b_keys).copied().collect::<Vec<_>>(),
+        ),
+        (
+            b,
+            a,
+            b_keys.difference(&a_keys).copied().collect::<Vec<_>>(),
+        ),
+    ] {
+        let origins: BTreeSet<String> = only.iter().map(|&k| origin(k)).collect();
+        if !only.is_empty() {
+            lines.push(format!(
+                "{} keys only on node {holder}, not on node {lacker}, from: {origins:?}",
+                only.len()
+            ));
+        }
+    }
+    lines.join("; ")
+}
+
 /// The publishes' fate, once checked.
 #[derive(Debug, Default)]
 pub struct PublishReport {
@@ -362,12 +402,16 @@ pub async fn check_replicas(
                 );
                 match &first {
                     None => first = Some((replica, rows)),
-                    Some((other, expected)) => assert!(
-                        *expected == rows,
-                        "{table} p{p}: node {replica} holds {} rows, node {other} holds {}",
-                        rows.len(),
-                        expected.len()
-                    ),
+                    Some((other, expected)) => {
+                        if *expected != rows {
+                            panic!(
+                                "{table} p{p}: node {replica} holds {} rows, node {other} holds {}; {}",
+                                rows.len(),
+                                expected.len(),
+                                describe_difference(table, publishes, (*other, expected), (replica, &rows))
+                            );
+                        }
+                    }
                 }
             }
             let (_, rows) = first.expect("every partition has a replica");
