@@ -292,21 +292,14 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         .iter()
         .map(|&id| cluster.addr(id).to_string())
         .collect();
-    let publishers: Vec<_> = TABLES
-        .iter()
-        .enumerate()
-        .map(|(i, &table)| {
-            tokio::spawn(history::publisher(
-                table,
-                i as i64 * 1_000_000_000,
-                ROWS_PER_PUBLISH,
-                addrs.clone(),
-                stop.clone(),
-                seed + i as u64,
-                acknowledged.clone(),
-            ))
-        })
-        .collect();
+    let publishers = history::spawn_publishers(
+        &TABLES,
+        ROWS_PER_PUBLISH,
+        &addrs,
+        &stop,
+        seed,
+        &acknowledged,
+    );
     let readers: Vec<_> = (0..2)
         .map(|i| {
             tokio::spawn(history::reader(

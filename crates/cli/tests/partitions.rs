@@ -71,6 +71,29 @@ async fn publish_until_acknowledged(
     }
 }
 
+/// A 3-node cluster (8 partitions, r = 3) in network namespaces with `links`, table `kv`
+/// holding rows `0..rows`; returns it, a client of node 1, the metadata leader and the
+/// other two nodes.
+async fn kv_lab(
+    root: &Path,
+    links: Links,
+    rows: i64,
+) -> (LocalCluster, ClusterClient, NodeId, Vec<u64>) {
+    let cluster = LocalCluster::configure_networked(Path::new(BINARY), root, 3, 8, 3, links);
+    let (cluster, client) = start_kv(cluster, &[]).await;
+    client
+        .publish("kv", vec![kv_batch(0, rows)], false)
+        .await
+        .unwrap();
+    let leader = leader(&client).await;
+    let others = cluster
+        .node_ids()
+        .into_iter()
+        .filter(|&id| id != leader.0)
+        .collect();
+    (cluster, client, leader, others)
+}
+
 async fn leader(client: &ClusterClient) -> NodeId {
     wait_until("a leader", Duration::from_secs(30), || async {
         client.status().await.ok()?.leader
@@ -87,19 +110,7 @@ async fn leader(client: &ClusterClient) -> NodeId {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_isolated_leader_never_answers_stale_and_the_majority_goes_on() {
     let root = tempfile::tempdir().unwrap();
-    let cluster =
-        LocalCluster::configure_networked(Path::new(BINARY), root.path(), 3, 8, 3, Links::Direct);
-    let (cluster, client) = start_kv(cluster, &[]).await;
-    client
-        .publish("kv", vec![kv_batch(0, 100)], false)
-        .await
-        .unwrap();
-    let old_leader = leader(&client).await;
-    let majority: Vec<u64> = cluster
-        .node_ids()
-        .into_iter()
-        .filter(|&id| id != old_leader.0)
-        .collect();
+    let (cluster, _, old_leader, majority) = kv_lab(root.path(), Links::Direct, 100).await;
     let isolated = ClusterClient::new(cluster.addr(old_leader.0));
     let writer = ClusterClient::new(cluster.addr(majority[0]));
 
@@ -154,19 +165,7 @@ async fn an_isolated_leader_never_answers_stale_and_the_majority_goes_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_query_goes_on_when_its_initiator_cannot_reach_a_node_others_see_alive() {
     let root = tempfile::tempdir().unwrap();
-    let cluster =
-        LocalCluster::configure_networked(Path::new(BINARY), root.path(), 3, 8, 3, Links::Direct);
-    let (cluster, client) = start_kv(cluster, &[]).await;
-    client
-        .publish("kv", vec![kv_batch(0, 1000)], false)
-        .await
-        .unwrap();
-    let leader = leader(&client).await;
-    let others: Vec<u64> = cluster
-        .node_ids()
-        .into_iter()
-        .filter(|&id| id != leader.0)
-        .collect();
+    let (cluster, client, _, others) = kv_lab(root.path(), Links::Direct, 1000).await;
     let (initiator, unreachable) = (others[0], others[1]);
     let through = ClusterClient::new(cluster.addr(initiator));
     assert_eq!(count_and_sum(&through).await, Ok(expected(1000)));

@@ -77,21 +77,14 @@ async fn acknowledged_epochs_survive_random_kills() {
         .iter()
         .map(|id| cluster.addr(*id).to_string())
         .collect();
-    let publishers: Vec<_> = TABLES
-        .iter()
-        .enumerate()
-        .map(|(i, table)| {
-            tokio::spawn(history::publisher(
-                table,
-                i as i64 * 1_000_000_000,
-                ROWS_PER_PUBLISH,
-                addrs.clone(),
-                stop.clone(),
-                seed + i as u64,
-                acknowledged.clone(),
-            ))
-        })
-        .collect();
+    let publishers = history::spawn_publishers(
+        &TABLES,
+        ROWS_PER_PUBLISH,
+        &addrs,
+        &stop,
+        seed,
+        &acknowledged,
+    );
 
     // The killer: at most REPLICATION - 1 nodes down at once.
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);

@@ -107,6 +107,33 @@ pub async fn publisher(
     log
 }
 
+/// Starts one [`publisher`] per table through `addrs`, each on its own key range (table
+/// `i` from `i * 10⁹`) and seed (`seed + i`).
+pub fn spawn_publishers(
+    tables: &[&'static str],
+    rows: i64,
+    addrs: &[String],
+    stop: &Arc<AtomicBool>,
+    seed: u64,
+    acknowledged: &AcknowledgedEpochs,
+) -> Vec<tokio::task::JoinHandle<Vec<Publish>>> {
+    tables
+        .iter()
+        .enumerate()
+        .map(|(i, &table)| {
+            tokio::spawn(publisher(
+                table,
+                i as i64 * 1_000_000_000,
+                rows,
+                addrs.to_vec(),
+                stop.clone(),
+                seed + i as u64,
+                acknowledged.clone(),
+            ))
+        })
+        .collect()
+}
+
 /// One read of `count(*)`, current or `AS OF` an acknowledged epoch.
 #[derive(Debug, Clone)]
 pub struct Read {
