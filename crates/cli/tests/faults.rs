@@ -269,3 +269,65 @@ async fn only_a_partitions_primary_ships_its_components() {
         "the refusal names the primary: {refused}"
     );
 }
+
+/// Bad input from peers naming what does not exist: a read of a partition the cluster
+/// does not have, or at an epoch that was never published, gets an error in bounded time
+/// that names it (an unknown partition read as empty before), and the node goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_naming_an_unknown_partition_or_epoch_get_clear_errors() {
+    use futures::TryStreamExt;
+    use tessera_server::rpc::{Clients, ScanRequest, PROTOCOL_VERSION};
+
+    let root = tempfile::tempdir().unwrap();
+    let (cluster, client) = kv_cluster_with(BINARY, root.path(), 8, 3, &[]).await;
+    client
+        .publish("kv", vec![kv_batch(0, 100)], false)
+        .await
+        .unwrap();
+    let status = client.status().await.unwrap();
+    let generation = status.meta.tables["kv"].generation;
+    let peer = Clients::new(cluster.cluster_id(), PROTOCOL_VERSION);
+    let read = |partition: u32, epoch: tessera_common::Epoch| {
+        let peer = &peer;
+        let addr = cluster.addr(2).to_string();
+        async move {
+            let request = ScanRequest {
+                table: "kv".into(),
+                generation,
+                epoch,
+                partitions: vec![tessera_common::PartitionId(partition)],
+                columns: vec![0, 1],
+            };
+            let asked = Instant::now();
+            let result: Result<Vec<arrow::array::RecordBatch>, String> = async {
+                let stream = peer.get(&addr, &request).await.map_err(|e| e.to_string())?;
+                stream.try_collect().await.map_err(|e| e.to_string())
+            }
+            .await;
+            (result, asked.elapsed())
+        }
+    };
+    let visible = status.meta.visible;
+    let (good, _) = read(0, visible).await;
+    assert!(good.is_ok(), "a good read answers: {good:?}");
+
+    let (unknown_partition, took) = read(99, visible).await;
+    let error = unknown_partition.expect_err("a read of partition 99 of 8 answered");
+    assert!(
+        error.contains("has no partition p99 (it has 8)"),
+        "the error names the partition: {error}"
+    );
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+
+    let future = tessera_common::Epoch(visible.0 + 1000);
+    let (unknown_epoch, took) = read(0, future).await;
+    let error = unknown_epoch.expect_err("a read at an epoch never published answered");
+    assert!(
+        error.contains(&future.to_string()),
+        "the error names the epoch: {error}"
+    );
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+
+    let (after, _) = read(0, visible).await;
+    assert!(after.is_ok(), "the node still serves: {after:?}");
+}

@@ -166,7 +166,12 @@ pub fn read_local_partitions(
     let mut batches = Vec::new();
     for partition in partitions {
         let Some(partition) = snapshot.partitions.get(partition.0 as usize) else {
-            continue;
+            return Err(tessera_storage::StorageError::UnknownPartition {
+                table: def.name.clone(),
+                partition: *partition,
+                partitions: snapshot.partitions.len(),
+            }
+            .into());
         };
         for component in &partition.components {
             store.verify_component(&component.hash)?;

@@ -20,6 +20,12 @@ pub enum StorageError {
     },
     #[error("table {0:?} does not exist")]
     UnknownTable(String),
+    #[error("table {table:?} has no partition {partition} (it has {partitions})")]
+    UnknownPartition {
+        table: String,
+        partition: PartitionId,
+        partitions: usize,
+    },
     #[error("table {0:?} already exists")]
     TableExists(String),
     #[error("invalid table definition for {table:?}: {reason}")]

@@ -326,12 +326,13 @@ impl State {
     }
 
     fn partition(&self, table: &str, partition: PartitionId) -> Result<&PartitionState> {
-        self.table(table)?
-            .partitions
+        let partitions = &self.table(table)?.partitions;
+        partitions
             .get(partition.0 as usize)
-            .ok_or_else(|| StorageError::InvalidTable {
+            .ok_or_else(|| StorageError::UnknownPartition {
                 table: table.to_string(),
-                reason: format!("no partition {partition}"),
+                partition,
+                partitions: partitions.len(),
             })
     }
 
