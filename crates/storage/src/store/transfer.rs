@@ -33,9 +33,10 @@ impl Store {
     ) -> Result<Arc<TableSnapshot>> {
         let snapshot = self.snapshot(table, None)?;
         if snapshot.partitions.len() <= partition.0 as usize {
-            return Err(StorageError::InvalidTable {
+            return Err(StorageError::UnknownPartition {
                 table: table.to_string(),
-                reason: format!("no partition {partition}"),
+                partition,
+                partitions: snapshot.partitions.len(),
             });
         }
         Ok(snapshot)
