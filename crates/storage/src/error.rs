@@ -26,6 +26,12 @@ pub enum StorageError {
         partition: PartitionId,
         partitions: usize,
     },
+    #[error("partition {partition} of table {table:?} still holds epochs {epochs:?} prepared here and not yet decided; copied versions may include them, so the copy waits until this node has applied their outcome")]
+    UndecidedEpochs {
+        table: String,
+        partition: PartitionId,
+        epochs: Vec<Epoch>,
+    },
     #[error("table {0:?} already exists")]
     TableExists(String),
     #[error("invalid table definition for {table:?}: {reason}")]

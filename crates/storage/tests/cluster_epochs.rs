@@ -517,3 +517,64 @@ fn a_cold_standby_does_not_install_components_covering_an_epoch_it_has_only_prep
     }
     assert_eq!(keys(&standby, Epoch(2)), keys(&primary, Epoch(2)));
 }
+
+/// A returning replica that prepared an epoch whose commit it has not yet applied (its
+/// metadata lags) must not install a delta that already holds that epoch: the commit,
+/// applied afterwards, would add the epoch's rows a second time. The install is refused
+/// naming the undecided epoch; once the replica has committed it, the same delta installs,
+/// and the replica holds exactly the primary's versions.
+#[test]
+fn a_delta_is_not_installed_over_an_epoch_prepared_here_and_still_undecided() {
+    let (primary_dir, replica_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let primary = Store::open(primary_dir.path(), config()).unwrap();
+    let replica = Store::open(replica_dir.path(), config()).unwrap();
+    for store in [&primary, &replica] {
+        store.ensure_table(def()).unwrap();
+        commit(store, Epoch(1), &rows(0, 100));
+    }
+    // Epoch 2 the replica missed; epoch 3 it prepared, and has not yet seen committed.
+    commit(&primary, Epoch(2), &rows(100, 150));
+    primary
+        .prepare_epoch(Epoch(3), routed(&rows(40, 60)))
+        .unwrap();
+    replica
+        .prepare_epoch(Epoch(3), routed(&rows(40, 60)))
+        .unwrap();
+    assert!(primary.commit_epoch(Epoch(3)).unwrap());
+    primary.advance_visible(Epoch(3));
+
+    let touched: Vec<PartitionId> = routed(&rows(40, 60)).iter().map(|c| c.partition).collect();
+    for p in all_partitions() {
+        let delta = primary.partition_versions("kv", p, Epoch(2)).unwrap();
+        let installed = replica.install_partition_since("kv", p, Epoch(2), delta);
+        if touched.contains(&p) {
+            let error = installed.expect_err("a delta was installed over an undecided epoch");
+            assert!(
+                error.to_string().contains("[Epoch(3)]") || error.to_string().contains("3"),
+                "{error}"
+            );
+        } else {
+            installed.unwrap();
+        }
+    }
+    assert!(replica.commit_epoch(Epoch(3)).unwrap());
+    replica.advance_visible(Epoch(3));
+    for p in all_partitions() {
+        let delta = primary.partition_versions("kv", p, Epoch(2)).unwrap();
+        replica
+            .install_partition_since("kv", p, Epoch(2), delta)
+            .unwrap();
+        let versions = |store: &Store| -> usize {
+            store
+                .partition_versions("kv", p, Epoch(0))
+                .unwrap()
+                .iter()
+                .map(|b| b.num_rows())
+                .sum()
+        };
+        assert_eq!(versions(&replica), versions(&primary), "partition {p}");
+    }
+    for epoch in 1..=3 {
+        assert_eq!(keys(&replica, Epoch(epoch)), keys(&primary, Epoch(epoch)));
+    }
+}

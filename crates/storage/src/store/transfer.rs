@@ -88,6 +88,7 @@ impl Store {
     ) -> Result<()> {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
+        self.refuse_undecided(table, partition, Epoch::ZERO)?;
         let def = self.state().table(table)?.def.clone();
         self.store_fetched_components(&components, &fetched)?;
         let mut installed = Vec::with_capacity(components.len() + 1);
@@ -149,6 +150,7 @@ impl Store {
     ) -> Result<()> {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
+        self.refuse_undecided(table, partition, since)?;
         self.replay_standby_holding_gate(|p| *p == partition)?;
         let (def, components, memtable, memtable_reaches_since) = {
             let state = self.state();
@@ -212,6 +214,33 @@ impl Store {
         state.memtable_bytes -= freed;
         self.write_checkpoint(&state)?;
         self.collect_garbage(dropped, &state)
+    }
+
+    /// Refuses to replace a partition's versions from `since` on while this node still
+    /// holds an epoch at or above `since` prepared for it and undecided here: the copied
+    /// versions may include that epoch (decided in the metadata, but not yet applied here),
+    /// and applying its commit afterwards would add its rows a second time, as versions
+    /// duplicating the copied ones. The caller retries once the outcome is applied.
+    fn refuse_undecided(&self, table: &str, partition: PartitionId, since: Epoch) -> Result<()> {
+        let state = self.state();
+        let epochs: Vec<Epoch> = state
+            .pending
+            .range(since..)
+            .filter(|(_, entries)| {
+                entries
+                    .iter()
+                    .any(|e| e.table == table && e.partition == partition)
+            })
+            .map(|(epoch, _)| *epoch)
+            .collect();
+        if epochs.is_empty() {
+            return Ok(());
+        }
+        Err(StorageError::UndecidedEpochs {
+            table: table.to_string(),
+            partition,
+            epochs,
+        })
     }
 
     /// Writes the components among `components` that were fetched from a peer, each checked
