@@ -325,6 +325,16 @@ fn a_new_replica_copies_components_by_hash_and_refuses_corrupt_bytes() {
     }
 }
 
+/// How many row versions `store` holds for partition `p` (every epoch).
+fn versions_of(store: &Store, p: PartitionId) -> usize {
+    store
+        .partition_versions("kv", p, Epoch(0))
+        .unwrap()
+        .iter()
+        .map(|b| b.num_rows())
+        .sum()
+}
+
 fn all_partitions() -> std::collections::BTreeSet<PartitionId> {
     (0..4).map(PartitionId).collect()
 }
@@ -501,17 +511,9 @@ fn a_cold_standby_does_not_install_components_covering_an_epoch_it_has_only_prep
     let promoted = standby.set_standby_partitions(Default::default());
     standby.promote(&promoted).unwrap();
     for p in all_partitions() {
-        let versions = |store: &Store| -> usize {
-            store
-                .partition_versions("kv", p, Epoch(0))
-                .unwrap()
-                .iter()
-                .map(|b| b.num_rows())
-                .sum()
-        };
         assert_eq!(
-            versions(&standby),
-            versions(&primary),
+            versions_of(&standby, p),
+            versions_of(&primary, p),
             "partition {p}: the standby holds other versions than its primary"
         );
     }
@@ -564,15 +566,11 @@ fn a_delta_is_not_installed_over_an_epoch_prepared_here_and_still_undecided() {
         replica
             .install_partition_since("kv", p, Epoch(2), delta)
             .unwrap();
-        let versions = |store: &Store| -> usize {
-            store
-                .partition_versions("kv", p, Epoch(0))
-                .unwrap()
-                .iter()
-                .map(|b| b.num_rows())
-                .sum()
-        };
-        assert_eq!(versions(&replica), versions(&primary), "partition {p}");
+        assert_eq!(
+            versions_of(&replica, p),
+            versions_of(&primary, p),
+            "partition {p}"
+        );
     }
     for epoch in 1..=3 {
         assert_eq!(keys(&replica, Epoch(epoch)), keys(&primary, Epoch(epoch)));
