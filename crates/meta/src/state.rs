@@ -555,6 +555,33 @@ impl MetaState {
                         vec![],
                     ));
                 }
+                // Stale marks are per partition, across tables: epochs of two tables in
+                // flight at once may each miss a different replica. A commit that would
+                // leave a partition with no replica holding every committed epoch is
+                // refused (the coordinator aborts and publishes again), or the partition
+                // would have no primary and nothing to copy from.
+                let mut marked: BTreeMap<usize, BTreeSet<NodeId>> = BTreeMap::new();
+                for (partition, node) in &missed {
+                    marked
+                        .entry(partition.0 as usize)
+                        .or_default()
+                        .insert(*node);
+                }
+                for (&p, nodes) in &marked {
+                    let Some(placement) = self.map.partitions.get(p) else {
+                        continue;
+                    };
+                    let fresh_left = placement
+                        .replicas
+                        .iter()
+                        .any(|r| !placement.stale.contains_key(r) && !nodes.contains(r));
+                    if !fresh_left {
+                        return Err(format!(
+                            "committing epoch {epoch} would leave partition p{p} with no replica holding every committed epoch (replicas {:?}, stale since {:?}, missing this one {:?}); abort it and publish again",
+                            placement.replicas, placement.stale, nodes
+                        ));
+                    }
+                }
                 for (partition, node) in missed {
                     if let Some(placement) = self.map.partitions.get_mut(partition.0 as usize) {
                         let first_missed = placement.stale.entry(node).or_insert(epoch);

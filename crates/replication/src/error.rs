@@ -17,6 +17,8 @@ pub enum ReplicationError {
     Arrow(#[from] arrow::error::ArrowError),
     #[error("epoch {epoch} aborted: {reason}")]
     Aborted { epoch: Epoch, reason: String },
+    #[error("epoch {epoch} could not commit: {reason}")]
+    CommitRefused { epoch: Epoch, reason: String },
     #[error("epoch {epoch} aborted: node {node}, a primary logging its rows, was lost: {reason}")]
     PrimaryLost {
         node: NodeId,

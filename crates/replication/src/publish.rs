@@ -143,6 +143,10 @@ pub async fn publish(node: &Arc<Replication>, changes: Vec<TableChanges>) -> Res
                     .wait_until_failed(lost, node.settings.failure_timeout * 2)
                     .await;
             }
+            Err(ReplicationError::CommitRefused { epoch, reason }) if attempt <= RETRIES => {
+                // Aborted; the next attempt routes by a fresh view, to a complete replica.
+                tracing::warn!(%epoch, %reason, attempt, "a commit was refused; publishing again");
+            }
             done => return done,
         }
     }
@@ -180,12 +184,26 @@ async fn publish_epoch(
             .await?;
         prepare_everywhere(node, &view.state, epoch, routed).await
     };
+    let prepared = async {
+        let missed = prepared.await?;
+        let prepared_at = started.elapsed();
+        match node
+            .meta
+            .write(MetaCommand::CommitEpoch { epoch, missed })
+            .await
+        {
+            // The metadata refused the commit for good (it would leave a partition with no
+            // complete replica): the epoch is aborted below. Any other failure leaves the
+            // outcome unknown, and is returned as it is.
+            Err(tessera_meta::MetaError::Refused(reason)) => {
+                Err(ReplicationError::CommitRefused { epoch, reason })
+            }
+            other => Ok((other, prepared_at)),
+        }
+    };
     match prepared.await {
-        Ok(missed) => {
-            let prepared_at = started.elapsed();
-            node.meta
-                .write(MetaCommand::CommitEpoch { epoch, missed })
-                .await?;
+        Ok((committed, prepared_at)) => {
+            committed?;
             tracing::info!(
                 %epoch,
                 allocated_ms = allocated_at.as_millis() as u64,
@@ -209,6 +227,7 @@ async fn publish_epoch(
             }
             Err(match error {
                 lost @ ReplicationError::PrimaryLost { .. } => lost,
+                refused @ ReplicationError::CommitRefused { .. } => refused,
                 _ => ReplicationError::Aborted { epoch, reason },
             })
         }

@@ -659,7 +659,8 @@ impl FlightService for NodeService {
                     .await
                     .map_err(|error| match error {
                         tessera_replication::ReplicationError::Aborted { epoch, .. }
-                        | tessera_replication::ReplicationError::PrimaryLost { epoch, .. } => {
+                        | tessera_replication::ReplicationError::PrimaryLost { epoch, .. }
+                        | tessera_replication::ReplicationError::CommitRefused { epoch, .. } => {
                             Refusal::Aborted {
                                 epoch,
                                 detail: error.to_string(),

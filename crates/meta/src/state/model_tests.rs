@@ -10,6 +10,8 @@
 //! - a decided epoch stays decided the same way;
 //! - every committed epoch's missed replicas are marked stale from at most that epoch,
 //!   until a map change clears the mark (a replica that caught up);
+//! - every partition keeps a replica that is not stale (a commit that would mark the last
+//!   one is refused), so it always has a complete copy to serve and copy from;
 //! - a partition has a primary whenever one of its replicas is live and fresh, and it is
 //!   the first such;
 //! - every open epoch's coordinator is alive, in the incarnation that opened it;
@@ -109,11 +111,27 @@ impl Run {
                     missed.push((PartitionId(p as u32), node));
                 }
                 let was_open = self.state.open.contains_key(&epoch);
+                let leaves_none_fresh = missed.iter().any(|(p, node)| {
+                    let placement = &self.state.map.partitions[p.0 as usize];
+                    placement
+                        .replicas
+                        .iter()
+                        .all(|r| r == node || placement.stale.contains_key(r))
+                });
                 let response = self.apply(MetaCommand::CommitEpoch {
                     epoch,
                     missed: missed.clone(),
                 });
-                if was_open {
+                if was_open && leaves_none_fresh {
+                    assert!(
+                        matches!(response, MetaResponse::Refused(_)),
+                        "a commit leaving a partition without a complete replica must be refused, got {response:?}"
+                    );
+                    assert!(
+                        self.state.open.contains_key(&epoch),
+                        "a refused commit changes nothing"
+                    );
+                } else if was_open {
                     assert_eq!(
                         response,
                         MetaResponse::Epoch(epoch),
@@ -272,6 +290,15 @@ impl Run {
             let to = candidates[self.rng.random_range(0..candidates.len())];
             let slot = self.rng.random_range(0..placement.replicas.len());
             let from = placement.replicas[slot];
+            let last_fresh = !placement.stale.contains_key(&from)
+                && placement
+                    .replicas
+                    .iter()
+                    .all(|r| *r == from || placement.stale.contains_key(r));
+            if last_fresh {
+                // The rebalancer never moves a partition's only complete replica away.
+                return format!("partition {p}: replica {from} is its last complete one; kept");
+            }
             placement.replicas[slot] = to;
             placement.stale.remove(&from);
             self.model.missed.remove(&(p, from));
@@ -334,6 +361,16 @@ impl Run {
             }
         }
         for (p, placement) in state.map.partitions.iter().enumerate() {
+            if placement
+                .replicas
+                .iter()
+                .all(|r| placement.stale.contains_key(r))
+            {
+                return Err(format!(
+                    "partition {p} has no complete replica: every one of {:?} is stale ({:?})",
+                    placement.replicas, placement.stale
+                ));
+            }
             let fresh_live = placement.replicas.iter().copied().find(|id| {
                 !placement.stale.contains_key(id)
                     && state
