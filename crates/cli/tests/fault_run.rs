@@ -247,7 +247,8 @@ fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Avail
 async fn a_seeded_fault_run_keeps_every_guarantee() {
     let faults_wanted: usize = env_or("TESSERA_FAULTS", 10);
     let voters: u64 = env_or("TESSERA_FAULTS_VOTERS", 3);
-    let seed: u64 = env_or("TESSERA_FAULTS_SEED", rand::random());
+    // The default suite replays one schedule; long runs pick their own seeds.
+    let seed: u64 = env_or("TESSERA_FAULTS_SEED", 15);
     println!("fault run: seed {seed} (TESSERA_FAULTS_SEED reruns it), {faults_wanted} faults, {voters} voters");
 
     let root = tempfile::Builder::new()
