@@ -288,11 +288,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
 
     let stop = Arc::new(AtomicBool::new(false));
     let acknowledged = history::AcknowledgedEpochs::default();
-    let addrs: Vec<String> = cluster
-        .node_ids()
-        .iter()
-        .map(|&id| cluster.addr(id).to_string())
-        .collect();
+    let addrs = cluster.addrs();
     let publishers = history::spawn_publishers(
         &TABLES,
         ROWS_PER_PUBLISH,

@@ -268,6 +268,16 @@ async fn slow_and_reset_links_give_exact_answers_or_clear_errors() {
         assert_eq!(count_and_sum(&reader).await, Ok(expected(acknowledged)));
     }
 
+    // The links really are slow: a query crosses them at least once each way (20 ms or
+    // more of delay each), so it cannot answer as fast as over a healthy link.
+    let timed = Instant::now();
+    assert_eq!(count_and_sum(&client).await, Ok(expected(acknowledged)));
+    assert!(
+        timed.elapsed() >= Duration::from_millis(40),
+        "a query over 20 ms links took only {:?}: the proxies are not in the path",
+        timed.elapsed()
+    );
+
     let querying = tokio::spawn(async move { count_and_sum(&client).await });
     tokio::time::sleep(Duration::from_millis(50)).await;
     for (_, link) in cluster.links() {

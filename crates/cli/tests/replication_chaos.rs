@@ -72,11 +72,7 @@ async fn acknowledged_epochs_survive_random_kills() {
     println!("chaos seed {seed} (TESSERA_CHAOS_SEED reruns it)");
     let stop = Arc::new(AtomicBool::new(false));
     let acknowledged = history::AcknowledgedEpochs::default();
-    let addrs: Vec<String> = cluster
-        .node_ids()
-        .iter()
-        .map(|id| cluster.addr(*id).to_string())
-        .collect();
+    let addrs = cluster.addrs();
     let publishers = history::spawn_publishers(
         &TABLES,
         ROWS_PER_PUBLISH,

@@ -371,6 +371,11 @@ impl LocalCluster {
         &self.addrs[id as usize - 1]
     }
 
+    /// Every node's address, by id order.
+    pub fn addrs(&self) -> Vec<String> {
+        self.addrs.clone()
+    }
+
     pub fn node_ids(&self) -> Vec<u64> {
         (1..=self.addrs.len() as u64).collect()
     }
