@@ -294,6 +294,11 @@ impl MetaState {
     }
 
     /// Whether `epoch` was committed (as opposed to aborted or still open).
+    /// Whether the epoch's fate is known: committed or aborted.
+    pub fn is_decided(&self, epoch: Epoch) -> bool {
+        epoch < self.next_epoch && !self.open.contains_key(&epoch)
+    }
+
     pub fn is_committed(&self, epoch: Epoch) -> bool {
         epoch < self.next_epoch && !self.open.contains_key(&epoch) && !self.aborted.contains(&epoch)
     }

@@ -15,9 +15,11 @@ use openraft::{
     SnapshotMeta, StorageError, StorageIOError, StoredMembership,
 };
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use tessera_common::{Epoch, PartitionId};
 use tessera_storage::Store;
 use tokio::sync::watch;
 
@@ -136,7 +138,7 @@ impl StateMachine {
                         store.drop_table_generation(&name, generation)?
                     }
                     LocalEffect::Commit(epoch) => {
-                        store.commit_epoch(epoch)?;
+                        store.commit_epoch_except(epoch, &self.missed_here(epoch))?;
                     }
                     LocalEffect::Abort(epoch) => store.abort_epoch(epoch)?,
                 }
@@ -144,6 +146,25 @@ impl StateMachine {
             store.advance_visible(self.state.visible);
             Ok(())
         })
+    }
+
+    /// The partitions for which this node is marked stale since `epoch` or earlier: it
+    /// missed the epoch there (or an earlier one), so its failback copy brings the epoch's
+    /// versions and any rows it prepared for them must not be applied as well.
+    fn missed_here(&self, epoch: Epoch) -> BTreeSet<PartitionId> {
+        self.state
+            .map
+            .partitions
+            .iter()
+            .enumerate()
+            .filter(|(_, placement)| {
+                placement
+                    .stale
+                    .get(&self.node_id)
+                    .is_some_and(|since| *since <= epoch)
+            })
+            .map(|(p, _)| PartitionId(p as u32))
+            .collect()
     }
 
     /// Makes the store agree with the metadata after a snapshot: the same tables, and every

@@ -168,7 +168,22 @@ async fn log_chunk(
     node.on_store("logging prepared rows", move |store| {
         store.prepare_epoch(epoch, chunk)
     })
-    .await
+    .await?;
+    // A prepare that reaches this node after its epoch was decided (a stream held up in a
+    // slow or cut link past the coordinator's deadline) must not stay: nothing would decide
+    // it again, and a commit of it would add rows that the failback copy of a replica
+    // marked as having missed the epoch brings as well. The view is published only after
+    // the store applied the decision, so what is pending for the epoch now is late.
+    if node.meta.view().state.is_decided(epoch) {
+        node.on_store("discarding a late prepare", move |store| {
+            store.abort_epoch(epoch)
+        })
+        .await?;
+        return Err(ReplicationError::BadPrepare(format!(
+            "epoch {epoch} was already decided when its rows arrived here; they are discarded"
+        )));
+    }
+    Ok(())
 }
 
 /// A prepare batch's rows without the partition column, and that (single) partition.

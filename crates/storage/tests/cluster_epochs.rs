@@ -576,3 +576,35 @@ fn a_delta_is_not_installed_over_an_epoch_prepared_here_and_still_undecided() {
         assert_eq!(keys(&replica, Epoch(epoch)), keys(&primary, Epoch(epoch)));
     }
 }
+
+/// A replica the metadata counts as having missed an epoch for a partition (its prepare
+/// arrived, but too late for the coordinator) gets that epoch from a failback copy; the
+/// rows it prepared there are discarded at the commit, before and after a restart, or the
+/// copy would store them a second time.
+#[test]
+fn a_commit_discards_the_rows_of_partitions_this_replica_missed() {
+    let dir = tempfile::tempdir().unwrap();
+    let all: Vec<i64> = (0..40).collect();
+    let ring = PartitionRing::new(4);
+    let missed = PartitionId(1);
+    let expected: Vec<i64> = all
+        .iter()
+        .copied()
+        .filter(|k| {
+            let batch = rows(*k, *k + 1);
+            split_by_partition(&def(), &ring, &batch).unwrap()[0].0 != missed
+        })
+        .collect();
+    assert!(expected.len() < all.len(), "some keys fall in the missed partition");
+    {
+        let store = Store::open(dir.path(), config()).unwrap();
+        store.ensure_table(def()).unwrap();
+        store.prepare_epoch(Epoch(2), routed(&rows(0, 40))).unwrap();
+        let skip = std::collections::BTreeSet::from([missed]);
+        assert!(store.commit_epoch_except(Epoch(2), &skip).unwrap());
+        assert_eq!(keys(&store, Epoch(2)), expected);
+    }
+    let store = Store::open(dir.path(), config()).unwrap();
+    assert_eq!(keys(&store, Epoch(2)), expected, "replay drops them too");
+    assert!(store.undecided_epochs().is_empty());
+}

@@ -98,6 +98,14 @@ impl Store {
     /// Makes the rows prepared for `epoch` part of their partitions. Returns whether this
     /// node had any; committing an epoch it never prepared (or already committed) is a no-op.
     pub fn commit_epoch(&self, epoch: Epoch) -> Result<bool> {
+        self.commit_epoch_except(epoch, &BTreeSet::new())
+    }
+
+    /// [`Store::commit_epoch`], discarding the rows prepared for partitions in `missed`:
+    /// the metadata counts this replica as having missed the epoch there (its prepare
+    /// reached it too late, or only in part), so a failback copy brings the epoch's
+    /// versions, and applying the local ones as well would store them twice.
+    pub fn commit_epoch_except(&self, epoch: Epoch, missed: &BTreeSet<PartitionId>) -> Result<bool> {
         self.check_poisoned()?;
         let _gate = self.gate.read().expect("gate lock");
         let mut state = self.state();
@@ -117,6 +125,11 @@ impl Store {
         let mut lsns = Vec::with_capacity(entries.len());
         let mut assigned = Vec::with_capacity(entries.len());
         for entry in entries {
+            if missed.contains(&entry.partition) {
+                // Logged as discarded (LSN zero), so replay drops the entry too.
+                lsns.push((entry.table.clone(), entry.partition, Lsn::ZERO));
+                continue;
+            }
             let lsn = state.allocate_lsn(entry.partition);
             lsns.push((entry.table.clone(), entry.partition, lsn));
             assigned.push((entry, lsn));

@@ -87,7 +87,11 @@ impl PreparedLog {
                     reason: format!("commit of epoch {epoch} names {table:?} partition {partition} where rows of {:?} partition {} were prepared", entry.table, entry.partition),
                 });
             }
-            paired.push((entry, *lsn));
+            // LSN zero: the commit discarded this entry (the replica had missed the epoch
+            // for that partition).
+            if *lsn != Lsn::ZERO {
+                paired.push((entry, *lsn));
+            }
         }
         Ok(paired)
     }
