@@ -121,6 +121,9 @@ enum Command {
         /// Node i listens on base-port + i - 1.
         #[arg(long, default_value_t = 7001)]
         base_port: u16,
+        /// Node i serves PostgreSQL clients (psql, drivers) on pg-port + i - 1.
+        #[arg(long, default_value_t = 5433)]
+        pg_port: u16,
         /// Copies of each partition.
         #[arg(long, default_value_t = 3)]
         replication: u32,
@@ -282,10 +285,12 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Up {
             nodes,
             base_port,
+            pg_port,
             replication,
         } => {
             let options = commands::up::UpOptions {
                 base_port: *base_port,
+                pg_base_port: Some(*pg_port),
                 ..commands::up::UpOptions::new(*nodes, cli.store.partitions, *replication)
             };
             commands::up::run(&cli.data_dir, options).await

@@ -65,6 +65,9 @@ pub struct NodeConfig {
     pub node_id: NodeId,
     /// Where this node serves RPC (Arrow Flight over gRPC).
     pub listen: SocketAddr,
+    /// Where this node serves PostgreSQL clients (`psql`, drivers); none if unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pg_listen: Option<SocketAddr>,
     pub data_dir: PathBuf,
     /// Every node the cluster starts with, this one included. A node joining a running
     /// cluster lists itself and at least one member.

@@ -48,8 +48,10 @@ fn configure(options: &mut ConfigOptions, buckets: usize) {
 /// runs where it is asked).
 fn reads_tables(plan: &LogicalPlan) -> bool {
     plan.exists(|node| {
+        // The system catalogs (DataFusion's `information_schema`, PostgreSQL clients'
+        // `pg_catalog`) live in every node's memory: read here.
         Ok(matches!(node, LogicalPlan::TableScan(scan)
-            if scan.table_name.schema() != Some("information_schema")))
+            if !matches!(scan.table_name.schema(), Some("information_schema" | "pg_catalog"))))
     })
     .unwrap_or(true)
 }

@@ -589,3 +589,23 @@ impl ExecutionPlan for ClusterScanExec {
         Ok(self.execute_group(partition))
     }
 }
+
+/// Engines over the cluster for the SQL endpoints, one per connection.
+pub struct NodeSessions {
+    node: Arc<Node>,
+}
+
+impl NodeSessions {
+    pub fn new(node: Arc<Node>) -> NodeSessions {
+        NodeSessions { node }
+    }
+}
+
+impl tessera_pg::Sessions for NodeSessions {
+    fn open(&self) -> tessera_sql::Engine {
+        tessera_sql::Engine::with_backend(
+            Arc::new(ClusterBackend::new(self.node.clone())),
+            datafusion::prelude::SessionConfig::new(),
+        )
+    }
+}

@@ -163,6 +163,15 @@ impl Node {
                 addr: config.listen.to_string(),
                 reason: e.to_string(),
             })?;
+        let pg_listener = match config.pg_listen {
+            Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+                ClusterError::Listen {
+                    addr: format!("{addr} (pg_listen)"),
+                    reason: e.to_string(),
+                }
+            })?),
+            None => None,
+        };
         let clients = Arc::new(Clients::new(&config.cluster_id, protocol));
         check_peers(&config, &clients, protocol).await?;
 
@@ -262,6 +271,13 @@ impl Node {
             replication,
         });
         crate::server::serve(node.clone(), listener);
+        if let Some(listener) = pg_listener {
+            tokio::spawn(tessera_pg::serve(
+                listener,
+                Arc::new(crate::backend::NodeSessions::new(node.clone())),
+                tessera_pg::PgLimits::default(),
+            ));
+        }
         node.initialize_if_founder().await?;
         tokio::spawn(node.clone().heartbeat_loop());
         tokio::spawn(node.clone().duty_loop());

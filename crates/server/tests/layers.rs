@@ -14,6 +14,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("tessera-net", 1),
     ("tessera-meta", 2),
     ("tessera-sql", 2),
+    ("tessera-pg", 3),
     ("tessera-replication", 3),
     ("tessera-exec", 4),
     ("tessera-recovery", 5),

@@ -14,13 +14,15 @@ use arrow::datatypes::SchemaRef;
 use arrow::row::{RowConverter, SortField};
 use datafusion::catalog::{CatalogProvider, MemoryCatalogProvider};
 use datafusion::common::Constraint;
+use crate::transaction::Transaction;
+use datafusion::common::ParamValues;
 use datafusion::logical_expr::{DdlStatement, DmlStatement, LogicalPlan, WriteOp};
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion::sql::parser::{DFParser, Statement as DFStatement};
 use datafusion::sql::sqlparser::ast::{Expr as SqlExpr, Statement as SqlStatement};
 use datafusion::sql::sqlparser::dialect::GenericDialect;
 use std::collections::HashSet;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tessera_common::{Epoch, PartitionId};
 use tessera_storage::versions::{split_by_partition, stored_user_schema};
 use tessera_storage::{Store, TableChanges, TableDef};
@@ -45,6 +47,8 @@ pub enum StatementOutput {
 pub struct Engine {
     backend: Arc<dyn Backend>,
     ctx: SessionContext,
+    /// The open transaction, between `BEGIN` and `COMMIT`/`ROLLBACK`.
+    transaction: Mutex<Option<Transaction>>,
 }
 
 impl Engine {
@@ -72,7 +76,22 @@ impl Engine {
             .register_schema("public", backend.schema_provider())
             .expect("a fresh catalog accepts a schema");
         ctx.register_catalog("tessera", Arc::new(catalog));
-        Engine { backend, ctx }
+        Engine {
+            backend,
+            ctx,
+            transaction: Mutex::new(None),
+        }
+    }
+
+    /// Ends the open transaction, if any, publishing nothing (a failed transaction's
+    /// COMMIT, or a connection that closes in the middle of one).
+    pub fn abandon_transaction(&self) {
+        self.transaction.lock().expect("transaction lock").take();
+    }
+
+    /// Whether a transaction is open (`BEGIN` without its `COMMIT` or `ROLLBACK` yet).
+    pub fn in_transaction(&self) -> bool {
+        self.transaction.lock().expect("transaction lock").is_some()
     }
 
     pub fn backend(&self) -> &Arc<dyn Backend> {
@@ -121,9 +140,30 @@ impl Engine {
             .map_err(|e| SqlError::DataFusion(e.into()))?;
         let mut outputs = Vec::with_capacity(statements.len());
         for statement in statements {
-            outputs.push(self.execute_statement(statement).await?);
+            outputs.push(self.execute_statement(statement, None).await?);
         }
         Ok(outputs)
+    }
+
+    /// Runs one statement a front end has parsed itself (the PostgreSQL wire protocol
+    /// parses with PostgreSQL's dialect), with values for its `$n` placeholders. The
+    /// `AS OF EPOCH` rewrite must already have been applied to the SQL text.
+    pub async fn execute_parsed(
+        &self,
+        statement: DFStatement,
+        params: Option<&ParamValues>,
+    ) -> Result<StatementOutput> {
+        self.execute_statement(statement, params).await
+    }
+
+    /// Plans a statement without running it: for a client that asks what a prepared
+    /// statement's parameters and result columns are.
+    pub async fn plan_only(&self, statement: DFStatement) -> Result<LogicalPlan> {
+        self.ctx
+            .state()
+            .statement_to_plan(statement)
+            .await
+            .map_err(from_datafusion)
     }
 
     /// Runs SQL whose last statement returns rows, and returns them.
@@ -137,7 +177,11 @@ impl Engine {
         }
     }
 
-    async fn execute_statement(&self, mut statement: DFStatement) -> Result<StatementOutput> {
+    async fn execute_statement(
+        &self,
+        mut statement: DFStatement,
+        params: Option<&ParamValues>,
+    ) -> Result<StatementOutput> {
         let mut partition_by = None;
         if let DFStatement::Statement(inner) = &mut statement {
             match inner.as_mut() {
@@ -151,12 +195,18 @@ impl Engine {
                 _ => {}
             }
         }
-        self.backend.begin_statement().await?;
-        let state = self.ctx.state();
-        let plan = state
-            .statement_to_plan(statement)
-            .await
-            .map_err(from_datafusion)?;
+        if let Some(control) = transaction_control(&statement) {
+            return self.execute_transaction_control(control).await;
+        }
+        self.begin_statement().await?;
+        let plan = self.plan_only(statement).await?;
+        let plan = match params {
+            Some(values) => plan
+                .replace_params_with_values(values)
+                .map_err(from_datafusion)?,
+            None => plan,
+        };
+        self.check_allowed_in_transaction(&plan)?;
         match plan {
             LogicalPlan::Ddl(DdlStatement::CreateMemoryTable(create)) => {
                 let name = create.name.table().to_string();
@@ -201,6 +251,66 @@ impl Engine {
             }
             LogicalPlan::Dml(dml) => self.execute_dml(dml).await,
             plan => self.backend.run_query(&self.ctx, plan).await,
+        }
+    }
+
+    /// Fixes the view a statement sees (before it is planned): a fresh one for each
+    /// statement, or inside a transaction the one taken at its first statement.
+    async fn begin_statement(&self) -> Result<()> {
+        let pin = match self.transaction.lock().expect("transaction lock").as_mut() {
+            None => true,
+            Some(open) => !std::mem::replace(&mut open.view_pinned, true),
+        };
+        if pin {
+            self.backend.begin_statement().await?;
+        }
+        Ok(())
+    }
+
+    /// Inside a transaction, refuses DDL and reads of tables the transaction has written
+    /// (they would not see its own rows).
+    fn check_allowed_in_transaction(&self, plan: &LogicalPlan) -> Result<()> {
+        let transaction = self.transaction.lock().expect("transaction lock");
+        let Some(open) = transaction.as_ref() else {
+            return Ok(());
+        };
+        if matches!(plan, LogicalPlan::Ddl(_)) {
+            return Err(SqlError::Unsupported(
+                "CREATE or DROP inside a transaction; COMMIT or ROLLBACK first".into(),
+            ));
+        }
+        let written = open.written_tables();
+        match read_tables(plan).into_iter().find(|t| written.contains(t.as_str())) {
+            Some(table) => Err(SqlError::Unsupported(format!(
+                "reading table {table:?} after writing it in the same transaction (a read would not see the transaction's own writes); COMMIT first"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    async fn execute_transaction_control(&self, control: TxControl) -> Result<StatementOutput> {
+        match control {
+            TxControl::Begin => {
+                let mut transaction = self.transaction.lock().expect("transaction lock");
+                // As in PostgreSQL, a BEGIN inside a transaction changes nothing.
+                transaction.get_or_insert_with(Transaction::default);
+                Ok(done("BEGIN", None))
+            }
+            TxControl::Rollback => {
+                self.abandon_transaction();
+                Ok(done("ROLLBACK", None))
+            }
+            TxControl::Commit => {
+                let open = self.transaction.lock().expect("transaction lock").take();
+                match open {
+                    Some(open) if !open.is_empty() => {
+                        let changes = open.into_publish(|t| self.backend.table_def(t))?;
+                        let epoch = self.backend.publish(changes).await?;
+                        Ok(done("COMMIT", Some(epoch)))
+                    }
+                    _ => Ok(done("COMMIT", None)),
+                }
+            }
         }
     }
 
@@ -273,8 +383,13 @@ impl Engine {
         }
     }
 
+    /// Publishes one statement's changes, or inside a transaction keeps them for COMMIT.
     async fn publish(&self, changes: TableChanges, rows: usize) -> Result<Option<Epoch>> {
         if rows == 0 {
+            return Ok(None);
+        }
+        if let Some(open) = self.transaction.lock().expect("transaction lock").as_mut() {
+            open.record(changes);
             return Ok(None);
         }
         Ok(Some(self.backend.publish(vec![changes]).await?))
@@ -297,6 +412,11 @@ impl Engine {
         })?;
         if !def.append_only {
             reject_existing_keys(self.backend.as_ref(), &def, &batches).await?;
+            let pending = match self.transaction.lock().expect("transaction lock").as_ref() {
+                Some(open) => open.live_keys(&def)?,
+                None => Vec::new(),
+            };
+            reject_keys_among(&def, &batches, &pending)?;
         }
         let epoch = self
             .publish(
@@ -310,6 +430,39 @@ impl Engine {
             .await?;
         Ok((rows, epoch))
     }
+}
+
+/// A statement that opens or ends a transaction.
+enum TxControl {
+    Begin,
+    Commit,
+    Rollback,
+}
+
+fn transaction_control(statement: &DFStatement) -> Option<TxControl> {
+    let DFStatement::Statement(statement) = statement else {
+        return None;
+    };
+    match statement.as_ref() {
+        SqlStatement::StartTransaction { .. } => Some(TxControl::Begin),
+        SqlStatement::Commit { .. } => Some(TxControl::Commit),
+        SqlStatement::Rollback { .. } => Some(TxControl::Rollback),
+        _ => None,
+    }
+}
+
+/// The tables a plan reads, by their unqualified names.
+fn read_tables(plan: &LogicalPlan) -> Vec<String> {
+    use datafusion::common::tree_node::TreeNodeRecursion;
+    let mut tables = Vec::new();
+    let _ = plan.apply_with_subqueries(|node| {
+        if let LogicalPlan::TableScan(scan) = node {
+            let name = scan.table_name.table();
+            tables.push(crate::time_travel::split_epoch_name(name).map_or(name, |(t, _)| t).to_string());
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    tables
 }
 
 fn done(tag: &str, epoch: Option<Epoch>) -> StatementOutput {
@@ -360,33 +513,76 @@ fn partition_columns(expr: &SqlExpr) -> Result<Vec<String>> {
     }
 }
 
+/// The primary-key columns of `new_rows`, as comparable rows.
+struct NewKeys {
+    converter: RowConverter,
+    rows: arrow::row::Rows,
+    /// `new_rows` in the table's stored column order.
+    conformed: RecordBatch,
+}
+
+impl NewKeys {
+    fn of(def: &TableDef, new_rows: &[RecordBatch]) -> Result<NewKeys> {
+        let schema = stored_user_schema(def);
+        let conformed: Vec<RecordBatch> = new_rows
+            .iter()
+            .map(|b| tessera_storage::versions::conform_to_schema(def, b))
+            .collect::<std::result::Result<_, _>>()?;
+        let conformed = concat_batches(&schema, &conformed)?;
+        let key = def.primary_key_indices();
+        let fields: Vec<SortField> = key
+            .iter()
+            .map(|&i| SortField::new(schema.field(i).data_type().clone()))
+            .collect();
+        let converter = RowConverter::new(fields)?;
+        let rows = converter.convert_columns(
+            &key.iter()
+                .map(|&i| conformed.column(i).clone())
+                .collect::<Vec<_>>(),
+        )?;
+        Ok(NewKeys {
+            converter,
+            rows,
+            conformed,
+        })
+    }
+
+    /// Fails naming the first key of `existing` (batches of key columns) that is new too.
+    fn reject_among(&self, def: &TableDef, existing: &[RecordBatch]) -> Result<()> {
+        let wanted: HashSet<_> = self.rows.iter().collect();
+        for batch in existing {
+            let existing_keys = self.converter.convert_columns(batch.columns())?;
+            if let Some(row) =
+                (0..batch.num_rows()).find(|&i| wanted.contains(&existing_keys.row(i)))
+            {
+                let values: Vec<String> = batch
+                    .columns()
+                    .iter()
+                    .map(|c| {
+                        arrow::util::display::array_value_to_string(c, row).unwrap_or_default()
+                    })
+                    .collect();
+                return Err(SqlError::Constraint(format!(
+                    "duplicate key ({}) violates the primary key of table {:?}; use UPDATE to change an existing row",
+                    values.join(", "),
+                    def.name
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Fails if any key in `new_rows` already has a live row at the visible epoch.
 async fn reject_existing_keys(
     backend: &dyn Backend,
     def: &TableDef,
     new_rows: &[RecordBatch],
 ) -> Result<()> {
-    let schema = stored_user_schema(def);
-    let conformed: Vec<RecordBatch> = new_rows
-        .iter()
-        .map(|b| tessera_storage::versions::conform_to_schema(def, b))
-        .collect::<std::result::Result<_, _>>()?;
-    let new_rows = concat_batches(&schema, &conformed)?;
-    let key = def.primary_key_indices();
-    let fields: Vec<SortField> = key
-        .iter()
-        .map(|&i| SortField::new(schema.field(i).data_type().clone()))
-        .collect();
-    let converter = RowConverter::new(fields)?;
-    let new_keys = converter.convert_columns(
-        &key.iter()
-            .map(|&i| new_rows.column(i).clone())
-            .collect::<Vec<_>>(),
-    )?;
-    let wanted: HashSet<_> = new_keys.iter().collect();
+    let new_keys = NewKeys::of(def, new_rows)?;
     let stamped_placeholder = tessera_storage::versions::stamp(
         def,
-        &new_rows,
+        &new_keys.conformed,
         Epoch::ZERO,
         tessera_common::RowOp::Upsert,
     )?;
@@ -394,22 +590,16 @@ async fn reject_existing_keys(
         .into_iter()
         .map(|(p, _)| p)
         .collect();
-    for existing in backend.read_partitions(def, touched, key.clone()).await? {
-        let existing_keys = converter.convert_columns(existing.columns())?;
-        if let Some(row) =
-            (0..existing.num_rows()).find(|&i| wanted.contains(&existing_keys.row(i)))
-        {
-            let values: Vec<String> = existing
-                .columns()
-                .iter()
-                .map(|c| arrow::util::display::array_value_to_string(c, row).unwrap_or_default())
-                .collect();
-            return Err(SqlError::Constraint(format!(
-                "duplicate key ({}) violates the primary key of table {:?}; use UPDATE to change an existing row",
-                values.join(", "),
-                def.name
-            )));
-        }
+    let existing = backend
+        .read_partitions(def, touched, def.primary_key_indices())
+        .await?;
+    new_keys.reject_among(def, &existing)
+}
+
+/// Fails if any key in `new_rows` is among `existing` (batches of key columns).
+fn reject_keys_among(def: &TableDef, new_rows: &[RecordBatch], existing: &[RecordBatch]) -> Result<()> {
+    if existing.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    NewKeys::of(def, new_rows)?.reject_among(def, existing)
 }

@@ -48,3 +48,108 @@ pub fn from_datafusion(error: DataFusionError) -> SqlError {
 }
 
 pub type Result<T, E = SqlError> = std::result::Result<T, E>;
+
+impl SqlError {
+    /// The PostgreSQL error code (SQLSTATE) a client sees for this error: drivers and tools
+    /// branch on these (a retry on 40001, "relation does not exist" on 42P01).
+    pub fn sqlstate(&self) -> &'static str {
+        match self {
+            SqlError::Storage(storage) => storage_sqlstate(storage),
+            SqlError::DataFusion(error) => datafusion_sqlstate(error),
+            SqlError::Arrow(error) => arrow_sqlstate(error),
+            SqlError::Unsupported(_) => "0A000",
+            SqlError::Constraint(message) if message.starts_with("duplicate key") => "23505",
+            SqlError::Constraint(message) if message.contains("more than the limit") => "54000",
+            SqlError::Constraint(_) => "23000",
+            // The cluster could not run the statement now (no leader, an aborted epoch, a
+            // node out of reach): the client may retry, as after a serialization failure.
+            SqlError::Cluster(_) => "40001",
+            SqlError::TooLarge { .. } => "54000",
+        }
+    }
+}
+
+fn storage_sqlstate(error: &StorageError) -> &'static str {
+    match error {
+        StorageError::UnknownTable(_) => "42P01",
+        StorageError::TableExists(_) => "42P07",
+        StorageError::InvalidTable { .. } => "42P16",
+        StorageError::SchemaMismatch { reason, .. } if reason.contains("null") => "23502",
+        StorageError::SchemaMismatch { .. } => "42804",
+        StorageError::DuplicateKey { .. } => "23505",
+        StorageError::AppendOnly { .. } => "0A000",
+        StorageError::PublishTooLarge { .. } => "54000",
+        StorageError::EpochNotVisible { .. } | StorageError::EpochNotRetained { .. } => "22023",
+        StorageError::CorruptComponent { .. }
+        | StorageError::MissingComponent { .. }
+        | StorageError::CorruptLog { .. }
+        | StorageError::CorruptCheckpoint { .. } => "XX001",
+        StorageError::Io { .. } | StorageError::Poisoned(_) => "58030",
+        _ => "XX000",
+    }
+}
+
+fn arrow_sqlstate(error: &arrow::error::ArrowError) -> &'static str {
+    use arrow::error::ArrowError;
+    match error {
+        ArrowError::DivideByZero => "22012",
+        ArrowError::CastError(_) | ArrowError::ParseError(_) => "22P02",
+        ArrowError::ComputeError(message) if message.contains("overflow") => "22003",
+        _ => "XX000",
+    }
+}
+
+fn datafusion_sqlstate(error: &DataFusionError) -> &'static str {
+    use datafusion::common::SchemaError;
+    match error {
+        DataFusionError::SQL(..) => "42601",
+        DataFusionError::SchemaError(error, _) => match error.as_ref() {
+            SchemaError::FieldNotFound { .. } => "42703",
+            SchemaError::AmbiguousReference { .. } => "42702",
+            _ => "42P01",
+        },
+        DataFusionError::Plan(message) if message.contains("not found") && message.contains("table") => "42P01",
+        DataFusionError::Plan(message) if message.contains("does not exist") => "42P01",
+        DataFusionError::Plan(message) if message.contains("No function matches") || message.contains("Invalid function") => "42883",
+        DataFusionError::Plan(_) => "42000",
+        DataFusionError::NotImplemented(_) => "0A000",
+        DataFusionError::ResourcesExhausted(_) => "53200",
+        DataFusionError::ArrowError(error, _) => arrow_sqlstate(error),
+        DataFusionError::Context(_, inner) | DataFusionError::Diagnostic(_, inner) => datafusion_sqlstate(inner),
+        DataFusionError::Shared(inner) => datafusion_sqlstate(inner),
+        DataFusionError::External(inner) => match inner.downcast_ref::<StorageError>() {
+            Some(storage) => storage_sqlstate(storage),
+            None => "XX000",
+        },
+        DataFusionError::Execution(message) if message.contains("Divide by zero") => "22012",
+        DataFusionError::Execution(message) if message.contains("Cast error") => "22P02",
+        _ => "XX000",
+    }
+}
+
+/// The error as one message, each cause said once: DataFusion's category prefixes
+/// ("Error during planning: ") and repeated context dropped.
+pub fn one_message(error: &SqlError) -> String {
+    match error {
+        SqlError::DataFusion(error) => datafusion_message(error),
+        other => other.to_string(),
+    }
+}
+
+fn datafusion_message(error: &DataFusionError) -> String {
+    match error {
+        DataFusionError::Context(context, inner) => {
+            let inner = datafusion_message(inner);
+            if inner.contains(context.as_str()) {
+                inner
+            } else {
+                format!("{context}: {inner}")
+            }
+        }
+        DataFusionError::Diagnostic(_, inner) => datafusion_message(inner),
+        DataFusionError::Shared(inner) => datafusion_message(inner),
+        DataFusionError::External(inner) => inner.to_string(),
+        DataFusionError::ArrowError(inner, _) => inner.to_string(),
+        other => other.message().trim().to_string(),
+    }
+}

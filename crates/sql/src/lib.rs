@@ -13,6 +13,7 @@ pub mod options;
 pub mod provider;
 pub mod scan;
 pub mod time_travel;
+pub mod transaction;
 
 pub use backend::{Backend, LocalBackend};
 pub use engine::{Engine, StatementOutput};

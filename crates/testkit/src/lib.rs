@@ -153,6 +153,8 @@ pub struct LocalCluster {
     replication: u32,
     /// Address of node `id` at index `id - 1`.
     addrs: Vec<String>,
+    /// Where node `id` serves PostgreSQL clients, at index `id - 1` (loopback clusters).
+    pg_addrs: Vec<String>,
     /// The founding members, listed as peers in every configuration.
     founders: usize,
     /// The Raft voters, if not the default (the three lowest ids).
@@ -192,11 +194,23 @@ impl LocalCluster {
         partitions: u32,
         replication: u32,
     ) -> LocalCluster {
-        let addrs = free_ports(nodes)
+        let mut addrs: Vec<String> = free_ports(2 * nodes)
             .into_iter()
             .map(|p| format!("127.0.0.1:{p}"))
             .collect();
-        Self::configure_at(binary, root, addrs, partitions, replication, None, None)
+        let pg_addrs = addrs.split_off(nodes);
+        let mut cluster =
+            Self::configure_at(binary, root, addrs, partitions, replication, None, None);
+        cluster.pg_addrs = pg_addrs;
+        for id in cluster.node_ids() {
+            cluster.write_config(id, &cluster.cluster_id);
+        }
+        cluster
+    }
+
+    /// Where node `id` serves PostgreSQL clients (`pg_listen`); loopback clusters only.
+    pub fn pg_addr(&self, id: u64) -> Option<&str> {
+        self.pg_addrs.get(id as usize - 1).map(String::as_str)
     }
 
     /// As [`LocalCluster::configure`], each node in its own network namespace of a new
@@ -247,6 +261,7 @@ impl LocalCluster {
             partitions,
             replication,
             addrs,
+            pg_addrs: Vec::new(),
             founders: nodes,
             voters: None,
             extra: String::new(),
@@ -346,8 +361,12 @@ impl LocalCluster {
             .as_ref()
             .map(|v| format!("voters = {v:?}\n"))
             .unwrap_or_default();
+        let pg_listen = self
+            .pg_addr(id)
+            .map(|addr| format!("pg_listen = \"{addr}\"\n"))
+            .unwrap_or_default();
         format!(
-            "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\ndata_dir = \"data\"\npartitions = {}\nreplication = {}\n{voters}{}{peers}",
+            "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\n{pg_listen}data_dir = \"data\"\npartitions = {}\nreplication = {}\n{voters}{}{peers}",
             self.addr(id),
             self.partitions,
             self.replication,

@@ -99,8 +99,47 @@ pub fn same_answer(
     actual: &[RecordBatch],
     rel_tol: f64,
 ) -> Result<(), String> {
-    let expected = rows(expected)?;
-    let actual = rows(actual)?;
+    compare_rows(&rows(expected)?, &rows(actual)?, rel_tol)
+}
+
+/// As [`same_answer`], where `actual` is rows of text as a client such as `psql` prints
+/// them (`None` for NULL): a value of a float column of `expected` is parsed as a float,
+/// any other is compared as Arrow displays it.
+pub fn same_text_answer(
+    expected: &[RecordBatch],
+    actual: &[Vec<Option<String>>],
+    rel_tol: f64,
+) -> Result<(), String> {
+    let float_columns: Vec<bool> = match expected.first() {
+        Some(batch) => batch
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| matches!(f.data_type(), DataType::Float64 | DataType::Float32))
+            .collect(),
+        None => Vec::new(),
+    };
+    let mut actual: Vec<Vec<Cell>> = actual
+        .iter()
+        .map(|row| {
+            row.iter()
+                .enumerate()
+                .map(|(i, text)| match text {
+                    None => Ok(Cell::Null),
+                    Some(text) if float_columns.get(i).copied().unwrap_or(false) => text
+                        .parse::<f64>()
+                        .map(Cell::Float)
+                        .map_err(|e| format!("column {i}: {text:?} is not a float: {e}")),
+                    Some(text) => Ok(Cell::Exact(text.clone())),
+                })
+                .collect::<Result<Vec<Cell>, String>>()
+        })
+        .collect::<Result<_, _>>()?;
+    actual.sort_by_cached_key(|row| row.iter().map(Cell::sort_key).collect::<Vec<_>>());
+    compare_rows(&rows(expected)?, &actual, rel_tol)
+}
+
+fn compare_rows(expected: &[Vec<Cell>], actual: &[Vec<Cell>], rel_tol: f64) -> Result<(), String> {
     if expected.len() != actual.len() {
         return Err(format!(
             "expected {} rows, got {}",
@@ -108,7 +147,7 @@ pub fn same_answer(
             actual.len()
         ));
     }
-    for (i, (e, a)) in expected.iter().zip(&actual).enumerate() {
+    for (i, (e, a)) in expected.iter().zip(actual).enumerate() {
         if e.len() != a.len() {
             return Err(format!(
                 "row {i}: expected {} columns, got {}",

@@ -12,6 +12,8 @@ use tessera_server::{ClusterClient, NodeConfig, NodeId, Peer};
 pub struct UpOptions {
     pub nodes: u64,
     pub base_port: u16,
+    /// Node i serves PostgreSQL clients on this + i - 1; none when unset.
+    pub pg_base_port: Option<u16>,
     pub partitions: u32,
     pub replication: u32,
     pub delta_recovery: bool,
@@ -26,6 +28,7 @@ impl UpOptions {
         UpOptions {
             nodes,
             base_port: 0,
+            pg_base_port: None,
             partitions,
             replication,
             delta_recovery: true,
@@ -72,6 +75,11 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
             cluster_id: cluster_id.clone(),
             node_id: peer.id,
             listen: peer.addr,
+            pg_listen: options.pg_base_port.map(|base| {
+                format!("127.0.0.1:{}", base as u64 + peer.id.0 - 1)
+                    .parse()
+                    .expect("loopback address")
+            }),
             data_dir: PathBuf::from("data"),
             peers: peers.clone(),
             voters: None,
@@ -121,7 +129,20 @@ pub async fn run(root: &Path, options: UpOptions) -> Result<()> {
             );
             for config in &configs {
                 let config = NodeConfig::load(config)?;
-                println!("  node {} listening on {}", config.node_id, config.listen);
+                match config.pg_listen {
+                    Some(pg) => println!(
+                        "  node {}: RPC {}, SQL (PostgreSQL) {}",
+                        config.node_id, config.listen, pg
+                    ),
+                    None => println!("  node {} listening on {}", config.node_id, config.listen),
+                }
+            }
+            if let Some(pg) = NodeConfig::load(&configs[0])?.pg_listen {
+                println!(
+                    "connect with: psql -h {} -p {} (any node)",
+                    pg.ip(),
+                    pg.port()
+                );
             }
             println!(
                 "connect with: tessera --node {} sql",

@@ -1,0 +1,255 @@
+//! Real PostgreSQL clients against a real 3-node cluster: `psql` (the binary, as a user
+//! runs it) and `tokio-postgres` (a driver speaking the extended protocol: prepared
+//! statements, binary parameters and results). Every TPC-H query answers through `psql`
+//! exactly as plain DataFusion does; transactions publish one epoch or nothing; settings
+//! belong to one connection; errors carry their SQLSTATE.
+
+use std::path::Path;
+use std::process::Command;
+use tessera_server::ClusterClient;
+use tessera_testkit::LocalCluster;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::NoTls;
+
+mod common;
+use common::{load_tpch, wait_formed};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
+const PARTITIONS: u32 = 8;
+const SF: f64 = 0.02;
+
+/// Clusters run one at a time on a 2-core machine.
+static ONE_CLUSTER_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    ONE_CLUSTER_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+async fn cluster(root: &Path) -> LocalCluster {
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root, 3, PARTITIONS, 3);
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    cluster
+}
+
+/// Runs `psql` against node `id`: its rows (unaligned, fields split on the unit
+/// separator, NULL as `None`), or its stderr as the error.
+fn psql(cluster: &LocalCluster, id: u64, args: &[&str]) -> Result<(Vec<Vec<Option<String>>>, String), String> {
+    let addr = cluster.pg_addr(id).expect("pg_listen configured");
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    let output = Command::new("psql")
+        .args(["-X", "-q", "-A", "-t", "-F", "\x1f", "-P", "null=\x1e", "-v", "ON_ERROR_STOP=1"])
+        .args(["-h", host, "-p", port, "-U", "tessera", "-d", "tessera"])
+        .args(args)
+        .output()
+        .expect("psql is installed (apt: postgresql-client)");
+    let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+    if !output.status.success() {
+        return Err(stderr);
+    }
+    let rows = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|line| !line.is_empty())
+        .map(|line| {
+            line.split('\x1f')
+                .map(|cell| (cell != "\x1e").then(|| cell.to_string()))
+                .collect()
+        })
+        .collect();
+    Ok((rows, stderr))
+}
+
+async fn connect(cluster: &LocalCluster, id: u64) -> tokio_postgres::Client {
+    let addr = cluster.pg_addr(id).expect("pg_listen configured");
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    let (client, connection) = tokio_postgres::connect(
+        &format!("host={host} port={port} user=tessera dbname=tessera"),
+        NoTls,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("connecting to node {id} at {addr}: {e}"));
+    tokio::spawn(connection);
+    client
+}
+
+async fn visible_epoch(cluster: &LocalCluster) -> u64 {
+    ClusterClient::new(cluster.addr(1))
+        .status()
+        .await
+        .unwrap()
+        .meta
+        .visible
+        .0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psql_answers_every_tpch_query_exactly_and_describes_tables() {
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let cluster = cluster(root.path()).await;
+    load_tpch(&cluster, SF).await;
+    let oracle = tessera_tpch::oracle::oracle(SF).unwrap();
+    let mut failures = Vec::new();
+    for q in 1..=22 {
+        let sql = tessera_tpch::query(q);
+        let expected = oracle.sql(sql).await.unwrap().collect().await.unwrap();
+        let id = 1 + (q as u64 % 3);
+        match psql(&cluster, id, &["-c", sql]) {
+            Ok((rows, _)) => {
+                if let Err(diff) = tessera_tpch::compare::same_text_answer(&expected, &rows, 1e-9) {
+                    failures.push(format!("Q{q} on node {id}: {diff}"));
+                }
+            }
+            Err(error) => failures.push(format!("Q{q} on node {id} failed: {error}")),
+        }
+    }
+    assert!(failures.is_empty(), "answers differ:\n{}", failures.join("\n"));
+
+    // psql's own catalog queries: \dt lists the tables, \d describes one.
+    let (tables, _) = psql(&cluster, 2, &["-c", "\\dt"]).unwrap();
+    let names: Vec<&str> = tables
+        .iter()
+        .filter_map(|row| row.get(1).and_then(|c| c.as_deref()))
+        .collect();
+    for table in ["customer", "lineitem", "nation", "orders", "part", "partsupp", "region", "supplier"] {
+        assert!(names.contains(&table), "\\dt lists {table}: {tables:?}");
+    }
+    let (columns, _) = psql(&cluster, 3, &["-c", "\\d lineitem"]).unwrap();
+    let column_names: Vec<&str> = columns
+        .iter()
+        .filter_map(|row| row.first().and_then(|c| c.as_deref()))
+        .collect();
+    for column in ["l_orderkey", "l_linenumber", "l_extendedprice", "l_shipdate"] {
+        assert!(column_names.contains(&column), "\\d lineitem shows {column}: {columns:?}");
+    }
+
+    // Time travel through psql: the count as of the load's epoch stays put after a write.
+    let epoch = visible_epoch(&cluster).await;
+    let count = |sql: &str| psql(&cluster, 1, &["-c", sql]).unwrap().0[0][0].clone().unwrap();
+    let before = count("SELECT count(*) FROM region");
+    psql(&cluster, 1, &["-c", "DELETE FROM region WHERE r_regionkey = 0"]).unwrap();
+    assert_eq!(count("SELECT count(*) FROM region"), "4");
+    assert_eq!(count(&format!("SELECT count(*) FROM region AS OF EPOCH {epoch}")), before);
+
+    // A bad statement gets one clear message, and psql's exit status says it failed.
+    let error = psql(&cluster, 1, &["-c", "SELECT * FROM nosuch"]).unwrap_err();
+    assert!(error.contains("nosuch"), "{error}");
+    assert_eq!(error.matches("nosuch").count(), 1, "the message names the table once: {error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drivers_get_transactions_prepared_statements_and_sqlstates() {
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let cluster = cluster(root.path()).await;
+    let a = connect(&cluster, 1).await;
+    let b = connect(&cluster, 2).await;
+    a.batch_execute(
+        "CREATE TABLE accounts (id BIGINT NOT NULL, owner VARCHAR, balance DOUBLE, PRIMARY KEY (id)); \
+         CREATE TABLE audit (id BIGINT NOT NULL, note VARCHAR, PRIMARY KEY (id))",
+    )
+    .await
+    .unwrap();
+
+    // Prepared statements with binary parameters and results (tokio-postgres binds
+    // parameters in binary and reads binary rows).
+    let insert = a
+        .prepare("INSERT INTO accounts (id, owner, balance) VALUES ($1, $2, $3)")
+        .await
+        .unwrap();
+    for (id, owner, balance) in [(1i64, "ada", 10.5f64), (2, "bob", 20.25), (3, "cy", 0.0)] {
+        assert_eq!(a.execute(&insert, &[&id, &owner, &balance]).await.unwrap(), 1);
+    }
+    let select = b
+        .prepare("SELECT owner, balance FROM accounts WHERE id = $1")
+        .await
+        .unwrap();
+    let row = b.query_one(&select, &[&2i64]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "bob");
+    assert_eq!(row.get::<_, f64>(1), 20.25);
+    let rows = b
+        .query("SELECT id FROM accounts WHERE balance > $1 ORDER BY id", &[&5.0f64])
+        .await
+        .unwrap();
+    let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(ids, vec![1, 2]);
+
+    // A transaction publishes its writes to both tables as one epoch, seen by nobody
+    // before COMMIT.
+    let before = visible_epoch(&cluster).await;
+    a.batch_execute("BEGIN").await.unwrap();
+    let updated = a
+        .execute("UPDATE accounts SET balance = 99.0 WHERE id = 3", &[])
+        .await
+        .unwrap();
+    assert_eq!(updated, 1);
+    a.execute("INSERT INTO accounts VALUES (4, 'dee', 5.0)", &[]).await.unwrap();
+    a.execute("INSERT INTO audit VALUES (1, 'opened 4')", &[]).await.unwrap();
+    let seen = b.query("SELECT id FROM accounts WHERE id = 4", &[]).await.unwrap();
+    assert!(seen.is_empty(), "an uncommitted write is invisible to others");
+    assert_eq!(visible_epoch(&cluster).await, before, "nothing published yet");
+    a.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(visible_epoch(&cluster).await, before + 1, "one epoch for the whole transaction");
+    let row = b.query_one("SELECT balance FROM accounts WHERE id = 3", &[]).await.unwrap();
+    assert_eq!(row.get::<_, f64>(0), 99.0, "the UPDATE inside the transaction committed");
+    let row = b.query_one("SELECT owner FROM accounts WHERE id = 4", &[]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "dee");
+    let audit = b.query("SELECT note FROM audit", &[]).await.unwrap();
+    assert_eq!(audit.len(), 1);
+
+    // ROLLBACK publishes nothing; so does a connection dropped mid-transaction.
+    a.batch_execute("BEGIN; INSERT INTO audit VALUES (2, 'rolled back'); ROLLBACK")
+        .await
+        .unwrap();
+    {
+        let c = connect(&cluster, 3).await;
+        c.batch_execute("BEGIN").await.unwrap();
+        c.execute("INSERT INTO audit VALUES (3, 'dropped')", &[]).await.unwrap();
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let audit = b.query("SELECT id FROM audit ORDER BY id", &[]).await.unwrap();
+    assert_eq!(audit.iter().map(|r| r.get::<_, i64>(0)).collect::<Vec<_>>(), vec![1]);
+
+    // A read of a table the transaction already wrote would miss its own rows: refused.
+    a.batch_execute("BEGIN; INSERT INTO audit VALUES (4, 'then read')").await.unwrap();
+    let refused = a.query("SELECT count(*) FROM audit", &[]).await.unwrap_err();
+    assert_eq!(refused.code(), Some(&SqlState::FEATURE_NOT_SUPPORTED), "{refused:?}");
+    a.batch_execute("ROLLBACK").await.unwrap();
+
+    // Errors carry their SQLSTATE.
+    let code = |e: tokio_postgres::Error| e.code().cloned();
+    let missing = b.query("SELECT * FROM nosuch", &[]).await.unwrap_err();
+    assert_eq!(code(missing), Some(SqlState::UNDEFINED_TABLE));
+    let syntax = b.query("SELEC 1", &[]).await.unwrap_err();
+    assert_eq!(code(syntax), Some(SqlState::SYNTAX_ERROR));
+    let duplicate = b
+        .execute("INSERT INTO accounts VALUES (1, 'again', 0.0)", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(code(duplicate), Some(SqlState::UNIQUE_VIOLATION));
+
+    // A failed statement aborts the transaction until it ends; COMMIT then rolls back.
+    b.batch_execute("BEGIN").await.unwrap();
+    b.execute("INSERT INTO audit VALUES (5, 'lost')", &[]).await.unwrap();
+    assert!(b.query("SELECT * FROM nosuch", &[]).await.is_err());
+    let aborted = b.query("SELECT 1", &[]).await.unwrap_err();
+    assert_eq!(code(aborted), Some(SqlState::IN_FAILED_SQL_TRANSACTION));
+    b.batch_execute("COMMIT").await.unwrap();
+    let audit = b.query("SELECT id FROM audit ORDER BY id", &[]).await.unwrap();
+    assert_eq!(audit.len(), 1, "the failed transaction published nothing");
+
+    // Settings belong to one connection.
+    a.batch_execute("SET tessera.recovery = 'restart'").await.unwrap();
+    let shown = |rows: Vec<tokio_postgres::SimpleQueryMessage>| {
+        rows.into_iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(1).map(str::to_string),
+                _ => None,
+            })
+            .unwrap()
+    };
+    assert_eq!(shown(a.simple_query("SHOW tessera.recovery").await.unwrap()), "restart");
+    assert_ne!(shown(b.simple_query("SHOW tessera.recovery").await.unwrap()), "restart");
+}

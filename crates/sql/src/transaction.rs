@@ -1,0 +1,242 @@
+//! A transaction: one connection's writes between `BEGIN` and `COMMIT`, published together
+//! as one epoch (atomic across tables, as any publish is).
+//!
+//! Reads inside the transaction see the epoch current at its first statement (the
+//! statement view is pinned then and kept). Reading a table the transaction has already
+//! written is refused rather than answered without the transaction's own writes.
+//! `ROLLBACK`, or dropping the engine (a closed connection), publishes nothing.
+
+use crate::error::{Result, SqlError};
+use arrow::array::{BooleanArray, RecordBatch};
+use arrow::compute::filter_record_batch;
+use arrow::row::{OwnedRow, RowConverter, SortField};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use tessera_storage::versions::{conform_to_schema, stored_user_schema};
+use tessera_storage::{TableChanges, TableDef};
+
+/// The writes of an open transaction, in statement order.
+#[derive(Debug, Default)]
+pub struct Transaction {
+    changes: Vec<TableChanges>,
+    /// Whether the statement view has been pinned for this transaction (at its first
+    /// statement); later statements keep it.
+    pub(crate) view_pinned: bool,
+}
+
+impl Transaction {
+    pub fn record(&mut self, change: TableChanges) {
+        self.changes.push(change);
+    }
+
+    /// The tables this transaction has written so far.
+    pub fn written_tables(&self) -> BTreeSet<&str> {
+        self.changes.iter().map(|c| c.table.as_str()).collect()
+    }
+
+    /// The primary keys of `def` this transaction has written live rows for so far (rows it
+    /// inserted or updated and did not delete since): an INSERT of one of them violates the
+    /// primary key, as it would after COMMIT.
+    pub fn live_keys(&self, def: &TableDef) -> Result<Vec<RecordBatch>> {
+        let changes: Vec<TableChanges> = self
+            .changes
+            .iter()
+            .filter(|c| c.table == def.name)
+            .cloned()
+            .collect();
+        if changes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let key = def.primary_key_indices();
+        merge_table_changes(def, changes)?
+            .upserts
+            .iter()
+            .map(|b| Ok(conform_to_schema(def, b)?.project(&key)?))
+            .collect()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.changes.is_empty()
+    }
+
+    /// The changes to publish at commit: one `TableChanges` per table, where a later
+    /// statement's row for a key replaces an earlier one's (an INSERT then an UPDATE of the
+    /// same key publishes the updated row; an INSERT then a DELETE, a tombstone).
+    pub fn into_publish(self, def_of: impl Fn(&str) -> Option<TableDef>) -> Result<Vec<TableChanges>> {
+        let mut by_table: BTreeMap<String, Vec<TableChanges>> = BTreeMap::new();
+        for change in self.changes {
+            by_table.entry(change.table.clone()).or_default().push(change);
+        }
+        by_table
+            .into_iter()
+            .map(|(table, changes)| {
+                let def = def_of(&table).ok_or_else(|| {
+                    SqlError::Storage(tessera_storage::StorageError::UnknownTable(table.clone()))
+                })?;
+                merge_table_changes(&def, changes)
+            })
+            .collect()
+    }
+}
+
+/// Folds one table's changes, oldest first, into one: for each key only the newest
+/// statement's row (an upsert or a delete) is kept.
+fn merge_table_changes(def: &TableDef, changes: Vec<TableChanges>) -> Result<TableChanges> {
+    let key = def.primary_key_indices();
+    let mut merged = TableChanges {
+        table: def.name.clone(),
+        upserts: Vec::new(),
+        deletes: Vec::new(),
+    };
+    if key.is_empty() || changes.len() == 1 {
+        // Append-only rows have no key to collide on; one statement has nothing to fold.
+        for change in changes {
+            merged.upserts.extend(change.upserts);
+            merged.deletes.extend(change.deletes);
+        }
+        return Ok(merged);
+    }
+    let schema = stored_user_schema(def);
+    let converter = RowConverter::new(
+        key.iter()
+            .map(|&i| SortField::new(schema.field(i).data_type().clone()))
+            .collect(),
+    )?;
+    // Keys written by statements newer than the one being looked at.
+    let mut newer: HashSet<OwnedRow> = HashSet::new();
+    for change in changes.into_iter().rev() {
+        let mut this_statement: Vec<OwnedRow> = Vec::new();
+        let mut keep_unwritten = |keys: &RecordBatch, rows: &RecordBatch| -> Result<RecordBatch> {
+            let converted = converter.convert_columns(keys.columns())?;
+            let keep: BooleanArray = converted
+                .iter()
+                .map(|row| {
+                    let fresh = !newer.contains(&row.owned());
+                    if fresh {
+                        this_statement.push(row.owned());
+                    }
+                    Some(fresh)
+                })
+                .collect();
+            Ok(filter_record_batch(rows, &keep)?)
+        };
+        for batch in change.upserts.iter().rev() {
+            let rows = conform_to_schema(def, batch)?;
+            let kept = keep_unwritten(&rows.project(&key)?, &rows)?;
+            merged.upserts.push(kept);
+        }
+        for batch in change.deletes.iter().rev() {
+            let kept = keep_unwritten(batch, batch)?;
+            merged.deletes.push(kept);
+        }
+        newer.extend(this_statement);
+    }
+    merged.upserts.retain(|b| b.num_rows() > 0);
+    merged.deletes.retain(|b| b.num_rows() > 0);
+    Ok(merged)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Int64Array, StringArray};
+    use arrow::datatypes::{DataType, Field, Schema};
+    use std::sync::Arc;
+
+    fn def() -> TableDef {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("v", DataType::Utf8, true),
+        ]));
+        TableDef::new("t", schema, vec!["id".into()], None).unwrap()
+    }
+
+    fn rows(ids: &[i64], values: &[&str]) -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("v", DataType::Utf8, true),
+        ]));
+        RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(Int64Array::from(ids.to_vec())),
+                Arc::new(StringArray::from(values.to_vec())),
+            ],
+        )
+        .unwrap()
+    }
+
+    fn keys(ids: &[i64]) -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false)]));
+        RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from(ids.to_vec()))]).unwrap()
+    }
+
+    fn ids(batches: &[RecordBatch]) -> Vec<i64> {
+        let mut out: Vec<i64> = batches
+            .iter()
+            .flat_map(|b| {
+                b.column(0)
+                    .as_any()
+                    .downcast_ref::<Int64Array>()
+                    .unwrap()
+                    .values()
+                    .to_vec()
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn the_newest_statement_wins_per_key() {
+        let mut tx = Transaction::default();
+        tx.record(TableChanges {
+            table: "t".into(),
+            upserts: vec![rows(&[1, 2, 3], &["a", "b", "c"])],
+            deletes: vec![],
+        });
+        tx.record(TableChanges {
+            table: "t".into(),
+            upserts: vec![rows(&[2], &["B"])],
+            deletes: vec![],
+        });
+        tx.record(TableChanges {
+            table: "t".into(),
+            upserts: vec![],
+            deletes: vec![keys(&[3, 4])],
+        });
+        let merged = tx.into_publish(|_| Some(def())).unwrap();
+        assert_eq!(merged.len(), 1);
+        assert_eq!(ids(&merged[0].upserts), vec![1, 2]);
+        assert_eq!(ids(&merged[0].deletes), vec![3, 4]);
+        let updated = merged[0]
+            .upserts
+            .iter()
+            .find_map(|b| {
+                let id = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+                (0..b.num_rows())
+                    .find(|&i| id.value(i) == 2)
+                    .map(|i| {
+                        b.column(1)
+                            .as_any()
+                            .downcast_ref::<StringArray>()
+                            .unwrap()
+                            .value(i)
+                            .to_string()
+                    })
+            })
+            .unwrap();
+        assert_eq!(updated, "B", "the UPDATE replaced the INSERT's row");
+    }
+
+    #[test]
+    fn an_unknown_table_is_named() {
+        let mut tx = Transaction::default();
+        tx.record(TableChanges {
+            table: "gone".into(),
+            upserts: vec![rows(&[1], &["a"])],
+            deletes: vec![],
+        });
+        let error = tx.into_publish(|_| None).unwrap_err().to_string();
+        assert!(error.contains("gone"), "{error}");
+    }
+}
