@@ -36,11 +36,26 @@ async fn cluster(root: &Path) -> LocalCluster {
 
 /// Runs `psql` against node `id`: its rows (unaligned, fields split on the unit
 /// separator, NULL as `None`), or its stderr as the error.
-fn psql(cluster: &LocalCluster, id: u64, args: &[&str]) -> Result<(Vec<Vec<Option<String>>>, String), String> {
+fn psql(
+    cluster: &LocalCluster,
+    id: u64,
+    args: &[&str],
+) -> Result<(Vec<Vec<Option<String>>>, String), String> {
     let addr = cluster.pg_addr(id).expect("pg_listen configured");
     let (host, port) = addr.rsplit_once(':').unwrap();
     let output = Command::new("psql")
-        .args(["-X", "-q", "-A", "-t", "-F", "\x1f", "-P", "null=\x1e", "-v", "ON_ERROR_STOP=1"])
+        .args([
+            "-X",
+            "-q",
+            "-A",
+            "-t",
+            "-F",
+            "\x1f",
+            "-P",
+            "null=\x1e",
+            "-v",
+            "ON_ERROR_STOP=1",
+        ])
         .args(["-h", host, "-p", port, "-U", "tessera", "-d", "tessera"])
         .args(args)
         .output()
@@ -105,7 +120,11 @@ async fn psql_answers_every_tpch_query_exactly_and_describes_tables() {
             Err(error) => failures.push(format!("Q{q} on node {id} failed: {error}")),
         }
     }
-    assert!(failures.is_empty(), "answers differ:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "answers differ:\n{}",
+        failures.join("\n")
+    );
 
     // psql's own catalog queries: \dt lists the tables, \d describes one.
     let (tables, _) = psql(&cluster, 2, &["-c", "\\dt"]).unwrap();
@@ -113,7 +132,9 @@ async fn psql_answers_every_tpch_query_exactly_and_describes_tables() {
         .iter()
         .filter_map(|row| row.get(1).and_then(|c| c.as_deref()))
         .collect();
-    for table in ["customer", "lineitem", "nation", "orders", "part", "partsupp", "region", "supplier"] {
+    for table in [
+        "customer", "lineitem", "nation", "orders", "part", "partsupp", "region", "supplier",
+    ] {
         assert!(names.contains(&table), "\\dt lists {table}: {tables:?}");
     }
     let (columns, _) = psql(&cluster, 3, &["-c", "\\d lineitem"]).unwrap();
@@ -121,22 +142,59 @@ async fn psql_answers_every_tpch_query_exactly_and_describes_tables() {
         .iter()
         .filter_map(|row| row.first().and_then(|c| c.as_deref()))
         .collect();
-    for column in ["l_orderkey", "l_linenumber", "l_extendedprice", "l_shipdate"] {
-        assert!(column_names.contains(&column), "\\d lineitem shows {column}: {columns:?}");
+    for column in [
+        "l_orderkey",
+        "l_linenumber",
+        "l_extendedprice",
+        "l_shipdate",
+    ] {
+        assert!(
+            column_names.contains(&column),
+            "\\d lineitem shows {column}: {columns:?}"
+        );
     }
 
     // Time travel through psql: the count as of the load's epoch stays put after a write.
     let epoch = visible_epoch(&cluster).await;
-    let count = |sql: &str| psql(&cluster, 1, &["-c", sql]).unwrap().0[0][0].clone().unwrap();
+    let count = |sql: &str| {
+        psql(&cluster, 1, &["-c", sql]).unwrap().0[0][0]
+            .clone()
+            .unwrap()
+    };
     let before = count("SELECT count(*) FROM region");
-    psql(&cluster, 1, &["-c", "DELETE FROM region WHERE r_regionkey = 0"]).unwrap();
+    psql(
+        &cluster,
+        1,
+        &["-c", "DELETE FROM region WHERE r_regionkey = 0"],
+    )
+    .unwrap();
     assert_eq!(count("SELECT count(*) FROM region"), "4");
-    assert_eq!(count(&format!("SELECT count(*) FROM region AS OF EPOCH {epoch}")), before);
+    assert_eq!(
+        count(&format!("SELECT count(*) FROM region AS OF EPOCH {epoch}")),
+        before
+    );
 
     // A bad statement gets one clear message, and psql's exit status says it failed.
     let error = psql(&cluster, 1, &["-c", "SELECT * FROM nosuch"]).unwrap_err();
     assert!(error.contains("nosuch"), "{error}");
-    assert_eq!(error.matches("nosuch").count(), 1, "the message names the table once: {error}");
+    assert_eq!(
+        error.matches("nosuch").count(),
+        1,
+        "the message names the table once: {error}"
+    );
+
+    // A node killed just before a query (the cluster still counts it alive, so the plan
+    // places work on it): the exact answer arrives, with a NOTICE saying how it survived.
+    let mut cluster = cluster;
+    cluster.kill9(3);
+    let sql = tessera_tpch::query(1);
+    let (rows, stderr) = psql(&cluster, 1, &["-c", sql]).expect("the query survives the lost node");
+    let expected = oracle.sql(sql).await.unwrap().collect().await.unwrap();
+    tessera_tpch::compare::same_text_answer(&expected, &rows, 1e-9).unwrap();
+    assert!(
+        stderr.contains("NOTICE"),
+        "psql shows the recovery notice: {stderr:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -160,7 +218,10 @@ async fn drivers_get_transactions_prepared_statements_and_sqlstates() {
         .await
         .unwrap();
     for (id, owner, balance) in [(1i64, "ada", 10.5f64), (2, "bob", 20.25), (3, "cy", 0.0)] {
-        assert_eq!(a.execute(&insert, &[&id, &owner, &balance]).await.unwrap(), 1);
+        assert_eq!(
+            a.execute(&insert, &[&id, &owner, &balance]).await.unwrap(),
+            1
+        );
     }
     let select = b
         .prepare("SELECT owner, balance FROM accounts WHERE id = $1")
@@ -170,7 +231,10 @@ async fn drivers_get_transactions_prepared_statements_and_sqlstates() {
     assert_eq!(row.get::<_, String>(0), "bob");
     assert_eq!(row.get::<_, f64>(1), 20.25);
     let rows = b
-        .query("SELECT id FROM accounts WHERE balance > $1 ORDER BY id", &[&5.0f64])
+        .query(
+            "SELECT id FROM accounts WHERE balance > $1 ORDER BY id",
+            &[&5.0f64],
+        )
         .await
         .unwrap();
     let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
@@ -185,16 +249,44 @@ async fn drivers_get_transactions_prepared_statements_and_sqlstates() {
         .await
         .unwrap();
     assert_eq!(updated, 1);
-    a.execute("INSERT INTO accounts VALUES (4, 'dee', 5.0)", &[]).await.unwrap();
-    a.execute("INSERT INTO audit VALUES (1, 'opened 4')", &[]).await.unwrap();
-    let seen = b.query("SELECT id FROM accounts WHERE id = 4", &[]).await.unwrap();
-    assert!(seen.is_empty(), "an uncommitted write is invisible to others");
-    assert_eq!(visible_epoch(&cluster).await, before, "nothing published yet");
+    a.execute("INSERT INTO accounts VALUES (4, 'dee', 5.0)", &[])
+        .await
+        .unwrap();
+    a.execute("INSERT INTO audit VALUES (1, 'opened 4')", &[])
+        .await
+        .unwrap();
+    let seen = b
+        .query("SELECT id FROM accounts WHERE id = 4", &[])
+        .await
+        .unwrap();
+    assert!(
+        seen.is_empty(),
+        "an uncommitted write is invisible to others"
+    );
+    assert_eq!(
+        visible_epoch(&cluster).await,
+        before,
+        "nothing published yet"
+    );
     a.batch_execute("COMMIT").await.unwrap();
-    assert_eq!(visible_epoch(&cluster).await, before + 1, "one epoch for the whole transaction");
-    let row = b.query_one("SELECT balance FROM accounts WHERE id = 3", &[]).await.unwrap();
-    assert_eq!(row.get::<_, f64>(0), 99.0, "the UPDATE inside the transaction committed");
-    let row = b.query_one("SELECT owner FROM accounts WHERE id = 4", &[]).await.unwrap();
+    assert_eq!(
+        visible_epoch(&cluster).await,
+        before + 1,
+        "one epoch for the whole transaction"
+    );
+    let row = b
+        .query_one("SELECT balance FROM accounts WHERE id = 3", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        row.get::<_, f64>(0),
+        99.0,
+        "the UPDATE inside the transaction committed"
+    );
+    let row = b
+        .query_one("SELECT owner FROM accounts WHERE id = 4", &[])
+        .await
+        .unwrap();
     assert_eq!(row.get::<_, String>(0), "dee");
     let audit = b.query("SELECT note FROM audit", &[]).await.unwrap();
     assert_eq!(audit.len(), 1);
@@ -206,16 +298,33 @@ async fn drivers_get_transactions_prepared_statements_and_sqlstates() {
     {
         let c = connect(&cluster, 3).await;
         c.batch_execute("BEGIN").await.unwrap();
-        c.execute("INSERT INTO audit VALUES (3, 'dropped')", &[]).await.unwrap();
+        c.execute("INSERT INTO audit VALUES (3, 'dropped')", &[])
+            .await
+            .unwrap();
     }
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    let audit = b.query("SELECT id FROM audit ORDER BY id", &[]).await.unwrap();
-    assert_eq!(audit.iter().map(|r| r.get::<_, i64>(0)).collect::<Vec<_>>(), vec![1]);
+    let audit = b
+        .query("SELECT id FROM audit ORDER BY id", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        audit.iter().map(|r| r.get::<_, i64>(0)).collect::<Vec<_>>(),
+        vec![1]
+    );
 
     // A read of a table the transaction already wrote would miss its own rows: refused.
-    a.batch_execute("BEGIN; INSERT INTO audit VALUES (4, 'then read')").await.unwrap();
-    let refused = a.query("SELECT count(*) FROM audit", &[]).await.unwrap_err();
-    assert_eq!(refused.code(), Some(&SqlState::FEATURE_NOT_SUPPORTED), "{refused:?}");
+    a.batch_execute("BEGIN; INSERT INTO audit VALUES (4, 'then read')")
+        .await
+        .unwrap();
+    let refused = a
+        .query("SELECT count(*) FROM audit", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Some(&SqlState::FEATURE_NOT_SUPPORTED),
+        "{refused:?}"
+    );
     a.batch_execute("ROLLBACK").await.unwrap();
 
     // Errors carry their SQLSTATE.
@@ -232,16 +341,23 @@ async fn drivers_get_transactions_prepared_statements_and_sqlstates() {
 
     // A failed statement aborts the transaction until it ends; COMMIT then rolls back.
     b.batch_execute("BEGIN").await.unwrap();
-    b.execute("INSERT INTO audit VALUES (5, 'lost')", &[]).await.unwrap();
+    b.execute("INSERT INTO audit VALUES (5, 'lost')", &[])
+        .await
+        .unwrap();
     assert!(b.query("SELECT * FROM nosuch", &[]).await.is_err());
     let aborted = b.query("SELECT 1", &[]).await.unwrap_err();
     assert_eq!(code(aborted), Some(SqlState::IN_FAILED_SQL_TRANSACTION));
     b.batch_execute("COMMIT").await.unwrap();
-    let audit = b.query("SELECT id FROM audit ORDER BY id", &[]).await.unwrap();
+    let audit = b
+        .query("SELECT id FROM audit ORDER BY id", &[])
+        .await
+        .unwrap();
     assert_eq!(audit.len(), 1, "the failed transaction published nothing");
 
     // Settings belong to one connection.
-    a.batch_execute("SET tessera.recovery = 'restart'").await.unwrap();
+    a.batch_execute("SET tessera.recovery = 'restart'")
+        .await
+        .unwrap();
     let shown = |rows: Vec<tokio_postgres::SimpleQueryMessage>| {
         rows.into_iter()
             .find_map(|m| match m {
@@ -250,6 +366,12 @@ async fn drivers_get_transactions_prepared_statements_and_sqlstates() {
             })
             .unwrap()
     };
-    assert_eq!(shown(a.simple_query("SHOW tessera.recovery").await.unwrap()), "restart");
-    assert_ne!(shown(b.simple_query("SHOW tessera.recovery").await.unwrap()), "restart");
+    assert_eq!(
+        shown(a.simple_query("SHOW tessera.recovery").await.unwrap()),
+        "restart"
+    );
+    assert_ne!(
+        shown(b.simple_query("SHOW tessera.recovery").await.unwrap()),
+        "restart"
+    );
 }

@@ -51,7 +51,9 @@ pub(crate) fn command_response(tag: &str) -> Response {
         ("BEGIN", _) => Response::TransactionStart(Tag::new("BEGIN")),
         ("COMMIT", _) => Response::TransactionEnd(Tag::new("COMMIT")),
         ("ROLLBACK", _) => Response::TransactionEnd(Tag::new("ROLLBACK")),
-        ("INSERT", Some(rows)) => Response::Execution(Tag::new("INSERT").with_oid(0).with_rows(rows)),
+        ("INSERT", Some(rows)) => {
+            Response::Execution(Tag::new("INSERT").with_oid(0).with_rows(rows))
+        }
         ("CREATE TABLE AS", Some(rows)) => Response::Execution(Tag::new("SELECT").with_rows(rows)),
         (command, Some(rows)) => Response::Execution(Tag::new(command).with_rows(rows)),
         (command, None) => Response::Execution(Tag::new(command)),
@@ -64,7 +66,9 @@ mod tests {
 
     fn tag_of(response: Response) -> String {
         match response {
-            Response::Execution(tag) | Response::TransactionStart(tag) | Response::TransactionEnd(tag) => {
+            Response::Execution(tag)
+            | Response::TransactionStart(tag)
+            | Response::TransactionEnd(tag) => {
                 let message: pgwire::messages::response::CommandComplete = tag.into();
                 message.tag
             }
@@ -78,7 +82,13 @@ mod tests {
         assert_eq!(tag_of(command_response("UPDATE 0")), "UPDATE 0");
         assert_eq!(tag_of(command_response("CREATE TABLE AS 5")), "SELECT 5");
         assert_eq!(tag_of(command_response("CREATE TABLE")), "CREATE TABLE");
-        assert!(matches!(command_response("BEGIN"), Response::TransactionStart(_)));
-        assert!(matches!(command_response("ROLLBACK"), Response::TransactionEnd(_)));
+        assert!(matches!(
+            command_response("BEGIN"),
+            Response::TransactionStart(_)
+        ));
+        assert!(matches!(
+            command_response("ROLLBACK"),
+            Response::TransactionEnd(_)
+        ));
     }
 }

@@ -158,7 +158,10 @@ fn parameter_types(plan: &LogicalPlan) -> PgWireResult<Vec<Option<DataType>>> {
 fn returns_rows(plan: &LogicalPlan) -> bool {
     !matches!(
         plan,
-        LogicalPlan::Dml(_) | LogicalPlan::Ddl(_) | LogicalPlan::Statement(_) | LogicalPlan::Copy(_)
+        LogicalPlan::Dml(_)
+            | LogicalPlan::Ddl(_)
+            | LogicalPlan::Statement(_)
+            | LogicalPlan::Copy(_)
     )
 }
 
@@ -201,7 +204,10 @@ impl PgSession {
         C::Error: Debug,
         PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
     {
-        let ends_transaction = matches!(statement, Statement::Commit { .. } | Statement::Rollback { .. });
+        let ends_transaction = matches!(
+            statement,
+            Statement::Commit { .. } | Statement::Rollback { .. }
+        );
         if client.transaction_status() == TransactionStatus::Error {
             if !ends_transaction {
                 return Err(transaction_aborted());
@@ -217,7 +223,9 @@ impl PgSession {
         for message in self.engine.backend().take_notices() {
             let notice = ErrorInfo::new("NOTICE".to_string(), "01000".to_string(), message);
             client
-                .feed(PgWireBackendMessage::NoticeResponse(NoticeResponse::from(notice)))
+                .feed(PgWireBackendMessage::NoticeResponse(NoticeResponse::from(
+                    notice,
+                )))
                 .await?;
         }
         let options = Arc::new(FormatOptions::from_client_metadata(client.metadata()));
@@ -240,7 +248,10 @@ impl SimpleQueryHandler for PgSession {
         }
         let mut responses = Vec::with_capacity(statements.len());
         for statement in statements {
-            match self.run(client, statement, None, &Format::UnifiedText).await {
+            match self
+                .run(client, statement, None, &Format::UnifiedText)
+                .await
+            {
                 Ok(response) => responses.push(response),
                 // What ran before the failed statement is reported; the rest never runs.
                 Err(error) if !responses.is_empty() => {

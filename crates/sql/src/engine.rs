@@ -8,13 +8,13 @@ use crate::backend::{Backend, LocalBackend};
 use crate::error::{from_datafusion, Result, SqlError};
 use crate::provider::ScanLayout;
 use crate::time_travel::rewrite_as_of_epoch;
+use crate::transaction::Transaction;
 use arrow::array::RecordBatch;
 use arrow::compute::concat_batches;
 use arrow::datatypes::SchemaRef;
 use arrow::row::{RowConverter, SortField};
 use datafusion::catalog::{CatalogProvider, MemoryCatalogProvider};
 use datafusion::common::Constraint;
-use crate::transaction::Transaction;
 use datafusion::common::ParamValues;
 use datafusion::logical_expr::{DdlStatement, DmlStatement, LogicalPlan, WriteOp};
 use datafusion::prelude::{SessionConfig, SessionContext};
@@ -458,7 +458,11 @@ fn read_tables(plan: &LogicalPlan) -> Vec<String> {
     let _ = plan.apply_with_subqueries(|node| {
         if let LogicalPlan::TableScan(scan) = node {
             let name = scan.table_name.table();
-            tables.push(crate::time_travel::split_epoch_name(name).map_or(name, |(t, _)| t).to_string());
+            tables.push(
+                crate::time_travel::split_epoch_name(name)
+                    .map_or(name, |(t, _)| t)
+                    .to_string(),
+            );
         }
         Ok(TreeNodeRecursion::Continue)
     });
@@ -597,7 +601,11 @@ async fn reject_existing_keys(
 }
 
 /// Fails if any key in `new_rows` is among `existing` (batches of key columns).
-fn reject_keys_among(def: &TableDef, new_rows: &[RecordBatch], existing: &[RecordBatch]) -> Result<()> {
+fn reject_keys_among(
+    def: &TableDef,
+    new_rows: &[RecordBatch],
+    existing: &[RecordBatch],
+) -> Result<()> {
     if existing.is_empty() {
         return Ok(());
     }

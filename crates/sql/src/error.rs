@@ -108,14 +108,24 @@ fn datafusion_sqlstate(error: &DataFusionError) -> &'static str {
             SchemaError::AmbiguousReference { .. } => "42702",
             _ => "42P01",
         },
-        DataFusionError::Plan(message) if message.contains("not found") && message.contains("table") => "42P01",
+        DataFusionError::Plan(message)
+            if message.contains("not found") && message.contains("table") =>
+        {
+            "42P01"
+        }
         DataFusionError::Plan(message) if message.contains("does not exist") => "42P01",
-        DataFusionError::Plan(message) if message.contains("No function matches") || message.contains("Invalid function") => "42883",
+        DataFusionError::Plan(message)
+            if message.contains("No function matches") || message.contains("Invalid function") =>
+        {
+            "42883"
+        }
         DataFusionError::Plan(_) => "42000",
         DataFusionError::NotImplemented(_) => "0A000",
         DataFusionError::ResourcesExhausted(_) => "53200",
         DataFusionError::ArrowError(error, _) => arrow_sqlstate(error),
-        DataFusionError::Context(_, inner) | DataFusionError::Diagnostic(_, inner) => datafusion_sqlstate(inner),
+        DataFusionError::Context(_, inner) | DataFusionError::Diagnostic(_, inner) => {
+            datafusion_sqlstate(inner)
+        }
         DataFusionError::Shared(inner) => datafusion_sqlstate(inner),
         DataFusionError::External(inner) => match inner.downcast_ref::<StorageError>() {
             Some(storage) => storage_sqlstate(storage),

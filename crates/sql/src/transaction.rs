@@ -61,10 +61,16 @@ impl Transaction {
     /// The changes to publish at commit: one `TableChanges` per table, where a later
     /// statement's row for a key replaces an earlier one's (an INSERT then an UPDATE of the
     /// same key publishes the updated row; an INSERT then a DELETE, a tombstone).
-    pub fn into_publish(self, def_of: impl Fn(&str) -> Option<TableDef>) -> Result<Vec<TableChanges>> {
+    pub fn into_publish(
+        self,
+        def_of: impl Fn(&str) -> Option<TableDef>,
+    ) -> Result<Vec<TableChanges>> {
         let mut by_table: BTreeMap<String, Vec<TableChanges>> = BTreeMap::new();
         for change in self.changes {
-            by_table.entry(change.table.clone()).or_default().push(change);
+            by_table
+                .entry(change.table.clone())
+                .or_default()
+                .push(change);
         }
         by_table
             .into_iter()
@@ -213,16 +219,14 @@ mod tests {
             .iter()
             .find_map(|b| {
                 let id = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
-                (0..b.num_rows())
-                    .find(|&i| id.value(i) == 2)
-                    .map(|i| {
-                        b.column(1)
-                            .as_any()
-                            .downcast_ref::<StringArray>()
-                            .unwrap()
-                            .value(i)
-                            .to_string()
-                    })
+                (0..b.num_rows()).find(|&i| id.value(i) == 2).map(|i| {
+                    b.column(1)
+                        .as_any()
+                        .downcast_ref::<StringArray>()
+                        .unwrap()
+                        .value(i)
+                        .to_string()
+                })
             })
             .unwrap();
         assert_eq!(updated, "B", "the UPDATE replaced the INSERT's row");

@@ -595,7 +595,10 @@ fn a_commit_discards_the_rows_of_partitions_this_replica_missed() {
             split_by_partition(&def(), &ring, &batch).unwrap()[0].0 != missed
         })
         .collect();
-    assert!(expected.len() < all.len(), "some keys fall in the missed partition");
+    assert!(
+        expected.len() < all.len(),
+        "some keys fall in the missed partition"
+    );
     {
         let store = Store::open(dir.path(), config()).unwrap();
         store.ensure_table(def()).unwrap();

@@ -105,7 +105,11 @@ impl Store {
     /// the metadata counts this replica as having missed the epoch there (its prepare
     /// reached it too late, or only in part), so a failback copy brings the epoch's
     /// versions, and applying the local ones as well would store them twice.
-    pub fn commit_epoch_except(&self, epoch: Epoch, missed: &BTreeSet<PartitionId>) -> Result<bool> {
+    pub fn commit_epoch_except(
+        &self,
+        epoch: Epoch,
+        missed: &BTreeSet<PartitionId>,
+    ) -> Result<bool> {
         self.check_poisoned()?;
         let _gate = self.gate.read().expect("gate lock");
         let mut state = self.state();
