@@ -149,10 +149,10 @@ mod tests {
     use std::sync::Arc;
 
     fn def() -> TableDef {
-        let schema = Arc::new(Schema::new(vec![
+        let schema = Schema::new(vec![
             Field::new("id", DataType::Int64, false),
             Field::new("v", DataType::Utf8, true),
-        ]));
+        ]);
         TableDef::new("t", schema, vec!["id".into()], None).unwrap()
     }
 
