@@ -375,3 +375,27 @@ async fn drivers_get_transactions_prepared_statements_and_sqlstates() {
         "restart"
     );
 }
+
+/// psycopg 3, the Python driver most notebooks use (`pip install "psycopg[binary]"`;
+/// `.ci/run` installs it): `tests/clients/psycopg_smoke.py` prints "ok" when its checks hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psycopg_runs_transactions_and_binary_prepared_statements() {
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let cluster = cluster(root.path()).await;
+    let addr = cluster.pg_addr(2).unwrap();
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/psycopg_smoke.py");
+    let output = tokio::process::Command::new("python3")
+        .arg(&script)
+        .args([host, port])
+        .output()
+        .await
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && stdout.trim() == "ok",
+        "psycopg smoke test failed (is psycopg installed? pip install \"psycopg[binary]\"):\n{stdout}\n{stderr}"
+    );
+}

@@ -90,6 +90,19 @@ impl QueryParser for PgParser {
                 ))
             }
         };
+        if matches!(
+            statement,
+            Statement::StartTransaction { .. }
+                | Statement::Commit { .. }
+                | Statement::Rollback { .. }
+        ) {
+            // The engine runs these itself; DataFusion has no plan for them.
+            return Ok(Some(PgStatement {
+                statement,
+                parameters: Vec::new(),
+                result: None,
+            }));
+        }
         let plan = self
             .engine
             .plan_only(DFStatement::Statement(Box::new(statement.clone())))
@@ -200,10 +213,20 @@ impl PgSession {
         format: &Format,
     ) -> PgWireResult<Response>
     where
-        C: ClientInfo + Sink<PgWireBackendMessage> + Unpin + Send + Sync,
+        C: ClientInfo + ClientPortalStore + Sink<PgWireBackendMessage> + Unpin + Send + Sync,
+        C::PortalStore: PortalStore,
         C::Error: Debug,
         PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
     {
+        if let Statement::Deallocate { name, .. } = &statement {
+            // Drivers (psycopg after a rollback) drop their prepared statements. `ALL`
+            // leaves them in place: a driver that prepares again reuses the names, which
+            // replaces them.
+            if !name.value.eq_ignore_ascii_case("all") {
+                client.portal_store().rm_statement(&name.value);
+            }
+            return Ok(command_response("DEALLOCATE"));
+        }
         let ends_transaction = matches!(
             statement,
             Statement::Commit { .. } | Statement::Rollback { .. }

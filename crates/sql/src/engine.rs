@@ -267,16 +267,18 @@ impl Engine {
         Ok(())
     }
 
-    /// Inside a transaction, refuses DDL and reads of tables the transaction has written
-    /// (they would not see its own rows).
+    /// Inside a transaction, refuses DDL once the transaction has written (a CREATE or
+    /// DROP takes effect at once, not at COMMIT; drivers open a transaction before any
+    /// statement, so DDL before the first write runs) and reads of tables the transaction
+    /// has written (they would not see its own rows).
     fn check_allowed_in_transaction(&self, plan: &LogicalPlan) -> Result<()> {
         let transaction = self.transaction.lock().expect("transaction lock");
         let Some(open) = transaction.as_ref() else {
             return Ok(());
         };
-        if matches!(plan, LogicalPlan::Ddl(_)) {
+        if matches!(plan, LogicalPlan::Ddl(_)) && !open.is_empty() {
             return Err(SqlError::Unsupported(
-                "CREATE or DROP inside a transaction; COMMIT or ROLLBACK first".into(),
+                "CREATE or DROP after writes in the same transaction (it would take effect before them); COMMIT or ROLLBACK first".into(),
             ));
         }
         let written = open.written_tables();
