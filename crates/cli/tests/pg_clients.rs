@@ -399,3 +399,73 @@ async fn psycopg_runs_transactions_and_binary_prepared_statements() {
         "psycopg smoke test failed (is psycopg installed? pip install \"psycopg[binary]\"):\n{stdout}\n{stderr}"
     );
 }
+
+/// Connections are bounded: one over `pg_max_connections` is refused with SQLSTATE 53300
+/// while the others keep working, a freed slot is taken again, and garbage on the port
+/// closes only that connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_bounded_and_bad_input_loses_nothing() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
+    cluster.set_option("pg_max_connections", "8");
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(connect(&cluster, 1).await);
+    }
+    let addr = cluster.pg_addr(1).unwrap();
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    let refused = tokio_postgres::connect(
+        &format!("host={host} port={port} user=tessera dbname=tessera"),
+        NoTls,
+    )
+    .await
+    .err()
+    .expect("a connection over the limit is refused");
+    assert_eq!(
+        refused.code(),
+        Some(&SqlState::TOO_MANY_CONNECTIONS),
+        "{refused:?}"
+    );
+    let row = held[7].query_one("SELECT 40 + 2", &[]).await.unwrap();
+    assert_eq!(row.get::<_, i64>(0), 42, "held connections keep working");
+
+    drop(held.pop());
+    let again = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            if let Ok((client, connection)) = tokio_postgres::connect(
+                &format!("host={host} port={port} user=tessera dbname=tessera"),
+                NoTls,
+            )
+            .await
+            {
+                tokio::spawn(connection);
+                return client;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("a freed slot is taken again");
+    again.simple_query("SELECT 1").await.unwrap();
+    drop(again);
+    drop(held);
+
+    // Garbage instead of a start-up message: that connection ends, the node serves on.
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket
+        .write_all(&[0, 0, 0, 12, 0xde, 0xad, 0xbe, 0xef, 1, 2, 3, 4])
+        .await
+        .unwrap();
+    let mut buffer = Vec::new();
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        socket.read_to_end(&mut buffer),
+    )
+    .await;
+    let client = connect(&cluster, 1).await;
+    client.simple_query("SELECT 1").await.unwrap();
+}

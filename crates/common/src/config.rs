@@ -68,6 +68,9 @@ pub struct NodeConfig {
     /// Where this node serves PostgreSQL clients (`psql`, drivers); none if unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pg_listen: Option<SocketAddr>,
+    /// PostgreSQL connections served at once; one more is refused (SQLSTATE 53300).
+    #[serde(default = "default_pg_max_connections")]
+    pub pg_max_connections: usize,
     pub data_dir: PathBuf,
     /// Every node the cluster starts with, this one included. A node joining a running
     /// cluster lists itself and at least one member.
@@ -195,6 +198,10 @@ impl Default for ExecSettings {
 }
 
 pub const DEFAULT_REPLICATION: u32 = 3;
+
+fn default_pg_max_connections() -> usize {
+    256
+}
 
 fn default_partitions() -> u32 {
     DEFAULT_PARTITIONS
@@ -341,6 +348,9 @@ impl NodeConfig {
         }
         if self.replication == 0 {
             return Err("replication must be at least 1".into());
+        }
+        if self.pg_max_connections == 0 {
+            return Err("pg_max_connections must be at least 1".into());
         }
         let failure = &self.failure;
         if failure.heartbeat_ms == 0 || failure.timeout_ms <= failure.heartbeat_ms {

@@ -275,7 +275,9 @@ impl Node {
             tokio::spawn(tessera_pg::serve(
                 listener,
                 Arc::new(crate::backend::NodeSessions::new(node.clone())),
-                tessera_pg::PgLimits::default(),
+                tessera_pg::PgLimits {
+                    max_connections: node.config.pg_max_connections,
+                },
             ));
         }
         node.initialize_if_founder().await?;

@@ -80,6 +80,7 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
                     .parse()
                     .expect("loopback address")
             }),
+            pg_max_connections: 256,
             data_dir: PathBuf::from("data"),
             peers: peers.clone(),
             voters: None,
