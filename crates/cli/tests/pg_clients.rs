@@ -76,15 +76,17 @@ fn psql(
     Ok((rows, stderr))
 }
 
-async fn connect(cluster: &LocalCluster, id: u64) -> tokio_postgres::Client {
+/// The libpq connection string for node `id`'s PostgreSQL endpoint.
+fn conninfo(cluster: &LocalCluster, id: u64) -> String {
     let addr = cluster.pg_addr(id).expect("pg_listen configured");
     let (host, port) = addr.rsplit_once(':').unwrap();
-    let (client, connection) = tokio_postgres::connect(
-        &format!("host={host} port={port} user=tessera dbname=tessera"),
-        NoTls,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("connecting to node {id} at {addr}: {e}"));
+    format!("host={host} port={port} user=tessera dbname=tessera")
+}
+
+async fn connect(cluster: &LocalCluster, id: u64) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(&conninfo(cluster, id), NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connecting to node {id}: {e}"));
     tokio::spawn(connection);
     client
 }
@@ -417,14 +419,10 @@ async fn connections_are_bounded_and_bad_input_loses_nothing() {
         held.push(connect(&cluster, 1).await);
     }
     let addr = cluster.pg_addr(1).unwrap();
-    let (host, port) = addr.rsplit_once(':').unwrap();
-    let refused = tokio_postgres::connect(
-        &format!("host={host} port={port} user=tessera dbname=tessera"),
-        NoTls,
-    )
-    .await
-    .err()
-    .expect("a connection over the limit is refused");
+    let refused = tokio_postgres::connect(&conninfo(&cluster, 1), NoTls)
+        .await
+        .err()
+        .expect("a connection over the limit is refused");
     assert_eq!(
         refused.code(),
         Some(&SqlState::TOO_MANY_CONNECTIONS),
@@ -436,11 +434,8 @@ async fn connections_are_bounded_and_bad_input_loses_nothing() {
     drop(held.pop());
     let again = tokio::time::timeout(std::time::Duration::from_secs(10), async {
         loop {
-            if let Ok((client, connection)) = tokio_postgres::connect(
-                &format!("host={host} port={port} user=tessera dbname=tessera"),
-                NoTls,
-            )
-            .await
+            if let Ok((client, connection)) =
+                tokio_postgres::connect(&conninfo(&cluster, 1), NoTls).await
             {
                 tokio::spawn(connection);
                 return client;

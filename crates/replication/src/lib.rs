@@ -67,6 +67,12 @@ pub struct Replication {
     shipped: Mutex<HashMap<(String, PartitionId), Vec<ComponentHash>>>,
     /// The open epochs this node is coordinating now, with how many tasks work on each.
     working_on: Mutex<BTreeMap<Epoch, usize>>,
+    /// Held by a partition copy into this node from start to install. A copy whose
+    /// rebalance gave up on it (its caller timed out, and the epoch holding the leases was
+    /// aborted) still runs here; a later copy must not install before it, or the older
+    /// copy's versions would replace the newer ones (found by the long fault run, seed
+    /// 2605: a replica marked fresh lacked four acknowledged epochs).
+    pub copying: tokio::sync::Mutex<()>,
 }
 
 /// Marks an epoch as being worked on by this node until dropped (its heartbeats renew the
@@ -119,6 +125,7 @@ impl Replication {
             suspected: tokio::sync::Notify::new(),
             shipped: Mutex::new(HashMap::new()),
             working_on: Mutex::default(),
+            copying: tokio::sync::Mutex::new(()),
         }
     }
 

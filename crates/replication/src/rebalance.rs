@@ -258,6 +258,8 @@ async fn abort(
 
 /// Copies the named partitions of every table from their sources into this node's store.
 pub async fn copy_partitions(node: &Arc<Replication>, request: CopyRequest) -> Result<()> {
+    // One copy into this node at a time, in the order they arrive (see `copying`).
+    let _one_at_a_time = node.copying.lock().await;
     // The tables must exist here first: wait for the metadata that created them.
     let view = node
         .meta
