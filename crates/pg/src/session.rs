@@ -90,13 +90,7 @@ impl QueryParser for PgParser {
                 ))
             }
         };
-        if matches!(
-            statement,
-            Statement::StartTransaction { .. }
-                | Statement::Commit { .. }
-                | Statement::Rollback { .. }
-        ) {
-            // The engine runs these itself; DataFusion has no plan for them.
+        if tessera_sql::engine::is_transaction_control(&statement) {
             return Ok(Some(PgStatement {
                 statement,
                 parameters: Vec::new(),

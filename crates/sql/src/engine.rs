@@ -441,11 +441,21 @@ enum TxControl {
     Rollback,
 }
 
+/// Whether a statement opens or ends a transaction: the engine runs these itself, and
+/// DataFusion has no plan for them.
+pub fn is_transaction_control(statement: &SqlStatement) -> bool {
+    sql_transaction_control(statement).is_some()
+}
+
 fn transaction_control(statement: &DFStatement) -> Option<TxControl> {
-    let DFStatement::Statement(statement) = statement else {
-        return None;
-    };
-    match statement.as_ref() {
+    match statement {
+        DFStatement::Statement(statement) => sql_transaction_control(statement),
+        _ => None,
+    }
+}
+
+fn sql_transaction_control(statement: &SqlStatement) -> Option<TxControl> {
+    match statement {
         SqlStatement::StartTransaction { .. } => Some(TxControl::Begin),
         SqlStatement::Commit { .. } => Some(TxControl::Commit),
         SqlStatement::Rollback { .. } => Some(TxControl::Rollback),
