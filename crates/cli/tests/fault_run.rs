@@ -244,7 +244,6 @@ fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Avail
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "open bug: a stale read (a count through one node misses one acknowledged publish) in 5 of 15 runs of seed 15 (issue 15); run with `cargo faults`"]
 async fn a_seeded_fault_run_keeps_every_guarantee() {
     let faults_wanted: usize = env_or("TESSERA_FAULTS", 10);
     let voters: u64 = env_or("TESSERA_FAULTS_VOTERS", 3);

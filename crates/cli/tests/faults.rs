@@ -127,6 +127,58 @@ async fn an_epoch_left_open_by_a_stalled_coordinator_is_aborted_and_frees_its_ta
     assert_eq!(count(&writer).await, Ok(200), "still none of its rows");
 }
 
+/// An acknowledged publish is visible to every read that starts after the acknowledgement,
+/// even while an earlier epoch of another table is still open (a long publish): the
+/// visible epoch is a prefix of decided epochs, so a publish is acknowledged only once
+/// every epoch below it is decided, not as soon as its own commit is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_is_acknowledged_only_once_it_is_visible() {
+    let root = tempfile::tempdir().unwrap();
+    let (cluster, writer) = kv_cluster_with(BINARY, root.path(), 8, 3, &[]).await;
+    writer
+        .sql("CREATE TABLE other (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .await
+        .unwrap();
+    let long = ClusterClient::new(cluster.addr(3));
+    let long_publish = tokio::spawn(async move {
+        let batches = (0..80)
+            .map(|i| kv_batch(i * 50_000, (i + 1) * 50_000))
+            .collect();
+        long.publish("other", batches, false).await
+    });
+    wait_until(
+        "the long publish's epoch to open",
+        Duration::from_secs(30),
+        || async { (!writer.status().await.ok()?.meta.open.is_empty()).then_some(()) },
+    )
+    .await;
+
+    let epoch = writer
+        .publish("kv", vec![kv_batch(0, 100)], false)
+        .await
+        .expect("a publish to another table commits while the long one is open");
+    // Straight after the acknowledgement, through a node that did not coordinate it.
+    let reader = ClusterClient::new(cluster.addr(2));
+    assert_eq!(
+        count(&reader).await,
+        Ok(100),
+        "a read started after epoch {epoch} was acknowledged missed it"
+    );
+    let status = reader.status().await.unwrap();
+    assert!(
+        status.meta.visible >= epoch,
+        "epoch {epoch} was acknowledged before it was visible"
+    );
+    let long_epoch = long_publish
+        .await
+        .unwrap()
+        .expect("the long publish commits");
+    assert!(
+        long_epoch < epoch,
+        "the long publish took epoch {long_epoch}, after {epoch}: the test proves nothing"
+    );
+}
+
 /// A coordinator still working on its epoch renews it with every heartbeat: a publish
 /// that takes longer than the open-epoch timeout is acknowledged, not aborted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

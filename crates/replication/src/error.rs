@@ -19,6 +19,12 @@ pub enum ReplicationError {
     Aborted { epoch: Epoch, reason: String },
     #[error("epoch {epoch} could not commit: {reason}")]
     CommitRefused { epoch: Epoch, reason: String },
+    #[error("epoch {epoch} is committed and will not be lost, but is not yet visible after {waited:?}: epoch {undecided} below it is still open; it becomes visible once that one is committed or aborted")]
+    CommittedNotVisible {
+        epoch: Epoch,
+        undecided: Epoch,
+        waited: std::time::Duration,
+    },
     #[error("epoch {epoch} aborted: node {node}, a primary logging its rows, was lost: {reason}")]
     PrimaryLost {
         node: NodeId,

@@ -110,8 +110,49 @@ struct Shipment {
 /// the rows (the retry logs them on the replica promoted in its place).
 const RETRIES: usize = 3;
 
-/// Publishes `changes` as one epoch across the cluster; returns once it is committed.
+/// How long an acknowledgement waits for the open epochs below a committed one to be
+/// decided. They end by their coordinators' commits or aborts, or are aborted when a
+/// coordinator is declared failed or stops renewing them.
+const VISIBLE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Publishes `changes` as one epoch across the cluster; returns once it is committed and
+/// visible.
+///
+/// Visible, not only committed: the visible epoch is the prefix of decided epochs, and a
+/// query reads at it, so an epoch committed while an earlier one (another table's) is still
+/// open would be missed by a read started after its acknowledgement (a stale read).
 pub async fn publish(node: &Arc<Replication>, changes: Vec<TableChanges>) -> Result<Epoch> {
+    let epoch = publish_committed(node, changes).await?;
+    wait_visible(node, epoch).await?;
+    Ok(epoch)
+}
+
+/// Waits until this node's metadata shows `epoch` visible (every epoch below it decided).
+async fn wait_visible(node: &Arc<Replication>, epoch: Epoch) -> Result<()> {
+    if node
+        .meta
+        .wait_until(VISIBLE_PATIENCE, |view| view.state.visible >= epoch)
+        .await
+    {
+        return Ok(());
+    }
+    let view = node.meta.view();
+    let undecided = view
+        .state
+        .open
+        .keys()
+        .copied()
+        .find(|&open| open < epoch)
+        .unwrap_or(view.state.visible.next());
+    Err(ReplicationError::CommittedNotVisible {
+        epoch,
+        undecided,
+        waited: VISIBLE_PATIENCE,
+    })
+}
+
+/// Publishes `changes` as one epoch across the cluster; returns once it is committed.
+async fn publish_committed(node: &Arc<Replication>, changes: Vec<TableChanges>) -> Result<Epoch> {
     let state = node
         .meta
         .read_linearizable(LINEARIZABLE_READ_PATIENCE)

@@ -61,6 +61,11 @@ impl SqlError {
             SqlError::Constraint(message) if message.starts_with("duplicate key") => "23505",
             SqlError::Constraint(message) if message.contains("more than the limit") => "54000",
             SqlError::Constraint(_) => "23000",
+            // Committed, but an acknowledgement also promises visibility, which did not come
+            // in time: the client must look before it retries (a retry would write twice).
+            SqlError::Cluster(message) if message.contains("is committed and will not be lost") => {
+                "08007"
+            }
             // The cluster could not run the statement now (no leader, an aborted epoch, a
             // node out of reach): the client may retry, as after a serialization failure.
             SqlError::Cluster(_) => "40001",

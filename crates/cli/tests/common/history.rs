@@ -141,6 +141,8 @@ pub struct Read {
     pub node: usize,
     pub as_of: Option<Epoch>,
     pub started: Instant,
+    /// The wall-clock start, to find the read in the nodes' logs.
+    pub started_at: std::time::SystemTime,
     pub ended: Instant,
     /// The count, or why there was none (a refusal is allowed; a wrong count is not).
     pub answer: Result<i64, String>,
@@ -178,6 +180,7 @@ pub async fn reader(
         };
         let client = ClusterClient::new(&addrs[node]);
         let started = Instant::now();
+        let started_at = std::time::SystemTime::now();
         let answer = match tokio::time::timeout(CALL_TIMEOUT, client.query(&sql)).await {
             Err(_) => Err(format!("no answer in {CALL_TIMEOUT:?}")),
             Ok(Err(e)) => Err(e.to_string()),
@@ -193,6 +196,7 @@ pub async fn reader(
             node: node + 1,
             as_of,
             started,
+            started_at,
             ended: Instant::now(),
             answer,
         });
@@ -256,9 +260,22 @@ pub fn check_reads(publishes: &[Publish], reads: &[Read]) -> ReadReport {
                     }
                 }
                 if count < floor {
+                    // The latest acknowledgements before the read, to name what it missed.
+                    let mut recent: Vec<String> = publishes
+                        .iter()
+                        .filter(|p| p.table == read.table)
+                        .filter_map(|p| Some((p.acknowledged?, p.epoch?)))
+                        .filter(|(at, _)| *at < read.started)
+                        .map(|(at, epoch)| (read.started - at, epoch))
+                        .filter(|(before, _)| *before < Duration::from_secs(3))
+                        .map(|(before, epoch)| {
+                            format!("epoch {epoch} {}ms before", before.as_millis())
+                        })
+                        .collect();
+                    recent.sort();
                     report.violations.push(format!(
-                        "stale read: {} through node {} counted {count} rows, but {floor} were acknowledged before it started",
-                        read.table, read.node
+                        "stale read: {} through node {} counted {count} rows, but {floor} were acknowledged before it started (at {} UTC; acknowledged just before it: {})",
+                        read.table, read.node, utc_time_of_day(read.started_at), recent.join(", ")
                     ));
                 }
                 if count > ceiling {
@@ -484,4 +501,17 @@ pub async fn check_replicas(
         );
     }
     report
+}
+
+/// `HH:MM:SS.mmm` in UTC, as the nodes' logs print time.
+fn utc_time_of_day(at: std::time::SystemTime) -> String {
+    let since = at.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let seconds = since.as_secs() % 86_400;
+    format!(
+        "{:02}:{:02}:{:02}.{:03}",
+        seconds / 3600,
+        seconds / 60 % 60,
+        seconds % 60,
+        since.subsec_millis()
+    )
 }
