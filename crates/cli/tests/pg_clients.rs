@@ -76,6 +76,39 @@ fn psql(
     Ok((rows, stderr))
 }
 
+/// [`psql`] with `input` on its standard input (the rows of a `COPY ... FROM STDIN`).
+fn psql_with_input(
+    cluster: &LocalCluster,
+    id: u64,
+    command: &str,
+    input: &str,
+) -> Result<String, String> {
+    use std::io::Write;
+    let addr = cluster.pg_addr(id).expect("pg_listen configured");
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    let mut child = Command::new("psql")
+        .args(["-X", "-q", "-v", "ON_ERROR_STOP=1"])
+        .args(["-h", host, "-p", port, "-U", "tessera", "-d", "tessera"])
+        .args(["-c", command])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("psql is installed (apt: postgresql-client)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+    if !output.status.success() {
+        return Err(stderr);
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).to_string())
+}
+
 /// The libpq connection string for node `id`'s PostgreSQL endpoint.
 fn conninfo(cluster: &LocalCluster, id: u64) -> String {
     let addr = cluster.pg_addr(id).expect("pg_listen configured");
@@ -380,6 +413,157 @@ async fn drivers_get_transactions_prepared_statements_and_sqlstates() {
 
 /// psycopg 3, the Python driver most notebooks use (`pip install "psycopg[binary]"`;
 /// `.ci/run` installs it): `tests/clients/psycopg_smoke.py` prints "ok" when its checks hold.
+/// `COPY ... FROM STDIN` publishes its rows as one epoch (CSV with quotes and NULLs, or
+/// text), bad rows and duplicate keys publish nothing and name the problem, a COPY inside
+/// a transaction joins its epoch, and `COPY ... TO STDOUT` gives the rows back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copy_from_stdin_publishes_one_epoch_and_copy_to_stdout_reads_it_back() {
+    use futures::SinkExt;
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let cluster = cluster(root.path()).await;
+    psql(
+        &cluster,
+        1,
+        &[
+            "-c",
+            "CREATE TABLE people (id BIGINT PRIMARY KEY, name VARCHAR, score DOUBLE PRECISION)",
+        ],
+    )
+    .unwrap();
+    let count = |node| {
+        psql(&cluster, node, &["-c", "SELECT count(*) FROM people"])
+            .unwrap()
+            .0[0][0]
+            .clone()
+            .unwrap()
+    };
+
+    let mut csv = String::from("id,name,score\n");
+    csv.push_str("1,\"Smith, \"\"Jo\"\"\",1.5\n2,,\n");
+    for id in 3..=1000 {
+        csv.push_str(&format!("{id},person {id},{}\n", id as f64 / 4.0));
+    }
+    let before = visible_epoch(&cluster).await;
+    let tag = psql_with_input(
+        &cluster,
+        2,
+        "COPY people FROM STDIN WITH (FORMAT csv, HEADER)",
+        &csv,
+    )
+    .unwrap();
+    assert_eq!(tag.trim(), "", "psql -q prints no tag");
+    assert_eq!(
+        visible_epoch(&cluster).await,
+        before + 1,
+        "one COPY, one epoch"
+    );
+    assert_eq!(count(3), "1000", "every copied row, through another node");
+    let (rows, _) = psql(
+        &cluster,
+        3,
+        &[
+            "-c",
+            "SELECT name, score FROM people WHERE id <= 2 ORDER BY id",
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            vec![Some("Smith, \"Jo\"".to_string()), Some("1.5".to_string())],
+            vec![None, None],
+        ],
+        "quotes, commas and NULLs arrive as written"
+    );
+
+    // A bad value in row 500, and a key that already exists: nothing is published.
+    let mut bad = String::new();
+    for id in 2001..=2600 {
+        let value = if id == 2500 {
+            "many".to_string()
+        } else {
+            id.to_string()
+        };
+        bad.push_str(&format!("{value}\tsomeone\t1\n"));
+    }
+    let error = psql_with_input(&cluster, 1, "COPY people FROM STDIN", &bad).unwrap_err();
+    assert!(
+        error.contains("COPY column \"id\"") && error.contains("many"),
+        "{error}"
+    );
+    let error =
+        psql_with_input(&cluster, 1, "COPY people FROM STDIN", "5\tagain\t0\n").unwrap_err();
+    assert!(error.contains("duplicate key"), "{error}");
+    let error = psql(&cluster, 1, &["-c", "COPY people FROM '/etc/passwd'"]).unwrap_err();
+    assert!(error.contains("only FROM STDIN and TO STDOUT"), "{error}");
+    assert_eq!(
+        visible_epoch(&cluster).await,
+        before + 1,
+        "no epoch for a failed COPY"
+    );
+    assert_eq!(count(1), "1000");
+
+    // Text format through a driver, inside a transaction with an INSERT: one epoch.
+    let mut client = connect(&cluster, 3).await;
+    let transaction = client.transaction().await.unwrap();
+    let sink = transaction
+        .copy_in("COPY people (id, name) FROM STDIN")
+        .await
+        .unwrap();
+    futures::pin_mut!(sink);
+    sink.send(bytes::Bytes::from_static(b"3001\ttab\\there\n3002\t\\N\n"))
+        .await
+        .unwrap();
+    assert_eq!(sink.finish().await.unwrap(), 2, "COPY 2");
+    transaction
+        .execute("INSERT INTO people VALUES (3003, 'inserted', 2.0)", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        visible_epoch(&cluster).await,
+        before + 1,
+        "nothing before COMMIT"
+    );
+    transaction.commit().await.unwrap();
+    assert_eq!(
+        visible_epoch(&cluster).await,
+        before + 2,
+        "the COPY and the INSERT are one epoch"
+    );
+    let row = client
+        .query_one("SELECT name, score FROM people WHERE id = 3001", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        row.get::<_, Option<String>>(0).as_deref(),
+        Some("tab\there")
+    );
+    assert_eq!(
+        row.get::<_, Option<f64>>(1),
+        None,
+        "a column left out is NULL"
+    );
+
+    let out = psql_with_input(
+        &cluster,
+        2,
+        "COPY (SELECT id, name, score FROM people WHERE id IN (1, 2, 3001) ORDER BY id) TO STDOUT WITH (FORMAT csv, HEADER)",
+        "",
+    )
+    .unwrap();
+    assert_eq!(
+        out,
+        "id,name,score\n1,\"Smith, \"\"Jo\"\"\",1.5\n2,,\n3001,tab\there,\n"
+    );
+    let out = psql_with_input(&cluster, 2, "COPY people (id, name) TO STDOUT", "").unwrap();
+    assert_eq!(out.lines().count(), 1003, "every row, as text");
+    assert!(
+        out.contains("3001\ttab\\there\n") && out.contains("2\t\\N\n"),
+        "text escapes and NULL"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn psycopg_runs_transactions_and_binary_prepared_statements() {
     let _exclusive = exclusive();

@@ -9,11 +9,14 @@
 //! - `session.rs`: the simple and extended query protocols (Parse/Bind/Describe/Execute,
 //!   typed parameters, portals with row limits), transactions, notices;
 //! - `results.rs`: rows and command tags as PostgreSQL sends them;
+//! - `copy.rs`: `COPY ... FROM STDIN` (a publish) and `COPY ... TO STDOUT`, in text and
+//!   CSV;
 //! - `errors.rs`: every error with its SQLSTATE.
 //!
 //! `psql`'s meta-commands (`\dt`, `\d t`, `\l`) and drivers' start-up queries read
 //! `pg_catalog`, which `datafusion-pg-catalog` supplies over the engine's catalog.
 
+mod copy;
 mod errors;
 mod results;
 mod session;
@@ -98,6 +101,10 @@ impl PgWireServerHandlers for Connection {
     }
 
     fn extended_query_handler(&self) -> Arc<impl pgwire::api::query::ExtendedQueryHandler> {
+        self.session.clone()
+    }
+
+    fn copy_handler(&self) -> Arc<impl pgwire::api::copy::CopyHandler> {
         self.session.clone()
     }
 

@@ -6,6 +6,7 @@
 //! result types) and runs it at Execute with the bound values; pgwire keeps prepared
 //! statements and portals (and suspends a portal at its row limit).
 
+use crate::copy::{CopyFormat, MAX_COPY_BYTES};
 use crate::errors::{sql_error, transaction_aborted, user_error};
 use crate::results::{command_response, fields, response};
 use arrow::datatypes::{DataType, SchemaRef};
@@ -13,23 +14,25 @@ use async_trait::async_trait;
 use datafusion::common::ParamValues;
 use datafusion::logical_expr::LogicalPlan;
 use datafusion::sql::parser::Statement as DFStatement;
-use datafusion::sql::sqlparser::ast::Statement;
+use datafusion::sql::sqlparser::ast::{CopySource, CopyTarget, Statement};
 use datafusion_pg_catalog::sql::PostgresCompatibilityParser;
 use futures::{Sink, SinkExt};
+use pgwire::api::copy::CopyHandler;
 use pgwire::api::portal::{Format, Portal};
 use pgwire::api::query::{ExtendedQueryHandler, SimpleQueryHandler};
-use pgwire::api::results::{FieldInfo, Response};
+use pgwire::api::results::{CopyResponse, FieldInfo, Response, Tag};
 use pgwire::api::stmt::QueryParser;
 use pgwire::api::store::PortalStore;
 use pgwire::api::{ClientInfo, ClientPortalStore, Type};
 use pgwire::error::{ErrorInfo, PgWireError, PgWireResult};
+use pgwire::messages::copy::{CopyData, CopyDone, CopyFail};
 use pgwire::messages::response::{NoticeResponse, TransactionStatus};
 use pgwire::messages::PgWireBackendMessage;
 use pgwire::types::format::FormatOptions;
 use std::fmt::Debug;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tessera_sql::engine::MAX_SQL_BYTES;
-use tessera_sql::Engine;
+use tessera_sql::{Engine, StatementOutput};
 
 /// A statement as parsed (and planned) at Parse, kept under its name until closed.
 #[derive(Debug, Clone)]
@@ -90,7 +93,10 @@ impl QueryParser for PgParser {
                 ))
             }
         };
-        if tessera_sql::engine::is_transaction_control(&statement) {
+        // Transaction control has no plan; COPY is run by this crate, not planned.
+        if tessera_sql::engine::is_transaction_control(&statement)
+            || matches!(statement, Statement::Copy { .. })
+        {
             return Ok(Some(PgStatement {
                 statement,
                 parameters: Vec::new(),
@@ -176,6 +182,18 @@ fn returns_rows(plan: &LogicalPlan) -> bool {
 pub struct PgSession {
     engine: Arc<Engine>,
     parser: Arc<PgParser>,
+    /// The `COPY ... FROM STDIN` under way: its rows arrive as CopyData messages.
+    copy_in: Mutex<Option<CopyIn>>,
+}
+
+/// A `COPY table FROM STDIN` waiting for its rows.
+struct CopyIn {
+    table: String,
+    schema: SchemaRef,
+    /// The table's columns the rows hold, in the order they hold them.
+    columns: Vec<usize>,
+    format: CopyFormat,
+    data: Vec<u8>,
 }
 
 impl PgSession {
@@ -194,6 +212,7 @@ impl PgSession {
                 sql: PostgresCompatibilityParser::new(),
             }),
             engine,
+            copy_in: Mutex::new(None),
         }
     }
 
@@ -233,10 +252,42 @@ impl PgSession {
             self.engine.abandon_transaction();
             return Ok(command_response("ROLLBACK"));
         }
+        if let Statement::Copy {
+            source,
+            to,
+            target,
+            options,
+            legacy_options,
+            ..
+        } = statement
+        {
+            let format = CopyFormat::from_options(&options, &legacy_options)?;
+            return match (to, target) {
+                (false, CopyTarget::Stdin) => self.start_copy_in(source, format),
+                (true, CopyTarget::Stdout) => self.copy_out(client, source, format).await,
+                (_, target) => Err(user_error(
+                    "0A000",
+                    format!("COPY with {target}: only FROM STDIN and TO STDOUT (the node's files are not the client's)"),
+                )),
+            };
+        }
         let result = self
             .engine
             .execute_parsed(DFStatement::Statement(Box::new(statement)), params)
             .await;
+        self.send_notices(client).await?;
+        let options = Arc::new(FormatOptions::from_client_metadata(client.metadata()));
+        response(result.map_err(sql_error)?, format, options)
+    }
+
+    /// Sends the notices the last statement raised (a query that survived a node's death
+    /// says how).
+    async fn send_notices<C>(&self, client: &mut C) -> PgWireResult<()>
+    where
+        C: Sink<PgWireBackendMessage> + Unpin + Send,
+        C::Error: Debug,
+        PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
+    {
         for message in self.engine.backend().take_notices() {
             let notice = ErrorInfo::new("NOTICE".to_string(), "01000".to_string(), message);
             client
@@ -245,8 +296,199 @@ impl PgSession {
                 )))
                 .await?;
         }
-        let options = Arc::new(FormatOptions::from_client_metadata(client.metadata()));
-        response(result.map_err(sql_error)?, format, options)
+        Ok(())
+    }
+
+    /// `COPY table [(columns)] FROM STDIN`: checks the table and columns, then waits for
+    /// the rows (see the [`CopyHandler`]).
+    fn start_copy_in(&self, source: CopySource, format: CopyFormat) -> PgWireResult<Response> {
+        let CopySource::Table {
+            table_name,
+            columns,
+        } = source
+        else {
+            return Err(user_error("42601", "COPY FROM needs a table, not a query"));
+        };
+        let table = object_name(&table_name);
+        let def = self
+            .engine
+            .backend()
+            .table_def(&table)
+            .ok_or_else(|| user_error("42P01", format!("table {table:?} does not exist")))?;
+        let schema = def.schema_ref();
+        let columns = if columns.is_empty() {
+            (0..schema.fields().len()).collect()
+        } else {
+            columns
+                .iter()
+                .map(|c| {
+                    schema.index_of(&c.value).map_err(|_| {
+                        user_error(
+                            "42703",
+                            format!("column {:?} of table {table:?} does not exist", c.value),
+                        )
+                    })
+                })
+                .collect::<PgWireResult<Vec<_>>>()?
+        };
+        let count = columns.len();
+        *self.copy_in.lock().expect("copy lock") = Some(CopyIn {
+            table,
+            schema,
+            columns,
+            format,
+            data: Vec::new(),
+        });
+        Ok(Response::CopyIn(CopyResponse::new(
+            0,
+            count,
+            futures::stream::empty(),
+        )))
+    }
+
+    /// `COPY table TO STDOUT` or `COPY (query) TO STDOUT`: runs the query through the
+    /// engine and sends its rows.
+    async fn copy_out<C>(
+        &self,
+        client: &mut C,
+        source: CopySource,
+        format: CopyFormat,
+    ) -> PgWireResult<Response>
+    where
+        C: Sink<PgWireBackendMessage> + Unpin + Send,
+        C::Error: Debug,
+        PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
+    {
+        let query = match source {
+            CopySource::Query(query) => Statement::Query(query),
+            CopySource::Table {
+                table_name,
+                columns,
+            } => {
+                let list = if columns.is_empty() {
+                    "*".to_string()
+                } else {
+                    columns
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
+                let mut parsed = self
+                    .parser
+                    .parse(&format!("SELECT {list} FROM {table_name}"))?;
+                parsed.pop().expect("one statement")
+            }
+        };
+        let result = self
+            .engine
+            .execute_parsed(DFStatement::Statement(Box::new(query)), None)
+            .await;
+        self.send_notices(client).await?;
+        let StatementOutput::Rows { schema, batches } = result.map_err(sql_error)? else {
+            return Err(user_error(
+                "42601",
+                "COPY TO needs a query that returns rows",
+            ));
+        };
+        let mut chunks: Vec<Vec<u8>> = format.header_line(&schema).into_iter().collect();
+        for batch in &batches {
+            chunks.extend(format.encode(batch)?);
+        }
+        let rows = chunks
+            .into_iter()
+            .map(|chunk| Ok(CopyData::new(bytes::Bytes::from(chunk))));
+        Ok(Response::CopyOut(CopyResponse::new(
+            0,
+            schema.fields().len(),
+            futures::stream::iter(rows),
+        )))
+    }
+}
+
+/// `schema.table` or `table` as the engine names tables (schemas are not separate).
+fn object_name(name: &datafusion::sql::sqlparser::ast::ObjectName) -> String {
+    name.0
+        .last()
+        .and_then(|part| part.as_ident())
+        .map_or_else(|| name.to_string(), |ident| ident.value.clone())
+}
+
+#[async_trait]
+impl CopyHandler for PgSession {
+    async fn on_copy_data<C>(&self, _client: &mut C, copy_data: CopyData) -> PgWireResult<()>
+    where
+        C: ClientInfo + Sink<PgWireBackendMessage> + Unpin + Send + Sync,
+        C::Error: Debug,
+        PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
+    {
+        let mut copy = self.copy_in.lock().expect("copy lock");
+        let Some(pending) = copy.as_mut() else {
+            return Err(user_error(
+                "08P01",
+                "CopyData with no COPY FROM STDIN under way",
+            ));
+        };
+        if pending.data.len() + copy_data.data.len() > MAX_COPY_BYTES {
+            let table = copy.take().expect("pending copy").table;
+            return Err(user_error(
+                "54000",
+                format!("COPY into {table:?} sent more than {MAX_COPY_BYTES} bytes; split it into several COPYs"),
+            ));
+        }
+        pending.data.extend_from_slice(&copy_data.data);
+        Ok(())
+    }
+
+    async fn on_copy_done<C>(&self, client: &mut C, _done: CopyDone) -> PgWireResult<()>
+    where
+        C: ClientInfo + Sink<PgWireBackendMessage> + Unpin + Send + Sync,
+        C::Error: Debug,
+        PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
+    {
+        let pending = self.copy_in.lock().expect("copy lock").take();
+        let Some(pending) = pending else {
+            return Err(user_error(
+                "08P01",
+                "CopyDone with no COPY FROM STDIN under way",
+            ));
+        };
+        let batch = pending
+            .format
+            .decode(&pending.data, &pending.columns, &pending.schema)?;
+        let (rows, _epoch) = self
+            .engine
+            .insert_rows(&pending.table, vec![batch])
+            .await
+            .map_err(sql_error)?;
+        client
+            .send(PgWireBackendMessage::CommandComplete(
+                Tag::new("COPY").with_rows(rows).into(),
+            ))
+            .await?;
+        Ok(())
+    }
+
+    async fn on_copy_fail<C>(&self, _client: &mut C, fail: CopyFail) -> PgWireError
+    where
+        C: ClientInfo + Sink<PgWireBackendMessage> + Unpin + Send + Sync,
+        C::Error: Debug,
+        PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
+    {
+        let table = self
+            .copy_in
+            .lock()
+            .expect("copy lock")
+            .take()
+            .map(|c| c.table);
+        user_error(
+            "57014",
+            format!(
+                "COPY into {:?} failed on the client's side, nothing was written: {}",
+                table.unwrap_or_default(),
+                fail.message
+            ),
+        )
     }
 }
 

@@ -166,6 +166,18 @@ impl Engine {
             .map_err(from_datafusion)
     }
 
+    /// Inserts rows a front end decoded itself (PostgreSQL's `COPY table FROM STDIN`), in
+    /// the table's columns, as one INSERT statement: one epoch, or kept for COMMIT inside
+    /// a transaction; keys already present are refused.
+    pub async fn insert_rows(
+        &self,
+        table: &str,
+        batches: Vec<RecordBatch>,
+    ) -> Result<(usize, Option<Epoch>)> {
+        self.begin_statement().await?;
+        self.insert(table, batches).await
+    }
+
     /// Runs SQL whose last statement returns rows, and returns them.
     pub async fn query(&self, sql: &str) -> Result<Vec<RecordBatch>> {
         match self.execute(sql).await?.pop() {
