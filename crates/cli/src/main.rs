@@ -74,8 +74,9 @@ enum Command {
     },
     /// Run SQL: an interactive prompt, or the statements given with -c.
     Sql {
-        /// Statements to run instead of starting the prompt.
-        #[arg(short = 'c', long = "command")]
+        /// Statements to run instead of starting the prompt (they may start with a
+        /// `-- comment`).
+        #[arg(short = 'c', long = "command", allow_hyphen_values = true)]
         command: Option<String>,
         #[arg(long, value_enum, default_value_t = Format::Table)]
         format: Format,
@@ -252,9 +253,36 @@ fn main() {
         .build()
         .expect("tokio runtime");
     if let Err(error) = runtime.block_on(run(cli)) {
-        eprintln!("error: {error:#}");
+        eprintln!("error: {}", one_message(&error));
         std::process::exit(1);
     }
+}
+
+/// The error as one message: each cause said once (a wrapper's text often repeats its
+/// source's), and SQL errors without DataFusion's category prefixes.
+fn one_message(error: &anyhow::Error) -> String {
+    let mut message = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        let (text, last) = match cause.downcast_ref::<tessera_sql::SqlError>() {
+            // It says its own causes; a wrapper above that quoted it whole says it short.
+            Some(sql) => {
+                let short = tessera_sql::error::one_message(sql);
+                message = message.replace(&text, &short);
+                (short, true)
+            }
+            None => (text, false),
+        };
+        if message.is_empty() {
+            message = text;
+        } else if !message.contains(&text) {
+            message = format!("{message}: {text}");
+        }
+        if last {
+            break;
+        }
+    }
+    message
 }
 
 async fn run(cli: Cli) -> Result<()> {

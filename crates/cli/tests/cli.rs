@@ -97,6 +97,31 @@ fn the_prompt_runs_statements_from_stdin_and_reports_failures() {
     assert!(String::from_utf8_lossy(&unfinished.stderr).contains("missing ';'"));
 }
 
+/// An error reads once, without DataFusion's category prefix or its causes repeated; and
+/// statements given with -c may start with a comment (not taken for a flag).
+#[test]
+fn errors_read_once_and_a_command_may_start_with_a_comment() {
+    let tmp = tempfile::tempdir().unwrap();
+    let failed = tessera(tmp.path(), &["sql", "-c", "SELECT * FROM nosuch"], None);
+    assert!(!failed.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&failed.stderr).trim(),
+        "error: table 'tessera.public.nosuch' not found"
+    );
+    let commented = tessera(
+        tmp.path(),
+        &[
+            "sql",
+            "--format",
+            "csv",
+            "-c",
+            "-- the answer\nSELECT 42 AS answer",
+        ],
+        None,
+    );
+    assert!(stdout_of(&commented).contains("42"));
+}
+
 #[test]
 fn publish_reads_csv_upserts_and_deletes() {
     let tmp = tempfile::tempdir().unwrap();

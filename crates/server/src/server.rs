@@ -177,7 +177,7 @@ impl NodeService {
                         .chain(outputs.into_iter().map(sql_output))
                         .collect::<Result<_, _>>()
                         .map_err(|e| Refusal::Failed(e.to_string())),
-                    Err(e) => Err(Refusal::Failed(e.to_string())),
+                    Err(e) => Err(Refusal::Failed(tessera_sql::error::one_message(&e))),
                 };
                 reply(&result)
             }

@@ -165,6 +165,38 @@ fn datafusion_message(error: &DataFusionError) -> String {
         DataFusionError::Shared(inner) => datafusion_message(inner),
         DataFusionError::External(inner) => inner.to_string(),
         DataFusionError::ArrowError(inner, _) => inner.to_string(),
+        DataFusionError::SQL(inner, _) => inner.to_string(),
         other => other.message().trim().to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::one_message;
+    use crate::Engine;
+
+    /// What the engine itself raises reads as one message: no category prefix, no cause
+    /// repeated.
+    #[tokio::test]
+    async fn engine_errors_read_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            tessera_storage::Store::open(dir.path(), tessera_storage::StoreConfig::default())
+                .unwrap();
+        let engine = Engine::new(store);
+        for (sql, expected) in [
+            (
+                "SELECT * FROM nosuch",
+                "table 'tessera.public.nosuch' not found",
+            ),
+            (
+                "SELEC 1",
+                "sql parser error: Expected: an SQL statement, found: SELEC at Line: 1, Column: 1",
+            ),
+            ("SELECT 1/0", "Divide by zero error"),
+        ] {
+            let error = engine.execute(sql).await.unwrap_err();
+            assert_eq!(one_message(&error), expected, "{sql}: {error:?}");
+        }
     }
 }
