@@ -125,6 +125,10 @@ enum Command {
         /// Node i serves PostgreSQL clients (psql, drivers) on pg-port + i - 1.
         #[arg(long, default_value_t = 5433)]
         pg_port: u16,
+        /// Node i serves HTTP (the console, Prometheus metrics at /metrics) on
+        /// http-port + i - 1.
+        #[arg(long, default_value_t = 8080)]
+        http_port: u16,
         /// Copies of each partition.
         #[arg(long, default_value_t = 3)]
         replication: u32,
@@ -314,11 +318,13 @@ async fn run(cli: Cli) -> Result<()> {
             nodes,
             base_port,
             pg_port,
+            http_port,
             replication,
         } => {
             let options = commands::up::UpOptions {
                 base_port: *base_port,
                 pg_base_port: Some(*pg_port),
+                http_base_port: Some(*http_port),
                 ..commands::up::UpOptions::new(*nodes, cli.store.partitions, *replication)
             };
             commands::up::run(&cli.data_dir, options).await

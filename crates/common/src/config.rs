@@ -68,6 +68,10 @@ pub struct NodeConfig {
     /// Where this node serves PostgreSQL clients (`psql`, drivers); none if unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pg_listen: Option<SocketAddr>,
+    /// Where this node serves HTTP: Prometheus metrics at `/metrics` and the web console;
+    /// none if unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http_listen: Option<SocketAddr>,
     /// PostgreSQL connections served at once; one more is refused (SQLSTATE 53300).
     #[serde(default = "default_pg_max_connections")]
     pub pg_max_connections: usize,

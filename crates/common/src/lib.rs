@@ -10,6 +10,7 @@ pub mod config;
 pub mod disk;
 pub mod hex;
 pub mod ids;
+pub mod metrics;
 pub mod partitioning;
 pub mod version;
 

@@ -122,9 +122,35 @@ const VISIBLE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120
 /// query reads at it, so an epoch committed while an earlier one (another table's) is still
 /// open would be missed by a read started after its acknowledgement (a stale read).
 pub async fn publish(node: &Arc<Replication>, changes: Vec<TableChanges>) -> Result<Epoch> {
-    let epoch = publish_committed(node, changes).await?;
-    wait_visible(node, epoch).await?;
-    Ok(epoch)
+    let started = std::time::Instant::now();
+    let (rows, bytes) = changes
+        .iter()
+        .flat_map(|c| c.upserts.iter().chain(&c.deletes))
+        .fold((0, 0), |(rows, bytes), batch| {
+            (
+                rows + batch.num_rows() as u64,
+                bytes + batch.get_array_memory_size() as u64,
+            )
+        });
+    let result = async {
+        let epoch = publish_committed(node, changes).await?;
+        wait_visible(node, epoch).await?;
+        Ok(epoch)
+    }
+    .await;
+    let metrics = tessera_common::metrics::metrics();
+    let outcome = match &result {
+        Ok(_) => {
+            metrics.publish_rows.inc_by(rows);
+            metrics.publish_bytes.inc_by(bytes);
+            tessera_common::metrics::observe_seconds(&metrics.publish_seconds, started.elapsed());
+            "acknowledged"
+        }
+        Err(ReplicationError::Aborted { .. } | ReplicationError::CommitRefused { .. }) => "aborted",
+        Err(_) => "failed",
+    };
+    tessera_common::metrics::count(&metrics.publishes, "outcome", outcome);
+    result
 }
 
 /// Waits until this node's metadata shows `epoch` visible (every epoch below it decided).

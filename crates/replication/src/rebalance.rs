@@ -260,6 +260,17 @@ async fn abort(
 pub async fn copy_partitions(node: &Arc<Replication>, request: CopyRequest) -> Result<()> {
     // One copy into this node at a time, in the order they arrive (see `copying`).
     let _one_at_a_time = node.copying.lock().await;
+    let started = std::time::Instant::now();
+    let copied = copy_partitions_now(node, request).await;
+    if copied.is_ok() {
+        let metrics = tessera_common::metrics::metrics();
+        metrics.failbacks.inc();
+        tessera_common::metrics::observe_seconds(&metrics.failback_seconds, started.elapsed());
+    }
+    copied
+}
+
+async fn copy_partitions_now(node: &Arc<Replication>, request: CopyRequest) -> Result<()> {
     // The tables must exist here first: wait for the metadata that created them.
     let view = node
         .meta

@@ -166,6 +166,9 @@ impl Backend for ClusterBackend {
         )
         .await
         .map_err(ClusterError::from)?;
+        tessera_common::metrics::metrics()
+            .query_recoveries
+            .inc_by(recoveries.len() as u64);
         // The notices of a statement that answered; a failed one's error says it all.
         self.recoveries
             .lock()

@@ -21,6 +21,7 @@ pub use tessera_meta as meta;
 /// The replication protocols, re-exported under their old paths while the crate is split.
 pub use tessera_replication::{failover, publish, rebalance, shipping};
 pub mod client;
+mod console;
 pub mod error;
 pub mod node;
 pub mod rpc;

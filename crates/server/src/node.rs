@@ -163,15 +163,8 @@ impl Node {
                 addr: config.listen.to_string(),
                 reason: e.to_string(),
             })?;
-        let pg_listener = match config.pg_listen {
-            Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.map_err(|e| {
-                ClusterError::Listen {
-                    addr: format!("{addr} (pg_listen)"),
-                    reason: e.to_string(),
-                }
-            })?),
-            None => None,
-        };
+        let pg_listener = bind_optional(config.pg_listen, "pg_listen").await?;
+        let http_listener = bind_optional(config.http_listen, "http_listen").await?;
         let clients = Arc::new(Clients::new(&config.cluster_id, protocol));
         check_peers(&config, &clients, protocol).await?;
 
@@ -278,6 +271,12 @@ impl Node {
                 tessera_pg::PgLimits {
                     max_connections: node.config.pg_max_connections,
                 },
+            ));
+        }
+        if let Some(listener) = http_listener {
+            tokio::spawn(tessera_console::serve(
+                listener,
+                Arc::new(crate::console::NodeConsole::new(node.clone())),
             ));
         }
         node.initialize_if_founder().await?;
@@ -537,6 +536,10 @@ impl Node {
                 self.meta
                     .write_as_leader(MetaCommand::SetLiveness { id, alive })
                     .await?;
+                if !alive {
+                    // Declaring a node failed promotes other replicas of its partitions.
+                    tessera_common::metrics::metrics().failovers.inc();
+                }
             }
         }
         // Epochs left open too long, whoever coordinates them.
@@ -726,4 +729,21 @@ async fn check_peers(config: &NodeConfig, clients: &Clients, protocol: u32) -> R
         }
     }
     Ok(())
+}
+
+/// Binds a client-facing port if it is configured (`what` names its setting in errors).
+async fn bind_optional(
+    addr: Option<std::net::SocketAddr>,
+    what: &str,
+) -> Result<Option<tokio::net::TcpListener>, ClusterError> {
+    let Some(addr) = addr else {
+        return Ok(None);
+    };
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map(Some)
+        .map_err(|e| ClusterError::Listen {
+            addr: format!("{addr} ({what})"),
+            reason: e.to_string(),
+        })
 }

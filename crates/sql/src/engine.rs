@@ -189,7 +189,22 @@ impl Engine {
         }
     }
 
+    /// Runs one statement, counting it and its latency in the node's metrics.
     async fn execute_statement(
+        &self,
+        statement: DFStatement,
+        params: Option<&ParamValues>,
+    ) -> Result<StatementOutput> {
+        let started = std::time::Instant::now();
+        let result = self.run_statement(statement, params).await;
+        let metrics = tessera_common::metrics::metrics();
+        tessera_common::metrics::observe_seconds(&metrics.query_seconds, started.elapsed());
+        let outcome = if result.is_ok() { "ok" } else { "failed" };
+        tessera_common::metrics::count(&metrics.queries, "outcome", outcome);
+        result
+    }
+
+    async fn run_statement(
         &self,
         mut statement: DFStatement,
         params: Option<&ParamValues>,

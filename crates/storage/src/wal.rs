@@ -535,7 +535,13 @@ impl SegmentWriter {
                 }
             }
             if result.is_ok() && !waiting.is_empty() {
+                let started = std::time::Instant::now();
                 result = self.sync();
+                let metrics = tessera_common::metrics::metrics();
+                metrics
+                    .wal_fsync_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                metrics.wal_group_frames.observe(waiting.len() as f64);
             }
             if let Err(reason) = &result {
                 tracing::error!(%reason, "write-ahead log poisoned");

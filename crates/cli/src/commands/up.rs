@@ -14,6 +14,8 @@ pub struct UpOptions {
     pub base_port: u16,
     /// Node i serves PostgreSQL clients on this + i - 1; none when unset.
     pub pg_base_port: Option<u16>,
+    /// Node i serves HTTP (console, metrics) on this + i - 1; none when unset.
+    pub http_base_port: Option<u16>,
     pub partitions: u32,
     pub replication: u32,
     pub delta_recovery: bool,
@@ -29,6 +31,7 @@ impl UpOptions {
             nodes,
             base_port: 0,
             pg_base_port: None,
+            http_base_port: None,
             partitions,
             replication,
             delta_recovery: true,
@@ -75,11 +78,8 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
             cluster_id: cluster_id.clone(),
             node_id: peer.id,
             listen: peer.addr,
-            pg_listen: options.pg_base_port.map(|base| {
-                format!("127.0.0.1:{}", base as u64 + peer.id.0 - 1)
-                    .parse()
-                    .expect("loopback address")
-            }),
+            pg_listen: options.pg_base_port.map(|base| loopback(base, peer.id)),
+            http_listen: options.http_base_port.map(|base| loopback(base, peer.id)),
             pg_max_connections: 256,
             data_dir: PathBuf::from("data"),
             peers: peers.clone(),
@@ -130,13 +130,16 @@ pub async fn run(root: &Path, options: UpOptions) -> Result<()> {
             );
             for config in &configs {
                 let config = NodeConfig::load(config)?;
-                match config.pg_listen {
-                    Some(pg) => println!(
-                        "  node {}: RPC {}, SQL (PostgreSQL) {}",
-                        config.node_id, config.listen, pg
-                    ),
-                    None => println!("  node {} listening on {}", config.node_id, config.listen),
+                let mut line = format!("  node {}: RPC {}", config.node_id, config.listen);
+                if let Some(pg) = config.pg_listen {
+                    line.push_str(&format!(", SQL (PostgreSQL) {pg}"));
                 }
+                if let Some(http) = config.http_listen {
+                    line.push_str(&format!(
+                        ", console http://{http}/, metrics http://{http}/metrics"
+                    ));
+                }
+                println!("{line}");
             }
             if let Some(pg) = NodeConfig::load(&configs[0])?.pg_listen {
                 println!(
@@ -220,4 +223,11 @@ fn stop(children: &mut [Child]) {
         }
     }
     println!("cluster stopped");
+}
+
+/// `127.0.0.1:(base + id - 1)`: node `id`'s port in a local cluster.
+fn loopback(base: u16, id: NodeId) -> std::net::SocketAddr {
+    format!("127.0.0.1:{}", base as u64 + id.0 - 1)
+        .parse()
+        .expect("loopback address")
 }

@@ -54,6 +54,9 @@ pub async fn receive(
         let arrow_flight::decode::DecodedPayload::RecordBatch(batch) = message.payload else {
             continue;
         };
+        tessera_common::metrics::metrics()
+            .exchange_bytes
+            .inc_by((message.inner.data_body.len() + message.inner.data_header.len()) as u64);
         let tag: BatchTag = serde_json::from_slice(&message.inner.app_metadata)
             .map_err(|e| format!("an exchange batch without a valid tag: {e}"))?;
         if !header.buckets.contains(&tag.bucket) {

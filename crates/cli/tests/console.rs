@@ -1,0 +1,120 @@
+//! The node's HTTP port (`http_listen`): Prometheus metrics, parsed by Prometheus's own
+//! OpenMetrics parser, that move by exactly the work done through the node.
+
+mod common;
+
+use common::wait_formed;
+use std::collections::BTreeMap;
+use std::path::Path;
+use tessera_server::ClusterClient;
+use tessera_testkit::{kv_batch, LocalCluster};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
+
+/// A scrape: the response's content type and every sample, keyed `name{label=value,...}`.
+struct Scrape {
+    content_type: String,
+    samples: BTreeMap<String, f64>,
+}
+
+impl Scrape {
+    fn value(&self, key: &str) -> f64 {
+        self.samples.get(key).copied().unwrap_or(0.0)
+    }
+}
+
+async fn scrape(cluster: &LocalCluster, id: u64) -> Scrape {
+    let url = format!("http://{}/metrics", cluster.http_addr(id).unwrap());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/scrape_metrics.py");
+    let output = tokio::process::Command::new("python3")
+        .arg(&script)
+        .arg(&url)
+        .output()
+        .await
+        .expect("python3 runs");
+    assert!(
+        output.status.success(),
+        "scraping {url} failed (is prometheus_client installed? pip install prometheus_client):\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let parsed: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    Scrape {
+        content_type: parsed["content_type"].as_str().unwrap().to_string(),
+        samples: parsed["samples"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_f64().unwrap()))
+            .collect(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_parse_as_openmetrics_and_move_with_the_work() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    let client = ClusterClient::new(cluster.addr(1));
+    client
+        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .await
+        .unwrap();
+
+    let before = scrape(&cluster, 1).await;
+    assert!(
+        before
+            .content_type
+            .starts_with("application/openmetrics-text"),
+        "{}",
+        before.content_type
+    );
+    for i in 0..3 {
+        client
+            .publish("kv", vec![kv_batch(i * 100, (i + 1) * 100)], false)
+            .await
+            .unwrap();
+    }
+    for _ in 0..4 {
+        client.query("SELECT count(*) AS n FROM kv").await.unwrap();
+    }
+    client
+        .query("SELECT * FROM nosuch")
+        .await
+        .expect_err("no such table");
+    let after = scrape(&cluster, 1).await;
+    let moved = |key: &str| after.value(key) - before.value(key);
+
+    assert_eq!(moved("tessera_publishes_total{outcome=acknowledged}"), 3.0);
+    assert_eq!(moved("tessera_publish_rows_total{}"), 300.0);
+    assert_eq!(moved("tessera_publish_seconds_count{}"), 3.0);
+    assert!(moved("tessera_publish_bytes_total{}") > 0.0);
+    assert_eq!(moved("tessera_queries_total{outcome=ok}"), 4.0);
+    assert_eq!(moved("tessera_queries_total{outcome=failed}"), 1.0);
+    assert_eq!(moved("tessera_query_seconds_count{}"), 5.0);
+    assert!(
+        moved("tessera_wal_fsync_seconds_count{}") >= 3.0,
+        "every publish logs durably here"
+    );
+    assert!(
+        moved("tessera_exchange_bytes_total{}") > 0.0,
+        "the counts gathered rows from the other nodes"
+    );
+
+    let status = client.status().await.unwrap();
+    assert_eq!(
+        after.value("tessera_visible_epoch{}"),
+        status.meta.visible.0 as f64
+    );
+    assert_eq!(
+        after.value("tessera_raft_leader{}"),
+        status.leader.unwrap().0 as f64
+    );
+    assert!(after.value("tessera_raft_term{}") >= 1.0);
+    assert!(after.value("tessera_raft_applied_index{}") > 0.0);
+    for replica in 1..=3 {
+        let key = format!("tessera_replica_lag_epochs{{replica={replica}}}");
+        assert!(after.samples.contains_key(&key), "{key} is exported");
+        assert_eq!(after.value(&key), 0.0, "no replica is behind");
+    }
+}

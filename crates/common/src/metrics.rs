@@ -1,0 +1,252 @@
+//! The node's metrics, in one Prometheus registry, served at `/metrics` on the node's HTTP
+//! port.
+//!
+//! A node is a process, so the registry is the process's: every layer records into
+//! [`metrics()`] without threading a handle through its calls. Counters and histograms
+//! move as work happens; gauges that describe state (Raft's term, the leader, replica
+//! staleness) are set by the node just before each scrape.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+
+/// Label pairs, e.g. `[("outcome", "aborted")]`.
+pub type Labels = Vec<(&'static str, String)>;
+
+fn seconds_buckets() -> Histogram {
+    // 100 µs to ~100 s.
+    Histogram::new(exponential_buckets(0.0001, 2.0, 21))
+}
+
+fn size_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(1.0, 2.0, 16))
+}
+
+/// Every metric a node exports. Names follow Prometheus's conventions (`_total` counters,
+/// base units: seconds, bytes).
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    /// Publishes this node coordinated, by outcome (`acknowledged`, `aborted`, `failed`).
+    pub publishes: Family<Labels, Counter>,
+    pub publish_rows: Counter,
+    pub publish_bytes: Counter,
+    /// From the request to the acknowledgement (visible), acknowledged publishes only.
+    pub publish_seconds: Histogram,
+    pub wal_fsync_seconds: Histogram,
+    /// Frames made durable by one fsync (group commit).
+    pub wal_group_frames: Histogram,
+    /// Statements run through this node, by outcome (`ok`, `failed`).
+    pub queries: Family<Labels, Counter>,
+    pub query_seconds: Histogram,
+    /// Lineage recoveries that let a query finish after a node was lost.
+    pub query_recoveries: Counter,
+    /// Bytes this node received from other nodes' exchange channels.
+    pub exchange_bytes: Counter,
+    /// Partitions whose primary moved to this node's replica list after a failure.
+    pub failovers: Counter,
+    /// Partition copies (failbacks and moves) this node installed, and how long each took.
+    pub failbacks: Counter,
+    pub failback_seconds: Histogram,
+    pub raft_term: Gauge,
+    /// The metadata leader's node id (0 while none is known).
+    pub raft_leader: Gauge,
+    pub raft_last_log_index: Gauge,
+    pub raft_applied_index: Gauge,
+    pub visible_epoch: Gauge,
+    /// Per replica: the epochs it lacks on its most behind partition (0: up to date).
+    pub replica_lag_epochs: Family<Labels, Gauge>,
+    /// Rows this node logged as a cold standby and has not yet applied.
+    pub standby_unapplied_rows: Gauge,
+    /// PostgreSQL connections open now.
+    pub pg_connections: Gauge,
+}
+
+impl Metrics {
+    fn new() -> Metrics {
+        let metrics = Metrics {
+            registry: Mutex::new(Registry::with_prefix("tessera")),
+            publishes: Family::default(),
+            publish_rows: Counter::default(),
+            publish_bytes: Counter::default(),
+            publish_seconds: seconds_buckets(),
+            wal_fsync_seconds: seconds_buckets(),
+            wal_group_frames: size_buckets(),
+            queries: Family::default(),
+            query_seconds: seconds_buckets(),
+            query_recoveries: Counter::default(),
+            exchange_bytes: Counter::default(),
+            failovers: Counter::default(),
+            failbacks: Counter::default(),
+            failback_seconds: seconds_buckets(),
+            raft_term: Gauge::default(),
+            raft_leader: Gauge::default(),
+            raft_last_log_index: Gauge::default(),
+            raft_applied_index: Gauge::default(),
+            visible_epoch: Gauge::default(),
+            replica_lag_epochs: Family::default(),
+            standby_unapplied_rows: Gauge::default(),
+            pg_connections: Gauge::default(),
+        };
+        {
+            let mut r = metrics.registry.lock().expect("registry lock");
+            r.register(
+                "publishes",
+                "Publishes coordinated by this node, by outcome",
+                metrics.publishes.clone(),
+            );
+            r.register(
+                "publish_rows",
+                "Rows in acknowledged publishes",
+                metrics.publish_rows.clone(),
+            );
+            r.register(
+                "publish_bytes",
+                "Arrow bytes in acknowledged publishes",
+                metrics.publish_bytes.clone(),
+            );
+            r.register(
+                "publish_seconds",
+                "Publish latency, request to acknowledgement",
+                metrics.publish_seconds.clone(),
+            );
+            r.register(
+                "wal_fsync_seconds",
+                "Write-ahead log fsync latency",
+                metrics.wal_fsync_seconds.clone(),
+            );
+            r.register(
+                "wal_group_frames",
+                "Log frames made durable by one fsync",
+                metrics.wal_group_frames.clone(),
+            );
+            r.register(
+                "queries",
+                "Statements run through this node, by outcome",
+                metrics.queries.clone(),
+            );
+            r.register(
+                "query_seconds",
+                "Statement latency",
+                metrics.query_seconds.clone(),
+            );
+            r.register(
+                "query_recoveries",
+                "Lineage recoveries during queries",
+                metrics.query_recoveries.clone(),
+            );
+            r.register(
+                "exchange_bytes",
+                "Bytes received over exchange channels",
+                metrics.exchange_bytes.clone(),
+            );
+            r.register(
+                "failovers",
+                "Failovers this node's metadata applied (a failed node's partitions promoted)",
+                metrics.failovers.clone(),
+            );
+            r.register(
+                "failbacks",
+                "Partition copies installed on this node (failbacks and moves)",
+                metrics.failbacks.clone(),
+            );
+            r.register(
+                "failback_seconds",
+                "Partition copy duration",
+                metrics.failback_seconds.clone(),
+            );
+            r.register("raft_term", "Current Raft term", metrics.raft_term.clone());
+            r.register(
+                "raft_leader",
+                "Metadata leader node id, 0 if unknown",
+                metrics.raft_leader.clone(),
+            );
+            r.register(
+                "raft_last_log_index",
+                "Highest Raft log index in this node's log",
+                metrics.raft_last_log_index.clone(),
+            );
+            r.register(
+                "raft_applied_index",
+                "Highest Raft log index applied here",
+                metrics.raft_applied_index.clone(),
+            );
+            r.register(
+                "visible_epoch",
+                "The visible epoch in this node's metadata",
+                metrics.visible_epoch.clone(),
+            );
+            r.register(
+                "replica_lag_epochs",
+                "Epochs a replica lacks on its most behind partition",
+                metrics.replica_lag_epochs.clone(),
+            );
+            r.register(
+                "standby_unapplied_rows",
+                "Rows logged here as a cold standby, not yet applied",
+                metrics.standby_unapplied_rows.clone(),
+            );
+            r.register(
+                "pg_connections",
+                "Open PostgreSQL connections",
+                metrics.pg_connections.clone(),
+            );
+        }
+        metrics
+    }
+
+    /// The registry in Prometheus's text exposition format.
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        encode(&mut text, &self.registry.lock().expect("registry lock"))
+            .expect("writing to a String cannot fail");
+        text
+    }
+}
+
+/// This process's (this node's) metrics.
+pub fn metrics() -> &'static Metrics {
+    static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
+    &METRICS
+}
+
+/// One label, for a family: `label("outcome", "aborted")`.
+pub fn label(name: &'static str, value: impl Into<String>) -> Labels {
+    vec![(name, value.into())]
+}
+
+/// Counts one event of `family` with `name=value`.
+pub fn count(family: &Family<Labels, Counter>, name: &'static str, value: &str) {
+    family.get_or_create(&label(name, value)).inc();
+}
+
+pub fn observe_seconds(histogram: &Histogram, took: Duration) {
+    histogram.observe(took.as_secs_f64());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_registry_encodes_in_the_text_format() {
+        let m = metrics();
+        count(&m.publishes, "outcome", "acknowledged");
+        observe_seconds(&m.publish_seconds, Duration::from_millis(3));
+        let text = m.encode();
+        assert!(text.contains("# TYPE tessera_publishes counter"), "{text}");
+        assert!(
+            text.contains("tessera_publishes_total{outcome=\"acknowledged\"}"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tessera_publish_seconds_bucket{le="),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+}
