@@ -82,6 +82,15 @@ async fn metrics_parse_as_openmetrics_and_move_with_the_work() {
         .query("SELECT * FROM nosuch")
         .await
         .expect_err("no such table");
+    let pg = cluster.pg_addr(1).unwrap();
+    let (host, port) = pg.rsplit_once(':').unwrap();
+    let (_connected, connection) = tokio_postgres::connect(
+        &format!("host={host} port={port} user=tessera dbname=tessera"),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
     let after = scrape(&cluster, 1).await;
     let moved = |key: &str| after.value(key) - before.value(key);
 
@@ -112,6 +121,11 @@ async fn metrics_parse_as_openmetrics_and_move_with_the_work() {
     );
     assert!(after.value("tessera_raft_term{}") >= 1.0);
     assert!(after.value("tessera_raft_applied_index{}") > 0.0);
+    assert_eq!(
+        after.value("tessera_pg_connections{}"),
+        1.0,
+        "one PostgreSQL client is connected"
+    );
     for replica in 1..=3 {
         let key = format!("tessera_replica_lag_epochs{{replica={replica}}}");
         assert!(after.samples.contains_key(&key), "{key} is exported");

@@ -80,9 +80,12 @@ pub async fn serve(listener: TcpListener, sessions: Arc<dyn Sessions>, limits: P
         };
         tokio::spawn(async move {
             let _slot = slot;
+            let open = &tessera_common::metrics::metrics().pg_connections;
+            open.inc();
             if let Err(error) = pgwire::tokio::process_socket(socket, None, handlers).await {
                 tracing::debug!(%peer, %error, "PostgreSQL connection ended with an error");
             }
+            open.dec();
         });
     }
 }
