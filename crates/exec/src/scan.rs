@@ -255,6 +255,21 @@ async fn read_here(
                 break snapshot;
             }
         };
+        // Which versions this replica holds for the query's partitions: the trail a wrong
+        // count leaves (`TESSERA_LOG=tessera_exec::scan=debug`).
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let versions: Vec<(u32, u64)> = snapshot
+                .partitions
+                .iter()
+                .filter(|p| wanted.contains(&p.partition))
+                .map(|p| {
+                    let rows = p.components.iter().map(|c| c.rows).sum::<u64>()
+                        + p.memtable.iter().map(|b| b.num_rows() as u64).sum::<u64>();
+                    (p.partition.0, rows)
+                })
+                .collect();
+            tracing::debug!(%table, %epoch, ?versions, "reading partitions here");
+        }
         let damaged = find_damaged(&store, &snapshot, &wanted);
         Ok((snapshot, damaged))
     })
