@@ -1,5 +1,6 @@
 //! The node's HTTP port (`http_listen`): Prometheus metrics, parsed by Prometheus's own
-//! OpenMetrics parser, that move by exactly the work done through the node.
+//! OpenMetrics parser, that move by exactly the work done through the node; and the web
+//! console, loaded in a real (headless) Chromium against a live cluster.
 
 mod common;
 
@@ -131,4 +132,136 @@ async fn metrics_parse_as_openmetrics_and_move_with_the_work() {
         assert!(after.samples.contains_key(&key), "{key} is exported");
         assert_eq!(after.value(&key), 0.0, "no replica is behind");
     }
+}
+
+/// One HTTP/1.0 request (so the answer is neither chunked nor kept alive): the status code
+/// and the body.
+async fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!(
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    socket.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, body.to_string())
+}
+
+/// Runs headless Chromium on `url`: the page's DOM after its scripts ran, and a screenshot
+/// written to `screenshot`.
+async fn chromium(url: &str, screenshot: &Path) -> String {
+    let run = |extra: Vec<String>| {
+        let url = url.to_string();
+        async move {
+            let output = tokio::process::Command::new("chromium")
+                .args([
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--hide-scrollbars",
+                    "--window-size=1440,1300",
+                    "--virtual-time-budget=3000",
+                ])
+                .args(extra)
+                .arg(url)
+                .output()
+                .await
+                .expect("chromium is installed (apt: chromium)");
+            assert!(
+                output.status.success(),
+                "chromium failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            String::from_utf8_lossy(&output.stdout).to_string()
+        }
+    };
+    run(vec![format!("--screenshot={}", screenshot.display())]).await;
+    run(vec!["--dump-dom".to_string()]).await
+}
+
+/// The console in a real browser shows every node with its liveness, every partition with
+/// its replicas, and a statement while it runs; its SQL box answers through the cluster and
+/// reports an error once. The screenshot is kept (target/tmp/console.png).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_shows_nodes_partitions_and_a_running_statement_in_a_browser() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    let client = ClusterClient::new(cluster.addr(1));
+    client
+        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .await
+        .unwrap();
+    client
+        .publish("kv", vec![kv_batch(0, 100)], false)
+        .await
+        .unwrap();
+    let http_addr = cluster.http_addr(1).unwrap().to_string();
+
+    let (status, body) = http(
+        &http_addr,
+        "POST",
+        "/api/sql",
+        "SELECT count(*) AS n FROM kv",
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer[0]["rows"][0]["n"], 100, "{body}");
+    let (status, body) = http(&http_addr, "POST", "/api/sql", "SELECT * FROM nosuch").await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["error"],
+        "table 'tessera.public.nosuch' not found"
+    );
+
+    // A statement that runs for a long while, through node 1.
+    const LONG: &str = "SELECT sum(value % 7) AS s FROM generate_series(1, 20000000000)";
+    let long = tokio::spawn(async move { client.query(LONG).await });
+    common::wait_until(
+        "the statement to show as running",
+        std::time::Duration::from_secs(30),
+        || async {
+            let (_, body) = http(&http_addr, "GET", "/api/status", "").await;
+            body.contains("generate_series").then_some(())
+        },
+    )
+    .await;
+
+    let screenshot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("console.png");
+    let dom = chromium(&format!("http://{http_addr}/"), &screenshot).await;
+    long.abort();
+    for node in 1..=3 {
+        assert!(
+            dom.contains(&format!("data-node=\"{node}\"")),
+            "node {node} is on the page"
+        );
+    }
+    // Drawn cells, not the page script's template (`data-partition="${i}"`).
+    let drawn = dom
+        .split("data-partition=\"")
+        .skip(1)
+        .filter(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+        .count();
+    assert_eq!(drawn, 8, "every partition is drawn");
+    assert!(dom.contains("alive"), "liveness is shown");
+    let running = dom
+        .split("id=\"running\"")
+        .nth(1)
+        .and_then(|rest| rest.split("</section>").next())
+        .unwrap();
+    assert!(
+        running.contains("generate_series(1, 20000000000)"),
+        "the running statement is listed: {running}"
+    );
+    assert!(
+        std::fs::metadata(&screenshot).unwrap().len() > 10_000,
+        "a screenshot was taken"
+    );
+    println!("console screenshot: {}", screenshot.display());
 }

@@ -1,5 +1,6 @@
-//! What this node shows on its HTTP port (`tessera_console`): the gauges refreshed before
-//! each scrape from Raft, the metadata and the store.
+//! What this node shows on its HTTP port (`tessera_console`): its status and statements
+//! for the console, the console's SQL box run through the cluster, and the gauges
+//! refreshed before each scrape from Raft, the metadata and the store.
 
 use crate::node::Node;
 use std::sync::Arc;
@@ -15,7 +16,32 @@ impl NodeConsole {
     }
 }
 
+/// Rows the console's SQL box shows of one statement.
+const CONSOLE_ROWS: usize = 1000;
+
+#[async_trait::async_trait]
 impl tessera_console::NodeView for NodeConsole {
+    fn status(&self) -> serde_json::Value {
+        let mut status = serde_json::to_value(crate::server::node_status(&self.node))
+            .expect("the status serializes");
+        let (running, recent) = tessera_sql::activity::snapshot();
+        status["running"] = serde_json::to_value(running).expect("activity serializes");
+        status["recent"] = serde_json::to_value(recent).expect("activity serializes");
+        status
+    }
+
+    async fn sql(&self, sql: String) -> Result<serde_json::Value, String> {
+        let engine = tessera_sql::Engine::with_backend(
+            Arc::new(crate::ClusterBackend::new(self.node.clone())),
+            datafusion::prelude::SessionConfig::new(),
+        );
+        let outputs = engine
+            .execute(&sql)
+            .await
+            .map_err(|e| tessera_sql::error::one_message(&e))?;
+        outputs.into_iter().map(output_json).collect()
+    }
+
     fn refresh_metrics(&self) {
         let m = metrics();
         let raft = self.node.meta.raft().metrics().borrow().clone();
@@ -51,5 +77,41 @@ impl tessera_console::NodeView for NodeConsole {
             .map(|t| t.logged_rows)
             .sum();
         m.standby_unapplied_rows.set(unapplied as i64);
+    }
+}
+
+/// One statement's output for the console: `{tag, epoch}`, or `{columns, rows, truncated}`
+/// with the rows as objects (at most [`CONSOLE_ROWS`]).
+fn output_json(output: tessera_sql::StatementOutput) -> Result<serde_json::Value, String> {
+    match output {
+        tessera_sql::StatementOutput::Done { tag, epoch } => {
+            Ok(serde_json::json!({ "tag": tag, "epoch": epoch }))
+        }
+        tessera_sql::StatementOutput::Rows { schema, batches } => {
+            let total: usize = batches.iter().map(|b| b.num_rows()).sum();
+            let mut writer = arrow::json::ArrayWriter::new(Vec::new());
+            let mut left = CONSOLE_ROWS;
+            for batch in &batches {
+                if left == 0 {
+                    break;
+                }
+                let shown = batch.slice(0, batch.num_rows().min(left));
+                left -= shown.num_rows();
+                writer.write(&shown).map_err(|e| e.to_string())?;
+            }
+            writer.finish().map_err(|e| e.to_string())?;
+            let bytes = writer.into_inner();
+            let rows: serde_json::Value = if bytes.is_empty() {
+                serde_json::json!([])
+            } else {
+                serde_json::from_slice(&bytes).map_err(|e| e.to_string())?
+            };
+            let columns: Vec<&String> = schema.fields().iter().map(|f| f.name()).collect();
+            Ok(serde_json::json!({
+                "columns": columns,
+                "rows": rows,
+                "truncated": total > CONSOLE_ROWS,
+            }))
+        }
     }
 }

@@ -247,28 +247,7 @@ impl NodeService {
             }
             ACTION_STATUS => {
                 self.open_from_client::<()>(body)?;
-                let metrics = node.meta.raft().metrics().borrow().clone();
-                let view = node.meta.view();
-                let status = NodeStatus {
-                    node_id: node.id(),
-                    listen: node.config.listen.to_string(),
-                    leader: metrics.current_leader,
-                    term: metrics.current_term,
-                    applied_index: view.applied_index,
-                    meta: view.state.clone(),
-                    tables: node
-                        .store
-                        .table_stats()
-                        .into_iter()
-                        .map(|t| TableCount {
-                            name: t.name,
-                            rows: t.component_rows + t.memtable_rows + t.logged_rows,
-                            logged_rows: t.logged_rows,
-                            partitions_with_data: t.partitions_with_data,
-                        })
-                        .collect(),
-                    transfers: node.replication.transfers.counts(),
-                };
+                let status = node_status(&node);
                 reply(&status)
             }
             other => Err(Status::unimplemented(format!("unknown action {other:?}"))),
@@ -702,5 +681,32 @@ impl FlightService for NodeService {
         _request: Request<Empty>,
     ) -> Result<Response<Self::ListActionsStream>, Status> {
         Err(Status::unimplemented("list_actions"))
+    }
+}
+
+/// What `tessera status` and the console show of a node: its metadata view, Raft's state,
+/// the rows it holds and what it copied.
+pub fn node_status(node: &crate::node::Node) -> NodeStatus {
+    let metrics = node.meta.raft().metrics().borrow().clone();
+    let view = node.meta.view();
+    NodeStatus {
+        node_id: node.id(),
+        listen: node.config.listen.to_string(),
+        leader: metrics.current_leader,
+        term: metrics.current_term,
+        applied_index: view.applied_index,
+        meta: view.state.clone(),
+        tables: node
+            .store
+            .table_stats()
+            .into_iter()
+            .map(|t| TableCount {
+                name: t.name,
+                rows: t.component_rows + t.memtable_rows + t.logged_rows,
+                logged_rows: t.logged_rows,
+                partitions_with_data: t.partitions_with_data,
+            })
+            .collect(),
+        transfers: node.replication.transfers.counts(),
     }
 }

@@ -196,7 +196,9 @@ impl Engine {
         params: Option<&ParamValues>,
     ) -> Result<StatementOutput> {
         let started = std::time::Instant::now();
+        let tracked = crate::activity::Tracked::start(statement.to_string());
         let result = self.run_statement(statement, params).await;
+        tracked.end(result.as_ref().err().map(crate::error::one_message));
         let metrics = tessera_common::metrics::metrics();
         tessera_common::metrics::observe_seconds(&metrics.query_seconds, started.elapsed());
         let outcome = if result.is_ok() { "ok" } else { "failed" };
