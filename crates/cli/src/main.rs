@@ -129,6 +129,9 @@ enum Command {
         /// http-port + i - 1.
         #[arg(long, default_value_t = 8080)]
         http_port: u16,
+        /// Node i serves Arrow Flight SQL (ADBC, JDBC) on flightsql-port + i - 1.
+        #[arg(long, default_value_t = 32010)]
+        flightsql_port: u16,
         /// Copies of each partition.
         #[arg(long, default_value_t = 3)]
         replication: u32,
@@ -319,12 +322,14 @@ async fn run(cli: Cli) -> Result<()> {
             base_port,
             pg_port,
             http_port,
+            flightsql_port,
             replication,
         } => {
             let options = commands::up::UpOptions {
                 base_port: *base_port,
                 pg_base_port: Some(*pg_port),
                 http_base_port: Some(*http_port),
+                flightsql_base_port: Some(*flightsql_port),
                 ..commands::up::UpOptions::new(*nodes, cli.store.partitions, *replication)
             };
             commands::up::run(&cli.data_dir, options).await

@@ -68,6 +68,10 @@ pub struct NodeConfig {
     /// Where this node serves PostgreSQL clients (`psql`, drivers); none if unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pg_listen: Option<SocketAddr>,
+    /// Where this node serves Arrow Flight SQL clients (ADBC, the Flight SQL JDBC driver);
+    /// none if unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flightsql_listen: Option<SocketAddr>,
     /// Where this node serves HTTP: Prometheus metrics at `/metrics` and the web console;
     /// none if unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]

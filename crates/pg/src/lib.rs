@@ -30,12 +30,7 @@ use tokio::sync::Semaphore;
 
 pub use session::PgSession;
 
-/// Where connections get their engines.
-pub trait Sessions: Send + Sync + 'static {
-    /// A fresh engine for one connection; dropped (with any open transaction, unpublished)
-    /// when the connection closes.
-    fn open(&self) -> tessera_sql::Engine;
-}
+pub use tessera_sql::Sessions;
 
 /// Limits of one PostgreSQL endpoint.
 #[derive(Debug, Clone)]

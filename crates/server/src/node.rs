@@ -165,6 +165,7 @@ impl Node {
             })?;
         let pg_listener = bind_optional(config.pg_listen, "pg_listen").await?;
         let http_listener = bind_optional(config.http_listen, "http_listen").await?;
+        let flightsql_listener = bind_optional(config.flightsql_listen, "flightsql_listen").await?;
         let clients = Arc::new(Clients::new(&config.cluster_id, protocol));
         check_peers(&config, &clients, protocol).await?;
 
@@ -271,6 +272,12 @@ impl Node {
                 tessera_pg::PgLimits {
                     max_connections: node.config.pg_max_connections,
                 },
+            ));
+        }
+        if let Some(listener) = flightsql_listener {
+            tokio::spawn(tessera_flightsql::serve(
+                listener,
+                Arc::new(crate::backend::NodeSessions::new(node.clone())),
             ));
         }
         if let Some(listener) = http_listener {

@@ -16,6 +16,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("tessera-sql", 2),
     ("tessera-pg", 3),
     ("tessera-console", 3),
+    ("tessera-flightsql", 3),
     ("tessera-replication", 3),
     ("tessera-exec", 4),
     ("tessera-recovery", 5),

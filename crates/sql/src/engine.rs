@@ -178,6 +178,31 @@ impl Engine {
         self.insert(table, batches).await
     }
 
+    /// The columns one statement would return, without running it, or `None` for a command
+    /// (DDL, DML, transaction control): for a client that asks before it fetches (Flight
+    /// SQL's `GetFlightInfo`).
+    pub async fn describe(&self, sql: &str) -> Result<Option<SchemaRef>> {
+        let sql = rewrite_as_of_epoch(sql)?;
+        let mut statements = DFParser::parse_sql_with_dialect(&sql, &GenericDialect {})
+            .map_err(|e| SqlError::DataFusion(e.into()))?;
+        if statements.len() != 1 {
+            return Err(SqlError::Unsupported(format!(
+                "{} statements in one request; send one at a time",
+                statements.len()
+            )));
+        }
+        let statement = statements.pop_front().expect("one statement");
+        if transaction_control(&statement).is_some() {
+            return Ok(None);
+        }
+        self.begin_statement().await?;
+        let plan = self.plan_only(statement).await?;
+        Ok(match plan {
+            LogicalPlan::Dml(_) | LogicalPlan::Ddl(_) | LogicalPlan::Statement(_) => None,
+            plan => Some(Arc::new(plan.schema().as_arrow().clone())),
+        })
+    }
+
     /// Runs SQL whose last statement returns rows, and returns them.
     pub async fn query(&self, sql: &str) -> Result<Vec<RecordBatch>> {
         match self.execute(sql).await?.pop() {

@@ -65,3 +65,10 @@ macro_rules! leaf_plan_methods {
         }
     };
 }
+
+/// Where a client front end (PostgreSQL, Flight SQL) gets its engines.
+pub trait Sessions: Send + Sync + 'static {
+    /// A fresh engine for one connection or request; dropped (with any open transaction,
+    /// unpublished) when it ends.
+    fn open(&self) -> Engine;
+}

@@ -157,6 +157,8 @@ pub struct LocalCluster {
     pg_addrs: Vec<String>,
     /// Where node `id` serves HTTP (metrics, console), at index `id - 1` (loopback clusters).
     http_addrs: Vec<String>,
+    /// Where node `id` serves Flight SQL, at index `id - 1` (loopback clusters).
+    flightsql_addrs: Vec<String>,
     /// The founding members, listed as peers in every configuration.
     founders: usize,
     /// The Raft voters, if not the default (the three lowest ids).
@@ -196,20 +198,29 @@ impl LocalCluster {
         partitions: u32,
         replication: u32,
     ) -> LocalCluster {
-        let mut addrs: Vec<String> = free_ports(3 * nodes)
+        let mut addrs: Vec<String> = free_ports(4 * nodes)
             .into_iter()
             .map(|p| format!("127.0.0.1:{p}"))
             .collect();
+        let flightsql_addrs = addrs.split_off(3 * nodes);
         let http_addrs = addrs.split_off(2 * nodes);
         let pg_addrs = addrs.split_off(nodes);
         let mut cluster =
             Self::configure_at(binary, root, addrs, partitions, replication, None, None);
         cluster.pg_addrs = pg_addrs;
         cluster.http_addrs = http_addrs;
+        cluster.flightsql_addrs = flightsql_addrs;
         for id in cluster.node_ids() {
             cluster.write_config(id, &cluster.cluster_id);
         }
         cluster
+    }
+
+    /// Where node `id` serves Flight SQL (`flightsql_listen`); loopback clusters only.
+    pub fn flightsql_addr(&self, id: u64) -> Option<&str> {
+        self.flightsql_addrs
+            .get(id as usize - 1)
+            .map(String::as_str)
     }
 
     /// Where node `id` serves HTTP (`http_listen`: metrics, console); loopback clusters only.
@@ -272,6 +283,7 @@ impl LocalCluster {
             addrs,
             pg_addrs: Vec::new(),
             http_addrs: Vec::new(),
+            flightsql_addrs: Vec::new(),
             founders: nodes,
             voters: None,
             extra: String::new(),
@@ -378,6 +390,10 @@ impl LocalCluster {
             + &self
                 .http_addr(id)
                 .map(|addr| format!("http_listen = \"{addr}\"\n"))
+                .unwrap_or_default()
+            + &self
+                .flightsql_addr(id)
+                .map(|addr| format!("flightsql_listen = \"{addr}\"\n"))
                 .unwrap_or_default();
         format!(
             "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\n{pg_listen}data_dir = \"data\"\npartitions = {}\nreplication = {}\n{voters}{}{peers}",

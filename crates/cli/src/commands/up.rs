@@ -16,6 +16,8 @@ pub struct UpOptions {
     pub pg_base_port: Option<u16>,
     /// Node i serves HTTP (console, metrics) on this + i - 1; none when unset.
     pub http_base_port: Option<u16>,
+    /// Node i serves Flight SQL on this + i - 1; none when unset.
+    pub flightsql_base_port: Option<u16>,
     pub partitions: u32,
     pub replication: u32,
     pub delta_recovery: bool,
@@ -32,6 +34,7 @@ impl UpOptions {
             base_port: 0,
             pg_base_port: None,
             http_base_port: None,
+            flightsql_base_port: None,
             partitions,
             replication,
             delta_recovery: true,
@@ -80,6 +83,9 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
             listen: peer.addr,
             pg_listen: options.pg_base_port.map(|base| loopback(base, peer.id)),
             http_listen: options.http_base_port.map(|base| loopback(base, peer.id)),
+            flightsql_listen: options
+                .flightsql_base_port
+                .map(|base| loopback(base, peer.id)),
             pg_max_connections: 256,
             data_dir: PathBuf::from("data"),
             peers: peers.clone(),
@@ -133,6 +139,9 @@ pub async fn run(root: &Path, options: UpOptions) -> Result<()> {
                 let mut line = format!("  node {}: RPC {}", config.node_id, config.listen);
                 if let Some(pg) = config.pg_listen {
                     line.push_str(&format!(", SQL (PostgreSQL) {pg}"));
+                }
+                if let Some(flightsql) = config.flightsql_listen {
+                    line.push_str(&format!(", Flight SQL grpc://{flightsql}"));
                 }
                 if let Some(http) = config.http_listen {
                     line.push_str(&format!(

@@ -1,0 +1,57 @@
+"""Drives a Tessera node's Flight SQL port through ADBC (adbc_driver_flightsql), as a
+Python data team would.
+
+Usage: adbc_flightsql.py URI QUERIES_DIR OUT_DIR
+- runs each QUERIES_DIR/qN.sql (ADBC prepares every query) and writes the Arrow result to
+  OUT_DIR/qN.arrow for the Rust test to compare with plain DataFusion;
+- checks the catalog listing, bulk ingest, an INSERT's row count and a clear error for a
+  missing table; prints "ok" when all hold.
+"""
+
+import os
+import sys
+
+import adbc_driver_flightsql.dbapi as flight_sql
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+
+def main():
+    uri, queries_dir, out_dir = sys.argv[1:4]
+    with flight_sql.connect(uri) as conn:
+        cur = conn.cursor()
+        for name in sorted(os.listdir(queries_dir)):
+            with open(os.path.join(queries_dir, name)) as f:
+                sql = f.read()
+            cur.execute(sql)
+            table = cur.fetch_arrow_table()
+            with ipc.new_file(os.path.join(out_dir, name.replace(".sql", ".arrow")), table.schema) as w:
+                w.write_table(table)
+
+        objects = conn.adbc_get_objects(depth="tables").read_all().to_pylist()
+        tables = {t["table_name"] for c in objects for s in c["catalog_db_schemas"] for t in s["db_schema_tables"]}
+        assert "lineitem" in tables, tables
+
+        cur.execute("CREATE TABLE ingested (id BIGINT PRIMARY KEY, name VARCHAR)")
+        data = pa.table({"id": pa.array(range(1000), pa.int64()), "name": [f"n{i}" for i in range(1000)]})
+        rows = cur.adbc_ingest("ingested", data, mode="append")
+        assert rows in (1000, -1), rows
+        cur.execute("SELECT count(*) AS n, max(id) AS m FROM ingested")
+        assert cur.fetchone() == (1000, 999)
+
+        cur.execute("INSERT INTO ingested VALUES (5000, 'x'), (5001, 'y')")
+        assert cur.rowcount in (2, -1), cur.rowcount
+
+        cur.execute("SELECT count(*) FROM ingested")
+        assert cur.fetchone() == (1002,)
+        try:
+            cur.execute("SELECT * FROM nosuch")
+            cur.fetch_arrow_table()
+            raise AssertionError("a missing table was not an error")
+        except flight_sql.Error as e:
+            assert "nosuch" in str(e) and "not found" in str(e), e
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+//! Arrow Flight SQL on every node, driven by ADBC (`adbc_driver_flightsql` from Python, as a
+//! data team would): all 22 TPC-H queries equal plain DataFusion's answers, `AS OF EPOCH`
+//! works, bulk ingest publishes one epoch, and errors name the problem.
+
+mod common;
+
+use common::{load_tpch, wait_formed};
+use std::path::Path;
+use tessera_server::ClusterClient;
+use tessera_testkit::LocalCluster;
+
+const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
+const SF: f64 = 0.02;
+
+fn read_arrow(path: &Path) -> Vec<arrow::array::RecordBatch> {
+    let file = std::fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    arrow::ipc::reader::FileReader::try_new(file, None)
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adbc_answers_every_tpch_query_exactly_and_ingests_in_one_epoch() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    load_tpch(&cluster, SF).await;
+    let admin = ClusterClient::new(cluster.addr(1));
+    let loaded_at = admin.status().await.unwrap().meta.visible;
+
+    let queries = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    for n in 1..=22 {
+        std::fs::write(
+            queries.path().join(format!("q{n:02}.sql")),
+            tessera_tpch::query(n),
+        )
+        .unwrap();
+    }
+    // Time travel through Flight SQL: lineitem as it was when loaded.
+    std::fs::write(
+        queries.path().join("z_as_of.sql"),
+        format!(
+            "SELECT count(*) AS n FROM lineitem AS OF EPOCH {}",
+            loaded_at.0
+        ),
+    )
+    .unwrap();
+
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/adbc_flightsql.py");
+    let uri = format!("grpc://{}", cluster.flightsql_addr(2).unwrap());
+    let output = tokio::process::Command::new("python3")
+        .arg(&script)
+        .arg(&uri)
+        .arg(queries.path())
+        .arg(out.path())
+        .output()
+        .await
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && stdout.trim() == "ok",
+        "the ADBC client failed (is it installed? pip install adbc-driver-flightsql pyarrow):\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    let oracle = tessera_tpch::oracle::oracle(SF).unwrap();
+    for n in 1..=22 {
+        let expected = oracle
+            .sql(tessera_tpch::query(n))
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        let actual = read_arrow(&out.path().join(format!("q{n:02}.arrow")));
+        tessera_tpch::compare::same_answer(&expected, &actual, 1e-9)
+            .unwrap_or_else(|diff| panic!("TPC-H Q{n} through ADBC differs: {diff}"));
+    }
+    let expected = oracle
+        .sql("SELECT count(*) AS n FROM lineitem")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let as_of = read_arrow(&out.path().join("z_as_of.arrow"));
+    tessera_tpch::compare::same_answer(&expected, &as_of, 0.0).unwrap();
+
+    // The ingest and the INSERT each published one epoch.
+    let status = admin.status().await.unwrap();
+    assert_eq!(
+        status.meta.visible.0,
+        loaded_at.0 + 2,
+        "CREATE TABLE takes no epoch; the ingest and the INSERT one each"
+    );
+}

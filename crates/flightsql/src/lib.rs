@@ -1,0 +1,503 @@
+//! Arrow Flight SQL in front of Tessera's SQL engine, on its own port (`flightsql_listen`):
+//! what ADBC's Flight SQL driver and the Flight SQL JDBC driver call. Results stream as
+//! Arrow, without conversion.
+//!
+//! Every request gets a fresh [`tessera_sql::Engine`] from a [`Sessions`] source (the
+//! node's runs over the cluster: distributed, `AS OF EPOCH`, lineage recovery), so Flight
+//! SQL answers exactly what `tessera sql` and PostgreSQL clients answer. A statement's
+//! handle and ticket carry its SQL text: any node can serve any ticket, and nothing is
+//! kept between requests.
+//!
+//! Supported: queries (`GetFlightInfo` + `DoGet`), prepared statements without parameters
+//! (ADBC prepares every query), updates (`DoPut` with a statement: INSERT, UPDATE, DELETE,
+//! DDL), bulk ingest into an existing table (`DoPut` with `CommandStatementIngest`, one
+//! epoch), catalogs, schemas, tables and `SqlInfo`.
+
+use arrow::array::RecordBatch;
+use arrow::datatypes::{Schema, SchemaRef};
+use arrow::ipc::writer::IpcWriteOptions;
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
+use arrow_flight::sql::metadata::{SqlInfoData, SqlInfoDataBuilder};
+use arrow_flight::sql::server::{FlightSqlService, PeekableFlightDataStream};
+use arrow_flight::sql::{
+    ActionClosePreparedStatementRequest, ActionCreatePreparedStatementRequest,
+    ActionCreatePreparedStatementResult, Any, CommandGetCatalogs, CommandGetDbSchemas,
+    CommandGetSqlInfo, CommandGetTables, CommandPreparedStatementQuery, CommandStatementIngest,
+    CommandStatementQuery, CommandStatementUpdate, ProstMessageExt, SqlInfo, TicketStatementQuery,
+};
+use arrow_flight::{
+    Action, FlightDescriptor, FlightEndpoint, FlightInfo, HandshakeRequest, HandshakeResponse,
+    IpcMessage, SchemaAsIpc, Ticket,
+};
+use futures::{Stream, TryStreamExt};
+use prost::Message;
+use std::pin::Pin;
+use std::sync::{Arc, LazyLock};
+use tessera_sql::{SqlError, StatementOutput};
+use tonic::{Request, Response, Status, Streaming};
+
+pub use tessera_sql::Sessions;
+
+/// The largest message a client may send or receive (a bulk ingest's batches).
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// The catalog and schema every table is in.
+const CATALOG: &str = "tessera";
+const SCHEMA: &str = "public";
+
+/// Serves Flight SQL on `listener` until the task is dropped.
+pub async fn serve(listener: tokio::net::TcpListener, sessions: Arc<dyn Sessions>) {
+    let service = FlightServiceServer::new(TesseraFlightSql { sessions })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    if let Err(error) = tonic::transport::Server::builder()
+        .add_service(service)
+        .serve_with_incoming(incoming)
+        .await
+    {
+        tracing::error!(%error, "the Flight SQL port stopped");
+    }
+}
+
+struct TesseraFlightSql {
+    sessions: Arc<dyn Sessions>,
+}
+
+static SQL_INFO: LazyLock<SqlInfoData> = LazyLock::new(|| {
+    let mut builder = SqlInfoDataBuilder::new();
+    builder.append(SqlInfo::FlightSqlServerName, "Tessera");
+    builder.append(SqlInfo::FlightSqlServerVersion, env!("CARGO_PKG_VERSION"));
+    // The Arrow IPC format version (Schema.fbs MetadataVersion V5 is 1.3).
+    builder.append(SqlInfo::FlightSqlServerArrowVersion, "1.3");
+    builder.append(SqlInfo::FlightSqlServerReadOnly, false);
+    builder.append(SqlInfo::FlightSqlServerTransaction, 0_i32);
+    builder.build().expect("static SqlInfo")
+});
+
+/// An engine error as a gRPC status, said once, with a code a client can branch on.
+fn status(error: SqlError) -> Status {
+    let message = tessera_sql::error::one_message(&error);
+    match error.sqlstate() {
+        // The cluster could not run it now: retry.
+        "40001" => Status::unavailable(message),
+        code if code.starts_with("42") || code.starts_with("22") || code.starts_with("0A") => {
+            Status::invalid_argument(message)
+        }
+        code if code.starts_with("23") => Status::already_exists(message),
+        "54000" => Status::resource_exhausted(message),
+        _ => Status::internal(message),
+    }
+}
+
+fn text(bytes: &[u8], what: &str) -> Result<String, Status> {
+    String::from_utf8(bytes.to_vec())
+        .map_err(|_| Status::invalid_argument(format!("{what} is not UTF-8 SQL text")))
+}
+
+/// A FlightInfo whose one endpoint's ticket is `ticket`, served by this node (no location:
+/// the client asks the server it asked).
+fn flight_info(
+    schema: &Schema,
+    ticket: Vec<u8>,
+    descriptor: FlightDescriptor,
+) -> Result<FlightInfo, Status> {
+    Ok(FlightInfo::new()
+        .try_with_schema(schema)
+        .map_err(|e| Status::internal(format!("encoding the schema: {e}")))?
+        .with_endpoint(FlightEndpoint::new().with_ticket(Ticket::new(ticket)))
+        .with_descriptor(descriptor))
+}
+
+type FlightDataStream =
+    Pin<Box<dyn Stream<Item = Result<arrow_flight::FlightData, Status>> + Send + 'static>>;
+
+fn stream_batches(schema: SchemaRef, batches: Vec<RecordBatch>) -> FlightDataStream {
+    Box::pin(
+        FlightDataEncoderBuilder::new()
+            .with_schema(schema)
+            .build(futures::stream::iter(batches.into_iter().map(Ok)))
+            .map_err(Status::from),
+    )
+}
+
+impl TesseraFlightSql {
+    /// Runs `sql` (one statement) and returns what it answered.
+    async fn run(&self, sql: &str) -> Result<StatementOutput, Status> {
+        let engine = self.sessions.open();
+        let mut outputs = engine.execute(sql).await.map_err(status)?;
+        outputs
+            .pop()
+            .ok_or_else(|| Status::invalid_argument("no statement given"))
+    }
+
+    /// Runs a query and streams its rows.
+    async fn query(&self, sql: &str) -> Result<Response<FlightDataStream>, Status> {
+        match self.run(sql).await? {
+            StatementOutput::Rows { schema, batches } => {
+                Ok(Response::new(stream_batches(schema, batches)))
+            }
+            StatementOutput::Done { .. } => Ok(Response::new(stream_batches(
+                Arc::new(Schema::empty()),
+                Vec::new(),
+            ))),
+        }
+    }
+
+    /// A query's columns; a command (DDL, DML) runs now, as clients that only ask for its
+    /// FlightInfo expect, and has none.
+    async fn describe_or_run(&self, sql: &str) -> Result<SchemaRef, Status> {
+        match self.sessions.open().describe(sql).await.map_err(status)? {
+            Some(schema) => Ok(schema),
+            None => {
+                self.run(sql).await?;
+                Ok(Arc::new(Schema::empty()))
+            }
+        }
+    }
+
+    /// A query's columns, or none for a command (which runs when executed).
+    async fn describe(&self, sql: &str) -> Result<SchemaRef, Status> {
+        Ok(self
+            .sessions
+            .open()
+            .describe(sql)
+            .await
+            .map_err(status)?
+            .unwrap_or_else(|| Arc::new(Schema::empty())))
+    }
+
+    fn table_names(&self) -> Vec<String> {
+        let engine = self.sessions.open();
+        let mut names = engine
+            .session()
+            .catalog(CATALOG)
+            .and_then(|c| c.schema(SCHEMA))
+            .map(|s| s.table_names())
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
+}
+
+#[tonic::async_trait]
+impl FlightSqlService for TesseraFlightSql {
+    type FlightService = TesseraFlightSql;
+
+    /// No passwords yet (as on the PostgreSQL port): any credentials are accepted, and the
+    /// answer carries no token.
+    async fn do_handshake(
+        &self,
+        _request: Request<Streaming<HandshakeRequest>>,
+    ) -> Result<
+        Response<Pin<Box<dyn Stream<Item = Result<HandshakeResponse, Status>> + Send>>>,
+        Status,
+    > {
+        let response = HandshakeResponse {
+            protocol_version: 0,
+            payload: Default::default(),
+        };
+        Ok(Response::new(Box::pin(futures::stream::once(async {
+            Ok(response)
+        }))))
+    }
+
+    async fn get_flight_info_statement(
+        &self,
+        query: CommandStatementQuery,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let schema = self.describe_or_run(&query.query).await?;
+        // A command has run already: its ticket fetches nothing.
+        let handle = if schema.fields().is_empty() {
+            Vec::new()
+        } else {
+            query.query.into_bytes()
+        };
+        let ticket = TicketStatementQuery {
+            statement_handle: handle.into(),
+        };
+        let info = flight_info(
+            &schema,
+            ticket.as_any().encode_to_vec(),
+            request.into_inner(),
+        )?;
+        Ok(Response::new(info))
+    }
+
+    async fn do_get_statement(
+        &self,
+        ticket: TicketStatementQuery,
+        _request: Request<Ticket>,
+    ) -> Result<Response<FlightDataStream>, Status> {
+        if ticket.statement_handle.is_empty() {
+            return Ok(Response::new(stream_batches(
+                Arc::new(Schema::empty()),
+                Vec::new(),
+            )));
+        }
+        let sql = text(&ticket.statement_handle, "the statement handle")?;
+        self.query(&sql).await
+    }
+
+    async fn do_action_create_prepared_statement(
+        &self,
+        query: ActionCreatePreparedStatementRequest,
+        _request: Request<Action>,
+    ) -> Result<ActionCreatePreparedStatementResult, Status> {
+        let schema = self.describe(&query.query).await?;
+        let IpcMessage(dataset_schema) = SchemaAsIpc::new(&schema, &IpcWriteOptions::default())
+            .try_into()
+            .map_err(|e: arrow::error::ArrowError| Status::internal(e.to_string()))?;
+        Ok(ActionCreatePreparedStatementResult {
+            prepared_statement_handle: query.query.into_bytes().into(),
+            dataset_schema,
+            parameter_schema: Default::default(),
+        })
+    }
+
+    async fn do_action_close_prepared_statement(
+        &self,
+        _query: ActionClosePreparedStatementRequest,
+        _request: Request<Action>,
+    ) -> Result<(), Status> {
+        // Nothing is kept for a prepared statement: its handle is its SQL.
+        Ok(())
+    }
+
+    async fn get_flight_info_prepared_statement(
+        &self,
+        query: CommandPreparedStatementQuery,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let sql = text(
+            &query.prepared_statement_handle,
+            "the prepared statement handle",
+        )?;
+        let schema = self.describe_or_run(&sql).await?;
+        let ticket = if schema.fields().is_empty() {
+            // A command has run already: its ticket fetches nothing.
+            TicketStatementQuery::default().as_any().encode_to_vec()
+        } else {
+            query.as_any().encode_to_vec()
+        };
+        let info = flight_info(&schema, ticket, request.into_inner())?;
+        Ok(Response::new(info))
+    }
+
+    async fn do_get_prepared_statement(
+        &self,
+        query: CommandPreparedStatementQuery,
+        _request: Request<Ticket>,
+    ) -> Result<Response<FlightDataStream>, Status> {
+        let sql = text(
+            &query.prepared_statement_handle,
+            "the prepared statement handle",
+        )?;
+        self.query(&sql).await
+    }
+
+    async fn do_put_statement_update(
+        &self,
+        update: CommandStatementUpdate,
+        _request: Request<PeekableFlightDataStream>,
+    ) -> Result<i64, Status> {
+        match self.run(&update.query).await? {
+            // "INSERT 3", "DELETE 0", "CREATE TABLE": the count, or -1 when there is none.
+            StatementOutput::Done { tag, .. } => Ok(tag
+                .rsplit_once(' ')
+                .and_then(|(_, n)| n.parse().ok())
+                .unwrap_or(-1)),
+            StatementOutput::Rows { batches, .. } => {
+                Ok(batches.iter().map(|b| b.num_rows() as i64).sum())
+            }
+        }
+    }
+
+    /// Bulk ingest: the batches are inserted into an existing table as one statement (one
+    /// epoch); keys already present are refused and nothing is written.
+    async fn do_put_statement_ingest(
+        &self,
+        ingest: CommandStatementIngest,
+        request: Request<PeekableFlightDataStream>,
+    ) -> Result<i64, Status> {
+        let stream = request.into_inner();
+        let batches: Vec<RecordBatch> =
+            arrow_flight::decode::FlightRecordBatchStream::new_from_flight_data(
+                stream.map_err(|e| arrow_flight::error::FlightError::Tonic(Box::new(e))),
+            )
+            .try_collect()
+            .await
+            .map_err(|e| Status::invalid_argument(format!("reading the ingested batches: {e}")))?;
+        let engine = self.sessions.open();
+        let table = ingest.table;
+        let def = engine.backend().table_def(&table).ok_or_else(|| {
+            Status::not_found(format!("table {table:?} does not exist; create it first"))
+        })?;
+        let target = def.schema_ref();
+        let batches = batches
+            .into_iter()
+            .map(|batch| {
+                if batch.schema().fields().len() != target.fields().len() {
+                    return Err(Status::invalid_argument(format!(
+                        "ingest into {table:?}: {} columns, but the table has {}",
+                        batch.schema().fields().len(),
+                        target.fields().len()
+                    )));
+                }
+                let columns = batch
+                    .columns()
+                    .iter()
+                    .zip(target.fields())
+                    .map(|(column, field)| {
+                        arrow::compute::cast(column, field.data_type()).map_err(|e| {
+                            Status::invalid_argument(format!(
+                                "ingest into {table:?}, column {:?}: {e}",
+                                field.name()
+                            ))
+                        })
+                    })
+                    .collect::<Result<Vec<_>, Status>>()?;
+                RecordBatch::try_new(target.clone(), columns)
+                    .map_err(|e| Status::invalid_argument(format!("ingest into {table:?}: {e}")))
+            })
+            .collect::<Result<Vec<_>, Status>>()?;
+        let (rows, _) = engine.insert_rows(&table, batches).await.map_err(status)?;
+        Ok(rows as i64)
+    }
+
+    async fn get_flight_info_catalogs(
+        &self,
+        query: CommandGetCatalogs,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let schema = query.clone().into_builder().schema();
+        let info = flight_info(
+            &schema,
+            query.as_any().encode_to_vec(),
+            request.into_inner(),
+        )?;
+        Ok(Response::new(info))
+    }
+
+    async fn do_get_catalogs(
+        &self,
+        query: CommandGetCatalogs,
+        _request: Request<Ticket>,
+    ) -> Result<Response<FlightDataStream>, Status> {
+        let mut builder = query.into_builder();
+        builder.append(CATALOG);
+        let schema = builder.schema();
+        let batch = builder
+            .build()
+            .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(stream_batches(schema, vec![batch])))
+    }
+
+    async fn get_flight_info_schemas(
+        &self,
+        query: CommandGetDbSchemas,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let schema = query.clone().into_builder().schema();
+        let info = flight_info(
+            &schema,
+            query.as_any().encode_to_vec(),
+            request.into_inner(),
+        )?;
+        Ok(Response::new(info))
+    }
+
+    async fn do_get_schemas(
+        &self,
+        query: CommandGetDbSchemas,
+        _request: Request<Ticket>,
+    ) -> Result<Response<FlightDataStream>, Status> {
+        let mut builder = query.into_builder();
+        builder.append(CATALOG, SCHEMA);
+        let schema = builder.schema();
+        let batch = builder
+            .build()
+            .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(stream_batches(schema, vec![batch])))
+    }
+
+    async fn get_flight_info_tables(
+        &self,
+        query: CommandGetTables,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let schema = query.clone().into_builder().schema();
+        let info = flight_info(
+            &schema,
+            query.as_any().encode_to_vec(),
+            request.into_inner(),
+        )?;
+        Ok(Response::new(info))
+    }
+
+    async fn do_get_tables(
+        &self,
+        query: CommandGetTables,
+        _request: Request<Ticket>,
+    ) -> Result<Response<FlightDataStream>, Status> {
+        let engine = self.sessions.open();
+        let mut builder = query.into_builder();
+        for name in self.table_names() {
+            let schema = engine
+                .backend()
+                .table_def(&name)
+                .map(|def| def.schema_ref())
+                .unwrap_or_else(|| Arc::new(Schema::empty()));
+            builder
+                .append(CATALOG, SCHEMA, &name, "TABLE", &schema)
+                .map_err(Status::from)?;
+        }
+        let schema = builder.schema();
+        let batch = builder
+            .build()
+            .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(stream_batches(schema, vec![batch])))
+    }
+
+    async fn get_flight_info_sql_info(
+        &self,
+        query: CommandGetSqlInfo,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        let schema = query.clone().into_builder(&SQL_INFO).schema();
+        let info = flight_info(
+            &schema,
+            query.as_any().encode_to_vec(),
+            request.into_inner(),
+        )?;
+        Ok(Response::new(info))
+    }
+
+    async fn do_get_sql_info(
+        &self,
+        query: CommandGetSqlInfo,
+        _request: Request<Ticket>,
+    ) -> Result<Response<FlightDataStream>, Status> {
+        let builder = query.into_builder(&SQL_INFO);
+        let schema = builder.schema();
+        let batch = builder
+            .build()
+            .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(stream_batches(schema, vec![batch])))
+    }
+
+    async fn do_get_fallback(
+        &self,
+        _request: Request<Ticket>,
+        message: Any,
+    ) -> Result<Response<<Self as FlightService>::DoGetStream>, Status> {
+        Err(Status::unimplemented(format!(
+            "Flight SQL ticket {} is not supported",
+            message.type_url
+        )))
+    }
+
+    async fn register_sql_info(&self, _id: i32, _result: &SqlInfo) {}
+}
