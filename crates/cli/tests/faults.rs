@@ -146,12 +146,21 @@ async fn a_publish_is_acknowledged_only_once_it_is_visible() {
             .collect();
         long.publish("other", batches, false).await
     });
+    // Routing and shipping 4 million rows takes a while on a loaded machine.
     wait_until(
         "the long publish's epoch to open",
-        Duration::from_secs(30),
-        || async { (!writer.status().await.ok()?.meta.open.is_empty()).then_some(()) },
+        Duration::from_secs(180),
+        || async {
+            let open = !writer.status().await.ok()?.meta.open.is_empty();
+            (open || long_publish.is_finished()).then_some(())
+        },
     )
     .await;
+    assert!(
+        !long_publish.is_finished(),
+        "the long publish ended before its epoch was seen open: {:?}",
+        long_publish.await.unwrap().map(|e| e.0)
+    );
 
     let epoch = writer
         .publish("kv", vec![kv_batch(0, 100)], false)
