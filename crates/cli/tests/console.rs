@@ -4,10 +4,9 @@
 
 mod common;
 
-use common::wait_formed;
+use common::kv_cluster_with;
 use std::collections::BTreeMap;
 use std::path::Path;
-use tessera_server::ClusterClient;
 use tessera_testkit::{kv_batch, LocalCluster};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
@@ -53,14 +52,7 @@ async fn scrape(cluster: &LocalCluster, id: u64) -> Scrape {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_parse_as_openmetrics_and_move_with_the_work() {
     let root = tempfile::tempdir().unwrap();
-    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
-    cluster.start_all();
-    wait_formed(&cluster, 1, 3).await;
-    let client = ClusterClient::new(cluster.addr(1));
-    client
-        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
-        .await
-        .unwrap();
+    let (cluster, client) = kv_cluster_with(BINARY, root.path(), 8, 3, &[]).await;
 
     let before = scrape(&cluster, 1).await;
     assert!(
@@ -189,14 +181,7 @@ async fn chromium(url: &str, screenshot: &Path) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_shows_nodes_partitions_and_a_running_statement_in_a_browser() {
     let root = tempfile::tempdir().unwrap();
-    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
-    cluster.start_all();
-    wait_formed(&cluster, 1, 3).await;
-    let client = ClusterClient::new(cluster.addr(1));
-    client
-        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
-        .await
-        .unwrap();
+    let (cluster, client) = kv_cluster_with(BINARY, root.path(), 8, 3, &[]).await;
     client
         .publish("kv", vec![kv_batch(0, 100)], false)
         .await

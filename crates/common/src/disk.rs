@@ -10,8 +10,8 @@
 //!   EIO (the kernel may have dropped the dirty pages: the write is not on disk, and a
 //!   retried fsync would lie);
 //! - `read-eio:components`: reads of matching files fail with EIO;
-//! - `crash:wal:after=40`: the 41st write to a matching file writes only half its bytes,
-//!   then the process dies (a torn write);
+//! - `crash:wal:after=40`: the 41st write to a matching file writes all but its last byte,
+//!   then the process dies (a torn write: the write's last frame is cut);
 //! - `crash:wal:after=40:lose-unsynced`: as `crash`, and first every matching file is cut
 //!   back to what its last fsync made durable (a power cut loses the page cache).
 //!
@@ -160,7 +160,9 @@ pub fn write_all(file: &mut File, path: &Path, bytes: &[u8]) -> io::Result<()> {
         {
             lose_unsynced(rule);
         }
-        let _ = file.write_all(&bytes[..bytes.len() / 2]);
+        // All but the last byte: a write holds whole frames, so its last frame is always
+        // torn (half the bytes could end exactly between two frames, tearing nothing).
+        let _ = file.write_all(&bytes[..bytes.len().saturating_sub(1)]);
         eprintln!(
             "injected disk fault: crash in the middle of a {}-byte write to {}",
             bytes.len(),

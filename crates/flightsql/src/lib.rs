@@ -110,6 +110,30 @@ fn flight_info(
         .with_descriptor(descriptor))
 }
 
+/// The FlightInfo of a metadata command: its result's columns, and a ticket that is the
+/// command itself.
+fn command_info(
+    schema: &Schema,
+    command: &impl ProstMessageExt,
+    request: Request<FlightDescriptor>,
+) -> Result<Response<FlightInfo>, Status> {
+    let info = flight_info(
+        schema,
+        command.as_any().encode_to_vec(),
+        request.into_inner(),
+    )?;
+    Ok(Response::new(info))
+}
+
+/// A metadata answer: one built batch, streamed.
+fn one_batch<E: std::fmt::Display>(
+    schema: SchemaRef,
+    batch: Result<RecordBatch, E>,
+) -> Result<Response<FlightDataStream>, Status> {
+    let batch = batch.map_err(|e| Status::internal(e.to_string()))?;
+    Ok(Response::new(stream_batches(schema, vec![batch])))
+}
+
 type FlightDataStream =
     Pin<Box<dyn Stream<Item = Result<arrow_flight::FlightData, Status>> + Send + 'static>>;
 
@@ -372,13 +396,7 @@ impl FlightSqlService for TesseraFlightSql {
         query: CommandGetCatalogs,
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
-        let schema = query.clone().into_builder().schema();
-        let info = flight_info(
-            &schema,
-            query.as_any().encode_to_vec(),
-            request.into_inner(),
-        )?;
-        Ok(Response::new(info))
+        command_info(&query.clone().into_builder().schema(), &query, request)
     }
 
     async fn do_get_catalogs(
@@ -388,11 +406,7 @@ impl FlightSqlService for TesseraFlightSql {
     ) -> Result<Response<FlightDataStream>, Status> {
         let mut builder = query.into_builder();
         builder.append(CATALOG);
-        let schema = builder.schema();
-        let batch = builder
-            .build()
-            .map_err(|e| Status::internal(e.to_string()))?;
-        Ok(Response::new(stream_batches(schema, vec![batch])))
+        one_batch(builder.schema(), builder.build())
     }
 
     async fn get_flight_info_schemas(
@@ -400,13 +414,7 @@ impl FlightSqlService for TesseraFlightSql {
         query: CommandGetDbSchemas,
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
-        let schema = query.clone().into_builder().schema();
-        let info = flight_info(
-            &schema,
-            query.as_any().encode_to_vec(),
-            request.into_inner(),
-        )?;
-        Ok(Response::new(info))
+        command_info(&query.clone().into_builder().schema(), &query, request)
     }
 
     async fn do_get_schemas(
@@ -416,11 +424,7 @@ impl FlightSqlService for TesseraFlightSql {
     ) -> Result<Response<FlightDataStream>, Status> {
         let mut builder = query.into_builder();
         builder.append(CATALOG, SCHEMA);
-        let schema = builder.schema();
-        let batch = builder
-            .build()
-            .map_err(|e| Status::internal(e.to_string()))?;
-        Ok(Response::new(stream_batches(schema, vec![batch])))
+        one_batch(builder.schema(), builder.build())
     }
 
     async fn get_flight_info_tables(
@@ -428,13 +432,7 @@ impl FlightSqlService for TesseraFlightSql {
         query: CommandGetTables,
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
-        let schema = query.clone().into_builder().schema();
-        let info = flight_info(
-            &schema,
-            query.as_any().encode_to_vec(),
-            request.into_inner(),
-        )?;
-        Ok(Response::new(info))
+        command_info(&query.clone().into_builder().schema(), &query, request)
     }
 
     async fn do_get_tables(
@@ -454,11 +452,7 @@ impl FlightSqlService for TesseraFlightSql {
                 .append(CATALOG, SCHEMA, &name, "TABLE", &schema)
                 .map_err(Status::from)?;
         }
-        let schema = builder.schema();
-        let batch = builder
-            .build()
-            .map_err(|e| Status::internal(e.to_string()))?;
-        Ok(Response::new(stream_batches(schema, vec![batch])))
+        one_batch(builder.schema(), builder.build())
     }
 
     async fn get_flight_info_sql_info(
@@ -466,13 +460,11 @@ impl FlightSqlService for TesseraFlightSql {
         query: CommandGetSqlInfo,
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
-        let schema = query.clone().into_builder(&SQL_INFO).schema();
-        let info = flight_info(
-            &schema,
-            query.as_any().encode_to_vec(),
-            request.into_inner(),
-        )?;
-        Ok(Response::new(info))
+        command_info(
+            &query.clone().into_builder(&SQL_INFO).schema(),
+            &query,
+            request,
+        )
     }
 
     async fn do_get_sql_info(
@@ -481,11 +473,7 @@ impl FlightSqlService for TesseraFlightSql {
         _request: Request<Ticket>,
     ) -> Result<Response<FlightDataStream>, Status> {
         let builder = query.into_builder(&SQL_INFO);
-        let schema = builder.schema();
-        let batch = builder
-            .build()
-            .map_err(|e| Status::internal(e.to_string()))?;
-        Ok(Response::new(stream_batches(schema, vec![batch])))
+        one_batch(builder.schema(), builder.build())
     }
 
     async fn do_get_fallback(
