@@ -209,8 +209,9 @@ fn heal(cluster: &mut LocalCluster, fault: Kind, nodes: &[u64]) {
     }
 }
 
-/// Per fault kind: how many, the longest stretch without an acknowledged publish while
-/// it lasted, and the longest wait for the first acknowledgement after healing.
+/// Per fault kind: how many, the longest stretch without an acknowledged publish from the
+/// fault's start until the first acknowledgement after its heal, and the longest wait for
+/// that first acknowledgement after healing.
 #[derive(Debug, Default)]
 struct Availability {
     injected: usize,
@@ -235,9 +236,14 @@ fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Avail
             entry.longest_gap = entry.longest_gap.max(ack - previous);
             previous = ack;
         }
-        entry.longest_gap = entry.longest_gap.max(fault.healed - previous);
-        if let Some(&first) = acks.iter().find(|&&a| a > fault.healed) {
-            entry.longest_after_heal = entry.longest_after_heal.max(first - fault.healed);
+        // The window still open at the heal lasts until the next acknowledgement (or the
+        // heal, if none came at all).
+        match acks.iter().find(|&&a| a > fault.healed) {
+            Some(&first) => {
+                entry.longest_gap = entry.longest_gap.max(first - previous);
+                entry.longest_after_heal = entry.longest_after_heal.max(first - fault.healed);
+            }
+            None => entry.longest_gap = entry.longest_gap.max(fault.healed - previous),
         }
     }
     by_kind
