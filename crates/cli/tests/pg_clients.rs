@@ -647,4 +647,18 @@ async fn connections_are_bounded_and_bad_input_loses_nothing() {
     .await;
     let client = connect(&cluster, 1).await;
     client.simple_query("SELECT 1").await.unwrap();
+
+    // A query over the 16 MiB limit is refused by name (54000); the connection goes on.
+    let huge = format!("SELECT 1 -- {}", "x".repeat(17 << 20));
+    let refused = client
+        .simple_query(&huge)
+        .await
+        .expect_err("a 17 MiB query is refused");
+    assert_eq!(
+        refused.code(),
+        Some(&SqlState::PROGRAM_LIMIT_EXCEEDED),
+        "{refused:?}"
+    );
+    let row = client.query_one("SELECT 40 + 2", &[]).await.unwrap();
+    assert_eq!(row.get::<_, i64>(0), 42, "the connection goes on");
 }

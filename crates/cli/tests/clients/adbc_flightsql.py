@@ -5,7 +5,8 @@ Usage: adbc_flightsql.py URI QUERIES_DIR OUT_DIR
 - runs each QUERIES_DIR/qN.sql (ADBC prepares every query) and writes the Arrow result to
   OUT_DIR/qN.arrow for the Rust test to compare with plain DataFusion;
 - checks the catalog listing, bulk ingest, an INSERT's row count and a clear error for a
-  missing table; prints "ok" when all hold.
+  missing table; prints "ok" when all hold. (ADBC itself sends no message over 16 MiB, the
+  server's SQL limit, so an oversized query never reaches the server from it.)
 """
 
 import os
