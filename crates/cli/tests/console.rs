@@ -244,6 +244,15 @@ async fn the_console_shows_nodes_partitions_and_a_running_statement_in_a_browser
         running.contains("generate_series(1, 20000000000)"),
         "the running statement is listed: {running}"
     );
+    let publishes = dom
+        .split("Publishes through this node")
+        .nth(1)
+        .and_then(|rest| rest.split("</section>").next())
+        .unwrap();
+    assert!(
+        publishes.contains(">kv<") && publishes.contains(">100<"),
+        "the publish of 100 rows into kv through node 1 is listed: {publishes}"
+    );
     assert!(
         std::fs::metadata(&screenshot).unwrap().len() > 10_000,
         "a screenshot was taken"

@@ -123,6 +123,7 @@ const VISIBLE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120
 /// open would be missed by a read started after its acknowledgement (a stale read).
 pub async fn publish(node: &Arc<Replication>, changes: Vec<TableChanges>) -> Result<Epoch> {
     let started = std::time::Instant::now();
+    let tables: Vec<String> = changes.iter().map(|c| c.table.clone()).collect();
     let (rows, bytes) = changes
         .iter()
         .flat_map(|c| c.upserts.iter().chain(&c.deletes))
@@ -138,6 +139,17 @@ pub async fn publish(node: &Arc<Replication>, changes: Vec<TableChanges>) -> Res
         Ok(epoch)
     }
     .await;
+    record_recent(RecentPublish {
+        epoch: result.as_ref().ok().map(|e| e.0),
+        tables: tables.clone(),
+        rows,
+        bytes,
+        elapsed_ms: started.elapsed().as_millis() as u64,
+        at_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+        error: result.as_ref().err().map(ToString::to_string),
+    });
     let metrics = tessera_common::metrics::metrics();
     let outcome = match &result {
         Ok(_) => {
@@ -151,6 +163,44 @@ pub async fn publish(node: &Arc<Replication>, changes: Vec<TableChanges>) -> Res
     };
     tessera_common::metrics::count(&metrics.publishes, "outcome", outcome);
     result
+}
+
+/// Publishes kept after they end, for the console.
+const RECENT_PUBLISHES_KEPT: usize = 30;
+
+/// A publish this node coordinated, as the console lists it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RecentPublish {
+    /// The epoch it became; `None` if it failed.
+    pub epoch: Option<u64>,
+    pub tables: Vec<String>,
+    pub rows: u64,
+    /// Arrow bytes of its rows.
+    pub bytes: u64,
+    pub elapsed_ms: u64,
+    /// When it ended, in milliseconds since the Unix epoch.
+    pub at_ms: u64,
+    pub error: Option<String>,
+}
+
+static RECENT_PUBLISHES: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::VecDeque<RecentPublish>>,
+> = std::sync::LazyLock::new(Default::default);
+
+fn record_recent(publish: RecentPublish) {
+    let mut recent = RECENT_PUBLISHES.lock().expect("recent publishes lock");
+    recent.push_front(publish);
+    recent.truncate(RECENT_PUBLISHES_KEPT);
+}
+
+/// The publishes this node (process) coordinated most recently, newest first.
+pub fn recent_publishes() -> Vec<RecentPublish> {
+    RECENT_PUBLISHES
+        .lock()
+        .expect("recent publishes lock")
+        .iter()
+        .cloned()
+        .collect()
 }
 
 /// Waits until this node's metadata shows `epoch` visible (every epoch below it decided).
