@@ -195,6 +195,7 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
         let request = CopyRequest {
             moves,
             tables: generations.clone(),
+            epoch: Some(epoch),
         };
         async move {
             if target == node.id() {
@@ -301,9 +302,9 @@ async fn copy_partitions_now(node: &Arc<Replication>, request: CopyRequest) -> R
         let copy = async {
             for (table, generation) in &request.tables {
                 if moved.since == Epoch::ZERO {
-                    copy_whole(node, moved, table, *generation).await?;
+                    copy_whole(node, moved, table, *generation, request.epoch).await?;
                 } else {
-                    copy_delta(node, moved, table, *generation).await?;
+                    copy_delta(node, moved, table, *generation, request.epoch).await?;
                 }
             }
             Ok::<(), ReplicationError>(())
@@ -337,6 +338,7 @@ async fn copy_whole(
     moved: &PartitionMove,
     table: &str,
     generation: u64,
+    fence: Option<Epoch>,
 ) -> Result<()> {
     let addr = node.meta.require_addr(moved.source)?;
     let request = ExportRequest {
@@ -355,7 +357,7 @@ async fn copy_whole(
     let name = table.to_string();
     let (table, partition) = (table.to_string(), moved.partition);
     node.on_store("installing a copied partition", move |store| {
-        store.install_partition_components(&table, partition, components, fetched, memtable)
+        store.install_partition_components(&table, partition, components, fetched, memtable, fence)
     })
     .await?;
     node.transfers.whole(rows);
@@ -387,6 +389,7 @@ async fn copy_delta(
     moved: &PartitionMove,
     table: &str,
     generation: u64,
+    fence: Option<Epoch>,
 ) -> Result<()> {
     let addr = node.meta.require_addr(moved.source)?;
     let request = VersionsRequest {
@@ -407,7 +410,7 @@ async fn copy_delta(
     let name = table.to_string();
     let (table, partition, since) = (table.to_string(), moved.partition, moved.since);
     node.on_store("installing a partition's missed versions", move |store| {
-        store.install_partition_since(&table, partition, since, versions)
+        store.install_partition_since(&table, partition, since, versions, fence)
     })
     .await?;
     node.transfers.delta(fetched);

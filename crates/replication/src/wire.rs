@@ -202,6 +202,10 @@ pub struct CopyRequest {
     pub moves: Vec<PartitionMove>,
     /// (table, generation) of every table.
     pub tables: Vec<(String, u64)>,
+    /// The rebalance's epoch: the target installs nothing over versions newer than it (a
+    /// copy that outlived its aborted rebalance). `None` from senders that predate it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<Epoch>,
 }
 
 /// One partition a node is to fetch: whole (`since` is epoch 0: a new replica) or only

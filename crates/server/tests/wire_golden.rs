@@ -290,6 +290,7 @@ fn samples() -> Samples {
                 },
             ],
             tables: vec![("kv".into(), 7)],
+            epoch: Some(Epoch(9)),
         },
     );
 

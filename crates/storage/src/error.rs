@@ -32,6 +32,13 @@ pub enum StorageError {
         partition: PartitionId,
         epochs: Vec<Epoch>,
     },
+    #[error("a copy of partition {partition} of table {table:?} made for the rebalance at epoch {fence} arrived after it: this node already holds epoch {newest} there (the rebalance was aborted and writes went on), so the copy's older versions are not installed")]
+    CopyOutdated {
+        table: String,
+        partition: PartitionId,
+        fence: Epoch,
+        newest: Epoch,
+    },
     #[error("table {0:?} already exists")]
     TableExists(String),
     #[error("invalid table definition for {table:?}: {reason}")]

@@ -194,7 +194,7 @@ fn fetch_delta(primary: &Store, replica: &Store, since: Epoch) -> u64 {
             .unwrap();
         fetched += delta.iter().map(|b| b.num_rows() as u64).sum::<u64>();
         replica
-            .install_partition_since("kv", PartitionId(p), since, delta)
+            .install_partition_since("kv", PartitionId(p), since, delta, None)
             .unwrap();
     }
     fetched
@@ -298,7 +298,14 @@ fn a_new_replica_copies_components_by_hash_and_refuses_corrupt_bytes() {
             corrupt.insert(c.hash, bytes);
         }
         let error = replica
-            .install_partition_components("kv", p, components.clone(), corrupt, memtable.clone())
+            .install_partition_components(
+                "kv",
+                p,
+                components.clone(),
+                corrupt,
+                memtable.clone(),
+                None,
+            )
             .unwrap_err();
         assert!(
             error.to_string().contains(&components[0].hash.to_hex()),
@@ -309,7 +316,7 @@ fn a_new_replica_copies_components_by_hash_and_refuses_corrupt_bytes() {
             .map(|c| (c.hash, primary.component_bytes(&c.hash).unwrap()))
             .collect();
         replica
-            .install_partition_components("kv", p, components.clone(), fetched, memtable)
+            .install_partition_components("kv", p, components.clone(), fetched, memtable, None)
             .unwrap();
         for c in &components {
             assert!(
@@ -548,7 +555,7 @@ fn a_delta_is_not_installed_over_an_epoch_prepared_here_and_still_undecided() {
     let touched: Vec<PartitionId> = routed(&rows(40, 60)).iter().map(|c| c.partition).collect();
     for p in all_partitions() {
         let delta = primary.partition_versions("kv", p, Epoch(2)).unwrap();
-        let installed = replica.install_partition_since("kv", p, Epoch(2), delta);
+        let installed = replica.install_partition_since("kv", p, Epoch(2), delta, None);
         if touched.contains(&p) {
             let error = installed.expect_err("a delta was installed over an undecided epoch");
             assert!(
@@ -564,7 +571,7 @@ fn a_delta_is_not_installed_over_an_epoch_prepared_here_and_still_undecided() {
     for p in all_partitions() {
         let delta = primary.partition_versions("kv", p, Epoch(2)).unwrap();
         replica
-            .install_partition_since("kv", p, Epoch(2), delta)
+            .install_partition_since("kv", p, Epoch(2), delta, None)
             .unwrap();
         assert_eq!(
             versions_of(&replica, p),
@@ -610,4 +617,57 @@ fn a_commit_discards_the_rows_of_partitions_this_replica_missed() {
     let store = Store::open(dir.path(), config()).unwrap();
     assert_eq!(keys(&store, Epoch(2)), expected, "replay drops them too");
     assert!(store.undecided_epochs().is_empty());
+}
+
+/// A copy made for a rebalance at epoch 2 arrives after that rebalance was aborted and
+/// epoch 3 committed here (the long fault run's seed 2612: a zombie copy replaced a
+/// replica's versions with its source's older ones and lost two acknowledged epochs). The
+/// install is refused naming both epochs, and the replica keeps epoch 3's rows; a copy
+/// whose rebalance is still the newest epoch here installs.
+#[test]
+fn a_copy_from_an_aborted_rebalance_never_installs_over_newer_rows() {
+    let (source_dir, replica_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let source = Store::open(source_dir.path(), config()).unwrap();
+    let replica = Store::open(replica_dir.path(), config()).unwrap();
+    for store in [&source, &replica] {
+        store.ensure_table(def()).unwrap();
+        commit(store, Epoch(1), &rows(0, 100));
+    }
+    // The copy is made from the source at epoch 1, for the rebalance at epoch 2; then the
+    // rebalance is aborted and epoch 3 commits on the replica before the copy arrives.
+    let copies: Vec<(PartitionId, Vec<RecordBatch>)> = all_partitions()
+        .into_iter()
+        .map(|p| (p, source.partition_versions("kv", p, Epoch(1)).unwrap()))
+        .collect();
+    commit(&replica, Epoch(3), &rows(100, 200));
+    let touched: Vec<PartitionId> = routed(&rows(100, 200))
+        .iter()
+        .map(|c| c.partition)
+        .collect();
+    for (p, delta) in copies {
+        let installed = replica.install_partition_since("kv", p, Epoch(1), delta, Some(Epoch(2)));
+        if touched.contains(&p) {
+            let error = installed.expect_err("a late copy was installed over newer rows");
+            assert!(
+                error.to_string().contains("epoch 2") && error.to_string().contains("epoch 3"),
+                "{error}"
+            );
+        } else {
+            installed.unwrap();
+        }
+    }
+    assert_eq!(
+        keys(&replica, Epoch(3)).len(),
+        200,
+        "epoch 3's rows are all still here"
+    );
+    // A copy for a rebalance at epoch 3 (still the newest epoch here) installs.
+    commit(&source, Epoch(3), &rows(100, 200));
+    for p in all_partitions() {
+        let delta = source.partition_versions("kv", p, Epoch(1)).unwrap();
+        replica
+            .install_partition_since("kv", p, Epoch(1), delta, Some(Epoch(3)))
+            .unwrap();
+    }
+    assert_eq!(keys(&replica, Epoch(3)), keys(&source, Epoch(3)));
 }

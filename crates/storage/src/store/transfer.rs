@@ -85,10 +85,12 @@ impl Store {
         components: Vec<ComponentMeta>,
         fetched: HashMap<ComponentHash, Vec<u8>>,
         memtable: Vec<RecordBatch>,
+        fence: Option<Epoch>,
     ) -> Result<()> {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
         self.refuse_undecided(table, partition, Epoch::ZERO)?;
+        self.refuse_newer_than(table, partition, fence)?;
         let def = self.state().table(table)?.def.clone();
         self.store_fetched_components(&components, &fetched)?;
         let mut installed = Vec::with_capacity(components.len() + 1);
@@ -131,7 +133,7 @@ impl Store {
         partition: PartitionId,
         versions: Vec<RecordBatch>,
     ) -> Result<()> {
-        self.install_partition_since(table, partition, Epoch::ZERO, versions)
+        self.install_partition_since(table, partition, Epoch::ZERO, versions, None)
     }
 
     /// Delta recovery: replaces the versions of one partition with an epoch at or above
@@ -147,10 +149,12 @@ impl Store {
         partition: PartitionId,
         since: Epoch,
         delta: Vec<RecordBatch>,
+        fence: Option<Epoch>,
     ) -> Result<()> {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
         self.refuse_undecided(table, partition, since)?;
+        self.refuse_newer_than(table, partition, fence)?;
         self.replay_standby_holding_gate(|p| *p == partition)?;
         let (def, components, memtable, memtable_reaches_since) = {
             let state = self.state();
@@ -221,6 +225,52 @@ impl Store {
     /// versions may include that epoch (decided in the metadata, but not yet applied here),
     /// and applying its commit afterwards would add its rows a second time, as versions
     /// duplicating the copied ones. The caller retries once the outcome is applied.
+    /// A copy made for a rebalance at epoch `fence` installs only while this partition holds
+    /// nothing newer. The rebalance holds every table's lease, so no later epoch commits
+    /// while it is open: a newer version here means the rebalance has ended (aborted) and
+    /// this copy, made from the source's older state, arrived late; installing it would put
+    /// the source's older versions over rows committed since. Checked under the gate, which
+    /// commits also take, so no commit slips between the check and the install.
+    fn refuse_newer_than(
+        &self,
+        table: &str,
+        partition: PartitionId,
+        fence: Option<Epoch>,
+    ) -> Result<()> {
+        let Some(fence) = fence else {
+            return Ok(());
+        };
+        let state = self.state();
+        let part = &state.table(table)?.partitions[partition.0 as usize];
+        let prepared = state
+            .pending
+            .iter()
+            .filter(|(_, entries)| {
+                entries
+                    .iter()
+                    .any(|e| e.table == table && e.partition == partition)
+            })
+            .map(|(epoch, _)| *epoch);
+        let newest = part
+            .memtable
+            .iter()
+            .map(|e| e.epoch)
+            .chain(part.manifest.components.iter().map(|c| c.max_epoch))
+            .chain(part.unapplied.iter().map(|l| l.epoch))
+            .chain(prepared)
+            .max()
+            .unwrap_or(Epoch::ZERO);
+        if newest > fence {
+            return Err(StorageError::CopyOutdated {
+                table: table.to_string(),
+                partition,
+                fence,
+                newest,
+            });
+        }
+        Ok(())
+    }
+
     fn refuse_undecided(&self, table: &str, partition: PartitionId, since: Epoch) -> Result<()> {
         let state = self.state();
         let epochs: Vec<Epoch> = state
@@ -351,7 +401,7 @@ mod tests {
         );
         for _ in 0..2 {
             returning
-                .install_partition_since("kv", PartitionId(0), missed, delta.clone())
+                .install_partition_since("kv", PartitionId(0), missed, delta.clone(), None)
                 .unwrap();
             // In a cluster the metadata makes the epoch visible here; snapshots read up to it.
             returning.advance_visible(missed);
