@@ -329,10 +329,9 @@ impl FlightSqlService for TesseraFlightSql {
     ) -> Result<i64, Status> {
         match self.run(&update.query).await? {
             // "INSERT 3", "DELETE 0", "CREATE TABLE": the count, or -1 when there is none.
-            StatementOutput::Done { tag, .. } => Ok(tag
-                .rsplit_once(' ')
-                .and_then(|(_, n)| n.parse().ok())
-                .unwrap_or(-1)),
+            StatementOutput::Done { tag, .. } => Ok(tessera_sql::engine::split_tag(&tag)
+                .1
+                .map_or(-1, |rows| rows as i64)),
             StatementOutput::Rows { batches, .. } => {
                 Ok(batches.iter().map(|b| b.num_rows() as i64).sum())
             }

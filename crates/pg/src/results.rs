@@ -41,12 +41,7 @@ pub(crate) fn response(
 /// carries an OID of 0, CREATE TABLE AS reports SELECT with its row count, and the
 /// transaction commands change the connection's transaction status.
 pub(crate) fn command_response(tag: &str) -> Response {
-    let (command, rows) = match tag.rsplit_once(' ') {
-        Some((command, count)) if count.bytes().all(|b| b.is_ascii_digit()) => {
-            (command, count.parse::<usize>().ok())
-        }
-        _ => (tag, None),
-    };
+    let (command, rows) = tessera_sql::engine::split_tag(tag);
     match (command, rows) {
         ("BEGIN", _) => Response::TransactionStart(Tag::new("BEGIN")),
         ("COMMIT", _) => Response::TransactionEnd(Tag::new("COMMIT")),

@@ -109,7 +109,7 @@ impl QueryParser for PgParser {
             .await
             .map_err(sql_error)?;
         let parameters = parameter_types(&plan)?;
-        let result = returns_rows(&plan).then(|| Arc::new(plan.schema().as_arrow().clone()));
+        let result = tessera_sql::engine::result_schema(&plan);
         Ok(Some(PgStatement {
             statement,
             parameters,
@@ -165,17 +165,6 @@ fn parameter_types(plan: &LogicalPlan) -> PgWireResult<Vec<Option<DataType>>> {
         types[n - 1] = data_type;
     }
     Ok(types)
-}
-
-/// Whether a plan answers with rows (a query, EXPLAIN, SHOW) rather than a command tag.
-fn returns_rows(plan: &LogicalPlan) -> bool {
-    !matches!(
-        plan,
-        LogicalPlan::Dml(_)
-            | LogicalPlan::Ddl(_)
-            | LogicalPlan::Statement(_)
-            | LogicalPlan::Copy(_)
-    )
 }
 
 /// One connection's session.

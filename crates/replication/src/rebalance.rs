@@ -354,14 +354,13 @@ async fn copy_whole(
         .map_err(|e| copy_error(moved.source, e))?;
     let rows = components.iter().map(|c| c.rows).sum::<u64>()
         + memtable.iter().map(|b| b.num_rows() as u64).sum::<u64>();
-    let name = table.to_string();
-    let (table, partition) = (table.to_string(), moved.partition);
+    let (owned, partition) = (table.to_string(), moved.partition);
     node.on_store("installing a copied partition", move |store| {
-        store.install_partition_components(&table, partition, components, fetched, memtable, fence)
+        store.install_partition_components(&owned, partition, components, fetched, memtable, fence)
     })
     .await?;
     node.transfers.whole(rows);
-    tracing::info!(table = %name, partition = moved.partition.0, source = moved.source.0, rows, "copied a whole partition");
+    tracing::info!(%table, partition = moved.partition.0, source = moved.source.0, rows, "copied a whole partition");
     Ok(())
 }
 
@@ -407,13 +406,12 @@ async fn copy_delta(
         .await
         .map_err(|e| copy_error(moved.source, e))?;
     let fetched = versions.iter().map(|b| b.num_rows() as u64).sum();
-    let name = table.to_string();
-    let (table, partition, since) = (table.to_string(), moved.partition, moved.since);
+    let (owned, partition, since) = (table.to_string(), moved.partition, moved.since);
     node.on_store("installing a partition's missed versions", move |store| {
-        store.install_partition_since(&table, partition, since, versions, fence)
+        store.install_partition_since(&owned, partition, since, versions, fence)
     })
     .await?;
     node.transfers.delta(fetched);
-    tracing::info!(table = %name, partition = moved.partition.0, source = moved.source.0, since = %moved.since, rows = fetched, "copied a partition's missed versions");
+    tracing::info!(%table, partition = moved.partition.0, source = moved.source.0, since = %moved.since, rows = fetched, "copied a partition's missed versions");
     Ok(())
 }

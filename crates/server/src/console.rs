@@ -34,10 +34,8 @@ impl tessera_console::NodeView for NodeConsole {
     }
 
     async fn sql(&self, sql: String) -> Result<serde_json::Value, String> {
-        let engine = tessera_sql::Engine::with_backend(
-            Arc::new(crate::ClusterBackend::new(self.node.clone())),
-            datafusion::prelude::SessionConfig::new(),
-        );
+        use tessera_sql::Sessions;
+        let engine = crate::backend::NodeSessions::new(self.node.clone()).open();
         let outputs = engine
             .execute(&sql)
             .await

@@ -135,9 +135,7 @@ impl Engine {
     }
 
     async fn execute_statements(&self, sql: &str) -> Result<Vec<StatementOutput>> {
-        let sql = rewrite_as_of_epoch(sql)?;
-        let statements = DFParser::parse_sql_with_dialect(&sql, &GenericDialect {})
-            .map_err(|e| SqlError::DataFusion(e.into()))?;
+        let statements = parse_statements(sql)?;
         let mut outputs = Vec::with_capacity(statements.len());
         for statement in statements {
             outputs.push(self.execute_statement(statement, None).await?);
@@ -182,9 +180,7 @@ impl Engine {
     /// (DDL, DML, transaction control): for a client that asks before it fetches (Flight
     /// SQL's `GetFlightInfo`).
     pub async fn describe(&self, sql: &str) -> Result<Option<SchemaRef>> {
-        let sql = rewrite_as_of_epoch(sql)?;
-        let mut statements = DFParser::parse_sql_with_dialect(&sql, &GenericDialect {})
-            .map_err(|e| SqlError::DataFusion(e.into()))?;
+        let mut statements = parse_statements(sql)?;
         if statements.len() != 1 {
             return Err(SqlError::Unsupported(format!(
                 "{} statements in one request; send one at a time",
@@ -196,11 +192,7 @@ impl Engine {
             return Ok(None);
         }
         self.begin_statement().await?;
-        let plan = self.plan_only(statement).await?;
-        Ok(match plan {
-            LogicalPlan::Dml(_) | LogicalPlan::Ddl(_) | LogicalPlan::Statement(_) => None,
-            plan => Some(Arc::new(plan.schema().as_arrow().clone())),
-        })
+        Ok(result_schema(&self.plan_only(statement).await?))
     }
 
     /// Runs SQL whose last statement returns rows, and returns them.
@@ -493,6 +485,37 @@ enum TxControl {
     Begin,
     Commit,
     Rollback,
+}
+
+/// Tessera's `AS OF EPOCH` rewritten, then parsed as DataFusion parses.
+fn parse_statements(sql: &str) -> Result<std::collections::VecDeque<DFStatement>> {
+    let sql = rewrite_as_of_epoch(sql)?;
+    DFParser::parse_sql_with_dialect(&sql, &GenericDialect {})
+        .map_err(|e| SqlError::DataFusion(e.into()))
+}
+
+/// The columns a plan answers with, or `None` for a command (DDL, DML, a statement such as
+/// SET, COPY), which answers with a tag.
+pub fn result_schema(plan: &LogicalPlan) -> Option<SchemaRef> {
+    let command = matches!(
+        plan,
+        LogicalPlan::Dml(_)
+            | LogicalPlan::Ddl(_)
+            | LogicalPlan::Statement(_)
+            | LogicalPlan::Copy(_)
+    );
+    (!command).then(|| Arc::new(plan.schema().as_arrow().clone()))
+}
+
+/// A command tag split into its command and row count: `INSERT 3` is (`INSERT`, 3),
+/// `CREATE TABLE` has no count.
+pub fn split_tag(tag: &str) -> (&str, Option<usize>) {
+    match tag.rsplit_once(' ') {
+        Some((command, count)) if count.bytes().all(|b| b.is_ascii_digit()) => {
+            (command, count.parse().ok())
+        }
+        _ => (tag, None),
+    }
 }
 
 /// Whether a statement opens or ends a transaction: the engine runs these itself, and

@@ -220,11 +220,6 @@ impl Store {
         self.collect_garbage(dropped, &state)
     }
 
-    /// Refuses to replace a partition's versions from `since` on while this node still
-    /// holds an epoch at or above `since` prepared for it and undecided here: the copied
-    /// versions may include that epoch (decided in the metadata, but not yet applied here),
-    /// and applying its commit afterwards would add its rows a second time, as versions
-    /// duplicating the copied ones. The caller retries once the outcome is applied.
     /// A copy made for a rebalance at epoch `fence` installs only while this partition holds
     /// nothing newer. The rebalance holds every table's lease, so no later epoch commits
     /// while it is open: a newer version here means the rebalance has ended (aborted) and
@@ -271,6 +266,11 @@ impl Store {
         Ok(())
     }
 
+    /// Refuses to replace a partition's versions from `since` on while this node still
+    /// holds an epoch at or above `since` prepared for it and undecided here: the copied
+    /// versions may include that epoch (decided in the metadata, but not yet applied here),
+    /// and applying its commit afterwards would add its rows a second time, as versions
+    /// duplicating the copied ones. The caller retries once the outcome is applied.
     fn refuse_undecided(&self, table: &str, partition: PartitionId, since: Epoch) -> Result<()> {
         let state = self.state();
         let epochs: Vec<Epoch> = state
