@@ -158,10 +158,26 @@ impl Inbox {
         }
     }
 
-    /// Producer channel `sender` has sent everything it will send to this bucket.
-    pub fn finish(&self, sender: usize) {
-        self.lock().finished.insert(sender);
+    /// Producer channel `sender` has sent everything it will send to this bucket: `sent`
+    /// batches, by its own count. Fewer arrived means batches were lost on the way: the
+    /// bucket fails rather than end short (a reader would answer without those rows).
+    pub fn finish(&self, sender: usize, sent: u64) -> Result<(), String> {
+        let mut state = self.lock();
+        let arrived = state.next_seq.get(&sender).copied().unwrap_or(0);
+        if arrived != sent && !state.closed {
+            let reason = format!(
+                "exchange {} bucket {} of query {:x}: channel {sender} ended its stream after sending {sent} batches, but {arrived} arrived",
+                self.key.exchange, self.key.bucket, self.key.query
+            );
+            state.failed.get_or_insert(reason.clone());
+            drop(state);
+            self.arrived.notify_one();
+            return Err(reason);
+        }
+        state.finished.insert(sender);
+        drop(state);
         self.arrived.notify_one();
+        Ok(())
     }
 
     /// The exchange broke (a producer or its node failed): the reader gets `reason`.

@@ -79,6 +79,35 @@ pub struct BatchTag {
     pub seq: u64,
 }
 
+/// The last message of a producer channel's `do_put` stream to one node: how many batches
+/// it sent to each bucket the stream carries. The receiver ends the channel's part of a
+/// bucket only on this mark and only when that many arrived: a stream that merely stops
+/// (its sender failed or was dropped, which closes the request cleanly) must fail the
+/// bucket, never end it short.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StreamEnd {
+    /// (bucket, batches sent): a list, as an untagged enum cannot read maps keyed by number.
+    pub sent: Vec<(usize, u64)>,
+}
+
+impl StreamEnd {
+    /// The batches sent to `bucket`, if the mark counts it.
+    pub fn sent_to(&self, bucket: usize) -> Option<u64> {
+        self.sent
+            .iter()
+            .find(|&&(counted, _)| counted == bucket)
+            .map(|&(_, sent)| sent)
+    }
+}
+
+/// What an exchange message's app metadata says it is.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum StreamMark {
+    Batch(BatchTag),
+    End(StreamEnd),
+}
+
 /// A short content hash of one encoded exchange batch: a re-sent batch must match the
 /// one first received, or the rebuilt producer did not reproduce its output.
 pub type Digest = [u8; 16];

@@ -4,7 +4,9 @@
 //! lineage recovery it backs up what it sends, gives up links to nodes that die, and holds
 //! output until the reading order it was computed from is logged (the lineage hooks).
 
-use super::{batch_digest, tokio_stream_from, BatchTag, ExchangeMode, Inbox, InboxKey};
+use super::{
+    batch_digest, tokio_stream_from, BatchTag, ExchangeMode, Inbox, InboxKey, StreamEnd, StreamMark,
+};
 use crate::hooks::Backup;
 use crate::wire::ExchangeHeader;
 use crate::{now_us, ChannelId, ChannelReport, Exec, NodeId, QueryId, StageId};
@@ -239,6 +241,8 @@ enum Link {
     /// Another node: a `do_put` stream fed through a bounded queue.
     Remote {
         node: NodeId,
+        /// The buckets its stream carries, which its end-of-stream mark counts.
+        buckets: Vec<usize>,
         tx: tokio::sync::mpsc::Sender<FlightData>,
         call: tokio::task::JoinHandle<Result<Bytes, CallError>>,
     },
@@ -277,6 +281,13 @@ struct Outbox {
     seqs: HashMap<usize, u64>,
     spool: Option<Arc<dyn Backup>>,
     report: ChannelReport,
+}
+
+impl Outbox {
+    /// How many batches this channel has sent to `bucket`.
+    fn sent(&self, bucket: usize) -> u64 {
+        self.seqs.get(&bucket).copied().unwrap_or(0)
+    }
 }
 
 fn exec_error(message: String) -> DataFusionError {
@@ -324,7 +335,7 @@ impl ChannelWriter {
                     exchange: self.spec.exchange,
                     sender: ChannelId(self.channel),
                     senders_per_bucket: senders,
-                    buckets,
+                    buckets: buckets.clone(),
                     lineage: self.spec.lineage,
                 };
                 let (tx, rx) = tokio::sync::mpsc::channel(LINK_DEPTH);
@@ -336,6 +347,7 @@ impl ChannelWriter {
                     tokio::spawn(async move { clients.put_flight(&addr, &header, messages).await });
                 Link::Remote {
                     node: dest,
+                    buckets,
                     tx,
                     call,
                 }
@@ -562,11 +574,27 @@ impl ChannelWriter {
         for dest in dests {
             match outbox.links.remove(&dest).expect("listed above") {
                 Link::Local(inboxes) => {
-                    for inbox in inboxes.values() {
-                        inbox.finish(self.channel);
+                    for (bucket, inbox) in &inboxes {
+                        inbox
+                            .finish(self.channel, outbox.sent(*bucket))
+                            .map_err(exec_error)?;
                     }
                 }
-                Link::Remote { node, tx, call } => {
+                Link::Remote {
+                    node,
+                    buckets,
+                    tx,
+                    call,
+                } => {
+                    let end = StreamEnd {
+                        sent: buckets.iter().map(|&b| (b, outbox.sent(b))).collect(),
+                    };
+                    // A send fails only if the call already ended; its outcome says why.
+                    for message in self.end_mark(end)? {
+                        if tx.send(message).await.is_err() {
+                            break;
+                        }
+                    }
                     drop(tx);
                     let acknowledged = call
                         .await
@@ -592,13 +620,24 @@ impl ChannelWriter {
     /// The messages of one batch, self-contained (its dictionaries travel with it), so a
     /// spooled copy can be replayed alone.
     fn encode(&self, batch: &RecordBatch, tag: BatchTag) -> DfResult<Vec<FlightData>> {
+        self.encode_marked(batch, &StreamMark::Batch(tag))
+    }
+
+    /// A stream's end-of-stream mark: an empty batch whose metadata counts what was sent
+    /// (with its empty dictionaries, so it decodes even when no batch came before it).
+    fn end_mark(&self, end: StreamEnd) -> DfResult<Vec<FlightData>> {
+        let empty = RecordBatch::new_empty(self.schema.clone());
+        self.encode_marked(&empty, &StreamMark::End(end))
+    }
+
+    fn encode_marked(&self, batch: &RecordBatch, mark: &StreamMark) -> DfResult<Vec<FlightData>> {
         let (dicts, encoded) = IpcDataGenerator::default().encode(
             batch,
             &mut DictionaryTracker::new(false),
             &self.options,
             &mut IpcWriteContext::default(),
         )?;
-        let metadata = Bytes::from(serde_json::to_vec(&tag).expect("tags serialize"));
+        let metadata = Bytes::from(serde_json::to_vec(mark).expect("marks serialize"));
         let mut messages: Vec<FlightData> = dicts.into_iter().map(FlightData::from).collect();
         messages.push(FlightData::from(encoded).with_app_metadata(metadata));
         Ok(messages)
