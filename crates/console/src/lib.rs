@@ -4,12 +4,14 @@
 //! The page is one file compiled into the binary (`console.html`): no build step, nothing
 //! fetched from the internet.
 
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use std::sync::Arc;
+use tessera_common::auth::{basic_credentials, password_matches, ScramSecret};
 use tokio::net::TcpListener;
 
 /// The largest SQL text the console's SQL box may send.
@@ -28,17 +30,58 @@ pub trait NodeView: Send + Sync + 'static {
     /// Runs `sql` for the console's SQL box: each statement's rows or tag, as JSON, or
     /// the error, said once.
     async fn sql(&self, sql: String) -> Result<serde_json::Value, String>;
+
+    /// Whether the cluster has users, so that the console asks for a login.
+    fn login_required(&self) -> bool;
+
+    /// The SCRAM secret of user `name`, if it exists.
+    fn user_secret(&self, name: &str) -> Option<ScramSecret>;
 }
 
-/// The routes, over `node`.
+/// The routes, over `node`. Once the cluster has users, the console and its JSON ask for
+/// one (HTTP basic authentication, which a browser prompts for); `/metrics` does not, as
+/// Prometheus scrapes it and it holds counts, not data.
 pub fn router(node: Arc<dyn NodeView>) -> Router {
-    Router::new()
+    let console = Router::new()
         .route("/", get(page))
         .route("/api/status", get(status))
         .route("/api/sql", post(sql))
-        .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(MAX_SQL_BODY))
+        .route_layer(middleware::from_fn_with_state(node.clone(), require_login));
+    Router::new()
+        .route("/metrics", get(metrics))
+        .merge(console)
         .with_state(node)
+}
+
+/// Lets a request through if the cluster has no users or it carries a user's password.
+async fn require_login(
+    State(node): State<Arc<dyn NodeView>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if !node.login_required() {
+        return next.run(request).await;
+    }
+    let credentials = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(basic_credentials);
+    if let Some((user, password)) = credentials {
+        if password_matches(node.user_secret(&user).as_ref(), &user, &password) {
+            return next.run(request).await;
+        }
+    }
+    (
+        StatusCode::UNAUTHORIZED,
+        [(
+            header::WWW_AUTHENTICATE,
+            "Basic realm=\"Tessera\", charset=\"UTF-8\"",
+        )],
+        "log in with a Tessera user and password\n",
+    )
+        .into_response()
 }
 
 /// Serves HTTP on `listener` until the task is dropped.

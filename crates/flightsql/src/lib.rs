@@ -39,6 +39,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 pub use tessera_sql::Sessions;
 
+mod login;
+
 /// The largest message a client may send or receive (a bulk ingest's batches).
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
@@ -48,11 +50,20 @@ const SCHEMA: &str = "public";
 
 /// Serves Flight SQL on `listener` until the task is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, sessions: Arc<dyn Sessions>) {
-    let service = FlightServiceServer::new(TesseraFlightSql { sessions })
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let logins = Arc::new(login::Logins::new(sessions.clone()));
+    let service = FlightServiceServer::new(TesseraFlightSql {
+        sessions,
+        logins: logins.clone(),
+    })
+    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+    .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let require_login = tower::layer::layer_fn(move |inner| login::RequireLogin {
+        inner,
+        logins: logins.clone(),
+    });
     if let Err(error) = tonic::transport::Server::builder()
+        .layer(require_login)
         .add_service(service)
         .serve_with_incoming(incoming)
         .await
@@ -63,6 +74,7 @@ pub async fn serve(listener: tokio::net::TcpListener, sessions: Arc<dyn Sessions
 
 struct TesseraFlightSql {
     sessions: Arc<dyn Sessions>,
+    logins: Arc<login::Logins>,
 }
 
 static SQL_INFO: LazyLock<SqlInfoData> = LazyLock::new(|| {
@@ -209,22 +221,34 @@ impl TesseraFlightSql {
 impl FlightSqlService for TesseraFlightSql {
     type FlightService = TesseraFlightSql;
 
-    /// No passwords yet (as on the PostgreSQL port): any credentials are accepted, and the
-    /// answer carries no token.
+    /// Logs in with the `authorization: Basic ...` header; the answer's `authorization`
+    /// header carries the bearer token later calls need (none while the cluster has no
+    /// users).
     async fn do_handshake(
         &self,
-        _request: Request<Streaming<HandshakeRequest>>,
+        request: Request<Streaming<HandshakeRequest>>,
     ) -> Result<
         Response<Pin<Box<dyn Stream<Item = Result<HandshakeResponse, Status>> + Send>>>,
         Status,
     > {
+        let authorization = request
+            .metadata()
+            .get("authorization")
+            .and_then(|value| value.to_str().ok());
+        let token = self.logins.handshake(authorization)?;
         let response = HandshakeResponse {
             protocol_version: 0,
-            payload: Default::default(),
+            payload: token.clone().unwrap_or_default().into(),
         };
-        Ok(Response::new(Box::pin(futures::stream::once(async {
-            Ok(response)
-        }))))
+        let mut response = Response::new(Box::pin(futures::stream::once(async { Ok(response) }))
+            as Pin<Box<dyn Stream<Item = Result<HandshakeResponse, Status>> + Send>>);
+        if let Some(token) = token {
+            let bearer = format!("Bearer {token}")
+                .parse()
+                .expect("a hex token is a valid header value");
+            response.metadata_mut().insert("authorization", bearer);
+        }
+        Ok(response)
     }
 
     async fn get_flight_info_statement(

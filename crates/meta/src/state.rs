@@ -8,6 +8,7 @@
 use crate::NodeId;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
+use tessera_common::auth::ScramSecret;
 use tessera_common::{Epoch, PartitionId, QueryId, StageId};
 use tessera_storage::TableDef;
 
@@ -171,6 +172,25 @@ pub enum MetaCommand {
     LineageEnd {
         query: QueryId,
     },
+    /// A user who may log in to the SQL endpoints (refused if the name is taken).
+    CreateUser {
+        name: String,
+        secret: ScramSecret,
+    },
+    /// A new password for an existing user.
+    AlterUser {
+        name: String,
+        secret: ScramSecret,
+    },
+    DropUser {
+        name: String,
+    },
+}
+
+/// A user of the SQL endpoints: only the SCRAM secret of the password is kept.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct UserRecord {
+    pub secret: ScramSecret,
 }
 
 /// The next stretch of one inbox's reading order: from position `from`, runs of
@@ -286,6 +306,11 @@ pub struct MetaState {
     /// The logged reading orders of running queries under lineage recovery, by query.
     #[serde(default)]
     pub lineage: BTreeMap<QueryId, QueryLineage>,
+    /// Who may log in to the SQL endpoints. While there are none, they take anyone (a new
+    /// cluster is open to its operator, as PostgreSQL's `trust` is); once the first user
+    /// is created, every connection must authenticate.
+    #[serde(default)]
+    pub users: BTreeMap<String, UserRecord>,
 }
 
 impl MetaState {
@@ -467,6 +492,27 @@ impl MetaState {
                 def.generation = index;
                 self.tables.insert(def.name.clone(), def.clone());
                 effects.push(LocalEffect::EnsureTable(def));
+                MetaResponse::Done
+            }
+            MetaCommand::CreateUser { name, secret } => {
+                if self.users.contains_key(&name) {
+                    return Err(format!("user {name:?} already exists"));
+                }
+                self.users.insert(name, UserRecord { secret });
+                MetaResponse::Done
+            }
+            MetaCommand::AlterUser { name, secret } => {
+                let user = self
+                    .users
+                    .get_mut(&name)
+                    .ok_or_else(|| format!("user {name:?} does not exist"))?;
+                user.secret = secret;
+                MetaResponse::Done
+            }
+            MetaCommand::DropUser { name } => {
+                self.users
+                    .remove(&name)
+                    .ok_or_else(|| format!("user {name:?} does not exist"))?;
                 MetaResponse::Done
             }
             MetaCommand::DropTable { name } => {

@@ -16,12 +16,12 @@
 //! `psql`'s meta-commands (`\dt`, `\d t`, `\l`) and drivers' start-up queries read
 //! `pg_catalog`, which `datafusion-pg-catalog` supplies over the engine's catalog.
 
+mod auth;
 mod copy;
 mod errors;
 mod results;
 mod session;
 
-use pgwire::api::auth::noop::NoopStartupHandler;
 use pgwire::api::cancel::DefaultCancelHandler;
 use pgwire::api::{ConnectionManager, PgWireServerHandlers};
 use std::sync::Arc;
@@ -50,6 +50,7 @@ impl Default for PgLimits {
 /// Serves PostgreSQL clients on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, sessions: Arc<dyn Sessions>, limits: PgLimits) {
     let connections = Arc::new(ConnectionManager::new());
+    let decoy_seed: Arc<[u8; 32]> = Arc::new(tessera_common::auth::random_key());
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     loop {
         let (socket, peer) = match listener.accept().await {
@@ -68,8 +69,11 @@ pub async fn serve(listener: TcpListener, sessions: Arc<dyn Sessions>, limits: P
         };
         let handlers = Connection {
             session: Arc::new(PgSession::new(sessions.open())),
-            startup: Arc::new(Startup {
+            startup: Arc::new(auth::Startup {
                 connections: connections.clone(),
+                sessions: sessions.clone(),
+                decoy_seed: decoy_seed.clone(),
+                state: Default::default(),
             }),
             cancel: Arc::new(DefaultCancelHandler::new(connections.clone())),
         };
@@ -89,7 +93,7 @@ pub async fn serve(listener: TcpListener, sessions: Arc<dyn Sessions>, limits: P
 /// cancel handling shared with the endpoint.
 struct Connection {
     session: Arc<PgSession>,
-    startup: Arc<Startup>,
+    startup: Arc<auth::Startup>,
     cancel: Arc<DefaultCancelHandler>,
 }
 
@@ -112,17 +116,5 @@ impl PgWireServerHandlers for Connection {
 
     fn cancel_handler(&self) -> Arc<impl pgwire::api::cancel::CancelHandler> {
         self.cancel.clone()
-    }
-}
-
-/// Start-up without a password (authentication is the next step); registers the
-/// connection so a cancel request can find it.
-struct Startup {
-    connections: Arc<ConnectionManager>,
-}
-
-impl NoopStartupHandler for Startup {
-    fn connection_manager(&self) -> Option<Arc<ConnectionManager>> {
-        Some(self.connections.clone())
     }
 }

@@ -32,12 +32,21 @@ use pgwire::types::format::FormatOptions;
 use std::fmt::Debug;
 use std::sync::{Arc, Mutex};
 use tessera_sql::engine::MAX_SQL_BYTES;
+use tessera_sql::users::UserStatement;
 use tessera_sql::{Engine, StatementOutput};
+
+/// What a client sent, as this front end runs it: SQL for the engine, or a user statement
+/// (`CREATE USER ... WITH PASSWORD`), which the engine's parser does not read.
+#[derive(Debug, Clone)]
+pub enum PgCommand {
+    Sql(Statement),
+    User(UserStatement),
+}
 
 /// A statement as parsed (and planned) at Parse, kept under its name until closed.
 #[derive(Debug, Clone)]
 pub struct PgStatement {
-    statement: Statement,
+    command: PgCommand,
     /// What DataFusion inferred for `$1`, `$2`, ... (`None` where it could not).
     parameters: Vec<Option<DataType>>,
     /// The columns it returns, or `None` for a command.
@@ -52,6 +61,14 @@ pub struct PgParser {
 }
 
 impl PgParser {
+    /// The commands in `sql`: one user statement, or the SQL statements in it.
+    fn parse_commands(&self, sql: &str) -> PgWireResult<Vec<PgCommand>> {
+        if let Some(user) = tessera_sql::users::parse_user_statement(sql) {
+            return Ok(vec![PgCommand::User(user.map_err(sql_error)?)]);
+        }
+        Ok(self.parse(sql)?.into_iter().map(PgCommand::Sql).collect())
+    }
+
     fn parse(&self, sql: &str) -> PgWireResult<Vec<Statement>> {
         if sql.len() > MAX_SQL_BYTES {
             return Err(user_error(
@@ -82,10 +99,19 @@ impl QueryParser for PgParser {
     where
         C: ClientInfo + Unpin + Send + Sync,
     {
-        let mut statements = self.parse(sql)?;
-        let statement = match statements.len() {
+        let mut commands = self.parse_commands(sql)?;
+        let statement = match commands.len() {
             0 => return Ok(None),
-            1 => statements.pop().expect("one statement"),
+            1 => match commands.pop().expect("one statement") {
+                PgCommand::Sql(statement) => statement,
+                user => {
+                    return Ok(Some(PgStatement {
+                        command: user,
+                        parameters: Vec::new(),
+                        result: None,
+                    }))
+                }
+            },
             _ => {
                 return Err(user_error(
                     "42601",
@@ -98,7 +124,7 @@ impl QueryParser for PgParser {
             || matches!(statement, Statement::Copy { .. })
         {
             return Ok(Some(PgStatement {
-                statement,
+                command: PgCommand::Sql(statement),
                 parameters: Vec::new(),
                 result: None,
             }));
@@ -111,7 +137,7 @@ impl QueryParser for PgParser {
         let parameters = parameter_types(&plan)?;
         let result = tessera_sql::engine::result_schema(&plan);
         Ok(Some(PgStatement {
-            statement,
+            command: PgCommand::Sql(statement),
             parameters,
             result,
         }))
@@ -210,7 +236,7 @@ impl PgSession {
     async fn run<C>(
         &self,
         client: &mut C,
-        statement: Statement,
+        command: PgCommand,
         params: Option<&ParamValues>,
         format: &Format,
     ) -> PgWireResult<Response>
@@ -220,6 +246,17 @@ impl PgSession {
         C::Error: Debug,
         PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
     {
+        let statement = match command {
+            PgCommand::Sql(statement) => statement,
+            PgCommand::User(user) => {
+                if client.transaction_status() == TransactionStatus::Error {
+                    return Err(transaction_aborted());
+                }
+                let result = self.engine.execute_user(user).await;
+                let options = Arc::new(FormatOptions::from_client_metadata(client.metadata()));
+                return response(result.map_err(sql_error)?, format, options);
+            }
+        };
         if let Statement::Deallocate { name, .. } = &statement {
             // Drivers (psycopg after a rollback) drop their prepared statements. `ALL`
             // leaves them in place: a driver that prepares again reuses the names, which
@@ -490,16 +527,13 @@ impl SimpleQueryHandler for PgSession {
         C::Error: Debug,
         PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
     {
-        let statements = self.parser.parse(query)?;
-        if statements.is_empty() {
+        let commands = self.parser.parse_commands(query)?;
+        if commands.is_empty() {
             return Ok(vec![Response::EmptyQuery]);
         }
-        let mut responses = Vec::with_capacity(statements.len());
-        for statement in statements {
-            match self
-                .run(client, statement, None, &Format::UnifiedText)
-                .await
-            {
+        let mut responses = Vec::with_capacity(commands.len());
+        for command in commands {
+            match self.run(client, command, None, &Format::UnifiedText).await {
                 Ok(response) => responses.push(response),
                 // What ran before the failed statement is reported; the rest never runs.
                 Err(error) if !responses.is_empty() => {
@@ -541,7 +575,7 @@ impl ExtendedQueryHandler for PgSession {
         let params = (portal.parameter_len() > 0).then_some(params);
         self.run(
             client,
-            statement.statement.clone(),
+            statement.command.clone(),
             params.as_ref(),
             &portal.result_column_format,
         )

@@ -3,7 +3,7 @@
 //! publishes through the coordinator.
 
 use crate::error::ClusterError;
-use crate::meta::{MetaState, MetaView};
+use crate::meta::{MetaCommand, MetaError, MetaState, MetaView};
 use crate::node::Node;
 use crate::NodeId;
 use arrow::array::RecordBatch;
@@ -28,6 +28,7 @@ use tessera_exec::scan::{read_from, DistributedScanExec, ScanSpec, TableStatisti
 use tessera_exec::{ExecError, RecoveryOutcome};
 use tessera_sql::provider::{RowSource, VersionedTable};
 use tessera_sql::time_travel::split_epoch_name;
+use tessera_sql::users::UserChange;
 use tessera_sql::StatementOutput;
 use tessera_sql::{Backend, SqlError};
 use tessera_storage::versions::stored_schema;
@@ -141,6 +142,28 @@ impl Backend for ClusterBackend {
             .await
             .map_err(ClusterError::from)?;
         self.begin_statement().await
+    }
+
+    async fn change_user(&self, change: UserChange) -> tessera_sql::error::Result<()> {
+        let command = match change {
+            UserChange::Create { name, secret } => MetaCommand::CreateUser { name, secret },
+            UserChange::Alter { name, secret } => MetaCommand::AlterUser { name, secret },
+            UserChange::Drop { name } => MetaCommand::DropUser { name },
+        };
+        match self.node.meta.write(command).await {
+            Ok(_) => Ok(()),
+            Err(MetaError::Refused(reason)) if reason.ends_with("already exists") => {
+                Err(SqlError::DuplicateObject(reason))
+            }
+            Err(MetaError::Refused(reason)) if reason.ends_with("does not exist") => {
+                Err(SqlError::UndefinedObject(reason))
+            }
+            Err(other) => Err(ClusterError::from(other).into()),
+        }
+    }
+
+    fn user_exists(&self, name: &str) -> bool {
+        self.node.meta.view().state.users.contains_key(name)
     }
 
     async fn publish(&self, changes: Vec<TableChanges>) -> tessera_sql::error::Result<Epoch> {
@@ -610,5 +633,16 @@ impl tessera_pg::Sessions for NodeSessions {
             Arc::new(ClusterBackend::new(self.node.clone())),
             datafusion::prelude::SessionConfig::new(),
         )
+    }
+
+    // This node's copy of the metadata: a user created a moment ago on another node may
+    // need the entry to arrive here before it can log in.
+    fn login_required(&self) -> bool {
+        !self.node.meta.view().state.users.is_empty()
+    }
+
+    fn user_secret(&self, name: &str) -> Option<tessera_common::auth::ScramSecret> {
+        let view = self.node.meta.view();
+        view.state.users.get(name).map(|user| user.secret.clone())
     }
 }

@@ -8,11 +8,15 @@ use tessera_common::metrics::{label, metrics};
 
 pub struct NodeConsole {
     node: Arc<Node>,
+    sessions: crate::backend::NodeSessions,
 }
 
 impl NodeConsole {
     pub fn new(node: Arc<Node>) -> NodeConsole {
-        NodeConsole { node }
+        NodeConsole {
+            sessions: crate::backend::NodeSessions::new(node.clone()),
+            node,
+        }
     }
 }
 
@@ -34,13 +38,20 @@ impl tessera_console::NodeView for NodeConsole {
     }
 
     async fn sql(&self, sql: String) -> Result<serde_json::Value, String> {
-        use tessera_sql::Sessions;
-        let engine = crate::backend::NodeSessions::new(self.node.clone()).open();
+        let engine = tessera_sql::Sessions::open(&self.sessions);
         let outputs = engine
             .execute(&sql)
             .await
             .map_err(|e| tessera_sql::error::one_message(&e))?;
         outputs.into_iter().map(output_json).collect()
+    }
+
+    fn login_required(&self) -> bool {
+        tessera_sql::Sessions::login_required(&self.sessions)
+    }
+
+    fn user_secret(&self, name: &str) -> Option<tessera_common::auth::ScramSecret> {
+        tessera_sql::Sessions::user_secret(&self.sessions, name)
     }
 
     fn refresh_metrics(&self) {

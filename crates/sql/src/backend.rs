@@ -3,9 +3,10 @@
 //! the publish path.
 
 use crate::engine::StatementOutput;
-use crate::error::{from_datafusion, Result};
+use crate::error::{from_datafusion, Result, SqlError};
 use crate::provider::{ScanLayout, TesseraSchema};
 use crate::scan::read_visible_partition;
+use crate::users::UserChange;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
@@ -37,6 +38,18 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Publishes the changes as one epoch, visible when this returns.
     async fn publish(&self, changes: Vec<TableChanges>) -> Result<Epoch>;
+
+    /// Creates, changes or drops a user of the SQL endpoints.
+    async fn change_user(&self, _change: UserChange) -> Result<()> {
+        Err(SqlError::Unsupported(
+            "users: they live in a cluster's metadata, and a local store has none".into(),
+        ))
+    }
+
+    /// Whether `name` is a user (for `IF NOT EXISTS` and `IF EXISTS`).
+    fn user_exists(&self, _name: &str) -> bool {
+        false
+    }
 
     /// Runs a statement that returns rows (a query, EXPLAIN, SHOW ...). The default plans
     /// and executes it with DataFusion in this process; a cluster distributes it.

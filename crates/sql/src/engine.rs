@@ -9,6 +9,7 @@ use crate::error::{from_datafusion, Result, SqlError};
 use crate::provider::ScanLayout;
 use crate::time_travel::rewrite_as_of_epoch;
 use crate::transaction::Transaction;
+use crate::users::{UserChange, UserStatement};
 use arrow::array::RecordBatch;
 use arrow::compute::concat_batches;
 use arrow::datatypes::SchemaRef;
@@ -135,6 +136,9 @@ impl Engine {
     }
 
     async fn execute_statements(&self, sql: &str) -> Result<Vec<StatementOutput>> {
+        if let Some(user) = crate::users::parse_user_statement(sql) {
+            return Ok(vec![self.execute_user(user?).await?]);
+        }
         let statements = parse_statements(sql)?;
         let mut outputs = Vec::with_capacity(statements.len());
         for statement in statements {
@@ -206,15 +210,53 @@ impl Engine {
         }
     }
 
+    /// Runs a `CREATE USER`, `ALTER USER` or `DROP USER` (which a front end may have
+    /// recognized itself: see [`crate::users`]). It is shown only with its password masked.
+    pub async fn execute_user(&self, statement: UserStatement) -> Result<StatementOutput> {
+        self.observed(statement.redacted(), self.run_user(statement))
+            .await
+    }
+
+    async fn run_user(&self, statement: UserStatement) -> Result<StatementOutput> {
+        if self.in_transaction() {
+            return Err(SqlError::Unsupported(format!(
+                "{} inside a transaction; run it on its own",
+                statement.tag()
+            )));
+        }
+        let exists = self.backend.user_exists(statement.name());
+        let skip = statement.tolerant
+            && match statement.change {
+                UserChange::Create { .. } => exists,
+                UserChange::Drop { .. } => !exists,
+                UserChange::Alter { .. } => false,
+            };
+        if !skip {
+            self.backend.change_user(statement.change.clone()).await?;
+        }
+        Ok(done(statement.tag(), None))
+    }
+
     /// Runs one statement, counting it and its latency in the node's metrics.
     async fn execute_statement(
         &self,
         statement: DFStatement,
         params: Option<&ParamValues>,
     ) -> Result<StatementOutput> {
+        self.observed(statement.to_string(), self.run_statement(statement, params))
+            .await
+    }
+
+    /// Runs a statement shown as `text` among the node's running and recent statements,
+    /// counting it and its latency in the node's metrics.
+    async fn observed(
+        &self,
+        text: String,
+        run: impl std::future::Future<Output = Result<StatementOutput>>,
+    ) -> Result<StatementOutput> {
         let started = std::time::Instant::now();
-        let tracked = crate::activity::Tracked::start(statement.to_string());
-        let result = self.run_statement(statement, params).await;
+        let tracked = crate::activity::Tracked::start(text);
+        let result = run.await;
         tracked.end(result.as_ref().err().map(crate::error::one_message));
         let metrics = tessera_common::metrics::metrics();
         tessera_common::metrics::observe_seconds(&metrics.query_seconds, started.elapsed());

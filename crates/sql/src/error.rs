@@ -21,6 +21,15 @@ pub enum SqlError {
     Cluster(String),
     #[error("SQL text of {bytes} bytes exceeds the limit of {limit} bytes")]
     TooLarge { bytes: usize, limit: usize },
+    /// A statement Tessera parses itself (such as `CREATE USER`) is malformed.
+    #[error("syntax error: {0}")]
+    Syntax(String),
+    /// The object (a user) exists already.
+    #[error("{0}")]
+    DuplicateObject(String),
+    /// The object (a user) does not exist.
+    #[error("{0}")]
+    UndefinedObject(String),
 }
 
 impl SqlError {
@@ -70,6 +79,9 @@ impl SqlError {
             // node out of reach): the client may retry, as after a serialization failure.
             SqlError::Cluster(_) => "40001",
             SqlError::TooLarge { .. } => "54000",
+            SqlError::Syntax(_) => "42601",
+            SqlError::DuplicateObject(_) => "42710",
+            SqlError::UndefinedObject(_) => "42704",
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod provider;
 pub mod scan;
 pub mod time_travel;
 pub mod transaction;
+pub mod users;
 
 pub use backend::{Backend, LocalBackend};
 pub use engine::{Engine, StatementOutput};
@@ -71,4 +72,15 @@ pub trait Sessions: Send + Sync + 'static {
     /// A fresh engine for one connection or request; dropped (with any open transaction,
     /// unpublished) when it ends.
     fn open(&self) -> Engine;
+
+    /// Whether a connection must log in: once the cluster has users. A cluster without
+    /// any is open to whoever reaches its endpoints, as a fresh PostgreSQL with `trust`.
+    fn login_required(&self) -> bool {
+        false
+    }
+
+    /// The SCRAM secret of user `name`, or `None` if there is no such user.
+    fn user_secret(&self, _name: &str) -> Option<tessera_common::auth::ScramSecret> {
+        None
+    }
 }

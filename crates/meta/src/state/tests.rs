@@ -302,3 +302,39 @@ fn the_invariant_check_names_a_stale_primary_and_a_shared_lease() {
         .broken_invariant()
         .is_some_and(|broken| broken.contains("leased by open epochs 7 and 8")));
 }
+
+#[test]
+fn users_are_created_once_altered_and_dropped_only_if_they_exist() {
+    use tessera_common::auth::ScramSecret;
+    let mut state = bootstrapped(3);
+    let create = |name: &str, password: &str| MetaCommand::CreateUser {
+        name: name.into(),
+        secret: ScramSecret::new(password),
+    };
+    assert_eq!(state.apply(3, create("ada", "one")).0, MetaResponse::Done);
+    assert!(state.users["ada"].secret.verify_password("one"));
+    let again = state.apply(4, create("ada", "two")).0;
+    assert_eq!(
+        again,
+        MetaResponse::Refused("user \"ada\" already exists".into())
+    );
+    assert!(
+        state.users["ada"].secret.verify_password("one"),
+        "unchanged"
+    );
+    let alter = MetaCommand::AlterUser {
+        name: "ada".into(),
+        secret: ScramSecret::new("two"),
+    };
+    assert_eq!(state.apply(5, alter).0, MetaResponse::Done);
+    assert!(state.users["ada"].secret.verify_password("two"));
+    let drop_bob = MetaCommand::DropUser { name: "bob".into() };
+    let refused = state.apply(6, drop_bob).0;
+    assert_eq!(
+        refused,
+        MetaResponse::Refused("user \"bob\" does not exist".into())
+    );
+    let drop_ada = MetaCommand::DropUser { name: "ada".into() };
+    assert_eq!(state.apply(7, drop_ada).0, MetaResponse::Done);
+    assert!(state.users.is_empty());
+}

@@ -1,0 +1,142 @@
+//! Logging in to Flight SQL: a handshake with HTTP basic credentials (what ADBC and the
+//! Flight SQL JDBC driver send for a user and password) checked against the user's SCRAM
+//! secret, answered with a bearer token that every later call carries in its
+//! `authorization` header. While the cluster has no users, every call is let through.
+//!
+//! The check sits in front of the whole gRPC service ([`RequireLogin`]), so no Flight SQL
+//! method can be reached without it.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tessera_common::auth::{basic_credentials, password_matches};
+use tessera_sql::Sessions;
+use tonic::Status;
+
+/// How long a token stays good after its handshake.
+const TOKEN_LIFETIME: Duration = Duration::from_secs(12 * 3600);
+
+/// Tokens kept at most: past it, a handshake is refused until some expire (a client that
+/// logs in over and over without end would otherwise grow the table without bound).
+const MAX_TOKENS: usize = 100_000;
+
+/// The handshake's gRPC path, the one call that needs no token.
+const HANDSHAKE_PATH: &str = "/arrow.flight.protocol.FlightService/Handshake";
+
+struct Token {
+    user: String,
+    expires: Instant,
+}
+
+/// The tokens this endpoint handed out.
+pub struct Logins {
+    sessions: Arc<dyn Sessions>,
+    tokens: Mutex<HashMap<String, Token>>,
+}
+
+impl Logins {
+    pub fn new(sessions: Arc<dyn Sessions>) -> Logins {
+        Logins {
+            sessions,
+            tokens: Mutex::default(),
+        }
+    }
+
+    /// Checks a handshake's `authorization` header; the bearer token for the session, or
+    /// `None` where the cluster has no users (nothing to carry).
+    pub fn handshake(&self, authorization: Option<&str>) -> Result<Option<String>, Status> {
+        if !self.sessions.login_required() {
+            return Ok(None);
+        }
+        let (user, password) = authorization.and_then(basic_credentials).ok_or_else(|| {
+            Status::unauthenticated(
+                "this cluster requires a login: connect with a user name and password",
+            )
+        })?;
+        let secret = self.sessions.user_secret(&user);
+        if !password_matches(secret.as_ref(), &user, &password) {
+            return Err(Status::unauthenticated(format!(
+                "password authentication failed for user \"{user}\""
+            )));
+        }
+        let token = tessera_common::hex::to_hex(&tessera_common::auth::random_key());
+        let mut tokens = self.tokens.lock().expect("tokens lock");
+        let now = Instant::now();
+        tokens.retain(|_, t| t.expires > now);
+        if tokens.len() >= MAX_TOKENS {
+            return Err(Status::resource_exhausted(format!(
+                "{MAX_TOKENS} Flight SQL sessions are open on this node; reuse a token or wait for some to expire"
+            )));
+        }
+        tokens.insert(
+            token.clone(),
+            Token {
+                user,
+                expires: now + TOKEN_LIFETIME,
+            },
+        );
+        Ok(Some(token))
+    }
+
+    /// Whether a call to `path` with this `authorization` header may go on.
+    fn admit(&self, path: &str, authorization: Option<&str>) -> Result<(), Status> {
+        if path == HANDSHAKE_PATH || !self.sessions.login_required() {
+            return Ok(());
+        }
+        let token = authorization
+            .and_then(|value| value.strip_prefix("Bearer "))
+            .ok_or_else(|| {
+                Status::unauthenticated(
+                    "log in first: the Flight SQL handshake with a user name and password gives the bearer token every call must carry",
+                )
+            })?;
+        let tokens = self.tokens.lock().expect("tokens lock");
+        match tokens.get(token.trim()) {
+            // A dropped user's tokens end with it.
+            Some(t)
+                if t.expires > Instant::now() && self.sessions.user_secret(&t.user).is_some() =>
+            {
+                Ok(())
+            }
+            _ => Err(Status::unauthenticated(
+                "the bearer token is unknown or expired: log in again",
+            )),
+        }
+    }
+}
+
+/// The gRPC service behind a login check: a call without a good token is answered
+/// `UNAUTHENTICATED` before it reaches any Flight SQL method.
+#[derive(Clone)]
+pub struct RequireLogin<S> {
+    pub inner: S,
+    pub logins: Arc<Logins>,
+}
+
+impl<S, B> tower::Service<http::Request<B>> for RequireLogin<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let authorization = request
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .and_then(|value| value.to_str().ok());
+        match self.logins.admit(request.uri().path(), authorization) {
+            Ok(()) => Box::pin(self.inner.call(request)),
+            Err(status) => Box::pin(async move { Ok(status.into_http()) }),
+        }
+    }
+}
