@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{wait_formed, wait_until};
+use common::{http_get, wait_formed, wait_until};
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
@@ -44,37 +44,6 @@ fn psql(
     } else {
         Err(String::from_utf8_lossy(&output.stderr).to_string())
     }
-}
-
-/// A GET of `path` on node `id`'s HTTP port, with basic credentials if given: the status
-/// code and body.
-async fn http_get(
-    cluster: &LocalCluster,
-    id: u64,
-    path: &str,
-    credentials: Option<&str>,
-) -> (u16, String) {
-    use base64::Engine;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let addr = cluster.http_addr(id).expect("http_listen configured");
-    let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let authorization = credentials
-        .map(|c| {
-            let encoded = base64::engine::general_purpose::STANDARD.encode(c);
-            format!("Authorization: Basic {encoded}\r\n")
-        })
-        .unwrap_or_default();
-    let request =
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{authorization}Connection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    let code = response[9..12].parse().unwrap();
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (code, body)
 }
 
 /// Waits until node `id` asks for a password (`required`) or takes anyone (`!required`).

@@ -12,7 +12,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::NoTls;
 
 mod common;
-use common::{load_tpch, wait_formed};
+use common::{load_tpch, metric, wait_formed, wait_until};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 const PARTITIONS: u32 = 8;
@@ -661,4 +661,62 @@ async fn connections_are_bounded_and_bad_input_loses_nothing() {
     );
     let row = client.query_one("SELECT 40 + 2", &[]).await.unwrap();
     assert_eq!(row.get::<_, i64>(0), 42, "the connection goes on");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_query_stops_on_every_node() {
+    let _one = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let cluster = cluster(root.path()).await;
+    let client = connect(&cluster, 1).await;
+    client
+        .batch_execute(
+            "CREATE TABLE numbers (k BIGINT NOT NULL, PRIMARY KEY (k));
+             INSERT INTO numbers SELECT value FROM generate_series(1, 100000)",
+        )
+        .await
+        .unwrap();
+    // A join of every number with a thousandth of the others: hours in a debug build, with
+    // channels on every node (both sides are hashed across the cluster).
+    const LONG: &str = "SELECT count(*) FROM numbers a JOIN numbers b ON a.k % 100 = b.k % 100";
+    let cancel = client.cancel_token();
+    let query = tokio::spawn(async move { client.query_one(LONG, &[]).await });
+    for node in 1..=3 {
+        if query.is_finished() {
+            panic!("the long query ended by itself: {:?}", query.await.unwrap());
+        }
+        wait_until(
+            &format!("the query's channels to run on node {node}"),
+            std::time::Duration::from_secs(30),
+            || async {
+                (metric(&cluster, node, "tessera_queries_running").await? >= 1.0).then_some(())
+            },
+        )
+        .await;
+    }
+    cancel.cancel_query(NoTls).await.unwrap();
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(30), query)
+        .await
+        .expect("the cancel stopped the query")
+        .unwrap();
+    let error = answer.expect_err("a cancelled query answered");
+    assert_eq!(error.code(), Some(&SqlState::QUERY_CANCELED), "{error}");
+    for node in 1..=3 {
+        wait_until(
+            &format!("node {node} to stop the query's channels"),
+            std::time::Duration::from_secs(15),
+            || async {
+                (metric(&cluster, node, "tessera_queries_running").await? == 0.0).then_some(())
+            },
+        )
+        .await;
+    }
+    // The connection goes on.
+    let client = connect(&cluster, 1).await;
+    let n: i64 = client
+        .query_one("SELECT count(*) FROM numbers", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 100000);
 }

@@ -64,6 +64,8 @@ pub struct Metrics {
     pub standby_unapplied_rows: Gauge,
     /// PostgreSQL connections open now.
     pub pg_connections: Gauge,
+    /// Queries with channels running on this node now.
+    pub queries_running: Gauge,
 }
 
 impl Metrics {
@@ -91,6 +93,7 @@ impl Metrics {
             replica_lag_epochs: Family::default(),
             standby_unapplied_rows: Gauge::default(),
             pg_connections: Gauge::default(),
+            queries_running: Gauge::default(),
         };
         {
             let mut r = metrics.registry.lock().expect("registry lock");
@@ -194,6 +197,11 @@ impl Metrics {
                 "pg_connections",
                 "Open PostgreSQL connections",
                 metrics.pg_connections.clone(),
+            );
+            r.register(
+                "queries_running",
+                "Queries with channels running on this node",
+                metrics.queries_running.clone(),
             );
         }
         metrics

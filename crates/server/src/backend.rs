@@ -167,10 +167,17 @@ impl Backend for ClusterBackend {
     }
 
     async fn publish(&self, changes: Vec<TableChanges>) -> tessera_sql::error::Result<Epoch> {
-        // No re-pin afterwards: the next statement catches up with the leader anyway.
-        Ok(crate::publish::publish(&self.node.replication, changes)
+        // A task of its own, so it runs to its decision even if the statement is dropped (a
+        // client's cancel, a closed connection): a publish cut short would keep its tables
+        // leased until its epoch timed out. No re-pin afterwards: the next statement
+        // catches up with the leader anyway.
+        let replication = self.node.replication.clone();
+        let publish =
+            tokio::spawn(async move { crate::publish::publish(&replication, changes).await });
+        let published = publish
             .await
-            .map_err(ClusterError::from)?)
+            .map_err(|e| SqlError::Cluster(format!("the publish task failed: {e}")))?;
+        Ok(published.map_err(ClusterError::from)?)
     }
 
     async fn run_query(

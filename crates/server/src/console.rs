@@ -89,6 +89,8 @@ impl tessera_console::NodeView for NodeConsole {
             .map(|t| t.logged_rows)
             .sum();
         m.standby_unapplied_rows.set(unapplied as i64);
+        let running = self.node.exec.queries().queries_running();
+        m.queries_running.set(running as i64);
     }
 }
 

@@ -109,3 +109,44 @@ pub async fn start_kv(
         .unwrap();
     (cluster, client)
 }
+
+/// A GET of `path` on node `id`'s HTTP port, with basic credentials if given: the status
+/// code and body.
+pub async fn http_get(
+    cluster: &LocalCluster,
+    id: u64,
+    path: &str,
+    credentials: Option<&str>,
+) -> (u16, String) {
+    use base64::Engine;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = cluster.http_addr(id).expect("http_listen configured");
+    let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let authorization = credentials
+        .map(|c| {
+            let encoded = base64::engine::general_purpose::STANDARD.encode(c);
+            format!("Authorization: Basic {encoded}\r\n")
+        })
+        .unwrap_or_default();
+    let request =
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{authorization}Connection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let code = response[9..12].parse().unwrap();
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+/// The value of metric `name` (without labels) in node `id`'s `/metrics`.
+pub async fn metric(cluster: &LocalCluster, id: u64, name: &str) -> Option<f64> {
+    let (code, body) = http_get(cluster, id, "/metrics", None).await;
+    assert_eq!(code, 200, "node {id}'s /metrics");
+    body.lines().find_map(|line| {
+        let (key, value) = line.split_once(' ')?;
+        (key == name).then(|| value.trim().parse().ok())?
+    })
+}

@@ -143,6 +143,16 @@ impl QueryRegistry {
         &self.statistics
     }
 
+    /// Queries with channels still running on this node (a gauge at each scrape: after a
+    /// cancel or an error it falls back to zero on every node).
+    pub fn queries_running(&self) -> usize {
+        let running = self.running.lock().expect("running lock");
+        running
+            .values()
+            .filter(|tasks| tasks.iter().any(|task| !task.is_finished()))
+            .count()
+    }
+
     /// Inboxes held now (for tests and status).
     pub fn open_inboxes(&self) -> usize {
         self.inboxes.lock().expect("inboxes lock").len()
