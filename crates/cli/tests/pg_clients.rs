@@ -661,6 +661,47 @@ async fn connections_are_bounded_and_bad_input_loses_nothing() {
     );
     let row = client.query_one("SELECT 40 + 2", &[]).await.unwrap();
     assert_eq!(row.get::<_, i64>(0), 42, "the connection goes on");
+
+    // A client that goes away in the middle of a 100 MB result: its slot comes back and
+    // the node serves on.
+    let connections = || async {
+        common::metric(&cluster, 1, "tessera_pg_connections")
+            .await
+            .unwrap()
+    };
+    // Only `client` is open once the connections dropped above have closed.
+    common::wait_until(
+        "the dropped connections to close",
+        std::time::Duration::from_secs(30),
+        || async { (connections().await == 1.0).then_some(()) },
+    )
+    .await;
+    let (reader, connection) = tokio_postgres::connect(&conninfo(&cluster, 1), NoTls)
+        .await
+        .unwrap();
+    let connection = tokio::spawn(connection);
+    let mut rows = Box::pin(
+        reader
+            .query_raw(
+                "SELECT repeat('x', 1000) AS r FROM generate_series(1, 100000)",
+                Vec::<i64>::new(),
+            )
+            .await
+            .unwrap(),
+    );
+    use futures::StreamExt;
+    rows.next().await.unwrap().unwrap();
+    connection.abort();
+    drop(rows);
+    drop(reader);
+    common::wait_until(
+        "the abandoned connection's slot to come back",
+        std::time::Duration::from_secs(30),
+        || async { (connections().await == 1.0).then_some(()) },
+    )
+    .await;
+    let row = client.query_one("SELECT 40 + 2", &[]).await.unwrap();
+    assert_eq!(row.get::<_, i64>(0), 42, "the node serves on");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
