@@ -6,6 +6,7 @@ mod common;
 
 use common::{load_tpch, wait_formed};
 use std::path::Path;
+use std::time::Duration;
 use tessera_server::ClusterClient;
 use tessera_testkit::LocalCluster;
 
@@ -96,4 +97,66 @@ async fn adbc_answers_every_tpch_query_exactly_and_ingests_in_one_epoch() {
         loaded_at.0 + 2,
         "CREATE TABLE takes no epoch; the ingest and the INSERT one each"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_idle_connections_are_bounded_and_the_node_serves_on() {
+    use tokio::io::AsyncReadExt;
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
+    cluster.set_option("flightsql_max_connections", "64");
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    let pid = cluster.node_pid(1).unwrap();
+    let open_fds = || {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .count()
+    };
+    let baseline = open_fds();
+
+    let addr = cluster.flightsql_addr(1).unwrap().to_string();
+    let mut idle = Vec::new();
+    for _ in 0..1000 {
+        idle.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    // The node keeps 64 of them; every other one it closes at once.
+    let outcomes = futures::future::join_all(idle.iter_mut().map(|socket| async move {
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(3), socket.read(&mut byte)).await;
+        matches!(read, Ok(Ok(0)) | Ok(Err(_)))
+    }))
+    .await;
+    let closed = outcomes.iter().filter(|closed| **closed).count();
+    assert!(
+        (1000 - 64..1000).contains(&closed),
+        "{closed} of 1000 idle connections were closed; 936 were over the bound"
+    );
+    let held = open_fds();
+    assert!(
+        held < baseline + 64 + 32,
+        "node 1 holds {held} file descriptors (it held {baseline} before the flood)"
+    );
+    // Its other ports serve on.
+    let status = ClusterClient::new(cluster.addr(1)).status().await.unwrap();
+    assert!(status.leader.is_some());
+
+    drop(idle);
+    let script = "import sys, adbc_driver_flightsql.dbapi as f\n\
+                  c = f.connect(sys.argv[1]).cursor(); c.execute('SELECT 41 + 1 AS x')\n\
+                  assert c.fetchone() == (42,); print('ok')";
+    let uri = format!("grpc://{addr}");
+    common::wait_until(
+        "Flight SQL to serve once the idle clients left",
+        Duration::from_secs(30),
+        || async {
+            let output = tokio::process::Command::new("python3")
+                .args(["-c", script, &uri])
+                .output()
+                .await
+                .expect("python3 runs");
+            (String::from_utf8_lossy(&output.stdout).trim() == "ok").then_some(())
+        },
+    )
+    .await;
 }

@@ -79,6 +79,10 @@ pub struct NodeConfig {
     /// PostgreSQL connections served at once; one more is refused (SQLSTATE 53300).
     #[serde(default = "default_pg_max_connections")]
     pub pg_max_connections: usize,
+    /// Flight SQL connections served at once (each carries any number of calls); one more
+    /// is closed at once.
+    #[serde(default = "default_flightsql_max_connections")]
+    pub flightsql_max_connections: usize,
     pub data_dir: PathBuf,
     /// Every node the cluster starts with, this one included. A node joining a running
     /// cluster lists itself and at least one member.
@@ -208,6 +212,10 @@ impl Default for ExecSettings {
 pub const DEFAULT_REPLICATION: u32 = 3;
 
 fn default_pg_max_connections() -> usize {
+    256
+}
+
+fn default_flightsql_max_connections() -> usize {
     256
 }
 
@@ -359,6 +367,9 @@ impl NodeConfig {
         }
         if self.pg_max_connections == 0 {
             return Err("pg_max_connections must be at least 1".into());
+        }
+        if self.flightsql_max_connections == 0 {
+            return Err("flightsql_max_connections must be at least 1".into());
         }
         let failure = &self.failure;
         if failure.heartbeat_ms == 0 || failure.timeout_ms <= failure.heartbeat_ms {

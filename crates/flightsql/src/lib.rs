@@ -39,6 +39,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 pub use tessera_sql::Sessions;
 
+mod connections;
 mod login;
 
 /// The largest message a client may send or receive (a bulk ingest's batches).
@@ -48,8 +49,13 @@ const MAX_MESSAGE_BYTES: usize = 64 << 20;
 const CATALOG: &str = "tessera";
 const SCHEMA: &str = "public";
 
-/// Serves Flight SQL on `listener` until the task is dropped.
-pub async fn serve(listener: tokio::net::TcpListener, sessions: Arc<dyn Sessions>) {
+/// Serves Flight SQL on `listener` until the task is dropped, to at most `max_connections`
+/// connections at once.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    sessions: Arc<dyn Sessions>,
+    max_connections: usize,
+) {
     let logins = Arc::new(login::Logins::new(sessions.clone()));
     let service = FlightServiceServer::new(TesseraFlightSql {
         sessions,
@@ -57,7 +63,7 @@ pub async fn serve(listener: tokio::net::TcpListener, sessions: Arc<dyn Sessions
     })
     .max_decoding_message_size(MAX_MESSAGE_BYTES)
     .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = connections::bounded(listener, max_connections);
     let require_login = tower::layer::layer_fn(move |inner| login::RequireLogin {
         inner,
         logins: logins.clone(),

@@ -278,6 +278,7 @@ impl Node {
             tokio::spawn(tessera_flightsql::serve(
                 listener,
                 Arc::new(crate::backend::NodeSessions::new(node.clone())),
+                node.config.flightsql_max_connections,
             ));
         }
         if let Some(listener) = http_listener {

@@ -542,6 +542,11 @@ impl LocalCluster {
         }
     }
 
+    /// The process id of node `id`, while it runs.
+    pub fn node_pid(&self, id: u64) -> Option<u32> {
+        self.processes[id as usize - 1].as_ref().map(|p| p.pid())
+    }
+
     pub fn is_running(&self, id: u64) -> bool {
         self.processes[id as usize - 1].is_some()
     }

@@ -87,6 +87,7 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
                 .flightsql_base_port
                 .map(|base| loopback(base, peer.id)),
             pg_max_connections: 256,
+            flightsql_max_connections: 256,
             data_dir: PathBuf::from("data"),
             peers: peers.clone(),
             voters: None,
