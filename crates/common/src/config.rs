@@ -79,6 +79,13 @@ pub struct NodeConfig {
     /// PostgreSQL connections served at once; one more is refused (SQLSTATE 53300).
     #[serde(default = "default_pg_max_connections")]
     pub pg_max_connections: usize,
+    /// The certificate chain (PEM) the client ports present: TLS on the PostgreSQL port
+    /// for clients that ask for it, and on the Flight SQL port for all. With `tls_key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of `tls_cert`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<PathBuf>,
     /// Flight SQL connections served at once (each carries any number of calls); one more
     /// is closed at once.
     #[serde(default = "default_flightsql_max_connections")]
@@ -367,6 +374,9 @@ impl NodeConfig {
         }
         if self.pg_max_connections == 0 {
             return Err("pg_max_connections must be at least 1".into());
+        }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err("tls_cert and tls_key go together: set both or neither".into());
         }
         if self.flightsql_max_connections == 0 {
             return Err("flightsql_max_connections must be at least 1".into());

@@ -50,11 +50,12 @@ const CATALOG: &str = "tessera";
 const SCHEMA: &str = "public";
 
 /// Serves Flight SQL on `listener` until the task is dropped, to at most `max_connections`
-/// connections at once.
+/// connections at once; over TLS only, with `tls` (certificate chain and key, PEM).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     sessions: Arc<dyn Sessions>,
     max_connections: usize,
+    tls: Option<(Vec<u8>, Vec<u8>)>,
 ) {
     let logins = Arc::new(login::Logins::new(sessions.clone()));
     let service = FlightServiceServer::new(TesseraFlightSql {
@@ -68,7 +69,19 @@ pub async fn serve(
         inner,
         logins: logins.clone(),
     });
-    if let Err(error) = tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some((cert, key)) = tls {
+        let identity = tonic::transport::Identity::from_pem(cert, key);
+        let config = tonic::transport::ServerTlsConfig::new().identity(identity);
+        server = match server.tls_config(config) {
+            Ok(server) => server,
+            Err(error) => {
+                tracing::error!(%error, "the Flight SQL port's TLS identity is unusable; not serving");
+                return;
+            }
+        };
+    }
+    if let Err(error) = server
         .layer(require_login)
         .add_service(service)
         .serve_with_incoming(incoming)

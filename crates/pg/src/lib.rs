@@ -21,6 +21,7 @@ mod copy;
 mod errors;
 mod results;
 mod session;
+mod tls;
 
 use pgwire::api::cancel::DefaultCancelHandler;
 use pgwire::api::{ConnectionManager, PgWireServerHandlers};
@@ -29,20 +30,24 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
 pub use session::PgSession;
+pub use tls::tls_acceptor;
 
 pub use tessera_sql::Sessions;
 
 /// Limits of one PostgreSQL endpoint.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct PgLimits {
     /// Connections served at once; one more is told so (SQLSTATE 53300) and closed.
     pub max_connections: usize,
+    /// TLS for the clients that ask for it (see [`tls_acceptor`]).
+    pub tls: Option<pgwire::tokio::TlsAcceptor>,
 }
 
 impl Default for PgLimits {
     fn default() -> Self {
         PgLimits {
             max_connections: 256,
+            tls: None,
         }
     }
 }
@@ -77,11 +82,12 @@ pub async fn serve(listener: TcpListener, sessions: Arc<dyn Sessions>, limits: P
             }),
             cancel: Arc::new(DefaultCancelHandler::new(connections.clone())),
         };
+        let tls = limits.tls.clone();
         tokio::spawn(async move {
             let _slot = slot;
             let open = &tessera_common::metrics::metrics().pg_connections;
             open.inc();
-            if let Err(error) = pgwire::tokio::process_socket(socket, None, handlers).await {
+            if let Err(error) = pgwire::tokio::process_socket(socket, tls, handlers).await {
                 tracing::debug!(%peer, %error, "PostgreSQL connection ended with an error");
             }
             open.dec();

@@ -30,6 +30,9 @@ pub enum ClusterError {
         expected: NodeId,
         theirs: NodeId,
     },
+    /// The client ports' TLS certificate or key cannot be used.
+    #[error("TLS: {0}")]
+    Tls(String),
     #[error("data directory {dir}: {reason}")]
     DataDir { dir: String, reason: String },
     /// A client could not reach the node it was given (whose id it does not know).

@@ -166,6 +166,12 @@ impl Node {
         let pg_listener = bind_optional(config.pg_listen, "pg_listen").await?;
         let http_listener = bind_optional(config.http_listen, "http_listen").await?;
         let flightsql_listener = bind_optional(config.flightsql_listen, "flightsql_listen").await?;
+        let tls = read_tls(&config)?;
+        let pg_tls = tls
+            .as_ref()
+            .map(|(cert, key)| tessera_pg::tls_acceptor(cert, key))
+            .transpose()
+            .map_err(ClusterError::Tls)?;
         let clients = Arc::new(Clients::new(&config.cluster_id, protocol));
         check_peers(&config, &clients, protocol).await?;
 
@@ -271,6 +277,7 @@ impl Node {
                 Arc::new(crate::backend::NodeSessions::new(node.clone())),
                 tessera_pg::PgLimits {
                     max_connections: node.config.pg_max_connections,
+                    tls: pg_tls,
                 },
             ));
         }
@@ -279,6 +286,7 @@ impl Node {
                 listener,
                 Arc::new(crate::backend::NodeSessions::new(node.clone())),
                 node.config.flightsql_max_connections,
+                tls,
             ));
         }
         if let Some(listener) = http_listener {
@@ -740,6 +748,20 @@ async fn check_peers(config: &NodeConfig, clients: &Clients, protocol: u32) -> R
 }
 
 /// Binds a client-facing port if it is configured (`what` names its setting in errors).
+/// The client ports' certificate chain and key, read (and checked) at start, so a bad
+/// path stops the node with its name rather than leave a port without TLS.
+fn read_tls(config: &NodeConfig) -> Result<Option<(Vec<u8>, Vec<u8>)>, ClusterError> {
+    let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
+        return Ok(None);
+    };
+    let read = |path: &std::path::Path| {
+        std::fs::read(path).map_err(|e| ClusterError::Tls(format!("{}: {e}", path.display())))
+    };
+    let (cert, key) = (read(cert)?, read(key)?);
+    tessera_pg::tls_acceptor(&cert, &key).map_err(ClusterError::Tls)?;
+    Ok(Some((cert, key)))
+}
+
 async fn bind_optional(
     addr: Option<std::net::SocketAddr>,
     what: &str,

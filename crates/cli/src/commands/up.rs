@@ -88,6 +88,8 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
                 .map(|base| loopback(base, peer.id)),
             pg_max_connections: 256,
             flightsql_max_connections: 256,
+            tls_cert: None,
+            tls_key: None,
             data_dir: PathBuf::from("data"),
             peers: peers.clone(),
             voters: None,
