@@ -192,6 +192,18 @@ enum BenchKind {
         #[arg(long, default_value_t = 4)]
         nodes: u64,
     },
+    /// TPC-H through each client path on a 3-node cluster: Flight SQL (what ADBC speaks)
+    /// and the PostgreSQL wire protocol (as psql) as ratios to Tessera's internal client.
+    Clients {
+        #[arg(long, default_value_t = 1.0)]
+        sf: f64,
+        /// Comma-separated query numbers (default: all 22).
+        #[arg(long, value_delimiter = ',')]
+        queries: Vec<usize>,
+        /// Timed runs per query and client; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
     /// Cluster formation time, leader failover time, and publish rows/s on 1 vs 3 nodes.
     Cluster {
         /// Scale factor of the lineitem rows published.
@@ -386,6 +398,12 @@ async fn run(cli: Cli) -> Result<()> {
                 *runs,
             )
             .await
+        }
+        Command::Bench {
+            bench: BenchKind::Clients { sf, queries, runs },
+        } => {
+            commands::bench_clients::run(&cli.data_dir, cli.store.partitions, *sf, queries, *runs)
+                .await
         }
         Command::Bench {
             bench: BenchKind::Cluster { sf, runs },

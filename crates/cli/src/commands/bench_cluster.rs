@@ -70,7 +70,8 @@ impl Drop for Nodes {
 }
 
 /// A run of `n` consecutive free ports.
-fn free_base_port(n: u64) -> Result<u16> {
+/// The first of `n` consecutive free ports on 127.0.0.1.
+pub(super) fn free_base_port(n: u64) -> Result<u16> {
     for _ in 0..100 {
         let probe = std::net::TcpListener::bind("127.0.0.1:0")?;
         let base = probe.local_addr()?.port();

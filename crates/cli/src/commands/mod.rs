@@ -1,6 +1,7 @@
 //! One module per `tessera` subcommand.
 
 pub mod bench;
+pub mod bench_clients;
 pub mod bench_cluster;
 pub mod bench_distributed;
 pub mod bench_recovery;
