@@ -160,3 +160,68 @@ async fn a_thousand_idle_connections_are_bounded_and_the_node_serves_on() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_flight_sql_calls_get_errors_that_name_them() {
+    use arrow_flight::flight_service_client::FlightServiceClient;
+    use arrow_flight::{Action, FlightDescriptor, Ticket};
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 1, 8, 1);
+    cluster.start_all();
+    wait_formed(&cluster, 1, 1).await;
+    let uri = format!("http://{}", cluster.flightsql_addr(1).unwrap());
+    let channel = tonic::transport::Endpoint::from_shared(uri)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = FlightServiceClient::new(channel);
+
+    let junk_ticket = client
+        .do_get(Ticket::new(vec![0xde, 0xad, 0xbe, 0xef]))
+        .await
+        .expect_err("a junk ticket");
+    let junk_command = client
+        .get_flight_info(FlightDescriptor::new_cmd(vec![1, 2, 3, 4, 5]))
+        .await
+        .expect_err("a junk command");
+    let unknown_action = client
+        .do_action(Action::new("FormatDisk", "now"))
+        .await
+        .expect_err("an unknown action");
+    for (what, status) in [
+        ("junk ticket", junk_ticket),
+        ("junk command", junk_command),
+        ("unknown action", unknown_action),
+    ] {
+        eprintln!("{what}: {status:?}");
+        assert!(
+            matches!(
+                status.code(),
+                tonic::Code::InvalidArgument | tonic::Code::Unimplemented
+            ),
+            "{what}: {status:?}"
+        );
+        assert!(!status.message().is_empty(), "{what} says why");
+        if what.starts_with("junk") {
+            assert!(
+                status.message().contains("not a Flight SQL message"),
+                "{what}: {status:?}"
+            );
+        }
+    }
+    // The node serves on.
+    let script = "import sys, adbc_driver_flightsql.dbapi as f\n\
+                  c = f.connect(sys.argv[1]).cursor(); c.execute('SELECT 41 + 1 AS x')\n\
+                  assert c.fetchone() == (42,); print('ok')";
+    let output = tokio::process::Command::new("python3")
+        .args([
+            "-c",
+            script,
+            &format!("grpc://{}", cluster.flightsql_addr(1).unwrap()),
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "ok");
+}

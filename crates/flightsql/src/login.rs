@@ -4,7 +4,8 @@
 //! `authorization` header. While the cluster has no users, every call is let through.
 //!
 //! The check sits in front of the whole gRPC service ([`RequireLogin`]), so no Flight SQL
-//! method can be reached without it.
+//! method can be reached without it. On the way back it also names the undecodable
+//! ticket or command behind arrow-flight's bare `DecodeError` answers.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -110,6 +111,50 @@ impl Logins {
 
 /// The gRPC service behind a login check: a call without a good token is answered
 /// `UNAUTHENTICATED` before it reaches any Flight SQL method.
+/// arrow-flight answers a ticket or command it cannot decode with prost's bare
+/// `DecodeError { .. }`: say what was wrong, and in which call.
+fn name_decode_errors(
+    method: &str,
+    response: http::Response<tonic::body::Body>,
+) -> http::Response<tonic::body::Body> {
+    let message = response
+        .headers()
+        .get("grpc-message")
+        .and_then(|value| value.to_str().ok())
+        .map(percent_decode)
+        .filter(|message| message.starts_with("DecodeError"));
+    match message {
+        Some(message) => Status::invalid_argument(format!(
+            "{method}: the request is not a Flight SQL message (its ticket or command does not decode: {message})"
+        ))
+        .into_http(),
+        None => response,
+    }
+}
+
+/// A `grpc-message` header's text (percent-encoded on the wire).
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok());
+        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(byte)) => {
+                out.push(byte);
+                i += 3;
+            }
+            (byte, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 #[derive(Clone)]
 pub struct RequireLogin<S> {
     pub inner: S,
@@ -134,8 +179,21 @@ where
             .headers()
             .get(http::header::AUTHORIZATION)
             .and_then(|value| value.to_str().ok());
+        let method = request
+            .uri()
+            .path()
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_string();
         match self.logins.admit(request.uri().path(), authorization) {
-            Ok(()) => Box::pin(self.inner.call(request)),
+            Ok(()) => {
+                let call = self.inner.call(request);
+                Box::pin(async move {
+                    call.await
+                        .map(|response| name_decode_errors(&method, response))
+                })
+            }
             Err(status) => Box::pin(async move { Ok(status.into_http()) }),
         }
     }
