@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{load_tpch, wait_formed};
+use common::{load_tpch, python_ok, wait_formed, ADBC_SELECT_42};
 use std::path::Path;
 use std::time::Duration;
 use tessera_server::ClusterClient;
@@ -142,21 +142,11 @@ async fn a_thousand_idle_connections_are_bounded_and_the_node_serves_on() {
     assert!(status.leader.is_some());
 
     drop(idle);
-    let script = "import sys, adbc_driver_flightsql.dbapi as f\n\
-                  c = f.connect(sys.argv[1]).cursor(); c.execute('SELECT 41 + 1 AS x')\n\
-                  assert c.fetchone() == (42,); print('ok')";
     let uri = format!("grpc://{addr}");
     common::wait_until(
         "Flight SQL to serve once the idle clients left",
         Duration::from_secs(30),
-        || async {
-            let output = tokio::process::Command::new("python3")
-                .args(["-c", script, &uri])
-                .output()
-                .await
-                .expect("python3 runs");
-            (String::from_utf8_lossy(&output.stdout).trim() == "ok").then_some(())
-        },
+        || async { python_ok(&["-c", ADBC_SELECT_42, &uri]).await.ok() },
     )
     .await;
 }
@@ -211,17 +201,6 @@ async fn malformed_flight_sql_calls_get_errors_that_name_them() {
         }
     }
     // The node serves on.
-    let script = "import sys, adbc_driver_flightsql.dbapi as f\n\
-                  c = f.connect(sys.argv[1]).cursor(); c.execute('SELECT 41 + 1 AS x')\n\
-                  assert c.fetchone() == (42,); print('ok')";
-    let output = tokio::process::Command::new("python3")
-        .args([
-            "-c",
-            script,
-            &format!("grpc://{}", cluster.flightsql_addr(1).unwrap()),
-        ])
-        .output()
-        .await
-        .unwrap();
-    assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "ok");
+    let uri = format!("grpc://{}", cluster.flightsql_addr(1).unwrap());
+    python_ok(&["-c", ADBC_SELECT_42, &uri]).await.unwrap();
 }

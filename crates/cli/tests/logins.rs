@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{http_get, wait_formed, wait_until};
+use common::{http_get, python_ok, wait_formed, wait_until};
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
@@ -112,18 +112,10 @@ async fn users_log_in_with_scram_everywhere_and_passwords_stay_secret() {
     let (host, port) = pg.rsplit_once(':').unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/logins.py");
     let uri = format!("grpc://{}", cluster.flightsql_addr(3).unwrap());
-    let output = tokio::process::Command::new("python3")
-        .arg(&script)
-        .args([host, port, &uri])
-        .output()
-        .await
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success() && stdout.trim() == "ok",
-        "the psycopg and ADBC logins failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let script = script.display().to_string();
+    if let Err(output) = python_ok(&[&script, host, port, &uri]).await {
+        panic!("the psycopg and ADBC logins failed:\n{output}");
+    }
 
     // The console asks for a login too; metrics stay open to Prometheus.
     let (code, _) = http_get(&cluster, 1, "/api/status", None).await;

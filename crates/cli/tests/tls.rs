@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::wait_formed;
+use common::{python_ok, wait_formed};
 use std::path::Path;
 use std::process::Command;
 use tessera_testkit::LocalCluster;
@@ -141,19 +141,10 @@ async fn clients_verify_the_nodes_certificate_over_tls() {
                   c = f.connect(uri, db_kwargs=opts).cursor(); c.execute('SELECT 41 + 1 AS x')\n\
                   assert c.fetchone() == (42,); print('ok')";
     let addr = cluster.flightsql_addr(2).unwrap().to_string();
+    let ca = path("test-ca.pem");
     let adbc = |uri: String| {
-        let ca = path("test-ca.pem");
-        async move {
-            let output = tokio::process::Command::new("python3")
-                .args(["-c", script, &uri, &ca])
-                .output()
-                .await
-                .expect("python3 runs");
-            let stdout = String::from_utf8_lossy(&output.stdout).to_string();
-            (stdout.trim() == "ok")
-                .then_some(())
-                .ok_or_else(|| format!("{stdout}\n{}", String::from_utf8_lossy(&output.stderr)))
-        }
+        let ca = ca.clone();
+        async move { python_ok(&["-c", script, &uri, &ca]).await }
     };
     adbc(format!("grpc+tls://{addr}")).await.unwrap();
     assert!(

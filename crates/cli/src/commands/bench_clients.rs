@@ -8,6 +8,7 @@
 
 use super::bench::{chosen_queries, median};
 use super::bench_cluster::{free_base_port, wait_formed, Nodes};
+use super::bench_distributed::timed;
 use super::target::Target;
 use super::up::UpOptions;
 use anyhow::{bail, Context, Result};
@@ -15,7 +16,7 @@ use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::sql::client::FlightSqlServiceClient;
 use futures::TryStreamExt;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tessera_server::{ClusterClient, NodeConfig};
 
 const NODES: u64 = 3;
@@ -78,16 +79,6 @@ impl Clients {
             .filter(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(_)))
             .count())
     }
-}
-
-async fn timed<F, Fut>(work: F) -> Result<(Duration, usize)>
-where
-    F: FnOnce() -> Fut,
-    Fut: std::future::Future<Output = Result<usize>>,
-{
-    let started = Instant::now();
-    let rows = work().await?;
-    Ok((started.elapsed(), rows))
 }
 
 pub async fn run(

@@ -150,3 +150,26 @@ pub async fn metric(cluster: &LocalCluster, id: u64, name: &str) -> Option<f64> 
         (key == name).then(|| value.trim().parse().ok())?
     })
 }
+
+/// A Python client that asks Flight SQL at `sys.argv[1]` for 41 + 1 through ADBC.
+pub const ADBC_SELECT_42: &str = "import sys, adbc_driver_flightsql.dbapi as f\n\
+    c = f.connect(sys.argv[1]).cursor(); c.execute('SELECT 41 + 1 AS x')\n\
+    assert c.fetchone() == (42,); print('ok')";
+
+/// Runs `python3 args...`: `Ok` if it printed just "ok", else what it printed.
+pub async fn python_ok(args: &[&str]) -> Result<(), String> {
+    let output = tokio::process::Command::new("python3")
+        .args(args)
+        .output()
+        .await
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if output.status.success() && stdout.trim() == "ok" {
+        Ok(())
+    } else {
+        Err(format!(
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        ))
+    }
+}
