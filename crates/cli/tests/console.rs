@@ -145,7 +145,7 @@ async fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String)
 
 /// Runs headless Chromium on `url`: the page's DOM after its scripts ran, and a screenshot
 /// written to `screenshot`.
-async fn chromium(url: &str, screenshot: &Path) -> String {
+async fn chromium(url: &str, screenshot: &Path, height: u32) -> String {
     let run = |extra: Vec<String>| {
         let url = url.to_string();
         async move {
@@ -155,7 +155,7 @@ async fn chromium(url: &str, screenshot: &Path) -> String {
                     "--no-sandbox",
                     "--disable-gpu",
                     "--hide-scrollbars",
-                    "--window-size=1440,1300",
+                    &format!("--window-size=1440,{height}"),
                     "--virtual-time-budget=3000",
                 ])
                 .args(extra)
@@ -219,7 +219,7 @@ async fn the_console_shows_nodes_partitions_and_a_running_statement_in_a_browser
     .await;
 
     let screenshot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("console.png");
-    let dom = chromium(&format!("http://{http_addr}/"), &screenshot).await;
+    let dom = chromium(&format!("http://{http_addr}/"), &screenshot, 1300).await;
     long.abort();
     for node in 1..=3 {
         assert!(
@@ -258,4 +258,31 @@ async fn the_console_shows_nodes_partitions_and_a_running_statement_in_a_browser
         "a screenshot was taken"
     );
     println!("console screenshot: {}", screenshot.display());
+
+    // A link that runs EXPLAIN ANALYZE draws the query's stages, each channel on its node.
+    let explain = "EXPLAIN ANALYZE SELECT v % 3 AS r, count(*) AS n FROM kv GROUP BY v % 3";
+    let encoded: String = explain
+        .chars()
+        .map(|c| match c.is_ascii_alphanumeric() {
+            true => c.to_string(),
+            false => format!("%{:02X}", c as u32),
+        })
+        .collect();
+    let url = format!("http://{http_addr}/?sql={encoded}");
+    let stages_png = Path::new(env!("CARGO_TARGET_TMPDIR")).join("console-stages.png");
+    let dom = chromium(&url, &stages_png, 2000).await;
+    let graph = dom
+        .split("class=\"stage-graph\"")
+        .nth(1)
+        .expect("the stage graph is drawn");
+    for stage in ["data-stage=\"0\"", "data-stage=\"1\"", "data-stage=\"2\""] {
+        assert!(graph.contains(stage), "{stage} is drawn");
+    }
+    for node in 1..=3 {
+        assert!(
+            graph.contains(&format!("class=\"bar\" data-node=\"{node}\"")),
+            "a channel on node {node} is drawn"
+        );
+    }
+    println!("console stage graph: {}", stages_png.display());
 }
