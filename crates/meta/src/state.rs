@@ -154,6 +154,13 @@ pub enum MetaCommand {
     /// Replaces the partition map (membership change), in one entry.
     SetPartitionMap {
         map: PartitionMap,
+        /// The rebalance's epoch, which leases every table: the map (its stale marks
+        /// above all) was computed while no other epoch could commit, and holds only
+        /// while that epoch is open. Once it is aborted (its coordinator declared failed),
+        /// epochs committed since may have marked replicas stale that this map would
+        /// clear: it is refused.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rebalance: Option<Epoch>,
     },
     /// Starts moving a node's partitions away.
     Leave {
@@ -656,7 +663,13 @@ impl MetaState {
                 effects.push(LocalEffect::Abort(epoch));
                 MetaResponse::Done
             }
-            MetaCommand::SetPartitionMap { map } => {
+            MetaCommand::SetPartitionMap { map, rebalance } => {
+                if let Some(epoch) = rebalance.filter(|e| !self.open.contains_key(e)) {
+                    return Err(format!(
+                        "the partition map of rebalance epoch {epoch} is out of date: the epoch is no longer open{}",
+                        if self.aborted.contains(&epoch) { " (it was aborted)" } else { "" }
+                    ));
+                }
                 if map.partitions.len() != self.partition_count as usize {
                     return Err(format!(
                         "a partition map must place {} partitions, this one places {}",

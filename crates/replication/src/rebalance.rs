@@ -231,7 +231,10 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
         return Err(error);
     }
     node.meta
-        .write(MetaCommand::SetPartitionMap { map: wanted })
+        .write(MetaCommand::SetPartitionMap {
+            map: wanted,
+            rebalance: Some(epoch),
+        })
         .await?;
     node.meta
         .write(MetaCommand::CommitEpoch {

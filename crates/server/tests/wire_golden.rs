@@ -145,6 +145,7 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                     2,
                     &[NodeId(1), NodeId(2), NodeId(3)],
                 ),
+                rebalance: None,
             },
         ),
         ("leave", MetaCommand::Leave { id: NodeId(3) }),

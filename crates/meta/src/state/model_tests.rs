@@ -306,7 +306,10 @@ impl Run {
             self.model.missed.insert((p, to), self.state.visible.next());
             format!("partition {p}: replica {from} moved to {to}")
         };
-        let response = self.apply(MetaCommand::SetPartitionMap { map });
+        let response = self.apply(MetaCommand::SetPartitionMap {
+            map,
+            rebalance: None,
+        });
         assert_eq!(response, MetaResponse::Done, "{description}");
         description
     }

@@ -338,3 +338,49 @@ fn users_are_created_once_altered_and_dropped_only_if_they_exist() {
     assert_eq!(state.apply(7, drop_ada).0, MetaResponse::Done);
     assert!(state.users.is_empty());
 }
+
+#[test]
+fn an_aborted_rebalance_cannot_switch_the_map_and_clear_newer_stale_marks() {
+    let mut state = bootstrapped(3);
+    // A rebalance leases every table and computes its map: no replica is stale yet.
+    let rebalance = allocate(&mut state, NodeId(1));
+    let computed = state.map.clone();
+    // Its coordinator is declared failed: the epoch is aborted, the leases freed.
+    state.apply(
+        4,
+        MetaCommand::AbortEpoch {
+            epoch: rebalance,
+            reason: "coordinator declared failed".into(),
+        },
+    );
+    // An epoch commits that node 3 missed on partition 0.
+    let later = allocate_as(&mut state, NodeId(2), 0, 8);
+    let MetaResponse::Epoch(later) = later else {
+        panic!("{later:?}")
+    };
+    state.apply(
+        5,
+        MetaCommand::CommitEpoch {
+            epoch: later,
+            missed: vec![(PartitionId(0), NodeId(3))],
+        },
+    );
+    assert_eq!(state.map.partitions[0].stale.get(&NodeId(3)), Some(&later));
+    // The old rebalance finishes its copies and tries to switch to its map.
+    let (response, _) = state.apply(
+        6,
+        MetaCommand::SetPartitionMap {
+            map: computed,
+            rebalance: Some(rebalance),
+        },
+    );
+    assert!(
+        matches!(&response, MetaResponse::Refused(r) if r.contains("no longer open")),
+        "{response:?}"
+    );
+    assert_eq!(
+        state.map.partitions[0].stale.get(&NodeId(3)),
+        Some(&later),
+        "node 3 still counts as missing the epoch"
+    );
+}
