@@ -316,7 +316,7 @@ pub struct MetaState {
     /// Who may log in to the SQL endpoints. While there are none, they take anyone (a new
     /// cluster is open to its operator, as PostgreSQL's `trust` is); once the first user
     /// is created, every connection must authenticate.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub users: BTreeMap<String, UserRecord>,
 }
 
