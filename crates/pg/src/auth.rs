@@ -33,6 +33,8 @@ pub struct Startup {
     /// Salts the decoy secrets of unknown users: fixed for the endpoint's life, so asking
     /// twice for the same unknown user shows the same salt, as for a real one.
     pub decoy_seed: Arc<[u8; 32]>,
+    /// The endpoint's process ids and cancel keys: one counter for all its connections.
+    pub pids: Arc<RandomPidSecretKeyGenerator>,
     pub state: Mutex<Login>,
 }
 
@@ -113,13 +115,17 @@ fn login_error(user: &str, error: AuthError) -> PgWireError {
 }
 
 /// The connection is in: its cancel key, its registration, and the start-up parameters.
-async fn admit<C>(client: &mut C, connections: &Arc<ConnectionManager>) -> PgWireResult<()>
+async fn admit<C>(
+    client: &mut C,
+    connections: &Arc<ConnectionManager>,
+    pids: &RandomPidSecretKeyGenerator,
+) -> PgWireResult<()>
 where
     C: ClientInfo + Sink<PgWireBackendMessage> + Unpin + Send,
     C::Error: Debug,
     PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
 {
-    let (pid, secret_key) = RandomPidSecretKeyGenerator::default().generate(&*client);
+    let (pid, secret_key) = pids.generate(&*client);
     client.set_pid_and_secret_key(pid, secret_key.clone());
     let (handle, guard) = connections.register(pid, secret_key);
     client
@@ -146,7 +152,7 @@ impl StartupHandler for Startup {
                 protocol_negotiation(client, &startup).await?;
                 save_startup_parameters_to_metadata(client, &startup);
                 if !self.sessions.login_required() {
-                    return admit(client, &self.connections).await;
+                    return admit(client, &self.connections, &self.pids).await;
                 }
                 if !client.metadata().contains_key(METADATA_USER) {
                     return Err(PgWireError::UserNameRequired);
@@ -181,7 +187,7 @@ impl StartupHandler for Startup {
                     .send(PgWireBackendMessage::Authentication(reply))
                     .await?;
                 if finished {
-                    admit(client, &self.connections).await?;
+                    admit(client, &self.connections, &self.pids).await?;
                 }
             }
             _ => {}

@@ -56,6 +56,7 @@ impl Default for PgLimits {
 pub async fn serve(listener: TcpListener, sessions: Arc<dyn Sessions>, limits: PgLimits) {
     let connections = Arc::new(ConnectionManager::new());
     let decoy_seed: Arc<[u8; 32]> = Arc::new(tessera_common::auth::random_key());
+    let pids = Arc::new(pgwire::api::RandomPidSecretKeyGenerator::default());
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     loop {
         let (socket, peer) = match listener.accept().await {
@@ -78,6 +79,7 @@ pub async fn serve(listener: TcpListener, sessions: Arc<dyn Sessions>, limits: P
                 connections: connections.clone(),
                 sessions: sessions.clone(),
                 decoy_seed: decoy_seed.clone(),
+                pids: pids.clone(),
                 state: Default::default(),
             }),
             cancel: Arc::new(DefaultCancelHandler::new(connections.clone())),
