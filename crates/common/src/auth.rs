@@ -90,9 +90,15 @@ impl ScramSecret {
         })
     }
 
-    /// A secret no password matches, the same for every call with the same `seed`: what
-    /// the server answers with for an unknown user, so the exchange looks like a real one.
-    pub fn decoy(user: &str, seed: &[u8]) -> ScramSecret {
+    /// A secret no password matches, the same for every call for `user` in this process:
+    /// what a server answers with for an unknown user, so the exchange looks like a real
+    /// one (asking twice shows the same salt, as for a real user).
+    pub fn decoy(user: &str) -> ScramSecret {
+        static DECOY_SEED: std::sync::LazyLock<[u8; 32]> = std::sync::LazyLock::new(random_key);
+        ScramSecret::decoy_seeded(user, DECOY_SEED.as_ref())
+    }
+
+    fn decoy_seeded(user: &str, seed: &[u8]) -> ScramSecret {
         let salt = &hmac_sha256(seed, user.as_bytes())[..16];
         ScramSecret {
             iterations: SCRAM_ITERATIONS,
@@ -258,11 +264,10 @@ fn hmac_sha256(key: &[u8], message: &[u8]) -> Vec<u8> {
 /// password is checked against a decoy all the same, so the answer takes as long either
 /// way and tells nothing of which users exist.
 pub fn password_matches(secret: Option<&ScramSecret>, user: &str, password: &str) -> bool {
-    static DECOY_SEED: std::sync::LazyLock<[u8; 32]> = std::sync::LazyLock::new(random_key);
     match secret {
         Some(secret) => secret.verify_password(password),
         None => {
-            let _ = ScramSecret::decoy(user, DECOY_SEED.as_ref()).verify_password(password);
+            let _ = ScramSecret::decoy(user).verify_password(password);
             false
         }
     }
@@ -363,7 +368,7 @@ mod tests {
         assert_eq!(unknown.to_string(), wrong.to_string());
         let decoy = ScramServer {
             user: "user".into(),
-            secret: ScramSecret::decoy("user", b"seed"),
+            secret: ScramSecret::decoy_seeded("user", b"seed"),
             known: false,
         };
         let (first, pending) = decoy
@@ -410,7 +415,7 @@ mod tests {
             secret,
             "salts are random"
         );
-        assert!(!ScramSecret::decoy("x", b"seed").verify_password(""));
+        assert!(!ScramSecret::decoy("x").verify_password(""));
     }
 
     #[test]

@@ -168,6 +168,11 @@ fn one_batch<E: std::fmt::Display>(
 type FlightDataStream =
     Pin<Box<dyn Stream<Item = Result<arrow_flight::FlightData, Status>> + Send + 'static>>;
 
+/// The answer of a command, or of a ticket whose command already ran: no columns, no rows.
+fn empty_stream() -> FlightDataStream {
+    stream_batches(Arc::new(Schema::empty()), Vec::new())
+}
+
 fn stream_batches(schema: SchemaRef, batches: Vec<RecordBatch>) -> FlightDataStream {
     Box::pin(
         FlightDataEncoderBuilder::new()
@@ -193,10 +198,7 @@ impl TesseraFlightSql {
             StatementOutput::Rows { schema, batches } => {
                 Ok(Response::new(stream_batches(schema, batches)))
             }
-            StatementOutput::Done { .. } => Ok(Response::new(stream_batches(
-                Arc::new(Schema::empty()),
-                Vec::new(),
-            ))),
+            StatementOutput::Done { .. } => Ok(Response::new(empty_stream())),
         }
     }
 
@@ -299,10 +301,7 @@ impl FlightSqlService for TesseraFlightSql {
         _request: Request<Ticket>,
     ) -> Result<Response<FlightDataStream>, Status> {
         if ticket.statement_handle.is_empty() {
-            return Ok(Response::new(stream_batches(
-                Arc::new(Schema::empty()),
-                Vec::new(),
-            )));
+            return Ok(Response::new(empty_stream()));
         }
         let sql = text(&ticket.statement_handle, "the statement handle")?;
         self.query(&sql).await

@@ -30,9 +30,6 @@ const SCRAM_SHA_256: &str = "SCRAM-SHA-256";
 pub struct Startup {
     pub connections: Arc<ConnectionManager>,
     pub sessions: Arc<dyn Sessions>,
-    /// Salts the decoy secrets of unknown users: fixed for the endpoint's life, so asking
-    /// twice for the same unknown user shows the same salt, as for a real one.
-    pub decoy_seed: Arc<[u8; 32]>,
     /// The endpoint's process ids and cancel keys: one counter for all its connections.
     pub pids: Arc<RandomPidSecretKeyGenerator>,
     pub state: Mutex<Login>,
@@ -62,7 +59,7 @@ impl Startup {
             },
             None => ScramServer {
                 user: user.to_string(),
-                secret: ScramSecret::decoy(user, self.decoy_seed.as_ref()),
+                secret: ScramSecret::decoy(user),
                 known: false,
             },
         }

@@ -55,7 +55,6 @@ impl Default for PgLimits {
 /// Serves PostgreSQL clients on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, sessions: Arc<dyn Sessions>, limits: PgLimits) {
     let connections = Arc::new(ConnectionManager::new());
-    let decoy_seed: Arc<[u8; 32]> = Arc::new(tessera_common::auth::random_key());
     let pids = Arc::new(pgwire::api::RandomPidSecretKeyGenerator::default());
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     loop {
@@ -78,7 +77,6 @@ pub async fn serve(listener: TcpListener, sessions: Arc<dyn Sessions>, limits: P
             startup: Arc::new(auth::Startup {
                 connections: connections.clone(),
                 sessions: sessions.clone(),
-                decoy_seed: decoy_seed.clone(),
                 pids: pids.clone(),
                 state: Default::default(),
             }),

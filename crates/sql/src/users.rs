@@ -11,7 +11,7 @@
 use crate::error::{Result, SqlError};
 use datafusion::sql::sqlparser::dialect::PostgreSqlDialect;
 use datafusion::sql::sqlparser::keywords::Keyword;
-use datafusion::sql::sqlparser::tokenizer::{Token, Tokenizer, Whitespace};
+use datafusion::sql::sqlparser::tokenizer::{Token, Tokenizer};
 use tessera_common::auth::ScramSecret;
 
 /// What a user statement asks of the cluster's metadata.
@@ -218,7 +218,6 @@ impl Tokens {
 fn describe(token: Option<&Token>) -> String {
     match token {
         None | Some(Token::EOF) => "the end of the statement".into(),
-        Some(Token::Whitespace(Whitespace::Newline)) => "a line break".into(),
         Some(token) => format!("'{token}'"),
     }
 }
