@@ -184,6 +184,10 @@ impl Engine {
     /// (DDL, DML, transaction control): for a client that asks before it fetches (Flight
     /// SQL's `GetFlightInfo`).
     pub async fn describe(&self, sql: &str) -> Result<Option<SchemaRef>> {
+        // A user statement is a command, and DataFusion's parser does not read it.
+        if let Some(user) = crate::users::parse_user_statement(sql) {
+            return user.map(|_| None);
+        }
         let mut statements = parse_statements(sql)?;
         if statements.len() != 1 {
             return Err(SqlError::Unsupported(format!(

@@ -191,3 +191,21 @@ async fn oversized_publishes_are_refused_with_the_limit_named() {
     assert_eq!(store.visible_epoch(), epoch);
     assert!(contents(&engine).await.contains("ada"));
 }
+
+/// Flight SQL asks for a statement's columns before it runs it: a user statement is a
+/// command (no columns), not a syntax error, and a malformed one is named.
+#[tokio::test]
+async fn a_user_statement_is_described_as_a_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::new(small_store(dir.path()));
+    let described = engine
+        .describe("CREATE USER ada WITH PASSWORD 'pencil'")
+        .await
+        .unwrap();
+    assert!(described.is_none(), "{described:?}");
+    let malformed = engine.describe("CREATE USER ada").await.unwrap_err();
+    assert!(
+        malformed.to_string().contains("WITH PASSWORD"),
+        "{malformed}"
+    );
+}
