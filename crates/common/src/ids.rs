@@ -13,6 +13,10 @@ pub struct Epoch(pub u64);
 impl Epoch {
     pub const ZERO: Epoch = Epoch(0);
 
+    pub fn is_zero(&self) -> bool {
+        *self == Epoch::ZERO
+    }
+
     pub fn next(self) -> Epoch {
         Epoch(self.0.checked_add(1).expect("epoch counter overflowed u64"))
     }

@@ -39,6 +39,13 @@ pub enum StorageError {
         fence: Epoch,
         newest: Epoch,
     },
+    #[error("rows of epoch {epoch} for partition {partition} of table {table:?} arrived after this node was copied every version through epoch {complete_through} there (the prepare was held up past its coordinator's deadline); they are not logged")]
+    LatePrepare {
+        table: String,
+        partition: PartitionId,
+        epoch: Epoch,
+        complete_through: Epoch,
+    },
     #[error("table {0:?} already exists")]
     TableExists(String),
     #[error("invalid table definition for {table:?}: {reason}")]

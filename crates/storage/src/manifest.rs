@@ -9,6 +9,12 @@ pub struct Manifest {
     pub components: Vec<ComponentMeta>,
     /// Every log record of this (table, partition) at or below this LSN is in a component.
     pub max_lsn: Lsn,
+    /// Every committed version of this (table, partition) up to this epoch came in whole
+    /// from another replica (a failback or rebalance copy, or a primary's shipped
+    /// components): rows of such an epoch prepared here, arriving late, are the same
+    /// versions again and are never applied.
+    #[serde(default, skip_serializing_if = "Epoch::is_zero")]
+    pub complete_through: Epoch,
 }
 
 impl Manifest {
@@ -26,7 +32,7 @@ impl Manifest {
     pub fn hash_at(&self, epoch: Epoch) -> ComponentHash {
         let visible = Manifest {
             components: self.components_at(epoch),
-            max_lsn: self.max_lsn,
+            ..self.clone()
         };
         let json = serde_json::to_vec(&visible.components).expect("a manifest always serializes");
         ComponentHash::of_bytes(&json)
@@ -39,6 +45,11 @@ impl Manifest {
         );
         self.max_lsn = self.max_lsn.max(component.max_lsn);
         self.components.push(component);
+    }
+
+    /// Records that every committed version up to `epoch` is held (see `complete_through`).
+    pub fn hold_complete_through(&mut self, epoch: Epoch) {
+        self.complete_through = self.complete_through.max(epoch);
     }
 
     pub fn row_count(&self) -> u64 {

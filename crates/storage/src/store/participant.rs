@@ -56,6 +56,20 @@ impl Store {
         }
         let _gate = self.gate.read().expect("gate lock");
         let mut state = self.state();
+        for (table, partition) in grouped.keys() {
+            let complete_through = state
+                .partition(table, *partition)?
+                .manifest
+                .complete_through;
+            if epoch <= complete_through {
+                return Err(StorageError::LatePrepare {
+                    table: table.clone(),
+                    partition: *partition,
+                    epoch,
+                    complete_through,
+                });
+            }
+        }
         let next_seq = state.next_prepare_seq.entry(epoch).or_insert(0);
         let first_seq = *next_seq;
         *next_seq += grouped.len() as u32;
@@ -104,7 +118,9 @@ impl Store {
     /// [`Store::commit_epoch`], discarding the rows prepared for partitions in `missed`:
     /// the metadata counts this replica as having missed the epoch there (its prepare
     /// reached it too late, or only in part), so a failback copy brings the epoch's
-    /// versions, and applying the local ones as well would store them twice.
+    /// versions, and applying the local ones as well would store them twice. Rows for
+    /// partitions a copy already brought the epoch to are discarded too, whatever the
+    /// metadata says now (its stale mark ends with that copy).
     pub fn commit_epoch_except(
         &self,
         epoch: Epoch,
@@ -129,7 +145,12 @@ impl Store {
         let mut lsns = Vec::with_capacity(entries.len());
         let mut assigned = Vec::with_capacity(entries.len());
         for entry in entries {
-            if missed.contains(&entry.partition) {
+            // A copy (or shipped components) holding this epoch here already arrived: the
+            // prepare that reached this node after it is the same versions again.
+            let copied = state
+                .partition(&entry.table, entry.partition)
+                .is_ok_and(|p| epoch <= p.manifest.complete_through);
+            if missed.contains(&entry.partition) || copied {
                 // Logged as discarded (LSN zero), so replay drops the entry too.
                 lsns.push((entry.table.clone(), entry.partition, Lsn::ZERO));
                 continue;

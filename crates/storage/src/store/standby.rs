@@ -250,6 +250,7 @@ impl Store {
             })
             .collect();
         part.manifest.max_lsn = covered_lsn;
+        part.manifest.hold_complete_through(covered);
         state.memtable_bytes -= freed;
         self.write_checkpoint(&state)?;
         self.collect_garbage(dropped, &state)?;

@@ -120,6 +120,9 @@ impl Store {
         for meta in installed {
             part.manifest.add(meta);
         }
+        if let Some(fence) = fence {
+            part.manifest.hold_complete_through(fence);
+        }
         state.memtable_bytes -= freed;
         self.write_checkpoint(&state)?;
         self.collect_garbage(dropped, &state)
@@ -153,7 +156,10 @@ impl Store {
     ) -> Result<()> {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
-        self.refuse_undecided(table, partition, since)?;
+        // A fenced copy marks the partition complete through its fence, so every epoch
+        // prepared here for it must be decided first, not only those the delta replaces.
+        let undecided_from = if fence.is_some() { Epoch::ZERO } else { since };
+        self.refuse_undecided(table, partition, undecided_from)?;
         self.refuse_newer_than(table, partition, fence)?;
         self.replay_standby_holding_gate(|p| *p == partition)?;
         let (def, components, memtable, memtable_reaches_since) = {
@@ -214,6 +220,10 @@ impl Store {
         }
         if let Some(meta) = meta {
             part.manifest.add(meta);
+        }
+        if let Some(fence) = fence {
+            // Every epoch before the rebalance was decided when the source was read.
+            part.manifest.hold_complete_through(fence);
         }
         state.memtable_bytes -= freed;
         self.write_checkpoint(&state)?;
