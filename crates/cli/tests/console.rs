@@ -205,18 +205,54 @@ async fn the_console_shows_nodes_partitions_and_a_running_statement_in_a_browser
         "table 'tessera.public.nosuch' not found"
     );
 
-    // A statement that runs for a long while, through node 1.
-    const LONG: &str = "SELECT sum(value % 7) AS s FROM generate_series(1, 20000000000)";
+    // A distributed statement that runs for a long while, through node 1: its scans of kv
+    // end at once, its cross join runs on.
+    const LONG: &str = "SELECT count(*) AS n FROM kv a, kv b, kv c, kv d, kv e";
     let long = tokio::spawn(async move { client.query(LONG).await });
-    common::wait_until(
-        "the statement to show as running",
-        std::time::Duration::from_secs(30),
+    let progress = common::wait_until(
+        "the statement to show as running, with a finished channel",
+        std::time::Duration::from_secs(60),
         || async {
             let (_, body) = http(&http_addr, "GET", "/api/status", "").await;
-            body.contains("generate_series").then_some(())
+            let status: serde_json::Value = serde_json::from_str(&body).ok()?;
+            let statement = status["running"]
+                .as_array()?
+                .iter()
+                .find(|s| s["sql"].as_str().is_some_and(|sql| sql.contains("kv e")))?
+                .clone();
+            let query = status["queries"]
+                .as_array()?
+                .iter()
+                .find(|q| q["statement"] == statement["id"])?
+                .clone();
+            let channels = || {
+                query["stages"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .flat_map(|s| s["channels"].as_array().cloned().unwrap_or_default())
+            };
+            channels()
+                .any(|c| c["done"] == true)
+                .then_some(query.clone())
         },
     )
     .await;
+    // Its stages are listed leaves first, ending with the answer's stage 0, each channel on
+    // a node; the scans ran on every node.
+    let stages = progress["stages"].as_array().unwrap();
+    assert!(stages.len() >= 2, "{progress}");
+    assert_eq!(stages.last().unwrap()["stage"], 0, "{progress}");
+    let nodes: std::collections::BTreeSet<u64> = stages
+        .iter()
+        .flat_map(|s| s["channels"].as_array().unwrap().clone())
+        .map(|c| c["node"].as_u64().unwrap())
+        .collect();
+    assert_eq!(nodes.len(), 3, "channels on every node: {progress}");
+    assert!(
+        stages[stages.len() - 1]["channels"][0]["done"] == false,
+        "the answer's stage still runs: {progress}"
+    );
 
     let screenshot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("console.png");
     let dom = chromium(&format!("http://{http_addr}/"), &screenshot, 1300).await;
@@ -241,8 +277,15 @@ async fn the_console_shows_nodes_partitions_and_a_running_statement_in_a_browser
         .and_then(|rest| rest.split("</section>").next())
         .unwrap();
     assert!(
-        running.contains("generate_series(1, 20000000000)"),
+        running.contains("kv d, kv e"),
         "the running statement is listed: {running}"
+    );
+    assert!(
+        running.contains("class=\"progress\"")
+            && running.contains("data-stage=\"0\"")
+            && running.contains("class=\"chip done\"")
+            && running.contains("class=\"chip run\""),
+        "its live progress is drawn, finished and running channels apart: {running}"
     );
     let publishes = dom
         .split("Publishes through this node")

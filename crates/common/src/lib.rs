@@ -13,6 +13,7 @@ pub mod hex;
 pub mod ids;
 pub mod metrics;
 pub mod partitioning;
+pub mod statement;
 pub mod version;
 
 pub use config::{ConfigError, NodeConfig, Peer};

@@ -34,6 +34,7 @@ pub mod exchange;
 pub mod explain;
 pub mod hooks;
 pub mod plan;
+pub mod progress;
 pub mod reachability;
 pub mod run;
 pub mod scan;

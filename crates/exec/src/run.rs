@@ -446,6 +446,7 @@ async fn execute_here(
     schema: SchemaRef,
 ) -> Result<QueryOutcome, ExecError> {
     let started = std::time::Instant::now();
+    let watch = crate::progress::Watch::start(plan);
     let me = node.id();
     let Work {
         remote: requests,
@@ -506,7 +507,10 @@ async fn execute_here(
     let failure = loop {
         tokio::select! {
             batch = answer.next(), if !answered => match batch {
-                Some(Ok(batch)) => batches.push(batch),
+                Some(Ok(batch)) => {
+                    watch.answer_rows(batch.num_rows());
+                    batches.push(batch);
+                }
                 Some(Err(error)) => break Some(Failure::Other(error.to_string())),
                 None => answered = true,
             },
@@ -518,6 +522,7 @@ async fn execute_here(
                             report.stage, report.channel, report.node
                         )));
                     }
+                    watch.channel_done(&report);
                     reports.push(report);
                 }
                 Some(Event::NodeDone(at)) => settle(&mut outstanding, at),
@@ -528,6 +533,8 @@ async fn execute_here(
                     };
                     match recovery.rebuild(node, plan, at).await {
                         Ok(requests) => {
+                            let requests: Vec<_> = requests.into_iter().collect();
+                            watch.rebuilt(&requests);
                             outstanding.remove(&at);
                             for (host, request) in requests {
                                 call_run_stages(node, host, request, events.clone());

@@ -134,7 +134,7 @@ impl QueryParser for PgParser {
             .plan_only(DFStatement::Statement(Box::new(statement.clone())))
             .await
             .map_err(sql_error)?;
-        let parameters = parameter_types(&plan)?;
+        let parameters = tessera_sql::params::positional_types(&plan).map_err(sql_error)?;
         let result = tessera_sql::engine::result_schema(&plan);
         Ok(Some(PgStatement {
             command: PgCommand::Sql(statement),
@@ -168,29 +168,6 @@ impl QueryParser for PgParser {
             None => Ok(Vec::new()),
         }
     }
-}
-
-/// The types of `$1..$n`, in order.
-fn parameter_types(plan: &LogicalPlan) -> PgWireResult<Vec<Option<DataType>>> {
-    let inferred = plan
-        .get_parameter_types()
-        .map_err(|e| sql_error(e.into()))?;
-    let mut numbered: Vec<(usize, Option<DataType>)> = inferred
-        .into_iter()
-        .map(|(name, data_type)| {
-            name.trim_start_matches('$')
-                .parse::<usize>()
-                .map(|n| (n, data_type))
-                .map_err(|_| user_error("42P02", format!("parameter {name} is not of the form $n")))
-        })
-        .collect::<PgWireResult<_>>()?;
-    numbered.sort_by_key(|(n, _)| *n);
-    let count = numbered.last().map_or(0, |(n, _)| *n);
-    let mut types = vec![None; count];
-    for (n, data_type) in numbered {
-        types[n - 1] = data_type;
-    }
-    Ok(types)
 }
 
 /// One connection's session.

@@ -31,6 +31,8 @@ impl tessera_console::NodeView for NodeConsole {
         let (running, recent) = tessera_sql::activity::snapshot();
         status["running"] = serde_json::to_value(running).expect("activity serializes");
         status["recent"] = serde_json::to_value(recent).expect("activity serializes");
+        status["queries"] =
+            serde_json::to_value(tessera_exec::progress::snapshot()).expect("progress serializes");
         status["publishes"] =
             serde_json::to_value(tessera_replication::publish::recent_publishes())
                 .expect("publishes serialize");

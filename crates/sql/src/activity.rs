@@ -94,6 +94,10 @@ impl Tracked {
         Tracked { id, ended: false }
     }
 
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
     pub(crate) fn end(mut self, error: Option<String>) {
         self.ended = true;
         let state = if error.is_some() { "failed" } else { "ok" };

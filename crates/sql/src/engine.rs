@@ -12,7 +12,7 @@ use crate::transaction::Transaction;
 use crate::users::{UserChange, UserStatement};
 use arrow::array::RecordBatch;
 use arrow::compute::concat_batches;
-use arrow::datatypes::SchemaRef;
+use arrow::datatypes::{DataType, SchemaRef};
 use arrow::row::{RowConverter, SortField};
 use datafusion::catalog::{CatalogProvider, MemoryCatalogProvider};
 use datafusion::common::Constraint;
@@ -184,23 +184,41 @@ impl Engine {
     /// (DDL, DML, transaction control): for a client that asks before it fetches (Flight
     /// SQL's `GetFlightInfo`).
     pub async fn describe(&self, sql: &str) -> Result<Option<SchemaRef>> {
+        Ok(self.describe_with(sql, None).await?.0)
+    }
+
+    /// [`Engine::describe`] with values bound to the statement's `$n` placeholders (or
+    /// none yet), and the types of those placeholders as planned (`None` where the
+    /// statement leaves one open).
+    pub async fn describe_with(
+        &self,
+        sql: &str,
+        params: Option<&ParamValues>,
+    ) -> Result<(Option<SchemaRef>, Vec<Option<DataType>>)> {
         // A user statement is a command, and DataFusion's parser does not read it.
         if let Some(user) = crate::users::parse_user_statement(sql) {
-            return user.map(|_| None);
+            return user.map(|_| (None, Vec::new()));
         }
-        let mut statements = parse_statements(sql)?;
-        if statements.len() != 1 {
-            return Err(SqlError::Unsupported(format!(
-                "{} statements in one request; send one at a time",
-                statements.len()
-            )));
-        }
-        let statement = statements.pop_front().expect("one statement");
+        let statement = parse_one_statement(sql)?;
         if transaction_control(&statement).is_some() {
-            return Ok(None);
+            return Ok((None, Vec::new()));
         }
         self.begin_statement().await?;
-        Ok(result_schema(&self.plan_only(statement).await?))
+        let plan = self.plan_only(statement).await?;
+        let types = crate::params::positional_types(&plan)?;
+        let plan = match params {
+            Some(values) => plan
+                .replace_params_with_values(values)
+                .map_err(from_datafusion)?,
+            None => plan,
+        };
+        Ok((result_schema(&plan), types))
+    }
+
+    /// Runs one statement with values for its `$n` placeholders.
+    pub async fn execute_with(&self, sql: &str, params: &ParamValues) -> Result<StatementOutput> {
+        let statement = parse_one_statement(sql)?;
+        self.execute_statement(statement, Some(params)).await
     }
 
     /// Runs SQL whose last statement returns rows, and returns them.
@@ -260,7 +278,8 @@ impl Engine {
     ) -> Result<StatementOutput> {
         let started = std::time::Instant::now();
         let tracked = crate::activity::Tracked::start(text);
-        let result = run.await;
+        // The distributed queries the statement starts list themselves under it.
+        let result = tessera_common::statement::within(tracked.id(), run).await;
         tracked.end(result.as_ref().err().map(crate::error::one_message));
         let metrics = tessera_common::metrics::metrics();
         tessera_common::metrics::observe_seconds(&metrics.query_seconds, started.elapsed());
@@ -534,6 +553,18 @@ enum TxControl {
 }
 
 /// Tessera's `AS OF EPOCH` rewritten, then parsed as DataFusion parses.
+/// The one statement `sql` holds; several are refused, as a prepared statement is one.
+fn parse_one_statement(sql: &str) -> Result<DFStatement> {
+    let mut statements = parse_statements(sql)?;
+    if statements.len() != 1 {
+        return Err(SqlError::Unsupported(format!(
+            "{} statements in one request; send one at a time",
+            statements.len()
+        )));
+    }
+    Ok(statements.pop_front().expect("one statement"))
+}
+
 fn parse_statements(sql: &str) -> Result<std::collections::VecDeque<DFStatement>> {
     let sql = rewrite_as_of_epoch(sql)?;
     DFParser::parse_sql_with_dialect(&sql, &GenericDialect {})

@@ -30,6 +30,9 @@ pub enum SqlError {
     /// The object (a user) does not exist.
     #[error("{0}")]
     UndefinedObject(String),
+    /// A statement's parameters are malformed, or bound values do not fit them.
+    #[error("{0}")]
+    UndefinedParameter(String),
 }
 
 impl SqlError {
@@ -82,6 +85,7 @@ impl SqlError {
             SqlError::Syntax(_) => "42601",
             SqlError::DuplicateObject(_) => "42710",
             SqlError::UndefinedObject(_) => "42704",
+            SqlError::UndefinedParameter(_) => "42P02",
         }
     }
 }

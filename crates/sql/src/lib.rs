@@ -11,6 +11,7 @@ pub mod backend;
 pub mod engine;
 pub mod error;
 pub mod options;
+pub mod params;
 pub mod provider;
 pub mod scan;
 pub mod time_travel;

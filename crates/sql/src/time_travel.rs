@@ -28,6 +28,7 @@ pub fn rewrite_as_of_epoch(sql: &str) -> Result<String> {
         return Ok(sql.to_string());
     }
     let tokens = Tokenizer::new(&GenericDialect {}, sql)
+        .with_unescape(false)
         .tokenize()
         .map_err(|e| {
             SqlError::DataFusion(datafusion::error::DataFusionError::SQL(
@@ -148,6 +149,14 @@ mod tests {
     fn leaves_other_sql_alone() {
         let sql = "SELECT 'AS OF EPOCH 3' AS epoch FROM t";
         assert_eq!(rewrite_as_of_epoch(sql).unwrap(), sql);
+    }
+
+    #[test]
+    fn keeps_escaped_quotes_in_a_rewritten_statement() {
+        assert_eq!(
+            rewrite_as_of_epoch("SELECT 'it''s' FROM t AS OF EPOCH 2").unwrap(),
+            "SELECT 'it''s' FROM \"t@2\" AS \"t\" "
+        );
     }
 
     #[test]
