@@ -8,10 +8,11 @@
 //! handle and ticket carry its SQL text: any node can serve any ticket, and nothing is
 //! kept between requests.
 //!
-//! Supported: queries (`GetFlightInfo` + `DoGet`), prepared statements without parameters
-//! (ADBC prepares every query), updates (`DoPut` with a statement: INSERT, UPDATE, DELETE,
-//! DDL), bulk ingest into an existing table (`DoPut` with `CommandStatementIngest`, one
-//! epoch), catalogs, schemas, tables and `SqlInfo`.
+//! Supported: queries (`GetFlightInfo` + `DoGet`), prepared statements (ADBC prepares every
+//! query) with parameters, `?` or `$n`, bound by `DoPut` (see [`handle`]; an update bound
+//! to several rows runs them as one transaction, one epoch), updates (`DoPut` with a
+//! statement: INSERT, UPDATE, DELETE, DDL), bulk ingest into an existing table (`DoPut`
+//! with `CommandStatementIngest`, one epoch), catalogs, schemas, tables and `SqlInfo`.
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::{Schema, SchemaRef};
@@ -23,8 +24,10 @@ use arrow_flight::sql::server::{FlightSqlService, PeekableFlightDataStream};
 use arrow_flight::sql::{
     ActionClosePreparedStatementRequest, ActionCreatePreparedStatementRequest,
     ActionCreatePreparedStatementResult, Any, CommandGetCatalogs, CommandGetDbSchemas,
-    CommandGetSqlInfo, CommandGetTables, CommandPreparedStatementQuery, CommandStatementIngest,
-    CommandStatementQuery, CommandStatementUpdate, ProstMessageExt, SqlInfo, TicketStatementQuery,
+    CommandGetSqlInfo, CommandGetTables, CommandPreparedStatementQuery,
+    CommandPreparedStatementUpdate, CommandStatementIngest, CommandStatementQuery,
+    CommandStatementUpdate, DoPutPreparedStatementResult, ProstMessageExt, SqlInfo,
+    TicketStatementQuery,
 };
 use arrow_flight::{
     Action, FlightDescriptor, FlightEndpoint, FlightInfo, HandshakeRequest, HandshakeResponse,
@@ -40,7 +43,10 @@ use tonic::{Request, Response, Status, Streaming};
 pub use tessera_sql::Sessions;
 
 mod connections;
+mod handle;
 mod login;
+
+use handle::Handle;
 
 /// The largest message a client may send or receive (a bulk ingest's batches).
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -182,6 +188,36 @@ fn stream_batches(schema: SchemaRef, batches: Vec<RecordBatch>) -> FlightDataStr
     )
 }
 
+/// The batches a client sent with a `DoPut`, decoded.
+async fn put_batches(
+    request: Request<PeekableFlightDataStream>,
+    what: &str,
+) -> Result<Vec<RecordBatch>, Status> {
+    arrow_flight::decode::FlightRecordBatchStream::new_from_flight_data(
+        request
+            .into_inner()
+            .map_err(|e| arrow_flight::error::FlightError::Tonic(Box::new(e))),
+    )
+    .try_collect()
+    .await
+    .map_err(|e| Status::invalid_argument(format!("reading {what}: {e}")))
+}
+
+/// The values of a bound handle's parameters.
+fn bound_values(params: &RecordBatch) -> Result<datafusion::common::ParamValues, Status> {
+    tessera_sql::params::row_values(params, 0, params.num_columns()).map_err(status)
+}
+
+/// "INSERT 3", "DELETE 0", "CREATE TABLE": the count, or -1 when there is none.
+fn affected_rows(output: &StatementOutput) -> i64 {
+    match output {
+        StatementOutput::Done { tag, .. } => tessera_sql::engine::split_tag(tag)
+            .1
+            .map_or(-1, |rows| rows as i64),
+        StatementOutput::Rows { batches, .. } => batches.iter().map(|b| b.num_rows() as i64).sum(),
+    }
+}
+
 impl TesseraFlightSql {
     /// Runs `sql` (one statement) and returns what it answered.
     async fn run(&self, sql: &str) -> Result<StatementOutput, Status> {
@@ -190,6 +226,41 @@ impl TesseraFlightSql {
         outputs
             .pop()
             .ok_or_else(|| Status::invalid_argument("no statement given"))
+    }
+
+    /// Runs a prepared statement's handle: its SQL, with its bound values if it has some.
+    async fn run_handle(&self, handle: &Handle) -> Result<StatementOutput, Status> {
+        match handle {
+            Handle::Sql(sql) => self.run(sql).await,
+            Handle::Bound { sql, params } => self
+                .sessions
+                .open()
+                .execute_with(sql, &bound_values(params)?)
+                .await
+                .map_err(status),
+        }
+    }
+
+    /// A prepared statement's columns (with its bound values, if any); a command runs now,
+    /// as for [`TesseraFlightSql::describe_or_run`].
+    async fn describe_or_run_handle(&self, handle: &Handle) -> Result<SchemaRef, Status> {
+        let Handle::Bound { sql, params } = handle else {
+            return self.describe_or_run(handle.sql()).await;
+        };
+        let values = bound_values(params)?;
+        let engine = self.sessions.open();
+        match engine
+            .describe_with(sql, Some(&values))
+            .await
+            .map_err(status)?
+            .0
+        {
+            Some(schema) => Ok(schema),
+            None => {
+                self.run_handle(handle).await?;
+                Ok(Arc::new(Schema::empty()))
+            }
+        }
     }
 
     /// Runs a query and streams its rows.
@@ -212,17 +283,6 @@ impl TesseraFlightSql {
                 Ok(Arc::new(Schema::empty()))
             }
         }
-    }
-
-    /// A query's columns, or none for a command (which runs when executed).
-    async fn describe(&self, sql: &str) -> Result<SchemaRef, Status> {
-        Ok(self
-            .sessions
-            .open()
-            .describe(sql)
-            .await
-            .map_err(status)?
-            .unwrap_or_else(|| Arc::new(Schema::empty())))
     }
 
     fn table_names(&self) -> Vec<String> {
@@ -307,20 +367,128 @@ impl FlightSqlService for TesseraFlightSql {
         self.query(&sql).await
     }
 
+    /// The handle is the statement's SQL, its `?` placeholders numbered `$1..$n`; the
+    /// parameter schema names them so, typed as planned (`Null` where the statement leaves
+    /// a type open: the bound value's type is taken).
     async fn do_action_create_prepared_statement(
         &self,
         query: ActionCreatePreparedStatementRequest,
         _request: Request<Action>,
     ) -> Result<ActionCreatePreparedStatementResult, Status> {
-        let schema = self.describe(&query.query).await?;
-        let IpcMessage(dataset_schema) = SchemaAsIpc::new(&schema, &IpcWriteOptions::default())
-            .try_into()
-            .map_err(|e: arrow::error::ArrowError| Status::internal(e.to_string()))?;
+        let sql = tessera_sql::params::number_question_marks(&query.query).map_err(status)?;
+        let (schema, parameters) = self
+            .sessions
+            .open()
+            .describe_with(&sql, None)
+            .await
+            .map_err(status)?;
+        let ipc = |schema: &Schema| -> Result<prost::bytes::Bytes, Status> {
+            let IpcMessage(bytes) = SchemaAsIpc::new(schema, &IpcWriteOptions::default())
+                .try_into()
+                .map_err(|e: arrow::error::ArrowError| Status::internal(e.to_string()))?;
+            Ok(bytes)
+        };
+        let dataset_schema = ipc(&schema.unwrap_or_else(|| Arc::new(Schema::empty())))?;
+        let parameter_schema = if parameters.is_empty() {
+            Default::default()
+        } else {
+            ipc(&Schema::new(
+                parameters
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| {
+                        arrow::datatypes::Field::new(
+                            format!("${}", i + 1),
+                            t.clone().unwrap_or(arrow::datatypes::DataType::Null),
+                            true,
+                        )
+                    })
+                    .collect::<Vec<_>>(),
+            ))?
+        };
         Ok(ActionCreatePreparedStatementResult {
-            prepared_statement_handle: query.query.into_bytes().into(),
+            prepared_statement_handle: Handle::Sql(sql).encode()?.into(),
             dataset_schema,
-            parameter_schema: Default::default(),
+            parameter_schema,
         })
+    }
+
+    /// Binds one row of values to a prepared query: the answer is a new handle carrying
+    /// them (checked against the statement's parameters now, not at execution).
+    async fn do_put_prepared_statement_query(
+        &self,
+        query: CommandPreparedStatementQuery,
+        request: Request<PeekableFlightDataStream>,
+    ) -> Result<DoPutPreparedStatementResult, Status> {
+        let handle = Handle::decode(&query.prepared_statement_handle)?;
+        let sql = handle.sql().to_string();
+        let batches = put_batches(request, "the bound parameters").await?;
+        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+        if rows != 1 {
+            return Err(Status::invalid_argument(format!(
+                "a prepared query binds one row of parameters; {rows} were sent"
+            )));
+        }
+        let params = batches
+            .into_iter()
+            .find(|b| b.num_rows() == 1)
+            .expect("one row");
+        let engine = self.sessions.open();
+        let (_, parameters) = engine.describe_with(&sql, None).await.map_err(status)?;
+        let values =
+            tessera_sql::params::row_values(&params, 0, parameters.len()).map_err(status)?;
+        engine
+            .describe_with(&sql, Some(&values))
+            .await
+            .map_err(status)?;
+        Ok(DoPutPreparedStatementResult {
+            prepared_statement_handle: Some(Handle::Bound { sql, params }.encode()?.into()),
+        })
+    }
+
+    /// Runs a prepared update once per row of values sent (once, with none, for a
+    /// statement without parameters); several rows run as one transaction: one epoch, all
+    /// or nothing.
+    async fn do_put_prepared_statement_update(
+        &self,
+        query: CommandPreparedStatementUpdate,
+        request: Request<PeekableFlightDataStream>,
+    ) -> Result<i64, Status> {
+        let handle = Handle::decode(&query.prepared_statement_handle)?;
+        let batches = put_batches(request, "the bound parameters").await?;
+        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+        if rows == 0 {
+            return Ok(affected_rows(&self.run_handle(&handle).await?));
+        }
+        let sql = handle.sql();
+        let engine = self.sessions.open();
+        let (_, parameters) = engine.describe_with(sql, None).await.map_err(status)?;
+        let several = rows > 1;
+        if several {
+            engine.execute("BEGIN").await.map_err(status)?;
+        }
+        let mut affected = 0;
+        let mut each = async || -> Result<(), Status> {
+            for batch in &batches {
+                for row in 0..batch.num_rows() {
+                    let values = tessera_sql::params::row_values(batch, row, parameters.len())
+                        .map_err(status)?;
+                    let output = engine.execute_with(sql, &values).await.map_err(status)?;
+                    affected += affected_rows(&output).max(0);
+                }
+            }
+            Ok(())
+        };
+        let ran = each().await;
+        if several {
+            let end = if ran.is_ok() { "COMMIT" } else { "ROLLBACK" };
+            let ended = engine.execute(end).await.map_err(status);
+            ran?;
+            ended?;
+        } else {
+            ran?;
+        }
+        Ok(affected)
     }
 
     async fn do_action_close_prepared_statement(
@@ -337,11 +505,8 @@ impl FlightSqlService for TesseraFlightSql {
         query: CommandPreparedStatementQuery,
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
-        let sql = text(
-            &query.prepared_statement_handle,
-            "the prepared statement handle",
-        )?;
-        let schema = self.describe_or_run(&sql).await?;
+        let handle = Handle::decode(&query.prepared_statement_handle)?;
+        let schema = self.describe_or_run_handle(&handle).await?;
         let ticket = if schema.fields().is_empty() {
             // A command has run already: its ticket fetches nothing.
             TicketStatementQuery::default().as_any().encode_to_vec()
@@ -357,11 +522,13 @@ impl FlightSqlService for TesseraFlightSql {
         query: CommandPreparedStatementQuery,
         _request: Request<Ticket>,
     ) -> Result<Response<FlightDataStream>, Status> {
-        let sql = text(
-            &query.prepared_statement_handle,
-            "the prepared statement handle",
-        )?;
-        self.query(&sql).await
+        let handle = Handle::decode(&query.prepared_statement_handle)?;
+        match self.run_handle(&handle).await? {
+            StatementOutput::Rows { schema, batches } => {
+                Ok(Response::new(stream_batches(schema, batches)))
+            }
+            StatementOutput::Done { .. } => Ok(Response::new(empty_stream())),
+        }
     }
 
     async fn do_put_statement_update(
@@ -369,15 +536,7 @@ impl FlightSqlService for TesseraFlightSql {
         update: CommandStatementUpdate,
         _request: Request<PeekableFlightDataStream>,
     ) -> Result<i64, Status> {
-        match self.run(&update.query).await? {
-            // "INSERT 3", "DELETE 0", "CREATE TABLE": the count, or -1 when there is none.
-            StatementOutput::Done { tag, .. } => Ok(tessera_sql::engine::split_tag(&tag)
-                .1
-                .map_or(-1, |rows| rows as i64)),
-            StatementOutput::Rows { batches, .. } => {
-                Ok(batches.iter().map(|b| b.num_rows() as i64).sum())
-            }
-        }
+        Ok(affected_rows(&self.run(&update.query).await?))
     }
 
     /// Bulk ingest: the batches are inserted into an existing table as one statement (one
@@ -387,14 +546,7 @@ impl FlightSqlService for TesseraFlightSql {
         ingest: CommandStatementIngest,
         request: Request<PeekableFlightDataStream>,
     ) -> Result<i64, Status> {
-        let stream = request.into_inner();
-        let batches: Vec<RecordBatch> =
-            arrow_flight::decode::FlightRecordBatchStream::new_from_flight_data(
-                stream.map_err(|e| arrow_flight::error::FlightError::Tonic(Box::new(e))),
-            )
-            .try_collect()
-            .await
-            .map_err(|e| Status::invalid_argument(format!("reading the ingested batches: {e}")))?;
+        let batches = put_batches(request, "the ingested batches").await?;
         let engine = self.sessions.open();
         let table = ingest.table;
         let def = engine.backend().table_def(&table).ok_or_else(|| {

@@ -12,7 +12,6 @@ use crate::results::{command_response, fields, response};
 use arrow::datatypes::{DataType, SchemaRef};
 use async_trait::async_trait;
 use datafusion::common::ParamValues;
-use datafusion::logical_expr::LogicalPlan;
 use datafusion::sql::parser::Statement as DFStatement;
 use datafusion::sql::sqlparser::ast::{CopySource, CopyTarget, Statement};
 use datafusion_pg_catalog::sql::PostgresCompatibilityParser;

@@ -87,7 +87,9 @@ pub fn row_values(batch: &RecordBatch, row: usize, expected: usize) -> Result<Pa
         .iter()
         .map(|column| ScalarValue::try_from_array(column, row))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(ParamValues::List(values.into_iter().map(Into::into).collect()))
+    Ok(ParamValues::List(
+        values.into_iter().map(Into::into).collect(),
+    ))
 }
 
 #[cfg(test)]

@@ -4,8 +4,8 @@ Python data team would.
 Usage: adbc_flightsql.py URI QUERIES_DIR OUT_DIR
 - runs each QUERIES_DIR/qN.sql (ADBC prepares every query) and writes the Arrow result to
   OUT_DIR/qN.arrow for the Rust test to compare with plain DataFusion;
-- checks the catalog listing, bulk ingest, an INSERT's row count and a clear error for a
-  missing table; prints "ok" when all hold. (ADBC itself sends no message over 16 MiB, the
+- checks the catalog listing, bulk ingest, an INSERT's row count, bound parameters (one
+  row per query, several per INSERT) and a clear error for a missing table or value; prints "ok" when all hold. (ADBC itself sends no message over 16 MiB, the
   server's SQL limit, so an oversized query never reaches the server from it.)
 """
 
@@ -45,6 +45,22 @@ def main():
 
         cur.execute("SELECT count(*) FROM ingested")
         assert cur.fetchone() == (1002,)
+
+        # Parameters, as ? or $n, bound per execution (ADBC binds them through DoPut).
+        cur.execute("SELECT name FROM ingested WHERE id = ?", (7,))
+        assert cur.fetchall() == [("n7",)]
+        cur.execute("SELECT count(*) FROM ingested WHERE id >= $1 AND id < 1000 AND name <> $2", (990, "n995"))
+        assert cur.fetchone() == (9,)
+        # Several rows of values: one transaction, so one epoch.
+        cur.executemany("INSERT INTO ingested VALUES (?, ?)", [(6000, "a"), (6001, "b"), (6002, "c")])
+        cur.execute("SELECT count(*), min(name) FROM ingested WHERE id >= ?", (6000,))
+        assert cur.fetchone() == (3, "a")
+        try:
+            cur.execute("SELECT * FROM ingested WHERE id = ? AND name = ?", (1,))
+            cur.fetchall()
+            raise AssertionError("a missing parameter value was not an error")
+        except flight_sql.Error as e:
+            assert "2 parameter(s)" in str(e) and "1 value(s)" in str(e), e
         try:
             cur.execute("SELECT * FROM nosuch")
             cur.fetch_arrow_table()
