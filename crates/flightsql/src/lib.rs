@@ -203,6 +203,18 @@ async fn put_batches(
     .map_err(|e| Status::invalid_argument(format!("reading {what}: {e}")))
 }
 
+/// A prepared statement's handle and the rows of parameter values a `DoPut` sent for it
+/// (with their count).
+async fn bound_rows(
+    handle: &[u8],
+    request: Request<PeekableFlightDataStream>,
+) -> Result<(Handle, Vec<RecordBatch>, usize), Status> {
+    let handle = Handle::decode(handle)?;
+    let batches = put_batches(request, "the bound parameters").await?;
+    let rows = batches.iter().map(|b| b.num_rows()).sum();
+    Ok((handle, batches, rows))
+}
+
 /// The values of a bound handle's parameters.
 fn bound_values(params: &RecordBatch) -> Result<datafusion::common::ParamValues, Status> {
     tessera_sql::params::row_values(params, 0, params.num_columns()).map_err(status)
@@ -420,10 +432,8 @@ impl FlightSqlService for TesseraFlightSql {
         query: CommandPreparedStatementQuery,
         request: Request<PeekableFlightDataStream>,
     ) -> Result<DoPutPreparedStatementResult, Status> {
-        let handle = Handle::decode(&query.prepared_statement_handle)?;
+        let (handle, batches, rows) = bound_rows(&query.prepared_statement_handle, request).await?;
         let sql = handle.sql().to_string();
-        let batches = put_batches(request, "the bound parameters").await?;
-        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
         if rows != 1 {
             return Err(Status::invalid_argument(format!(
                 "a prepared query binds one row of parameters; {rows} were sent"
@@ -454,9 +464,7 @@ impl FlightSqlService for TesseraFlightSql {
         query: CommandPreparedStatementUpdate,
         request: Request<PeekableFlightDataStream>,
     ) -> Result<i64, Status> {
-        let handle = Handle::decode(&query.prepared_statement_handle)?;
-        let batches = put_batches(request, "the bound parameters").await?;
-        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+        let (handle, batches, rows) = bound_rows(&query.prepared_statement_handle, request).await?;
         if rows == 0 {
             return Ok(affected_rows(&self.run_handle(&handle).await?));
         }

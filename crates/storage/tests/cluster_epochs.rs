@@ -185,6 +185,24 @@ fn commit(store: &Store, epoch: Epoch, batch: &RecordBatch) {
     assert!(store.commit_epoch(epoch).unwrap());
 }
 
+/// Two stores holding the same table and the same epoch 1 (`first`), each in its own
+/// directory (kept for restarts): a primary and a replica, or a source and a target.
+fn two_stores_with_epoch_1(
+    first: &RecordBatch,
+) -> (
+    (tempfile::TempDir, Arc<Store>),
+    (tempfile::TempDir, Arc<Store>),
+) {
+    let open = || {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), config()).unwrap();
+        store.ensure_table(def()).unwrap();
+        commit(&store, Epoch(1), first);
+        (dir, store)
+    };
+    (open(), open())
+}
+
 /// What a returning replica fetches and installs: every partition's versions since `since`.
 fn fetch_delta(primary: &Store, replica: &Store, since: Epoch) -> u64 {
     let mut fetched = 0;
@@ -202,13 +220,7 @@ fn fetch_delta(primary: &Store, replica: &Store, since: Epoch) -> u64 {
 
 #[test]
 fn a_returning_replica_fetches_only_the_epochs_it_missed() {
-    let (primary_dir, replica_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let primary = Store::open(primary_dir.path(), config()).unwrap();
-    let replica = Store::open(replica_dir.path(), config()).unwrap();
-    for store in [&primary, &replica] {
-        store.ensure_table(def()).unwrap();
-        commit(store, Epoch(1), &rows(0, 100));
-    }
+    let ((_primary_dir, primary), (replica_dir, replica)) = two_stores_with_epoch_1(&rows(0, 100));
     // The replica has part of epoch 1 on disk and part in memory, as after a crash.
     replica.checkpoint().unwrap();
     commit(&replica, Epoch(2), &rows(100, 110));
@@ -257,13 +269,7 @@ fn a_returning_replica_fetches_only_the_epochs_it_missed() {
 
 #[test]
 fn a_delta_replaces_versions_the_replica_holds_from_the_missed_epochs_on() {
-    let (primary_dir, replica_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let primary = Store::open(primary_dir.path(), config()).unwrap();
-    let replica = Store::open(replica_dir.path(), config()).unwrap();
-    for store in [&primary, &replica] {
-        store.ensure_table(def()).unwrap();
-        commit(store, Epoch(1), &rows(0, 50));
-    }
+    let ((_primary_dir, primary), (_replica_dir, replica)) = two_stores_with_epoch_1(&rows(0, 50));
     // Epoch 2 missed the replica; epoch 3 reached it (it was prepared before it was marked
     // stale), so the replica holds versions above its first missed epoch.
     commit(&primary, Epoch(2), &rows(50, 60));
@@ -534,13 +540,7 @@ fn a_cold_standby_does_not_install_components_covering_an_epoch_it_has_only_prep
 /// and the replica holds exactly the primary's versions.
 #[test]
 fn a_delta_is_not_installed_over_an_epoch_prepared_here_and_still_undecided() {
-    let (primary_dir, replica_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let primary = Store::open(primary_dir.path(), config()).unwrap();
-    let replica = Store::open(replica_dir.path(), config()).unwrap();
-    for store in [&primary, &replica] {
-        store.ensure_table(def()).unwrap();
-        commit(store, Epoch(1), &rows(0, 100));
-    }
+    let ((_primary_dir, primary), (_replica_dir, replica)) = two_stores_with_epoch_1(&rows(0, 100));
     // Epoch 2 the replica missed; epoch 3 it prepared, and has not yet seen committed.
     commit(&primary, Epoch(2), &rows(100, 150));
     primary
@@ -626,13 +626,7 @@ fn a_commit_discards_the_rows_of_partitions_this_replica_missed() {
 /// whose rebalance is still the newest epoch here installs.
 #[test]
 fn a_copy_from_an_aborted_rebalance_never_installs_over_newer_rows() {
-    let (source_dir, replica_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let source = Store::open(source_dir.path(), config()).unwrap();
-    let replica = Store::open(replica_dir.path(), config()).unwrap();
-    for store in [&source, &replica] {
-        store.ensure_table(def()).unwrap();
-        commit(store, Epoch(1), &rows(0, 100));
-    }
+    let ((_source_dir, source), (_replica_dir, replica)) = two_stores_with_epoch_1(&rows(0, 100));
     // The copy is made from the source at epoch 1, for the rebalance at epoch 2; then the
     // rebalance is aborted and epoch 3 commits on the replica before the copy arrives.
     let copies: Vec<(PartitionId, Vec<RecordBatch>)> = all_partitions()
@@ -680,13 +674,7 @@ fn a_copy_from_an_aborted_rebalance_never_installs_over_newer_rows() {
 /// missed. The copy already holds the epoch, so its rows are never applied again.
 #[test]
 fn a_prepare_arriving_after_a_copy_that_holds_its_epoch_never_adds_its_rows_again() {
-    let (primary_dir, replica_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let primary = Store::open(primary_dir.path(), config()).unwrap();
-    let replica = Store::open(replica_dir.path(), config()).unwrap();
-    for store in [&primary, &replica] {
-        store.ensure_table(def()).unwrap();
-        commit(store, Epoch(1), &rows(0, 100));
-    }
+    let ((_primary_dir, primary), (replica_dir, replica)) = two_stores_with_epoch_1(&rows(0, 100));
     let missed = rows(50, 150);
     commit(&primary, Epoch(2), &missed);
     primary.advance_visible(Epoch(2));
