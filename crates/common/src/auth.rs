@@ -289,6 +289,70 @@ pub fn basic_credentials(header: &str) -> Option<(String, String)> {
     Some((user.to_string(), password.to_string()))
 }
 
+/// Passwords recently checked against their users' secrets, so a client that sends its
+/// password with every request (HTTP basic authentication: the console polls once a
+/// second) pays the deliberately slow PBKDF2 once, not per request. Per user, it keeps a
+/// keyed hash of the last password that matched and the secret it matched: another
+/// password, or a changed secret (`ALTER USER`), is checked in full again. The hash key is
+/// random per process, so the hashes are of no use outside it.
+pub struct VerifiedPasswords {
+    key: [u8; 32],
+    matched: std::sync::Mutex<std::collections::HashMap<String, (blake3::Hash, ScramSecret)>>,
+    full_checks: std::sync::atomic::AtomicU64,
+}
+
+impl VerifiedPasswords {
+    /// Users remembered at most; past it the list starts afresh.
+    const USERS_KEPT: usize = 1024;
+
+    pub fn new() -> VerifiedPasswords {
+        VerifiedPasswords {
+            key: random_key(),
+            matched: Default::default(),
+            full_checks: Default::default(),
+        }
+    }
+
+    /// [`password_matches`], remembering a match.
+    pub fn check(&self, secret: Option<&ScramSecret>, user: &str, password: &str) -> bool {
+        let Some(secret) = secret else {
+            return password_matches(None, user, password);
+        };
+        let digest = blake3::keyed_hash(&self.key, password.as_bytes());
+        let matched = self.matched.lock().expect("verified passwords lock");
+        // blake3::Hash compares in constant time.
+        if matched
+            .get(user)
+            .is_some_and(|(known, for_secret)| *known == digest && for_secret == secret)
+        {
+            return true;
+        }
+        drop(matched);
+        self.full_checks
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let ok = secret.verify_password(password);
+        if ok {
+            let mut matched = self.matched.lock().expect("verified passwords lock");
+            if matched.len() >= Self::USERS_KEPT {
+                matched.clear();
+            }
+            matched.insert(user.to_string(), (digest, secret.clone()));
+        }
+        ok
+    }
+
+    /// How many checks ran PBKDF2.
+    pub fn full_checks(&self) -> u64 {
+        self.full_checks.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Default for VerifiedPasswords {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// 32 bytes from the system's random source: a key or a seed.
 pub fn random_key() -> [u8; 32] {
     let mut key = [0u8; 32];
@@ -456,5 +520,35 @@ mod tests {
         ] {
             assert_eq!(ScramSecret::from_verifier(text), None, "{text}");
         }
+    }
+
+    #[test]
+    fn a_matched_password_is_checked_in_full_once_until_the_secret_changes() {
+        let passwords = VerifiedPasswords::new();
+        let secret = ScramSecret::new("right");
+        for _ in 0..3 {
+            assert!(passwords.check(Some(&secret), "ann", "right"));
+        }
+        assert_eq!(
+            passwords.full_checks(),
+            1,
+            "PBKDF2 ran once for three requests"
+        );
+        for _ in 0..2 {
+            assert!(!passwords.check(Some(&secret), "ann", "wrong"));
+        }
+        assert_eq!(
+            passwords.full_checks(),
+            3,
+            "a wrong password is never remembered"
+        );
+        assert!(!passwords.check(None, "bob", "right"), "an unknown user");
+        let changed = ScramSecret::new("new");
+        assert!(
+            !passwords.check(Some(&changed), "ann", "right"),
+            "the old password after ALTER USER"
+        );
+        assert!(passwords.check(Some(&changed), "ann", "new"));
+        assert_eq!(passwords.full_checks(), 5);
     }
 }

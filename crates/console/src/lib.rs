@@ -11,7 +11,7 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use std::sync::Arc;
-use tessera_common::auth::{basic_credentials, password_matches, ScramSecret};
+use tessera_common::auth::{basic_credentials, ScramSecret, VerifiedPasswords};
 use tokio::net::TcpListener;
 
 /// The largest SQL text the console's SQL box may send.
@@ -69,7 +69,9 @@ async fn require_login(
         .and_then(|value| value.to_str().ok())
         .and_then(basic_credentials);
     if let Some((user, password)) = credentials {
-        if password_matches(node.user_secret(&user).as_ref(), &user, &password) {
+        static VERIFIED: std::sync::LazyLock<VerifiedPasswords> =
+            std::sync::LazyLock::new(VerifiedPasswords::new);
+        if VERIFIED.check(node.user_secret(&user).as_ref(), &user, &password) {
             return next.run(request).await;
         }
     }
