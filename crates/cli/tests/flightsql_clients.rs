@@ -1,6 +1,7 @@
 //! Arrow Flight SQL on every node, driven by ADBC (`adbc_driver_flightsql` from Python, as a
-//! data team would): all 22 TPC-H queries equal plain DataFusion's answers, `AS OF EPOCH`
-//! works, bulk ingest publishes one epoch, and errors name the problem.
+//! data team would) and by the Arrow Flight SQL JDBC driver: all 22 TPC-H queries equal
+//! plain DataFusion's answers, `AS OF EPOCH` works, bulk ingest publishes one epoch,
+//! parameters bind, and errors name the problem.
 
 mod common;
 
@@ -203,4 +204,23 @@ async fn malformed_flight_sql_calls_get_errors_that_name_them() {
     // The node serves on.
     let uri = format!("grpc://{}", cluster.flightsql_addr(1).unwrap());
     python_ok(&["-c", ADBC_SELECT_42, &uri]).await.unwrap();
+}
+
+/// The Arrow Flight SQL JDBC driver (`tests/clients/FlightSqlJdbcSmoke.java`; the jar comes
+/// from Maven Central through `.ci/run`): DDL and an INSERT as updates, `getTables`, a
+/// query, and a prepared query bound to a parameter three times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_flight_sql_jdbc_driver_lists_tables_and_binds_parameters() {
+    let jar = common::maven_jar("org.apache.arrow", "flight-sql-jdbc-driver", "18.3.0");
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    let addr = cluster.flightsql_addr(3).unwrap().to_string();
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    // Arrow's Java memory needs these on JDK 17.
+    let opens = ["--add-opens=java.base/java.nio=ALL-UNNAMED"];
+    common::java_ok(&jar, "FlightSqlJdbcSmoke.java", &opens, &[host, port])
+        .await
+        .unwrap_or_else(|failed| panic!("the Flight SQL JDBC smoke test failed:\n{failed}"));
 }

@@ -586,13 +586,6 @@ async fn psycopg_runs_transactions_and_binary_prepared_statements() {
     );
 }
 
-/// The pgJDBC driver `.ci/run` fetches from Maven Central
-/// (`mvn dependency:get -Dartifact=org.postgresql:postgresql:42.7.4`).
-fn pgjdbc_jar() -> std::path::PathBuf {
-    let home = std::env::var_os("HOME").expect("HOME is set");
-    Path::new(&home).join(".m2/repository/org/postgresql/postgresql/42.7.4/postgresql-42.7.4.jar")
-}
-
 /// pgJDBC, what DBeaver and JVM services use (`tests/clients/JdbcSmoke.java`, run by `java`
 /// in source-file mode, prints "ok" when its checks hold): the driver's start-up,
 /// `getTables` and `getColumns`, prepared statements with typed parameters (run often
@@ -600,33 +593,16 @@ fn pgjdbc_jar() -> std::path::PathBuf {
 /// that publishes one epoch, a rollback that publishes none, and SQLSTATEs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pgjdbc_lists_tables_binds_parameters_and_commits_one_epoch() {
-    let jar = pgjdbc_jar();
-    assert!(
-        jar.exists(),
-        "pgJDBC is not at {} (mvn dependency:get -Dartifact=org.postgresql:postgresql:42.7.4)",
-        jar.display()
-    );
+    let jar = common::maven_jar("org.postgresql", "postgresql", "42.7.4");
     let _exclusive = exclusive();
     let root = tempfile::tempdir().unwrap();
     let cluster = cluster(root.path()).await;
     let before = visible_epoch(&cluster).await;
     let addr = cluster.pg_addr(3).unwrap();
     let (host, port) = addr.rsplit_once(':').unwrap();
-    let program = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/JdbcSmoke.java");
-    let output = tokio::process::Command::new("java")
-        .arg("-cp")
-        .arg(&jar)
-        .arg(&program)
-        .args([host, port])
-        .output()
+    common::java_ok(&jar, "JdbcSmoke.java", &[], &[host, port])
         .await
-        .expect("java runs (apt install default-jdk-headless)");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success() && stdout.trim() == "ok",
-        "the pgJDBC smoke test failed:\n{stdout}\n{stderr}"
-    );
+        .unwrap_or_else(|failed| panic!("the pgJDBC smoke test failed:\n{failed}"));
     assert_eq!(
         visible_epoch(&cluster).await,
         before + 1,

@@ -141,7 +141,7 @@ fn flight_info(
     descriptor: FlightDescriptor,
 ) -> Result<FlightInfo, Status> {
     Ok(FlightInfo::new()
-        .try_with_schema(schema)
+        .try_with_schema(&plain_types(schema))
         .map_err(|e| Status::internal(format!("encoding the schema: {e}")))?
         .with_endpoint(FlightEndpoint::new().with_ticket(Ticket::new(ticket)))
         .with_descriptor(descriptor))
@@ -180,12 +180,40 @@ fn empty_stream() -> FlightDataStream {
 }
 
 fn stream_batches(schema: SchemaRef, batches: Vec<RecordBatch>) -> FlightDataStream {
+    let schema = plain_types(&schema);
+    let encoder = FlightDataEncoderBuilder::new().with_schema(schema.clone());
+    let batches = batches.into_iter().map(move |batch| {
+        let columns = batch
+            .columns()
+            .iter()
+            .zip(schema.fields())
+            .map(|(column, field)| arrow::compute::cast(column, field.data_type()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(RecordBatch::try_new(schema.clone(), columns)?)
+    });
     Box::pin(
-        FlightDataEncoderBuilder::new()
-            .with_schema(schema)
-            .build(futures::stream::iter(batches.into_iter().map(Ok)))
+        encoder
+            .build(futures::stream::iter(batches))
             .map_err(Status::from),
     )
+}
+
+/// `schema` with the string and binary view types DataFusion computes with in their plain
+/// forms (`Utf8View` as `Utf8`, the type a `VARCHAR` column is declared with): what every
+/// Flight SQL client reads (the Flight SQL JDBC driver refuses view types).
+fn plain_types(schema: &Schema) -> SchemaRef {
+    use arrow::datatypes::{DataType, Field};
+    let plain = |field: &arrow::datatypes::FieldRef| -> arrow::datatypes::FieldRef {
+        match field.data_type() {
+            DataType::Utf8View => Arc::new(Field::clone(field).with_data_type(DataType::Utf8)),
+            DataType::BinaryView => Arc::new(Field::clone(field).with_data_type(DataType::Binary)),
+            _ => field.clone(),
+        }
+    };
+    Arc::new(Schema::new_with_metadata(
+        schema.fields().iter().map(plain).collect::<Vec<_>>(),
+        schema.metadata().clone(),
+    ))
 }
 
 /// The batches a client sent with a `DoPut`, decoded.
@@ -220,12 +248,15 @@ fn bound_values(params: &RecordBatch) -> Result<datafusion::common::ParamValues,
     tessera_sql::params::row_values(params, 0, params.num_columns()).map_err(status)
 }
 
-/// "INSERT 3", "DELETE 0", "CREATE TABLE": the count, or -1 when there is none.
+/// "INSERT 3", "DELETE 0", "CREATE TABLE": the count, or 0 for a command without one, as
+/// JDBC's `executeUpdate` answers for DDL. (Flight SQL allows -1, "unknown", but the Flight
+/// SQL JDBC driver takes -1 for a query and fetches its results: it would run the command
+/// a second time.)
 fn affected_rows(output: &StatementOutput) -> i64 {
     match output {
         StatementOutput::Done { tag, .. } => tessera_sql::engine::split_tag(tag)
             .1
-            .map_or(-1, |rows| rows as i64),
+            .map_or(0, |rows| rows as i64),
         StatementOutput::Rows { batches, .. } => batches.iter().map(|b| b.num_rows() as i64).sum(),
     }
 }
@@ -400,7 +431,9 @@ impl FlightSqlService for TesseraFlightSql {
                 .map_err(|e: arrow::error::ArrowError| Status::internal(e.to_string()))?;
             Ok(bytes)
         };
-        let dataset_schema = ipc(&schema.unwrap_or_else(|| Arc::new(Schema::empty())))?;
+        let dataset_schema = ipc(&plain_types(
+            &schema.unwrap_or_else(|| Arc::new(Schema::empty())),
+        ))?;
         let parameter_schema = if parameters.is_empty() {
             Default::default()
         } else {

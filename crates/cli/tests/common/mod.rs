@@ -158,11 +158,53 @@ pub const ADBC_SELECT_42: &str = "import sys, adbc_driver_flightsql.dbapi as f\n
 
 /// Runs `python3 args...`: `Ok` if it printed just "ok", else what it printed.
 pub async fn python_ok(args: &[&str]) -> Result<(), String> {
-    let output = tokio::process::Command::new("python3")
+    program_ok("python3", args).await
+}
+
+/// A JVM client's jar in the local Maven repository, where `.ci/run` fetches it
+/// (`mvn dependency:get -Dartifact=GROUP:ARTIFACT:VERSION`).
+pub fn maven_jar(group: &str, artifact: &str, version: &str) -> std::path::PathBuf {
+    let home = std::env::var_os("HOME").expect("HOME is set");
+    let jar = std::path::Path::new(&home)
+        .join(".m2/repository")
+        .join(group.replace('.', "/"))
+        .join(artifact)
+        .join(version)
+        .join(format!("{artifact}-{version}.jar"));
+    assert!(
+        jar.exists(),
+        "{} is missing (mvn dependency:get -Dartifact={group}:{artifact}:{version})",
+        jar.display()
+    );
+    jar
+}
+
+/// Runs a single-file Java program of `tests/clients` (source-file mode) with `jar` on its
+/// class path: Ok when it exits 0 printing "ok", else what it printed.
+pub async fn java_ok(
+    jar: &std::path::Path,
+    program: &str,
+    jvm_args: &[&str],
+    args: &[&str],
+) -> Result<(), String> {
+    let program = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/clients")
+        .join(program);
+    let mut all: Vec<String> = jvm_args.iter().map(|a| a.to_string()).collect();
+    all.extend(["-cp".into(), jar.display().to_string()]);
+    all.push(program.display().to_string());
+    all.extend(args.iter().map(|a| a.to_string()));
+    let all: Vec<&str> = all.iter().map(String::as_str).collect();
+    program_ok("java", &all).await
+}
+
+/// Runs `command`: Ok when it exits 0 printing "ok", else what it printed.
+async fn program_ok(command: &str, args: &[&str]) -> Result<(), String> {
+    let output = tokio::process::Command::new(command)
         .args(args)
         .output()
         .await
-        .expect("python3 runs");
+        .unwrap_or_else(|e| panic!("{command} runs: {e}"));
     let stdout = String::from_utf8_lossy(&output.stdout);
     if output.status.success() && stdout.trim() == "ok" {
         Ok(())
