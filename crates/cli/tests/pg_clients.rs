@@ -230,6 +230,30 @@ async fn psql_answers_every_tpch_query_exactly_and_describes_tables() {
         stderr.contains("NOTICE"),
         "psql shows the recovery notice: {stderr:?}"
     );
+    // The console lists the statement among node 1's recent ones with how it recovered.
+    let (code, body) = common::http_get(&cluster, 1, "/api/status", None).await;
+    assert_eq!(code, 200, "{body}");
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let recovered = status["recent"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| {
+            s["sql"]
+                .as_str()
+                .is_some_and(|q| q.contains("l_returnflag"))
+        })
+        .unwrap_or_else(|| panic!("Q1 is among the recent statements: {body}"));
+    let lines = recovered["recoveries"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.as_str().is_some_and(|l| l.contains("node 3"))),
+        "the statement's recovery names the dead node: {recovered}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

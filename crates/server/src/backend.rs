@@ -199,6 +199,7 @@ impl Backend for ClusterBackend {
         tessera_common::metrics::metrics()
             .query_recoveries
             .inc_by(recoveries.len() as u64);
+        tessera_sql::activity::note_recoveries(recoveries.iter().map(RecoveryOutcome::to_string));
         // The notices of a statement that answered; a failed one's error says it all.
         self.recoveries
             .lock()

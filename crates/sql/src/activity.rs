@@ -27,12 +27,17 @@ pub struct StatementActivity {
     /// Why it failed, once.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// How it survived the loss of a node, one line per recovery (what a PostgreSQL client
+    /// receives as a NOTICE).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub recoveries: Vec<String>,
 }
 
 struct Running {
     sql: String,
     started_ms: u64,
     started: Instant,
+    recoveries: Vec<String>,
 }
 
 #[derive(Default)]
@@ -57,6 +62,7 @@ pub fn snapshot() -> (Vec<StatementActivity>, Vec<StatementActivity>) {
             elapsed_ms: r.started.elapsed().as_millis() as u64,
             state: "running".into(),
             error: None,
+            recoveries: r.recoveries.clone(),
         })
         .collect();
     (running, activity.recent.iter().cloned().collect())
@@ -89,6 +95,7 @@ impl Tracked {
                 sql,
                 started_ms,
                 started: Instant::now(),
+                recoveries: Vec::new(),
             },
         );
         Tracked { id, ended: false }
@@ -125,8 +132,20 @@ fn finish(id: u64, state: &str, error: Option<String>) {
         elapsed_ms: running.started.elapsed().as_millis() as u64,
         state: state.into(),
         error,
+        recoveries: running.recoveries,
     });
     activity.recent.truncate(RECENT_KEPT);
+}
+
+/// Records that the statement the current task works for (see
+/// [`tessera_common::statement`]) survived the loss of a node, as `recoveries` say.
+pub fn note_recoveries(recoveries: impl IntoIterator<Item = String>) {
+    let Some(id) = tessera_common::statement::current() else {
+        return;
+    };
+    if let Some(running) = ACTIVITY.lock().expect("activity lock").running.get_mut(&id) {
+        running.recoveries.extend(recoveries);
+    }
 }
 
 #[cfg(test)]
@@ -140,6 +159,13 @@ mod tests {
         let dropped = Tracked::start("SELECT 3 -- activity test dropped".into());
         let (running, _) = snapshot();
         assert!(running.iter().any(|s| s.sql.contains("activity test ok")));
+        let recovered = |id| async move {
+            tessera_common::statement::within(id, async {
+                note_recoveries(["node 3 died; rebuilt".to_string()])
+            })
+            .await
+        };
+        futures::executor::block_on(recovered(ok.id()));
         ok.end(None);
         failed.end(Some("no".into()));
         drop(dropped);
@@ -152,6 +178,15 @@ mod tests {
                 .map(|s| s.state.clone())
         };
         assert_eq!(state("activity test ok").as_deref(), Some("ok"));
+        let ok = recent
+            .iter()
+            .find(|s| s.sql.contains("activity test ok"))
+            .unwrap();
+        assert_eq!(
+            ok.recoveries,
+            ["node 3 died; rebuilt"],
+            "its recovery stays with it"
+        );
         assert_eq!(state("activity test failed").as_deref(), Some("failed"));
         assert_eq!(state("activity test dropped").as_deref(), Some("cancelled"));
     }
