@@ -1,7 +1,7 @@
 //! TLS on the client ports of a real 3-node cluster, with a certificate made by `openssl`
 //! for the test: `psql` verifies the node's certificate against the test CA (and refuses
-//! it against another CA), and ADBC reaches Flight SQL over `grpc+tls` (and not in the
-//! clear).
+//! it against another CA), ADBC reaches Flight SQL over `grpc+tls` (and not in the
+//! clear), and the console answers over HTTPS (and not in the clear).
 
 mod common;
 
@@ -150,5 +150,24 @@ async fn clients_verify_the_nodes_certificate_over_tls() {
     assert!(
         adbc(format!("grpc://{addr}")).await.is_err(),
         "Flight SQL answered in the clear"
+    );
+
+    // The console: its page and status over HTTPS, verified against the test CA.
+    let script = "import sys, ssl, urllib.request\n\
+                  url, ca = sys.argv[1], sys.argv[2]\n\
+                  context = ssl.create_default_context(cafile=ca)\n\
+                  page = urllib.request.urlopen(url + '/', context=context, timeout=10).read().decode()\n\
+                  status = urllib.request.urlopen(url + '/api/status', context=context, timeout=10).read().decode()\n\
+                  assert 'Tessera console' in page and 'visible' in status, (page[:200], status[:200])\n\
+                  print('ok')";
+    let http = cluster.http_addr(3).unwrap().to_string();
+    python_ok(&["-c", script, &format!("https://{http}"), &ca])
+        .await
+        .unwrap_or_else(|failed| panic!("the console over HTTPS: {failed}"));
+    assert!(
+        python_ok(&["-c", script, &format!("http://{http}"), &ca])
+            .await
+            .is_err(),
+        "the console answered in the clear"
     );
 }

@@ -14,6 +14,7 @@ pub mod ids;
 pub mod metrics;
 pub mod partitioning;
 pub mod statement;
+pub mod tls;
 pub mod version;
 
 pub use config::{ConfigError, NodeConfig, Peer};

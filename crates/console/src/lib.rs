@@ -12,6 +12,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use std::sync::Arc;
 use tessera_common::auth::{basic_credentials, ScramSecret, VerifiedPasswords};
+use tessera_common::tls::TlsAcceptor;
 use tokio::net::TcpListener;
 
 /// The largest SQL text the console's SQL box may send.
@@ -86,10 +87,64 @@ async fn require_login(
         .into_response()
 }
 
-/// Serves HTTP on `listener` until the task is dropped.
-pub async fn serve(listener: TcpListener, node: Arc<dyn NodeView>) {
-    if let Err(error) = axum::serve(listener, router(node)).await {
+/// Serves HTTP on `listener` until the task is dropped; HTTPS only, with `tls` (the
+/// node's certificate, as on its PostgreSQL and Flight SQL ports), so the basic-auth
+/// passwords the console asks for never cross the network in the clear.
+pub async fn serve(listener: TcpListener, node: Arc<dyn NodeView>, tls: Option<TlsAcceptor>) {
+    let served = match tls {
+        None => axum::serve(listener, router(node)).await,
+        Some(acceptor) => {
+            axum::serve(
+                TlsListener {
+                    tcp: listener,
+                    acceptor,
+                },
+                router(node),
+            )
+            .await
+        }
+    };
+    if let Err(error) = served {
         tracing::error!(%error, "the HTTP port stopped");
+    }
+}
+
+/// How long a client has to finish its TLS handshake.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Accepts TCP connections and completes their TLS handshakes; a connection whose
+/// handshake fails (plain HTTP on the HTTPS port, a client that rejects the certificate)
+/// is closed and logged, and the port goes on.
+struct TlsListener {
+    tcp: TcpListener,
+    acceptor: TlsAcceptor,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let (stream, peer) = match self.tcp.accept().await {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of descriptors, most likely: wait rather than spin.
+                    tracing::warn!(%error, "accepting an HTTPS connection failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, self.acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => return (tls, peer),
+                Ok(Err(error)) => tracing::debug!(%peer, %error, "a TLS handshake failed"),
+                Err(_) => tracing::debug!(%peer, "a TLS handshake timed out"),
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.tcp.local_addr()
     }
 }
 

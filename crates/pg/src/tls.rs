@@ -1,30 +1,6 @@
 //! TLS on the PostgreSQL port: the node's certificate chain and key (PEM), offered to every
 //! client that asks (`sslmode=require`, `verify-full`); a client that does not ask is
-//! served in the clear, as PostgreSQL does without `hostssl`.
+//! served in the clear, as PostgreSQL does without `hostssl`. The acceptor is the one the
+//! console uses too: [`tessera_common::tls::tls_acceptor`].
 
-use pgwire::tokio::TlsAcceptor;
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-use std::sync::Arc;
-
-/// A TLS acceptor over the certificate chain and private key in `cert_pem` and `key_pem`;
-/// the error names what is wrong with them.
-pub fn tls_acceptor(cert_pem: &[u8], key_pem: &[u8]) -> Result<TlsAcceptor, String> {
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
-        .collect::<Result<_, _>>()
-        .map_err(|e| format!("the certificate file is not PEM certificates: {e}"))?;
-    if chain.is_empty() {
-        return Err("the certificate file holds no certificate".into());
-    }
-    let key = PrivateKeyDer::from_pem_slice(key_pem)
-        .map_err(|e| format!("the key file holds no PEM private key: {e}"))?;
-    let config = tokio_rustls::rustls::ServerConfig::builder_with_provider(Arc::new(
-        tokio_rustls::rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| format!("TLS versions: {e}"))?
-    .with_no_client_auth()
-    .with_single_cert(chain, key)
-    .map_err(|e| format!("the certificate and key do not make a TLS identity: {e}"))?;
-    Ok(TlsAcceptor::from(Arc::new(config)))
-}
+pub use tessera_common::tls::tls_acceptor;

@@ -169,9 +169,10 @@ impl Node {
         let tls = read_tls(&config)?;
         let pg_tls = tls
             .as_ref()
-            .map(|(cert, key)| tessera_pg::tls_acceptor(cert, key))
+            .map(|(cert, key)| tessera_common::tls::tls_acceptor(cert, key))
             .transpose()
             .map_err(ClusterError::Tls)?;
+        let console_tls = pg_tls.clone();
         let clients = Arc::new(Clients::new(&config.cluster_id, protocol));
         check_peers(&config, &clients, protocol).await?;
 
@@ -293,6 +294,7 @@ impl Node {
             tokio::spawn(tessera_console::serve(
                 listener,
                 Arc::new(crate::console::NodeConsole::new(node.clone())),
+                console_tls,
             ));
         }
         node.initialize_if_founder().await?;
@@ -758,7 +760,7 @@ fn read_tls(config: &NodeConfig) -> Result<Option<(Vec<u8>, Vec<u8>)>, ClusterEr
         std::fs::read(path).map_err(|e| ClusterError::Tls(format!("{}: {e}", path.display())))
     };
     let (cert, key) = (read(cert)?, read(key)?);
-    tessera_pg::tls_acceptor(&cert, &key).map_err(ClusterError::Tls)?;
+    tessera_common::tls::tls_acceptor(&cert, &key).map_err(ClusterError::Tls)?;
     Ok(Some((cert, key)))
 }
 
