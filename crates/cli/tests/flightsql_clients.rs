@@ -91,12 +91,13 @@ async fn adbc_answers_every_tpch_query_exactly_and_ingests_in_one_epoch() {
     let as_of = read_arrow(&out.path().join("z_as_of.arrow"));
     tessera_tpch::compare::same_answer(&expected, &as_of, 0.0).unwrap();
 
-    // The ingest, the INSERT and the INSERT bound to three rows each published one epoch.
+    // The ingest, the INSERT, the INSERT bound to three rows and the committed transaction
+    // each published one epoch; the rolled back transaction none.
     let status = admin.status().await.unwrap();
     assert_eq!(
         status.meta.visible.0,
-        loaded_at.0 + 3,
-        "CREATE TABLE takes no epoch; the ingest, the INSERT and the bound INSERT one each"
+        loaded_at.0 + 4,
+        "CREATE TABLE takes no epoch; the ingest, the INSERT, the bound INSERT and the commit one each"
     );
 }
 

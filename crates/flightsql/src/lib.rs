@@ -22,9 +22,10 @@ use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
 use arrow_flight::sql::metadata::{SqlInfoData, SqlInfoDataBuilder};
 use arrow_flight::sql::server::{FlightSqlService, PeekableFlightDataStream};
 use arrow_flight::sql::{
+    ActionBeginTransactionRequest, ActionBeginTransactionResult,
     ActionClosePreparedStatementRequest, ActionCreatePreparedStatementRequest,
-    ActionCreatePreparedStatementResult, Any, CommandGetCatalogs, CommandGetDbSchemas,
-    CommandGetSqlInfo, CommandGetTables, CommandPreparedStatementQuery,
+    ActionCreatePreparedStatementResult, ActionEndTransactionRequest, Any, CommandGetCatalogs,
+    CommandGetDbSchemas, CommandGetSqlInfo, CommandGetTables, CommandPreparedStatementQuery,
     CommandPreparedStatementUpdate, CommandStatementIngest, CommandStatementQuery,
     CommandStatementUpdate, DoPutPreparedStatementResult, ProstMessageExt, SqlInfo,
     TicketStatementQuery,
@@ -37,7 +38,7 @@ use futures::{Stream, TryStreamExt};
 use prost::Message;
 use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
-use tessera_sql::{SqlError, StatementOutput};
+use tessera_sql::{Engine, SqlError, StatementOutput};
 use tonic::{Request, Response, Status, Streaming};
 
 pub use tessera_sql::Sessions;
@@ -45,6 +46,7 @@ pub use tessera_sql::Sessions;
 mod connections;
 mod handle;
 mod login;
+mod transactions;
 
 use handle::Handle;
 
@@ -67,6 +69,7 @@ pub async fn serve(
     let service = FlightServiceServer::new(TesseraFlightSql {
         sessions,
         logins: logins.clone(),
+        transactions: Default::default(),
     })
     .max_decoding_message_size(MAX_MESSAGE_BYTES)
     .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -100,6 +103,7 @@ pub async fn serve(
 struct TesseraFlightSql {
     sessions: Arc<dyn Sessions>,
     logins: Arc<login::Logins>,
+    transactions: transactions::Transactions,
 }
 
 static SQL_INFO: LazyLock<SqlInfoData> = LazyLock::new(|| {
@@ -109,7 +113,8 @@ static SQL_INFO: LazyLock<SqlInfoData> = LazyLock::new(|| {
     // The Arrow IPC format version (Schema.fbs MetadataVersion V5 is 1.3).
     builder.append(SqlInfo::FlightSqlServerArrowVersion, "1.3");
     builder.append(SqlInfo::FlightSqlServerReadOnly, false);
-    builder.append(SqlInfo::FlightSqlServerTransaction, 0_i32);
+    // SqlSupportedTransaction::Transaction: BeginTransaction/EndTransaction, no savepoints.
+    builder.append(SqlInfo::FlightSqlServerTransaction, 1_i32);
     builder.build().expect("static SqlInfo")
 });
 
@@ -126,11 +131,6 @@ fn status(error: SqlError) -> Status {
         "54000" => Status::resource_exhausted(message),
         _ => Status::internal(message),
     }
-}
-
-fn text(bytes: &[u8], what: &str) -> Result<String, Status> {
-    String::from_utf8(bytes.to_vec())
-        .map_err(|_| Status::invalid_argument(format!("{what} is not UTF-8 SQL text")))
 }
 
 /// A FlightInfo whose one endpoint's ticket is `ticket`, served by this node (no location:
@@ -262,53 +262,35 @@ fn affected_rows(output: &StatementOutput) -> i64 {
 }
 
 impl TesseraFlightSql {
-    /// Runs `sql` (one statement) and returns what it answered.
-    async fn run(&self, sql: &str) -> Result<StatementOutput, Status> {
-        let engine = self.sessions.open();
-        let mut outputs = engine.execute(sql).await.map_err(status)?;
-        outputs
-            .pop()
-            .ok_or_else(|| Status::invalid_argument("no statement given"))
+    /// The session a statement runs in: its transaction's, or a fresh one.
+    fn engine(&self, transaction: Option<&[u8]>) -> Result<Arc<Engine>, Status> {
+        match transaction {
+            Some(id) if !id.is_empty() => self.transactions.get(id),
+            _ => Ok(Arc::new(self.sessions.open())),
+        }
     }
 
-    /// Runs a prepared statement's handle: its SQL, with its bound values if it has some.
-    async fn run_handle(&self, handle: &Handle) -> Result<StatementOutput, Status> {
-        match handle {
-            Handle::Sql(sql) => self.run(sql).await,
-            Handle::Bound { sql, params } => self
-                .sessions
-                .open()
-                .execute_with(sql, &bound_values(params)?)
+    /// Runs a statement's handle (one statement, with its bound values if it has some, in
+    /// its transaction if it has one) and returns what it answered.
+    async fn run(&self, handle: &Handle) -> Result<StatementOutput, Status> {
+        let engine = self.engine(handle.transaction.as_deref())?;
+        match &handle.params {
+            Some(params) => engine
+                .execute_with(&handle.sql, &bound_values(params)?)
                 .await
                 .map_err(status),
+            None => engine
+                .execute(&handle.sql)
+                .await
+                .map_err(status)?
+                .pop()
+                .ok_or_else(|| Status::invalid_argument("no statement given")),
         }
     }
 
-    /// A prepared statement's columns (with its bound values, if any); a command runs now,
-    /// as for [`TesseraFlightSql::describe_or_run`].
-    async fn describe_or_run_handle(&self, handle: &Handle) -> Result<SchemaRef, Status> {
-        let Handle::Bound { sql, params } = handle else {
-            return self.describe_or_run(handle.sql()).await;
-        };
-        let values = bound_values(params)?;
-        let engine = self.sessions.open();
-        match engine
-            .describe_with(sql, Some(&values))
-            .await
-            .map_err(status)?
-            .0
-        {
-            Some(schema) => Ok(schema),
-            None => {
-                self.run_handle(handle).await?;
-                Ok(Arc::new(Schema::empty()))
-            }
-        }
-    }
-
-    /// Runs a query and streams its rows.
-    async fn query(&self, sql: &str) -> Result<Response<FlightDataStream>, Status> {
-        match self.run(sql).await? {
+    /// Runs a statement's handle and streams its rows.
+    async fn query(&self, handle: &Handle) -> Result<Response<FlightDataStream>, Status> {
+        match self.run(handle).await? {
             StatementOutput::Rows { schema, batches } => {
                 Ok(Response::new(stream_batches(schema, batches)))
             }
@@ -316,13 +298,20 @@ impl TesseraFlightSql {
         }
     }
 
-    /// A query's columns; a command (DDL, DML) runs now, as clients that only ask for its
-    /// FlightInfo expect, and has none.
-    async fn describe_or_run(&self, sql: &str) -> Result<SchemaRef, Status> {
-        match self.sessions.open().describe(sql).await.map_err(status)? {
+    /// A statement's columns (with its bound values, if any); a command (DDL, DML) runs
+    /// now, as clients that only ask for its FlightInfo expect, and has none.
+    async fn describe_or_run(&self, handle: &Handle) -> Result<SchemaRef, Status> {
+        let engine = self.engine(handle.transaction.as_deref())?;
+        let values = handle.params.as_ref().map(bound_values).transpose()?;
+        match engine
+            .describe_with(&handle.sql, values.as_ref())
+            .await
+            .map_err(status)?
+            .0
+        {
             Some(schema) => Ok(schema),
             None => {
-                self.run(sql).await?;
+                self.run(handle).await?;
                 Ok(Arc::new(Schema::empty()))
             }
         }
@@ -380,12 +369,13 @@ impl FlightSqlService for TesseraFlightSql {
         query: CommandStatementQuery,
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
-        let schema = self.describe_or_run(&query.query).await?;
+        let handle = Handle::new(query.query, query.transaction_id.map(|id| id.to_vec()));
+        let schema = self.describe_or_run(&handle).await?;
         // A command has run already: its ticket fetches nothing.
         let handle = if schema.fields().is_empty() {
             Vec::new()
         } else {
-            query.query.into_bytes()
+            handle.encode()?
         };
         let ticket = TicketStatementQuery {
             statement_handle: handle.into(),
@@ -406,8 +396,7 @@ impl FlightSqlService for TesseraFlightSql {
         if ticket.statement_handle.is_empty() {
             return Ok(Response::new(empty_stream()));
         }
-        let sql = text(&ticket.statement_handle, "the statement handle")?;
-        self.query(&sql).await
+        self.query(&Handle::decode(&ticket.statement_handle)?).await
     }
 
     /// The handle is the statement's SQL, its `?` placeholders numbered `$1..$n`; the
@@ -419,9 +408,9 @@ impl FlightSqlService for TesseraFlightSql {
         _request: Request<Action>,
     ) -> Result<ActionCreatePreparedStatementResult, Status> {
         let sql = tessera_sql::params::number_question_marks(&query.query).map_err(status)?;
+        let transaction = query.transaction_id.map(|id| id.to_vec());
         let (schema, parameters) = self
-            .sessions
-            .open()
+            .engine(transaction.as_deref())?
             .describe_with(&sql, None)
             .await
             .map_err(status)?;
@@ -452,7 +441,7 @@ impl FlightSqlService for TesseraFlightSql {
             ))?
         };
         Ok(ActionCreatePreparedStatementResult {
-            prepared_statement_handle: Handle::Sql(sql).encode()?.into(),
+            prepared_statement_handle: Handle::new(sql, transaction).encode()?.into(),
             dataset_schema,
             parameter_schema,
         })
@@ -466,7 +455,6 @@ impl FlightSqlService for TesseraFlightSql {
         request: Request<PeekableFlightDataStream>,
     ) -> Result<DoPutPreparedStatementResult, Status> {
         let (handle, batches, rows) = bound_rows(&query.prepared_statement_handle, request).await?;
-        let sql = handle.sql().to_string();
         if rows != 1 {
             return Err(Status::invalid_argument(format!(
                 "a prepared query binds one row of parameters; {rows} were sent"
@@ -476,16 +464,23 @@ impl FlightSqlService for TesseraFlightSql {
             .into_iter()
             .find(|b| b.num_rows() == 1)
             .expect("one row");
-        let engine = self.sessions.open();
-        let (_, parameters) = engine.describe_with(&sql, None).await.map_err(status)?;
+        let engine = self.engine(handle.transaction.as_deref())?;
+        let (_, parameters) = engine
+            .describe_with(&handle.sql, None)
+            .await
+            .map_err(status)?;
         let values =
             tessera_sql::params::row_values(&params, 0, parameters.len()).map_err(status)?;
         engine
-            .describe_with(&sql, Some(&values))
+            .describe_with(&handle.sql, Some(&values))
             .await
             .map_err(status)?;
+        let bound = Handle {
+            params: Some(params),
+            ..handle
+        };
         Ok(DoPutPreparedStatementResult {
-            prepared_statement_handle: Some(Handle::Bound { sql, params }.encode()?.into()),
+            prepared_statement_handle: Some(bound.encode()?.into()),
         })
     }
 
@@ -499,12 +494,13 @@ impl FlightSqlService for TesseraFlightSql {
     ) -> Result<i64, Status> {
         let (handle, batches, rows) = bound_rows(&query.prepared_statement_handle, request).await?;
         if rows == 0 {
-            return Ok(affected_rows(&self.run_handle(&handle).await?));
+            return Ok(affected_rows(&self.run(&handle).await?));
         }
-        let sql = handle.sql();
-        let engine = self.sessions.open();
+        let sql = &handle.sql;
+        let engine = self.engine(handle.transaction.as_deref())?;
         let (_, parameters) = engine.describe_with(sql, None).await.map_err(status)?;
-        let several = rows > 1;
+        // Inside the client's transaction the rows join it; otherwise they are one.
+        let several = rows > 1 && handle.transaction.is_none();
         if several {
             engine.execute("BEGIN").await.map_err(status)?;
         }
@@ -532,6 +528,43 @@ impl FlightSqlService for TesseraFlightSql {
         Ok(affected)
     }
 
+    /// Opens a transaction on this node: an engine session inside `BEGIN` (see
+    /// `transactions.rs`), whose id the client's statements then carry.
+    async fn do_action_begin_transaction(
+        &self,
+        _query: ActionBeginTransactionRequest,
+        _request: Request<Action>,
+    ) -> Result<ActionBeginTransactionResult, Status> {
+        let engine = self.sessions.open();
+        engine.execute("BEGIN").await.map_err(status)?;
+        let id = self.transactions.begin(engine)?;
+        Ok(ActionBeginTransactionResult {
+            transaction_id: id.into(),
+        })
+    }
+
+    /// Commits the transaction's writes as one epoch, or rolls them back.
+    async fn do_action_end_transaction(
+        &self,
+        query: ActionEndTransactionRequest,
+        _request: Request<Action>,
+    ) -> Result<(), Status> {
+        use arrow_flight::sql::EndTransaction;
+        let end = match EndTransaction::try_from(query.action) {
+            Ok(EndTransaction::Commit) => "COMMIT",
+            Ok(EndTransaction::Rollback) => "ROLLBACK",
+            _ => {
+                return Err(Status::invalid_argument(format!(
+                    "EndTransaction needs COMMIT or ROLLBACK, got {}",
+                    query.action
+                )))
+            }
+        };
+        let engine = self.transactions.end(&query.transaction_id)?;
+        engine.execute(end).await.map_err(status)?;
+        Ok(())
+    }
+
     async fn do_action_close_prepared_statement(
         &self,
         _query: ActionClosePreparedStatementRequest,
@@ -547,7 +580,7 @@ impl FlightSqlService for TesseraFlightSql {
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
         let handle = Handle::decode(&query.prepared_statement_handle)?;
-        let schema = self.describe_or_run_handle(&handle).await?;
+        let schema = self.describe_or_run(&handle).await?;
         let ticket = if schema.fields().is_empty() {
             // A command has run already: its ticket fetches nothing.
             TicketStatementQuery::default().as_any().encode_to_vec()
@@ -563,13 +596,8 @@ impl FlightSqlService for TesseraFlightSql {
         query: CommandPreparedStatementQuery,
         _request: Request<Ticket>,
     ) -> Result<Response<FlightDataStream>, Status> {
-        let handle = Handle::decode(&query.prepared_statement_handle)?;
-        match self.run_handle(&handle).await? {
-            StatementOutput::Rows { schema, batches } => {
-                Ok(Response::new(stream_batches(schema, batches)))
-            }
-            StatementOutput::Done { .. } => Ok(Response::new(empty_stream())),
-        }
+        self.query(&Handle::decode(&query.prepared_statement_handle)?)
+            .await
     }
 
     async fn do_put_statement_update(
@@ -577,7 +605,8 @@ impl FlightSqlService for TesseraFlightSql {
         update: CommandStatementUpdate,
         _request: Request<PeekableFlightDataStream>,
     ) -> Result<i64, Status> {
-        Ok(affected_rows(&self.run(&update.query).await?))
+        let handle = Handle::new(update.query, update.transaction_id.map(|id| id.to_vec()));
+        Ok(affected_rows(&self.run(&handle).await?))
     }
 
     /// Bulk ingest: the batches are inserted into an existing table as one statement (one
@@ -588,7 +617,7 @@ impl FlightSqlService for TesseraFlightSql {
         request: Request<PeekableFlightDataStream>,
     ) -> Result<i64, Status> {
         let batches = put_batches(request, "the ingested batches").await?;
-        let engine = self.sessions.open();
+        let engine = self.engine(ingest.transaction_id.as_deref())?;
         let table = ingest.table;
         let def = engine.backend().table_def(&table).ok_or_else(|| {
             Status::not_found(format!("table {table:?} does not exist; create it first"))

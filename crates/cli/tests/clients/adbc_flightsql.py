@@ -5,7 +5,8 @@ Usage: adbc_flightsql.py URI QUERIES_DIR OUT_DIR
 - runs each QUERIES_DIR/qN.sql (ADBC prepares every query) and writes the Arrow result to
   OUT_DIR/qN.arrow for the Rust test to compare with plain DataFusion;
 - checks the catalog listing, bulk ingest, an INSERT's row count, bound parameters (one
-  row per query, several per INSERT) and a clear error for a missing table or value; prints "ok" when all hold. (ADBC itself sends no message over 16 MiB, the
+  row per query, several per INSERT), a transaction committed and one rolled back, and a
+  clear error for a missing table or value; prints "ok" when all hold. (ADBC itself sends no message over 16 MiB, the
   server's SQL limit, so an oversized query never reaches the server from it.)
 """
 
@@ -19,7 +20,7 @@ import pyarrow.ipc as ipc
 
 def main():
     uri, queries_dir, out_dir = sys.argv[1:4]
-    with flight_sql.connect(uri) as conn:
+    with flight_sql.connect(uri, autocommit=True) as conn:
         cur = conn.cursor()
         for name in sorted(os.listdir(queries_dir)):
             with open(os.path.join(queries_dir, name)) as f:
@@ -55,6 +56,28 @@ def main():
         cur.executemany("INSERT INTO ingested VALUES (?, ?)", [(6000, "a"), (6001, "b"), (6002, "c")])
         cur.execute("SELECT count(*), min(name) FROM ingested WHERE id >= ?", (6000,))
         assert cur.fetchone() == (3, "a")
+        # A transaction (DB-API's default, autocommit off): its writes are not seen outside
+        # it before the commit, which publishes them as one epoch; a rollback leaves
+        # nothing. (Reading a table after writing it in the same transaction is refused,
+        # naming why, as over PostgreSQL.)
+        with flight_sql.connect(uri) as tx:
+            c = tx.cursor()
+            c.execute("INSERT INTO ingested VALUES (7000, 'p')")
+            c.execute("INSERT INTO ingested VALUES (?, ?)", (7001, "q"))
+            try:
+                c.execute("SELECT count(*) FROM ingested WHERE id >= 7000")
+                c.fetchone()
+                raise AssertionError("a read after a write in one transaction was not refused")
+            except flight_sql.Error as e:
+                assert "COMMIT first" in str(e), e
+            cur.execute("SELECT count(*) FROM ingested WHERE id >= 7000")
+            assert cur.fetchone() == (0,), "and not outside it before the commit"
+            tx.commit()
+            c.execute("INSERT INTO ingested VALUES (7002, 'r')")
+            tx.rollback()
+        cur.execute("SELECT count(*) FROM ingested WHERE id >= 7000")
+        assert cur.fetchone() == (2,), "the committed rows, not the rolled back one"
+
         try:
             cur.execute("SELECT * FROM ingested WHERE id = ? AND name = ?", (1,))
             cur.fetchall()
