@@ -202,6 +202,27 @@ async fn malformed_flight_sql_calls_get_errors_that_name_them() {
             );
         }
     }
+    // Ending a transaction that is not open names it.
+    use arrow_flight::sql::{ActionEndTransactionRequest, Any, EndTransaction};
+    use prost::Message;
+    let end = ActionEndTransactionRequest {
+        transaction_id: vec![0xab; 16].into(),
+        action: EndTransaction::Commit as i32,
+    };
+    let unknown_transaction = client
+        .do_action(Action::new(
+            "EndTransaction",
+            Any::pack(&end).unwrap().encode_to_vec(),
+        ))
+        .await
+        .expect_err("an unknown transaction");
+    assert_eq!(unknown_transaction.code(), tonic::Code::NotFound);
+    assert!(
+        unknown_transaction
+            .message()
+            .contains("transaction abababababababababababababababab is not open on this node"),
+        "{unknown_transaction:?}"
+    );
     // The node serves on.
     let uri = format!("grpc://{}", cluster.flightsql_addr(1).unwrap());
     python_ok(&["-c", ADBC_SELECT_42, &uri]).await.unwrap();
