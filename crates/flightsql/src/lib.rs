@@ -1,18 +1,20 @@
 //! Arrow Flight SQL in front of Tessera's SQL engine, on its own port (`flightsql_listen`):
-//! what ADBC's Flight SQL driver and the Flight SQL JDBC driver call. Results stream as
-//! Arrow, without conversion.
+//! what ADBC's Flight SQL driver and the Flight SQL JDBC driver call. Results go out as
+//! Arrow, with DataFusion's view types in their plain forms (see `plain_types`).
 //!
-//! Every request gets a fresh [`tessera_sql::Engine`] from a [`Sessions`] source (the
-//! node's runs over the cluster: distributed, `AS OF EPOCH`, lineage recovery), so Flight
-//! SQL answers exactly what `tessera sql` and PostgreSQL clients answer. A statement's
-//! handle and ticket carry its SQL text: any node can serve any ticket, and nothing is
-//! kept between requests.
+//! Every request outside a transaction gets a fresh [`tessera_sql::Engine`] from a
+//! [`Sessions`] source (the node's runs over the cluster: distributed, `AS OF EPOCH`,
+//! lineage recovery), so Flight SQL answers exactly what `tessera sql` and PostgreSQL
+//! clients answer. A statement's handle and ticket carry its SQL text (and bound values,
+//! and transaction id: see [`handle`]): any node can serve a ticket outside a transaction,
+//! and nothing but open transactions (`transactions.rs`) is kept between requests.
 //!
 //! Supported: queries (`GetFlightInfo` + `DoGet`), prepared statements (ADBC prepares every
-//! query) with parameters, `?` or `$n`, bound by `DoPut` (see [`handle`]; an update bound
-//! to several rows runs them as one transaction, one epoch), updates (`DoPut` with a
-//! statement: INSERT, UPDATE, DELETE, DDL), bulk ingest into an existing table (`DoPut`
-//! with `CommandStatementIngest`, one epoch), catalogs, schemas, tables and `SqlInfo`.
+//! query) with parameters, `?` or `$n`, bound by `DoPut` (an update bound to several rows
+//! runs them as one transaction, one epoch), updates (`DoPut` with a statement: INSERT,
+//! UPDATE, DELETE, DDL), bulk ingest into an existing table (`DoPut` with
+//! `CommandStatementIngest`, one epoch), transactions (`BeginTransaction`,
+//! `EndTransaction`), catalogs, schemas, tables and `SqlInfo`.
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::{Schema, SchemaRef};
