@@ -26,10 +26,6 @@ pub(crate) struct Transactions {
     open: Mutex<HashMap<Vec<u8>, Open>>,
 }
 
-fn hex(id: &[u8]) -> String {
-    id.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 impl Transactions {
     /// Keeps `engine` (already inside `BEGIN`) under a fresh id.
     pub(crate) fn begin(&self, engine: Engine) -> Result<Vec<u8>, Status> {
@@ -78,7 +74,7 @@ impl Transactions {
     fn unknown(id: &[u8]) -> Status {
         Status::not_found(format!(
             "transaction {} is not open on this node: it ended, was idle for over {} s and was rolled back, or began on another node",
-            hex(id),
+            tessera_common::hex::to_hex(id),
             IDLE_LIMIT.as_secs()
         ))
     }
