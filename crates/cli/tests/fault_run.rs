@@ -261,15 +261,14 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         .prefix("tessera-fault-run-")
         .tempdir()
         .unwrap();
-    // TESSERA_FAULTS_KEEP keeps the nodes' data and logs for a post-mortem.
+    // The nodes' data and logs outlive a failed run, for a post-mortem; a passing run
+    // removes them unless TESSERA_FAULTS_KEEP asks to keep them too.
     let keep = std::env::var_os("TESSERA_FAULTS_KEEP").is_some();
-    let root_path = if keep {
-        let kept = root.keep();
-        println!("fault run: keeping {}", kept.display());
-        kept
-    } else {
-        root.path().to_path_buf()
-    };
+    let root_path = root.keep();
+    println!(
+        "fault run: nodes' data and logs in {} (kept if the run fails)",
+        root_path.display()
+    );
     let mut cluster = LocalCluster::configure_networked(
         &binary(),
         &root_path,
@@ -430,5 +429,9 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
             "after a {kind:?} was healed, no publish was acknowledged for {:?} (seed {seed})",
             figures.longest_after_heal
         );
+    }
+    if !keep {
+        drop(cluster);
+        std::fs::remove_dir_all(&root_path).unwrap();
     }
 }

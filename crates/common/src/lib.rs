@@ -14,6 +14,7 @@ pub mod ids;
 pub mod metrics;
 pub mod partitioning;
 pub mod statement;
+pub mod time;
 pub mod tls;
 pub mod version;
 

@@ -50,8 +50,10 @@ fn reads_tables(plan: &LogicalPlan) -> bool {
     plan.exists(|node| {
         // The system catalogs (DataFusion's `information_schema`, PostgreSQL clients'
         // `pg_catalog`) live in every node's memory: read here.
+        // So do Tessera's system tables, built from the metadata this node pinned.
         Ok(matches!(node, LogicalPlan::TableScan(scan)
-            if !matches!(scan.table_name.schema(), Some("information_schema" | "pg_catalog"))))
+            if !matches!(scan.table_name.schema(), Some("information_schema" | "pg_catalog"))
+                && !tessera_sql::system::is_system_table(scan.table_name.table())))
     })
     .unwrap_or(true)
 }

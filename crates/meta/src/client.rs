@@ -175,6 +175,14 @@ impl MetaClient {
 
     /// Runs a command on this node if it leads.
     pub async fn write_as_leader(&self, command: MetaCommand) -> Result<MetaResponse> {
+        // Stamped with this leader's clock here, the one place commands enter the log.
+        let command = match command {
+            stamped @ MetaCommand::Stamped { .. } => stamped,
+            command => MetaCommand::Stamped {
+                at_ms: tessera_common::time::now_ms(),
+                command: Box::new(command),
+            },
+        };
         match self.inner.raft.client_write(command).await {
             Ok(response) => Ok(response.data),
             Err(e) => Err(MetaError::raft(e)),

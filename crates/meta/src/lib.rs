@@ -16,6 +16,7 @@
 
 pub mod client;
 pub mod error;
+pub mod history;
 pub mod log_store;
 pub mod network;
 pub mod state;
@@ -24,6 +25,7 @@ pub mod wire;
 
 pub use client::{MetaClient, LINEARIZABLE_READ_PATIENCE};
 pub use error::MetaError;
+pub use history::{EpochKind, EpochRecord, TableChangeCount, TagRecord};
 pub use state::{
     InboxLineage, LineageEntry, LocalEffect, MetaCommand, MetaResponse, MetaState, NodeInfo,
     OpenEpoch, PartitionMap, Placement, QueryLineage,

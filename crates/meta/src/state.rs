@@ -5,6 +5,7 @@
 //! (create a table, commit an epoch's prepared rows) is returned as [`LocalEffect`]s for the
 //! state machine to carry out.
 
+use crate::history::{EpochRecord, TableChangeCount, TagRecord};
 use crate::NodeId;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -146,6 +147,10 @@ pub enum MetaCommand {
     CommitEpoch {
         epoch: Epoch,
         missed: Vec<(PartitionId, NodeId)>,
+        /// The rows a publish wrote, per table, for the epoch log; `None` for an epoch that
+        /// changed placement only.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        changes: Option<Vec<TableChangeCount>>,
     },
     AbortEpoch {
         epoch: Epoch,
@@ -191,6 +196,20 @@ pub enum MetaCommand {
     },
     DropUser {
         name: String,
+    },
+    /// Pins a name to an epoch (the visible one if `None`) for `AS OF TAG`.
+    CreateTag {
+        name: String,
+        epoch: Option<Epoch>,
+    },
+    DropTag {
+        name: String,
+    },
+    /// A command as the metadata leader proposed it, stamped with the leader's clock
+    /// (milliseconds since the Unix epoch): the time the epoch log records.
+    Stamped {
+        at_ms: u64,
+        command: Box<MetaCommand>,
     },
 }
 
@@ -318,6 +337,20 @@ pub struct MetaState {
     /// is created, every connection must authenticate.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub users: BTreeMap<String, UserRecord>,
+    /// The largest leader stamp applied (milliseconds since the Unix epoch): the metadata's
+    /// clock, which never moves back.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub clock_ms: u64,
+    /// Every committed epoch: its kind, coordinator, tables, rows and visible time.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub epoch_log: BTreeMap<Epoch, EpochRecord>,
+    /// Named epochs, for `AS OF TAG`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tags: BTreeMap<String, TagRecord>,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 impl MetaState {
@@ -353,6 +386,7 @@ impl MetaState {
             self.visible
         );
         debug_assert_eq!(self.broken_invariant(), None);
+        debug_assert_eq!(self.broken_history_invariant(), None);
         applied
     }
 
@@ -403,6 +437,19 @@ impl MetaState {
         index: u64,
         command: MetaCommand,
     ) -> Result<(MetaResponse, Vec<LocalEffect>), String> {
+        if let MetaCommand::Stamped { at_ms, command } = command {
+            if matches!(*command, MetaCommand::Stamped { .. }) {
+                return Err("a stamped command holds another stamp".into());
+            }
+            // Set first: an epoch made visible by this command takes this time.
+            let clock_before = self.clock_ms;
+            self.clock_ms = self.clock_ms.max(at_ms);
+            let applied = self.try_apply(index, *command);
+            if applied.is_err() {
+                self.clock_ms = clock_before; // a refused command changes nothing
+            }
+            return applied;
+        }
         if !self.is_bootstrapped() && !matches!(command, MetaCommand::Bootstrap { .. }) {
             return Err("the cluster is not bootstrapped yet".into());
         }
@@ -598,7 +645,11 @@ impl MetaState {
                 );
                 MetaResponse::Epoch(epoch)
             }
-            MetaCommand::CommitEpoch { epoch, missed } => {
+            MetaCommand::CommitEpoch {
+                epoch,
+                missed,
+                changes,
+            } => {
                 if self.is_committed(epoch) {
                     // A retried commit whose first reply was lost.
                     return Ok((MetaResponse::Epoch(epoch), vec![]));
@@ -646,6 +697,8 @@ impl MetaState {
                         *first_missed = (*first_missed).min(epoch);
                     }
                 }
+                let open = &self.open[&epoch];
+                self.log_commit(epoch, open.coordinator, open.tables.clone(), changes);
                 self.decide(epoch, true);
                 self.recompute_primaries();
                 effects.push(LocalEffect::Commit(epoch));
@@ -753,6 +806,14 @@ impl MetaState {
                 self.lineage.remove(&query);
                 MetaResponse::Done
             }
+            MetaCommand::CreateTag { name, epoch } => MetaResponse::Epoch(self.create_tag(name, epoch)?),
+            MetaCommand::DropTag { name } => {
+                self.tags
+                    .remove(&name)
+                    .ok_or_else(|| format!("tag {name:?} does not exist"))?;
+                MetaResponse::Done
+            }
+            MetaCommand::Stamped { .. } => unreachable!("unwrapped above"),
         };
         Ok((response, effects))
     }
@@ -794,6 +855,7 @@ impl MetaState {
         self.decided_above_visible.insert(epoch);
         while self.decided_above_visible.remove(&self.visible.next()) {
             self.visible = self.visible.next();
+            self.log_visible(self.visible);
         }
     }
 

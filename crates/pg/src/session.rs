@@ -31,15 +31,16 @@ use pgwire::types::format::FormatOptions;
 use std::fmt::Debug;
 use std::sync::{Arc, Mutex};
 use tessera_sql::engine::MAX_SQL_BYTES;
-use tessera_sql::users::UserStatement;
+use tessera_sql::statements::TesseraStatement;
 use tessera_sql::{Engine, StatementOutput};
 
-/// What a client sent, as this front end runs it: SQL for the engine, or a user statement
-/// (`CREATE USER ... WITH PASSWORD`), which the engine's parser does not read.
+/// What a client sent, as this front end runs it: SQL for the engine, or one of Tessera's
+/// own statements (`CREATE USER ... WITH PASSWORD`, `CREATE TAG`), which the engine's
+/// parser does not read.
 #[derive(Debug, Clone)]
 pub enum PgCommand {
     Sql(Statement),
-    User(UserStatement),
+    Tessera(TesseraStatement),
 }
 
 /// A statement as parsed (and planned) at Parse, kept under its name until closed.
@@ -60,10 +61,10 @@ pub struct PgParser {
 }
 
 impl PgParser {
-    /// The commands in `sql`: one user statement, or the SQL statements in it.
+    /// The commands in `sql`: one of Tessera's own statements, or the SQL statements in it.
     fn parse_commands(&self, sql: &str) -> PgWireResult<Vec<PgCommand>> {
-        if let Some(user) = tessera_sql::users::parse_user_statement(sql) {
-            return Ok(vec![PgCommand::User(user.map_err(sql_error)?)]);
+        if let Some(statement) = tessera_sql::statements::parse_tessera_statement(sql) {
+            return Ok(vec![PgCommand::Tessera(statement.map_err(sql_error)?)]);
         }
         Ok(self.parse(sql)?.into_iter().map(PgCommand::Sql).collect())
     }
@@ -78,7 +79,7 @@ impl PgParser {
                 ),
             ));
         }
-        let sql = tessera_sql::time_travel::rewrite_as_of_epoch(sql).map_err(sql_error)?;
+        let sql = tessera_sql::time_travel::rewrite_as_of(sql).map_err(sql_error)?;
         self.sql
             .parse(&sql)
             .map_err(|error| user_error("42601", error.to_string()))
@@ -103,9 +104,9 @@ impl QueryParser for PgParser {
             0 => return Ok(None),
             1 => match commands.pop().expect("one statement") {
                 PgCommand::Sql(statement) => statement,
-                user => {
+                tessera => {
                     return Ok(Some(PgStatement {
-                        command: user,
+                        command: tessera,
                         parameters: Vec::new(),
                         result: None,
                     }))
@@ -224,11 +225,11 @@ impl PgSession {
     {
         let statement = match command {
             PgCommand::Sql(statement) => statement,
-            PgCommand::User(user) => {
+            PgCommand::Tessera(statement) => {
                 if client.transaction_status() == TransactionStatus::Error {
                     return Err(transaction_aborted());
                 }
-                let result = self.engine.execute_user(user).await;
+                let result = self.engine.execute_tessera(statement).await;
                 let options = Arc::new(FormatOptions::from_client_metadata(client.metadata()));
                 return response(result.map_err(sql_error)?, format, options);
             }

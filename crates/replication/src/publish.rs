@@ -13,7 +13,7 @@ use arrow::datatypes::{DataType, Field, Schema};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use tessera_common::{Epoch, PartitionId, PartitionRing};
-use tessera_meta::MetaError;
+use tessera_meta::{MetaError, TableChangeCount};
 use tessera_meta::{MetaCommand, MetaResponse, MetaState, LINEARIZABLE_READ_PATIENCE};
 use tessera_net::CallError;
 use tessera_storage::{versions, StorageError, TableChanges, TableDef};
@@ -23,6 +23,25 @@ use tessera_storage::{versions, StorageError, TableChanges, TableDef};
 struct Routed {
     upserts: BTreeMap<PartitionId, Vec<RecordBatch>>,
     deletes: BTreeMap<PartitionId, Vec<RecordBatch>>,
+}
+
+/// Rows written per table, for the epoch log.
+fn change_counts(routed: &BTreeMap<String, Routed>) -> Vec<TableChangeCount> {
+    let rows = |by_partition: &BTreeMap<PartitionId, Vec<RecordBatch>>| {
+        by_partition
+            .values()
+            .flatten()
+            .map(|b| b.num_rows() as u64)
+            .sum()
+    };
+    routed
+        .iter()
+        .map(|(table, routed)| TableChangeCount {
+            table: table.clone(),
+            upserts: rows(&routed.upserts),
+            deletes: rows(&routed.deletes),
+        })
+        .collect()
 }
 
 /// Checks a publish the way a single store would (schema, keys, duplicates, append-only) and
@@ -306,7 +325,11 @@ async fn publish_epoch(
         let prepared_at = started.elapsed();
         match node
             .meta
-            .write(MetaCommand::CommitEpoch { epoch, missed })
+            .write(MetaCommand::CommitEpoch {
+                epoch,
+                missed,
+                changes: Some(change_counts(routed)),
+            })
             .await
         {
             // The metadata refused the commit for good (it would leave a partition with no

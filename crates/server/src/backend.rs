@@ -3,7 +3,7 @@
 //! publishes through the coordinator.
 
 use crate::error::ClusterError;
-use crate::meta::{MetaCommand, MetaError, MetaState, MetaView};
+use crate::meta::{EpochKind, MetaCommand, MetaError, MetaResponse, MetaState, MetaView};
 use crate::node::Node;
 use crate::NodeId;
 use arrow::array::RecordBatch;
@@ -27,7 +27,9 @@ use tessera_common::{Epoch, PartitionId, PartitionRing};
 use tessera_exec::scan::{read_from, DistributedScanExec, ScanSpec, TableStatistics};
 use tessera_exec::{ExecError, RecoveryOutcome};
 use tessera_sql::provider::{RowSource, VersionedTable};
-use tessera_sql::time_travel::split_epoch_name;
+use tessera_sql::system::{is_system_table, EpochRow, TagRow, EPOCHS_TABLE, TAGS_TABLE};
+use tessera_sql::tags::TagStatement;
+use tessera_sql::time_travel::{base_table_name, split_as_of, AsOf};
 use tessera_sql::users::UserChange;
 use tessera_sql::StatementOutput;
 use tessera_sql::{Backend, SqlError};
@@ -166,6 +168,32 @@ impl Backend for ClusterBackend {
         self.node.meta.view().state.users.contains_key(name)
     }
 
+    async fn change_tag(&self, change: TagStatement) -> tessera_sql::error::Result<Option<Epoch>> {
+        let command = match change {
+            TagStatement::Create { name, epoch, .. } => MetaCommand::CreateTag {
+                name,
+                epoch: epoch.map(Epoch),
+            },
+            TagStatement::Drop { name, .. } => MetaCommand::DropTag { name },
+        };
+        match self.node.meta.write(command).await {
+            Ok(MetaResponse::Epoch(epoch)) => Ok(Some(epoch)),
+            Ok(_) => Ok(None),
+            Err(MetaError::Refused(reason)) if reason.contains("already exists") => {
+                Err(SqlError::DuplicateObject(reason))
+            }
+            Err(MetaError::Refused(reason)) if reason.ends_with("does not exist") => {
+                Err(SqlError::UndefinedObject(reason))
+            }
+            Err(MetaError::Refused(reason)) => Err(SqlError::InvalidValue(reason)),
+            Err(other) => Err(ClusterError::from(other).into()),
+        }
+    }
+
+    fn tag_exists(&self, name: &str) -> bool {
+        self.node.meta.view().state.tags.contains_key(name)
+    }
+
     async fn publish(&self, changes: Vec<TableChanges>) -> tessera_sql::error::Result<Epoch> {
         // A task of its own, so it runs to its decision even if the statement is dropped (a
         // client's cancel, a closed connection): a publish cut short would keep its tables
@@ -261,19 +289,27 @@ impl ClusterSchema {
 #[async_trait]
 impl SchemaProvider for ClusterSchema {
     fn table_names(&self) -> Vec<String> {
-        self.view().state.tables.keys().cloned().collect()
+        let mut names: Vec<String> = self.view().state.tables.keys().cloned().collect();
+        names.extend([EPOCHS_TABLE.to_string(), TAGS_TABLE.to_string()]);
+        names
     }
 
     async fn table(&self, name: &str) -> DfResult<Option<Arc<dyn TableProvider>>> {
-        let (table, epoch) = match split_epoch_name(name) {
-            Some((table, epoch)) => (table, Some(Epoch(epoch))),
+        let view = self.view();
+        if let Some(system) = system_table(&view.state, name) {
+            return system.map(Some).map_err(SqlError::into_datafusion);
+        }
+        let (table, point) = match split_as_of(name) {
+            Some((table, point)) => (table, Some(point)),
             None => (name, None),
         };
-        let view = self.view();
         let Some(def) = view.state.tables.get(table).cloned() else {
             return Ok(None);
         };
-        let epoch = epoch.unwrap_or(view.state.visible);
+        let epoch = match point {
+            Some(point) => resolve_as_of(&view.state, &point).map_err(SqlError::into_datafusion)?,
+            None => view.state.visible,
+        };
         if epoch > view.state.visible {
             return Err(SqlError::to_datafusion(StorageError::EpochNotVisible {
                 requested: epoch,
@@ -291,8 +327,67 @@ impl SchemaProvider for ClusterSchema {
     }
 
     fn table_exist(&self, name: &str) -> bool {
-        let table = split_epoch_name(name).map(|(t, _)| t).unwrap_or(name);
-        self.view().state.tables.contains_key(table)
+        is_system_table(name) || self.view().state.tables.contains_key(base_table_name(name))
+    }
+}
+
+/// The epoch a time-travel point names, from the statement's view of the metadata.
+fn resolve_as_of(state: &MetaState, point: &AsOf) -> tessera_sql::error::Result<Epoch> {
+    match point {
+        AsOf::Epoch(epoch) => Ok(Epoch(*epoch)),
+        AsOf::Timestamp(at_ms) => {
+            let now_ms = tessera_common::time::now_ms();
+            if *at_ms > now_ms {
+                return Err(SqlError::InvalidValue(format!(
+                    "{point} is in the future (it is {} now): its epochs are not decided yet",
+                    tessera_common::time::format_ms(now_ms)
+                )));
+            }
+            state.epoch_at(*at_ms).map_err(SqlError::InvalidValue)
+        }
+        AsOf::Tag(name) => state.tag_epoch(name).map_err(SqlError::UndefinedObject),
+    }
+}
+
+/// A system table built from the statement's view of the metadata, or `None` if `name`
+/// is not one.
+fn system_table(
+    state: &MetaState,
+    name: &str,
+) -> Option<tessera_sql::error::Result<Arc<dyn TableProvider>>> {
+    match name {
+        EPOCHS_TABLE => {
+            let rows: Vec<EpochRow> = state
+                .epoch_log
+                .range(..=state.visible)
+                .map(|(epoch, record)| EpochRow {
+                    epoch: epoch.0,
+                    committed_at_ms: (record.visible_at_ms > 0).then_some(record.visible_at_ms),
+                    kind: match record.kind {
+                        EpochKind::Publish => "publish",
+                        EpochKind::Placement => "placement",
+                    },
+                    coordinator: record.coordinator.0,
+                    tables: record.tables.clone(),
+                    rows_written: record.changes.iter().map(|c| c.upserts).sum(),
+                    rows_deleted: record.changes.iter().map(|c| c.deletes).sum(),
+                })
+                .collect();
+            Some(tessera_sql::system::epochs_table(&rows))
+        }
+        TAGS_TABLE => {
+            let rows: Vec<TagRow> = state
+                .tags
+                .iter()
+                .map(|(name, tag)| TagRow {
+                    name: name.clone(),
+                    epoch: tag.epoch.0,
+                    created_at_ms: (tag.created_at_ms > 0).then_some(tag.created_at_ms),
+                })
+                .collect();
+            Some(tessera_sql::system::tags_table(&rows))
+        }
+        _ => None,
     }
 }
 

@@ -14,7 +14,9 @@ use std::path::PathBuf;
 use tessera_common::{ChannelId, ComponentHash, Epoch, Lsn, NodeId, PartitionId, QueryId, StageId};
 use tessera_exec::run::{RunRequest, StageTask, StagesEvent};
 use tessera_exec::ChannelReport;
-use tessera_server::meta::{LineageEntry, MetaCommand, MetaResponse, MetaState, TypeConfig};
+use tessera_server::meta::{
+    LineageEntry, MetaCommand, MetaResponse, MetaState, TableChangeCount, TypeConfig,
+};
 use tessera_server::rpc::*;
 use tessera_server::server::{NodeStatus, TableCount};
 use tessera_storage::{ComponentMeta, TableDef};
@@ -128,6 +130,7 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
             MetaCommand::CommitEpoch {
                 epoch: Epoch(1),
                 missed: vec![(PartitionId(3), NodeId(2))],
+                changes: None,
             },
         ),
         (
@@ -168,6 +171,41 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
             "lineage-end",
             MetaCommand::LineageEnd {
                 query: QueryId(0xfeed),
+            },
+        ),
+        (
+            "commit-epoch-of-a-publish",
+            MetaCommand::CommitEpoch {
+                epoch: Epoch(1),
+                missed: vec![],
+                changes: Some(vec![TableChangeCount {
+                    table: "kv".into(),
+                    upserts: 10,
+                    deletes: 2,
+                }]),
+            },
+        ),
+        (
+            "stamped",
+            MetaCommand::Stamped {
+                at_ms: 1_763_632_800_250,
+                command: Box::new(MetaCommand::CreateTag {
+                    name: "release_1".into(),
+                    epoch: Some(Epoch(1)),
+                }),
+            },
+        ),
+        (
+            "create-tag",
+            MetaCommand::CreateTag {
+                name: "nightly".into(),
+                epoch: None,
+            },
+        ),
+        (
+            "drop-tag",
+            MetaCommand::DropTag {
+                name: "nightly".into(),
             },
         ),
         ("drop-table", MetaCommand::DropTable { name: "kv".into() }),

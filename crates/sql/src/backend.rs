@@ -6,6 +6,7 @@ use crate::engine::StatementOutput;
 use crate::error::{from_datafusion, Result, SqlError};
 use crate::provider::{ScanLayout, TesseraSchema};
 use crate::scan::read_visible_partition;
+use crate::tags::TagStatement;
 use crate::users::UserChange;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
@@ -48,6 +49,18 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Whether `name` is a user (for `IF NOT EXISTS` and `IF EXISTS`).
     fn user_exists(&self, _name: &str) -> bool {
+        false
+    }
+
+    /// Creates or drops a tag; returns the epoch a created tag pins.
+    async fn change_tag(&self, _change: TagStatement) -> Result<Option<Epoch>> {
+        Err(SqlError::Unsupported(
+            "tags: they live in a cluster's metadata, and a local store has none".into(),
+        ))
+    }
+
+    /// Whether tag `name` exists (for `IF NOT EXISTS` and `IF EXISTS`).
+    fn tag_exists(&self, _name: &str) -> bool {
         false
     }
 

@@ -7,7 +7,9 @@
 use crate::backend::{Backend, LocalBackend};
 use crate::error::{from_datafusion, Result, SqlError};
 use crate::provider::ScanLayout;
-use crate::time_travel::rewrite_as_of_epoch;
+use crate::statements::TesseraStatement;
+use crate::tags::TagStatement;
+use crate::time_travel::rewrite_as_of;
 use crate::transaction::Transaction;
 use crate::users::{UserChange, UserStatement};
 use arrow::array::RecordBatch;
@@ -136,8 +138,8 @@ impl Engine {
     }
 
     async fn execute_statements(&self, sql: &str) -> Result<Vec<StatementOutput>> {
-        if let Some(user) = crate::users::parse_user_statement(sql) {
-            return Ok(vec![self.execute_user(user?).await?]);
+        if let Some(statement) = crate::statements::parse_tessera_statement(sql) {
+            return Ok(vec![self.execute_tessera(statement?).await?]);
         }
         let statements = parse_statements(sql)?;
         let mut outputs = Vec::with_capacity(statements.len());
@@ -195,9 +197,9 @@ impl Engine {
         sql: &str,
         params: Option<&ParamValues>,
     ) -> Result<(Option<SchemaRef>, Vec<Option<DataType>>)> {
-        // A user statement is a command, and DataFusion's parser does not read it.
-        if let Some(user) = crate::users::parse_user_statement(sql) {
-            return user.map(|_| (None, Vec::new()));
+        // Tessera's own statements are commands, and DataFusion's parser does not read them.
+        if let Some(statement) = crate::statements::parse_tessera_statement(sql) {
+            return statement.map(|_| (None, Vec::new()));
         }
         let statement = parse_one_statement(sql)?;
         if transaction_control(&statement).is_some() {
@@ -232,20 +234,39 @@ impl Engine {
         }
     }
 
-    /// Runs a `CREATE USER`, `ALTER USER` or `DROP USER` (which a front end may have
-    /// recognized itself: see [`crate::users`]). It is shown only with its password masked.
-    pub async fn execute_user(&self, statement: UserStatement) -> Result<StatementOutput> {
-        self.observed(statement.redacted(), self.run_user(statement))
-            .await
+    /// Runs one of Tessera's own statements (which a front end may have recognized itself:
+    /// see [`crate::statements`]). A user statement is shown only with its password masked.
+    pub async fn execute_tessera(&self, statement: TesseraStatement) -> Result<StatementOutput> {
+        self.observed(statement.redacted(), async {
+            if self.in_transaction() {
+                return Err(SqlError::Unsupported(format!(
+                    "{} inside a transaction; run it on its own",
+                    statement.tag()
+                )));
+            }
+            match statement {
+                TesseraStatement::User(user) => self.run_user(user).await,
+                TesseraStatement::Tag(tag) => self.run_tag(tag).await,
+            }
+        })
+        .await
+    }
+
+    async fn run_tag(&self, statement: TagStatement) -> Result<StatementOutput> {
+        let exists = self.backend.tag_exists(statement.name());
+        let skip = statement.tolerant()
+            && match statement {
+                TagStatement::Create { .. } => exists,
+                TagStatement::Drop { .. } => !exists,
+            };
+        let epoch = match skip {
+            true => None,
+            false => self.backend.change_tag(statement.clone()).await?,
+        };
+        Ok(done(statement.command_tag(), epoch))
     }
 
     async fn run_user(&self, statement: UserStatement) -> Result<StatementOutput> {
-        if self.in_transaction() {
-            return Err(SqlError::Unsupported(format!(
-                "{} inside a transaction; run it on its own",
-                statement.tag()
-            )));
-        }
         let exists = self.backend.user_exists(statement.name());
         let skip = statement.tolerant
             && match statement.change {
@@ -321,6 +342,7 @@ impl Engine {
         match plan {
             LogicalPlan::Ddl(DdlStatement::CreateMemoryTable(create)) => {
                 let name = create.name.table().to_string();
+                crate::system::check_user_table_name(&name)?;
                 if create.or_replace {
                     return Err(SqlError::Unsupported(
                         "CREATE OR REPLACE TABLE; drop the table first".into(),
@@ -566,7 +588,7 @@ fn parse_one_statement(sql: &str) -> Result<DFStatement> {
 }
 
 fn parse_statements(sql: &str) -> Result<std::collections::VecDeque<DFStatement>> {
-    let sql = rewrite_as_of_epoch(sql)?;
+    let sql = rewrite_as_of(sql)?;
     DFParser::parse_sql_with_dialect(&sql, &GenericDialect {})
         .map_err(|e| SqlError::DataFusion(e.into()))
 }
@@ -624,11 +646,7 @@ fn read_tables(plan: &LogicalPlan) -> Vec<String> {
     let _ = plan.apply_with_subqueries(|node| {
         if let LogicalPlan::TableScan(scan) = node {
             let name = scan.table_name.table();
-            tables.push(
-                crate::time_travel::split_epoch_name(name)
-                    .map_or(name, |(t, _)| t)
-                    .to_string(),
-            );
+            tables.push(crate::time_travel::base_table_name(name).to_string());
         }
         Ok(TreeNodeRecursion::Continue)
     });

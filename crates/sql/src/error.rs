@@ -33,12 +33,29 @@ pub enum SqlError {
     /// A statement's parameters are malformed, or bound values do not fit them.
     #[error("{0}")]
     UndefinedParameter(String),
+    /// A value outside what it may be: a time-travel timestamp before the first epoch or
+    /// in the future, an epoch that cannot be tagged.
+    #[error("{0}")]
+    InvalidValue(String),
+    /// A date or time that does not parse.
+    #[error("{0}")]
+    InvalidDatetime(String),
 }
 
 impl SqlError {
     /// Wraps a storage error for DataFusion's trait boundaries, keeping its message intact.
     pub fn to_datafusion(error: StorageError) -> DataFusionError {
         DataFusionError::External(Box::new(error))
+    }
+
+    /// Wraps this error for DataFusion's trait boundaries (a catalog lookup), so that
+    /// [`from_datafusion`] gives it back as it was.
+    pub fn into_datafusion(self) -> DataFusionError {
+        match self {
+            SqlError::Storage(storage) => Self::to_datafusion(storage),
+            SqlError::DataFusion(error) => error,
+            other => DataFusionError::External(Box::new(other)),
+        }
     }
 }
 
@@ -47,7 +64,10 @@ pub fn from_datafusion(error: DataFusionError) -> SqlError {
     match error {
         DataFusionError::External(inner) => match inner.downcast::<StorageError>() {
             Ok(storage) => SqlError::Storage(*storage),
-            Err(other) => SqlError::DataFusion(DataFusionError::External(other)),
+            Err(other) => match other.downcast::<SqlError>() {
+                Ok(sql) => *sql,
+                Err(other) => SqlError::DataFusion(DataFusionError::External(other)),
+            },
         },
         DataFusionError::Context(context, inner) => match from_datafusion(*inner) {
             SqlError::DataFusion(inner) => {
@@ -86,6 +106,8 @@ impl SqlError {
             SqlError::DuplicateObject(_) => "42710",
             SqlError::UndefinedObject(_) => "42704",
             SqlError::UndefinedParameter(_) => "42P02",
+            SqlError::InvalidValue(_) => "22023",
+            SqlError::InvalidDatetime(_) => "22007",
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::error::SqlError;
 use crate::scan::VersionedScanExec;
-use crate::time_travel::split_epoch_name;
+use crate::time_travel::{base_table_name, split_as_of, AsOf};
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
@@ -105,8 +105,14 @@ impl SchemaProvider for TesseraSchema {
     }
 
     async fn table(&self, name: &str) -> Result<Option<Arc<dyn TableProvider>>> {
-        let (table, epoch) = match split_epoch_name(name) {
-            Some((table, epoch)) => (table, Some(Epoch(epoch))),
+        let (table, epoch) = match split_as_of(name) {
+            Some((table, AsOf::Epoch(epoch))) => (table, Some(Epoch(epoch))),
+            Some((_, point)) => {
+                return Err(SqlError::Unsupported(format!(
+                    "{point}: commit times and tags live in a cluster's metadata, and a local store has none; use AS OF EPOCH"
+                ))
+                .into_datafusion())
+            }
             None => (name, None),
         };
         let Some(def) = self.store.table_def(table) else {
@@ -128,8 +134,7 @@ impl SchemaProvider for TesseraSchema {
     }
 
     fn table_exist(&self, name: &str) -> bool {
-        let table = split_epoch_name(name).map(|(t, _)| t).unwrap_or(name);
-        self.store.table_def(table).is_some()
+        self.store.table_def(base_table_name(name)).is_some()
     }
 }
 

@@ -9,9 +9,9 @@
 //! `\password` sends) is stored as it is.
 
 use crate::error::{Result, SqlError};
-use datafusion::sql::sqlparser::dialect::PostgreSqlDialect;
+use crate::statements::{describe, syntax, Tokens};
 use datafusion::sql::sqlparser::keywords::Keyword;
-use datafusion::sql::sqlparser::tokenizer::{Token, Tokenizer};
+use datafusion::sql::sqlparser::tokenizer::Token;
 use tessera_common::auth::ScramSecret;
 
 /// What a user statement asks of the cluster's metadata.
@@ -62,73 +62,13 @@ impl UserStatement {
 /// trailing `;`), parsed or with the error that names what is wrong; `None` for any other
 /// SQL.
 pub fn parse_user_statement(sql: &str) -> Option<Result<UserStatement>> {
-    let tokens = Tokenizer::new(&PostgreSqlDialect {}, sql).tokenize().ok()?;
-    let mut tokens = Tokens {
-        tokens: tokens
-            .into_iter()
-            .filter(|t| !matches!(t, Token::Whitespace(_)))
-            .collect(),
-        at: 0,
-    };
+    let mut tokens = Tokens::of(sql)?;
     let verb = tokens.keyword_of(&[Keyword::CREATE, Keyword::ALTER, Keyword::DROP])?;
     tokens.keyword_of(&[Keyword::USER, Keyword::ROLE])?;
     Some(tokens.user_statement(verb))
 }
 
-struct Tokens {
-    tokens: Vec<Token>,
-    at: usize,
-}
-
-fn syntax(message: impl Into<String>) -> SqlError {
-    SqlError::Syntax(message.into())
-}
-
 impl Tokens {
-    fn peek(&self) -> Option<&Token> {
-        self.tokens.get(self.at)
-    }
-
-    /// Takes the next token if it is one of `keywords`, and says which.
-    fn keyword_of(&mut self, keywords: &[Keyword]) -> Option<Keyword> {
-        match self.peek() {
-            Some(Token::Word(word)) if word.quote_style.is_none() => {
-                let found = keywords.iter().copied().find(|k| *k == word.keyword)?;
-                self.at += 1;
-                Some(found)
-            }
-            _ => None,
-        }
-    }
-
-    fn keywords(&mut self, sequence: &[Keyword]) -> bool {
-        let start = self.at;
-        for keyword in sequence {
-            if self.keyword_of(&[*keyword]).is_none() {
-                self.at = start;
-                return false;
-            }
-        }
-        true
-    }
-
-    /// A user name: folded to lower case unless quoted, as PostgreSQL does.
-    fn name(&mut self) -> Result<String> {
-        match self.tokens.get(self.at) {
-            Some(Token::Word(word)) => {
-                self.at += 1;
-                Ok(match word.quote_style {
-                    Some(_) => word.value.clone(),
-                    None => word.value.to_lowercase(),
-                })
-            }
-            other => Err(syntax(format!(
-                "expected a user name, found {}",
-                describe(other)
-            ))),
-        }
-    }
-
     fn password(&mut self) -> Result<ScramSecret> {
         match self.tokens.get(self.at) {
             Some(Token::SingleQuotedString(password)) => {
@@ -169,24 +109,11 @@ impl Tokens {
         secret.ok_or_else(|| syntax(format!("{verb} USER needs WITH PASSWORD '...'")))
     }
 
-    fn end(&mut self) -> Result<()> {
-        if self.peek() == Some(&Token::SemiColon) {
-            self.at += 1;
-        }
-        match self.peek() {
-            None | Some(Token::EOF) => Ok(()),
-            other => Err(syntax(format!(
-                "unexpected {} after the user statement (send it on its own)",
-                describe(other)
-            ))),
-        }
-    }
-
     fn user_statement(&mut self, verb: Keyword) -> Result<UserStatement> {
         let statement = match verb {
             Keyword::CREATE => {
                 let tolerant = self.keywords(&[Keyword::IF, Keyword::NOT, Keyword::EXISTS]);
-                let name = self.name()?;
+                let name = self.name("a user name")?;
                 let secret = self.options("CREATE")?;
                 UserStatement {
                     change: UserChange::Create { name, secret },
@@ -194,7 +121,7 @@ impl Tokens {
                 }
             }
             Keyword::ALTER => {
-                let name = self.name()?;
+                let name = self.name("a user name")?;
                 let secret = self.options("ALTER")?;
                 UserStatement {
                     change: UserChange::Alter { name, secret },
@@ -203,22 +130,15 @@ impl Tokens {
             }
             _ => {
                 let tolerant = self.keywords(&[Keyword::IF, Keyword::EXISTS]);
-                let name = self.name()?;
+                let name = self.name("a user name")?;
                 UserStatement {
                     change: UserChange::Drop { name },
                     tolerant,
                 }
             }
         };
-        self.end()?;
+        self.end("user")?;
         Ok(statement)
-    }
-}
-
-fn describe(token: Option<&Token>) -> String {
-    match token {
-        None | Some(Token::EOF) => "the end of the statement".into(),
-        Some(token) => format!("'{token}'"),
     }
 }
 

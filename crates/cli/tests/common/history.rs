@@ -5,7 +5,6 @@
 //! backwards after another finished, no phantom rows, and `AS OF EPOCH` answers that never
 //! change.
 
-use super::wait_until;
 use arrow::array::{Int64Array, RecordBatch};
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, BTreeSet};
@@ -332,21 +331,61 @@ pub async fn wait_recovered(
         .unwrap_or_default();
     let nodes = cluster.node_ids().len();
     let admin = ClusterClient::new(cluster.addr(via));
-    wait_until("the cluster to recover", timeout, || async {
-        let status = admin.status().await.ok()?;
-        let recovered = status.leader.is_some()
-            && status.meta.visible >= last_acknowledged
-            && status.meta.live_nodes().count() == nodes
-            && status.meta.open.is_empty()
-            && status
-                .meta
-                .map
-                .partitions
-                .iter()
-                .all(|p| p.stale.is_empty());
-        recovered.then_some(status)
-    })
-    .await
+    let deadline = Instant::now() + timeout;
+    let mut unmet = vec!["no status answered".to_string()];
+    while Instant::now() < deadline {
+        match admin.status().await {
+            Ok(status) => {
+                unmet = unrecovered(&status, last_acknowledged, nodes);
+                if unmet.is_empty() {
+                    return status;
+                }
+            }
+            Err(error) => unmet = vec![format!("status through node {via} failed: {error}")],
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!(
+        "timed out waiting for the cluster to recover after {timeout:?}; still: {}",
+        unmet.join("; ")
+    );
+}
+
+/// What keeps `status` from showing a recovered cluster (empty when it does).
+fn unrecovered(status: &NodeStatus, last_acknowledged: Epoch, nodes: usize) -> Vec<String> {
+    let mut unmet = Vec::new();
+    if status.leader.is_none() {
+        unmet.push("no metadata leader".to_string());
+    }
+    if status.meta.visible < last_acknowledged {
+        unmet.push(format!(
+            "visible epoch {} is below the last acknowledged {last_acknowledged}",
+            status.meta.visible
+        ));
+    }
+    let live: Vec<_> = status.meta.live_nodes().map(|n| n.id).collect();
+    if live.len() != nodes {
+        unmet.push(format!("live nodes {live:?} of {nodes}"));
+    }
+    if !status.meta.open.is_empty() {
+        unmet.push(format!(
+            "epochs still open: {:?}",
+            status.meta.open.keys().collect::<Vec<_>>()
+        ));
+    }
+    let stale: Vec<String> = status
+        .meta
+        .map
+        .partitions
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| !p.stale.is_empty())
+        .map(|(i, p)| format!("partition {i} stale on {:?}", p.stale))
+        .collect();
+    if !stale.is_empty() {
+        unmet.push(stale.join(", "));
+    }
+    unmet
 }
 
 fn keys_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {

@@ -121,6 +121,7 @@ impl Run {
                 let response = self.apply(MetaCommand::CommitEpoch {
                     epoch,
                     missed: missed.clone(),
+                    changes: None,
                 });
                 if was_open && leaves_none_fresh {
                     assert!(

@@ -121,6 +121,7 @@ fn retried_allocations_and_commits_are_idempotent() {
     let commit = MetaCommand::CommitEpoch {
         epoch: first,
         missed: vec![],
+        changes: None,
     };
     assert_eq!(state.apply(5, commit.clone()).0, MetaResponse::Epoch(first));
     assert_eq!(state.apply(6, commit).0, MetaResponse::Epoch(first));
@@ -178,6 +179,7 @@ fn visible_epoch_waits_for_every_earlier_epoch() {
         MetaCommand::CommitEpoch {
             epoch: second,
             missed: vec![],
+            changes: None,
         },
     );
     assert_eq!(state.visible, second);
@@ -265,6 +267,7 @@ fn a_replica_that_missed_an_epoch_is_not_read() {
         MetaCommand::CommitEpoch {
             epoch,
             missed: vec![(PartitionId(0), NodeId(1))],
+            changes: None,
         },
     );
     assert_eq!(state.map.partitions[0].primary, Some(NodeId(2)));
@@ -363,6 +366,7 @@ fn an_aborted_rebalance_cannot_switch_the_map_and_clear_newer_stale_marks() {
         MetaCommand::CommitEpoch {
             epoch: later,
             missed: vec![(PartitionId(0), NodeId(3))],
+            changes: None,
         },
     );
     assert_eq!(state.map.partitions[0].stale.get(&NodeId(3)), Some(&later));
@@ -383,4 +387,147 @@ fn an_aborted_rebalance_cannot_switch_the_map_and_clear_newer_stale_marks() {
         Some(&later),
         "node 3 still counts as missing the epoch"
     );
+}
+
+/// `command` as the leader proposes it, stamped at `at_ms`.
+fn stamped(at_ms: u64, command: MetaCommand) -> MetaCommand {
+    MetaCommand::Stamped {
+        at_ms,
+        command: Box::new(command),
+    }
+}
+
+fn open_epoch(state: &mut MetaState, table: &str, request: u64) -> Epoch {
+    let command = MetaCommand::AllocateEpoch {
+        coordinator: NodeId(1),
+        incarnation: 0,
+        tables: vec![table.into()],
+        request,
+    };
+    match state.apply(3, command).0 {
+        MetaResponse::Epoch(epoch) => epoch,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn commit_at(state: &mut MetaState, epoch: Epoch, at_ms: u64) {
+    let commit = MetaCommand::CommitEpoch {
+        epoch,
+        missed: vec![],
+        changes: Some(vec![crate::TableChangeCount {
+            table: "t".into(),
+            upserts: 3,
+            deletes: 1,
+        }]),
+    };
+    assert_eq!(state.apply(4, stamped(at_ms, commit)).0, MetaResponse::Epoch(epoch));
+}
+
+/// A second table, so two epochs can be open at once.
+fn with_table_u(mut state: MetaState) -> MetaState {
+    let def = TableDef::new(
+        "u",
+        Schema::new(vec![Field::new("k", DataType::Int64, false)]),
+        vec!["k".into()],
+        None,
+    )
+    .unwrap();
+    state.apply(2, MetaCommand::CreateTable { def });
+    state
+}
+
+#[test]
+fn an_epoch_takes_the_time_it_became_visible_and_times_never_fall() {
+    let mut state = with_table_u(bootstrapped(3));
+    let first = open_epoch(&mut state, "t", 1);
+    commit_at(&mut state, first, 1_000);
+    let second = open_epoch(&mut state, "t", 2);
+    let third = open_epoch(&mut state, "u", 3);
+    // The third commits first, but no reader can see it until the second is decided.
+    commit_at(&mut state, third, 2_000);
+    assert_eq!(state.epoch_log[&third].visible_at_ms, 0);
+    commit_at(&mut state, second, 3_000);
+    assert_eq!(state.epoch_log[&second].visible_at_ms, 3_000);
+    assert_eq!(state.epoch_log[&third].visible_at_ms, 3_000);
+    assert_eq!(state.epoch_log[&first].changes[0].upserts, 3);
+    assert_eq!(state.epoch_log[&first].kind, crate::EpochKind::Publish);
+
+    let before = state.epoch_at(999).unwrap_err();
+    assert!(before.contains("before the first epoch"), "{before}");
+    assert_eq!(state.epoch_at(1_000), Ok(first));
+    assert_eq!(state.epoch_at(2_500), Ok(first), "the third was not visible at 2.5 s");
+    assert_eq!(state.epoch_at(3_000), Ok(third));
+
+    // A leader whose clock lags does not move the metadata's clock back.
+    let fourth = open_epoch(&mut state, "t", 4);
+    commit_at(&mut state, fourth, 500);
+    assert_eq!(state.epoch_log[&fourth].visible_at_ms, 3_000);
+    assert_eq!(state.clock_ms, 3_000);
+}
+
+#[test]
+fn an_abort_makes_the_epochs_behind_it_visible_at_its_time() {
+    let mut state = with_table_u(bootstrapped(3));
+    let aborted = open_epoch(&mut state, "t", 1);
+    let committed = open_epoch(&mut state, "u", 2);
+    commit_at(&mut state, committed, 1_000);
+    let abort = MetaCommand::AbortEpoch {
+        epoch: aborted,
+        reason: "test".into(),
+    };
+    state.apply(5, stamped(4_000, abort));
+    assert_eq!(state.epoch_log[&committed].visible_at_ms, 4_000);
+    assert!(!state.epoch_log.contains_key(&aborted));
+    assert!(state.epoch_at(3_999).is_err());
+}
+
+#[test]
+fn a_refused_stamped_command_leaves_the_clock_alone() {
+    let mut state = bootstrapped(3);
+    let refused = state.apply(3, stamped(9_000, MetaCommand::DropTag { name: "x".into() }));
+    assert!(matches!(refused.0, MetaResponse::Refused(ref r) if r.contains("does not exist")));
+    assert_eq!(state.clock_ms, 0);
+    let nested = state.apply(4, stamped(1, stamped(2, MetaCommand::LineageEnd { query: QueryId(1) })));
+    assert!(matches!(nested.0, MetaResponse::Refused(_)));
+}
+
+#[test]
+fn tags_pin_committed_visible_epochs_once_each() {
+    let mut state = with_table_u(bootstrapped(3));
+    let first = open_epoch(&mut state, "t", 1);
+    commit_at(&mut state, first, 1_000);
+    let aborted = open_epoch(&mut state, "t", 2);
+    state.apply(
+        5,
+        MetaCommand::AbortEpoch {
+            epoch: aborted,
+            reason: "test".into(),
+        },
+    );
+    let open = open_epoch(&mut state, "u", 3);
+    let tag = |name: &str, epoch: Option<Epoch>| MetaCommand::CreateTag {
+        name: name.into(),
+        epoch,
+    };
+    assert_eq!(
+        state.apply(6, stamped(5_000, tag("now", None))).0,
+        MetaResponse::Epoch(first),
+        "the newest committed epoch a reader sees (the visible one was aborted)"
+    );
+    assert_eq!(state.tags["now"].created_at_ms, 5_000);
+    assert_eq!(state.apply(7, tag("v1", Some(first))).0, MetaResponse::Epoch(first));
+    assert_eq!(state.tag_epoch("v1"), Ok(first));
+    let refusal = |response: MetaResponse| match response {
+        MetaResponse::Refused(reason) => reason,
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    assert!(refusal(state.apply(8, tag("v1", None)).0).contains("already exists"));
+    assert!(refusal(state.apply(9, tag("bad", Some(aborted))).0).contains("aborted"));
+    assert!(refusal(state.apply(10, tag("early", Some(open))).0).contains("not visible"));
+    assert!(!state.tags.contains_key("bad") && !state.tags.contains_key("early"));
+    assert_eq!(
+        state.apply(11, MetaCommand::DropTag { name: "v1".into() }).0,
+        MetaResponse::Done
+    );
+    assert!(state.tag_epoch("v1").unwrap_err().contains("does not exist"));
 }

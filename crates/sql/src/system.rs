@@ -1,0 +1,127 @@
+//! System tables: the history a collaborator reads with plain SQL.
+//!
+//! - `tessera_epochs`: every committed epoch, when it became visible, what kind of change
+//!   it was, which node coordinated it, the tables it touched and the rows it wrote.
+//! - `tessera_tags`: the named epochs.
+//!
+//! They are read-only views of the cluster's metadata, built per statement from the view
+//! the statement pinned, and answered on the node that plans the statement. Names with
+//! the `tessera_` prefix are reserved for them.
+
+use crate::error::{Result, SqlError};
+use arrow::array::{ArrayRef, RecordBatch, StringArray, TimestampMillisecondArray, Int64Array};
+use arrow::datatypes::{DataType, Field, Schema, TimeUnit};
+use datafusion::catalog::TableProvider;
+use datafusion::datasource::MemTable;
+use std::sync::Arc;
+
+pub const EPOCHS_TABLE: &str = "tessera_epochs";
+pub const TAGS_TABLE: &str = "tessera_tags";
+/// Table names starting with it belong to Tessera.
+pub const RESERVED_PREFIX: &str = "tessera_";
+
+/// Whether `name` is one of the system tables.
+pub fn is_system_table(name: &str) -> bool {
+    name == EPOCHS_TABLE || name == TAGS_TABLE
+}
+
+/// Refuses a user table named like a system table.
+pub fn check_user_table_name(name: &str) -> Result<()> {
+    if name.starts_with(RESERVED_PREFIX) {
+        return Err(SqlError::InvalidValue(format!(
+            "table name {name:?}: names starting with {RESERVED_PREFIX:?} are reserved for Tessera's system tables"
+        )));
+    }
+    Ok(())
+}
+
+/// One row of `tessera_epochs`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EpochRow {
+    pub epoch: u64,
+    /// Milliseconds since the Unix epoch; `None` if the time was not recorded.
+    pub committed_at_ms: Option<u64>,
+    /// `publish` or `placement`.
+    pub kind: &'static str,
+    pub coordinator: u64,
+    pub tables: Vec<String>,
+    pub rows_written: u64,
+    pub rows_deleted: u64,
+}
+
+/// One row of `tessera_tags`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TagRow {
+    pub name: String,
+    pub epoch: u64,
+    pub created_at_ms: Option<u64>,
+}
+
+fn timestamp_field(name: &str) -> Field {
+    Field::new(
+        name,
+        DataType::Timestamp(TimeUnit::Millisecond, Some("UTC".into())),
+        true,
+    )
+}
+
+fn timestamps(values: impl Iterator<Item = Option<u64>>) -> ArrayRef {
+    Arc::new(
+        TimestampMillisecondArray::from(values.map(|v| v.map(|ms| ms as i64)).collect::<Vec<_>>())
+            .with_timezone("UTC"),
+    )
+}
+
+fn table(schema: Schema, columns: Vec<ArrayRef>) -> Result<Arc<dyn TableProvider>> {
+    let schema = Arc::new(schema);
+    let batch = RecordBatch::try_new(schema.clone(), columns)?;
+    Ok(Arc::new(MemTable::try_new(schema, vec![vec![batch]])?))
+}
+
+/// `tessera_epochs` over `rows`.
+pub fn epochs_table(rows: &[EpochRow]) -> Result<Arc<dyn TableProvider>> {
+    let schema = Schema::new(vec![
+        Field::new("epoch", DataType::Int64, false),
+        timestamp_field("committed_at"),
+        Field::new("kind", DataType::Utf8, false),
+        Field::new("coordinator", DataType::Int64, false),
+        Field::new("tables", DataType::Utf8, false),
+        Field::new("rows_written", DataType::Int64, false),
+        Field::new("rows_deleted", DataType::Int64, false),
+    ]);
+    // BIGINT, as PostgreSQL clients know it (they have no unsigned integers).
+    let numbers = |f: fn(&EpochRow) -> u64| -> ArrayRef {
+        Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| f(r) as i64)))
+    };
+    table(
+        schema,
+        vec![
+            numbers(|r| r.epoch),
+            timestamps(rows.iter().map(|r| r.committed_at_ms)),
+            Arc::new(StringArray::from_iter_values(rows.iter().map(|r| r.kind))),
+            numbers(|r| r.coordinator),
+            Arc::new(StringArray::from_iter_values(
+                rows.iter().map(|r| r.tables.join(", ")),
+            )),
+            numbers(|r| r.rows_written),
+            numbers(|r| r.rows_deleted),
+        ],
+    )
+}
+
+/// `tessera_tags` over `rows`.
+pub fn tags_table(rows: &[TagRow]) -> Result<Arc<dyn TableProvider>> {
+    let schema = Schema::new(vec![
+        Field::new("name", DataType::Utf8, false),
+        Field::new("epoch", DataType::Int64, false),
+        timestamp_field("created_at"),
+    ]);
+    table(
+        schema,
+        vec![
+            Arc::new(StringArray::from_iter_values(rows.iter().map(|r| &r.name))),
+            Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.epoch as i64))),
+            timestamps(rows.iter().map(|r| r.created_at_ms)),
+        ],
+    )
+}
