@@ -92,13 +92,13 @@ pub fn parse_timestamp_ms(text: &str) -> Result<u64> {
     } else {
         text.to_string()
     };
-    let nanos = arrow::compute::kernels::cast_utils::string_to_timestamp_nanos(&text)
-        .map_err(|e| {
-            SqlError::InvalidDatetime(format!(
-                "AS OF TIMESTAMP needs a date and time such as '2026-11-20 10:00' (UTC unless an offset is given): {e}"
-            ))
-        })?;
-    u64::try_from(nanos.div_euclid(1_000_000)).map_err(|_| {
+    let utc: arrow::array::timezone::Tz = "+00:00".parse().expect("UTC is a time zone");
+    let time = arrow::compute::kernels::cast_utils::string_to_datetime(&utc, &text).map_err(|e| {
+        SqlError::InvalidDatetime(format!(
+            "AS OF TIMESTAMP needs a date and time such as '2026-11-20 10:00' (UTC unless an offset is given): {e}"
+        ))
+    })?;
+    u64::try_from(time.timestamp_millis()).map_err(|_| {
         SqlError::InvalidValue(format!(
             "AS OF TIMESTAMP '{text}' is before 1970, before any epoch"
         ))

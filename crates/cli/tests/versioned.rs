@@ -1,0 +1,310 @@
+//! Versioned data against a model: random publishes (inserts, updates, deletes) and tags on
+//! a 3-node cluster (r=3), each recorded in an in-memory model of the table's history.
+//! Every `AS OF EPOCH`, `AS OF TIMESTAMP` and `AS OF TAG` answer must equal the model's,
+//! before and after every node is SIGKILLed and restarted; the epoch log and the tags are
+//! readable as system tables; bad time-travel input is refused by name and changes nothing.
+
+use arrow::array::{Array, Int64Array, RecordBatch, StringArray};
+use rand::{Rng, SeedableRng};
+use std::collections::BTreeMap;
+use std::time::Duration;
+use tessera_sql::StatementOutput;
+use tessera_server::ClusterClient;
+
+mod common;
+use common::wait_formed;
+
+const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
+const PARTITIONS: u32 = 8;
+
+type Rows = BTreeMap<i64, i64>;
+
+/// One acknowledged publish and the table as it was right after it.
+struct Version {
+    epoch: u64,
+    /// Client wall-clock times just before the statement was sent and just after it was
+    /// acknowledged (the nodes share this machine's clock).
+    sent_ms: u64,
+    acked_ms: u64,
+    rows: Rows,
+}
+
+/// The table's history as the test wrote it.
+#[derive(Default)]
+struct Model {
+    versions: Vec<Version>,
+    /// Tag name → the rows it pins.
+    tags: BTreeMap<String, (u64, Rows)>,
+}
+
+impl Model {
+    fn current(&self) -> Rows {
+        self.versions.last().map(|v| v.rows.clone()).unwrap_or_default()
+    }
+
+    fn at_epoch(&self, epoch: u64) -> Rows {
+        self.versions
+            .iter()
+            .take_while(|v| v.epoch <= epoch)
+            .last()
+            .map(|v| v.rows.clone())
+            .unwrap_or_default()
+    }
+}
+
+fn int64(batch: &RecordBatch, column: usize) -> &Int64Array {
+    batch
+        .column(column)
+        .as_any()
+        .downcast_ref::<Int64Array>()
+        .unwrap_or_else(|| panic!("column {column} is {:?}", batch.column(column).data_type()))
+}
+
+async fn rows_of(client: &ClusterClient, sql: &str) -> Rows {
+    let batches = client
+        .query(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    let mut rows = Rows::new();
+    for batch in &batches {
+        let (k, v) = (int64(batch, 0), int64(batch, 1));
+        for i in 0..batch.num_rows() {
+            rows.insert(k.value(i), v.value(i));
+        }
+    }
+    rows
+}
+
+/// Runs one statement and returns the epoch that made it visible (`None` if it changed
+/// nothing).
+async fn write(client: &ClusterClient, sql: &str) -> Option<u64> {
+    let outputs = client
+        .sql(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    match outputs.last() {
+        Some(StatementOutput::Done { epoch, .. }) => epoch.map(|e| e.0),
+        other => panic!("{sql}: {other:?}"),
+    }
+}
+
+async fn error_of(client: &ClusterClient, sql: &str) -> String {
+    match client.sql(sql).await {
+        Ok(outputs) => panic!("{sql} was accepted: {outputs:?}"),
+        Err(error) => error.to_string(),
+    }
+}
+
+/// A random change to the table, as SQL, and what it does to `rows`.
+fn random_change(rng: &mut rand::rngs::StdRng, next_key: &mut i64, rows: &mut Rows) -> String {
+    match rng.random_range(0..10) {
+        0..=4 => {
+            let n = rng.random_range(1..20);
+            let values: Vec<String> = (0..n)
+                .map(|_| {
+                    let (k, v) = (*next_key, rng.random_range(0..1000));
+                    *next_key += 1;
+                    rows.insert(k, v);
+                    format!("({k}, {v})")
+                })
+                .collect();
+            format!("INSERT INTO kv VALUES {}", values.join(", "))
+        }
+        5..=7 => {
+            let (m, r, d) = (rng.random_range(2..5), rng.random_range(0..2), rng.random_range(1..50));
+            for (k, v) in rows.iter_mut() {
+                if k % m == r {
+                    *v += d;
+                }
+            }
+            format!("UPDATE kv SET v = v + {d} WHERE k % {m} = {r}")
+        }
+        _ => {
+            let (m, r) = (rng.random_range(3..7), rng.random_range(0..3));
+            rows.retain(|k, _| k % m != r);
+            format!("DELETE FROM kv WHERE k % {m} = {r}")
+        }
+    }
+}
+
+/// `ms` as a timestamp literal, UTC.
+fn timestamp(ms: u64) -> String {
+    tessera_common::time::format_ms(ms).trim_end_matches(" UTC").to_string()
+}
+
+/// Checks every version by epoch and by time, and every tag, against the model.
+async fn check_history(client: &ClusterClient, model: &Model, when: &str) {
+    for (i, version) in model.versions.iter().enumerate() {
+        let by_epoch = rows_of(
+            client,
+            &format!("SELECT k, v FROM kv AS OF EPOCH {} ORDER BY k", version.epoch),
+        )
+        .await;
+        assert_eq!(by_epoch, version.rows, "{when}: AS OF EPOCH {}", version.epoch);
+        // A time after this publish was acknowledged and before the next was sent sees
+        // exactly this version.
+        let until = model.versions.get(i + 1).map_or(version.acked_ms + 20, |next| next.sent_ms);
+        let at = version.acked_ms + (until - version.acked_ms) / 2;
+        let by_time = rows_of(
+            client,
+            &format!(
+                "SELECT k, v FROM kv AS OF TIMESTAMP '{}' ORDER BY k",
+                timestamp(at)
+            ),
+        )
+        .await;
+        assert_eq!(
+            by_time, version.rows,
+            "{when}: AS OF TIMESTAMP {} (epoch {} was acknowledged at {})",
+            timestamp(at),
+            version.epoch,
+            timestamp(version.acked_ms)
+        );
+    }
+    for (name, (epoch, rows)) in &model.tags {
+        let by_tag = rows_of(client, &format!("SELECT k, v FROM kv AS OF TAG \"{name}\"")).await;
+        assert_eq!(&by_tag, rows, "{when}: AS OF TAG {name} (epoch {epoch})");
+    }
+    // The system tables list every publish and every tag.
+    let epochs = client
+        .query("SELECT epoch, kind, tables, rows_written FROM tessera_epochs WHERE kind = 'publish' ORDER BY epoch")
+        .await
+        .unwrap();
+    let listed: Vec<i64> = epochs
+        .iter()
+        .flat_map(|b| int64(b, 0).values().to_vec())
+        .collect();
+    let written: Vec<u64> = model.versions.iter().map(|v| v.epoch).collect();
+    assert_eq!(
+        listed,
+        written.iter().map(|&e| e as i64).collect::<Vec<_>>(),
+        "{when}: tessera_epochs lists every publish"
+    );
+    for batch in &epochs {
+        let tables = batch.column(2).as_any().downcast_ref::<StringArray>().unwrap();
+        assert!((0..batch.num_rows()).all(|i| tables.value(i) == "kv"));
+    }
+    let tags = client
+        .query("SELECT name, epoch FROM tessera_tags ORDER BY name")
+        .await
+        .unwrap();
+    let mut listed_tags = BTreeMap::new();
+    for batch in &tags {
+        let names = batch.column(0).as_any().downcast_ref::<StringArray>().unwrap();
+        for i in 0..batch.num_rows() {
+            listed_tags.insert(names.value(i).to_string(), int64(batch, 1).value(i) as u64);
+        }
+    }
+    let expected: BTreeMap<String, u64> =
+        model.tags.iter().map(|(n, (e, _))| (n.clone(), *e)).collect();
+    assert_eq!(listed_tags, expected, "{when}: tessera_tags");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_as_of_answer_equals_the_model_before_and_after_restarts() {
+    let root = tempfile::tempdir().unwrap();
+    let (mut cluster, client) =
+        common::kv_cluster_with(BINARY, root.path(), PARTITIONS, 3, &[]).await;
+    let seed: u64 = std::env::var("TESSERA_VERSIONED_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(17);
+    println!("seed {seed} (TESSERA_VERSIONED_SEED reruns it)");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut model = Model::default();
+    let mut next_key = 0;
+    for step in 0..30 {
+        let mut rows = model.current();
+        let sql = random_change(&mut rng, &mut next_key, &mut rows);
+        // The gap keeps each version's time window wide enough to name.
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let sent_ms = tessera_common::time::now_ms();
+        let epoch = write(&client, &sql).await;
+        let acked_ms = tessera_common::time::now_ms();
+        if let Some(epoch) = epoch {
+            model.versions.push(Version {
+                epoch,
+                sent_ms,
+                acked_ms,
+                rows,
+            });
+        } else {
+            assert_eq!(rows, model.current(), "{sql} changed nothing, so the model must not");
+        }
+        if step % 7 == 3 {
+            let name = format!("step_{step}");
+            let epoch = write(&client, &format!("CREATE TAG {name}")).await;
+            let epoch = epoch.expect("CREATE TAG answers with the epoch it pins");
+            assert_eq!(epoch, model.versions.last().unwrap().epoch, "a tag pins the newest epoch");
+            model.tags.insert(name, (epoch, model.current()));
+        }
+    }
+    // A tag at an earlier epoch, named by number.
+    let old = model.versions[model.versions.len() / 3].epoch;
+    write(&client, &format!("CREATE TAG \"release-1.0\" AT EPOCH {old}")).await;
+    model.tags.insert("release-1.0".into(), (old, model.at_epoch(old)));
+
+    check_history(&client, &model, "before restarts").await;
+    check_bad_input(&client, &model).await;
+
+    // Every node is killed at once and restarted: the epoch log, the times and the tags
+    // are in the Raft log and snapshots, not in memory.
+    for id in cluster.node_ids() {
+        cluster.kill9(id);
+    }
+    for id in cluster.node_ids() {
+        cluster.start(id);
+    }
+    wait_formed(&cluster, 1, 3).await;
+    for via in [2, 3] {
+        let other = ClusterClient::new(cluster.addr(via));
+        check_history(&other, &model, &format!("after restart, through node {via}")).await;
+    }
+    // A dropped tag is gone; the data it pinned is not.
+    write(&client, "DROP TAG step_3").await;
+    let error = error_of(&client, "SELECT * FROM kv AS OF TAG step_3").await;
+    assert!(error.contains("tag \"step_3\" does not exist"), "{error}");
+    model.tags.remove("step_3");
+    check_history(&client, &model, "after DROP TAG").await;
+    assert_eq!(rows_of(&client, "SELECT k, v FROM kv").await, model.current());
+    drop(cluster);
+}
+
+/// Time-travel mistakes get errors that name them, and change nothing.
+async fn check_bad_input(client: &ClusterClient, model: &Model) {
+    let first_sent = model.versions[0].sent_ms;
+    let cases = [
+        (
+            format!("SELECT * FROM kv AS OF TIMESTAMP '{}'", timestamp(first_sent - 60_000)),
+            "before the first epoch",
+        ),
+        (
+            "SELECT * FROM kv AS OF TIMESTAMP '2999-01-01 00:00'".to_string(),
+            "is in the future",
+        ),
+        (
+            "SELECT * FROM kv AS OF TIMESTAMP 'last tuesday'".to_string(),
+            "needs a date and time",
+        ),
+        (
+            "SELECT * FROM kv AS OF TAG no_such_tag".to_string(),
+            "tag \"no_such_tag\" does not exist",
+        ),
+        ("CREATE TAG step_3".to_string(), "already exists"),
+        ("CREATE TAG later AT EPOCH 999999".to_string(), "not visible"),
+        ("CREATE TAG \"a@b\"".to_string(), "letters, digits"),
+        (
+            "CREATE TABLE tessera_epochs (a BIGINT)".to_string(),
+            "reserved",
+        ),
+    ];
+    for (sql, expected) in cases {
+        let error = error_of(client, &sql).await;
+        assert!(error.contains(expected), "{sql}: {error}");
+    }
+    let tags = client.query("SELECT count(*) FROM tessera_tags").await.unwrap();
+    assert_eq!(int64(&tags[0], 0).value(0) as usize, model.tags.len(), "nothing was tagged");
+    // IF NOT EXISTS / IF EXISTS make the same mistakes harmless.
+    write(client, "CREATE TAG IF NOT EXISTS step_3").await;
+    write(client, "DROP TAG IF EXISTS never_made").await;
+}
