@@ -73,6 +73,8 @@ pub enum StorageError {
         requested: Epoch,
         retained_from: Epoch,
     },
+    #[error("a diff runs from an older epoch to a newer one, not from epoch {from} to epoch {to}")]
+    BackwardDiff { from: Epoch, to: Epoch },
     #[error("component {hash} is corrupt: {path} hashes to {actual}; the file's bytes do not match its name")]
     CorruptComponent {
         hash: ComponentHash,

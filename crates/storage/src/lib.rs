@@ -7,6 +7,7 @@
 //! checkpoint and replays committed log records above each manifest's LSN.
 
 pub mod catalog;
+pub mod changes;
 pub mod checkpoint;
 pub mod component;
 pub mod error;

@@ -54,6 +54,17 @@ impl Store {
         }))
     }
 
+    /// A snapshot at `to` to read the changes since `from` from: `from` must still be
+    /// retained (its versions not merged away) and not above `to`.
+    pub fn changes_snapshot(&self, table: &str, from: Epoch, to: Epoch) -> Result<Arc<TableSnapshot>> {
+        if from > to {
+            return Err(StorageError::BackwardDiff { from, to });
+        }
+        // Checks `from` the way a read at it is checked.
+        drop(self.snapshot(table, Some(from))?);
+        self.snapshot(table, Some(to))
+    }
+
     /// Checks, once per process, that a component's bytes hash to its name.
     pub fn verify_component(&self, hash: &ComponentHash) -> Result<()> {
         if self.verified.lock().expect("verified lock").contains(hash) {

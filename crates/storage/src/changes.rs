@@ -1,0 +1,294 @@
+//! Diffs between two epochs of a table: per key that changed in `(from, to]`, the kind of
+//! change and the row before and after.
+//!
+//! Only versions stamped in `(from, to]` can change a key, so a partition whose components
+//! and memtable hold none has no changes, and its other components are never opened. The
+//! row before is the key's newest version at or below `from`; it is looked up only for the
+//! keys that changed.
+//!
+//! The output has a `change` column (`insert`, `update` or `delete`), the key columns, then
+//! `before_<column>` and `after_<column>` for every other column (NULL where the row does
+//! not exist on that side). A key updated back to its old row, or inserted and deleted
+//! again within the range, is no change. Rows come in key order, so the output is
+//! deterministic. An append-only table has no keys: every row added in the range is an
+//! insert.
+
+use crate::catalog::TableDef;
+use crate::component::{read_component, ComponentMeta};
+use crate::error::{Result, StorageError};
+use crate::store::PartitionSnapshot;
+use crate::versions::stored_schema;
+use arrow::array::{new_null_array, Array, ArrayRef, AsArray, RecordBatch, StringArray};
+use arrow::compute::{concat_batches, interleave};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef, UInt64Type, UInt8Type};
+use arrow::row::{RowConverter, Rows, SortField};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use tessera_common::{Epoch, RowOp, EPOCH_COLUMN, OP_COLUMN};
+
+/// The name of the column that says what happened to a key.
+pub const CHANGE_COLUMN: &str = "change";
+
+/// What happened to one key between two epochs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChangeKind {
+    Insert,
+    Update,
+    Delete,
+}
+
+impl ChangeKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChangeKind::Insert => "insert",
+            ChangeKind::Update => "update",
+            ChangeKind::Delete => "delete",
+        }
+    }
+}
+
+/// The columns of a table's diff: `change`, the key columns, then `before_` and `after_`
+/// each other column.
+pub fn changes_schema(def: &TableDef) -> SchemaRef {
+    let mut fields = vec![Field::new(CHANGE_COLUMN, DataType::Utf8, false)];
+    let (keys, values) = split_columns(def);
+    fields.extend(keys.iter().map(|&i| def.schema.field(i).clone()));
+    for side in ["before", "after"] {
+        fields.extend(values.iter().map(|&i| {
+            let field = def.schema.field(i);
+            Field::new(
+                format!("{side}_{}", field.name()),
+                field.data_type().clone(),
+                true,
+            )
+        }));
+    }
+    Arc::new(Schema::new(fields))
+}
+
+/// The key columns and the other columns, as indices into the user schema.
+fn split_columns(def: &TableDef) -> (Vec<usize>, Vec<usize>) {
+    let keys = def.primary_key_indices();
+    let values = (0..def.schema.fields().len())
+        .filter(|i| !keys.contains(i))
+        .collect();
+    (keys, values)
+}
+
+/// The changes of one partition snapshot (taken at `to`) between `from` and `to`, reading
+/// its components from `components_dir` (verified by the caller). `None` if nothing
+/// changed.
+pub fn partition_changes(
+    components_dir: &Path,
+    def: &TableDef,
+    partition: &PartitionSnapshot,
+    from: Epoch,
+    to: Epoch,
+) -> Result<Option<RecordBatch>> {
+    if from > to {
+        return Err(StorageError::BackwardDiff { from, to });
+    }
+    let in_range = |e: u64| e > from.0 && e <= to.0;
+    let mut recent = Vec::new();
+    let mut older = Vec::new();
+    let mut older_only: Vec<&ComponentMeta> = Vec::new();
+    for component in &partition.components {
+        if component.max_epoch <= from {
+            // Cannot hold a change; read later, and only if some key changed.
+            older_only.push(component);
+            continue;
+        }
+        for batch in read_component(components_dir, &component.hash, None)? {
+            split_by_epoch(batch, in_range, &mut recent, &mut older)?;
+        }
+    }
+    for batch in &partition.memtable {
+        split_by_epoch(batch.clone(), in_range, &mut recent, &mut older)?;
+    }
+    if recent.iter().all(|b| b.num_rows() == 0) {
+        return Ok(None);
+    }
+    let schema = stored_schema(def);
+    let recent = concat_batches(&schema, &recent)?;
+    if def.append_only {
+        return Ok(Some(appended_rows(def, &recent)?));
+    }
+    let key = def.primary_key_indices();
+    let converter = key_converter(&schema, &key)?;
+    let recent_keys = converter.convert_columns(&columns(&recent, &key))?;
+    let changed: HashMap<arrow::row::Row<'_>, ()> =
+        recent_keys.iter().map(|row| (row, ())).collect();
+    for component in older_only {
+        for batch in read_component(components_dir, &component.hash, None)? {
+            let keys = converter.convert_columns(&columns(&batch, &key))?;
+            let mask: arrow::array::BooleanArray = keys
+                .iter()
+                .map(|row| Some(changed.contains_key(&row)))
+                .collect();
+            if mask.true_count() > 0 {
+                older.push(arrow::compute::filter_record_batch(&batch, &mask)?);
+            }
+        }
+    }
+    let older = concat_batches(&schema, &older)?;
+    diff(def, &converter, (&recent, &recent_keys), &older, from)
+}
+
+/// Appends the part of `batch` stamped in the range to `recent`, the rest to `older`.
+fn split_by_epoch(
+    batch: RecordBatch,
+    in_range: impl Fn(u64) -> bool,
+    recent: &mut Vec<RecordBatch>,
+    older: &mut Vec<RecordBatch>,
+) -> Result<()> {
+    let epochs = epochs(&batch);
+    let mask: arrow::array::BooleanArray =
+        epochs.values().iter().map(|e| Some(in_range(*e))).collect();
+    let not: arrow::array::BooleanArray = arrow::compute::not(&mask)?;
+    recent.push(arrow::compute::filter_record_batch(&batch, &mask)?);
+    older.push(arrow::compute::filter_record_batch(&batch, &not)?);
+    Ok(())
+}
+
+fn epochs(batch: &RecordBatch) -> &arrow::array::PrimitiveArray<UInt64Type> {
+    let index = batch
+        .schema()
+        .index_of(EPOCH_COLUMN)
+        .expect("stored batches carry the epoch column");
+    batch.column(index).as_primitive::<UInt64Type>()
+}
+
+fn is_upsert(batch: &RecordBatch, row: usize) -> bool {
+    let index = batch
+        .schema()
+        .index_of(OP_COLUMN)
+        .expect("stored batches carry the op column");
+    batch.column(index).as_primitive::<UInt8Type>().value(row) == RowOp::Upsert as u8
+}
+
+fn key_converter(schema: &Schema, key: &[usize]) -> Result<RowConverter> {
+    Ok(RowConverter::new(
+        key.iter()
+            .map(|&i| SortField::new(schema.field(i).data_type().clone()))
+            .collect(),
+    )?)
+}
+
+fn columns(batch: &RecordBatch, indices: &[usize]) -> Vec<ArrayRef> {
+    indices.iter().map(|&i| batch.column(i).clone()).collect()
+}
+
+/// The newest version per key among `rows` at or below `at` (`None` bound: any).
+fn newest_per_key<'a>(
+    keys: &'a Rows,
+    epochs: &arrow::array::PrimitiveArray<UInt64Type>,
+    at: Option<Epoch>,
+) -> HashMap<arrow::row::Row<'a>, usize> {
+    let mut newest: HashMap<arrow::row::Row<'a>, (u64, usize)> = HashMap::new();
+    for (i, row) in keys.iter().enumerate() {
+        let epoch = epochs.value(i);
+        if at.is_some_and(|at| epoch > at.0) {
+            continue;
+        }
+        let slot = newest.entry(row).or_insert((epoch, i));
+        if epoch > slot.0 {
+            *slot = (epoch, i);
+        }
+    }
+    newest.into_iter().map(|(k, (_, i))| (k, i)).collect()
+}
+
+/// Pairs each changed key's newest version in `recent` with its newest version at or
+/// below `from` in `older`.
+fn diff(
+    def: &TableDef,
+    converter: &RowConverter,
+    (recent, recent_keys): (&RecordBatch, &Rows),
+    older: &RecordBatch,
+    from: Epoch,
+) -> Result<Option<RecordBatch>> {
+    let key = def.primary_key_indices();
+    let older_keys = converter.convert_columns(&columns(older, &key))?;
+    let after = newest_per_key(recent_keys, epochs(recent), None);
+    let before = newest_per_key(&older_keys, epochs(older), Some(from));
+    let (_, values) = split_columns(def);
+    // Whether two versions hold the same row: compared on every non-key column.
+    let value_fields: Vec<SortField> = values
+        .iter()
+        .map(|&i| SortField::new(def.schema.field(i).data_type().clone()))
+        .collect();
+    let value_converter = RowConverter::new(value_fields)?;
+    let recent_values = value_converter.convert_columns(&columns(recent, &values))?;
+    let older_values = value_converter.convert_columns(&columns(older, &values))?;
+
+    let mut changed: Vec<(arrow::row::Row<'_>, usize)> = after.into_iter().collect();
+    changed.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    // Per output row: the kind, and where its before and after rows are (None: absent).
+    let mut out: Vec<(ChangeKind, Option<usize>, Option<usize>)> = Vec::new();
+    for (row, after_index) in changed {
+        let after_row = is_upsert(recent, after_index).then_some(after_index);
+        let before_row = before
+            .get(&row)
+            .copied()
+            .filter(|&i| is_upsert(older, i));
+        let kind = match (before_row, after_row) {
+            (None, Some(_)) => ChangeKind::Insert,
+            (Some(_), None) => ChangeKind::Delete,
+            (Some(b), Some(a)) if older_values.row(b) != recent_values.row(a) => {
+                ChangeKind::Update
+            }
+            _ => continue,
+        };
+        out.push((kind, before_row, after_row));
+    }
+    if out.is_empty() {
+        return Ok(None);
+    }
+    let change = StringArray::from_iter_values(out.iter().map(|(kind, _, _)| kind.as_str()));
+    let mut output: Vec<ArrayRef> = vec![Arc::new(change)];
+    // Source 0: `older`, 1: `recent`, 2: a single NULL.
+    let pick = |column: usize, side: Option<bool>| -> Result<ArrayRef> {
+        let null = new_null_array(recent.column(column).data_type(), 1);
+        let sources: [&dyn Array; 3] = [
+            older.column(column).as_ref(),
+            recent.column(column).as_ref(),
+            null.as_ref(),
+        ];
+        let indices: Vec<(usize, usize)> = out
+            .iter()
+            .map(|&(_, before, after)| match side {
+                Some(false) => before.map_or((2, 0), |i| (0, i)),
+                Some(true) => after.map_or((2, 0), |i| (1, i)),
+                // A key: from whichever side has the row.
+                None => after.map_or_else(|| (0, before.expect("a change has a side")), |i| (1, i)),
+            })
+            .collect();
+        Ok(interleave(&sources, &indices)?)
+    };
+    for &k in &key {
+        output.push(pick(k, None)?);
+    }
+    for side in [false, true] {
+        for &v in &values {
+            output.push(pick(v, Some(side))?);
+        }
+    }
+    Ok(Some(RecordBatch::try_new(changes_schema(def), output)?))
+}
+
+/// An append-only table's changes: every row added in the range, as an insert.
+fn appended_rows(def: &TableDef, recent: &RecordBatch) -> Result<RecordBatch> {
+    let rows = recent.num_rows();
+    let mut output: Vec<ArrayRef> = vec![Arc::new(StringArray::from_iter_values(
+        std::iter::repeat_n(ChangeKind::Insert.as_str(), rows),
+    ))];
+    let (_, values) = split_columns(def);
+    for &v in &values {
+        output.push(new_null_array(def.schema.field(v).data_type(), rows));
+    }
+    for &v in &values {
+        output.push(recent.column(v).clone());
+    }
+    Ok(RecordBatch::try_new(changes_schema(def), output)?)
+}
