@@ -358,6 +358,7 @@ async fn reads_naming_an_unknown_partition_or_epoch_get_clear_errors() {
                 epoch,
                 partitions: vec![tessera_common::PartitionId(partition)],
                 columns: vec![0, 1],
+                changes_since: None,
             };
             let asked = Instant::now();
             let result: Result<Vec<arrow::array::RecordBatch>, String> = async {

@@ -8,8 +8,8 @@ use arrow::array::{Array, Int64Array, RecordBatch, StringArray};
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
 use std::time::Duration;
-use tessera_sql::StatementOutput;
 use tessera_server::ClusterClient;
+use tessera_sql::StatementOutput;
 
 mod common;
 use common::wait_formed;
@@ -39,7 +39,10 @@ struct Model {
 
 impl Model {
     fn current(&self) -> Rows {
-        self.versions.last().map(|v| v.rows.clone()).unwrap_or_default()
+        self.versions
+            .last()
+            .map(|v| v.rows.clone())
+            .unwrap_or_default()
     }
 
     fn at_epoch(&self, epoch: u64) -> Rows {
@@ -111,7 +114,11 @@ fn random_change(rng: &mut rand::rngs::StdRng, next_key: &mut i64, rows: &mut Ro
             format!("INSERT INTO kv VALUES {}", values.join(", "))
         }
         5..=7 => {
-            let (m, r, d) = (rng.random_range(2..5), rng.random_range(0..2), rng.random_range(1..50));
+            let (m, r, d) = (
+                rng.random_range(2..5),
+                rng.random_range(0..2),
+                rng.random_range(1..50),
+            );
             for (k, v) in rows.iter_mut() {
                 if k % m == r {
                     *v += d;
@@ -129,7 +136,9 @@ fn random_change(rng: &mut rand::rngs::StdRng, next_key: &mut i64, rows: &mut Ro
 
 /// `ms` as a timestamp literal, UTC.
 fn timestamp(ms: u64) -> String {
-    tessera_common::time::format_ms(ms).trim_end_matches(" UTC").to_string()
+    tessera_common::time::format_ms(ms)
+        .trim_end_matches(" UTC")
+        .to_string()
 }
 
 /// Checks every version by epoch and by time, and every tag, against the model.
@@ -137,13 +146,23 @@ async fn check_history(client: &ClusterClient, model: &Model, when: &str) {
     for (i, version) in model.versions.iter().enumerate() {
         let by_epoch = rows_of(
             client,
-            &format!("SELECT k, v FROM kv AS OF EPOCH {} ORDER BY k", version.epoch),
+            &format!(
+                "SELECT k, v FROM kv AS OF EPOCH {} ORDER BY k",
+                version.epoch
+            ),
         )
         .await;
-        assert_eq!(by_epoch, version.rows, "{when}: AS OF EPOCH {}", version.epoch);
+        assert_eq!(
+            by_epoch, version.rows,
+            "{when}: AS OF EPOCH {}",
+            version.epoch
+        );
         // A time after this publish was acknowledged and before the next was sent sees
         // exactly this version.
-        let until = model.versions.get(i + 1).map_or(version.acked_ms + 20, |next| next.sent_ms);
+        let until = model
+            .versions
+            .get(i + 1)
+            .map_or(version.acked_ms + 20, |next| next.sent_ms);
         let at = version.acked_ms + (until - version.acked_ms) / 2;
         let by_time = rows_of(
             client,
@@ -154,13 +173,15 @@ async fn check_history(client: &ClusterClient, model: &Model, when: &str) {
         )
         .await;
         assert_eq!(
-            by_time, version.rows,
+            by_time,
+            version.rows,
             "{when}: AS OF TIMESTAMP {} (epoch {} was acknowledged at {})",
             timestamp(at),
             version.epoch,
             timestamp(version.acked_ms)
         );
     }
+    check_diffs(client, model, when).await;
     for (name, (epoch, rows)) in &model.tags {
         let by_tag = rows_of(client, &format!("SELECT k, v FROM kv AS OF TAG \"{name}\"")).await;
         assert_eq!(&by_tag, rows, "{when}: AS OF TAG {name} (epoch {epoch})");
@@ -181,7 +202,11 @@ async fn check_history(client: &ClusterClient, model: &Model, when: &str) {
         "{when}: tessera_epochs lists every publish"
     );
     for batch in &epochs {
-        let tables = batch.column(2).as_any().downcast_ref::<StringArray>().unwrap();
+        let tables = batch
+            .column(2)
+            .as_any()
+            .downcast_ref::<StringArray>()
+            .unwrap();
         assert!((0..batch.num_rows()).all(|i| tables.value(i) == "kv"));
     }
     let tags = client
@@ -190,21 +215,34 @@ async fn check_history(client: &ClusterClient, model: &Model, when: &str) {
         .unwrap();
     let mut listed_tags = BTreeMap::new();
     for batch in &tags {
-        let names = batch.column(0).as_any().downcast_ref::<StringArray>().unwrap();
+        let names = batch
+            .column(0)
+            .as_any()
+            .downcast_ref::<StringArray>()
+            .unwrap();
         for i in 0..batch.num_rows() {
             listed_tags.insert(names.value(i).to_string(), int64(batch, 1).value(i) as u64);
         }
     }
-    let expected: BTreeMap<String, u64> =
-        model.tags.iter().map(|(n, (e, _))| (n.clone(), *e)).collect();
+    let expected: BTreeMap<String, u64> = model
+        .tags
+        .iter()
+        .map(|(n, (e, _))| (n.clone(), *e))
+        .collect();
     assert_eq!(listed_tags, expected, "{when}: tessera_tags");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_as_of_answer_equals_the_model_before_and_after_restarts() {
     let root = tempfile::tempdir().unwrap();
+    // Small memtables and eager merges: the history spreads over many components, merged
+    // while it grows, so diffs and time travel read versions from components of every age.
+    let options = [
+        ("store.memtable_flush_bytes", "2048"),
+        ("store.merge_threshold", "2"),
+    ];
     let (mut cluster, client) =
-        common::kv_cluster_with(BINARY, root.path(), PARTITIONS, 3, &[]).await;
+        common::kv_cluster_with(BINARY, root.path(), PARTITIONS, 3, &options).await;
     let seed: u64 = std::env::var("TESSERA_VERSIONED_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -229,21 +267,40 @@ async fn every_as_of_answer_equals_the_model_before_and_after_restarts() {
                 rows,
             });
         } else {
-            assert_eq!(rows, model.current(), "{sql} changed nothing, so the model must not");
+            assert_eq!(
+                rows,
+                model.current(),
+                "{sql} changed nothing, so the model must not"
+            );
         }
         if step % 7 == 3 {
             let name = format!("step_{step}");
             let epoch = write(&client, &format!("CREATE TAG {name}")).await;
             let epoch = epoch.expect("CREATE TAG answers with the epoch it pins");
-            assert_eq!(epoch, model.versions.last().unwrap().epoch, "a tag pins the newest epoch");
+            assert_eq!(
+                epoch,
+                model.versions.last().unwrap().epoch,
+                "a tag pins the newest epoch"
+            );
             model.tags.insert(name, (epoch, model.current()));
         }
     }
     // A tag at an earlier epoch, named by number.
     let old = model.versions[model.versions.len() / 3].epoch;
-    write(&client, &format!("CREATE TAG \"release-1.0\" AT EPOCH {old}")).await;
-    model.tags.insert("release-1.0".into(), (old, model.at_epoch(old)));
+    write(
+        &client,
+        &format!("CREATE TAG \"release-1.0\" AT EPOCH {old}"),
+    )
+    .await;
+    model
+        .tags
+        .insert("release-1.0".into(), (old, model.at_epoch(old)));
 
+    let components = count_files(root.path(), "parquet");
+    assert!(
+        components > 20,
+        "only {components} components: the history never left the memtables"
+    );
     check_history(&client, &model, "before restarts").await;
     check_bad_input(&client, &model).await;
 
@@ -258,7 +315,12 @@ async fn every_as_of_answer_equals_the_model_before_and_after_restarts() {
     wait_formed(&cluster, 1, 3).await;
     for via in [2, 3] {
         let other = ClusterClient::new(cluster.addr(via));
-        check_history(&other, &model, &format!("after restart, through node {via}")).await;
+        check_history(
+            &other,
+            &model,
+            &format!("after restart, through node {via}"),
+        )
+        .await;
     }
     // A dropped tag is gone; the data it pinned is not.
     write(&client, "DROP TAG step_3").await;
@@ -266,8 +328,87 @@ async fn every_as_of_answer_equals_the_model_before_and_after_restarts() {
     assert!(error.contains("tag \"step_3\" does not exist"), "{error}");
     model.tags.remove("step_3");
     check_history(&client, &model, "after DROP TAG").await;
-    assert_eq!(rows_of(&client, "SELECT k, v FROM kv").await, model.current());
+    assert_eq!(
+        rows_of(&client, "SELECT k, v FROM kv").await,
+        model.current()
+    );
     drop(cluster);
+}
+
+/// (change, key, before, after), as the model says a diff must be.
+type Change = (String, i64, Option<i64>, Option<i64>);
+
+fn model_diff(before: &Rows, after: &Rows) -> Vec<Change> {
+    let mut keys: Vec<i64> = before.keys().chain(after.keys()).copied().collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys.into_iter()
+        .filter_map(|k| match (before.get(&k), after.get(&k)) {
+            (None, Some(&a)) => Some(("insert".into(), k, None, Some(a))),
+            (Some(&b), None) => Some(("delete".into(), k, Some(b), None)),
+            (Some(&b), Some(&a)) if a != b => Some(("update".into(), k, Some(b), Some(a))),
+            _ => None,
+        })
+        .collect()
+}
+
+async fn diff_of(client: &ClusterClient, from: &str, to: &str) -> Vec<Change> {
+    let sql = format!(
+        "SELECT change, k, before_v, after_v FROM tessera_changes('kv', {from}, {to}) ORDER BY k"
+    );
+    let batches = client
+        .query(&sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    let mut changes = Vec::new();
+    for batch in &batches {
+        let kind = batch
+            .column(0)
+            .as_any()
+            .downcast_ref::<StringArray>()
+            .unwrap();
+        let (k, before, after) = (int64(batch, 1), int64(batch, 2), int64(batch, 3));
+        let value = |c: &Int64Array, i: usize| (!c.is_null(i)).then(|| c.value(i));
+        for i in 0..batch.num_rows() {
+            changes.push((
+                kind.value(i).to_string(),
+                k.value(i),
+                value(before, i),
+                value(after, i),
+            ));
+        }
+    }
+    changes
+}
+
+/// Diffs between versions (by epoch number, and from a tag to now) equal the model's.
+async fn check_diffs(client: &ClusterClient, model: &Model, when: &str) {
+    let versions = &model.versions;
+    let mut pairs: Vec<(usize, usize)> =
+        (1..versions.len()).map(|i| (i - 1, i)).step_by(4).collect();
+    pairs.extend([(0, versions.len() - 1), (3, 3), (2, versions.len() / 2)]);
+    for (from, to) in pairs {
+        let (from, to) = (&versions[from], &versions[to]);
+        assert_eq!(
+            diff_of(client, &from.epoch.to_string(), &to.epoch.to_string()).await,
+            model_diff(&from.rows, &to.rows),
+            "{when}: tessera_changes from epoch {} to epoch {}",
+            from.epoch,
+            to.epoch
+        );
+    }
+    for (name, (epoch, rows)) in &model.tags {
+        assert_eq!(
+            diff_of(
+                client,
+                &format!("'{name}'"),
+                &versions.last().unwrap().epoch.to_string()
+            )
+            .await,
+            model_diff(rows, &model.current()),
+            "{when}: tessera_changes from tag {name} (epoch {epoch}) to now"
+        );
+    }
 }
 
 /// Time-travel mistakes get errors that name them, and change nothing.
@@ -275,7 +416,10 @@ async fn check_bad_input(client: &ClusterClient, model: &Model) {
     let first_sent = model.versions[0].sent_ms;
     let cases = [
         (
-            format!("SELECT * FROM kv AS OF TIMESTAMP '{}'", timestamp(first_sent - 60_000)),
+            format!(
+                "SELECT * FROM kv AS OF TIMESTAMP '{}'",
+                timestamp(first_sent - 60_000)
+            ),
             "before the first epoch",
         ),
         (
@@ -291,7 +435,22 @@ async fn check_bad_input(client: &ClusterClient, model: &Model) {
             "tag \"no_such_tag\" does not exist",
         ),
         ("CREATE TAG step_3".to_string(), "already exists"),
-        ("CREATE TAG later AT EPOCH 999999".to_string(), "not visible"),
+        (
+            "SELECT * FROM tessera_changes('kv', 5, 2)".to_string(),
+            "not from epoch 5 to epoch 2",
+        ),
+        (
+            "SELECT * FROM tessera_changes('kv', 'no_such_tag')".to_string(),
+            "tag \"no_such_tag\" does not exist",
+        ),
+        (
+            "SELECT * FROM tessera_changes('missing', 1, 2)".to_string(),
+            "table \"missing\" does not exist",
+        ),
+        (
+            "CREATE TAG later AT EPOCH 999999".to_string(),
+            "not visible",
+        ),
         ("CREATE TAG \"a@b\"".to_string(), "letters, digits"),
         (
             "CREATE TABLE tessera_epochs (a BIGINT)".to_string(),
@@ -302,9 +461,35 @@ async fn check_bad_input(client: &ClusterClient, model: &Model) {
         let error = error_of(client, &sql).await;
         assert!(error.contains(expected), "{sql}: {error}");
     }
-    let tags = client.query("SELECT count(*) FROM tessera_tags").await.unwrap();
-    assert_eq!(int64(&tags[0], 0).value(0) as usize, model.tags.len(), "nothing was tagged");
+    let tags = client
+        .query("SELECT count(*) FROM tessera_tags")
+        .await
+        .unwrap();
+    assert_eq!(
+        int64(&tags[0], 0).value(0) as usize,
+        model.tags.len(),
+        "nothing was tagged"
+    );
     // IF NOT EXISTS / IF EXISTS make the same mistakes harmless.
     write(client, "CREATE TAG IF NOT EXISTS step_3").await;
     write(client, "DROP TAG IF EXISTS never_made").await;
+}
+
+/// Files named `*.{extension}` under `dir`, recursively.
+fn count_files(dir: &std::path::Path, extension: &str) -> usize {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|entry| {
+                    let path = entry.path();
+                    if path.is_dir() {
+                        count_files(&path, extension)
+                    } else {
+                        usize::from(path.extension().is_some_and(|e| e == extension))
+                    }
+                })
+                .sum()
+        })
+        .unwrap_or(0)
 }

@@ -50,6 +50,21 @@ pub struct ScanSpec {
     pub limit: Option<usize>,
     /// Rows of the whole table, estimated from the partitions the planning node holds.
     pub estimated_rows: Option<usize>,
+    /// Read the table's changes from this epoch to `epoch` (a diff) instead of its rows at
+    /// `epoch`; `projection` then indexes [`tessera_storage::changes::changes_schema`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changes_since: Option<Epoch>,
+}
+
+impl ScanSpec {
+    /// The columns the scan outputs: the table's, or its diff's.
+    pub fn schema(&self) -> DfResult<SchemaRef> {
+        let full = match self.changes_since {
+            Some(_) => tessera_storage::changes::changes_schema(&self.def),
+            None => stored_user_schema(&self.def),
+        };
+        Ok(Arc::new(full.project(&self.projection)?))
+    }
 }
 
 /// What the planning node knows of a whole table: rows extrapolated from the partitions
@@ -80,7 +95,7 @@ impl DistributedScanExec {
             spec.replicas.len(),
             "every scanned partition names its replicas"
         );
-        let schema = Arc::new(stored_user_schema(&spec.def).project(&spec.projection)?);
+        let schema = spec.schema()?;
         let properties = Arc::new(PlanProperties::new(
             EquivalenceProperties::new(schema.clone()),
             Partitioning::UnknownPartitioning(spec.partitions.len().max(1)),
@@ -114,11 +129,14 @@ impl DisplayAs for DistributedScanExec {
             .iter()
             .map(|f| f.name().as_str())
             .collect();
+        let epochs = match self.spec.changes_since {
+            Some(from) => format!("changes from epoch {from} to epoch {}", self.spec.epoch),
+            None => format!("epoch={}", self.spec.epoch),
+        };
         write!(
             f,
-            "DistributedScanExec: table={}, epoch={}, partitions={} in {} channel(s), columns=[{}]",
+            "DistributedScanExec: table={}, {epochs}, partitions={} in {} channel(s), columns=[{}]",
             self.spec.def.name,
-            self.spec.epoch,
             self.spec.partitions.iter().map(Vec::len).sum::<usize>(),
             self.spec.partitions.len(),
             columns.join(", ")
@@ -190,6 +208,13 @@ impl ExecutionPlan for DistributedScanExec {
         let spec = self.spec.clone();
         let predicate = self.predicate.clone();
         let open = async move {
+            if spec.changes_since.is_some() && replicas.contains(&node.id()) {
+                // A diff is computed by the store, not planned as a Parquet scan: read here
+                // like a replica would answer, else from the others.
+                let mut ordered = vec![node.id()];
+                ordered.extend(replicas.iter().copied().filter(|&r| r != node.id()));
+                return read_remotely(&node, &spec, &storage_partitions, &ordered).await;
+            }
             if replicas.contains(&node.id()) {
                 let partitions = storage_partitions.clone();
                 match read_here(&node, &spec, partitions, predicate, context).await? {
@@ -420,20 +445,15 @@ async fn read_remotely(
     partitions: &[PartitionId],
     replicas: &[NodeId],
 ) -> DfResult<SendableRecordBatchStream> {
-    let schema = Arc::new(stored_user_schema(&spec.def).project(&spec.projection)?);
+    let schema = spec.schema()?;
     let mut last =
         format!("partitions {partitions:?} have no live replica in the query's snapshot");
     for &replica in replicas {
-        match read_from(
-            node,
-            replica,
-            &spec.def,
-            spec.epoch,
-            partitions,
-            &spec.projection,
-        )
-        .await
-        {
+        let read = ReadRows {
+            epoch: spec.epoch,
+            changes_since: spec.changes_since,
+        };
+        match read_from(node, replica, &spec.def, read, partitions, &spec.projection).await {
             Ok(batches) => {
                 return Ok(Box::pin(RecordBatchStreamAdapter::new(
                     schema,
@@ -454,16 +474,45 @@ async fn read_remotely(
     )))
 }
 
-/// The live rows of `partitions` held by node `from` (this node or another).
+/// What a read of partitions returns: the live rows at `epoch`, or with `changes_since`
+/// the changes from that epoch to `epoch`.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadRows {
+    pub epoch: Epoch,
+    pub changes_since: Option<Epoch>,
+}
+
+impl ReadRows {
+    /// The live rows at `epoch`.
+    pub fn at(epoch: Epoch) -> ReadRows {
+        ReadRows {
+            epoch,
+            changes_since: None,
+        }
+    }
+}
+
+/// The live rows (or changes) of `partitions` held by node `from` (this node or another).
 pub async fn read_from(
     node: &Arc<Exec>,
     from: NodeId,
     def: &TableDef,
-    epoch: Epoch,
+    read: ReadRows,
     partitions: &[PartitionId],
     columns: &[usize],
 ) -> Result<Vec<RecordBatch>, ExecError> {
+    let ReadRows {
+        epoch,
+        changes_since,
+    } = read;
     if from == node.id() {
+        node.meta
+            .wait_for_epoch(epoch, EPOCH_WAIT)
+            .await
+            .map_err(|e| ExecError::Task {
+                what: "waiting for the query's epoch",
+                reason: e.to_string(),
+            })?;
         let (store, def, partitions, columns) = (
             node.store.clone(),
             def.clone(),
@@ -471,10 +520,11 @@ pub async fn read_from(
             columns.to_vec(),
         );
         return tokio::task::spawn_blocking(move || {
-            tessera_sql::backend::read_local_partitions(
+            tessera_sql::backend::read_local(
                 &store,
                 &def,
                 Some(epoch),
+                changes_since,
                 &partitions,
                 &columns,
             )
@@ -505,6 +555,7 @@ pub async fn read_from(
         epoch,
         partitions: partitions.to_vec(),
         columns: columns.to_vec(),
+        changes_since,
     };
     let classify = |e: tessera_net::CallError| {
         if e.is_transport() {

@@ -38,8 +38,11 @@ pub struct ScanRequest {
     pub generation: u64,
     pub epoch: Epoch,
     pub partitions: Vec<PartitionId>,
-    /// User column indices to return.
+    /// User column indices to return (with `changes_since`, indices of the diff's columns).
     pub columns: Vec<usize>,
+    /// Return the changes from this epoch to `epoch` instead of the rows at `epoch`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changes_since: Option<Epoch>,
 }
 
 impl WireRequest for ScanRequest {

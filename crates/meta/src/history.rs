@@ -131,7 +131,11 @@ impl MetaState {
 
     /// Pins `name` to `epoch` (if `None`, the newest committed epoch at or below the visible
     /// one), which must be committed and visible.
-    pub(crate) fn create_tag(&mut self, name: String, epoch: Option<Epoch>) -> Result<Epoch, String> {
+    pub(crate) fn create_tag(
+        &mut self,
+        name: String,
+        epoch: Option<Epoch>,
+    ) -> Result<Epoch, String> {
         if let Some(existing) = self.tags.get(&name) {
             return Err(format!(
                 "tag {name:?} already exists (at epoch {})",
@@ -153,7 +157,9 @@ impl MetaState {
             ));
         }
         if epoch != Epoch::ZERO && !self.is_committed(epoch) {
-            return Err(format!("epoch {epoch} was aborted: it holds no data to tag"));
+            return Err(format!(
+                "epoch {epoch} was aborted: it holds no data to tag"
+            ));
         }
         self.tags.insert(
             name,

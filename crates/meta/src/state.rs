@@ -806,7 +806,9 @@ impl MetaState {
                 self.lineage.remove(&query);
                 MetaResponse::Done
             }
-            MetaCommand::CreateTag { name, epoch } => MetaResponse::Epoch(self.create_tag(name, epoch)?),
+            MetaCommand::CreateTag { name, epoch } => {
+                MetaResponse::Epoch(self.create_tag(name, epoch)?)
+            }
             MetaCommand::DropTag { name } => {
                 self.tags
                     .remove(&name)

@@ -13,8 +13,8 @@ use arrow::datatypes::{DataType, Field, Schema};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use tessera_common::{Epoch, PartitionId, PartitionRing};
-use tessera_meta::{MetaError, TableChangeCount};
 use tessera_meta::{MetaCommand, MetaResponse, MetaState, LINEARIZABLE_READ_PATIENCE};
+use tessera_meta::{MetaError, TableChangeCount};
 use tessera_net::CallError;
 use tessera_storage::{versions, StorageError, TableChanges, TableDef};
 

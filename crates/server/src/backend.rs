@@ -24,8 +24,9 @@ use futures::{StreamExt, TryStreamExt};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use tessera_common::{Epoch, PartitionId, PartitionRing};
-use tessera_exec::scan::{read_from, DistributedScanExec, ScanSpec, TableStatistics};
+use tessera_exec::scan::{read_from, DistributedScanExec, ReadRows, ScanSpec, TableStatistics};
 use tessera_exec::{ExecError, RecoveryOutcome};
+use tessera_sql::changes::{ChangesSource, ChangesTable};
 use tessera_sql::provider::{RowSource, VersionedTable};
 use tessera_sql::system::{is_system_table, EpochRow, TagRow, EPOCHS_TABLE, TAGS_TABLE};
 use tessera_sql::tags::TagStatement;
@@ -192,6 +193,35 @@ impl Backend for ClusterBackend {
 
     fn tag_exists(&self, name: &str) -> bool {
         self.node.meta.view().state.tags.contains_key(name)
+    }
+
+    fn resolve_as_of(&self, point: &AsOf) -> tessera_sql::error::Result<Epoch> {
+        resolve_as_of(&self.view().state, point)
+    }
+
+    fn visible_epoch(&self) -> Epoch {
+        self.view().state.visible
+    }
+
+    fn changes_table(
+        &self,
+        def: TableDef,
+        from: Epoch,
+        to: Epoch,
+    ) -> tessera_sql::error::Result<Arc<dyn TableProvider>> {
+        let visible = self.view().state.visible;
+        if to > visible {
+            return Err(StorageError::EpochNotVisible {
+                requested: to,
+                visible,
+            }
+            .into());
+        }
+        let source = ClusterChanges {
+            node: self.node.clone(),
+            view: self.view.clone(),
+        };
+        Ok(Arc::new(ChangesTable::new(def, from, to, source)))
     }
 
     async fn publish(&self, changes: Vec<TableChanges>) -> tessera_sql::error::Result<Epoch> {
@@ -428,11 +458,54 @@ impl RowSource for ClusterRows {
             replicas,
             limit,
             estimated_rows,
+            changes_since: None,
         };
         Ok(Arc::new(
             DistributedScanExec::try_new(spec, predicate, self.node.exec.clone())?
                 .with_statistics(statistics),
         ))
+    }
+}
+
+/// A table's diff across the cluster: each channel asks a replica of its partitions for
+/// their changes, like a scan asks for rows.
+#[derive(Debug)]
+struct ClusterChanges {
+    node: Arc<Node>,
+    view: StatementView,
+}
+
+#[async_trait]
+impl ChangesSource for ClusterChanges {
+    async fn plan_changes(
+        &self,
+        def: &TableDef,
+        from: Epoch,
+        to: Epoch,
+        projection: Vec<usize>,
+    ) -> DfResult<Arc<dyn ExecutionPlan>> {
+        let view = self.view.get();
+        let (partitions, replicas) = scan_channels(
+            &view.state,
+            def,
+            tessera_exec::cores_per_node(&view.state, self.node.id()),
+        )
+        .map_err(external)?;
+        let spec = ScanSpec {
+            def: def.clone(),
+            epoch: to,
+            projection,
+            partitions,
+            replicas,
+            limit: None,
+            estimated_rows: None,
+            changes_since: Some(from),
+        };
+        Ok(Arc::new(DistributedScanExec::try_new(
+            spec,
+            None,
+            self.node.exec.clone(),
+        )?))
     }
 }
 
@@ -626,7 +699,7 @@ impl ClusterScanExec {
                 &node.exec,
                 group.node,
                 &def,
-                epoch,
+                ReadRows::at(epoch),
                 &group.partitions,
                 &columns,
             )
@@ -645,7 +718,7 @@ impl ClusterScanExec {
                                 &node.exec,
                                 *replica,
                                 &def,
-                                epoch,
+                                ReadRows::at(epoch),
                                 &[*partition],
                                 &columns,
                             )

@@ -204,6 +204,7 @@ impl ClusterClient {
             epoch,
             partitions: vec![partition],
             columns: (0..def.schema.fields().len()).collect(),
+            changes_since: None,
         };
         let clients = Clients::new(cluster_id, PROTOCOL_VERSION);
         let stream = clients

@@ -399,11 +399,11 @@ impl NodeService {
             .await
             .map_err(failed)?;
         let def = self.local_table(&scan.table, scan.generation)?;
-        let schema = Arc::new(
-            stored_user_schema(&def)
-                .project(&scan.columns)
-                .map_err(failed)?,
-        );
+        let full = match scan.changes_since {
+            Some(_) => tessera_storage::changes::changes_schema(&def),
+            None => stored_user_schema(&def),
+        };
+        let schema = Arc::new(full.project(&scan.columns).map_err(failed)?);
         // Damaged or missing components are replaced from another replica first.
         let store = node.store.clone();
         let (table, partitions) = (scan.table.clone(), scan.partitions.clone());
@@ -427,10 +427,11 @@ impl NodeService {
         }
         let store = node.store.clone();
         let batches = tokio::task::spawn_blocking(move || {
-            tessera_sql::backend::read_local_partitions(
+            tessera_sql::backend::read_local(
                 &store,
                 &def,
                 Some(scan.epoch),
+                scan.changes_since,
                 &scan.partitions,
                 &scan.columns,
             )

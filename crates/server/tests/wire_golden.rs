@@ -342,6 +342,7 @@ fn samples() -> Samples {
             epoch: Epoch(4),
             partitions: vec![PartitionId(0), PartitionId(2)],
             columns: vec![0, 1],
+            changes_since: None,
         },
     );
     s.tagged(

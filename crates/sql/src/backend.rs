@@ -2,20 +2,25 @@
 //! checks statements the same way for both; a backend supplies the catalog, the scans and
 //! the publish path.
 
+use crate::changes::{ChangesSource, ChangesTable};
 use crate::engine::StatementOutput;
 use crate::error::{from_datafusion, Result, SqlError};
 use crate::provider::{ScanLayout, TesseraSchema};
 use crate::scan::read_visible_partition;
 use crate::tags::TagStatement;
+use crate::time_travel::AsOf;
 use crate::users::UserChange;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::SchemaProvider;
+use datafusion::catalog::TableProvider;
 use datafusion::logical_expr::LogicalPlan;
+use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionContext;
 use std::sync::Arc;
 use tessera_common::{Epoch, PartitionId, PartitionRing};
+use tessera_storage::changes::changes_schema;
 use tessera_storage::{Store, TableChanges, TableDef};
 
 #[async_trait]
@@ -63,6 +68,27 @@ pub trait Backend: Send + Sync + 'static {
     fn tag_exists(&self, _name: &str) -> bool {
         false
     }
+
+    /// The epoch a point in history names, as the statement sees the metadata.
+    fn resolve_as_of(&self, point: &AsOf) -> Result<Epoch> {
+        match point {
+            AsOf::Epoch(epoch) => Ok(Epoch(*epoch)),
+            other => Err(SqlError::Unsupported(format!(
+                "{other}: commit times and tags live in a cluster's metadata, and a local store has none; use AS OF EPOCH"
+            ))),
+        }
+    }
+
+    /// The newest epoch the statement may read.
+    fn visible_epoch(&self) -> Epoch;
+
+    /// `def`'s changes from `from` to `to` as a table (`tessera_changes`).
+    fn changes_table(
+        &self,
+        def: TableDef,
+        from: Epoch,
+        to: Epoch,
+    ) -> Result<Arc<dyn TableProvider>>;
 
     /// Runs a statement that returns rows (a query, EXPLAIN, SHOW ...). The default plans
     /// and executes it with DataFusion in this process; a cluster distributes it.
@@ -154,6 +180,22 @@ impl Backend for LocalBackend {
         blocking(move || Ok(store.publish(changes)?)).await
     }
 
+    fn visible_epoch(&self) -> Epoch {
+        self.store.visible_epoch()
+    }
+
+    fn changes_table(
+        &self,
+        def: TableDef,
+        from: Epoch,
+        to: Epoch,
+    ) -> Result<Arc<dyn TableProvider>> {
+        let source = LocalChanges {
+            store: self.store.clone(),
+        };
+        Ok(Arc::new(ChangesTable::new(def, from, to, source)))
+    }
+
     async fn read_partitions(
         &self,
         def: &TableDef,
@@ -162,6 +204,47 @@ impl Backend for LocalBackend {
     ) -> Result<Vec<RecordBatch>> {
         let (store, def) = (self.store.clone(), def.clone());
         blocking(move || read_local_partitions(&store, &def, None, &partitions, &columns)).await
+    }
+}
+
+/// A diff read from every partition of this node's store.
+#[derive(Debug)]
+struct LocalChanges {
+    store: Arc<Store>,
+}
+
+#[async_trait]
+impl ChangesSource for LocalChanges {
+    async fn plan_changes(
+        &self,
+        def: &TableDef,
+        from: Epoch,
+        to: Epoch,
+        projection: Vec<usize>,
+    ) -> datafusion::common::Result<Arc<dyn ExecutionPlan>> {
+        let (store, def_owned) = (self.store.clone(), def.clone());
+        let columns: Vec<usize> = (0..changes_schema(def).fields().len()).collect();
+        let partitions: Vec<PartitionId> = (0..store.ring().partition_count())
+            .map(PartitionId)
+            .collect();
+        let batches = blocking(move || {
+            read_local(
+                &store,
+                &def_owned,
+                Some(to),
+                Some(from),
+                &partitions,
+                &columns,
+            )
+        })
+        .await
+        .map_err(SqlError::into_datafusion)?;
+        let plan = datafusion::datasource::memory::MemorySourceConfig::try_new_exec(
+            &[batches],
+            changes_schema(def),
+            Some(projection),
+        )?;
+        Ok(plan)
     }
 }
 
@@ -174,11 +257,32 @@ pub fn read_local_partitions(
     partitions: &[PartitionId],
     columns: &[usize],
 ) -> Result<Vec<RecordBatch>> {
+    read_local(store, def, epoch, None, partitions, columns)
+}
+
+/// What a read of some partitions of a local store returns: with `changes_since`, the
+/// table's changes from that epoch to `epoch` (columns of
+/// [`tessera_storage::changes::changes_schema`]); without, its live rows at `epoch` (the
+/// store's visible epoch if `None`).
+pub fn read_local(
+    store: &Store,
+    def: &TableDef,
+    epoch: Option<Epoch>,
+    changes_since: Option<Epoch>,
+    partitions: &[PartitionId],
+    columns: &[usize],
+) -> Result<Vec<RecordBatch>> {
+    let snapshot_now = || match changes_since {
+        Some(from) => {
+            store.changes_snapshot(&def.name, from, epoch.unwrap_or(store.visible_epoch()))
+        }
+        None => store.snapshot(&def.name, epoch),
+    };
     // A cold standby's rows may be in its log only: replay them first. A commit may add
     // more between the replay and the snapshot, so check and go round again.
     let snapshot = loop {
         store.replay_standby(partitions)?;
-        let snapshot = store.snapshot(&def.name, epoch)?;
+        let snapshot = snapshot_now()?;
         let complete = partitions.iter().all(|p| {
             snapshot
                 .partitions
@@ -202,15 +306,25 @@ pub fn read_local_partitions(
         for component in &partition.components {
             store.verify_component(&component.hash)?;
         }
-        if let Some(batch) = read_visible_partition(
-            store.components_dir(),
-            def,
-            snapshot.epoch,
-            partition,
-            columns,
-        )? {
-            batches.push(batch);
-        }
+        let read = match changes_since {
+            Some(from) => tessera_storage::changes::partition_changes(
+                store.components_dir(),
+                def,
+                partition,
+                from,
+                snapshot.epoch,
+            )?
+            .map(|changes| changes.project(columns))
+            .transpose()?,
+            None => read_visible_partition(
+                store.components_dir(),
+                def,
+                snapshot.epoch,
+                partition,
+                columns,
+            )?,
+        };
+        batches.extend(read);
     }
     Ok(batches)
 }

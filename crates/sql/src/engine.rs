@@ -79,6 +79,12 @@ impl Engine {
             .register_schema("public", backend.schema_provider())
             .expect("a fresh catalog accepts a schema");
         ctx.register_catalog("tessera", Arc::new(catalog));
+        ctx.register_udtf(
+            crate::changes::CHANGES_FUNCTION,
+            Arc::new(crate::changes::ChangesFunction {
+                backend: backend.clone(),
+            }),
+        );
         Engine {
             backend,
             ctx,

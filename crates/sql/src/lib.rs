@@ -8,6 +8,7 @@
 
 pub mod activity;
 pub mod backend;
+pub mod changes;
 pub mod engine;
 pub mod error;
 pub mod options;

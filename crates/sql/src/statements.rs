@@ -97,7 +97,9 @@ impl Tokens {
     /// keyword for, such as `TAG`).
     pub(crate) fn word(&mut self, word: &str) -> bool {
         match self.peek() {
-            Some(Token::Word(w)) if w.quote_style.is_none() && w.value.eq_ignore_ascii_case(word) => {
+            Some(Token::Word(w))
+                if w.quote_style.is_none() && w.value.eq_ignore_ascii_case(word) =>
+            {
                 self.at += 1;
                 true
             }

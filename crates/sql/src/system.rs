@@ -9,7 +9,7 @@
 //! the `tessera_` prefix are reserved for them.
 
 use crate::error::{Result, SqlError};
-use arrow::array::{ArrayRef, RecordBatch, StringArray, TimestampMillisecondArray, Int64Array};
+use arrow::array::{ArrayRef, Int64Array, RecordBatch, StringArray, TimestampMillisecondArray};
 use arrow::datatypes::{DataType, Field, Schema, TimeUnit};
 use datafusion::catalog::TableProvider;
 use datafusion::datasource::MemTable;
@@ -91,7 +91,9 @@ pub fn epochs_table(rows: &[EpochRow]) -> Result<Arc<dyn TableProvider>> {
     ]);
     // BIGINT, as PostgreSQL clients know it (they have no unsigned integers).
     let numbers = |f: fn(&EpochRow) -> u64| -> ArrayRef {
-        Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| f(r) as i64)))
+        Arc::new(Int64Array::from_iter_values(
+            rows.iter().map(|r| f(r) as i64),
+        ))
     };
     table(
         schema,
@@ -120,7 +122,9 @@ pub fn tags_table(rows: &[TagRow]) -> Result<Arc<dyn TableProvider>> {
         schema,
         vec![
             Arc::new(StringArray::from_iter_values(rows.iter().map(|r| &r.name))),
-            Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.epoch as i64))),
+            Arc::new(Int64Array::from_iter_values(
+                rows.iter().map(|r| r.epoch as i64),
+            )),
             timestamps(rows.iter().map(|r| r.created_at_ms)),
         ],
     )

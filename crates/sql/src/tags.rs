@@ -42,7 +42,9 @@ impl TagStatement {
     /// Whether `IF [NOT] EXISTS` was given.
     pub fn tolerant(&self) -> bool {
         match self {
-            TagStatement::Create { tolerant, .. } | TagStatement::Drop { tolerant, .. } => *tolerant,
+            TagStatement::Create { tolerant, .. } | TagStatement::Drop { tolerant, .. } => {
+                *tolerant
+            }
         }
     }
 }

@@ -86,7 +86,9 @@ pub fn parse_timestamp_ms(text: &str) -> Result<u64> {
     let without_seconds = bytes.len() >= 16
         && text.is_char_boundary(16)
         && bytes[13] == b':'
-        && bytes.get(16).is_none_or(|b| *b != b':' && !b.is_ascii_digit());
+        && bytes
+            .get(16)
+            .is_none_or(|b| *b != b':' && !b.is_ascii_digit());
     let text = if without_seconds {
         format!("{}:00{}", &text[..16], &text[16..])
     } else {
@@ -250,10 +252,8 @@ mod tests {
             r#"select a from "t@12" x where x.a > 1"#
         );
         assert_eq!(
-            rewrite_as_of(
-                "select 1 from a as of epoch 1 as b join c as of epoch 2 on b.k = c.k"
-            )
-            .unwrap(),
+            rewrite_as_of("select 1 from a as of epoch 1 as b join c as of epoch 2 on b.k = c.k")
+                .unwrap(),
             r#"select 1 from "a@1" as b join "c@2" AS "c" on b.k = c.k"#
         );
     }
@@ -306,9 +306,18 @@ mod tests {
 
     #[test]
     fn reads_timestamps_in_utc_unless_an_offset_is_given() {
-        assert_eq!(parse_timestamp_ms("2025-11-20 10:00").unwrap(), 1_763_632_800_000);
-        assert_eq!(parse_timestamp_ms("2025-11-20T10:00:00.250").unwrap(), 1_763_632_800_250);
-        assert_eq!(parse_timestamp_ms("2025-11-20T11:00:00+01:00").unwrap(), 1_763_632_800_000);
+        assert_eq!(
+            parse_timestamp_ms("2025-11-20 10:00").unwrap(),
+            1_763_632_800_000
+        );
+        assert_eq!(
+            parse_timestamp_ms("2025-11-20T10:00:00.250").unwrap(),
+            1_763_632_800_250
+        );
+        assert_eq!(
+            parse_timestamp_ms("2025-11-20T11:00:00+01:00").unwrap(),
+            1_763_632_800_000
+        );
         assert_eq!(parse_timestamp_ms("2025-11-20").unwrap(), 1_763_596_800_000);
         let error = parse_timestamp_ms("yesterday").unwrap_err().to_string();
         assert!(error.contains("2026-11-20 10:00"), "{error}");

@@ -228,16 +228,11 @@ fn diff(
     let mut out: Vec<(ChangeKind, Option<usize>, Option<usize>)> = Vec::new();
     for (row, after_index) in changed {
         let after_row = is_upsert(recent, after_index).then_some(after_index);
-        let before_row = before
-            .get(&row)
-            .copied()
-            .filter(|&i| is_upsert(older, i));
+        let before_row = before.get(&row).copied().filter(|&i| is_upsert(older, i));
         let kind = match (before_row, after_row) {
             (None, Some(_)) => ChangeKind::Insert,
             (Some(_), None) => ChangeKind::Delete,
-            (Some(b), Some(a)) if older_values.row(b) != recent_values.row(a) => {
-                ChangeKind::Update
-            }
+            (Some(b), Some(a)) if older_values.row(b) != recent_values.row(a) => ChangeKind::Update,
             _ => continue,
         };
         out.push((kind, before_row, after_row));

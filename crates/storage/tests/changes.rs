@@ -62,7 +62,9 @@ fn store_diff(store: &Store, from: Epoch, to: Epoch) -> Vec<Change> {
     let snapshot = store.changes_snapshot("kv", from, to).unwrap();
     let mut changes = Vec::new();
     for partition in &snapshot.partitions {
-        let Some(batch) = partition_changes(store.components_dir(), &def, partition, from, to).unwrap() else {
+        let Some(batch) =
+            partition_changes(store.components_dir(), &def, partition, from, to).unwrap()
+        else {
             continue;
         };
         let schema = batch.schema();
@@ -74,9 +76,15 @@ fn store_diff(store: &Store, from: Epoch, to: Epoch) -> Vec<Change> {
             batch.column(2).as_primitive::<Int64Type>(),
             batch.column(3).as_primitive::<Int64Type>(),
         );
-        let value = |c: &arrow::array::PrimitiveArray<Int64Type>, i| (!c.is_null(i)).then(|| c.value(i));
+        let value =
+            |c: &arrow::array::PrimitiveArray<Int64Type>, i| (!c.is_null(i)).then(|| c.value(i));
         for i in 0..batch.num_rows() {
-            changes.push((kind.value(i).to_string(), k.value(i), value(b, i), value(a, i)));
+            changes.push((
+                kind.value(i).to_string(),
+                k.value(i),
+                value(b, i),
+                value(a, i),
+            ));
         }
     }
     changes.sort_by_key(|c| c.1);
@@ -139,6 +147,11 @@ fn every_diff_equals_the_models_through_flushes_and_merges() {
             );
         }
     }
-    let backwards = store.changes_snapshot("kv", Epoch(5), Epoch(3)).unwrap_err();
-    assert!(backwards.to_string().contains("from epoch 5 to epoch 3"), "{backwards}");
+    let backwards = store
+        .changes_snapshot("kv", Epoch(5), Epoch(3))
+        .unwrap_err();
+    assert!(
+        backwards.to_string().contains("from epoch 5 to epoch 3"),
+        "{backwards}"
+    );
 }

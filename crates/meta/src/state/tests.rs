@@ -420,7 +420,10 @@ fn commit_at(state: &mut MetaState, epoch: Epoch, at_ms: u64) {
             deletes: 1,
         }]),
     };
-    assert_eq!(state.apply(4, stamped(at_ms, commit)).0, MetaResponse::Epoch(epoch));
+    assert_eq!(
+        state.apply(4, stamped(at_ms, commit)).0,
+        MetaResponse::Epoch(epoch)
+    );
 }
 
 /// A second table, so two epochs can be open at once.
@@ -455,7 +458,11 @@ fn an_epoch_takes_the_time_it_became_visible_and_times_never_fall() {
     let before = state.epoch_at(999).unwrap_err();
     assert!(before.contains("before the first epoch"), "{before}");
     assert_eq!(state.epoch_at(1_000), Ok(first));
-    assert_eq!(state.epoch_at(2_500), Ok(first), "the third was not visible at 2.5 s");
+    assert_eq!(
+        state.epoch_at(2_500),
+        Ok(first),
+        "the third was not visible at 2.5 s"
+    );
     assert_eq!(state.epoch_at(3_000), Ok(third));
 
     // A leader whose clock lags does not move the metadata's clock back.
@@ -487,7 +494,10 @@ fn a_refused_stamped_command_leaves_the_clock_alone() {
     let refused = state.apply(3, stamped(9_000, MetaCommand::DropTag { name: "x".into() }));
     assert!(matches!(refused.0, MetaResponse::Refused(ref r) if r.contains("does not exist")));
     assert_eq!(state.clock_ms, 0);
-    let nested = state.apply(4, stamped(1, stamped(2, MetaCommand::LineageEnd { query: QueryId(1) })));
+    let nested = state.apply(
+        4,
+        stamped(1, stamped(2, MetaCommand::LineageEnd { query: QueryId(1) })),
+    );
     assert!(matches!(nested.0, MetaResponse::Refused(_)));
 }
 
@@ -515,7 +525,10 @@ fn tags_pin_committed_visible_epochs_once_each() {
         "the newest committed epoch a reader sees (the visible one was aborted)"
     );
     assert_eq!(state.tags["now"].created_at_ms, 5_000);
-    assert_eq!(state.apply(7, tag("v1", Some(first))).0, MetaResponse::Epoch(first));
+    assert_eq!(
+        state.apply(7, tag("v1", Some(first))).0,
+        MetaResponse::Epoch(first)
+    );
     assert_eq!(state.tag_epoch("v1"), Ok(first));
     let refusal = |response: MetaResponse| match response {
         MetaResponse::Refused(reason) => reason,
@@ -526,8 +539,13 @@ fn tags_pin_committed_visible_epochs_once_each() {
     assert!(refusal(state.apply(10, tag("early", Some(open))).0).contains("not visible"));
     assert!(!state.tags.contains_key("bad") && !state.tags.contains_key("early"));
     assert_eq!(
-        state.apply(11, MetaCommand::DropTag { name: "v1".into() }).0,
+        state
+            .apply(11, MetaCommand::DropTag { name: "v1".into() })
+            .0,
         MetaResponse::Done
     );
-    assert!(state.tag_epoch("v1").unwrap_err().contains("does not exist"));
+    assert!(state
+        .tag_epoch("v1")
+        .unwrap_err()
+        .contains("does not exist"));
 }

@@ -56,7 +56,12 @@ impl Store {
 
     /// A snapshot at `to` to read the changes since `from` from: `from` must still be
     /// retained (its versions not merged away) and not above `to`.
-    pub fn changes_snapshot(&self, table: &str, from: Epoch, to: Epoch) -> Result<Arc<TableSnapshot>> {
+    pub fn changes_snapshot(
+        &self,
+        table: &str,
+        from: Epoch,
+        to: Epoch,
+    ) -> Result<Arc<TableSnapshot>> {
         if from > to {
             return Err(StorageError::BackwardDiff { from, to });
         }
