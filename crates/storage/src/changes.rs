@@ -14,7 +14,7 @@
 //! insert.
 
 use crate::catalog::TableDef;
-use crate::component::{read_component, ComponentMeta};
+use crate::component::{read_component, read_component_rows, ComponentMeta};
 use crate::error::{Result, StorageError};
 use crate::store::PartitionSnapshot;
 use crate::versions::stored_schema;
@@ -119,16 +119,25 @@ pub fn partition_changes(
     let recent_keys = converter.convert_columns(&columns(&recent, &key))?;
     let changed: HashMap<arrow::row::Row<'_>, ()> =
         recent_keys.iter().map(|row| (row, ())).collect();
+    // The rows before come from components that cannot hold a change: their key columns
+    // are read first, and then only the rows of changed keys, whole.
+    let mut file_order = key.clone();
+    file_order.sort_unstable();
+    // Where each key column lands in a batch projected to the key columns (file order).
+    let projected_key: Vec<usize> = key
+        .iter()
+        .map(|k| file_order.iter().position(|c| c == k).expect("a key column"))
+        .collect();
     for component in older_only {
-        for batch in read_component(components_dir, &component.hash, None)? {
-            let keys = converter.convert_columns(&columns(&batch, &key))?;
-            let mask: arrow::array::BooleanArray = keys
-                .iter()
-                .map(|row| Some(changed.contains_key(&row)))
-                .collect();
-            if mask.true_count() > 0 {
-                older.push(arrow::compute::filter_record_batch(&batch, &mask)?);
-            }
+        let key_batches = read_component(components_dir, &component.hash, Some(&file_order))?;
+        let mut selected = arrow::array::BooleanBuilder::with_capacity(component.rows as usize);
+        for batch in &key_batches {
+            let keys = converter.convert_columns(&columns(batch, &projected_key))?;
+            selected.extend(keys.iter().map(|row| Some(changed.contains_key(&row))));
+        }
+        let selected = selected.finish();
+        if selected.true_count() > 0 {
+            older.extend(read_component_rows(components_dir, &component.hash, &selected)?);
         }
     }
     let older = concat_batches(&schema, &older)?;

@@ -8,7 +8,7 @@
 use crate::error::{Result, StorageError};
 use crate::fsio;
 use arrow::array::RecordBatch;
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::arrow_reader::{ParquetRecordBatchReaderBuilder, RowSelection};
 use parquet::arrow::{ArrowWriter, ProjectionMask};
 use parquet::basic::Compression;
 use parquet::file::properties::WriterProperties;
@@ -126,6 +126,30 @@ pub fn read_verified(dir: &Path, hash: &ComponentHash) -> Result<Vec<u8>> {
 }
 
 /// Reads a component, optionally only the given top-level columns.
+/// The rows of a component that `selected` marks (one flag per row, in file order), every
+/// column. Pages holding no selected row are skipped, and the values of unselected rows
+/// are skipped rather than decoded into arrays.
+pub fn read_component_rows(
+    dir: &Path,
+    hash: &ComponentHash,
+    selected: &arrow::array::BooleanArray,
+) -> Result<Vec<RecordBatch>> {
+    let path = component_path(dir, hash);
+    let parquet_err = |source| StorageError::Parquet {
+        path: path.clone(),
+        source,
+    };
+    let file = disk::open(&path).map_err(|e| StorageError::io(&path, e))?;
+    let selection = RowSelection::from_filters(std::slice::from_ref(selected));
+    let reader = ParquetRecordBatchReaderBuilder::try_new(file)
+        .map_err(parquet_err)?
+        .with_row_selection(selection)
+        .with_batch_size(8192)
+        .build()
+        .map_err(parquet_err)?;
+    Ok(reader.collect::<std::result::Result<Vec<_>, _>>()?)
+}
+
 pub fn read_component(
     dir: &Path,
     hash: &ComponentHash,
