@@ -204,6 +204,14 @@ enum BenchKind {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// The diff between two epochs of lineitem that differ by about 1% of its rows
+    /// (`tessera_changes`) against a full scan of both epochs and a full outer join of them.
+    Diff {
+        #[arg(long, default_value_t = 1.0)]
+        sf: f64,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
     /// Cluster formation time, leader failover time, and publish rows/s on 1 vs 3 nodes.
     Cluster {
         /// Scale factor of the lineitem rows published.
@@ -405,6 +413,9 @@ async fn run(cli: Cli) -> Result<()> {
             commands::bench_clients::run(&cli.data_dir, cli.store.partitions, *sf, queries, *runs)
                 .await
         }
+        Command::Bench {
+            bench: BenchKind::Diff { sf, runs },
+        } => commands::bench_diff::run(&cli.data_dir, cli.store.config(), *sf, *runs).await,
         Command::Bench {
             bench: BenchKind::Cluster { sf, runs },
         } => commands::bench_cluster::run(&cli.data_dir, *sf, cli.store.partitions, *runs).await,
