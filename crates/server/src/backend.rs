@@ -442,13 +442,7 @@ impl RowSource for ClusterRows {
         predicate: Option<Arc<dyn datafusion::physical_expr::PhysicalExpr>>,
         limit: Option<usize>,
     ) -> DfResult<Arc<dyn ExecutionPlan>> {
-        let view = self.view.get();
-        let (partitions, replicas) = scan_channels(
-            &view.state,
-            def,
-            tessera_exec::cores_per_node(&view.state, self.node.id()),
-        )
-        .map_err(external)?;
+        let (partitions, replicas) = channels_of(&self.node, &self.view, def)?;
         let (estimated_rows, statistics) = self.statistics(def);
         let spec = ScanSpec {
             def: def.clone(),
@@ -484,13 +478,7 @@ impl ChangesSource for ClusterChanges {
         to: Epoch,
         projection: Vec<usize>,
     ) -> DfResult<Arc<dyn ExecutionPlan>> {
-        let view = self.view.get();
-        let (partitions, replicas) = scan_channels(
-            &view.state,
-            def,
-            tessera_exec::cores_per_node(&view.state, self.node.id()),
-        )
-        .map_err(external)?;
+        let (partitions, replicas) = channels_of(&self.node, &self.view, def)?;
         let spec = ScanSpec {
             def: def.clone(),
             epoch: to,
@@ -569,6 +557,21 @@ impl ClusterRows {
         });
         (Some(rows), columns)
     }
+}
+
+/// The channels a scan of `def` planned on `node` has, under the statement's metadata.
+fn channels_of(
+    node: &Node,
+    view: &StatementView,
+    def: &TableDef,
+) -> DfResult<(Vec<Vec<PartitionId>>, Vec<Vec<NodeId>>)> {
+    let view = view.get();
+    scan_channels(
+        &view.state,
+        def,
+        tessera_exec::cores_per_node(&view.state, node.id()),
+    )
+    .map_err(external)
 }
 
 /// How a scan of `def` splits into channels: the partitions with the same replicas (the

@@ -192,6 +192,7 @@ impl Backend for LocalBackend {
     ) -> Result<Arc<dyn TableProvider>> {
         let source = LocalChanges {
             store: self.store.clone(),
+            parallelism: std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
         Ok(Arc::new(ChangesTable::new(def, from, to, source)))
     }
@@ -211,6 +212,8 @@ impl Backend for LocalBackend {
 #[derive(Debug)]
 struct LocalChanges {
     store: Arc<Store>,
+    /// How many groups of partitions are read at once.
+    parallelism: usize,
 }
 
 #[async_trait]
@@ -222,30 +225,30 @@ impl ChangesSource for LocalChanges {
         to: Epoch,
         projection: Vec<usize>,
     ) -> datafusion::common::Result<Arc<dyn ExecutionPlan>> {
-        let (store, def_owned) = (self.store.clone(), def.clone());
+        // The partitions in as many groups as this machine has cores, read at once.
+        let groups = partition_groups(self.store.ring().partition_count(), self.parallelism);
         let columns: Vec<usize> = (0..changes_schema(def).fields().len()).collect();
-        let partitions: Vec<PartitionId> = (0..store.ring().partition_count())
-            .map(PartitionId)
-            .collect();
-        let batches = blocking(move || {
-            read_local(
-                &store,
-                &def_owned,
-                Some(to),
-                Some(from),
-                &partitions,
-                &columns,
-            )
-        })
-        .await
-        .map_err(SqlError::into_datafusion)?;
+        let reads = groups.into_iter().map(|partitions| {
+            let (store, def, columns) = (self.store.clone(), def.clone(), columns.clone());
+            blocking(move || read_local(&store, &def, Some(to), Some(from), &partitions, &columns))
+        });
+        let batches = futures::future::try_join_all(reads)
+            .await
+            .map_err(SqlError::into_datafusion)?;
         let plan = datafusion::datasource::memory::MemorySourceConfig::try_new_exec(
-            &[batches],
+            &batches,
             changes_schema(def),
             Some(projection),
         )?;
         Ok(plan)
     }
+}
+
+/// Partitions `0..count` in at most `groups` contiguous groups, none empty.
+fn partition_groups(count: u32, groups: usize) -> Vec<Vec<PartitionId>> {
+    let all: Vec<PartitionId> = (0..count).map(PartitionId).collect();
+    let size = all.len().div_ceil(groups.max(1)).max(1);
+    all.chunks(size).map(<[PartitionId]>::to_vec).collect()
 }
 
 /// The live rows of some partitions of a table in a local store at `epoch` (the store's

@@ -17,15 +17,16 @@ use crate::catalog::TableDef;
 use crate::component::{read_component, read_component_rows, ComponentMeta};
 use crate::error::{Result, StorageError};
 use crate::store::PartitionSnapshot;
-use crate::versions::stored_schema;
-use arrow::array::{new_null_array, Array, ArrayRef, AsArray, RecordBatch, StringArray};
+use crate::versions::{epochs, key_columns as columns, key_converter, ops, stored_schema};
+use arrow::array::{new_null_array, Array, ArrayRef, RecordBatch, StringArray};
 use arrow::compute::{concat_batches, interleave};
-use arrow::datatypes::{DataType, Field, Schema, SchemaRef, UInt64Type, UInt8Type};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef, UInt64Type};
 use arrow::row::{RowConverter, Rows, SortField};
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::path::Path;
 use std::sync::Arc;
-use tessera_common::{Epoch, RowOp, EPOCH_COLUMN, OP_COLUMN};
+use tessera_common::{Epoch, RowOp};
 
 /// The name of the column that says what happened to a key.
 pub const CHANGE_COLUMN: &str = "change";
@@ -76,6 +77,33 @@ fn split_columns(def: &TableDef) -> (Vec<usize>, Vec<usize>) {
     (keys, values)
 }
 
+/// A fast hasher for encoded row keys (FxHash's multiply-rotate over 8-byte words): the
+/// membership test of every older row's key runs once per row, and SipHash, the standard
+/// map's defence against chosen keys, costs several times more here. Keys come from the
+/// table's own rows, not from a client.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        const SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
+        let mut words = bytes.chunks_exact(8);
+        for word in &mut words {
+            let word = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+            self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(SEED);
+        }
+        for &byte in words.remainder() {
+            self.0 = (self.0.rotate_left(5) ^ u64::from(byte)).wrapping_mul(SEED);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type KeyMap<'a, V> = HashMap<arrow::row::Row<'a>, V, BuildHasherDefault<KeyHasher>>;
+
 /// The changes of one partition snapshot (taken at `to`) between `from` and `to`, reading
 /// its components from `components_dir` (verified by the caller). `None` if nothing
 /// changed.
@@ -117,8 +145,7 @@ pub fn partition_changes(
     let key = def.primary_key_indices();
     let converter = key_converter(&schema, &key)?;
     let recent_keys = converter.convert_columns(&columns(&recent, &key))?;
-    let changed: HashMap<arrow::row::Row<'_>, ()> =
-        recent_keys.iter().map(|row| (row, ())).collect();
+    let changed: KeyMap<'_, ()> = recent_keys.iter().map(|row| (row, ())).collect();
     // The rows before come from components that cannot hold a change: their key columns
     // are read first, and then only the rows of changed keys, whole.
     let mut file_order = key.clone();
@@ -126,7 +153,12 @@ pub fn partition_changes(
     // Where each key column lands in a batch projected to the key columns (file order).
     let projected_key: Vec<usize> = key
         .iter()
-        .map(|k| file_order.iter().position(|c| c == k).expect("a key column"))
+        .map(|k| {
+            file_order
+                .iter()
+                .position(|c| c == k)
+                .expect("a key column")
+        })
         .collect();
     for component in older_only {
         let key_batches = read_component(components_dir, &component.hash, Some(&file_order))?;
@@ -137,7 +169,11 @@ pub fn partition_changes(
         }
         let selected = selected.finish();
         if selected.true_count() > 0 {
-            older.extend(read_component_rows(components_dir, &component.hash, &selected)?);
+            older.extend(read_component_rows(
+                components_dir,
+                &component.hash,
+                &selected,
+            )?);
         }
     }
     let older = concat_batches(&schema, &older)?;
@@ -160,32 +196,8 @@ fn split_by_epoch(
     Ok(())
 }
 
-fn epochs(batch: &RecordBatch) -> &arrow::array::PrimitiveArray<UInt64Type> {
-    let index = batch
-        .schema()
-        .index_of(EPOCH_COLUMN)
-        .expect("stored batches carry the epoch column");
-    batch.column(index).as_primitive::<UInt64Type>()
-}
-
 fn is_upsert(batch: &RecordBatch, row: usize) -> bool {
-    let index = batch
-        .schema()
-        .index_of(OP_COLUMN)
-        .expect("stored batches carry the op column");
-    batch.column(index).as_primitive::<UInt8Type>().value(row) == RowOp::Upsert as u8
-}
-
-fn key_converter(schema: &Schema, key: &[usize]) -> Result<RowConverter> {
-    Ok(RowConverter::new(
-        key.iter()
-            .map(|&i| SortField::new(schema.field(i).data_type().clone()))
-            .collect(),
-    )?)
-}
-
-fn columns(batch: &RecordBatch, indices: &[usize]) -> Vec<ArrayRef> {
-    indices.iter().map(|&i| batch.column(i).clone()).collect()
+    ops(batch).value(row) == RowOp::Upsert as u8
 }
 
 /// The newest version per key among `rows` at or below `at` (`None` bound: any).
@@ -193,8 +205,8 @@ fn newest_per_key<'a>(
     keys: &'a Rows,
     epochs: &arrow::array::PrimitiveArray<UInt64Type>,
     at: Option<Epoch>,
-) -> HashMap<arrow::row::Row<'a>, usize> {
-    let mut newest: HashMap<arrow::row::Row<'a>, (u64, usize)> = HashMap::new();
+) -> KeyMap<'a, usize> {
+    let mut newest: KeyMap<'a, (u64, usize)> = KeyMap::default();
     for (i, row) in keys.iter().enumerate() {
         let epoch = epochs.value(i);
         if at.is_some_and(|at| epoch > at.0) {

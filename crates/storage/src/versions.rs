@@ -164,7 +164,7 @@ pub fn compact_views(batch: RecordBatch) -> Result<RecordBatch> {
     Ok(RecordBatch::try_new(batch.schema(), columns)?)
 }
 
-fn key_converter(schema: &Schema, key: &[usize]) -> Result<RowConverter> {
+pub(crate) fn key_converter(schema: &Schema, key: &[usize]) -> Result<RowConverter> {
     let fields = key
         .iter()
         .map(|&i| SortField::new(schema.field(i).data_type().clone()))
@@ -172,7 +172,7 @@ fn key_converter(schema: &Schema, key: &[usize]) -> Result<RowConverter> {
     Ok(RowConverter::new(fields)?)
 }
 
-fn key_columns(batch: &RecordBatch, key: &[usize]) -> Vec<ArrayRef> {
+pub(crate) fn key_columns(batch: &RecordBatch, key: &[usize]) -> Vec<ArrayRef> {
     key.iter().map(|&i| batch.column(i).clone()).collect()
 }
 
@@ -212,7 +212,7 @@ pub fn find_duplicate_key(batch: &RecordBatch, key: &[usize]) -> Result<Option<S
     Ok(None)
 }
 
-fn epochs(batch: &RecordBatch) -> &arrow::array::PrimitiveArray<UInt64Type> {
+pub(crate) fn epochs(batch: &RecordBatch) -> &arrow::array::PrimitiveArray<UInt64Type> {
     let index = batch
         .schema()
         .index_of(EPOCH_COLUMN)
@@ -220,7 +220,7 @@ fn epochs(batch: &RecordBatch) -> &arrow::array::PrimitiveArray<UInt64Type> {
     batch.column(index).as_primitive::<UInt64Type>()
 }
 
-fn ops(batch: &RecordBatch) -> &arrow::array::PrimitiveArray<UInt8Type> {
+pub(crate) fn ops(batch: &RecordBatch) -> &arrow::array::PrimitiveArray<UInt8Type> {
     let index = batch
         .schema()
         .index_of(OP_COLUMN)

@@ -194,13 +194,23 @@ fn a_key_declared_out_of_column_order_finds_its_rows_before() {
     let snapshot = store.changes_snapshot("t", from, to).unwrap();
     let mut updates = Vec::new();
     for partition in &snapshot.partitions {
-        if let Some(changes) = partition_changes(store.components_dir(), &def, partition, from, to).unwrap() {
+        if let Some(changes) =
+            partition_changes(store.components_dir(), &def, partition, from, to).unwrap()
+        {
             let schema = changes.schema();
             let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
-            assert_eq!(names, ["change", "b", "a", "before_c", "after_c"], "key columns in key order");
+            assert_eq!(
+                names,
+                ["change", "b", "a", "before_c", "after_c"],
+                "key columns in key order"
+            );
             let column = |i: usize| changes.column(i).as_primitive::<Int64Type>().value(0);
             updates.push((column(1), column(2), column(3), column(4)));
         }
     }
-    assert_eq!(updates, [(20, 2, 200, 222)], "the row before, found by its two-column key");
+    assert_eq!(
+        updates,
+        [(20, 2, 200, 222)],
+        "the row before, found by its two-column key"
+    );
 }

@@ -24,7 +24,11 @@ pub async fn run(data_dir: &Path, config: StoreConfig, sf: f64, runs: usize) -> 
     let store = Store::open(&bench_dir, config)?;
     let engine = Engine::new(store.clone());
     let (from, to) = prepare(&bench_dir, &store, &engine, sf).await?;
-    let rows = count(&engine, &format!("SELECT count(*) FROM lineitem AS OF EPOCH {to}")).await?;
+    let rows = count(
+        &engine,
+        &format!("SELECT count(*) FROM lineitem AS OF EPOCH {to}"),
+    )
+    .await?;
 
     let diff = format!("SELECT * FROM tessera_changes('lineitem', {from}, {to})");
     let scan_both = [
