@@ -273,7 +273,7 @@ async fn every_as_of_answer_equals_the_model_before_and_after_restarts() {
                 "{sql} changed nothing, so the model must not"
             );
         }
-        if step % 7 == 3 {
+        if step % 7 == 3 && !model.versions.is_empty() {
             let name = format!("step_{step}");
             let epoch = write(&client, &format!("CREATE TAG {name}")).await;
             let epoch = epoch.expect("CREATE TAG answers with the epoch it pins");
