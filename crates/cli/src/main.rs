@@ -81,6 +81,20 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Format::Table)]
         format: Format,
     },
+    /// Write a table, as it is now or at a point of its history, to a Parquet or CSV file
+    /// here (in SQL: `COPY (query) TO 'file.parquet'`).
+    Export {
+        #[arg(long)]
+        table: String,
+        /// An epoch number, a tag, or a timestamp ('2026-11-20 10:00', UTC).
+        #[arg(long)]
+        as_of: Option<String>,
+        /// The file to write; its extension names the format unless --format does.
+        #[arg(long, short = 'o')]
+        output: PathBuf,
+        #[arg(long, value_enum)]
+        format: Option<commands::export::ExportFormat>,
+    },
     /// Generate a data set in-process and publish it.
     Load {
         #[command(subcommand)]
@@ -318,6 +332,12 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Sql { command, format } => {
             commands::sql::run(target(&cli)?, command.as_deref(), *format).await
         }
+        Command::Export {
+            table,
+            as_of,
+            output,
+            format,
+        } => commands::export::run(target(&cli)?, table, as_of.as_deref(), output, *format).await,
         Command::Load {
             dataset: LoadDataset::Tpch { sf, tables },
         } => commands::load::tpch(&target(&cli)?, *sf, tables, true).await,

@@ -520,7 +520,10 @@ async fn copy_from_stdin_publishes_one_epoch_and_copy_to_stdout_reads_it_back() 
         psql_with_input(&cluster, 1, "COPY people FROM STDIN", "5\tagain\t0\n").unwrap_err();
     assert!(error.contains("duplicate key"), "{error}");
     let error = psql(&cluster, 1, &["-c", "COPY people FROM '/etc/passwd'"]).unwrap_err();
-    assert!(error.contains("only FROM STDIN and TO STDOUT"), "{error}");
+    assert!(
+        error.contains("only FROM STDIN and TO STDOUT") && error.contains("tessera export"),
+        "{error}"
+    );
     assert_eq!(
         visible_epoch(&cluster).await,
         before + 1,

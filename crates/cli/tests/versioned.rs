@@ -303,6 +303,7 @@ async fn every_as_of_answer_equals_the_model_before_and_after_restarts() {
     );
     check_history(&client, &model, "before restarts").await;
     check_bad_input(&client, &model).await;
+    check_exports(cluster.addr(2), &model, root.path());
 
     // Every node is killed at once and restarted: the epoch log, the times and the tags
     // are in the Raft log and snapshots, not in memory.
@@ -409,6 +410,109 @@ async fn check_diffs(client: &ClusterClient, model: &Model, when: &str) {
             "{when}: tessera_changes from tag {name} (epoch {epoch}) to now"
         );
     }
+}
+
+/// Runs the CLI against the node at `addr`; its standard output, or its error.
+fn cli(addr: &str, args: &[&str]) -> Result<String, String> {
+    let output = std::process::Command::new(BINARY)
+        .arg("--node")
+        .arg(addr)
+        .args(args)
+        .output()
+        .unwrap();
+    if output.status.success() {
+        Ok(String::from_utf8_lossy(&output.stdout).to_string())
+    } else {
+        Err(String::from_utf8_lossy(&output.stderr).to_string())
+    }
+}
+
+/// `tessera export` and `COPY ... TO 'file'` write a tagged or older version to a file
+/// here, equal to the model's; a bad target names itself and leaves no file behind.
+fn check_exports(addr: &str, model: &Model, dir: &std::path::Path) {
+    let (tag, (epoch, tagged)) = model.tags.iter().next().expect("a tag");
+    let parquet = dir.join("tagged.parquet");
+    let said = cli(
+        addr,
+        &[
+            "export",
+            "--table",
+            "kv",
+            "--as-of",
+            tag,
+            "-o",
+            parquet.to_str().unwrap(),
+        ],
+    )
+    .unwrap();
+    assert!(
+        said.contains(&format!("exported {} rows", tagged.len())),
+        "{said}"
+    );
+    let file = std::fs::File::open(&parquet).unwrap();
+    let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)
+        .unwrap()
+        .build()
+        .unwrap();
+    let mut exported = Rows::new();
+    for batch in reader {
+        let batch = batch.unwrap();
+        for i in 0..batch.num_rows() {
+            exported.insert(int64(&batch, 0).value(i), int64(&batch, 1).value(i));
+        }
+    }
+    assert_eq!(
+        &exported, tagged,
+        "tessera export --as-of {tag} (epoch {epoch})"
+    );
+
+    let version = &model.versions[model.versions.len() / 2];
+    let csv = dir.join("older.csv");
+    let copy = format!(
+        "COPY (SELECT k, v FROM kv AS OF EPOCH {} ORDER BY k) TO '{}'",
+        version.epoch,
+        csv.display()
+    );
+    let said = cli(addr, &["sql", "-c", &copy]).unwrap();
+    assert!(
+        said.contains(&format!("COPY {}", version.rows.len())),
+        "{said}"
+    );
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("k,v"));
+    let rows: Rows = lines
+        .map(|line| {
+            let (k, v) = line.split_once(',').unwrap();
+            (k.parse().unwrap(), v.parse().unwrap())
+        })
+        .collect();
+    assert_eq!(
+        rows, version.rows,
+        "COPY ... AS OF EPOCH {} TO csv",
+        version.epoch
+    );
+
+    let missing = dir.join("no/such/dir/out.csv");
+    let error = cli(
+        addr,
+        &["export", "--table", "kv", "-o", missing.to_str().unwrap()],
+    )
+    .unwrap_err();
+    assert!(error.contains("No such file or directory"), "{error}");
+    let error = cli(
+        addr,
+        &[
+            "export",
+            "--table",
+            "kv",
+            "-o",
+            dir.join("out.txt").to_str().unwrap(),
+        ],
+    )
+    .unwrap_err();
+    assert!(error.contains("--format parquet or csv"), "{error}");
+    assert!(!dir.join("out.txt").exists() && !dir.join("out.txt.partial").exists());
 }
 
 /// Time-travel mistakes get errors that name them, and change nothing.

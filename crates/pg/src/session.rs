@@ -270,7 +270,7 @@ impl PgSession {
                 (true, CopyTarget::Stdout) => self.copy_out(client, source, format).await,
                 (_, target) => Err(user_error(
                     "0A000",
-                    format!("COPY with {target}: only FROM STDIN and TO STDOUT (the node's files are not the client's)"),
+                    format!("COPY with {target}: only FROM STDIN and TO STDOUT (the node's files are not the client's; to write a file where you are, use psql's \\copy or tessera export)"),
                 )),
             };
         }

@@ -147,6 +147,15 @@ impl Engine {
         if let Some(statement) = crate::statements::parse_tessera_statement(sql) {
             return Ok(vec![self.execute_tessera(statement?).await?]);
         }
+        let texts = crate::statements::split_statements(sql);
+        if texts.len() > 1 {
+            // Tessera's own statements may sit among others: each text on its own.
+            let mut outputs = Vec::with_capacity(texts.len());
+            for text in texts {
+                outputs.extend(Box::pin(self.execute_statements(&text)).await?);
+            }
+            return Ok(outputs);
+        }
         let statements = parse_statements(sql)?;
         let mut outputs = Vec::with_capacity(statements.len());
         for statement in statements {

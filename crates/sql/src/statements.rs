@@ -45,6 +45,38 @@ pub fn parse_tessera_statement(sql: &str) -> Option<Result<TesseraStatement>> {
     crate::tags::parse_tag_statement(sql).map(|tag| tag.map(TesseraStatement::Tag))
 }
 
+/// The statements of `sql`, split at the `;`s outside string literals, quoted names and
+/// comments, each as written (without its `;`); empty ones dropped. Text that does not
+/// tokenize is returned whole, for the parser to name its error.
+pub fn split_statements(sql: &str) -> Vec<String> {
+    let Ok(tokens) = Tokenizer::new(&PostgreSqlDialect {}, sql)
+        .with_unescape(false)
+        .tokenize()
+    else {
+        return vec![sql.to_string()];
+    };
+    let mut statements = Vec::new();
+    let mut current = String::new();
+    for token in tokens {
+        if token == Token::SemiColon {
+            statements.push(std::mem::take(&mut current));
+        } else {
+            current.push_str(&token.to_string());
+        }
+    }
+    statements.push(current);
+    statements.retain(|s| !is_blank(s));
+    statements
+}
+
+/// Whether `sql` holds nothing but whitespace and comments.
+fn is_blank(sql: &str) -> bool {
+    Tokenizer::new(&PostgreSqlDialect {}, sql)
+        .tokenize()
+        .map(|tokens| tokens.iter().all(|t| matches!(t, Token::Whitespace(_))))
+        .unwrap_or(false)
+}
+
 /// The significant tokens of a statement, read front to back.
 pub(crate) struct Tokens {
     pub(crate) tokens: Vec<Token>,
@@ -166,5 +198,20 @@ impl Tokens {
                 describe(other)
             ))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statements_split_at_semicolons_outside_literals_and_comments() {
+        assert_eq!(
+            split_statements("CREATE TAG a; SELECT ';' AS x -- a ; comment\n; ;\n"),
+            vec!["CREATE TAG a", " SELECT ';' AS x -- a ; comment\n"]
+        );
+        assert_eq!(split_statements("SELECT 'it''s'"), vec!["SELECT 'it''s'"]);
+        assert!(split_statements("  -- nothing\n").is_empty());
     }
 }

@@ -9,6 +9,7 @@ pub mod bench_recovery;
 pub mod bench_replication;
 pub mod cluster_status;
 pub mod demo;
+pub mod export;
 pub mod load;
 pub mod node;
 pub mod publish;

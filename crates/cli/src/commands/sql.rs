@@ -1,6 +1,7 @@
 //! `tessera sql`: run statements from -c, or an interactive prompt reading `;`-terminated
 //! statements from standard input.
 
+use super::export::split_exports;
 use super::target::Target;
 use crate::output::print_output;
 use crate::Format;
@@ -11,10 +12,7 @@ use std::time::Instant;
 pub async fn run(engine: Target, command: Option<&str>, format: Format) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     if let Some(sql) = command {
-        for output in engine.execute(sql).await? {
-            print_output(&output, format, &mut stdout)?;
-        }
-        return Ok(());
+        return run_text(&engine, sql, format, &mut stdout).await;
     }
     let interactive = std::io::stdin().is_terminal();
     if interactive {
@@ -48,11 +46,8 @@ pub async fn run(engine: Target, command: Option<&str>, format: Format) -> Resul
             continue;
         }
         let started = Instant::now();
-        match engine.execute(&pending).await {
-            Ok(outputs) => {
-                for output in outputs {
-                    print_output(&output, format, &mut stdout)?;
-                }
+        match run_text(&engine, &pending, format, &mut stdout).await {
+            Ok(()) => {
                 if interactive {
                     writeln!(stdout, "Time: {:.3} s", started.elapsed().as_secs_f64())?;
                 }
@@ -72,6 +67,31 @@ pub async fn run(engine: Target, command: Option<&str>, format: Format) -> Resul
     }
     if failures > 0 && !interactive {
         bail!("{failures} statement(s) failed");
+    }
+    Ok(())
+}
+
+/// Runs the statements of `sql` and prints what they return; a `COPY ... TO 'file'` among
+/// them writes its rows to a file here (see [`super::export`]).
+async fn run_text(target: &Target, sql: &str, format: Format, out: &mut impl Write) -> Result<()> {
+    let Some(parts) = split_exports(sql)? else {
+        for output in target.execute(sql).await? {
+            print_output(&output, format, out)?;
+        }
+        return Ok(());
+    };
+    for part in parts {
+        match part {
+            Ok(export) => {
+                let rows = super::export::export(target, &export).await?;
+                writeln!(out, "COPY {rows} (to {})", export.path.display())?;
+            }
+            Err(statement) => {
+                for output in target.execute(&statement).await? {
+                    print_output(&output, format, out)?;
+                }
+            }
+        }
     }
     Ok(())
 }
