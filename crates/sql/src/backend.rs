@@ -275,6 +275,13 @@ pub fn read_local(
     partitions: &[PartitionId],
     columns: &[usize],
 ) -> Result<Vec<RecordBatch>> {
+    // A table dropped and created again under the same name is another table.
+    if store
+        .table_def(&def.name)
+        .is_none_or(|d| d.generation != def.generation)
+    {
+        return Err(tessera_storage::StorageError::UnknownTable(def.name.clone()).into());
+    }
     let snapshot_now = || match changes_since {
         Some(from) => {
             store.changes_snapshot(&def.name, from, epoch.unwrap_or(store.visible_epoch()))
