@@ -125,35 +125,30 @@ pub fn read_verified(dir: &Path, hash: &ComponentHash) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// Reads a component, optionally only the given top-level columns.
 /// The rows of a component that `selected` marks (one flag per row, in file order), every
-/// column. Pages holding no selected row are skipped, and the values of unselected rows
-/// are skipped rather than decoded into arrays.
+/// column; the values of unselected rows are skipped rather than decoded into arrays.
 pub fn read_component_rows(
     dir: &Path,
     hash: &ComponentHash,
     selected: &arrow::array::BooleanArray,
 ) -> Result<Vec<RecordBatch>> {
-    let path = component_path(dir, hash);
-    let parquet_err = |source| StorageError::Parquet {
-        path: path.clone(),
-        source,
-    };
-    let file = disk::open(&path).map_err(|e| StorageError::io(&path, e))?;
-    let selection = RowSelection::from_filters(std::slice::from_ref(selected));
-    let reader = ParquetRecordBatchReaderBuilder::try_new(file)
-        .map_err(parquet_err)?
-        .with_row_selection(selection)
-        .with_batch_size(8192)
-        .build()
-        .map_err(parquet_err)?;
-    Ok(reader.collect::<std::result::Result<Vec<_>, _>>()?)
+    read_component_with(dir, hash, None, Some(selected))
 }
 
+/// Reads a component, optionally only the given top-level columns.
 pub fn read_component(
     dir: &Path,
     hash: &ComponentHash,
     columns: Option<&[usize]>,
+) -> Result<Vec<RecordBatch>> {
+    read_component_with(dir, hash, columns, None)
+}
+
+fn read_component_with(
+    dir: &Path,
+    hash: &ComponentHash,
+    columns: Option<&[usize]>,
+    selected: Option<&arrow::array::BooleanArray>,
 ) -> Result<Vec<RecordBatch>> {
     let path = component_path(dir, hash);
     let parquet_err = |source| StorageError::Parquet {
@@ -165,6 +160,10 @@ pub fn read_component(
     if let Some(columns) = columns {
         let mask = ProjectionMask::roots(builder.parquet_schema(), columns.iter().copied());
         builder = builder.with_projection(mask);
+    }
+    if let Some(selected) = selected {
+        builder =
+            builder.with_row_selection(RowSelection::from_filters(std::slice::from_ref(selected)));
     }
     let reader = builder.with_batch_size(8192).build().map_err(parquet_err)?;
     Ok(reader.collect::<std::result::Result<Vec<_>, _>>()?)
