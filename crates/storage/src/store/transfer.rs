@@ -156,10 +156,12 @@ impl Store {
     ) -> Result<()> {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
-        // A fenced copy marks the partition complete through its fence, so every epoch
-        // prepared here for it must be decided first, not only those the delta replaces.
-        let undecided_from = if fence.is_some() { Epoch::ZERO } else { since };
-        self.refuse_undecided(table, partition, undecided_from)?;
+        // Only the epochs the delta replaces must be decided here first. An older prepare
+        // left undecided (one logged just as its epoch's outcome was applied, with nothing
+        // to apply it to) must not hold the copy up for ever: once the copy marks the
+        // partition complete through its fence, `complete_through` discards that prepare's
+        // rows whenever its outcome is applied.
+        self.refuse_undecided(table, partition, since)?;
         self.refuse_newer_than(table, partition, fence)?;
         self.replay_standby_holding_gate(|p| *p == partition)?;
         let (def, components, memtable, memtable_reaches_since) = {
