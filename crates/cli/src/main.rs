@@ -67,10 +67,29 @@ impl StoreFlags {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Load TPC-H into a local store, run queries with timings, and show time travel.
+    /// The whole story: a local 3-node cluster (r = 3) with TPC-H loaded, distributed
+    /// queries, a node killed mid-query, its delta catch-up, and time travel.
     Demo {
         #[arg(long, default_value_t = 0.1)]
         sf: f64,
+        /// One store in this process instead of a cluster.
+        #[arg(long)]
+        local: bool,
+        /// Stop the cluster when the story ends instead of leaving it up until Ctrl-C.
+        #[arg(long)]
+        exit: bool,
+        /// Node i listens on base-port + i - 1.
+        #[arg(long, default_value_t = 7001)]
+        base_port: u16,
+        /// Node i serves PostgreSQL clients on pg-port + i - 1.
+        #[arg(long, default_value_t = 5433)]
+        pg_port: u16,
+        /// Node i serves the console and metrics on http-port + i - 1.
+        #[arg(long, default_value_t = 8080)]
+        http_port: u16,
+        /// Node i serves Arrow Flight SQL on flightsql-port + i - 1.
+        #[arg(long, default_value_t = 32010)]
+        flightsql_port: u16,
     },
     /// Run SQL: an interactive prompt, or the statements given with -c.
     Sql {
@@ -328,7 +347,29 @@ fn one_message(error: &anyhow::Error) -> String {
 
 async fn run(cli: Cli) -> Result<()> {
     match &cli.command {
-        Command::Demo { sf } => commands::demo::run(open_store(&cli)?, *sf).await,
+        Command::Demo {
+            sf, local: true, ..
+        } => commands::demo::run_local(open_store(&cli)?, *sf).await,
+        Command::Demo {
+            sf,
+            local: false,
+            exit,
+            base_port,
+            pg_port,
+            http_port,
+            flightsql_port,
+        } => {
+            let options = commands::demo::DemoOptions {
+                sf: *sf,
+                partitions: cli.store.partitions,
+                base_port: *base_port,
+                pg_base_port: *pg_port,
+                http_base_port: *http_port,
+                flightsql_base_port: *flightsql_port,
+                stay_up: !exit,
+            };
+            commands::demo::run(&cli.data_dir, options).await
+        }
         Command::Sql { command, format } => {
             commands::sql::run(target(&cli)?, command.as_deref(), *format).await
         }

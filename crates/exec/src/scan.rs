@@ -251,7 +251,7 @@ async fn read_here(
     context: Arc<TaskContext>,
 ) -> DfResult<Option<SendableRecordBatchStream>> {
     node.meta
-        .wait_for_epoch(spec.epoch, EPOCH_WAIT)
+        .wait_to_read(&spec.def.name, spec.def.generation, spec.epoch, EPOCH_WAIT)
         .await
         .map_err(|e| DataFusionError::External(Box::new(e)))?;
     let store = node.store.clone();
@@ -507,7 +507,7 @@ pub async fn read_from(
     } = read;
     if from == node.id() {
         node.meta
-            .wait_for_epoch(epoch, EPOCH_WAIT)
+            .wait_to_read(&def.name, def.generation, epoch, EPOCH_WAIT)
             .await
             .map_err(|e| ExecError::Task {
                 what: "waiting for the query's epoch",

@@ -294,6 +294,33 @@ impl MetaClient {
         })
     }
 
+    /// Waits until this node can read `table` as a query planned elsewhere sees it: its
+    /// metadata shows `epoch` visible and has applied the table's creation (log index
+    /// `generation`), so the store holds the table. A restarting node replays its log
+    /// in order, and may show an epoch visible before it reaches a later entry creating
+    /// a table that epoch does not yet hold rows of.
+    pub async fn wait_to_read(
+        &self,
+        table: &str,
+        generation: u64,
+        epoch: Epoch,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.wait_for_epoch(epoch, timeout).await?;
+        if self
+            .wait_until(timeout, |view| view.applied_index >= generation)
+            .await
+        {
+            return Ok(());
+        }
+        Err(MetaError::TableNotApplied {
+            node: self.id(),
+            table: table.to_string(),
+            generation,
+            applied: self.view().applied_index,
+        })
+    }
+
     /// Waits (up to `patience`) until the metadata shows this node alive; after a false
     /// suspicion the next heartbeat revives it.
     pub async fn wait_until_alive(&self, patience: Duration) {

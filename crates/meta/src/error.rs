@@ -43,6 +43,15 @@ pub enum MetaError {
         epoch: Epoch,
         visible: Epoch,
     },
+    #[error(
+        "node {node} has not yet applied the creation of table {table:?} (metadata log index {generation}; it has applied up to {applied})"
+    )]
+    TableNotApplied {
+        node: NodeId,
+        table: String,
+        generation: u64,
+        applied: u64,
+    },
     #[error("the metadata leader could not confirm its leadership for a linearizable read: {0}")]
     ReadIndex(String),
 }

@@ -395,7 +395,12 @@ impl NodeService {
     ) -> Result<(arrow::datatypes::SchemaRef, Vec<RecordBatch>), Status> {
         let node = self.node.clone();
         node.meta
-            .wait_for_epoch(scan.epoch, Duration::from_secs(10))
+            .wait_to_read(
+                &scan.table,
+                scan.generation,
+                scan.epoch,
+                Duration::from_secs(10),
+            )
             .await
             .map_err(failed)?;
         let def = self.local_table(&scan.table, scan.generation)?;

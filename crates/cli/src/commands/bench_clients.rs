@@ -7,8 +7,8 @@
 //! reported, with each client's ratio to the internal client and their geometric means.
 
 use super::bench::{chosen_queries, median};
-use super::bench_cluster::{free_base_port, wait_formed, Nodes};
 use super::bench_distributed::timed;
+use super::local_cluster::{free_base_port, LocalCluster};
 use super::target::Target;
 use super::up::UpOptions;
 use anyhow::{bail, Context, Result};
@@ -29,7 +29,7 @@ struct Clients {
 }
 
 impl Clients {
-    async fn connect(cluster: &Nodes, pg_port: u16, flightsql_port: u16) -> Result<Clients> {
+    async fn connect(cluster: &LocalCluster, pg_port: u16, flightsql_port: u16) -> Result<Clients> {
         let channel =
             tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{flightsql_port}"))?
                 .connect()
@@ -93,7 +93,7 @@ pub async fn run(
     let mut options = UpOptions::new(NODES, partitions, 3);
     options.pg_base_port = Some(free_base_port(NODES)?);
     options.flightsql_base_port = Some(free_base_port(NODES)?);
-    let cluster = Nodes::start_with(&root, options)?;
+    let mut cluster = LocalCluster::start_on_free_ports(&root, options)?;
     // A cluster kept from an earlier run keeps its configuration's ports.
     let first = NodeConfig::load(&root.join("node-1").join("node.toml"))?;
     let (Some(pg), Some(flightsql)) = (first.pg_listen, first.flightsql_listen) else {
@@ -103,7 +103,7 @@ pub async fn run(
         );
     };
     let (pg_port, flightsql_port) = (pg.port(), flightsql.port());
-    wait_formed(&cluster.addrs, Duration::from_secs(60)).await?;
+    cluster.wait_formed(Duration::from_secs(60)).await?;
     let target = Target::cluster(&cluster.addrs[0]);
     if target.table_def("lineitem").await?.is_none() {
         println!(

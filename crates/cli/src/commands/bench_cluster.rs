@@ -1,104 +1,13 @@
 //! `tessera bench cluster`: time to form a cluster, leader failover time, and publish
 //! throughput on 1 node against 3 nodes, measured in the same run on this machine.
 
-use super::up::{local_configs, UpOptions};
-use anyhow::{bail, Context, Result};
+use super::local_cluster::LocalCluster;
+use super::up::UpOptions;
+use anyhow::{Context, Result};
 use arrow::array::RecordBatch;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
-use tessera_server::{ClusterClient, NodeConfig};
-
-/// A local cluster of node processes for a benchmark, killed when dropped.
-pub(super) struct Nodes {
-    children: Vec<(u64, Child)>,
-    configs: Vec<PathBuf>,
-    pub(super) addrs: Vec<String>,
-}
-
-impl Nodes {
-    fn start(root: &Path, nodes: u64, partitions: u32) -> Result<Nodes> {
-        Self::start_with(root, UpOptions::new(nodes, partitions, 3))
-    }
-
-    /// Starts a cluster as `options` say (its `base_port` is replaced by a free one).
-    pub(super) fn start_with(root: &Path, mut options: UpOptions) -> Result<Nodes> {
-        options.base_port = free_base_port(options.nodes)?;
-        let configs: Vec<PathBuf> = local_configs(root, &options)?;
-        let mut nodes = Nodes {
-            children: Vec::new(),
-            addrs: Vec::new(),
-            configs: configs.clone(),
-        };
-        for (i, config) in configs.iter().enumerate() {
-            nodes
-                .addrs
-                .push(NodeConfig::load(config)?.listen.to_string());
-            nodes.spawn(i as u64 + 1)?;
-        }
-        Ok(nodes)
-    }
-
-    /// Starts node `id` (again).
-    pub(super) fn spawn(&mut self, id: u64) -> Result<()> {
-        let child = Command::new(std::env::current_exe()?)
-            .args(["node", "--config"])
-            .arg(&self.configs[id as usize - 1])
-            .stdout(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting node {id}"))?;
-        self.children.push((id, child));
-        Ok(())
-    }
-
-    pub(super) fn kill9(&mut self, id: u64) {
-        if let Some(pos) = self.children.iter().position(|(n, _)| *n == id) {
-            let (_, mut child) = self.children.remove(pos);
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for Nodes {
-    fn drop(&mut self) {
-        for (_, child) in &mut self.children {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-/// A run of `n` consecutive free ports.
-/// The first of `n` consecutive free ports on 127.0.0.1.
-pub(super) fn free_base_port(n: u64) -> Result<u16> {
-    for _ in 0..100 {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0")?;
-        let base = probe.local_addr()?.port();
-        drop(probe);
-        if base as u64 + n >= u16::MAX as u64 {
-            continue;
-        }
-        let all_free =
-            (0..n).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i as u16)).is_ok());
-        if all_free {
-            return Ok(base);
-        }
-    }
-    bail!("found no run of {n} free ports")
-}
-
-pub(super) async fn wait_formed(addrs: &[String], timeout: Duration) -> Result<()> {
-    let clients: Vec<ClusterClient> = addrs.iter().map(|a| ClusterClient::new(a)).collect();
-    let deadline = Instant::now() + timeout;
-    while !super::up::formed(&clients).await {
-        if Instant::now() > deadline {
-            bail!("the cluster did not form within {timeout:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Ok(())
-}
+use tessera_server::ClusterClient;
 
 /// The median time of `runs` publishes of `rows` into `lineitem` through `client`.
 pub(super) async fn median_publish_time(
@@ -132,9 +41,10 @@ async fn measure(
     runs: usize,
 ) -> Result<Measured> {
     let started = Instant::now();
-    let mut cluster = Nodes::start(root, nodes, partitions)?;
+    let mut cluster =
+        LocalCluster::start_on_free_ports(root, UpOptions::new(nodes, partitions, 3))?;
     let client = ClusterClient::new(&cluster.addrs[0]);
-    wait_formed(&cluster.addrs, Duration::from_secs(60)).await?;
+    cluster.wait_formed(Duration::from_secs(60)).await?;
     let formation = started.elapsed();
     let lineitem = tessera_tpch::table("lineitem").expect("lineitem");
     client

@@ -7,7 +7,7 @@
 //! `EXPLAIN ANALYZE`), then `runs` times in turn; medians are reported.
 
 use super::bench::{chosen_queries, median, shared_baseline};
-use super::bench_cluster::{wait_formed, Nodes};
+use super::local_cluster::LocalCluster;
 use super::target::Target;
 use super::up::UpOptions;
 use anyhow::{bail, Context, Result};
@@ -22,10 +22,10 @@ pub(super) async fn cluster(
     nodes: u64,
     partitions: u32,
     sf: f64,
-) -> Result<(Nodes, ClusterClient)> {
+) -> Result<(LocalCluster, ClusterClient)> {
     let options = UpOptions::new(nodes, partitions, 3);
-    let cluster = Nodes::start_with(root, options)?;
-    wait_formed(&cluster.addrs, Duration::from_secs(60)).await?;
+    let mut cluster = LocalCluster::start_on_free_ports(root, options)?;
+    cluster.wait_formed(Duration::from_secs(60)).await?;
     let client = ClusterClient::new(&cluster.addrs[0]);
     let target = Target::cluster(&cluster.addrs[0]);
     if target.table_def("lineitem").await?.is_none() {

@@ -9,7 +9,6 @@
 //! restarted, and rejoins, before the next measurement.
 
 use super::bench::{chosen_queries, median, shared_baseline};
-use super::bench_cluster::wait_formed;
 use super::bench_distributed::{cluster, timed};
 use anyhow::{bail, Result};
 use std::path::Path;
@@ -129,7 +128,7 @@ pub async fn run(
             }
             killed.push(outcome);
             cluster.spawn(victim)?;
-            wait_formed(&cluster.addrs, Duration::from_secs(120)).await?;
+            cluster.wait_formed(Duration::from_secs(120)).await?;
         }
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let ratio = |d: Duration| d.as_secs_f64() / no_failure.as_secs_f64();

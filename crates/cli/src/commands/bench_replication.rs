@@ -4,7 +4,8 @@
 //! checkpoints), and failback time of the returning node with delta recovery against a full
 //! copy of its stale partitions.
 
-use super::bench_cluster::{median_publish_time, wait_formed, Nodes};
+use super::bench_cluster::median_publish_time;
+use super::local_cluster::LocalCluster;
 use super::up::UpOptions;
 use anyhow::{Context, Result};
 use arrow::array::{Int64Array, RecordBatch};
@@ -56,7 +57,7 @@ async fn start(
     replication: u32,
     delta: bool,
     standby: Standby,
-) -> Result<Nodes> {
+) -> Result<LocalCluster> {
     let mut options = UpOptions::new(NODES, partitions, replication);
     options.delta_recovery = delta;
     match standby {
@@ -68,8 +69,8 @@ async fn start(
             options.memtable_flush_bytes = Some(NEVER);
         }
     }
-    let nodes = Nodes::start_with(root, options)?;
-    wait_formed(&nodes.addrs, Duration::from_secs(60)).await?;
+    let mut nodes = LocalCluster::start_on_free_ports(root, options)?;
+    nodes.wait_formed(Duration::from_secs(60)).await?;
     let client = ClusterClient::new(&nodes.addrs[0]);
     let lineitem = tessera_tpch::table("lineitem").expect("lineitem");
     client
@@ -80,7 +81,7 @@ async fn start(
 
 /// Median publish throughput of `rows` through node 1.
 async fn publish_throughput(
-    nodes: &Nodes,
+    nodes: &LocalCluster,
     rows: &[RecordBatch],
     runs: usize,
 ) -> Result<Throughput> {
@@ -118,7 +119,7 @@ where
 
 /// SIGKILLs node 3 (not the metadata leader, so no election is timed) and measures how long
 /// until it is declared failed and until a query over every partition answers exactly.
-async fn failover(nodes: &mut Nodes, victim: u64) -> Result<Failover> {
+async fn failover(nodes: &mut LocalCluster, victim: u64) -> Result<Failover> {
     let client = ClusterClient::new(&nodes.addrs[0]);
     let healthy_started = Instant::now();
     let expected = count_rows(&client).await?;
@@ -151,7 +152,7 @@ async fn failover(nodes: &mut Nodes, victim: u64) -> Result<Failover> {
 
 /// With `victim` down, publishes a small delta, restarts it and measures how long it takes
 /// from being declared alive to holding every epoch again.
-async fn failback(nodes: &mut Nodes, victim: u64, delta: &RecordBatch) -> Result<Failback> {
+async fn failback(nodes: &mut LocalCluster, victim: u64, delta: &RecordBatch) -> Result<Failback> {
     let client = ClusterClient::new(&nodes.addrs[0]);
     client
         .publish("lineitem", vec![delta.clone()], false)

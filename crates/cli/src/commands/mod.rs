@@ -11,6 +11,7 @@ pub mod cluster_status;
 pub mod demo;
 pub mod export;
 pub mod load;
+pub mod local_cluster;
 pub mod node;
 pub mod publish;
 pub mod publish_loop;

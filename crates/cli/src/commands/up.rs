@@ -1,13 +1,13 @@
 //! `tessera up --nodes N`: a local cluster of N node processes on 127.0.0.1, with data and
 //! configuration under the data directory. Running it again restarts the same cluster.
 
+use super::local_cluster::{LocalCluster, NodeOutput};
 use super::node::wait_for_shutdown;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 use tessera_server::config::{ReplicaSettings, StoreSettings};
-use tessera_server::{ClusterClient, NodeConfig, NodeId, Peer};
+use tessera_server::{NodeConfig, NodeId, Peer};
 
 pub struct UpOptions {
     pub nodes: u64,
@@ -115,126 +115,65 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
 }
 
 pub async fn run(root: &Path, options: UpOptions) -> Result<()> {
-    let configs = local_configs(root, &options)?;
-    let exe = std::env::current_exe()?;
     let started = Instant::now();
-    let mut children: Vec<Child> = Vec::new();
-    for config in &configs {
-        let child = Command::new(&exe)
-            .arg("node")
-            .arg("--config")
-            .arg(config)
-            .spawn()
-            .with_context(|| format!("starting a node with {}", config.display()))?;
-        children.push(child);
-    }
-    let result = wait_until_formed(&configs, &mut children).await;
+    let mut cluster = LocalCluster::start(root, &options, NodeOutput::Inherit)?;
+    let result = cluster.wait_formed(Duration::from_secs(60)).await;
     match result {
         Ok(()) => {
             println!(
                 "cluster of {} nodes up in {:.1} s (data under {}):",
-                configs.len(),
+                cluster.configs().len(),
                 started.elapsed().as_secs_f64(),
                 root.display()
             );
-            for config in &configs {
-                let config = NodeConfig::load(config)?;
-                let mut line = format!("  node {}: RPC {}", config.node_id, config.listen);
-                if let Some(pg) = config.pg_listen {
-                    line.push_str(&format!(", SQL (PostgreSQL) {pg}"));
-                }
-                if let Some(flightsql) = config.flightsql_listen {
-                    line.push_str(&format!(", Flight SQL grpc://{flightsql}"));
-                }
-                if let Some(http) = config.http_listen {
-                    line.push_str(&format!(
-                        ", console http://{http}/, metrics http://{http}/metrics"
-                    ));
-                }
-                println!("{line}");
-            }
-            if let Some(pg) = NodeConfig::load(&configs[0])?.pg_listen {
-                println!(
-                    "connect with: psql -h {} -p {} (any node)",
-                    pg.ip(),
-                    pg.port()
-                );
-            }
-            println!(
-                "connect with: tessera --node {} sql",
-                NodeConfig::load(&configs[0])?.listen
-            );
+            print_endpoints(cluster.configs())?;
+            print_connect_hints(cluster.configs())?;
             println!("Ctrl-C stops the cluster.");
             wait_for_shutdown().await;
         }
         Err(ref error) => eprintln!("error: {error:#}"),
     }
-    stop(&mut children);
+    cluster.stop();
+    println!("cluster stopped");
     result
 }
 
-/// Waits until every node answers, each knows the leader, and the metadata lists them all
-/// alive.
-async fn wait_until_formed(configs: &[PathBuf], children: &mut [Child]) -> Result<()> {
-    let clients: Vec<ClusterClient> = configs
-        .iter()
-        .map(|c| Ok(ClusterClient::new(&NodeConfig::load(c)?.listen.to_string())))
-        .collect::<Result<_>>()?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        for (child, config) in children.iter_mut().zip(configs) {
-            if let Some(status) = child.try_wait()? {
-                bail!(
-                    "the node configured by {} exited ({status})",
-                    config.display()
-                );
-            }
+/// Prints every node's endpoints.
+pub fn print_endpoints(configs: &[PathBuf]) -> Result<()> {
+    for config in configs {
+        let config = NodeConfig::load(config)?;
+        let mut line = format!("  node {}: RPC {}", config.node_id, config.listen);
+        if let Some(pg) = config.pg_listen {
+            line.push_str(&format!(", SQL (PostgreSQL) {pg}"));
         }
-        if formed(&clients).await {
-            return Ok(());
+        if let Some(flightsql) = config.flightsql_listen {
+            line.push_str(&format!(", Flight SQL grpc://{flightsql}"));
         }
-        if Instant::now() > deadline {
-            bail!("the cluster did not form within 60 s");
+        if let Some(http) = config.http_listen {
+            line.push_str(&format!(
+                ", console http://{http}/, metrics http://{http}/metrics"
+            ));
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        println!("{line}");
     }
+    Ok(())
 }
 
-/// True when every node answers, knows a leader, and sees all of them alive.
-pub async fn formed(clients: &[ClusterClient]) -> bool {
-    for client in clients {
-        match client.status().await {
-            Ok(status)
-                if status.leader.is_some() && status.meta.live_nodes().count() == clients.len() => {
-            }
-            _ => return false,
-        }
+/// Prints how to connect to a local cluster.
+fn print_connect_hints(configs: &[PathBuf]) -> Result<()> {
+    let first = NodeConfig::load(&configs[0])?;
+    if let Some(pg) = first.pg_listen {
+        println!(
+            "connect with: psql -h {} -p {} -U tessera (any node)",
+            pg.ip(),
+            pg.port()
+        );
     }
-    true
-}
-
-/// Stops every node with SIGTERM, then SIGKILL after a grace period.
-fn stop(children: &mut [Child]) {
-    for child in children.iter() {
-        // SAFETY: kill(2) on the pid of a child we own and have not reaped.
-        unsafe {
-            libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
-        }
+    if let Some(http) = first.http_listen {
+        println!("watch it at:  http://{http}/");
     }
-    let deadline = Instant::now() + Duration::from_secs(10);
-    for child in children.iter_mut() {
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        if let Ok(None) = child.try_wait() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-    println!("cluster stopped");
+    println!("connect with: tessera --node {} sql", first.listen);
+    Ok(())
 }
 
 /// `127.0.0.1:(base + id - 1)`: node `id`'s port in a local cluster.
