@@ -333,7 +333,136 @@ async fn every_as_of_answer_equals_the_model_before_and_after_restarts() {
         rows_of(&client, "SELECT k, v FROM kv").await,
         model.current()
     );
+    check_retention(&mut cluster, &client, &mut model, &mut rng, &mut next_key).await;
     drop(cluster);
+}
+
+/// The table's oldest readable epoch and retain_epochs, as `tessera_tables` lists them.
+async fn listed_retention(client: &ClusterClient) -> (u64, Option<i64>) {
+    let batches = client
+        .query("SELECT oldest_readable_epoch, retain_epochs FROM tessera_tables WHERE name = 'kv'")
+        .await
+        .unwrap();
+    let retain = int64(&batches[0], 1);
+    (
+        int64(&batches[0], 0).value(0) as u64,
+        (!retain.is_null(0)).then(|| retain.value(0)),
+    )
+}
+
+/// Retention: a setting that would drop a tagged epoch is refused and changes nothing;
+/// once taken, merges run under it while publishes go on, every epoch at or above the
+/// horizon (the 5th newest version) still reads exactly, before and after a restart of
+/// every node, and every read or diff below it is refused naming the horizon.
+async fn check_retention(
+    cluster: &mut tessera_testkit::LocalCluster,
+    client: &ClusterClient,
+    model: &mut Model,
+    rng: &mut rand::rngs::StdRng,
+    next_key: &mut i64,
+) {
+    const KEEP: usize = 5;
+    assert_eq!(
+        listed_retention(client).await,
+        (0, None),
+        "every epoch kept"
+    );
+    let error = error_of(
+        client,
+        &format!("ALTER TABLE kv SET (retain_epochs = {KEEP})"),
+    )
+    .await;
+    assert!(
+        error.contains("pins it") && error.contains("drop the tag first"),
+        "{error}"
+    );
+    assert_eq!(listed_retention(client).await, (0, None), "nothing changed");
+    for name in std::mem::take(&mut model.tags).into_keys() {
+        write(client, &format!("DROP TAG \"{name}\"")).await;
+    }
+    write(
+        client,
+        &format!("ALTER TABLE kv SET (retain_epochs = {KEEP})"),
+    )
+    .await;
+    let horizon = |model: &Model| model.versions[model.versions.len() - KEEP].epoch;
+    assert_eq!(
+        listed_retention(client).await,
+        (horizon(model), Some(KEEP as i64))
+    );
+    // More versions, merged under the moving horizon (eager merges, small memtables).
+    for _ in 0..8 {
+        let mut rows = model.current();
+        let sql = random_change(rng, next_key, &mut rows);
+        let sent_ms = tessera_common::time::now_ms();
+        if let Some(epoch) = write(client, &sql).await {
+            model.versions.push(Version {
+                epoch,
+                sent_ms,
+                acked_ms: tessera_common::time::now_ms(),
+                rows,
+            });
+        }
+    }
+    let check = |via: ClusterClient, model: &Model, when: &'static str| {
+        let horizon = horizon(model);
+        let versions: Vec<(u64, Rows)> = model
+            .versions
+            .iter()
+            .map(|v| (v.epoch, v.rows.clone()))
+            .collect();
+        let current = model.current();
+        async move {
+            assert_eq!(listed_retention(&via).await.0, horizon, "{when}");
+            for (epoch, rows) in &versions {
+                let sql = format!("SELECT k, v FROM kv AS OF EPOCH {epoch} ORDER BY k");
+                if *epoch >= horizon {
+                    assert_eq!(&rows_of(&via, &sql).await, rows, "{when}: {sql}");
+                } else {
+                    let error = error_of(&via, &sql).await;
+                    assert!(
+                        error.contains("no longer retained")
+                            && error.contains(&format!("oldest readable epoch is {horizon}")),
+                        "{when}: {sql}: {error}"
+                    );
+                }
+            }
+            let at_horizon = &versions.iter().find(|(e, _)| *e == horizon).unwrap().1;
+            let newest = versions.last().unwrap().0.to_string();
+            let diff = diff_of(&via, &horizon.to_string(), &newest).await;
+            assert_eq!(
+                diff,
+                model_diff(at_horizon, &current),
+                "{when}: diff from the horizon"
+            );
+            let below = versions[0].0;
+            let error = error_of(
+                &via,
+                &format!("SELECT * FROM tessera_changes('kv', {below}, {horizon})"),
+            )
+            .await;
+            assert!(error.contains("no longer retained"), "{when}: {error}");
+        }
+    };
+    check(
+        ClusterClient::new(cluster.addr(1)),
+        model,
+        "under retention",
+    )
+    .await;
+    for id in cluster.node_ids() {
+        cluster.kill9(id);
+    }
+    for id in cluster.node_ids() {
+        cluster.start(id);
+    }
+    wait_formed(cluster, 1, 3).await;
+    check(
+        ClusterClient::new(cluster.addr(3)),
+        model,
+        "under retention, after a restart",
+    )
+    .await;
 }
 
 /// (change, key, before, after), as the model says a diff must be.

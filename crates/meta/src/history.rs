@@ -161,6 +161,7 @@ impl MetaState {
                 "epoch {epoch} was aborted: it holds no data to tag"
             ));
         }
+        self.check_taggable(epoch)?;
         self.tags.insert(
             name,
             TagRecord {

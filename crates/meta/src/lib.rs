@@ -19,6 +19,7 @@ pub mod error;
 pub mod history;
 pub mod log_store;
 pub mod network;
+pub mod retention;
 pub mod state;
 pub mod state_machine;
 pub mod wire;
@@ -26,6 +27,7 @@ pub mod wire;
 pub use client::{MetaClient, LINEARIZABLE_READ_PATIENCE};
 pub use error::MetaError;
 pub use history::{EpochKind, EpochRecord, TableChangeCount, TagRecord};
+pub use retention::{Retention, TableRetention};
 pub use state::{
     InboxLineage, LineageEntry, LocalEffect, MetaCommand, MetaResponse, MetaState, NodeInfo,
     OpenEpoch, PartitionMap, Placement, QueryLineage,

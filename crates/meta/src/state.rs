@@ -205,6 +205,12 @@ pub enum MetaCommand {
     DropTag {
         name: String,
     },
+    /// Sets how much of a table's history is kept (`ALTER TABLE t SET (retain_epochs =
+    /// n)`); answers the new retention horizon.
+    SetRetention {
+        table: String,
+        retention: crate::retention::Retention,
+    },
     /// A command as the metadata leader proposed it, stamped with the leader's clock
     /// (milliseconds since the Unix epoch): the time the epoch log records.
     Stamped {
@@ -347,6 +353,9 @@ pub struct MetaState {
     /// Named epochs, for `AS OF TAG`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tags: BTreeMap<String, TagRecord>,
+    /// Tables whose history is not kept for ever, by name (see [`crate::retention`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub retention: BTreeMap<String, crate::retention::TableRetention>,
 }
 
 fn is_zero(value: &u64) -> bool {
@@ -580,6 +589,7 @@ impl MetaState {
                     .tables
                     .remove(&name)
                     .ok_or_else(|| format!("table {name:?} does not exist"))?;
+                self.retention.remove(&name);
                 effects.push(LocalEffect::DropTable {
                     name,
                     generation: def.generation,
@@ -808,6 +818,9 @@ impl MetaState {
             }
             MetaCommand::CreateTag { name, epoch } => {
                 MetaResponse::Epoch(self.create_tag(name, epoch)?)
+            }
+            MetaCommand::SetRetention { table, retention } => {
+                MetaResponse::Epoch(self.set_retention(table, retention)?)
             }
             MetaCommand::DropTag { name } => {
                 self.tags

@@ -144,6 +144,7 @@ impl StateMachine {
                 }
             }
             store.advance_visible(self.state.visible);
+            store.set_retention_horizons(self.state.retention_horizons());
             Ok(())
         })
     }

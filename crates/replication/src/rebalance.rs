@@ -305,7 +305,10 @@ async fn copy_partitions_now(node: &Arc<Replication>, request: CopyRequest) -> R
         );
         let copy = async {
             for (table, generation) in &request.tables {
-                if moved.since == Epoch::ZERO {
+                // A delta needs every version since the replica left; merges keep those
+                // only above the table's retention horizon.
+                let delta_possible = moved.since > view.state.retention_horizon(table);
+                if moved.since == Epoch::ZERO || !delta_possible {
                     copy_whole(node, moved, table, *generation, request.epoch).await?;
                 } else {
                     copy_delta(node, moved, table, *generation, request.epoch).await?;

@@ -28,7 +28,11 @@ use tessera_exec::scan::{read_from, DistributedScanExec, ReadRows, ScanSpec, Tab
 use tessera_exec::{ExecError, RecoveryOutcome};
 use tessera_sql::changes::{ChangesSource, ChangesTable};
 use tessera_sql::provider::{RowSource, VersionedTable};
-use tessera_sql::system::{is_system_table, EpochRow, TagRow, EPOCHS_TABLE, TAGS_TABLE};
+use tessera_sql::retention::RetentionStatement;
+use tessera_sql::system::{
+    is_system_table, EpochRow, TableRow, TagRow, EPOCHS_TABLE, SYSTEM_TABLES, TABLES_TABLE,
+    TAGS_TABLE,
+};
 use tessera_sql::tags::TagStatement;
 use tessera_sql::time_travel::{base_table_name, split_as_of, AsOf};
 use tessera_sql::users::UserChange;
@@ -195,6 +199,44 @@ impl Backend for ClusterBackend {
         self.node.meta.view().state.tags.contains_key(name)
     }
 
+    async fn change_retention(
+        &self,
+        change: &RetentionStatement,
+    ) -> tessera_sql::error::Result<Epoch> {
+        let view = self.view();
+        if !view.state.tables.contains_key(&change.table) {
+            return Err(StorageError::UnknownTable(change.table.clone()).into());
+        }
+        // Options the statement does not name keep their value.
+        let mut retention = view
+            .state
+            .retention
+            .get(&change.table)
+            .map(|r| r.setting)
+            .unwrap_or_default();
+        if let Some(epochs) = change.epochs {
+            retention.epochs = epochs;
+        }
+        if let Some(for_ms) = change.for_ms {
+            retention.for_ms = for_ms;
+        }
+        let command = MetaCommand::SetRetention {
+            table: change.table.clone(),
+            retention,
+        };
+        match self.node.meta.write(command).await {
+            Ok(MetaResponse::Epoch(horizon)) => Ok(horizon),
+            Ok(other) => Err(SqlError::Cluster(format!(
+                "setting retention answered {other:?}"
+            ))),
+            Err(MetaError::Refused(reason)) if reason.ends_with("does not exist") => {
+                Err(StorageError::UnknownTable(change.table.clone()).into())
+            }
+            Err(MetaError::Refused(reason)) => Err(SqlError::InvalidValue(reason)),
+            Err(other) => Err(ClusterError::from(other).into()),
+        }
+    }
+
     fn resolve_as_of(&self, point: &AsOf) -> tessera_sql::error::Result<Epoch> {
         resolve_as_of(&self.view().state, point)
     }
@@ -209,7 +251,8 @@ impl Backend for ClusterBackend {
         from: Epoch,
         to: Epoch,
     ) -> tessera_sql::error::Result<Arc<dyn TableProvider>> {
-        let visible = self.view().state.visible;
+        let view = self.view();
+        let visible = view.state.visible;
         if to > visible {
             return Err(StorageError::EpochNotVisible {
                 requested: to,
@@ -217,6 +260,9 @@ impl Backend for ClusterBackend {
             }
             .into());
         }
+        view.state
+            .check_retained(&def.name, from)
+            .map_err(SqlError::InvalidValue)?;
         let source = ClusterChanges {
             node: self.node.clone(),
             view: self.view.clone(),
@@ -320,7 +366,7 @@ impl ClusterSchema {
 impl SchemaProvider for ClusterSchema {
     fn table_names(&self) -> Vec<String> {
         let mut names: Vec<String> = self.view().state.tables.keys().cloned().collect();
-        names.extend([EPOCHS_TABLE.to_string(), TAGS_TABLE.to_string()]);
+        names.extend(SYSTEM_TABLES.iter().map(|name| name.to_string()));
         names
     }
 
@@ -346,6 +392,9 @@ impl SchemaProvider for ClusterSchema {
                 visible: view.state.visible,
             }));
         }
+        view.state
+            .check_retained(table, epoch)
+            .map_err(|why| SqlError::InvalidValue(why).into_datafusion())?;
         Ok(Some(Arc::new(VersionedTable::new(
             def,
             ClusterRows {
@@ -404,6 +453,28 @@ fn system_table(
                 })
                 .collect();
             Some(tessera_sql::system::epochs_table(&rows))
+        }
+        TABLES_TABLE => {
+            let rows: Vec<TableRow> = state
+                .tables
+                .keys()
+                .map(|name| {
+                    let setting = state
+                        .retention
+                        .get(name)
+                        .map(|r| r.setting)
+                        .unwrap_or_default();
+                    TableRow {
+                        name: name.clone(),
+                        retain_epochs: setting.epochs,
+                        retain_for: setting
+                            .for_ms
+                            .map(crate::meta::retention::describe_duration),
+                        oldest_readable_epoch: state.retention_horizon(name).0,
+                    }
+                })
+                .collect();
+            Some(tessera_sql::system::tables_table(&rows))
         }
         TAGS_TABLE => {
             let rows: Vec<TagRow> = state

@@ -6,6 +6,7 @@ use crate::changes::{ChangesSource, ChangesTable};
 use crate::engine::StatementOutput;
 use crate::error::{from_datafusion, Result, SqlError};
 use crate::provider::{ScanLayout, TesseraSchema};
+use crate::retention::RetentionStatement;
 use crate::scan::read_visible_partition;
 use crate::tags::TagStatement;
 use crate::time_travel::AsOf;
@@ -61,6 +62,14 @@ pub trait Backend: Send + Sync + 'static {
     async fn change_tag(&self, _change: TagStatement) -> Result<Option<Epoch>> {
         Err(SqlError::Unsupported(
             "tags: they live in a cluster's metadata, and a local store has none".into(),
+        ))
+    }
+
+    /// Changes how much of a table's history is kept; returns its retention horizon (the
+    /// oldest epoch still readable).
+    async fn change_retention(&self, _change: &RetentionStatement) -> Result<Epoch> {
+        Err(SqlError::Unsupported(
+            "retention: it is kept in a cluster's metadata, and a local store has none".into(),
         ))
     }
 

@@ -262,6 +262,10 @@ impl Engine {
             match statement {
                 TesseraStatement::User(user) => self.run_user(user).await,
                 TesseraStatement::Tag(tag) => self.run_tag(tag).await,
+                TesseraStatement::Retention(retention) => {
+                    self.backend.change_retention(&retention).await?;
+                    Ok(done(retention.command_tag(), None))
+                }
             }
         })
         .await

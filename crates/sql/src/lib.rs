@@ -14,6 +14,7 @@ pub mod error;
 pub mod options;
 pub mod params;
 pub mod provider;
+pub mod retention;
 pub mod scan;
 pub mod statements;
 pub mod system;

@@ -4,6 +4,7 @@
 //! end alike (the engine's `execute`, the PostgreSQL wire protocol, Flight SQL).
 
 use crate::error::{Result, SqlError};
+use crate::retention::RetentionStatement;
 use crate::tags::TagStatement;
 use crate::users::UserStatement;
 use datafusion::sql::sqlparser::dialect::PostgreSqlDialect;
@@ -15,6 +16,7 @@ use datafusion::sql::sqlparser::tokenizer::{Token, Tokenizer};
 pub enum TesseraStatement {
     User(UserStatement),
     Tag(TagStatement),
+    Retention(RetentionStatement),
 }
 
 impl TesseraStatement {
@@ -23,6 +25,7 @@ impl TesseraStatement {
         match self {
             TesseraStatement::User(user) => user.tag(),
             TesseraStatement::Tag(tag) => tag.command_tag(),
+            TesseraStatement::Retention(retention) => retention.command_tag(),
         }
     }
 
@@ -31,6 +34,7 @@ impl TesseraStatement {
         match self {
             TesseraStatement::User(user) => user.redacted(),
             TesseraStatement::Tag(tag) => tag.to_string(),
+            TesseraStatement::Retention(retention) => retention.to_string(),
         }
     }
 }
@@ -41,6 +45,9 @@ impl TesseraStatement {
 pub fn parse_tessera_statement(sql: &str) -> Option<Result<TesseraStatement>> {
     if let Some(user) = crate::users::parse_user_statement(sql) {
         return Some(user.map(TesseraStatement::User));
+    }
+    if let Some(retention) = crate::retention::parse_retention_statement(sql) {
+        return Some(retention.map(TesseraStatement::Retention));
     }
     crate::tags::parse_tag_statement(sql).map(|tag| tag.map(TesseraStatement::Tag))
 }

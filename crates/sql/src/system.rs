@@ -3,6 +3,7 @@
 //! - `tessera_epochs`: every committed epoch, when it became visible, what kind of change
 //!   it was, which node coordinated it, the tables it touched and the rows it wrote.
 //! - `tessera_tags`: the named epochs.
+//! - `tessera_tables`: every table's retention and oldest readable epoch.
 //!
 //! They are read-only views of the cluster's metadata, built per statement from the view
 //! the statement pinned, and answered on the node that plans the statement. Names with
@@ -17,12 +18,15 @@ use std::sync::Arc;
 
 pub const EPOCHS_TABLE: &str = "tessera_epochs";
 pub const TAGS_TABLE: &str = "tessera_tags";
+pub const TABLES_TABLE: &str = "tessera_tables";
+/// Every system table's name.
+pub const SYSTEM_TABLES: [&str; 3] = [EPOCHS_TABLE, TAGS_TABLE, TABLES_TABLE];
 /// Table names starting with it belong to Tessera.
 pub const RESERVED_PREFIX: &str = "tessera_";
 
 /// Whether `name` is one of the system tables.
 pub fn is_system_table(name: &str) -> bool {
-    name == EPOCHS_TABLE || name == TAGS_TABLE
+    SYSTEM_TABLES.contains(&name)
 }
 
 /// Refuses a user table named like a system table.
@@ -126,6 +130,46 @@ pub fn tags_table(rows: &[TagRow]) -> Result<Arc<dyn TableProvider>> {
                 rows.iter().map(|r| r.epoch as i64),
             )),
             timestamps(rows.iter().map(|r| r.created_at_ms)),
+        ],
+    )
+}
+
+/// One row of `tessera_tables`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TableRow {
+    pub name: String,
+    pub retain_epochs: Option<u64>,
+    /// As the user would write it (`7 days`).
+    pub retain_for: Option<String>,
+    /// The retention horizon: the oldest epoch the table can be read at.
+    pub oldest_readable_epoch: u64,
+}
+
+/// `tessera_tables` over `rows`.
+pub fn tables_table(rows: &[TableRow]) -> Result<Arc<dyn TableProvider>> {
+    let schema = Schema::new(vec![
+        Field::new("name", DataType::Utf8, false),
+        Field::new("retain_epochs", DataType::Int64, true),
+        Field::new("retain_for", DataType::Utf8, true),
+        Field::new("oldest_readable_epoch", DataType::Int64, false),
+    ]);
+    table(
+        schema,
+        vec![
+            Arc::new(StringArray::from_iter_values(rows.iter().map(|r| &r.name))),
+            Arc::new(Int64Array::from(
+                rows.iter()
+                    .map(|r| r.retain_epochs.map(|n| n as i64))
+                    .collect::<Vec<_>>(),
+            )),
+            Arc::new(StringArray::from(
+                rows.iter()
+                    .map(|r| r.retain_for.clone())
+                    .collect::<Vec<_>>(),
+            )),
+            Arc::new(Int64Array::from_iter_values(
+                rows.iter().map(|r| r.oldest_readable_epoch as i64),
+            )),
         ],
     )
 }

@@ -68,10 +68,18 @@ pub enum StorageError {
     PublishTooLarge { bytes: usize, limit: usize },
     #[error("epoch {requested} is not visible yet: the visible epoch is {visible}")]
     EpochNotVisible { requested: Epoch, visible: Epoch },
-    #[error("epoch {requested} is no longer retained: versions older than epoch {retained_from} may have been merged away")]
+    #[error("epoch {requested} of table {table:?} is no longer retained: versions older than epoch {retained_from} may have been merged away")]
     EpochNotRetained {
+        table: String,
         requested: Epoch,
         retained_from: Epoch,
+    },
+    #[error("partition {partition} of table {table:?} cannot give the versions since epoch {since}: its retention horizon is epoch {horizon}, so some may have been merged away; copy the partition whole")]
+    DeltaBeyondRetention {
+        table: String,
+        partition: PartitionId,
+        since: Epoch,
+        horizon: Epoch,
     },
     #[error("a diff runs from an older epoch to a newer one, not from epoch {from} to epoch {to}")]
     BackwardDiff { from: Epoch, to: Epoch },

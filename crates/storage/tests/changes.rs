@@ -214,3 +214,137 @@ fn a_key_declared_out_of_column_order_finds_its_rows_before() {
         "the row before, found by its two-column key"
     );
 }
+
+/// The live rows at `epoch`, read from the snapshot's components and memory.
+fn rows_at(store: &Store, epoch: Epoch) -> Rows {
+    let def = store.table_def("kv").unwrap();
+    let snapshot = store.snapshot("kv", Some(epoch)).unwrap();
+    let mut rows = Rows::new();
+    for part in &snapshot.partitions {
+        let mut batches: Vec<RecordBatch> = part.memtable.clone();
+        for component in &part.components {
+            batches.extend(
+                tessera_storage::component::read_component(
+                    store.components_dir(),
+                    &component.hash,
+                    None,
+                )
+                .unwrap(),
+            );
+        }
+        if let Some(live) = tessera_storage::versions::visible_rows(
+            &batches,
+            &def.primary_key_indices(),
+            epoch,
+            false,
+        )
+        .unwrap()
+        {
+            let k = live.column(0).as_primitive::<Int64Type>();
+            let v = live.column(1).as_primitive::<Int64Type>();
+            for i in 0..live.num_rows() {
+                rows.insert(k.value(i), v.value(i));
+            }
+        }
+    }
+    rows
+}
+
+/// Row versions the store holds for the table, over every partition.
+fn stored_versions(store: &Store) -> usize {
+    (0..4)
+        .map(|p| {
+            store
+                .partition_versions("kv", tessera_common::PartitionId(p), Epoch::ZERO)
+                .unwrap()
+                .iter()
+                .map(|b| b.num_rows())
+                .sum::<usize>()
+        })
+        .sum()
+}
+
+#[test]
+fn merges_drop_only_versions_below_the_retention_horizon() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = StoreConfig {
+        partitions: 4,
+        merge_threshold: 2,
+        ..StoreConfig::default()
+    };
+    let store = Store::open(dir.path(), config).unwrap();
+    store.create_table(def()).unwrap();
+    let mut history: Vec<(Epoch, Rows)> = Vec::new();
+    let mut rows = Rows::new();
+    let mut published = 0;
+    // The same 20 keys rewritten every epoch, some deleted: many versions per key. Every
+    // publish reaches every partition, and every checkpoint merges them all.
+    for step in 0..30i64 {
+        if step == 20 {
+            let horizon = history[19].0;
+            store.set_retention_horizons(vec![("kv".into(), horizon)]);
+        }
+        let keys: Vec<i64> = (0..20).collect();
+        let values: Vec<i64> = keys.iter().map(|k| k * 100 + step).collect();
+        let deletes: Vec<i64> = if step % 7 == 6 {
+            vec![step % 20]
+        } else {
+            vec![]
+        };
+        let mut upserts = Vec::new();
+        for (k, v) in keys.iter().zip(&values) {
+            if !deletes.contains(k) {
+                rows.insert(*k, *v);
+                upserts.push((*k, *v));
+            }
+        }
+        for k in &deletes {
+            rows.remove(k);
+        }
+        published += upserts.len() + deletes.len();
+        let (keys, values): (Vec<i64>, Vec<i64>) = upserts.into_iter().unzip();
+        let epoch = store
+            .publish(vec![TableChanges {
+                table: "kv".into(),
+                upserts: vec![batch(vec![keys, values], &["k", "v"])],
+                deletes: vec![batch(vec![deletes], &["k"])],
+            }])
+            .unwrap();
+        history.push((epoch, rows.clone()));
+        store.checkpoint().unwrap();
+    }
+    let horizon = history[19].0;
+    let stored = stored_versions(&store);
+    assert!(
+        stored < published / 2,
+        "merges should drop the versions below the horizon: {published} versions published, {stored} stored"
+    );
+    // Every retained epoch still reads exactly, and every diff between retained epochs.
+    for (epoch, rows) in &history[19..] {
+        assert_eq!(&rows_at(&store, *epoch), rows, "rows at epoch {epoch}");
+    }
+    for (from, before) in &history[19..] {
+        let (to, after) = history.last().unwrap();
+        assert_eq!(store_diff(&store, *from, *to), model_diff(before, after));
+    }
+    // Below the horizon: refused, naming it; and no delta that would reach below it.
+    let refused = store
+        .snapshot("kv", Some(history[18].0))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("no longer retained") && refused.contains(&horizon.to_string()),
+        "{refused}"
+    );
+    let refused = store
+        .partition_versions("kv", tessera_common::PartitionId(0), horizon)
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("copy the partition whole"), "{refused}");
+    assert!(store
+        .partition_versions("kv", tessera_common::PartitionId(0), horizon.next())
+        .is_ok());
+    // A horizon never falls, even if asked.
+    store.set_retention_horizons(vec![("kv".into(), Epoch(1))]);
+    assert_eq!(store.retention_horizon("kv"), horizon);
+}

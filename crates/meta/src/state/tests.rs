@@ -549,3 +549,175 @@ fn tags_pin_committed_visible_epochs_once_each() {
         .unwrap_err()
         .contains("does not exist"));
 }
+
+fn publish(state: &mut MetaState, table: &str, request: u64, at_ms: u64) -> Epoch {
+    let epoch = open_epoch(state, table, request);
+    commit_at(state, epoch, at_ms);
+    epoch
+}
+
+fn set_retention(state: &mut MetaState, table: &str, retention: crate::Retention) -> MetaResponse {
+    state
+        .apply(
+            20,
+            MetaCommand::SetRetention {
+                table: table.into(),
+                retention,
+            },
+        )
+        .0
+}
+
+#[test]
+fn retention_keeps_a_tables_last_versions_and_never_falls() {
+    let mut state = with_table_u(bootstrapped(3));
+    let t: Vec<Epoch> = (1..=5)
+        .map(|i| publish(&mut state, "t", i, i * 1_000))
+        .collect();
+    let u = publish(&mut state, "u", 10, 6_000);
+    assert_eq!(
+        state.retention_horizon("t"),
+        Epoch::ZERO,
+        "every epoch by default"
+    );
+    let keep_two = crate::Retention {
+        epochs: Some(2),
+        for_ms: None,
+    };
+    assert_eq!(
+        set_retention(&mut state, "t", keep_two),
+        MetaResponse::Epoch(t[3])
+    );
+    // Counted in t's own publishes: u's epoch does not use up t's retention.
+    assert_eq!(state.retention_horizon("t"), t[3]);
+    assert_eq!(state.retention_horizon("u"), Epoch::ZERO);
+    assert!(state.check_retained("t", u).is_ok());
+    let refused = state.check_retained("t", t[2]).unwrap_err();
+    assert!(
+        refused.contains(&format!("oldest readable epoch is {}", t[3]))
+            && refused.contains("retain_epochs = 2"),
+        "{refused}"
+    );
+    let next = publish(&mut state, "t", 11, 7_000);
+    assert_eq!(
+        state.retention_horizon("t"),
+        t[4],
+        "it moves with new versions"
+    );
+    // Retaining more keeps more from now on, but history already given up stays gone.
+    let keep_ten = crate::Retention {
+        epochs: Some(10),
+        for_ms: None,
+    };
+    assert_eq!(
+        set_retention(&mut state, "t", keep_ten),
+        MetaResponse::Epoch(t[4])
+    );
+    assert_eq!(
+        set_retention(&mut state, "t", crate::Retention::default()),
+        MetaResponse::Epoch(t[4]),
+        "reset to unlimited: the floor stays"
+    );
+    assert!(state.check_retained("t", next).is_ok());
+    assert!(state.check_retained("t", t[3]).is_err());
+    // Dropping the table forgets its retention: a new table of the name keeps everything.
+    state.apply(21, MetaCommand::DropTable { name: "t".into() });
+    assert!(!state.retention.contains_key("t"));
+}
+
+#[test]
+fn retention_by_age_keeps_what_was_current_within_the_window() {
+    let mut state = bootstrapped(3);
+    let first = publish(&mut state, "t", 1, 1_000);
+    let second = publish(&mut state, "t", 2, 5_000);
+    let third = publish(&mut state, "t", 3, 9_000);
+    let a_few_seconds = crate::Retention {
+        epochs: None,
+        for_ms: Some(6_000),
+    };
+    // At 9 s, the window starts at 3 s, when the first epoch was current.
+    assert_eq!(
+        set_retention(&mut state, "t", a_few_seconds),
+        MetaResponse::Epoch(first)
+    );
+    // Time moves on with the next command: at 12 s the window starts at 6 s.
+    state.apply(
+        22,
+        stamped(12_000, MetaCommand::LineageEnd { query: QueryId(9) }),
+    );
+    assert_eq!(state.retention_horizon("t"), second);
+    // With both settings a version is kept while either wants it.
+    let both = crate::Retention {
+        epochs: Some(3),
+        for_ms: Some(6_000),
+    };
+    set_retention(&mut state, "t", both);
+    assert_eq!(state.retention_horizon("t"), second, "the floor holds");
+    let _ = third;
+}
+
+#[test]
+fn tags_pin_the_horizon_and_a_retention_that_would_drop_one_is_refused() {
+    let mut state = bootstrapped(3);
+    let t: Vec<Epoch> = (1..=4)
+        .map(|i| publish(&mut state, "t", i, i * 1_000))
+        .collect();
+    state.apply(
+        23,
+        MetaCommand::CreateTag {
+            name: "release_1".into(),
+            epoch: Some(t[1]),
+        },
+    );
+    let keep_one = crate::Retention {
+        epochs: Some(1),
+        for_ms: None,
+    };
+    let refused = match set_retention(&mut state, "t", keep_one) {
+        MetaResponse::Refused(reason) => reason,
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    assert!(
+        refused.contains("release_1") && refused.contains(&t[1].to_string()),
+        "{refused}"
+    );
+    assert!(!state.retention.contains_key("t"), "nothing changed");
+    // Retention that keeps the tagged epoch is taken; the tag then holds the horizon.
+    let keep_three = crate::Retention {
+        epochs: Some(3),
+        for_ms: None,
+    };
+    assert_eq!(
+        set_retention(&mut state, "t", keep_three),
+        MetaResponse::Epoch(t[1])
+    );
+    for i in 5..8 {
+        publish(&mut state, "t", i, i * 1_000);
+    }
+    assert_eq!(state.retention_horizon("t"), t[1], "pinned by the tag");
+    // A tag below the horizon is refused: its versions may be merged away.
+    state.apply(
+        24,
+        MetaCommand::DropTag {
+            name: "release_1".into(),
+        },
+    );
+    let horizon = state.retention_horizon("t");
+    assert!(horizon > t[1]);
+    let refused = state.apply(
+        25,
+        MetaCommand::CreateTag {
+            name: "too_late".into(),
+            epoch: Some(t[0]),
+        },
+    );
+    assert!(
+        matches!(refused.0, MetaResponse::Refused(ref r) if r.contains("no longer retained")),
+        "{refused:?}"
+    );
+    assert_eq!(
+        state.retention_horizon("t"),
+        horizon,
+        "a horizon never falls"
+    );
+}

@@ -75,16 +75,24 @@ impl Store {
     }
 
     fn merge_crowded_partitions(&self) -> Result<()> {
-        let (work, retained_from) = {
+        let work = {
             let state = self.state();
-            let work: Vec<(TableDef, PartitionId, Vec<ComponentMeta>)> = state
+            let work: Vec<(TableDef, PartitionId, Vec<ComponentMeta>, Epoch)> = state
                 .all_partitions()
                 .filter(|(_, _, p)| p.manifest.components.len() > self.config.merge_threshold)
-                .map(|(t, partition, p)| (t.def.clone(), partition, p.manifest.components.clone()))
+                .map(|(t, partition, p)| {
+                    let horizon = state.horizon(&t.def.name);
+                    (
+                        t.def.clone(),
+                        partition,
+                        p.manifest.components.clone(),
+                        horizon,
+                    )
+                })
                 .collect();
-            (work, state.retained_from)
+            work
         };
-        for (def, partition, inputs) in work {
+        for (def, partition, inputs, retained_from) in work {
             let mut batches = Vec::new();
             for input in &inputs {
                 batches.extend(self.read_verified_rows(&input.hash)?);

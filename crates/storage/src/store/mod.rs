@@ -238,6 +238,9 @@ struct State {
     visible: Epoch,
     resolved_above_visible: BTreeSet<Epoch>,
     retained_from: Epoch,
+    /// Each table's retention horizon as the metadata sets it (absent: every epoch kept):
+    /// merges drop what no epoch at or above it sees, and reads below it are refused.
+    horizons: BTreeMap<String, Epoch>,
     memtable_bytes: usize,
     /// Cluster epochs prepared here and not yet committed or aborted by the metadata service.
     pending: BTreeMap<Epoch, Vec<PendingEntry>>,
@@ -255,6 +258,15 @@ struct State {
 }
 
 impl State {
+    /// The oldest epoch at which `table` is still read exactly.
+    fn horizon(&self, table: &str) -> Epoch {
+        self.horizons
+            .get(table)
+            .copied()
+            .unwrap_or(Epoch::ZERO)
+            .max(self.retained_from)
+    }
+
     /// Marks an epoch committed or aborted and advances the visible epoch over every
     /// contiguous resolved epoch.
     fn resolve(&mut self, epoch: Epoch) {

@@ -137,6 +137,7 @@ pub(super) fn replay(
         visible: Epoch::ZERO,
         resolved_above_visible: BTreeSet::new(),
         retained_from: checkpoint.retained_from,
+        horizons: BTreeMap::new(),
         memtable_bytes: 0,
         pending: BTreeMap::new(),
         next_prepare_seq: HashMap::new(),

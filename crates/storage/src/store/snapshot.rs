@@ -14,10 +14,12 @@ impl Store {
                 visible: state.visible,
             });
         }
-        if epoch < state.retained_from {
+        let horizon = state.horizon(table);
+        if epoch < horizon {
             return Err(StorageError::EpochNotRetained {
+                table: table.to_string(),
                 requested: epoch,
-                retained_from: state.retained_from,
+                retained_from: horizon,
             });
         }
         let table = state.table(table)?;
@@ -68,6 +70,25 @@ impl Store {
         // Checks `from` the way a read at it is checked.
         drop(self.snapshot(table, Some(from))?);
         self.snapshot(table, Some(to))
+    }
+
+    /// Sets every table's retention horizon, as the metadata computes it. A horizon never
+    /// falls (merges may already have used it); a table not listed keeps every epoch.
+    pub fn set_retention_horizons(&self, horizons: Vec<(String, Epoch)>) {
+        let mut state = self.state();
+        let old = std::mem::take(&mut state.horizons);
+        state.horizons = horizons
+            .into_iter()
+            .map(|(table, horizon)| {
+                let kept = old.get(&table).copied().unwrap_or(Epoch::ZERO);
+                (table, horizon.max(kept))
+            })
+            .collect();
+    }
+
+    /// `table`'s retention horizon here: the oldest epoch still read exactly.
+    pub fn retention_horizon(&self, table: &str) -> Epoch {
+        self.state().horizon(table)
     }
 
     /// Checks, once per process, that a component's bytes hash to its name.

@@ -13,6 +13,16 @@ impl Store {
         partition: PartitionId,
         since: Epoch,
     ) -> Result<Vec<RecordBatch>> {
+        let horizon = self.retention_horizon(table);
+        // A merge keeps every version above the horizon, but not all at or below it.
+        if since != Epoch::ZERO && since <= horizon {
+            return Err(StorageError::DeltaBeyondRetention {
+                table: table.to_string(),
+                partition,
+                since,
+                horizon,
+            });
+        }
         self.replay_standby(&[partition])?;
         let snapshot = self.snapshot_with_partition(table, partition)?;
         let part = &snapshot.partitions[partition.0 as usize];

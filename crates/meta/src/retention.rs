@@ -1,0 +1,196 @@
+//! How much of a table's history is kept: a table's *retention horizon* is the oldest
+//! epoch at which it can still be read exactly. Merges may drop any version no epoch at or
+//! above the horizon can see; a read below it is refused, naming the horizon.
+//!
+//! The horizon is a function of the metadata state alone (the table's retention setting,
+//! the epoch log, the metadata's clock and the tags), so every node computes the same one
+//! from the same applied index. It never falls, since merges may already have used it: the
+//! epoch log only grows and the clock never moves back; a new tag must be at or above it
+//! (and then pins it: the horizon stays at or below every tagged epoch); and a changed
+//! setting starts from the horizon the old one had reached (its *floor*), so retaining more
+//! keeps more from now on but never claims history already given up.
+
+use crate::history::EpochKind;
+use crate::state::MetaState;
+use serde::{Deserialize, Serialize};
+use tessera_common::Epoch;
+
+/// A table's retention setting (`ALTER TABLE t SET (retain_epochs = n, retain_for =
+/// '7 days')`). With both, a version is kept while either wants it.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Retention {
+    /// Keep the table's last `n` versions: the newest `n` publishes that changed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epochs: Option<u64>,
+    /// Keep every version current at some moment of the last `ms` milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub for_ms: Option<u64>,
+}
+
+/// A table's retention as the metadata keeps it.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TableRetention {
+    pub setting: Retention,
+    /// The horizon reached under earlier settings: the horizon never falls below it.
+    #[serde(default)]
+    pub floor: Epoch,
+}
+
+impl Retention {
+    pub fn is_unlimited(&self) -> bool {
+        self.epochs.is_none() && self.for_ms.is_none()
+    }
+
+    /// `retain_epochs = 3, retain_for = '7 days'`, as the user wrote it.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(n) = self.epochs {
+            parts.push(format!("retain_epochs = {n}"));
+        }
+        if let Some(ms) = self.for_ms {
+            parts.push(format!("retain_for = '{}'", describe_duration(ms)));
+        }
+        if parts.is_empty() {
+            "every epoch retained".into()
+        } else {
+            parts.join(", ")
+        }
+    }
+}
+
+/// `7 days`, `36 hours`, `90 seconds`: the largest whole unit.
+pub fn describe_duration(ms: u64) -> String {
+    for (unit, size) in [
+        ("day", 86_400_000),
+        ("hour", 3_600_000),
+        ("minute", 60_000),
+        ("second", 1_000),
+    ] {
+        if ms >= size && ms % size == 0 {
+            let n = ms / size;
+            return format!("{n} {unit}{}", if n == 1 { "" } else { "s" });
+        }
+    }
+    format!("{ms} milliseconds")
+}
+
+impl MetaState {
+    /// The oldest epoch at which `table` can be read exactly (`Epoch::ZERO`: all of them).
+    pub fn retention_horizon(&self, table: &str) -> Epoch {
+        let Some(retention) = self.retention.get(table) else {
+            return Epoch::ZERO;
+        };
+        let wanted = self.horizon_of_setting(table, &retention.setting);
+        let pinned = match self.oldest_tag() {
+            Some((_, tagged)) => wanted.min(tagged),
+            None => wanted,
+        };
+        pinned.max(retention.floor)
+    }
+
+    /// Refuses a read of `table` at `epoch` below its retention horizon.
+    pub fn check_retained(&self, table: &str, epoch: Epoch) -> Result<(), String> {
+        let horizon = self.retention_horizon(table);
+        if epoch >= horizon {
+            return Ok(());
+        }
+        let setting = self
+            .retention
+            .get(table)
+            .copied()
+            .unwrap_or_default()
+            .setting;
+        Err(format!(
+            "epoch {epoch} of table {table:?} is no longer retained: its oldest readable epoch is {horizon} ({})",
+            setting.describe()
+        ))
+    }
+
+    /// Sets `table`'s retention; refuses one that would make a tagged epoch unreadable.
+    /// Returns the new horizon (never below the old one).
+    pub(crate) fn set_retention(
+        &mut self,
+        table: String,
+        retention: Retention,
+    ) -> Result<Epoch, String> {
+        if !self.tables.contains_key(&table) {
+            return Err(format!("table {table:?} does not exist"));
+        }
+        if retention.epochs == Some(0) {
+            return Err("retain_epochs must be at least 1 (the table's current version)".into());
+        }
+        let wanted = self.horizon_of_setting(&table, &retention);
+        if let Some((name, tagged)) = self.oldest_tag() {
+            if tagged < wanted {
+                return Err(format!(
+                    "{} would leave epoch {tagged} of table {table:?} unreadable, but tag {name:?} pins it: drop the tag first, or retain more",
+                    retention.describe()
+                ));
+            }
+        }
+        let floor = self.retention_horizon(&table);
+        if retention.is_unlimited() && floor == Epoch::ZERO {
+            self.retention.remove(&table);
+        } else {
+            self.retention.insert(
+                table.clone(),
+                TableRetention {
+                    setting: retention,
+                    floor,
+                },
+            );
+        }
+        let horizon = self.retention_horizon(&table);
+        debug_assert!(horizon >= floor, "a retention horizon never falls");
+        Ok(horizon)
+    }
+
+    /// Refuses a tag at `epoch` if some table's versions there may be merged away.
+    pub(crate) fn check_taggable(&self, epoch: Epoch) -> Result<(), String> {
+        for table in self.retention.keys() {
+            self.check_retained(table, epoch)
+                .map_err(|why| format!("cannot tag epoch {epoch}: {why}"))?;
+        }
+        Ok(())
+    }
+
+    /// Every table's horizon, for the stores' merges.
+    pub fn retention_horizons(&self) -> Vec<(String, Epoch)> {
+        self.retention
+            .keys()
+            .map(|table| (table.clone(), self.retention_horizon(table)))
+            .collect()
+    }
+
+    fn oldest_tag(&self) -> Option<(&str, Epoch)> {
+        self.tags
+            .iter()
+            .map(|(name, tag)| (name.as_str(), tag.epoch))
+            .min_by_key(|(_, epoch)| *epoch)
+    }
+
+    /// The horizon `retention` asks for now, before tags pin it.
+    fn horizon_of_setting(&self, table: &str, retention: &Retention) -> Epoch {
+        let by_count = retention.epochs.map(|n| {
+            self.epoch_log
+                .range(..=self.visible)
+                .rev()
+                .filter(|(_, r)| {
+                    r.kind == EpochKind::Publish && r.tables.iter().any(|t| t == table)
+                })
+                .nth(n.saturating_sub(1) as usize)
+                .map_or(Epoch::ZERO, |(epoch, _)| *epoch)
+        });
+        let by_age = retention.for_ms.map(|ms| {
+            self.clock_ms
+                .checked_sub(ms)
+                .and_then(|cutoff| self.epoch_at(cutoff).ok())
+                .unwrap_or(Epoch::ZERO)
+        });
+        match (by_count, by_age) {
+            (Some(a), Some(b)) => a.min(b),
+            (Some(a), None) | (None, Some(a)) => a,
+            (None, None) => Epoch::ZERO,
+        }
+    }
+}
