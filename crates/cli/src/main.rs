@@ -78,18 +78,8 @@ enum Command {
         /// Stop the cluster when the story ends instead of leaving it up until Ctrl-C.
         #[arg(long)]
         exit: bool,
-        /// Node i listens on base-port + i - 1.
-        #[arg(long, default_value_t = 7001)]
-        base_port: u16,
-        /// Node i serves PostgreSQL clients on pg-port + i - 1.
-        #[arg(long, default_value_t = 5433)]
-        pg_port: u16,
-        /// Node i serves the console and metrics on http-port + i - 1.
-        #[arg(long, default_value_t = 8080)]
-        http_port: u16,
-        /// Node i serves Arrow Flight SQL on flightsql-port + i - 1.
-        #[arg(long, default_value_t = 32010)]
-        flightsql_port: u16,
+        #[command(flatten)]
+        ports: LocalPorts,
     },
     /// Run SQL: an interactive prompt, or the statements given with -c.
     Sql {
@@ -152,19 +142,8 @@ enum Command {
     Up {
         #[arg(long, default_value_t = 3)]
         nodes: u64,
-        /// Node i listens on base-port + i - 1.
-        #[arg(long, default_value_t = 7001)]
-        base_port: u16,
-        /// Node i serves PostgreSQL clients (psql, drivers) on pg-port + i - 1.
-        #[arg(long, default_value_t = 5433)]
-        pg_port: u16,
-        /// Node i serves HTTP (the console, Prometheus metrics at /metrics) on
-        /// http-port + i - 1.
-        #[arg(long, default_value_t = 8080)]
-        http_port: u16,
-        /// Node i serves Arrow Flight SQL (ADBC, JDBC) on flightsql-port + i - 1.
-        #[arg(long, default_value_t = 32010)]
-        flightsql_port: u16,
+        #[command(flatten)]
+        ports: LocalPorts,
         /// Copies of each partition.
         #[arg(long, default_value_t = 3)]
         replication: u32,
@@ -180,6 +159,36 @@ enum Command {
         #[command(subcommand)]
         tool: DebugTool,
     },
+}
+
+/// Where the nodes of a local cluster (`up`, `demo`) listen: node i on each base + i - 1.
+#[derive(clap::Args, Clone, Copy)]
+struct LocalPorts {
+    /// Node i listens on base-port + i - 1.
+    #[arg(long, default_value_t = 7001)]
+    base_port: u16,
+    /// Node i serves PostgreSQL clients (psql, drivers) on pg-port + i - 1.
+    #[arg(long, default_value_t = 5433)]
+    pg_port: u16,
+    /// Node i serves HTTP (the console, Prometheus metrics at /metrics) on
+    /// http-port + i - 1.
+    #[arg(long, default_value_t = 8080)]
+    http_port: u16,
+    /// Node i serves Arrow Flight SQL (ADBC, JDBC) on flightsql-port + i - 1.
+    #[arg(long, default_value_t = 32010)]
+    flightsql_port: u16,
+}
+
+impl LocalPorts {
+    fn options(&self, nodes: u64, partitions: u32, replication: u32) -> commands::up::UpOptions {
+        commands::up::UpOptions {
+            base_port: self.base_port,
+            pg_base_port: Some(self.pg_port),
+            http_base_port: Some(self.http_port),
+            flightsql_base_port: Some(self.flightsql_port),
+            ..commands::up::UpOptions::new(nodes, partitions, replication)
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -354,18 +363,12 @@ async fn run(cli: Cli) -> Result<()> {
             sf,
             local: false,
             exit,
-            base_port,
-            pg_port,
-            http_port,
-            flightsql_port,
+            ports,
         } => {
+            let nodes = commands::demo::NODES;
             let options = commands::demo::DemoOptions {
                 sf: *sf,
-                partitions: cli.store.partitions,
-                base_port: *base_port,
-                pg_base_port: *pg_port,
-                http_base_port: *http_port,
-                flightsql_base_port: *flightsql_port,
+                cluster: ports.options(nodes, cli.store.partitions, nodes as u32),
                 stay_up: !exit,
             };
             commands::demo::run(&cli.data_dir, options).await
@@ -400,19 +403,10 @@ async fn run(cli: Cli) -> Result<()> {
         }
         Command::Up {
             nodes,
-            base_port,
-            pg_port,
-            http_port,
-            flightsql_port,
+            ports,
             replication,
         } => {
-            let options = commands::up::UpOptions {
-                base_port: *base_port,
-                pg_base_port: Some(*pg_port),
-                http_base_port: Some(*http_port),
-                flightsql_base_port: Some(*flightsql_port),
-                ..commands::up::UpOptions::new(*nodes, cli.store.partitions, *replication)
-            };
+            let options = ports.options(*nodes, cli.store.partitions, *replication);
             commands::up::run(&cli.data_dir, options).await
         }
         Command::Checkpoint => {

@@ -11,6 +11,8 @@ use tessera_common::Epoch;
 use tessera_storage::changes::partition_changes;
 use tessera_storage::{Store, StoreConfig, TableChanges, TableDef};
 
+mod common;
+
 fn def() -> TableDef {
     TableDef::new(
         "kv",
@@ -91,16 +93,46 @@ fn store_diff(store: &Store, from: Epoch, to: Epoch) -> Vec<Change> {
     changes
 }
 
-#[test]
-fn every_diff_equals_the_models_through_flushes_and_merges() {
-    let dir = tempfile::tempdir().unwrap();
+/// Publishes `upserts` and `deletes` to `kv` as one epoch, and applies them to the model.
+fn publish_kv(
+    store: &Store,
+    upserts: Vec<(i64, i64)>,
+    deletes: Vec<i64>,
+    rows: &mut Rows,
+) -> Epoch {
+    for &(k, v) in &upserts {
+        rows.insert(k, v);
+    }
+    for k in &deletes {
+        rows.remove(k);
+    }
+    let (keys, values): (Vec<i64>, Vec<i64>) = upserts.into_iter().unzip();
+    store
+        .publish(vec![TableChanges {
+            table: "kv".into(),
+            upserts: vec![batch(vec![keys, values], &["k", "v"])],
+            deletes: vec![batch(vec![deletes], &["k"])],
+        }])
+        .unwrap()
+}
+
+/// A store of table `kv` over 4 partitions that merges as soon as a partition has more
+/// than 2 components.
+fn merging_store(dir: &std::path::Path) -> std::sync::Arc<Store> {
     let config = StoreConfig {
         partitions: 4,
         merge_threshold: 2,
         ..StoreConfig::default()
     };
-    let store = Store::open(dir.path(), config).unwrap();
+    let store = Store::open(dir, config).unwrap();
     store.create_table(def()).unwrap();
+    store
+}
+
+#[test]
+fn every_diff_equals_the_models_through_flushes_and_merges() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = merging_store(dir.path());
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut history: Vec<(Epoch, Rows)> = vec![(store.visible_epoch(), Rows::new())];
     for step in 0..40 {
@@ -119,20 +151,7 @@ fn every_diff_equals_the_models_through_flushes_and_merges() {
                 deletes.push(k);
             }
         }
-        for &(k, v) in &upserts {
-            rows.insert(k, v);
-        }
-        for k in &deletes {
-            rows.remove(k);
-        }
-        let (keys, values): (Vec<i64>, Vec<i64>) = upserts.into_iter().unzip();
-        let epoch = store
-            .publish(vec![TableChanges {
-                table: "kv".into(),
-                upserts: vec![batch(vec![keys, values], &["k", "v"])],
-                deletes: vec![batch(vec![deletes], &["k"])],
-            }])
-            .unwrap();
+        let epoch = publish_kv(&store, upserts, deletes, &mut rows);
         history.push((epoch, rows));
         if step % 5 == 4 {
             store.checkpoint().unwrap();
@@ -215,36 +234,14 @@ fn a_key_declared_out_of_column_order_finds_its_rows_before() {
     );
 }
 
-/// The live rows at `epoch`, read from the snapshot's components and memory.
+/// The live rows at `epoch`.
 fn rows_at(store: &Store, epoch: Epoch) -> Rows {
-    let def = store.table_def("kv").unwrap();
-    let snapshot = store.snapshot("kv", Some(epoch)).unwrap();
     let mut rows = Rows::new();
-    for part in &snapshot.partitions {
-        let mut batches: Vec<RecordBatch> = part.memtable.clone();
-        for component in &part.components {
-            batches.extend(
-                tessera_storage::component::read_component(
-                    store.components_dir(),
-                    &component.hash,
-                    None,
-                )
-                .unwrap(),
-            );
-        }
-        if let Some(live) = tessera_storage::versions::visible_rows(
-            &batches,
-            &def.primary_key_indices(),
-            epoch,
-            false,
-        )
-        .unwrap()
-        {
-            let k = live.column(0).as_primitive::<Int64Type>();
-            let v = live.column(1).as_primitive::<Int64Type>();
-            for i in 0..live.num_rows() {
-                rows.insert(k.value(i), v.value(i));
-            }
+    for live in common::live_rows(store, "kv", epoch) {
+        let k = live.column(0).as_primitive::<Int64Type>();
+        let v = live.column(1).as_primitive::<Int64Type>();
+        for i in 0..live.num_rows() {
+            rows.insert(k.value(i), v.value(i));
         }
     }
     rows
@@ -267,13 +264,7 @@ fn stored_versions(store: &Store) -> usize {
 #[test]
 fn merges_drop_only_versions_below_the_retention_horizon() {
     let dir = tempfile::tempdir().unwrap();
-    let config = StoreConfig {
-        partitions: 4,
-        merge_threshold: 2,
-        ..StoreConfig::default()
-    };
-    let store = Store::open(dir.path(), config).unwrap();
-    store.create_table(def()).unwrap();
+    let store = merging_store(dir.path());
     let mut history: Vec<(Epoch, Rows)> = Vec::new();
     let mut rows = Rows::new();
     let mut published = 0;
@@ -291,25 +282,13 @@ fn merges_drop_only_versions_below_the_retention_horizon() {
         } else {
             vec![]
         };
-        let mut upserts = Vec::new();
-        for (k, v) in keys.iter().zip(&values) {
-            if !deletes.contains(k) {
-                rows.insert(*k, *v);
-                upserts.push((*k, *v));
-            }
-        }
-        for k in &deletes {
-            rows.remove(k);
-        }
+        let upserts: Vec<(i64, i64)> = keys
+            .into_iter()
+            .zip(values)
+            .filter(|(k, _)| !deletes.contains(k))
+            .collect();
         published += upserts.len() + deletes.len();
-        let (keys, values): (Vec<i64>, Vec<i64>) = upserts.into_iter().unzip();
-        let epoch = store
-            .publish(vec![TableChanges {
-                table: "kv".into(),
-                upserts: vec![batch(vec![keys, values], &["k", "v"])],
-                deletes: vec![batch(vec![deletes], &["k"])],
-            }])
-            .unwrap();
+        let epoch = publish_kv(&store, upserts, deletes, &mut rows);
         history.push((epoch, rows.clone()));
         store.checkpoint().unwrap();
     }

@@ -9,6 +9,8 @@ use tessera_common::{Epoch, PartitionId, PartitionRing};
 use tessera_storage::versions::split_by_partition;
 use tessera_storage::{PartitionChanges, Store, StoreConfig, TableDef};
 
+mod common;
+
 fn def() -> TableDef {
     TableDef::new(
         "kv",
@@ -57,39 +59,17 @@ fn routed(batch: &RecordBatch) -> Vec<PartitionChanges> {
 /// Keys visible at `epoch`, sorted.
 fn keys(store: &Store, epoch: Epoch) -> Vec<i64> {
     store.advance_visible(epoch);
-    let def = store.table_def("kv").unwrap();
-    let partitions: Vec<PartitionId> = (0..4).map(PartitionId).collect();
-    let snapshot = store.snapshot("kv", Some(epoch)).unwrap();
-    let mut keys = Vec::new();
-    for partition in &partitions {
-        let part = &snapshot.partitions[partition.0 as usize];
-        let mut batches: Vec<RecordBatch> = part.memtable.clone();
-        for component in &part.components {
-            batches.extend(
-                tessera_storage::component::read_component(
-                    store.components_dir(),
-                    &component.hash,
-                    None,
-                )
-                .unwrap(),
-            );
-        }
-        if let Some(live) = tessera_storage::versions::visible_rows(
-            &batches,
-            &def.primary_key_indices(),
-            epoch,
-            false,
-        )
-        .unwrap()
-        {
+    let mut keys: Vec<i64> = common::live_rows(store, "kv", epoch)
+        .iter()
+        .flat_map(|live| {
             let column = live
                 .column(0)
                 .as_any()
                 .downcast_ref::<Int64Array>()
                 .unwrap();
-            keys.extend(column.values().iter().copied());
-        }
-    }
+            column.values().to_vec()
+        })
+        .collect();
     keys.sort();
     keys
 }

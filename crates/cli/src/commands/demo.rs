@@ -30,32 +30,25 @@ const DEMO_QUERIES: [usize; 8] = [1, 3, 5, 6, 10, 12, 14, 19];
 const LONG_QUERY: usize = 18;
 /// How far into the long query's measured time the node is killed.
 const KILL_AT: f64 = 0.5;
-const NODES: u64 = 3;
+/// The demo's cluster: three nodes, each holding every partition (r = 3).
+pub const NODES: u64 = 3;
 
 pub struct DemoOptions {
     pub sf: f64,
-    pub partitions: u32,
-    pub base_port: u16,
-    pub pg_base_port: u16,
-    pub http_base_port: u16,
-    pub flightsql_base_port: u16,
+    /// The local cluster: [`NODES`] nodes, r = [`NODES`].
+    pub cluster: UpOptions,
     /// Keep the cluster running at the end, until Ctrl-C, so the user can connect.
     pub stay_up: bool,
 }
 
 pub async fn run(root: &Path, options: DemoOptions) -> Result<()> {
-    let up = UpOptions {
-        base_port: options.base_port,
-        pg_base_port: Some(options.pg_base_port),
-        http_base_port: Some(options.http_base_port),
-        flightsql_base_port: Some(options.flightsql_base_port),
-        ..UpOptions::new(NODES, options.partitions, NODES as u32)
-    };
+    let up = &options.cluster;
+    assert_eq!(up.nodes, NODES, "the story is told on {NODES} nodes");
     println!(
         "Tessera demo: a local cluster of {NODES} node processes, every partition kept on all {NODES} (r = {NODES}); data and node logs under {}",
         root.display()
     );
-    let mut cluster = LocalCluster::start(root, &up, NodeOutput::LogFile)?;
+    let mut cluster = LocalCluster::start(root, up, NodeOutput::LogFile)?;
     let outcome = tokio::select! {
         result = story(&mut cluster, &options) => Some(result),
         _ = wait_for_shutdown() => None,

@@ -1,0 +1,36 @@
+//! Helpers shared by the storage integration tests.
+
+use arrow::array::RecordBatch;
+use tessera_common::Epoch;
+use tessera_storage::Store;
+
+/// The rows of `table` a reader sees at `epoch`, read from every partition's components and
+/// memory in a snapshot at that epoch (one batch per partition that has any).
+pub fn live_rows(store: &Store, table: &str, epoch: Epoch) -> Vec<RecordBatch> {
+    let def = store.table_def(table).unwrap();
+    let snapshot = store.snapshot(table, Some(epoch)).unwrap();
+    let mut live = Vec::new();
+    for part in &snapshot.partitions {
+        let mut batches: Vec<RecordBatch> = part.memtable.clone();
+        for component in &part.components {
+            batches.extend(
+                tessera_storage::component::read_component(
+                    store.components_dir(),
+                    &component.hash,
+                    None,
+                )
+                .unwrap(),
+            );
+        }
+        live.extend(
+            tessera_storage::versions::visible_rows(
+                &batches,
+                &def.primary_key_indices(),
+                epoch,
+                false,
+            )
+            .unwrap(),
+        );
+    }
+    live
+}
