@@ -235,10 +235,12 @@ async fn check_history(client: &ClusterClient, model: &Model, when: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_as_of_answer_equals_the_model_before_and_after_restarts() {
     let root = tempfile::tempdir().unwrap();
-    // Small memtables and eager merges: the history spreads over many components, merged
-    // while it grows, so diffs and time travel read versions from components of every age.
+    // Small memtables, frequent checkpoints and eager merges: the history spreads over many
+    // components, merged while it grows (under retention, at the end), so diffs and time
+    // travel read versions from components of every age.
     let options = [
         ("store.memtable_flush_bytes", "2048"),
+        ("store.checkpoint_log_bytes", "4096"),
         ("store.merge_threshold", "2"),
     ];
     let (mut cluster, client) =
@@ -725,4 +727,92 @@ fn count_files(dir: &std::path::Path, extension: &str) -> usize {
                 .sum()
         })
         .unwrap_or(0)
+}
+
+/// A replica that returns after missing epochs at or below a table's retention horizon
+/// cannot be given a delta: merges on the live replicas may have dropped the tombstones of
+/// keys deleted while it was away, and a delta would leave those keys alive on it. It is
+/// copied whole, and then holds exactly what the others hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_returning_past_the_retention_horizon_is_copied_whole() {
+    let root = tempfile::tempdir().unwrap();
+    // A checkpoint (and so a merge) after every publish or two.
+    let options = [
+        ("store.memtable_flush_bytes", "2048"),
+        ("store.checkpoint_log_bytes", "4096"),
+        ("store.merge_threshold", "2"),
+    ];
+    let (mut cluster, client) =
+        common::kv_cluster_with(BINARY, root.path(), PARTITIONS, 3, &options).await;
+    let values: Vec<String> = (0..200).map(|k| format!("({k}, {k})")).collect();
+    write(
+        &client,
+        &format!("INSERT INTO kv VALUES {}", values.join(", ")),
+    )
+    .await;
+    write(&client, "ALTER TABLE kv SET (retain_epochs = 1)").await;
+
+    cluster.kill9(3);
+    common::wait_until(
+        "node 3 declared failed",
+        Duration::from_secs(30),
+        || async {
+            client
+                .status()
+                .await
+                .ok()
+                .filter(|s| s.meta.nodes.values().any(|n| n.id.0 == 3 && !n.alive))
+        },
+    )
+    .await;
+    // Deleted while node 3 is away, then rewritten and merged on the survivors until the
+    // horizon (the newest version) is past the deletes: their tombstones are merged away.
+    write(&client, "DELETE FROM kv WHERE k < 100").await;
+    for round in 0..4 {
+        write(&client, &format!("UPDATE kv SET v = v + {round}")).await;
+        for id in [1, 2] {
+            ClusterClient::new(cluster.addr(id)).flush().await.unwrap();
+        }
+    }
+
+    cluster.start(3);
+    wait_formed(&cluster, 1, 3).await;
+    let status = common::wait_until("node 3 caught up", Duration::from_secs(120), || async {
+        client
+            .status()
+            .await
+            .ok()
+            .filter(|s| s.meta.map.partitions.iter().all(|p| p.stale.is_empty()))
+    })
+    .await;
+    let epoch = status.meta.visible;
+    for p in 0..PARTITIONS {
+        let partition = tessera_common::PartitionId(p);
+        let mut held = Vec::new();
+        for id in 1..=3 {
+            let batches = ClusterClient::new(cluster.addr(id))
+                .read_replica(cluster.cluster_id(), "kv", partition, epoch)
+                .await
+                .unwrap();
+            held.push(common::history::keys_of(&batches));
+        }
+        assert!(
+            held[2].iter().all(|(k, _)| *k >= 100),
+            "a key deleted while node 3 was away is alive on it in p{p}"
+        );
+        assert_eq!(held[2], held[0], "p{p}: node 3 holds what node 1 holds");
+        assert_eq!(held[1], held[0], "p{p}: node 2 holds what node 1 holds");
+    }
+    let returned = ClusterClient::new(cluster.addr(3)).status().await.unwrap();
+    assert_eq!(
+        returned.transfers.delta_copies, 0,
+        "no delta may reach below the horizon: {:?}",
+        returned.transfers
+    );
+    assert!(
+        returned.transfers.whole_copies >= PARTITIONS as u64,
+        "every partition copied whole: {:?}",
+        returned.transfers
+    );
+    drop(cluster);
 }

@@ -388,7 +388,7 @@ fn unrecovered(status: &NodeStatus, last_acknowledged: Epoch, nodes: usize) -> V
     unmet
 }
 
-fn keys_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
+pub fn keys_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
     let mut rows = Vec::new();
     for batch in batches {
         let column = |i: usize| {
