@@ -172,13 +172,17 @@ async fn log_chunk(
     // A prepare that reaches this node after its epoch was decided (a stream held up in a
     // slow or cut link past the coordinator's deadline) must not stay: nothing would decide
     // it again, and a commit of it would add rows that the failback copy of a replica
-    // marked as having missed the epoch brings as well. The view is published only after
-    // the store applied the decision, so what is pending for the epoch now is late.
-    if node.meta.view().state.is_decided(epoch) {
-        node.on_store("discarding a late prepare", move |store| {
-            store.abort_epoch(epoch)
+    // marked as having missed the epoch brings as well. The store decides that under the
+    // lock its decisions take: the metadata view is published only after a whole batch of
+    // entries is applied, so checking it instead left a window in which a decision was
+    // applied but not yet visible, and the prepare stayed pending for ever (an orphan that
+    // later held up a fenced copy).
+    let late = node
+        .on_store("discarding a late prepare", move |store| {
+            store.discard_late_prepare(epoch)
         })
         .await?;
+    if late {
         return Err(ReplicationError::BadPrepare(format!(
             "epoch {epoch} was already decided when its rows arrived here; they are discarded"
         )));

@@ -74,6 +74,10 @@ pub enum StorageError {
         requested: Epoch,
         retained_from: Epoch,
     },
+    #[error(
+        "epoch {epoch} was already decided here when these prepared rows arrived; they are refused"
+    )]
+    PrepareAfterDecision { epoch: Epoch },
     #[error("partition {partition} of table {table:?} cannot give the versions since epoch {since}: its retention horizon is epoch {horizon}, so some may have been merged away; copy the partition whole")]
     DeltaBeyondRetention {
         table: String,

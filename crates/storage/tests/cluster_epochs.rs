@@ -688,3 +688,46 @@ fn a_prepare_arriving_after_a_copy_that_holds_its_epoch_never_adds_its_rows_agai
     assert_eq!(keys(&replica, Epoch(2)), keys(&primary, Epoch(2)));
     assert!(replica.undecided_epochs().is_empty());
 }
+
+/// A prepare that arrives after its epoch's decision was applied here is never left
+/// pending: refused outright when the decision came first, and discarded by
+/// `discard_late_prepare` when the decision landed while its rows were being logged (the
+/// window the metadata view could not close: the fault run's orphan prepare of epoch 2,
+/// which later held up a returning replica's copy for ever). A prepare before its
+/// decision is untouched, and nothing of the late rows comes back after a restart.
+#[test]
+fn a_prepare_after_its_epochs_decision_never_stays_pending() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = Store::open(dir.path(), config()).unwrap();
+        store.ensure_table(def()).unwrap();
+        // The decision first (nothing prepared here yet), then the late rows.
+        assert!(!store.commit_epoch(Epoch(1)).unwrap());
+        let refused = store
+            .prepare_epoch(Epoch(1), routed(&rows(0, 10)))
+            .unwrap_err();
+        assert!(refused.to_string().contains("already decided"), "{refused}");
+        assert!(store.undecided_epochs().is_empty());
+
+        // Rows logged, then the decision applied before the check: discarded.
+        store
+            .prepare_epoch(Epoch(2), routed(&rows(10, 20)))
+            .unwrap();
+        assert!(
+            !store.discard_late_prepare(Epoch(2)).unwrap(),
+            "not decided yet"
+        );
+        assert!(store.commit_epoch(Epoch(2)).unwrap());
+        store
+            .prepare_epoch(Epoch(3), routed(&rows(20, 30)))
+            .unwrap();
+        store.advance_visible(Epoch(3));
+        // Epoch 3 is decided as far as the metadata told this store (its visible epoch).
+        assert!(store.discard_late_prepare(Epoch(3)).unwrap());
+        assert!(store.undecided_epochs().is_empty());
+        assert_eq!(keys(&store, Epoch(3)), (10..20).collect::<Vec<i64>>());
+    }
+    let store = Store::open(dir.path(), config()).unwrap();
+    assert!(store.undecided_epochs().is_empty(), "replay drops them too");
+    assert_eq!(keys(&store, Epoch(3)), (10..20).collect::<Vec<i64>>());
+}

@@ -237,6 +237,12 @@ struct State {
     next_epoch: Epoch,
     visible: Epoch,
     resolved_above_visible: BTreeSet<Epoch>,
+    /// Cluster mode: every epoch up to this one is decided (the metadata's visible epoch,
+    /// as this store was last told it).
+    decided_through: Epoch,
+    /// Cluster mode: epochs above `decided_through` whose commit or abort this store has
+    /// applied. With it, a prepare that arrives after its epoch's decision is known late.
+    decided_above: BTreeSet<Epoch>,
     retained_from: Epoch,
     /// Each table's retention horizon as the metadata sets it (absent: every epoch kept):
     /// merges drop what no epoch at or above it sees, and reads below it are refused.
@@ -288,6 +294,18 @@ impl State {
             self.resolved_above_visible.retain(|e| *e > epoch);
         }
         self.next_epoch = self.next_epoch.max(epoch.next());
+    }
+
+    /// Cluster mode: records that this store applied `epoch`'s commit or abort.
+    fn record_decision(&mut self, epoch: Epoch) {
+        if epoch > self.decided_through {
+            self.decided_above.insert(epoch);
+        }
+    }
+
+    /// Cluster mode: whether `epoch` is known decided here.
+    fn is_decided(&self, epoch: Epoch) -> bool {
+        epoch <= self.decided_through || self.decided_above.contains(&epoch)
     }
 
     fn allocate_epoch(&mut self) -> Epoch {

@@ -56,6 +56,9 @@ impl Store {
         }
         let _gate = self.gate.read().expect("gate lock");
         let mut state = self.state();
+        if state.is_decided(epoch) {
+            return Err(StorageError::PrepareAfterDecision { epoch });
+        }
         for (table, partition) in grouped.keys() {
             let complete_through = state
                 .partition(table, *partition)?
@@ -130,6 +133,7 @@ impl Store {
         let _gate = self.gate.read().expect("gate lock");
         let mut state = self.state();
         state.advance_visible_to(epoch);
+        state.record_decision(epoch);
         state.next_prepare_seq.remove(&epoch);
         let Some(entries) = state.pending.remove(&epoch) else {
             return Ok(false);
@@ -196,6 +200,7 @@ impl Store {
         let _gate = self.gate.read().expect("gate lock");
         let mut state = self.state();
         state.advance_visible_to(epoch);
+        state.record_decision(epoch);
         state.next_prepare_seq.remove(&epoch);
         if state.pending.remove(&epoch).is_none() {
             return Ok(());
@@ -213,6 +218,31 @@ impl Store {
     /// Lets readers ask for any epoch up to `epoch`: in a cluster the metadata service, not
     /// this store, decides which epochs are visible.
     pub fn advance_visible(&self, epoch: Epoch) {
-        self.state().advance_visible_to(epoch);
+        let mut state = self.state();
+        state.advance_visible_to(epoch);
+        if epoch > state.decided_through {
+            state.decided_through = epoch;
+            state.decided_above.retain(|e| *e > epoch);
+        }
+    }
+
+    /// Discards what was prepared here for `epoch` if this store has already applied the
+    /// epoch's decision: a prepare that arrived after it (a stream held up past the
+    /// coordinator's deadline) would otherwise stay pending for ever, since nothing decides
+    /// an epoch twice. Checked against the store's own record of decisions, under the
+    /// same lock the decision took, so no prepare falls between the two. Returns whether
+    /// it discarded anything.
+    pub fn discard_late_prepare(&self, epoch: Epoch) -> Result<bool> {
+        self.check_poisoned()?;
+        let _gate = self.gate.read().expect("gate lock");
+        let mut state = self.state();
+        if !state.is_decided(epoch) || state.pending.remove(&epoch).is_none() {
+            return Ok(false);
+        }
+        state.next_prepare_seq.remove(&epoch);
+        let ticket = self.wal.submit(WalRecord::Abort { epoch }.encode_frame()?);
+        drop(state);
+        self.or_poison(ticket.wait())?;
+        Ok(true)
     }
 }

@@ -136,6 +136,8 @@ pub(super) fn replay(
         next_epoch: checkpoint.next_epoch,
         visible: Epoch::ZERO,
         resolved_above_visible: BTreeSet::new(),
+        decided_through: Epoch::ZERO,
+        decided_above: BTreeSet::new(),
         retained_from: checkpoint.retained_from,
         horizons: BTreeMap::new(),
         memtable_bytes: 0,
