@@ -731,3 +731,76 @@ fn a_prepare_after_its_epochs_decision_never_stays_pending() {
     assert!(store.undecided_epochs().is_empty(), "replay drops them too");
     assert_eq!(keys(&store, Epoch(3)), (10..20).collect::<Vec<i64>>());
 }
+
+/// Appends records to the newest log segment of the store under `dir` (closed).
+fn append_to_log(dir: &std::path::Path, records: &[tessera_storage::wal::WalRecord]) {
+    use std::io::Write;
+    let mut segments: Vec<_> = std::fs::read_dir(dir.join("wal"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "wal"))
+        .collect();
+    segments.sort();
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(segments.last().expect("a log segment"))
+        .unwrap();
+    for record in records {
+        file.write_all(&record.encode_frame().unwrap()).unwrap();
+    }
+    file.sync_all().unwrap();
+}
+
+/// A prepare that arrived as its epoch's commit was applied can have its rows logged
+/// before the commit record without being part of it. A restart must not take that for a
+/// corrupt log: the commit applies the rows it names, the late ones stay undecided until
+/// the abort logged for them (or the metadata) drops them.
+#[test]
+fn a_late_prepare_logged_before_its_commit_record_replays() {
+    let dir = tempfile::tempdir().unwrap();
+    let chunks = routed(&rows(0, 40));
+    let (committed, late) = (chunks[0].clone(), chunks[1].clone());
+    let committed_keys: Vec<i64> = {
+        let batch = &committed.upserts[0];
+        let keys = batch
+            .column(0)
+            .as_any()
+            .downcast_ref::<Int64Array>()
+            .unwrap();
+        let mut keys = keys.values().to_vec();
+        keys.sort();
+        keys
+    };
+    {
+        let store = Store::open(dir.path(), config()).unwrap();
+        store.ensure_table(def()).unwrap();
+        store
+            .prepare_epoch(Epoch(1), vec![committed.clone()])
+            .unwrap();
+        store.prepare_epoch(Epoch(1), vec![late.clone()]).unwrap();
+    }
+    // The commit record names the first entry only: the second arrived as it was applied.
+    append_to_log(
+        dir.path(),
+        &[tessera_storage::wal::WalRecord::CommitPrepared {
+            epoch: Epoch(1),
+            lsns: vec![("kv".into(), committed.partition, tessera_common::Lsn(1))],
+        }],
+    );
+    {
+        let store = Store::open(dir.path(), config()).unwrap();
+        assert_eq!(keys(&store, Epoch(1)), committed_keys);
+        assert_eq!(
+            store.undecided_epochs(),
+            vec![Epoch(1)],
+            "the late rows wait"
+        );
+    }
+    append_to_log(
+        dir.path(),
+        &[tessera_storage::wal::WalRecord::Abort { epoch: Epoch(1) }],
+    );
+    let store = Store::open(dir.path(), config()).unwrap();
+    assert_eq!(keys(&store, Epoch(1)), committed_keys);
+    assert!(store.undecided_epochs().is_empty());
+}

@@ -68,7 +68,14 @@ impl PreparedLog {
         epoch: Epoch,
         lsns: &[(String, PartitionId, Lsn)],
     ) -> Result<Vec<(PendingEntry, Lsn)>> {
-        let entries = self.undecided.remove(&epoch).unwrap_or_default();
+        let mut entries = self.undecided.remove(&epoch).unwrap_or_default();
+        // Rows of a prepare that arrived as the commit was applied may be logged before the
+        // commit record without being part of it (their seqs come after the committed
+        // ones'); they stay undecided here, and the abort logged for them drops them.
+        if !entries.is_empty() && entries.len() > lsns.len() {
+            let late = entries.split_off(lsns.len());
+            self.undecided.insert(epoch, late);
+        }
         if !entries.is_empty() && entries.len() != lsns.len() {
             return Err(StorageError::CorruptCheckpoint {
                 path: PathBuf::from("wal"),
