@@ -232,19 +232,23 @@ async fn check_history(client: &ClusterClient, model: &Model, when: &str) {
     assert_eq!(listed_tags, expected, "{when}: tessera_tags");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_as_of_answer_equals_the_model_before_and_after_restarts() {
-    let root = tempfile::tempdir().unwrap();
-    // Small memtables, frequent checkpoints and eager merges: the history spreads over many
-    // components, merged while it grows (under retention, at the end), so diffs and time
-    // travel read versions from components of every age.
+/// A 3-node cluster (r = 3) with table `kv` whose nodes keep small memtables, checkpoint
+/// after every publish or two and merge eagerly.
+async fn merging_cluster(root: &std::path::Path) -> (tessera_testkit::LocalCluster, ClusterClient) {
     let options = [
         ("store.memtable_flush_bytes", "2048"),
         ("store.checkpoint_log_bytes", "4096"),
         ("store.merge_threshold", "2"),
     ];
-    let (mut cluster, client) =
-        common::kv_cluster_with(BINARY, root.path(), PARTITIONS, 3, &options).await;
+    common::kv_cluster_with(BINARY, root, PARTITIONS, 3, &options).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_as_of_answer_equals_the_model_before_and_after_restarts() {
+    let root = tempfile::tempdir().unwrap();
+    // The history spreads over many components, merged while it grows (under retention, at
+    // the end), so diffs and time travel read versions from components of every age.
+    let (mut cluster, client) = merging_cluster(root.path()).await;
     let seed: u64 = std::env::var("TESSERA_VERSIONED_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -736,14 +740,7 @@ fn count_files(dir: &std::path::Path, extension: &str) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_returning_past_the_retention_horizon_is_copied_whole() {
     let root = tempfile::tempdir().unwrap();
-    // A checkpoint (and so a merge) after every publish or two.
-    let options = [
-        ("store.memtable_flush_bytes", "2048"),
-        ("store.checkpoint_log_bytes", "4096"),
-        ("store.merge_threshold", "2"),
-    ];
-    let (mut cluster, client) =
-        common::kv_cluster_with(BINARY, root.path(), PARTITIONS, 3, &options).await;
+    let (mut cluster, client) = merging_cluster(root.path()).await;
     let values: Vec<String> = (0..200).map(|k| format!("({k}, {k})")).collect();
     write(
         &client,
