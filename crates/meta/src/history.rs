@@ -63,30 +63,31 @@ impl MetaState {
     /// The newest visible epoch that became visible at or before `at_ms`; an error naming
     /// the first epoch's time when `at_ms` predates every epoch.
     pub fn epoch_at(&self, at_ms: u64) -> Result<Epoch, String> {
-        let timed = self
+        // Times never fall with the epoch number, so the answer is the newest timed epoch at
+        // or before `at_ms`: searched from the newest end, as retention asks for recent
+        // times on every applied command.
+        let found = self
             .epoch_log
             .range(..=self.visible)
-            .filter(|(_, r)| r.visible_at_ms > 0);
-        // Times rise with the epoch number, so the answer is the last one at or before.
-        let mut found = None;
-        let mut first = None;
-        for (epoch, record) in timed {
-            first.get_or_insert((*epoch, record.visible_at_ms));
-            if record.visible_at_ms > at_ms {
-                break;
+            .rev()
+            .find(|(_, r)| r.visible_at_ms > 0 && r.visible_at_ms <= at_ms)
+            .map(|(epoch, _)| *epoch);
+        found.ok_or_else(|| {
+            let first = self
+                .epoch_log
+                .range(..=self.visible)
+                .find(|(_, r)| r.visible_at_ms > 0);
+            match first {
+                Some((epoch, record)) => format!(
+                    "timestamp {} is before the first epoch: epoch {epoch} became visible at {}",
+                    format_ms(at_ms),
+                    format_ms(record.visible_at_ms)
+                ),
+                None => format!(
+                    "timestamp {}: no epoch with a recorded time has committed yet",
+                    format_ms(at_ms)
+                ),
             }
-            found = Some(*epoch);
-        }
-        found.ok_or_else(|| match first {
-            Some((epoch, time)) => format!(
-                "timestamp {} is before the first epoch: epoch {epoch} became visible at {}",
-                format_ms(at_ms),
-                format_ms(time)
-            ),
-            None => format!(
-                "timestamp {}: no epoch with a recorded time has committed yet",
-                format_ms(at_ms)
-            ),
         })
     }
 
