@@ -97,6 +97,14 @@ pub async fn run(addr: &str) -> Result<()> {
             local.map_or(0, |t| t.rows),
             local.map_or(0, |t| t.logged_rows)
         );
+        if let Some(retention) = meta.retention.get(&def.name) {
+            println!(
+                "  {:<20} history: {}; oldest readable epoch {}",
+                "",
+                retention.setting.describe(),
+                meta.retention_horizon(&def.name)
+            );
+        }
     }
     Ok(())
 }
