@@ -275,4 +275,23 @@ fn the_demo_tells_the_whole_story_and_leaves_nothing_running() {
         story.contains("identical to the answer before the kill"),
         "{story}"
     );
+
+    // 4. Another scale factor over the same directory is refused, by name, and stops.
+    let output = std::process::Command::new(BINARY)
+        .arg("--data-dir")
+        .arg(&data)
+        .args(args(&["--exit", "--sf", "0.05"]))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("holds TPC-H at another scale") && stderr.contains("SF 0.05"),
+        "{stderr}"
+    );
+    let left = processes_under(&data);
+    assert!(
+        left.is_empty(),
+        "the refused demo left processes behind: {left:?}"
+    );
 }

@@ -290,6 +290,13 @@ async fn load_missing(client: &ClusterClient, addr: &str, sf: f64) -> Result<()>
             // Created, but the run that created it stopped before its rows were published.
             client.sql(&format!("DROP TABLE {}", table.name)).await?;
             missing.push(table.name.to_string());
+        } else if table.name != "lineitem" && rows as u64 != table.estimated_rows(sf) {
+            // Every table but lineitem has an exact size per scale factor.
+            bail!(
+                "this data directory holds TPC-H at another scale ({} has {rows} rows, SF {sf} has {}): run the demo with the --sf it was loaded with, or another --data-dir",
+                table.name,
+                table.estimated_rows(sf)
+            );
         }
     }
     let target = super::target::Target::cluster(addr);
