@@ -13,7 +13,7 @@ pub fn to_hex(bytes: &[u8]) -> String {
 
 /// The bytes `text` spells in hex; `None` if it is not an even run of hex digits.
 pub fn from_hex(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return None;
     }
     (0..text.len())

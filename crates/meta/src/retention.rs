@@ -66,7 +66,7 @@ pub fn describe_duration(ms: u64) -> String {
         ("minute", 60_000),
         ("second", 1_000),
     ] {
-        if ms >= size && ms % size == 0 {
+        if ms >= size && ms.is_multiple_of(size) {
             let n = ms / size;
             return format!("{n} {unit}{}", if n == 1 { "" } else { "s" });
         }

@@ -340,9 +340,10 @@ pub fn merge_versions(
             .filter(|&&n| rows.row(n as usize) == rows.row(i as usize));
         let superseded_before_retention =
             next_same_key.is_some_and(|&n| epochs.value(n as usize) <= retain_from.0);
-        if version > retain_from.0 {
-            keep.push(i);
-        } else if !superseded_before_retention && ops.value(i as usize) == RowOp::Upsert as u8 {
+        // Every version above the horizon; at or below it, only a key's newest live one.
+        let newest_live_at_horizon =
+            !superseded_before_retention && ops.value(i as usize) == RowOp::Upsert as u8;
+        if version > retain_from.0 || newest_live_at_horizon {
             keep.push(i);
         }
     }
@@ -399,10 +400,10 @@ pub fn conform_to_schema(def: &TableDef, batch: &RecordBatch) -> Result<RecordBa
         }
         columns.push(column);
     }
-    for extra in given
+    if let Some(extra) = given
         .fields()
         .iter()
-        .filter(|f| def.schema.field_with_name(f.name()).is_err())
+        .find(|f| def.schema.field_with_name(f.name()).is_err())
     {
         return Err(mismatch(format!(
             "column {:?} is not in the table",

@@ -175,7 +175,7 @@ impl Store {
     ) -> Result<ComponentMeta> {
         let batch = concat_batches(&batches[0].schema(), batches)?;
         let stats = versions::version_stats(&batch, &def.primary_key_indices(), def.append_only)?;
-        let bytes = component::encode_parquet(&[batch.clone()])?;
+        let bytes = component::encode_parquet(std::slice::from_ref(&batch))?;
         let hash = component::write_component(&self.components_dir, &bytes)?;
         self.verified.lock().expect("verified lock").insert(hash);
         Ok(ComponentMeta {
