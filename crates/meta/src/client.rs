@@ -306,18 +306,27 @@ impl MetaClient {
         epoch: Epoch,
         timeout: Duration,
     ) -> Result<()> {
-        self.wait_for_epoch(epoch, timeout).await?;
-        if self
-            .wait_until(timeout, |view| view.applied_index >= generation)
-            .await
-        {
+        let readable = self
+            .wait_until(timeout, |view| {
+                view.state.visible >= epoch && view.applied_index >= generation
+            })
+            .await;
+        if readable {
             return Ok(());
+        }
+        let view = self.view();
+        if view.state.visible < epoch {
+            return Err(MetaError::EpochNotVisible {
+                node: self.id(),
+                epoch,
+                visible: view.state.visible,
+            });
         }
         Err(MetaError::TableNotApplied {
             node: self.id(),
             table: table.to_string(),
             generation,
-            applied: self.view().applied_index,
+            applied: view.applied_index,
         })
     }
 

@@ -12,19 +12,7 @@ use tessera_storage::changes::partition_changes;
 use tessera_storage::{Store, StoreConfig, TableChanges, TableDef};
 
 mod common;
-
-fn def() -> TableDef {
-    TableDef::new(
-        "kv",
-        Schema::new(vec![
-            Field::new("k", DataType::Int64, false),
-            Field::new("v", DataType::Int64, false),
-        ]),
-        vec!["k".into()],
-        None,
-    )
-    .unwrap()
-}
+use common::def;
 
 fn batch(columns: Vec<Vec<i64>>, names: &[&str]) -> RecordBatch {
     let fields: Vec<Field> = names

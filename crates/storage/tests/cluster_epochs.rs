@@ -3,26 +3,13 @@
 //! undecided, and vanish when aborted.
 
 use arrow::array::{Array, Int64Array, RecordBatch};
-use arrow::datatypes::{DataType, Field, Schema};
 use std::sync::Arc;
 use tessera_common::{Epoch, PartitionId, PartitionRing};
 use tessera_storage::versions::split_by_partition;
-use tessera_storage::{PartitionChanges, Store, StoreConfig, TableDef};
+use tessera_storage::{PartitionChanges, Store, StoreConfig};
 
 mod common;
-
-fn def() -> TableDef {
-    TableDef::new(
-        "kv",
-        Schema::new(vec![
-            Field::new("k", DataType::Int64, false),
-            Field::new("v", DataType::Int64, false),
-        ]),
-        vec!["k".into()],
-        None,
-    )
-    .unwrap()
-}
+use common::def;
 
 fn rows(from: i64, to: i64) -> RecordBatch {
     RecordBatch::try_new(

@@ -7,9 +7,9 @@
 //! reported, with each client's ratio to the internal client and their geometric means.
 
 use super::bench::{chosen_queries, median};
-use super::bench_distributed::timed;
 use super::local_cluster::{free_base_port, LocalCluster};
 use super::target::Target;
+use super::timing::timed;
 use super::up::UpOptions;
 use anyhow::{bail, Context, Result};
 use arrow_flight::flight_service_client::FlightServiceClient;

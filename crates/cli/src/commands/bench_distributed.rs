@@ -9,11 +9,12 @@
 use super::bench::{chosen_queries, median, shared_baseline};
 use super::local_cluster::LocalCluster;
 use super::target::Target;
+use super::timing::timed;
 use super::up::UpOptions;
 use anyhow::{bail, Context, Result};
 use arrow::array::{Array, StringArray};
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tessera_server::ClusterClient;
 
 /// One local cluster for the benchmark, with TPC-H loaded.
@@ -55,16 +56,6 @@ async fn bytes_exchanged(client: &ClusterClient, sql: &str) -> Result<u64> {
         }
     }
     bail!("EXPLAIN ANALYZE did not report the bytes exchanged")
-}
-
-pub(super) async fn timed<F, Fut, T>(work: F) -> Result<(Duration, T)>
-where
-    F: FnOnce() -> Fut,
-    Fut: std::future::Future<Output = Result<T>>,
-{
-    let started = Instant::now();
-    let value = work().await?;
-    Ok((started.elapsed(), value))
 }
 
 pub async fn run(
@@ -119,10 +110,10 @@ pub async fn run(
         total_bytes += bytes;
         let (mut t_many, mut t_one, mut t_df) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..runs {
-            t_many.push(timed(|| async { Ok(many.query(sql).await?) }).await?.0);
-            t_one.push(timed(|| async { Ok(one.query(sql).await?) }).await?.0);
+            t_many.push(timed(|| many.query(sql)).await?.0);
+            t_one.push(timed(|| one.query(sql)).await?.0);
             t_df.push(
-                timed(|| async { Ok(baseline.sql(sql).await?.collect().await?) })
+                timed(|| async { baseline.sql(sql).await?.collect().await })
                     .await?
                     .0,
             );

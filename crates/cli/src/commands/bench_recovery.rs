@@ -9,7 +9,8 @@
 //! restarted, and rejoins, before the next measurement.
 
 use super::bench::{chosen_queries, median, shared_baseline};
-use super::bench_distributed::{cluster, timed};
+use super::bench_distributed::cluster;
+use super::timing::timed;
 use anyhow::{bail, Result};
 use std::path::Path;
 use std::time::{Duration, Instant};

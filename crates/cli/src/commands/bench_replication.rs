@@ -6,6 +6,7 @@
 
 use super::bench_cluster::median_publish_time;
 use super::local_cluster::LocalCluster;
+use super::timing::poll_until;
 use super::up::UpOptions;
 use anyhow::{Context, Result};
 use arrow::array::{Int64Array, RecordBatch};
@@ -101,20 +102,6 @@ async fn count_rows(client: &ClusterClient) -> Result<i64> {
         .downcast_ref::<Int64Array>()
         .context("count(*) is a BIGINT")?
         .value(0))
-}
-
-/// Polls `check` every 5 ms until it holds; returns when it did.
-async fn poll_until<F, Fut>(what: &str, timeout: Duration, mut check: F) -> Result<Instant>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + timeout;
-    while !check().await {
-        anyhow::ensure!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    Ok(Instant::now())
 }
 
 /// SIGKILLs node 3 (not the metadata leader, so no election is timed) and measures how long

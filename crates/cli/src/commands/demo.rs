@@ -9,13 +9,13 @@
 
 use super::local_cluster::{LocalCluster, NodeOutput};
 use super::node::wait_for_shutdown;
+use super::timing::{poll_until, timed};
 use super::up::{print_endpoints, UpOptions};
 use crate::commands::load;
 use crate::output::{print_output, print_rows};
 use crate::Format;
 use anyhow::{bail, Context, Result};
 use arrow::array::RecordBatch;
-use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -183,18 +183,22 @@ async fn story(cluster: &mut LocalCluster, options: &DemoOptions) -> Result<()> 
         ms(elapsed)
     );
     println!("restarting node {victim} ...");
-    let back = Instant::now();
+    let restarted = Instant::now();
     cluster.spawn(victim)?;
     cluster.wait_formed(Duration::from_secs(120)).await?;
-    let alive = back.elapsed();
-    let caught_up = poll(Duration::from_secs(300), || async {
-        client
-            .status()
-            .await
-            .is_ok_and(|s| s.meta.map.partitions.iter().all(|p| p.stale.is_empty()))
-    })
-    .await
-    .with_context(|| format!("node {victim} did not catch up within 300 s"))?;
+    let formed = Instant::now();
+    let up_to_date = poll_until(
+        &format!("node {victim} to catch up"),
+        Duration::from_secs(300),
+        || async {
+            client
+                .status()
+                .await
+                .is_ok_and(|s| s.meta.map.partitions.iter().all(|p| p.stale.is_empty()))
+        },
+    )
+    .await?;
+    let (alive, caught_up) = (formed - restarted, up_to_date - formed);
     let returned = ClusterClient::new(&cluster.addrs[victim as usize - 1])
         .status()
         .await?;
@@ -268,8 +272,8 @@ fn print_next_steps(configs: &[PathBuf]) -> Result<()> {
 /// publish, so it holds all its rows or none), or says the data is reused.
 async fn load_missing(client: &ClusterClient, addr: &str, sf: f64) -> Result<()> {
     let mut missing = Vec::new();
+    let tables = client.status().await?.meta.tables;
     for table in tessera_tpch::TABLES {
-        let tables = client.status().await?.meta.tables;
         if !tables.contains_key(table.name) {
             missing.push(table.name.to_string());
             continue;
@@ -325,17 +329,20 @@ async fn settle_standbys(addrs: &[String]) -> Result<Duration> {
         ClusterClient::new(addr).flush().await?;
     }
     let clients: Vec<ClusterClient> = addrs.iter().map(|a| ClusterClient::new(a)).collect();
-    poll(Duration::from_secs(120), || async {
-        for client in &clients {
-            match client.status().await {
-                Ok(status) if status.tables.iter().all(|t| t.logged_rows == 0) => {}
-                _ => return false,
+    poll_until(
+        "standbys to take their primaries' components",
+        Duration::from_secs(120),
+        || async {
+            for client in &clients {
+                match client.status().await {
+                    Ok(status) if status.tables.iter().all(|t| t.logged_rows == 0) => {}
+                    _ => return false,
+                }
             }
-        }
-        true
-    })
-    .await
-    .context("standbys did not take their primaries' components")?;
+            true
+        },
+    )
+    .await?;
     Ok(started.elapsed())
 }
 
@@ -407,32 +414,6 @@ async fn print_query(client: &ClusterClient, sql: &str) -> Result<()> {
         print_output(&output, Format::Table, &mut stdout)?;
     }
     Ok(())
-}
-
-async fn timed<F, Fut, T>(work: F) -> Result<(Duration, T)>
-where
-    F: FnOnce() -> Fut,
-    Fut: Future<Output = tessera_server::Result<T>>,
-{
-    let started = Instant::now();
-    let value = work().await?;
-    Ok((started.elapsed(), value))
-}
-
-/// Polls `condition` every 100 ms; the time it first held, or an error at `timeout`.
-async fn poll<F, Fut>(timeout: Duration, condition: F) -> Result<Duration>
-where
-    F: Fn() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let started = Instant::now();
-    while !condition().await {
-        if started.elapsed() > timeout {
-            bail!("gave up after {timeout:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Ok(started.elapsed())
 }
 
 /// The schema to print an answer under (an empty answer has no batch to take it from).

@@ -18,4 +18,5 @@ pub mod publish_loop;
 pub mod sql;
 pub mod status;
 pub mod target;
+pub mod timing;
 pub mod up;

@@ -24,8 +24,13 @@ fn bootstrapped(nodes: u64) -> MetaState {
         },
     );
     assert_eq!(response, MetaResponse::Done);
+    with_table(state, "t")
+}
+
+/// `state` with a table `name` keyed by a BIGINT `k`.
+fn with_table(mut state: MetaState, name: &str) -> MetaState {
     let def = TableDef::new(
-        "t",
+        name,
         Schema::new(vec![Field::new("k", DataType::Int64, false)]),
         vec!["k".into()],
         None,
@@ -427,16 +432,8 @@ fn commit_at(state: &mut MetaState, epoch: Epoch, at_ms: u64) {
 }
 
 /// A second table, so two epochs can be open at once.
-fn with_table_u(mut state: MetaState) -> MetaState {
-    let def = TableDef::new(
-        "u",
-        Schema::new(vec![Field::new("k", DataType::Int64, false)]),
-        vec!["k".into()],
-        None,
-    )
-    .unwrap();
-    state.apply(2, MetaCommand::CreateTable { def });
-    state
+fn with_table_u(state: MetaState) -> MetaState {
+    with_table(state, "u")
 }
 
 #[test]

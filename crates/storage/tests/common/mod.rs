@@ -1,8 +1,23 @@
 //! Helpers shared by the storage integration tests.
 
 use arrow::array::RecordBatch;
+use arrow::datatypes::{DataType, Field, Schema};
 use tessera_common::Epoch;
-use tessera_storage::Store;
+use tessera_storage::{Store, TableDef};
+
+/// Table `kv`: a BIGINT key `k` and a BIGINT value `v`.
+pub fn def() -> TableDef {
+    TableDef::new(
+        "kv",
+        Schema::new(vec![
+            Field::new("k", DataType::Int64, false),
+            Field::new("v", DataType::Int64, false),
+        ]),
+        vec!["k".into()],
+        None,
+    )
+    .unwrap()
+}
 
 /// The rows of `table` a reader sees at `epoch`, read from every partition's components and
 /// memory in a snapshot at that epoch (one batch per partition that has any).
