@@ -52,6 +52,22 @@ async fn a_node_cut_off_from_the_majority_refuses_reads_instead_of_answering_sta
         waited < Duration::from_secs(30),
         "the read waited {waited:?}: it must have a deadline"
     );
+    // The catalog a client acts on (the CLI's load and publish check it) is refused the
+    // same way; the node's status, which says it is the node's own view, still answers.
+    let catalog = lone
+        .current_metadata()
+        .await
+        .expect_err("a node cut off from the majority served its own catalog as current")
+        .to_string();
+    assert!(
+        catalog.contains("node 3 cannot prove its metadata is current"),
+        "the refusal names the node and why: {catalog}"
+    );
+    let own_view = lone
+        .status()
+        .await
+        .expect("status answers from the node's own view");
+    assert!(own_view.meta.tables.contains_key("kv"));
 
     cluster.resume(1);
     cluster.resume(2);
@@ -62,6 +78,8 @@ async fn a_node_cut_off_from_the_majority_refuses_reads_instead_of_answering_sta
     )
     .await;
     assert_eq!(answered, 100, "every acknowledged row, after the pause");
+    let catalog = lone.current_metadata().await.expect("the majority is back");
+    assert!(catalog.tables.contains_key("kv"));
 }
 
 /// A coordinator stalled mid-publish (paused, but not yet declared failed) must not hold its

@@ -3,8 +3,8 @@
 
 use crate::error::{ClusterError, Result};
 use crate::rpc::{
-    CallError, Clients, PublishRequest, ScanRequest, SqlOutput, ACTION_SQL, ACTION_STATUS,
-    PROTOCOL_VERSION,
+    CallError, Clients, PublishRequest, ScanRequest, SqlOutput, ACTION_CURRENT_METADATA,
+    ACTION_SQL, ACTION_STATUS, PROTOCOL_VERSION,
 };
 use crate::server::NodeStatus;
 use arrow::array::RecordBatch;
@@ -220,6 +220,22 @@ impl ClusterClient {
     pub async fn status(&self) -> Result<NodeStatus> {
         self.clients
             .action(&self.addr, ACTION_STATUS, (), Duration::from_secs(5))
+            .await
+            .map_err(|e| self.call_error(e))
+    }
+
+    /// The cluster's metadata as of a linearizable read through this node: every table
+    /// created and every epoch committed before the call, or an error. [`Self::status`]
+    /// shows the node's own view instead, which a restarting node may not yet have
+    /// brought up to date.
+    pub async fn current_metadata(&self) -> Result<crate::meta::MetaState> {
+        self.clients
+            .action(
+                &self.addr,
+                ACTION_CURRENT_METADATA,
+                (),
+                crate::meta::LINEARIZABLE_READ_PATIENCE + Duration::from_secs(5),
+            )
             .await
             .map_err(|e| self.call_error(e))
     }

@@ -29,6 +29,9 @@ pub use tessera_meta::wire::{
 };
 
 pub const ACTION_STATUS: &str = "status";
+/// The metadata as of a linearizable read (every table and epoch committed before the
+/// call), or a refusal: what a client asks when it must act on the current catalog.
+pub const ACTION_CURRENT_METADATA: &str = "current-metadata";
 
 pub use tessera_exec::wire::{ExchangeHeader, ScanRequest, ACTION_QUERY_END};
 pub use tessera_recovery::SpoolRequest;

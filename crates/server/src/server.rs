@@ -245,6 +245,15 @@ impl NodeService {
                     .map_err(|e| Refusal::Failed(e.to_string()));
                 reply(&result)
             }
+            ACTION_CURRENT_METADATA => {
+                self.open_from_client::<()>(body)?;
+                let view = node
+                    .meta
+                    .read_linearizable(crate::meta::LINEARIZABLE_READ_PATIENCE)
+                    .await
+                    .map_err(|e| Refusal::Failed(e.to_string()).into_status())?;
+                reply(&view.state)
+            }
             ACTION_STATUS => {
                 self.open_from_client::<()>(body)?;
                 let status = node_status(&node);

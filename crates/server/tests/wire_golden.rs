@@ -298,6 +298,7 @@ fn samples() -> Samples {
         ),
     );
     s.request(ACTION_STATUS, ());
+    s.request(ACTION_CURRENT_METADATA, ());
     s.request(ACTION_READ_INDEX, ());
     s.request(ACTION_SQL, "SELECT 1");
     s.request(ACTION_QUERY_END, 0xfeedu64);
@@ -621,6 +622,7 @@ fn every_action_has_a_sample() {
         ACTION_META_WRITE,
         ACTION_HEARTBEAT,
         ACTION_STATUS,
+        ACTION_CURRENT_METADATA,
         ACTION_READ_INDEX,
         ACTION_SQL,
         ACTION_QUERY_END,

@@ -160,7 +160,7 @@ async fn story(cluster: &mut LocalCluster, options: &DemoOptions) -> Result<()> 
     }
 
     heading(5, &format!("writes go on while node {victim} is down"));
-    let before = client.status().await?.meta.visible;
+    let before = client.current_metadata().await?.visible;
     let comment = format!("changed by the demo after epoch {before}");
     let update = format!("UPDATE nation SET n_comment = '{comment}' WHERE n_nationkey = 0");
     let (elapsed, outputs) = timed(|| client.sql(&update)).await?;
@@ -170,9 +170,9 @@ async fn story(cluster: &mut LocalCluster, options: &DemoOptions) -> Result<()> 
         }) => *epoch,
         other => bail!("the UPDATE answered {other:?}"),
     };
-    let status = client.status().await?;
-    let missed = status
-        .meta
+    let missed = client
+        .current_metadata()
+        .await?
         .map
         .partitions
         .iter()
@@ -272,7 +272,8 @@ fn print_next_steps(configs: &[PathBuf]) -> Result<()> {
 /// publish, so it holds all its rows or none), or says the data is reused.
 async fn load_missing(client: &ClusterClient, addr: &str, sf: f64) -> Result<()> {
     let mut missing = Vec::new();
-    let tables = client.status().await?.meta.tables;
+    // The current catalog: the nodes have just (re)started and may still be applying it.
+    let tables = client.current_metadata().await?.tables;
     for table in tessera_tpch::TABLES {
         if !tables.contains_key(table.name) {
             missing.push(table.name.to_string());
@@ -307,7 +308,7 @@ async fn load_missing(client: &ClusterClient, addr: &str, sf: f64) -> Result<()>
     if missing.len() == tessera_tpch::TABLES.len() {
         load::tpch(&target, sf, &[], true).await
     } else if missing.is_empty() {
-        let visible = client.status().await?.meta.visible;
+        let visible = client.current_metadata().await?.visible;
         println!("TPC-H already loaded (visible epoch {visible}); reusing it");
         Ok(())
     } else {

@@ -38,7 +38,9 @@ impl Target {
     pub async fn table_def(&self, name: &str) -> Result<Option<TableDef>> {
         Ok(match self {
             Target::Local(engine) => engine.backend().table_def(name),
-            Target::Cluster(client) => client.status().await?.meta.tables.get(name).cloned(),
+            // The current catalog, not the node's own view: a node just restarted may not
+            // have applied the latest CREATE or DROP yet.
+            Target::Cluster(client) => client.current_metadata().await?.tables.remove(name),
         })
     }
 
