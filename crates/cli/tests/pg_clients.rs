@@ -371,20 +371,56 @@ async fn drivers_get_transactions_prepared_statements_and_sqlstates() {
         vec![1]
     );
 
-    // A read of a table the transaction already wrote would miss its own rows: refused.
-    a.batch_execute("BEGIN; INSERT INTO audit VALUES (4, 'then read')")
+    // Inside a transaction, reads see its own writes (distributed like any query, joins
+    // included); other connections do not, and ROLLBACK drops them.
+    a.batch_execute(
+        "BEGIN; INSERT INTO audit VALUES (4, 'then read'); DELETE FROM audit WHERE id = 1",
+    )
+    .await
+    .unwrap();
+    a.execute("UPDATE accounts SET owner = 'dee2' WHERE id = 4", &[])
         .await
         .unwrap();
-    let refused = a
-        .query("SELECT count(*) FROM audit", &[])
+    let own = a
+        .query("SELECT id, note FROM audit ORDER BY id", &[])
         .await
-        .unwrap_err();
+        .unwrap();
     assert_eq!(
-        refused.code(),
-        Some(&SqlState::FEATURE_NOT_SUPPORTED),
-        "{refused:?}"
+        own.iter()
+            .map(|r| (r.get::<_, i64>(0), r.get::<_, String>(1)))
+            .collect::<Vec<_>>(),
+        vec![(4, "then read".to_string())]
+    );
+    let joined = a
+        .query(
+            "SELECT owner, note FROM accounts JOIN audit ON accounts.id = audit.id",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(joined.len(), 1);
+    assert_eq!(joined[0].get::<_, String>(0), "dee2");
+    assert_eq!(joined[0].get::<_, String>(1), "then read");
+    let others = b
+        .query("SELECT id FROM audit ORDER BY id", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        others
+            .iter()
+            .map(|r| r.get::<_, i64>(0))
+            .collect::<Vec<_>>(),
+        vec![1]
     );
     a.batch_execute("ROLLBACK").await.unwrap();
+    let after = a
+        .query("SELECT id FROM audit ORDER BY id", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        after.iter().map(|r| r.get::<_, i64>(0)).collect::<Vec<_>>(),
+        vec![1]
+    );
 
     // Errors carry their SQLSTATE.
     let code = |e: tokio_postgres::Error| e.code().cloned();

@@ -357,7 +357,7 @@ impl Engine {
                 .map_err(from_datafusion)?,
             None => plan,
         };
-        self.check_allowed_in_transaction(&plan)?;
+        let plan = self.within_transaction(plan)?;
         match plan {
             LogicalPlan::Ddl(DdlStatement::CreateMemoryTable(create)) => {
                 let name = create.name.table().to_string();
@@ -421,25 +421,31 @@ impl Engine {
 
     /// Inside a transaction, refuses DDL once the transaction has written (a CREATE or
     /// DROP takes effect at once, not at COMMIT; drivers open a transaction before any
-    /// statement, so DDL before the first write runs) and reads of tables the transaction
-    /// has written (they would not see its own rows).
-    fn check_allowed_in_transaction(&self, plan: &LogicalPlan) -> Result<()> {
+    /// statement, so DDL before the first write runs), and makes reads of tables the
+    /// transaction has written see its own writes.
+    fn within_transaction(&self, plan: LogicalPlan) -> Result<LogicalPlan> {
         let transaction = self.transaction.lock().expect("transaction lock");
         let Some(open) = transaction.as_ref() else {
-            return Ok(());
+            return Ok(plan);
         };
-        if matches!(plan, LogicalPlan::Ddl(_)) && !open.is_empty() {
+        if open.is_empty() {
+            return Ok(plan);
+        }
+        if matches!(plan, LogicalPlan::Ddl(_)) {
             return Err(SqlError::Unsupported(
                 "CREATE or DROP after writes in the same transaction (it would take effect before them); COMMIT or ROLLBACK first".into(),
             ));
         }
         let written = open.written_tables();
-        match read_tables(plan).into_iter().find(|t| written.contains(t.as_str())) {
-            Some(table) => Err(SqlError::Unsupported(format!(
-                "reading table {table:?} after writing it in the same transaction (a read would not see the transaction's own writes); COMMIT first"
-            ))),
-            None => Ok(()),
-        }
+        crate::own_writes::overlay(plan, &|table| {
+            if !written.contains(table) {
+                return Ok(None);
+            }
+            let def = self.backend.table_def(table).ok_or_else(|| {
+                SqlError::Storage(tessera_storage::StorageError::UnknownTable(table.into()))
+            })?;
+            Ok(open.pending(&def)?.map(|changes| (def, changes)))
+        })
     }
 
     async fn execute_transaction_control(&self, control: TxControl) -> Result<StatementOutput> {
@@ -565,12 +571,15 @@ impl Engine {
             ))
         })?;
         if !def.append_only {
-            reject_existing_keys(self.backend.as_ref(), &def, &batches).await?;
-            let pending = match self.transaction.lock().expect("transaction lock").as_ref() {
-                Some(open) => open.live_keys(&def)?,
-                None => Vec::new(),
+            // Inside a transaction, a key it wrote is live or not as the transaction left
+            // it (a key it deleted may be inserted again), whatever its start epoch holds.
+            let (written, live) = match self.transaction.lock().expect("transaction lock").as_ref()
+            {
+                Some(open) => (open.written_keys(&def)?, open.live_keys(&def)?),
+                None => (Vec::new(), Vec::new()),
             };
-            reject_keys_among(&def, &batches, &pending)?;
+            reject_existing_keys(self.backend.as_ref(), &def, &batches, &written).await?;
+            reject_keys_among(&def, &batches, &live)?;
         }
         let epoch = self
             .publish(
@@ -658,20 +667,6 @@ fn sql_transaction_control(statement: &SqlStatement) -> Option<TxControl> {
     }
 }
 
-/// The tables a plan reads, by their unqualified names.
-fn read_tables(plan: &LogicalPlan) -> Vec<String> {
-    use datafusion::common::tree_node::TreeNodeRecursion;
-    let mut tables = Vec::new();
-    let _ = plan.apply_with_subqueries(|node| {
-        if let LogicalPlan::TableScan(scan) = node {
-            let name = scan.table_name.table();
-            tables.push(crate::time_travel::base_table_name(name).to_string());
-        }
-        Ok(TreeNodeRecursion::Continue)
-    });
-    tables
-}
-
 fn done(tag: &str, epoch: Option<Epoch>) -> StatementOutput {
     StatementOutput::Done {
         tag: tag.to_string(),
@@ -754,9 +749,24 @@ impl NewKeys {
         })
     }
 
-    /// Fails naming the first key of `existing` (batches of key columns) that is new too.
-    fn reject_among(&self, def: &TableDef, existing: &[RecordBatch]) -> Result<()> {
-        let wanted: HashSet<_> = self.rows.iter().collect();
+    /// Fails naming the first key of `existing` (batches of key columns) that is new too,
+    /// leaving out the keys in `superseded` (batches of key columns).
+    fn reject_among(
+        &self,
+        def: &TableDef,
+        existing: &[RecordBatch],
+        superseded: &[RecordBatch],
+    ) -> Result<()> {
+        let superseded: Vec<arrow::row::Rows> = superseded
+            .iter()
+            .map(|b| self.converter.convert_columns(b.columns()))
+            .collect::<std::result::Result<_, _>>()?;
+        let mut wanted: HashSet<_> = self.rows.iter().collect();
+        for rows in &superseded {
+            for row in rows.iter() {
+                wanted.remove(&row);
+            }
+        }
         for batch in existing {
             let existing_keys = self.converter.convert_columns(batch.columns())?;
             if let Some(row) =
@@ -780,11 +790,13 @@ impl NewKeys {
     }
 }
 
-/// Fails if any key in `new_rows` already has a live row at the visible epoch.
+/// Fails if any key in `new_rows` already has a live row at the visible epoch, but for
+/// the keys in `superseded` (batches of key columns), whose rows there do not count.
 async fn reject_existing_keys(
     backend: &dyn Backend,
     def: &TableDef,
     new_rows: &[RecordBatch],
+    superseded: &[RecordBatch],
 ) -> Result<()> {
     let new_keys = NewKeys::of(def, new_rows)?;
     let stamped_placeholder = tessera_storage::versions::stamp(
@@ -800,7 +812,7 @@ async fn reject_existing_keys(
     let existing = backend
         .read_partitions(def, touched, def.primary_key_indices())
         .await?;
-    new_keys.reject_among(def, &existing)
+    new_keys.reject_among(def, &existing, superseded)
 }
 
 /// Fails if any key in `new_rows` is among `existing` (batches of key columns).
@@ -812,5 +824,5 @@ fn reject_keys_among(
     if existing.is_empty() {
         return Ok(());
     }
-    NewKeys::of(def, new_rows)?.reject_among(def, existing)
+    NewKeys::of(def, new_rows)?.reject_among(def, existing, &[])
 }

@@ -12,6 +12,7 @@ pub mod changes;
 pub mod engine;
 pub mod error;
 pub mod options;
+pub mod own_writes;
 pub mod params;
 pub mod provider;
 pub mod retention;

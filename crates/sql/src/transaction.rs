@@ -2,8 +2,8 @@
 //! as one epoch (atomic across tables, as any publish is).
 //!
 //! Reads inside the transaction see the epoch current at its first statement (the
-//! statement view is pinned then and kept). Reading a table the transaction has already
-//! written is refused rather than answered without the transaction's own writes.
+//! statement view is pinned then and kept), plus the transaction's own writes
+//! ([`crate::own_writes`]).
 //! `ROLLBACK`, or dropping the engine (a closed connection), publishes nothing.
 
 use crate::error::{Result, SqlError};
@@ -33,10 +33,9 @@ impl Transaction {
         self.changes.iter().map(|c| c.table.as_str()).collect()
     }
 
-    /// The primary keys of `def` this transaction has written live rows for so far (rows it
-    /// inserted or updated and did not delete since): an INSERT of one of them violates the
-    /// primary key, as it would after COMMIT.
-    pub fn live_keys(&self, def: &TableDef) -> Result<Vec<RecordBatch>> {
+    /// This transaction's changes to `def` so far, folded into one (the newest statement's
+    /// row or delete per key), or `None` if it has not written the table.
+    pub fn pending(&self, def: &TableDef) -> Result<Option<TableChanges>> {
         let changes: Vec<TableChanges> = self
             .changes
             .iter()
@@ -44,14 +43,39 @@ impl Transaction {
             .cloned()
             .collect();
         if changes.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
+        merge_table_changes(def, changes).map(Some)
+    }
+
+    /// The primary keys of `def` this transaction has written live rows for so far (rows it
+    /// inserted or updated and did not delete since): an INSERT of one of them violates the
+    /// primary key, as it would after COMMIT.
+    pub fn live_keys(&self, def: &TableDef) -> Result<Vec<RecordBatch>> {
+        let Some(pending) = self.pending(def)? else {
+            return Ok(Vec::new());
+        };
         let key = def.primary_key_indices();
-        merge_table_changes(def, changes)?
+        pending
             .upserts
             .iter()
             .map(|b| Ok(conform_to_schema(def, b)?.project(&key)?))
             .collect()
+    }
+
+    /// Every primary key of `def` this transaction has written so far, live or deleted.
+    pub fn written_keys(&self, def: &TableDef) -> Result<Vec<RecordBatch>> {
+        let Some(pending) = self.pending(def)? else {
+            return Ok(Vec::new());
+        };
+        let key = def.primary_key_indices();
+        let mut keys = pending
+            .upserts
+            .iter()
+            .map(|b| Ok(conform_to_schema(def, b)?.project(&key)?))
+            .collect::<Result<Vec<_>>>()?;
+        keys.extend(pending.deletes);
+        Ok(keys)
     }
 
     pub fn is_empty(&self) -> bool {
