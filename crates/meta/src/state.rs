@@ -211,6 +211,12 @@ pub enum MetaCommand {
         table: String,
         retention: crate::retention::Retention,
     },
+    /// ALTER TABLE: a column added, dropped, renamed or widened. Epochs allocated from now
+    /// on see it; earlier ones the columns as they were.
+    AlterTable {
+        table: String,
+        alter: tessera_storage::evolution::AlterColumn,
+    },
     /// A command as the metadata leader proposed it, stamped with the leader's clock
     /// (milliseconds since the Unix epoch): the time the epoch log records.
     Stamped {
@@ -821,6 +827,18 @@ impl MetaState {
             }
             MetaCommand::SetRetention { table, retention } => {
                 MetaResponse::Epoch(self.set_retention(table, retention)?)
+            }
+            MetaCommand::AlterTable { table, alter } => {
+                let def = self
+                    .tables
+                    .get(&table)
+                    .ok_or_else(|| format!("table {table:?} does not exist"))?;
+                let altered = def
+                    .altered(&alter, self.next_epoch)
+                    .map_err(|e| e.to_string())?;
+                self.tables.insert(table, altered.clone());
+                effects.push(LocalEffect::EnsureTable(altered));
+                MetaResponse::Done
             }
             MetaCommand::DropTag { name } => {
                 self.tags

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_common::PartitionId;
 use tessera_net::CallError;
-use tessera_storage::PartitionChanges;
+use tessera_storage::{PartitionChanges, StorageError};
 
 /// Rows a replica collects before logging them (bounds its memory per publish stream).
 const PREPARE_CHUNK_BYTES: usize = 32 << 20;
@@ -165,10 +165,29 @@ async fn log_chunk(
     chunk: Vec<PartitionChanges>,
 ) -> Result<()> {
     let epoch = request.epoch;
-    node.on_store("logging prepared rows", move |store| {
-        store.prepare_epoch(epoch, chunk)
-    })
-    .await?;
+    let retry = chunk.clone();
+    let logged = node
+        .on_store("logging prepared rows", move |store| {
+            store.prepare_epoch(epoch, chunk)
+        })
+        .await;
+    match logged {
+        // Rows in columns this node does not know yet: their ALTER TABLE is committed but
+        // not applied here. Catch up with the leader and log them once more.
+        Err(ReplicationError::Storage(StorageError::SchemaMismatch { table, reason })) => {
+            tracing::debug!(
+                table,
+                reason,
+                "prepared rows do not fit the table here; catching up"
+            );
+            node.meta.read_linearizable(TABLE_PATIENCE).await?;
+            node.on_store("logging prepared rows", move |store| {
+                store.prepare_epoch(epoch, retry)
+            })
+            .await?;
+        }
+        other => other?,
+    }
     // A prepare that reaches this node after its epoch was decided (a stream held up in a
     // slow or cut link past the coordinator's deadline) must not stay: nothing would decide
     // it again, and a commit of it would add rows that the failback copy of a replica

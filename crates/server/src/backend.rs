@@ -151,6 +151,35 @@ impl Backend for ClusterBackend {
         self.begin_statement().await
     }
 
+    async fn alter_table(
+        &self,
+        table: &str,
+        alter: tessera_storage::evolution::AlterColumn,
+    ) -> tessera_sql::error::Result<()> {
+        let command = MetaCommand::AlterTable {
+            table: table.to_string(),
+            alter,
+        };
+        match self.node.meta.write(command).await {
+            Ok(_) => {}
+            Err(MetaError::Refused(reason))
+                if reason == format!("table {table:?} does not exist") =>
+            {
+                return Err(StorageError::UnknownTable(table.to_string()).into())
+            }
+            Err(MetaError::Refused(reason)) if reason.ends_with("does not exist") => {
+                return Err(SqlError::UndefinedObject(reason))
+            }
+            Err(MetaError::Refused(reason)) if reason.ends_with("already exists") => {
+                return Err(SqlError::DuplicateObject(reason))
+            }
+            Err(MetaError::Refused(reason)) => return Err(SqlError::InvalidValue(reason)),
+            Err(other) => return Err(ClusterError::from(other).into()),
+        }
+        // The statements after this one must see the change.
+        self.begin_statement().await
+    }
+
     async fn change_user(&self, change: UserChange) -> tessera_sql::error::Result<()> {
         let command = match change {
             UserChange::Create { name, secret } => MetaCommand::CreateUser { name, secret },
@@ -382,10 +411,13 @@ impl SchemaProvider for ClusterSchema {
         let Some(def) = view.state.tables.get(table).cloned() else {
             return Ok(None);
         };
-        let epoch = match point {
-            Some(point) => resolve_as_of(&view.state, &point).map_err(SqlError::into_datafusion)?,
-            None => view.state.visible,
+        let as_of = match point {
+            Some(point) => {
+                Some(resolve_as_of(&view.state, &point).map_err(SqlError::into_datafusion)?)
+            }
+            None => None,
         };
+        let epoch = as_of.unwrap_or(view.state.visible);
         if epoch > view.state.visible {
             return Err(SqlError::to_datafusion(StorageError::EpochNotVisible {
                 requested: epoch,
@@ -397,6 +429,7 @@ impl SchemaProvider for ClusterSchema {
             .map_err(|why| SqlError::InvalidValue(why).into_datafusion())?;
         Ok(Some(Arc::new(VersionedTable::new(
             def,
+            as_of,
             ClusterRows {
                 node: self.node.clone(),
                 view: self.view.clone(),

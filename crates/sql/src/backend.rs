@@ -22,6 +22,7 @@ use datafusion::prelude::SessionContext;
 use std::sync::Arc;
 use tessera_common::{Epoch, PartitionId, PartitionRing};
 use tessera_storage::changes::changes_schema;
+use tessera_storage::evolution::AlterColumn;
 use tessera_storage::{Store, TableChanges, TableDef};
 
 #[async_trait]
@@ -42,6 +43,9 @@ pub trait Backend: Send + Sync + 'static {
     async fn create_table(&self, def: TableDef) -> Result<()>;
 
     async fn drop_table(&self, name: &str) -> Result<()>;
+
+    /// Changes one column of a table (ALTER TABLE); later statements see it.
+    async fn alter_table(&self, table: &str, alter: AlterColumn) -> Result<()>;
 
     /// Publishes the changes as one epoch, visible when this returns.
     async fn publish(&self, changes: Vec<TableChanges>) -> Result<Epoch>;
@@ -182,6 +186,11 @@ impl Backend for LocalBackend {
     async fn drop_table(&self, name: &str) -> Result<()> {
         let (store, name) = (self.store.clone(), name.to_string());
         blocking(move || Ok(store.drop_table(&name)?)).await
+    }
+
+    async fn alter_table(&self, table: &str, alter: AlterColumn) -> Result<()> {
+        let (store, table) = (self.store.clone(), table.to_string());
+        blocking(move || Ok(store.alter_table(&table, &alter).map(|_| ())?)).await
     }
 
     async fn publish(&self, changes: Vec<TableChanges>) -> Result<Epoch> {

@@ -22,7 +22,7 @@ use datafusion::common::ParamValues;
 use datafusion::logical_expr::{DdlStatement, DmlStatement, LogicalPlan, WriteOp};
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion::sql::parser::{DFParser, Statement as DFStatement};
-use datafusion::sql::sqlparser::ast::{Expr as SqlExpr, Statement as SqlStatement};
+use datafusion::sql::sqlparser::ast::{AlterTable, Expr as SqlExpr, Statement as SqlStatement};
 use datafusion::sql::sqlparser::dialect::GenericDialect;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -217,7 +217,7 @@ impl Engine {
             return statement.map(|_| (None, Vec::new()));
         }
         let statement = parse_one_statement(sql)?;
-        if transaction_control(&statement).is_some() {
+        if transaction_control(&statement).is_some() || is_alter_table(&statement) {
             return Ok((None, Vec::new()));
         }
         self.begin_statement().await?;
@@ -350,6 +350,11 @@ impl Engine {
             return self.execute_transaction_control(control).await;
         }
         self.begin_statement().await?;
+        if let DFStatement::Statement(inner) = &statement {
+            if let SqlStatement::AlterTable(alter) = inner.as_ref() {
+                return self.alter_table(alter).await;
+            }
+        }
         let plan = self.plan_only(statement).await?;
         let plan = match params {
             Some(values) => plan
@@ -404,6 +409,32 @@ impl Engine {
             LogicalPlan::Dml(dml) => self.execute_dml(dml).await,
             plan => self.backend.run_query(&self.ctx, plan).await,
         }
+    }
+
+    /// ALTER TABLE's column changes, one after the other.
+    async fn alter_table(&self, alter: &AlterTable) -> Result<StatementOutput> {
+        let (table, changes) = crate::alter::column_changes(&self.ctx, alter).await?;
+        if self
+            .transaction
+            .lock()
+            .expect("transaction lock")
+            .as_ref()
+            .is_some_and(|t| !t.is_empty())
+        {
+            return Err(SqlError::Unsupported(
+                "ALTER TABLE after writes in the same transaction (it would take effect before them); COMMIT or ROLLBACK first".into(),
+            ));
+        }
+        if self.backend.table_def(&table).is_none() {
+            if alter.if_exists {
+                return Ok(done("ALTER TABLE", None));
+            }
+            return Err(tessera_storage::StorageError::UnknownTable(table).into());
+        }
+        for change in changes {
+            self.backend.alter_table(&table, change).await?;
+        }
+        Ok(done("ALTER TABLE", None))
     }
 
     /// Fixes the view a statement sees (before it is planned): a fresh one for each
@@ -649,6 +680,10 @@ pub fn split_tag(tag: &str) -> (&str, Option<usize>) {
 /// DataFusion has no plan for them.
 pub fn is_transaction_control(statement: &SqlStatement) -> bool {
     sql_transaction_control(statement).is_some()
+}
+
+fn is_alter_table(statement: &DFStatement) -> bool {
+    matches!(statement, DFStatement::Statement(inner) if matches!(inner.as_ref(), SqlStatement::AlterTable(_)))
 }
 
 fn transaction_control(statement: &DFStatement) -> Option<TxControl> {

@@ -7,6 +7,7 @@
 //! published epoch.
 
 pub mod activity;
+pub mod alter;
 pub mod backend;
 pub mod changes;
 pub mod engine;

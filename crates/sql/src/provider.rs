@@ -4,7 +4,7 @@
 use crate::error::SqlError;
 use crate::scan::VersionedScanExec;
 use crate::time_travel::{base_table_name, split_as_of, AsOf};
-use arrow::datatypes::SchemaRef;
+use arrow::datatypes::{Field, Schema, SchemaRef};
 use async_trait::async_trait;
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
 use datafusion::common::config::TableParquetOptions;
@@ -17,9 +17,11 @@ use datafusion::datasource::source::DataSourceExec;
 use datafusion::execution::object_store::ObjectStoreUrl;
 use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::logical_expr::utils::conjunction;
-use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
+use datafusion::logical_expr::{cast, lit, Expr, TableProviderFilterPushDown, TableType};
+use datafusion::physical_expr::expressions::{CastExpr, Column as PhysicalColumn};
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::empty::EmptyExec;
+use datafusion::physical_plan::projection::{ProjectionExec, ProjectionExpr};
 use datafusion::physical_plan::union::UnionExec;
 use datafusion::physical_plan::ExecutionPlan;
 use parquet::file::reader::{FileReader, SerializedFileReader};
@@ -29,6 +31,7 @@ use tessera_common::ComponentHash;
 use tessera_common::Epoch;
 use tessera_common::PartitionId;
 use tessera_storage::component::component_path;
+use tessera_storage::evolution::ColumnChange;
 use tessera_storage::versions::{stored_schema, stored_user_schema};
 use tessera_storage::{PartitionSnapshot, TableSnapshot};
 use tessera_storage::{Store, TableDef};
@@ -163,28 +166,76 @@ pub trait RowSource: std::fmt::Debug + Send + Sync + 'static {
     ) -> Result<Arc<dyn ExecutionPlan>>;
 }
 
-/// One versioned table as DataFusion sees it: its user columns, its primary key, and the
-/// source its rows are read from.
+/// One versioned table as DataFusion sees it: its user columns as of the epoch it is read
+/// at (see [`tessera_storage::evolution`]), its primary key, and the source its rows are
+/// read from.
 #[derive(Debug)]
 pub struct VersionedTable<S> {
     def: TableDef,
+    /// The columns the reader sees: each one's stored position and its field then.
+    columns: Vec<(usize, Field)>,
     schema: SchemaRef,
     constraints: Constraints,
+    /// The DEFAULT of each column ALTER TABLE added with one, for INSERTs that leave it out.
+    defaults: HashMap<String, Expr>,
     source: S,
 }
 
 impl<S: RowSource> VersionedTable<S> {
-    pub fn new(def: TableDef, source: S) -> Self {
+    /// `def` read at `as_of` (the current epoch, and the current columns, if `None`).
+    pub fn new(def: TableDef, as_of: Option<Epoch>, source: S) -> Self {
+        let columns = def.columns_at(as_of);
+        let schema = Arc::new(Schema::new(
+            columns.iter().map(|(_, f)| f.clone()).collect::<Vec<_>>(),
+        ));
+        let key_positions: Vec<usize> = def
+            .primary_key_indices()
+            .iter()
+            .filter_map(|k| columns.iter().position(|(i, _)| i == k))
+            .collect();
+        let constraints = if key_positions.is_empty() {
+            Constraints::default()
+        } else {
+            Constraints::new_unverified(vec![Constraint::PrimaryKey(key_positions)])
+        };
+        let defaults = def
+            .changes
+            .iter()
+            .filter_map(|change| match &change.kind {
+                ColumnChange::Added {
+                    default: Some(text),
+                } => {
+                    let field = def.schema.field(change.column);
+                    Some((
+                        field.name().clone(),
+                        cast(lit(text.as_str()), field.data_type().clone()),
+                    ))
+                }
+                _ => None,
+            })
+            .collect();
         VersionedTable {
-            schema: stored_user_schema(&def),
-            constraints: primary_key_constraints(&def),
             def,
+            columns,
+            schema,
+            constraints,
+            defaults,
             source,
         }
     }
 
     pub fn source(&self) -> &S {
         &self.source
+    }
+
+    /// Whether every column reads under its stored name and type (no rename or widening
+    /// since the reader's epoch), so expressions over the columns fit the stored schema.
+    fn reads_as_stored(&self) -> bool {
+        let stored = stored_user_schema(&self.def);
+        self.columns.iter().all(|(i, f)| {
+            let s = stored.field(*i);
+            s.name() == f.name() && s.data_type() == f.data_type()
+        })
     }
 }
 
@@ -200,6 +251,10 @@ impl<S: RowSource> TableProvider for VersionedTable<S> {
 
     fn table_type(&self) -> TableType {
         TableType::Base
+    }
+
+    fn get_column_default(&self, column: &str) -> Option<&Expr> {
+        self.defaults.get(column)
     }
 
     fn supports_filters_pushdown(
@@ -221,17 +276,44 @@ impl<S: RowSource> TableProvider for VersionedTable<S> {
         let projection = projection
             .cloned()
             .unwrap_or_else(|| (0..self.schema.fields().len()).collect());
+        let stored_columns: Vec<usize> = projection.iter().map(|&c| self.columns[c].0).collect();
+        let reads_as_stored = self.reads_as_stored();
+        // Pruning only: the filters name the columns as the reader sees them, which must
+        // be the stored ones for the predicate to apply to the files.
         let predicate = match conjunction(filters.to_vec()) {
-            Some(predicate) => {
+            Some(predicate) if reads_as_stored => {
                 let stored = stored_schema(&self.def);
                 let df_schema = DFSchema::try_from(stored.as_ref().clone())?;
                 Some(state.create_physical_expr(predicate, &df_schema)?)
             }
-            None => None,
+            _ => None,
         };
-        self.source
-            .plan_scan(&self.def, state, projection, predicate, limit)
-            .await
+        let plan = self
+            .source
+            .plan_scan(&self.def, state, stored_columns, predicate, limit)
+            .await?;
+        if reads_as_stored {
+            return Ok(plan);
+        }
+        // Stored names and types become the reader's: a renamed column's name then, a
+        // widened one's type then (every value it could see fits).
+        let input = plan.schema();
+        let exprs = projection
+            .iter()
+            .enumerate()
+            .map(|(j, &c)| {
+                let field = &self.columns[c].1;
+                let column: Arc<dyn PhysicalExpr> =
+                    Arc::new(PhysicalColumn::new(input.field(j).name(), j));
+                let expr = if input.field(j).data_type() == field.data_type() {
+                    column
+                } else {
+                    Arc::new(CastExpr::new(column, field.data_type().clone(), None))
+                };
+                ProjectionExpr::new(expr, field.name().clone())
+            })
+            .collect::<Vec<_>>();
+        Ok(Arc::new(ProjectionExec::try_new(exprs, plan)?))
     }
 }
 
@@ -258,6 +340,7 @@ impl TesseraTable {
     ) -> Self {
         VersionedTable::new(
             def,
+            epoch,
             LocalRows {
                 store,
                 epoch,
@@ -369,7 +452,7 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
                 .verify_component(&component.hash)
                 .map_err(SqlError::to_datafusion)?;
         }
-        if partition.is_plain_scan(epoch) {
+        if partition.is_plain_scan(epoch, def.layout()) {
             plain.push(partition.components[0].clone());
         } else {
             versioned.push(partition.clone());

@@ -54,6 +54,7 @@ pub fn read_visible_partition(
     for component in &partition.components {
         batches.extend(read_component(
             components_dir,
+            def,
             &component.hash,
             Some(&read),
         )?);

@@ -25,6 +25,10 @@ pub struct TableDef {
     /// CREATE or DROP never touches a newer table of the same name; 0 in a local store.
     #[serde(default)]
     pub generation: u64,
+    /// The ALTER TABLE changes the columns went through, oldest first (see
+    /// [`crate::evolution`]); `schema` is the stored columns after them all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub changes: Vec<crate::evolution::SchemaChange>,
 }
 
 impl TableDef {
@@ -118,6 +122,7 @@ impl TableDef {
             append_only,
             created_at: Epoch::ZERO,
             generation: 0,
+            changes: Vec::new(),
         })
     }
 

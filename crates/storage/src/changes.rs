@@ -68,11 +68,12 @@ pub fn changes_schema(def: &TableDef) -> SchemaRef {
     Arc::new(Schema::new(fields))
 }
 
-/// The key columns and the other columns, as indices into the user schema.
+/// The key columns and the other columns (not those dropped), as indices into the user
+/// schema.
 fn split_columns(def: &TableDef) -> (Vec<usize>, Vec<usize>) {
     let keys = def.primary_key_indices();
     let values = (0..def.schema.fields().len())
-        .filter(|i| !keys.contains(i))
+        .filter(|i| !keys.contains(i) && !def.is_dropped(*i))
         .collect();
     (keys, values)
 }
@@ -127,11 +128,12 @@ pub fn partition_changes(
             older_only.push(component);
             continue;
         }
-        for batch in read_component(components_dir, &component.hash, None)? {
+        for batch in read_component(components_dir, def, &component.hash, None)? {
             split_by_epoch(batch, in_range, &mut recent, &mut older)?;
         }
     }
     for batch in &partition.memtable {
+        // Snapshots hand out memtable rows in the definition's current layout already.
         split_by_epoch(batch.clone(), in_range, &mut recent, &mut older)?;
     }
     if recent.iter().all(|b| b.num_rows() == 0) {
@@ -161,7 +163,7 @@ pub fn partition_changes(
         })
         .collect();
     for component in older_only {
-        let key_batches = read_component(components_dir, &component.hash, Some(&file_order))?;
+        let key_batches = read_component(components_dir, def, &component.hash, Some(&file_order))?;
         let mut selected = arrow::array::BooleanBuilder::with_capacity(component.rows as usize);
         for batch in &key_batches {
             let keys = converter.convert_columns(&columns(batch, &projected_key))?;
@@ -171,6 +173,7 @@ pub fn partition_changes(
         if selected.true_count() > 0 {
             older.extend(read_component_rows(
                 components_dir,
+                def,
                 &component.hash,
                 &selected,
             )?);

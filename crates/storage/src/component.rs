@@ -5,7 +5,9 @@
 //! file, fsynced and renamed to `<hash>.parquet`, so a component either exists complete
 //! under its name or not at all.
 
+use crate::catalog::TableDef;
 use crate::error::{Result, StorageError};
+use crate::evolution::FileColumns;
 use crate::fsio;
 use arrow::array::RecordBatch;
 use parquet::arrow::arrow_reader::{ParquetRecordBatchReaderBuilder, RowSelection};
@@ -32,6 +34,14 @@ pub struct ComponentMeta {
     /// No key occurs twice in the component, so it needs no dedup on its own.
     pub unique_keys: bool,
     pub tombstones: u64,
+    /// The version of the table's definition the file was written under
+    /// ([`TableDef::layout`]); an older file is conformed when read.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub layout: u32,
+}
+
+fn is_zero(layout: &u32) -> bool {
+    *layout == 0
 }
 
 /// The writer settings for every component (and for the benchmark's baseline files, so
@@ -126,26 +136,32 @@ pub fn read_verified(dir: &Path, hash: &ComponentHash) -> Result<Vec<u8>> {
 }
 
 /// The rows of a component that `selected` marks (one flag per row, in file order), every
-/// column; the values of unselected rows are skipped rather than decoded into arrays.
+/// column of `def`'s stored schema; the values of unselected rows are skipped rather than
+/// decoded into arrays.
 pub fn read_component_rows(
     dir: &Path,
+    def: &TableDef,
     hash: &ComponentHash,
     selected: &arrow::array::BooleanArray,
 ) -> Result<Vec<RecordBatch>> {
-    read_component_with(dir, hash, None, Some(selected))
+    read_component_with(dir, def, hash, None, Some(selected))
 }
 
-/// Reads a component, optionally only the given top-level columns.
+/// Reads a component of `def`, optionally only the given columns of its stored schema
+/// (ascending), in `def`'s stored schema whatever version of it the file was written
+/// under ([`crate::evolution`]).
 pub fn read_component(
     dir: &Path,
+    def: &TableDef,
     hash: &ComponentHash,
     columns: Option<&[usize]>,
 ) -> Result<Vec<RecordBatch>> {
-    read_component_with(dir, hash, columns, None)
+    read_component_with(dir, def, hash, columns, None)
 }
 
 fn read_component_with(
     dir: &Path,
+    def: &TableDef,
     hash: &ComponentHash,
     columns: Option<&[usize]>,
     selected: Option<&arrow::array::BooleanArray>,
@@ -157,14 +173,17 @@ fn read_component_with(
     };
     let file = disk::open(&path).map_err(|e| StorageError::io(&path, e))?;
     let mut builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(parquet_err)?;
-    if let Some(columns) = columns {
-        let mask = ProjectionMask::roots(builder.parquet_schema(), columns.iter().copied());
-        builder = builder.with_projection(mask);
-    }
+    let wanted: Vec<usize> = match columns {
+        Some(columns) => columns.to_vec(),
+        None => (0..def.schema.fields().len() + 2).collect(),
+    };
+    let layout = FileColumns::plan(def, builder.schema().fields().len(), &wanted)?;
+    let mask = ProjectionMask::roots(builder.parquet_schema(), layout.read.iter().copied());
+    builder = builder.with_projection(mask);
     if let Some(selected) = selected {
         builder =
             builder.with_row_selection(RowSelection::from_filters(std::slice::from_ref(selected)));
     }
     let reader = builder.with_batch_size(8192).build().map_err(parquet_err)?;
-    Ok(reader.collect::<std::result::Result<Vec<_>, _>>()?)
+    reader.map(|batch| layout.assemble(def, &batch?)).collect()
 }

@@ -11,6 +11,7 @@ pub mod changes;
 pub mod checkpoint;
 pub mod component;
 pub mod error;
+pub mod evolution;
 mod fsio;
 pub mod manifest;
 pub mod store;

@@ -358,10 +358,27 @@ pub fn conform_to_schema(def: &TableDef, batch: &RecordBatch) -> Result<RecordBa
     };
     let given = batch.schema();
     let mut columns = Vec::with_capacity(def.schema.fields().len());
-    for field in def.schema.fields() {
-        let index = given
-            .index_of(field.name())
-            .map_err(|_| mismatch(format!("column {:?} is missing", field.name())))?;
+    for (position, field) in def.schema.fields().iter().enumerate() {
+        if def.is_dropped(position) {
+            columns.push(arrow::array::new_null_array(
+                field.data_type(),
+                batch.num_rows(),
+            ));
+            continue;
+        }
+        let index = match given.index_of(field.name()) {
+            Ok(index) => index,
+            // A column ALTER TABLE added may be left out: it takes its default.
+            Err(_) if def.was_added(position) => {
+                columns.push(crate::evolution::missing_column(
+                    def,
+                    position,
+                    batch.num_rows(),
+                )?);
+                continue;
+            }
+            Err(_) => return Err(mismatch(format!("column {:?} is missing", field.name()))),
+        };
         let column = batch.column(index);
         let column = if column.data_type() == field.data_type() {
             column.clone()

@@ -95,7 +95,7 @@ impl Store {
         for (def, partition, inputs, retained_from) in work {
             let mut batches = Vec::new();
             for input in &inputs {
-                batches.extend(self.read_verified_rows(&input.hash)?);
+                batches.extend(self.read_verified_rows(&def, &input.hash)?);
             }
             let merged = versions::merge_versions(
                 &batches,

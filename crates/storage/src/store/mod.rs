@@ -153,10 +153,17 @@ impl PartitionSnapshot {
     }
 
     /// True if the partition's rows at `epoch` are exactly its single component's rows, so
-    /// a reader may scan the Parquet file directly without resolving versions.
-    pub fn is_plain_scan(&self, epoch: Epoch) -> bool {
+    /// a reader may scan the Parquet file directly without resolving versions: a file
+    /// written under the table's current definition (`layout`), since a plain reader
+    /// matches columns by name and would not conform an older one.
+    pub fn is_plain_scan(&self, epoch: Epoch, layout: u32) -> bool {
         match (self.components.as_slice(), self.memtable.is_empty()) {
-            ([only], true) => only.unique_keys && only.tombstones == 0 && only.max_epoch <= epoch,
+            ([only], true) => {
+                only.unique_keys
+                    && only.tombstones == 0
+                    && only.max_epoch <= epoch
+                    && only.layout == layout
+            }
             _ => false,
         }
     }
@@ -324,6 +331,12 @@ impl State {
     fn table(&self, name: &str) -> Result<&TableState> {
         self.tables
             .get(name)
+            .ok_or_else(|| StorageError::UnknownTable(name.to_string()))
+    }
+
+    fn table_mut(&mut self, name: &str) -> Result<&mut TableState> {
+        self.tables
+            .get_mut(name)
             .ok_or_else(|| StorageError::UnknownTable(name.to_string()))
     }
 
@@ -600,6 +613,24 @@ impl Store {
         def.created_at = state.visible;
         state.tables.insert(def.name.clone(), self.empty_table(def));
         self.write_checkpoint(&state)
+    }
+
+    /// Changes a column of a local store's table (ALTER TABLE): epochs from the next one
+    /// on see the change, earlier ones the columns as they were. Nothing is rewritten.
+    pub fn alter_table(
+        &self,
+        name: &str,
+        alter: &crate::evolution::AlterColumn,
+    ) -> Result<TableDef> {
+        let _gate = self.gate.write().expect("gate lock");
+        self.check_poisoned()?;
+        let mut state = self.state();
+        let from = state.next_epoch;
+        let table = state.table_mut(name)?;
+        let altered = table.def.altered(alter, from)?;
+        table.def = altered.clone();
+        self.write_checkpoint(&state)?;
+        Ok(altered)
     }
 
     pub fn drop_table(&self, name: &str) -> Result<()> {

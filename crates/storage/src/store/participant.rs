@@ -9,6 +9,16 @@ impl Store {
     /// older one is replaced.
     pub fn ensure_table(&self, def: TableDef) -> Result<()> {
         if let Some(existing) = self.table_def(&def.name) {
+            if existing.generation == def.generation && existing.layout() < def.layout() {
+                // An ALTER TABLE: the same table under a newer definition. Rows and files
+                // already here are conformed when read.
+                let _gate = self.gate.write().expect("gate lock");
+                self.check_poisoned()?;
+                let mut state = self.state();
+                let name = def.name.clone();
+                state.table_mut(&name)?.def = def;
+                return self.write_checkpoint(&state);
+            }
             if existing.generation >= def.generation {
                 return Ok(());
             }

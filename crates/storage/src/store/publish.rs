@@ -173,7 +173,12 @@ impl Store {
         min_lsn: Lsn,
         max_lsn: Lsn,
     ) -> Result<ComponentMeta> {
-        let batch = concat_batches(&batches[0].schema(), batches)?;
+        // Rows logged or read under earlier versions of the definition take today's.
+        let batches = batches
+            .iter()
+            .map(|b| crate::evolution::conform_stored(def, b))
+            .collect::<Result<Vec<_>>>()?;
+        let batch = concat_batches(&versions::stored_schema(def), &batches)?;
         let stats = versions::version_stats(&batch, &def.primary_key_indices(), def.append_only)?;
         let bytes = component::encode_parquet(std::slice::from_ref(&batch))?;
         let hash = component::write_component(&self.components_dir, &bytes)?;
@@ -188,6 +193,7 @@ impl Store {
             max_epoch: stats.max_epoch,
             unique_keys: stats.unique_keys,
             tombstones: stats.tombstones,
+            layout: def.layout(),
         })
     }
 

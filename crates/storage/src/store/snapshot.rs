@@ -27,18 +27,21 @@ impl Store {
             .partitions
             .iter()
             .enumerate()
-            .map(|(i, p)| PartitionSnapshot {
-                partition: PartitionId(i as u32),
-                rows_in_log: p.unapplied.iter().any(|l| l.epoch <= epoch),
-                components: p.manifest.components_at(epoch),
-                memtable: p
-                    .memtable
-                    .iter()
-                    .filter(|e| e.epoch <= epoch)
-                    .map(|e| e.batch.clone())
-                    .collect(),
+            .map(|(i, p)| {
+                Ok(PartitionSnapshot {
+                    partition: PartitionId(i as u32),
+                    rows_in_log: p.unapplied.iter().any(|l| l.epoch <= epoch),
+                    components: p.manifest.components_at(epoch),
+                    // Rows logged under an earlier definition are read in today's.
+                    memtable: p
+                        .memtable
+                        .iter()
+                        .filter(|e| e.epoch <= epoch)
+                        .map(|e| crate::evolution::conform_stored(&table.def, &e.batch))
+                        .collect::<Result<_>>()?,
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let reader = {
             let mut registry = self.readers.lock().expect("reader registry lock");
             let generation = registry.generation;
@@ -102,9 +105,13 @@ impl Store {
     }
 
     /// The row versions of a component, its bytes checked against its name first.
-    pub(super) fn read_verified_rows(&self, hash: &ComponentHash) -> Result<Vec<RecordBatch>> {
+    pub(super) fn read_verified_rows(
+        &self,
+        def: &TableDef,
+        hash: &ComponentHash,
+    ) -> Result<Vec<RecordBatch>> {
         self.verify_component(hash)?;
-        component::read_component(&self.components_dir, hash, None)
+        component::read_component(&self.components_dir, def, hash, None)
     }
 
     /// The table version id at `epoch`: a hash over its partition manifests, equal on any

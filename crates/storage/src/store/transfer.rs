@@ -28,7 +28,7 @@ impl Store {
         let part = &snapshot.partitions[partition.0 as usize];
         let mut batches = Vec::new();
         for component in part.components.iter().filter(|c| c.max_epoch >= since) {
-            batches.extend(self.read_verified_rows(&component.hash)?);
+            batches.extend(self.read_verified_rows(&snapshot.def, &component.hash)?);
         }
         batches.extend(part.memtable.iter().cloned());
         versions::versions_since(batches, since)
@@ -183,8 +183,8 @@ impl Store {
                 part.manifest.components.clone(),
                 part.memtable
                     .iter()
-                    .map(|e| e.batch.clone())
-                    .collect::<Vec<_>>(),
+                    .map(|e| crate::evolution::conform_stored(&table_state.def, &e.batch))
+                    .collect::<Result<Vec<_>>>()?,
                 part.memtable.iter().any(|e| e.epoch >= since),
             )
         };
@@ -195,7 +195,7 @@ impl Store {
         if rewrite && since > Epoch::ZERO {
             let mut old = Vec::new();
             for component in &components {
-                old.extend(self.read_verified_rows(&component.hash)?);
+                old.extend(self.read_verified_rows(&def, &component.hash)?);
             }
             old.extend(memtable);
             rows.extend(versions::versions_before(old, since)?);
