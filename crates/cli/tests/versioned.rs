@@ -813,3 +813,101 @@ async fn a_replica_returning_past_the_retention_horizon_is_copied_whole() {
     );
     drop(cluster);
 }
+
+/// One number a query answers.
+async fn number(client: &ClusterClient, sql: &str) -> i64 {
+    let batches = client.query(sql).await.unwrap();
+    int64(&batches[0], 0).value(0)
+}
+
+/// ALTER TABLE on a cluster: every node reads the new columns at once, a node that was
+/// down during the changes reads them when it returns (its files and log written before
+/// them are conformed, not rewritten), and `AS OF` an earlier epoch sees the old columns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn columns_change_across_the_cluster_and_a_returning_node_reads_them() {
+    let root = tempfile::tempdir().unwrap();
+    let (mut cluster, client) = merging_cluster(root.path()).await;
+    let values: Vec<String> = (0..50).map(|k| format!("({k}, {k})")).collect();
+    let before = write(
+        &client,
+        &format!("INSERT INTO kv VALUES {}", values.join(", ")),
+    )
+    .await
+    .unwrap();
+
+    cluster.kill9(3);
+    common::wait_until(
+        "node 3 declared failed",
+        Duration::from_secs(30),
+        || async {
+            client
+                .status()
+                .await
+                .ok()
+                .filter(|s| s.meta.nodes.values().any(|n| n.id.0 == 3 && !n.alive))
+        },
+    )
+    .await;
+    write(
+        &client,
+        "ALTER TABLE kv ADD COLUMN w BIGINT NOT NULL DEFAULT 7",
+    )
+    .await;
+    write(&client, "INSERT INTO kv VALUES (100, 100, 1)").await;
+    write(&client, "ALTER TABLE kv RENAME COLUMN v TO value").await;
+    let node2 = ClusterClient::new(cluster.addr(2));
+    assert_eq!(number(&node2, "SELECT sum(w) FROM kv").await, 50 * 7 + 1);
+
+    cluster.start(3);
+    wait_formed(&cluster, 1, 3).await;
+    common::wait_until("node 3 caught up", Duration::from_secs(120), || async {
+        client
+            .status()
+            .await
+            .ok()
+            .filter(|s| s.meta.map.partitions.iter().all(|p| p.stale.is_empty()))
+    })
+    .await;
+    let node3 = ClusterClient::new(cluster.addr(3));
+    assert_eq!(number(&node3, "SELECT sum(w) FROM kv").await, 50 * 7 + 1);
+    assert_eq!(
+        number(&node3, "SELECT value FROM kv WHERE k = 100").await,
+        100
+    );
+    let old = node3
+        .query(&format!("SELECT * FROM kv AS OF EPOCH {before}"))
+        .await
+        .unwrap();
+    let names: Vec<&str> = old[0]
+        .schema_ref()
+        .fields()
+        .iter()
+        .map(|f| f.name().as_str())
+        .collect::<Vec<_>>()
+        .leak()
+        .to_vec();
+    assert_eq!(
+        names,
+        ["k", "v"],
+        "the columns as they were at epoch {before}"
+    );
+    // Every replica holds the same rows, in the new stored columns.
+    let epoch = client.status().await.unwrap().meta.visible;
+    for p in 0..PARTITIONS {
+        let partition = tessera_common::PartitionId(p);
+        let mut held = Vec::new();
+        for id in 1..=3 {
+            let batches = ClusterClient::new(cluster.addr(id))
+                .read_replica(cluster.cluster_id(), "kv", partition, epoch)
+                .await
+                .unwrap();
+            held.push(
+                arrow::util::pretty::pretty_format_batches(&batches)
+                    .unwrap()
+                    .to_string(),
+            );
+        }
+        assert_eq!(held[2], held[0], "p{p}: node 3 holds what node 1 holds");
+        assert_eq!(held[1], held[0], "p{p}: node 2 holds what node 1 holds");
+    }
+}

@@ -184,7 +184,13 @@ pub struct VersionedTable<S> {
 impl<S: RowSource> VersionedTable<S> {
     /// `def` read at `as_of` (the current epoch, and the current columns, if `None`).
     pub fn new(def: TableDef, as_of: Option<Epoch>, source: S) -> Self {
-        let columns = def.columns_at(as_of);
+        // Nullable as stored: a delete's tombstone carries only its key.
+        let stored = stored_user_schema(&def);
+        let columns: Vec<(usize, Field)> = def
+            .columns_at(as_of)
+            .into_iter()
+            .map(|(i, f)| (i, f.with_nullable(stored.field(i).is_nullable())))
+            .collect();
         let schema = Arc::new(Schema::new(
             columns.iter().map(|(_, f)| f.clone()).collect::<Vec<_>>(),
         ));
