@@ -76,6 +76,7 @@ fn component() -> ComponentMeta {
         max_epoch: Epoch(3),
         unique_keys: true,
         tombstones: 1,
+        layout: 0,
     }
 }
 

@@ -31,6 +31,7 @@ pub fn live_rows(store: &Store, table: &str, epoch: Epoch) -> Vec<RecordBatch> {
             batches.extend(
                 tessera_storage::component::read_component(
                     store.components_dir(),
+                    &def,
                     &component.hash,
                     None,
                 )
