@@ -737,40 +737,6 @@ fn count_files(dir: &std::path::Path, extension: &str) -> usize {
 /// cannot be given a delta: merges on the live replicas may have dropped the tombstones of
 /// keys deleted while it was away, and a delta would leave those keys alive on it. It is
 /// copied whole, and then holds exactly what the others hold.
-/// SIGKILLs node 3 and waits until the cluster declares it failed.
-async fn kill_node_3(cluster: &mut tessera_testkit::LocalCluster, client: &ClusterClient) {
-    cluster.kill9(3);
-    common::wait_until(
-        "node 3 declared failed",
-        Duration::from_secs(30),
-        || async {
-            client
-                .status()
-                .await
-                .ok()
-                .filter(|s| s.meta.nodes.values().any(|n| n.id.0 == 3 && !n.alive))
-        },
-    )
-    .await;
-}
-
-/// Starts node 3 again and waits until no partition is stale anywhere; the status then.
-async fn restart_node_3(
-    cluster: &mut tessera_testkit::LocalCluster,
-    client: &ClusterClient,
-) -> tessera_server::server::NodeStatus {
-    cluster.start(3);
-    wait_formed(cluster, 1, 3).await;
-    common::wait_until("node 3 caught up", Duration::from_secs(120), || async {
-        client
-            .status()
-            .await
-            .ok()
-            .filter(|s| s.meta.map.partitions.iter().all(|p| p.stale.is_empty()))
-    })
-    .await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_returning_past_the_retention_horizon_is_copied_whole() {
     let root = tempfile::tempdir().unwrap();
@@ -783,7 +749,7 @@ async fn a_replica_returning_past_the_retention_horizon_is_copied_whole() {
     .await;
     write(&client, "ALTER TABLE kv SET (retain_epochs = 1)").await;
 
-    kill_node_3(&mut cluster, &client).await;
+    common::kill_node(&mut cluster, &client, 3).await;
     // Deleted while node 3 is away, then rewritten and merged on the survivors until the
     // horizon (the newest version) is past the deletes: their tombstones are merged away.
     write(&client, "DELETE FROM kv WHERE k < 100").await;
@@ -794,7 +760,7 @@ async fn a_replica_returning_past_the_retention_horizon_is_copied_whole() {
         }
     }
 
-    let status = restart_node_3(&mut cluster, &client).await;
+    let status = common::restart_node(&mut cluster, &client, 3).await;
     let epoch = status.meta.visible;
     for p in 0..PARTITIONS {
         let partition = tessera_common::PartitionId(p);
@@ -848,18 +814,19 @@ async fn columns_change_across_the_cluster_and_a_returning_node_reads_them() {
     .await
     .unwrap();
 
-    kill_node_3(&mut cluster, &client).await;
+    common::kill_node(&mut cluster, &client, 3).await;
     write(
         &client,
         "ALTER TABLE kv ADD COLUMN w BIGINT NOT NULL DEFAULT 7",
     )
     .await;
+
     write(&client, "INSERT INTO kv VALUES (100, 100, 1)").await;
     write(&client, "ALTER TABLE kv RENAME COLUMN v TO value").await;
     let node2 = ClusterClient::new(cluster.addr(2));
     assert_eq!(number(&node2, "SELECT sum(w) FROM kv").await, 50 * 7 + 1);
 
-    restart_node_3(&mut cluster, &client).await;
+    common::restart_node(&mut cluster, &client, 3).await;
     let node3 = ClusterClient::new(cluster.addr(3));
     assert_eq!(number(&node3, "SELECT sum(w) FROM kv").await, 50 * 7 + 1);
     assert_eq!(

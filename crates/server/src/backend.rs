@@ -643,7 +643,7 @@ impl ClusterRows {
                     .exec
                     .queries()
                     .statistics()
-                    .get(&self.node.store, &c.hash, &stored)
+                    .get(&self.node.store, &c.hash, def)
                     .ok()
             })
             .collect();

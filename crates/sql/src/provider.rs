@@ -71,34 +71,116 @@ impl TesseraSchema {
 /// DataFusion's optimizer choose join sides and orders as it does for its own tables.
 #[derive(Debug, Default)]
 pub struct ComponentStatistics {
-    by_hash: Mutex<HashMap<ComponentHash, Arc<Statistics>>>,
+    by_hash: Mutex<HashMap<ComponentHash, Arc<OwnStatistics>>>,
+}
+
+/// A component's columns as written and their statistics.
+#[derive(Debug)]
+struct OwnStatistics {
+    schema: SchemaRef,
+    stats: Statistics,
 }
 
 impl ComponentStatistics {
-    /// The statistics of one component over the stored schema `stored`.
+    /// The statistics of one component, in `def`'s stored schema: a component written under
+    /// an earlier definition has fewer columns, perhaps narrower, so its own statistics are
+    /// conformed as its rows are (by position; nothing known of columns it predates).
     pub fn get(
         &self,
         store: &Store,
         hash: &ComponentHash,
-        stored: &SchemaRef,
+        def: &TableDef,
     ) -> Result<Arc<Statistics>> {
-        if let Some(stats) = self.by_hash.lock().expect("statistics lock").get(hash) {
-            return Ok(stats.clone());
-        }
+        let cached = self
+            .by_hash
+            .lock()
+            .expect("statistics lock")
+            .get(hash)
+            .cloned();
+        let own = match cached {
+            Some(own) => own,
+            None => {
+                let own = Arc::new(Self::read(store, hash)?);
+                self.by_hash
+                    .lock()
+                    .expect("statistics lock")
+                    .insert(*hash, own.clone());
+                own
+            }
+        };
+        conform_statistics(&own, def).map(Arc::new)
+    }
+
+    /// A component's statistics over its own columns, from its Parquet footer.
+    fn read(store: &Store, hash: &ComponentHash) -> Result<OwnStatistics> {
         let path = component_path(store.components_dir(), hash);
         let file = std::fs::File::open(&path)
             .map_err(|e| SqlError::to_datafusion(tessera_storage::StorageError::io(&path, e)))?;
         let reader = SerializedFileReader::new(file)?;
-        let stats = Arc::new(DFParquetMetadata::statistics_from_parquet_metadata(
-            reader.metadata(),
-            stored,
-        )?);
-        self.by_hash
-            .lock()
-            .expect("statistics lock")
-            .insert(*hash, stats.clone());
-        Ok(stats)
+        let metadata = reader.metadata().file_metadata();
+        let own = parquet::arrow::parquet_to_arrow_schema(
+            metadata.schema_descr(),
+            metadata.key_value_metadata(),
+        )?;
+        let schema = Arc::new(own);
+        let stats =
+            DFParquetMetadata::statistics_from_parquet_metadata(reader.metadata(), &schema)?;
+        Ok(OwnStatistics { schema, stats })
     }
+}
+
+/// A component's own statistics (its user columns, then the epoch and operation columns)
+/// in `def`'s stored schema: columns it predates are unknown, widened ones cast.
+fn conform_statistics(own: &OwnStatistics, def: &TableDef) -> Result<Statistics> {
+    let stored = stored_schema(def);
+    let user = def.schema.fields().len();
+    let given = own.schema.fields().len().saturating_sub(2);
+    if given > user {
+        return Err(SqlError::to_datafusion(
+            tessera_storage::StorageError::SchemaMismatch {
+                table: def.name.clone(),
+                reason: format!(
+                    "a component has {given} columns, the table's definition here {user}: it was written under a newer definition than this node has applied"
+                ),
+            },
+        ));
+    }
+    let in_own = |column: usize| -> Option<usize> {
+        if column < user {
+            (column < given).then_some(column)
+        } else {
+            Some(given + (column - user))
+        }
+    };
+    let own_type = |at: usize| own.schema.field(at).data_type();
+    let mut columns = Vec::with_capacity(stored.fields().len());
+    for (column, field) in stored.fields().iter().enumerate() {
+        columns.push(match in_own(column) {
+            None => datafusion::common::ColumnStatistics::new_unknown(),
+            Some(at) if own_type(at) == field.data_type() => {
+                own.stats.column_statistics[at].clone()
+            }
+            Some(at) => {
+                let stats = &own.stats.column_statistics[at];
+                let as_stored = |value: &datafusion::common::stats::Precision<_>| {
+                    value
+                        .cast_to(field.data_type())
+                        .unwrap_or(datafusion::common::stats::Precision::Absent)
+                };
+                datafusion::common::ColumnStatistics {
+                    null_count: stats.null_count,
+                    max_value: as_stored(&stats.max_value),
+                    min_value: as_stored(&stats.min_value),
+                    ..datafusion::common::ColumnStatistics::new_unknown()
+                }
+            }
+        });
+    }
+    Ok(Statistics {
+        num_rows: own.stats.num_rows,
+        total_byte_size: own.stats.total_byte_size,
+        column_statistics: columns,
+    })
 }
 
 #[async_trait]
@@ -490,7 +572,7 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
         for component in &plain {
             let path = component_path(store.components_dir(), &component.hash);
             let location = path.to_string_lossy().trim_start_matches('/').to_string();
-            let stats = statistics.get(store, &component.hash, &stored)?;
+            let stats = statistics.get(store, &component.hash, &snapshot.def)?;
             file_statistics.push(stats.clone());
             files.push(PartitionedFile::new(location, component.bytes).with_statistics(stats));
         }

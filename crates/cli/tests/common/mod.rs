@@ -35,6 +35,47 @@ pub async fn wait_formed(cluster: &LocalCluster, via: u64, alive: usize) {
     .await
 }
 
+/// SIGKILLs node `id` and waits until the cluster (asked through `client`) declares it
+/// failed.
+pub async fn kill_node(cluster: &mut LocalCluster, client: &ClusterClient, id: u64) {
+    cluster.kill9(id);
+    wait_until(
+        &format!("node {id} declared failed"),
+        Duration::from_secs(30),
+        || async {
+            client
+                .status()
+                .await
+                .ok()
+                .filter(|s| s.meta.nodes.values().any(|n| n.id.0 == id && !n.alive))
+        },
+    )
+    .await;
+}
+
+/// Starts node `id` again and waits until every node is live and no partition is stale
+/// anywhere; the status then.
+pub async fn restart_node(
+    cluster: &mut LocalCluster,
+    client: &ClusterClient,
+    id: u64,
+) -> tessera_server::server::NodeStatus {
+    cluster.start(id);
+    wait_formed(cluster, 1, cluster.node_ids().len()).await;
+    wait_until(
+        &format!("node {id} caught up"),
+        Duration::from_secs(120),
+        || async {
+            client
+                .status()
+                .await
+                .ok()
+                .filter(|s| s.meta.map.partitions.iter().all(|p| p.stale.is_empty()))
+        },
+    )
+    .await
+}
+
 /// Creates and publishes the TPC-H tables, each through a different coordinator.
 pub async fn load_tpch(cluster: &LocalCluster, sf: f64) {
     load_tpch_tables(cluster, sf, &[]).await;
