@@ -165,6 +165,41 @@ fn publish_reads_csv_upserts_and_deletes() {
     );
     let unknown = tessera(cwd, &["publish", "--table", "nope", "rows.csv"], None);
     assert!(String::from_utf8_lossy(&unknown.stderr).contains("\"nope\" does not exist"));
+
+    // The header names the columns, in any order; after schema changes, the table's
+    // columns as they are now (a dropped column is not asked for, an added one may be
+    // left out and takes its default).
+    stdout_of(&tessera(
+        cwd,
+        &[
+            "sql",
+            "-c",
+            "ALTER TABLE t ADD COLUMN n BIGINT DEFAULT 5; ALTER TABLE t ADD COLUMN w INT; ALTER TABLE t DROP COLUMN v",
+        ],
+        None,
+    ));
+    std::fs::write(cwd.join("after.csv"), "w,k\n40,4\n").unwrap();
+    assert!(stdout_of(&tessera(
+        cwd,
+        &["publish", "--table", "t", "after.csv"],
+        None
+    ))
+    .contains("published 1 rows"));
+    let csv = stdout_of(&tessera(
+        cwd,
+        &["sql", "--format", "csv", "-c", "SELECT * FROM t ORDER BY k"],
+        None,
+    ));
+    assert_eq!(csv, "k,n,w\n1,5,\n3,5,\n4,5,40\n");
+    std::fs::write(cwd.join("dropped.csv"), "k,v\n5,five\n").unwrap();
+    let dropped = tessera(cwd, &["publish", "--table", "t", "dropped.csv"], None);
+    let stderr = String::from_utf8_lossy(&dropped.stderr);
+    assert!(
+        !dropped.status.success()
+            && stderr
+                .contains("column \"v\", which table \"t\" does not have (its columns: k, n, w)"),
+        "{stderr}"
+    );
 }
 
 #[test]

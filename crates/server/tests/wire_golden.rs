@@ -14,11 +14,13 @@ use std::path::PathBuf;
 use tessera_common::{ChannelId, ComponentHash, Epoch, Lsn, NodeId, PartitionId, QueryId, StageId};
 use tessera_exec::run::{RunRequest, StageTask, StagesEvent};
 use tessera_exec::ChannelReport;
+use tessera_server::meta::retention::Retention;
 use tessera_server::meta::{
     LineageEntry, MetaCommand, MetaResponse, MetaState, TableChangeCount, TypeConfig,
 };
 use tessera_server::rpc::*;
 use tessera_server::server::{NodeStatus, TableCount};
+use tessera_storage::evolution::AlterColumn;
 use tessera_storage::{ComponentMeta, TableDef};
 
 const CLUSTER: &str = "golden";
@@ -207,6 +209,53 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
             "drop-tag",
             MetaCommand::DropTag {
                 name: "nightly".into(),
+            },
+        ),
+        (
+            "alter-table-add-column",
+            MetaCommand::AlterTable {
+                table: "kv".into(),
+                alter: AlterColumn::Add {
+                    field: Field::new("w", DataType::Int32, false),
+                    default: Some("7".into()),
+                },
+            },
+        ),
+        (
+            "alter-table-rename-column",
+            MetaCommand::AlterTable {
+                table: "kv".into(),
+                alter: AlterColumn::Rename {
+                    from: "v".into(),
+                    to: "value".into(),
+                },
+            },
+        ),
+        (
+            "alter-table-widen-column",
+            MetaCommand::AlterTable {
+                table: "kv".into(),
+                alter: AlterColumn::Widen {
+                    name: "w".into(),
+                    to: DataType::Int64,
+                },
+            },
+        ),
+        (
+            "alter-table-drop-column",
+            MetaCommand::AlterTable {
+                table: "kv".into(),
+                alter: AlterColumn::Drop { name: "w".into() },
+            },
+        ),
+        (
+            "set-retention",
+            MetaCommand::SetRetention {
+                table: "kv".into(),
+                retention: Retention {
+                    epochs: Some(3),
+                    for_ms: Some(7 * 24 * 3600 * 1000),
+                },
             },
         ),
         ("drop-table", MetaCommand::DropTable { name: "kv".into() }),

@@ -3,11 +3,11 @@
 use super::target::Target;
 use anyhow::{bail, Context, Result};
 use arrow::array::RecordBatch;
+use arrow::datatypes::{Schema, SchemaRef};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use tessera_storage::versions::stored_user_schema;
 use tessera_storage::{TableChanges, TableDef};
 
 pub async fn run(target: Target, table: &str, delete: bool, files: &[PathBuf]) -> Result<()> {
@@ -53,11 +53,7 @@ fn read_file(def: &TableDef, path: &Path, delete: bool) -> Result<Vec<RecordBatc
             Ok(reader.collect::<Result<Vec<_>, _>>()?)
         }
         Some("csv") => {
-            let schema = if delete {
-                Arc::new(stored_user_schema(def).project(&def.primary_key_indices())?)
-            } else {
-                stored_user_schema(def)
-            };
+            let schema = csv_schema(def, path, delete)?;
             let reader = arrow::csv::ReaderBuilder::new(schema)
                 .with_header(true)
                 .build(File::open(path)?)?;
@@ -65,4 +61,39 @@ fn read_file(def: &TableDef, path: &Path, delete: bool) -> Result<Vec<RecordBatc
         }
         _ => bail!("unsupported file type: expected .parquet or .csv"),
     }
+}
+
+/// The types of a CSV file's columns, named by its header: each must be one of the table's
+/// columns as they are now (not one a schema change dropped), in any order; columns left
+/// out are checked when the rows are stored (a key is required, a column ALTER TABLE
+/// added takes its default). Deletes name the key columns only.
+fn csv_schema(def: &TableDef, path: &Path, delete: bool) -> Result<SchemaRef> {
+    let (header, _) = arrow::csv::reader::Format::default()
+        .with_header(true)
+        .infer_schema(File::open(path)?, Some(0))?;
+    let columns = def.schema_at(None);
+    let keys: Vec<&str> = def
+        .primary_key_indices()
+        .into_iter()
+        .map(|i| def.schema.field(i).name().as_str())
+        .collect();
+    let mut fields = Vec::with_capacity(header.fields().len());
+    for name in header.fields().iter().map(|f| f.name()) {
+        let Ok(field) = columns.field_with_name(name) else {
+            let names: Vec<&str> = columns.fields().iter().map(|f| f.name().as_str()).collect();
+            bail!(
+                "the header names column {name:?}, which table {:?} does not have (its columns: {})",
+                def.name,
+                names.join(", ")
+            )
+        };
+        if delete && !keys.contains(&name.as_str()) {
+            bail!(
+                "a file of deletes names the key ({}) only, not {name:?}",
+                keys.join(", ")
+            )
+        }
+        fields.push(field.clone());
+    }
+    Ok(Arc::new(Schema::new(fields)))
 }
