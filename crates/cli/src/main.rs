@@ -30,6 +30,11 @@ struct Cli {
     /// instead of the local data directory (sql, load, publish, status).
     #[arg(long, global = true, env = "TESSERA_NODE")]
     node: Option<String>,
+    /// For a cluster whose internal port is under mutual TLS: the directory with its CA and
+    /// this client's certificate (ca.pem, admin.pem, admin.key, as `tessera certs` or
+    /// `tessera up` writes them). Default: <data-dir>/certs when it holds them.
+    #[arg(long, global = true, env = "TESSERA_CERTS")]
+    certs: Option<PathBuf>,
     #[command(flatten)]
     store: StoreFlags,
     #[command(subcommand)]
@@ -147,6 +152,15 @@ enum Command {
         /// Copies of each partition.
         #[arg(long, default_value_t = 3)]
         replication: u32,
+        /// Plaintext on the internal port (development only) instead of mutual TLS with
+        /// certificates made under --data-dir/certs.
+        #[arg(long)]
+        insecure: bool,
+    },
+    /// Certificates for mutual TLS on the internal port: the cluster's CA, nodes', clients'.
+    Certs {
+        #[command(subcommand)]
+        action: CertsAction,
     },
     /// Benchmarks that print Tessera against a baseline measured in the same run.
     Bench {
@@ -158,6 +172,41 @@ enum Command {
     Debug {
         #[command(subcommand)]
         tool: DebugTool,
+    },
+}
+
+#[derive(Subcommand)]
+enum CertsAction {
+    /// Make the cluster's CA (ca.pem, ca.key) in --dir; keep ca.key safe.
+    Init {
+        #[arg(long)]
+        dir: PathBuf,
+        /// A name for the CA's subject.
+        #[arg(long, default_value = "tessera")]
+        cluster: String,
+    },
+    /// Issue node ID's certificate (node-ID.pem, node-ID.key), signed by the CA in --dir.
+    Node {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long)]
+        id: u64,
+        /// The node's address (host or IP, a port is ignored); repeat for several.
+        #[arg(long = "addr")]
+        addrs: Vec<String>,
+        /// The last day it is valid, YYYY-MM-DD (default: a year from now).
+        #[arg(long)]
+        not_after: Option<String>,
+    },
+    /// Issue a client's certificate (NAME.pem, NAME.key): an administrator's CLI, a tool.
+    Client {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, default_value = commands::certs::ADMIN)]
+        name: String,
+        /// The last day it is valid, YYYY-MM-DD (default: a year from now).
+        #[arg(long)]
+        not_after: Option<String>,
     },
 }
 
@@ -313,6 +362,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    tessera_common::tls::install_ring_provider();
     // More workers than cores: a long CPU-bound poll (a query operator, a large batch) then
     // cannot starve the tasks that answer heartbeats and Raft, and the OS shares the cores.
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
@@ -354,7 +404,65 @@ fn one_message(error: &anyhow::Error) -> String {
     message
 }
 
+/// `tessera certs ...`.
+fn certs(action: &CertsAction) -> Result<()> {
+    use commands::certs::{Expiry, DEFAULT_VALID_DAYS};
+    let expiry = |not_after: &Option<String>| match not_after {
+        Some(date) => Expiry::parse(date),
+        None => Ok(Expiry::Days(DEFAULT_VALID_DAYS)),
+    };
+    let written = match action {
+        CertsAction::Init { dir, cluster } => commands::certs::init(dir, cluster)?,
+        CertsAction::Node {
+            dir,
+            id,
+            addrs,
+            not_after,
+        } => {
+            let hosts: Vec<String> = addrs
+                .iter()
+                .map(|addr| match addr.parse::<std::net::SocketAddr>() {
+                    Ok(socket) => socket.ip().to_string(),
+                    Err(_) => addr
+                        .rsplit_once(':')
+                        .map_or(addr.as_str(), |(host, _)| host)
+                        .to_string(),
+                })
+                .collect();
+            commands::certs::node(dir, tessera_common::NodeId(*id), &hosts, expiry(not_after)?)?
+        }
+        CertsAction::Client {
+            dir,
+            name,
+            not_after,
+        } => commands::certs::client(dir, name, expiry(not_after)?)?,
+    };
+    println!("wrote {} and its key", written.display());
+    Ok(())
+}
+
+/// This process's client certificate for clusters under mutual TLS: from --certs, or
+/// <data-dir>/certs when it holds one.
+fn client_certs(cli: &Cli) -> Result<()> {
+    let admin = commands::certs::ADMIN;
+    let dir = match &cli.certs {
+        Some(dir) => dir.clone(),
+        None => {
+            let dir = cli.data_dir.join("certs");
+            if !dir.join(format!("{admin}.pem")).exists() {
+                return Ok(());
+            }
+            dir
+        }
+    };
+    let tls = tessera_common::tls::MutualTls::from_dir(&dir, admin)
+        .map_err(|e| anyhow::anyhow!("--certs {}: {e}", dir.display()))?;
+    tessera_server::client::set_default_tls(Some(tls));
+    Ok(())
+}
+
 async fn run(cli: Cli) -> Result<()> {
+    client_certs(&cli)?;
     match &cli.command {
         Command::Demo {
             sf, local: true, ..
@@ -405,10 +513,13 @@ async fn run(cli: Cli) -> Result<()> {
             nodes,
             ports,
             replication,
+            insecure,
         } => {
-            let options = ports.options(*nodes, cli.store.partitions, *replication);
+            let mut options = ports.options(*nodes, cli.store.partitions, *replication);
+            options.insecure = *insecure;
             commands::up::run(&cli.data_dir, options).await
         }
+        Command::Certs { action } => certs(action),
         Command::Checkpoint => {
             let store = open_store(&cli)?;
             store.checkpoint()?;

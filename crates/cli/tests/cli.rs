@@ -307,7 +307,7 @@ fn a_node_refuses_a_bad_setting_and_names_it() {
     let config = dir.path().join("node.toml");
     std::fs::write(
         &config,
-        "cluster_id = \"c\"\nnode_id = 1\nlisten = \"127.0.0.1:1\"\ndata_dir = \"d\"\n[[peers]]\nid = 1\naddr = \"127.0.0.1:1\"\n",
+        "cluster_id = \"c\"\nnode_id = 1\nlisten = \"127.0.0.1:1\"\ndata_dir = \"d\"\ninsecure = true\n[[peers]]\nid = 1\naddr = \"127.0.0.1:1\"\n",
     )
     .unwrap();
     let config = config.to_str().unwrap();

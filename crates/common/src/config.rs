@@ -11,6 +11,7 @@
 //! partitions = 64          # fixed when the cluster is created
 //! replication = 3
 //! voters = [1, 2, 3]       # default: the three lowest ids
+//! # insecure = true        # plaintext internal port, development only; else [mtls]
 //!
 //! [[peers]]
 //! id = 1
@@ -35,6 +36,11 @@
 //! timeout_ms = 1500
 //! rereplicate_after_ms = 300000
 //! open_epoch_timeout_ms = 300000
+//!
+//! [mtls]                   # mutual TLS on the internal port (`tessera certs` makes these)
+//! ca = "certs/ca.pem"
+//! cert = "certs/node-1.pem"
+//! key = "certs/node-1.key"
 //!
 //! [exec]                   # distributed query execution
 //! inbox_budget_bytes = 16777216
@@ -86,6 +92,11 @@ pub struct NodeConfig {
     /// The private key (PEM) of `tls_cert`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_key: Option<PathBuf>,
+    /// Plaintext on the internal port, for development only: any process that reaches the
+    /// port can then join the cluster, write its metadata and read its data. Without it,
+    /// `[mtls]` is required.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub insecure: bool,
     /// Flight SQL connections served at once (each carries any number of calls); one more
     /// is closed at once.
     #[serde(default = "default_flightsql_max_connections")]
@@ -109,6 +120,21 @@ pub struct NodeConfig {
     pub failure: FailureSettings,
     #[serde(default)]
     pub exec: ExecSettings,
+    /// Mutual TLS on the internal port (node to node, and the CLI): required unless
+    /// `insecure = true`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtls: Option<MtlsSettings>,
+}
+
+/// `[mtls]`: the cluster's CA and this node's certificate and key (PEM), as `tessera certs`
+/// writes them. A peer must present a certificate of the same CA, and a node's certificate
+/// must name the node id it claims.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MtlsSettings {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -378,6 +404,15 @@ impl NodeConfig {
         if self.tls_cert.is_some() != self.tls_key.is_some() {
             return Err("tls_cert and tls_key go together: set both or neither".into());
         }
+        match (self.insecure, &self.mtls) {
+            (false, None) => {
+                return Err("the internal port needs mutual TLS: set [mtls] ca, cert and key (`tessera certs` makes them), or insecure = true for development (any process that reaches the port can then join)".into())
+            }
+            (true, Some(_)) => {
+                return Err("insecure = true and [mtls] contradict each other: choose one".into())
+            }
+            _ => {}
+        }
         if self.flightsql_max_connections == 0 {
             return Err("flightsql_max_connections must be at least 1".into());
         }
@@ -447,6 +482,7 @@ mod tests {
         node_id = 1
         listen = "127.0.0.1:7001"
         data_dir = "d"
+        insecure = true
         [[peers]]
         id = 1
         addr = "127.0.0.1:7001"
@@ -529,5 +565,18 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         assert!(wrong_type.contains("timeout_ms"), "{wrong_type}");
+        let plaintext = error(&GOOD.replace("insecure = true", ""));
+        assert!(
+            plaintext.contains("the internal port needs mutual TLS: set [mtls]"),
+            "{plaintext}"
+        );
+        let both = error(&format!(
+            "{GOOD}\n[mtls]\nca = \"ca.pem\"\ncert = \"n.pem\"\nkey = \"n.key\"\n"
+        ));
+        assert!(both.contains("contradict"), "{both}");
+        let mtls = GOOD.replace("insecure = true", "")
+            + "\n[mtls]\nca = \"ca.pem\"\ncert = \"n.pem\"\nkey = \"n.key\"\n";
+        let config = NodeConfig::parse(&mtls, Path::new("n")).unwrap();
+        assert_eq!(config.mtls.unwrap().cert, PathBuf::from("n.pem"));
     }
 }

@@ -27,3 +27,134 @@ pub fn tls_acceptor(cert_pem: &[u8], key_pem: &[u8]) -> Result<TlsAcceptor, Stri
     .map_err(|e| format!("the certificate and key do not make a TLS identity: {e}"))?;
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
+
+/// The name every node certificate carries, which a node or client checks when it connects
+/// to a node's internal port (the node's own id is checked by what it asks, not where).
+pub const CLUSTER_SERVER_NAME: &str = "tessera";
+
+/// The DNS name that makes a certificate node `id`'s.
+pub fn node_dns_name(id: crate::NodeId) -> String {
+    format!("node-{}.tessera", id.0)
+}
+
+/// The DNS name suffix of a client (an administrator's CLI, a test) certificate:
+/// `<name>.client.tessera`.
+pub const CLIENT_DNS_SUFFIX: &str = ".client.tessera";
+
+/// Who a certificate of the cluster's CA speaks for, from its DNS names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CertIdentity {
+    Node(crate::NodeId),
+    Client(String),
+    /// A certificate of the cluster's CA that names neither: it may not call anything.
+    Unknown(Vec<String>),
+}
+
+impl std::fmt::Display for CertIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CertIdentity::Node(id) => write!(f, "node {id}"),
+            CertIdentity::Client(name) => write!(f, "client {name:?}"),
+            CertIdentity::Unknown(names) if names.is_empty() => write!(f, "no Tessera identity"),
+            CertIdentity::Unknown(names) => write!(f, "no Tessera identity (names {names:?})"),
+        }
+    }
+}
+
+/// Who the (already verified) certificate `der` speaks for.
+pub fn cert_identity(der: &[u8]) -> Result<CertIdentity, String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der)
+        .map_err(|e| format!("the certificate does not parse: {e}"))?;
+    let names: Vec<String> = cert
+        .subject_alternative_name()
+        .map_err(|e| format!("the certificate's names do not parse: {e}"))?
+        .map(|san| {
+            san.value
+                .general_names
+                .iter()
+                .filter_map(|name| match name {
+                    x509_parser::extensions::GeneralName::DNSName(dns) => Some(dns.to_string()),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    for name in &names {
+        if let Some(id) = name
+            .strip_prefix("node-")
+            .and_then(|rest| rest.strip_suffix(".tessera"))
+            .and_then(|id| id.parse::<u64>().ok())
+        {
+            return Ok(CertIdentity::Node(crate::NodeId(id)));
+        }
+        if let Some(client) = name.strip_suffix(CLIENT_DNS_SUFFIX) {
+            return Ok(CertIdentity::Client(client.to_string()));
+        }
+    }
+    Ok(CertIdentity::Unknown(names))
+}
+
+/// The PEM files of mutual TLS on the internal port: the cluster's CA, and this node's (or
+/// client's) certificate and key, read and checked once.
+#[derive(Clone)]
+pub struct MutualTls {
+    pub ca_pem: Vec<u8>,
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+    /// Who `cert_pem` speaks for.
+    pub identity: CertIdentity,
+}
+
+impl std::fmt::Debug for MutualTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        write!(f, "MutualTls({})", self.identity)
+    }
+}
+
+impl MutualTls {
+    /// Reads the CA, certificate and key files; the error names the file and what is wrong.
+    pub fn load(
+        ca: &std::path::Path,
+        cert: &std::path::Path,
+        key: &std::path::Path,
+    ) -> Result<MutualTls, String> {
+        let read = |path: &std::path::Path| {
+            std::fs::read(path).map_err(|e| format!("reading {}: {e}", path.display()))
+        };
+        let (ca_pem, cert_pem, key_pem) = (read(ca)?, read(cert)?, read(key)?);
+        let first = |pem: &[u8], path: &std::path::Path| {
+            CertificateDer::pem_slice_iter(pem)
+                .next()
+                .ok_or_else(|| format!("{} holds no PEM certificate", path.display()))?
+                .map_err(|e| format!("{} is not PEM certificates: {e}", path.display()))
+        };
+        first(&ca_pem, ca)?;
+        let identity = cert_identity(&first(&cert_pem, cert)?)
+            .map_err(|e| format!("{}: {e}", cert.display()))?;
+        PrivateKeyDer::from_pem_slice(&key_pem)
+            .map_err(|e| format!("{} holds no PEM private key: {e}", key.display()))?;
+        Ok(MutualTls {
+            ca_pem,
+            cert_pem,
+            key_pem,
+            identity,
+        })
+    }
+
+    /// The files `tessera certs` writes for `name` (`node-3`, `admin`) in `dir`: `ca.pem`,
+    /// `<name>.pem`, `<name>.key`.
+    pub fn from_dir(dir: &std::path::Path, name: &str) -> Result<MutualTls, String> {
+        MutualTls::load(
+            &dir.join("ca.pem"),
+            &dir.join(format!("{name}.pem")),
+            &dir.join(format!("{name}.key")),
+        )
+    }
+}
+
+/// Makes ring rustls's process-wide crypto provider, once, before any TLS configuration is
+/// built (a second call does nothing).
+pub fn install_ring_provider() {
+    let _ = tokio_rustls::rustls::crypto::ring::default_provider().install_default();
+}

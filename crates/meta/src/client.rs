@@ -142,16 +142,23 @@ impl MetaClient {
     }
 
     async fn write_via_peers(&self, command: &MetaCommand) -> Result<MetaResponse> {
+        let mut refusals = Vec::new();
         for (peer, _) in self.inner.peers.iter().filter(|(p, _)| *p != self.id()) {
             match self.write_at(*peer, command).await {
                 Err(MetaError::NotLeader(Some(leader))) => {
                     return self.write_at(leader, command).await
                 }
-                Err(_) => continue,
+                Err(MetaError::NotLeader(None)) => {
+                    refusals.push(format!("node {peer} knows no leader either"))
+                }
+                Err(error) => refusals.push(format!("node {peer}: {error}")),
                 done => return done,
             }
         }
-        Err(MetaError::NoLeader)
+        if refusals.is_empty() {
+            return Err(MetaError::NoLeader);
+        }
+        Err(MetaError::NoPeerAnswered(refusals.join("; ")))
     }
 
     async fn write_at(&self, leader: NodeId, command: &MetaCommand) -> Result<MetaResponse> {

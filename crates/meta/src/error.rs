@@ -8,6 +8,12 @@ use thiserror::Error;
 pub enum MetaError {
     #[error("no metadata leader is known yet; the cluster may still be electing one (a majority of voters must be up)")]
     NoLeader,
+    /// A node not yet in the metadata group asked every configured peer, and none took the
+    /// request: each one's reason.
+    #[error(
+        "this node is not in the metadata group yet, and no configured peer took its request: {0}"
+    )]
+    NoPeerAnswered(String),
     /// A read that must be current could not be proven so: no leader confirmed an index
     /// this node then applied, in time. The read is refused, not answered from a view that
     /// may miss acknowledged epochs.

@@ -1,7 +1,8 @@
 //! Connections to other nodes, one HTTP/2 channel per address, made lazily and reused.
 
-use crate::envelope::{encode_envelope, Tagged, WireRequest};
+use crate::envelope::{encode_envelope_from, Tagged, WireRequest};
 use crate::error::CallError;
+use crate::NodeId;
 use arrow::array::RecordBatch;
 use arrow_flight::decode::{DecodedFlightData, FlightDataDecoder, FlightRecordBatchStream};
 use arrow_flight::encode::FlightDataEncoderBuilder;
@@ -15,7 +16,8 @@ use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
-use tonic::transport::{Channel, Endpoint};
+use tessera_common::tls::{MutualTls, CLUSTER_SERVER_NAME};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity as TlsIdentity};
 
 /// The largest gRPC message accepted.
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
@@ -38,16 +40,44 @@ const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(2);
 pub struct Clients {
     cluster_id: String,
     protocol: u32,
+    /// The node these connections speak for, named in every request; none for a client.
+    from: Option<NodeId>,
+    /// Mutual TLS: the cluster's CA and this side's certificate; plaintext if none.
+    tls: Option<ClientTlsConfig>,
     channels: Mutex<HashMap<String, Channel>>,
 }
 
 impl Clients {
+    /// Plaintext connections, for a client (no node id claimed).
     pub fn new(cluster_id: &str, protocol: u32) -> Clients {
         Clients {
             cluster_id: cluster_id.to_string(),
             protocol,
+            from: None,
+            tls: None,
             channels: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Connections under mutual TLS with `tls`'s certificate; plaintext if `None`.
+    pub fn with_tls(mut self, tls: Option<&MutualTls>) -> Clients {
+        self.tls = tls.map(|tls| {
+            ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(&tls.ca_pem))
+                .identity(TlsIdentity::from_pem(&tls.cert_pem, &tls.key_pem))
+                .domain_name(CLUSTER_SERVER_NAME)
+        });
+        self
+    }
+
+    /// Requests name node `id` as their sender.
+    pub fn as_node(mut self, id: NodeId) -> Clients {
+        self.from = Some(id);
+        self
+    }
+
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
     }
 
     pub fn cluster_id(&self) -> &str {
@@ -59,11 +89,17 @@ impl Clients {
         if let Some(channel) = channels.get(addr) {
             return Ok(channel.clone());
         }
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| CallError::BadAddress {
-                addr: addr.to_string(),
-                reason: e.to_string(),
-            })?
+        let bad_address = |e: tonic::transport::Error| CallError::BadAddress {
+            addr: addr.to_string(),
+            reason: e.to_string(),
+        };
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let mut endpoint =
+            Endpoint::from_shared(format!("{scheme}://{addr}")).map_err(bad_address)?;
+        if let Some(tls) = &self.tls {
+            endpoint = endpoint.tls_config(tls.clone()).map_err(bad_address)?;
+        }
+        let endpoint = endpoint
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true)
             .initial_stream_window_size(STREAM_WINDOW_BYTES)
@@ -91,7 +127,7 @@ impl Clients {
     }
 
     fn envelope<T: Serialize>(&self, body: T) -> Vec<u8> {
-        encode_envelope(&self.cluster_id, self.protocol, body)
+        encode_envelope_from(&self.cluster_id, self.protocol, self.from, body)
     }
 
     fn tagged<R: WireRequest>(&self, request: &R) -> Vec<u8> {

@@ -5,6 +5,7 @@ use crate::NodeId;
 use serde::de::{DeserializeOwned, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::value::RawValue;
+use tessera_common::tls::CertIdentity;
 
 /// Bumped whenever a request or reply changes shape.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -17,18 +18,45 @@ pub const ANY_CLUSTER: &str = "*";
 pub struct Envelope<T> {
     pub cluster_id: String,
     pub protocol: u32,
+    /// The node sending it, when a node sends it; under mutual TLS its certificate must
+    /// name this node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<NodeId>,
     pub body: T,
 }
 
 /// The bytes of one request as it travels: the action body, the `do_get` ticket or the
 /// `do_put` descriptor command.
 pub fn encode_envelope<T: Serialize>(cluster_id: &str, protocol: u32, body: T) -> Vec<u8> {
+    encode_envelope_from(cluster_id, protocol, None, body)
+}
+
+/// [`encode_envelope`], sent by node `from` (if a node sends it).
+pub fn encode_envelope_from<T: Serialize>(
+    cluster_id: &str,
+    protocol: u32,
+    from: Option<NodeId>,
+    body: T,
+) -> Vec<u8> {
     serde_json::to_vec(&Envelope {
         cluster_id: cluster_id.to_string(),
         protocol,
+        from,
         body,
     })
     .expect("requests serialize")
+}
+
+/// Who sent a request, as its connection shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Caller {
+    /// On a plaintext (`insecure = true`) port: nobody is verified.
+    Plaintext,
+    /// Under mutual TLS: the identity its certificate (of the cluster's CA) names.
+    Certified(CertIdentity),
+    /// Under mutual TLS, but no certificate reached the handler (should not happen: the
+    /// handshake requires one).
+    Uncertified,
 }
 
 /// The bytes of a `do_get` ticket or `do_put` descriptor: the request tagged with its kind,
@@ -103,18 +131,53 @@ pub struct Gate {
 }
 
 impl Gate {
-    /// Opens a node-to-node request, refusing one for another cluster or protocol version.
-    pub fn open<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, Refusal> {
+    /// Opens a node-to-node request, refusing one for another cluster or protocol version,
+    /// or from a caller whose certificate does not name the node it claims to be.
+    pub fn open<T: DeserializeOwned>(&self, caller: &Caller, bytes: &[u8]) -> Result<T, Refusal> {
         let envelope = self.open_envelope(bytes)?;
+        self.check_caller(caller, envelope.from)?;
         self.check_cluster(&envelope.cluster_id, false)?;
         Ok(envelope.body)
     }
 
     /// Opens a client request: clients may leave the cluster id open (`*`).
-    pub fn open_from_client<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, Refusal> {
+    pub fn open_from_client<T: DeserializeOwned>(
+        &self,
+        caller: &Caller,
+        bytes: &[u8],
+    ) -> Result<T, Refusal> {
         let envelope = self.open_envelope(bytes)?;
+        self.check_caller(caller, envelope.from)?;
         self.check_cluster(&envelope.cluster_id, true)?;
         Ok(envelope.body)
+    }
+
+    /// Refuses a caller whose certificate does not speak for the node it claims to be (or
+    /// that claims a node with a client's certificate, or names no one).
+    pub fn check_caller(&self, caller: &Caller, claimed: Option<NodeId>) -> Result<(), Refusal> {
+        let refuse = |reason: String| {
+            Err(Refusal::Unauthenticated {
+                node_id: self.node_id,
+                reason,
+            })
+        };
+        match (caller, claimed) {
+            (Caller::Plaintext, _) => Ok(()),
+            (Caller::Uncertified, _) => refuse("the caller presented no certificate".into()),
+            (Caller::Certified(CertIdentity::Node(id)), Some(claimed)) if *id != claimed => {
+                refuse(format!(
+                    "the caller's certificate is node {id}'s, but it claims to be node {claimed}"
+                ))
+            }
+            (Caller::Certified(CertIdentity::Node(_)), _) => Ok(()),
+            (Caller::Certified(CertIdentity::Client(name)), Some(claimed)) => refuse(format!(
+                "the caller's certificate is client {name:?}'s, but it claims to be node {claimed}"
+            )),
+            (Caller::Certified(CertIdentity::Client(_)), None) => Ok(()),
+            (Caller::Certified(unknown @ CertIdentity::Unknown(_)), _) => refuse(format!(
+                "the caller's certificate is of this cluster's CA but names {unknown}: not a node (node-N.tessera) or a client (NAME.client.tessera)"
+            )),
+        }
     }
 
     /// Opens an envelope, checking only its protocol version (the caller checks the
@@ -202,17 +265,54 @@ mod tests {
             protocol: PROTOCOL_VERSION,
         };
         let ours = encode_envelope("c", PROTOCOL_VERSION, 5u64);
-        assert_eq!(gate.open::<u64>(&ours).unwrap(), 5);
+        assert_eq!(gate.open::<u64>(&Caller::Plaintext, &ours).unwrap(), 5);
         let any = encode_envelope(ANY_CLUSTER, PROTOCOL_VERSION, 5u64);
         assert!(matches!(
-            gate.open::<u64>(&any),
+            gate.open::<u64>(&Caller::Plaintext, &any),
             Err(Refusal::WrongCluster { .. })
         ));
-        assert_eq!(gate.open_from_client::<u64>(&any).unwrap(), 5);
+        assert_eq!(
+            gate.open_from_client::<u64>(&Caller::Plaintext, &any)
+                .unwrap(),
+            5
+        );
         let old = encode_envelope("c", PROTOCOL_VERSION + 1, 5u64);
         assert!(matches!(
-            gate.open::<u64>(&old),
+            gate.open::<u64>(&Caller::Plaintext, &old),
             Err(Refusal::VersionMismatch { .. })
         ));
+    }
+
+    #[test]
+    fn the_gate_checks_that_a_certificate_speaks_for_the_node_it_claims() {
+        let gate = Gate {
+            node_id: NodeId(1),
+            cluster_id: "c".into(),
+            protocol: PROTOCOL_VERSION,
+        };
+        let from =
+            |n: Option<u64>| encode_envelope_from("c", PROTOCOL_VERSION, n.map(NodeId), 5u64);
+        let node2 = Caller::Certified(CertIdentity::Node(NodeId(2)));
+        assert_eq!(gate.open::<u64>(&node2, &from(Some(2))).unwrap(), 5);
+        assert_eq!(gate.open::<u64>(&node2, &from(None)).unwrap(), 5);
+        let impostor = gate.open::<u64>(&node2, &from(Some(3))).unwrap_err();
+        assert!(
+            format!("{impostor:?}").contains("certificate is node 2's, but it claims to be node 3"),
+            "{impostor:?}"
+        );
+        let admin = Caller::Certified(CertIdentity::Client("admin".into()));
+        assert_eq!(
+            gate.open_from_client::<u64>(&admin, &from(None)).unwrap(),
+            5
+        );
+        assert!(gate.open::<u64>(&admin, &from(Some(1))).is_err());
+        let nobody = Caller::Certified(CertIdentity::Unknown(vec!["example.com".into()]));
+        assert!(gate.open::<u64>(&nobody, &from(None)).is_err());
+        assert!(gate.open::<u64>(&Caller::Uncertified, &from(None)).is_err());
+        assert_eq!(
+            gate.open::<u64>(&Caller::Plaintext, &from(Some(3)))
+                .unwrap(),
+            5
+        );
     }
 }

@@ -22,6 +22,11 @@ pub enum Refusal {
         epoch: tessera_common::Epoch,
         detail: String,
     },
+    /// Under mutual TLS: the caller's certificate does not speak for who it claims to be.
+    Unauthenticated {
+        node_id: NodeId,
+        reason: String,
+    },
     Failed(String),
 }
 
@@ -29,6 +34,7 @@ impl Refusal {
     pub fn into_status(self) -> tonic::Status {
         let code = match self {
             Refusal::Failed(_) => tonic::Code::Internal,
+            Refusal::Unauthenticated { .. } => tonic::Code::Unauthenticated,
             _ => tonic::Code::FailedPrecondition,
         };
         tonic::Status::new(
@@ -72,6 +78,9 @@ pub enum CallError {
 fn describe(refusal: &Refusal) -> String {
     match refusal {
         Refusal::Failed(reason) => reason.clone(),
+        Refusal::Unauthenticated { node_id, reason } => {
+            format!("node {node_id} refused the call: {reason}")
+        }
         other => format!("{other:?}"),
     }
 }

@@ -21,8 +21,8 @@ mod error;
 
 pub use clients::{Clients, CONNECTION_WINDOW_BYTES, MAX_MESSAGE_BYTES, STREAM_WINDOW_BYTES};
 pub use envelope::{
-    encode_envelope, encode_request, Envelope, Gate, TaggedRequest, WireRequest, ANY_CLUSTER,
-    PROTOCOL_VERSION,
+    encode_envelope, encode_envelope_from, encode_request, Caller, Envelope, Gate, TaggedRequest,
+    WireRequest, ANY_CLUSTER, PROTOCOL_VERSION,
 };
 pub use error::{CallError, Refusal};
 

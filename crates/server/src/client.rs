@@ -11,6 +11,7 @@ use arrow::array::RecordBatch;
 use futures::TryStreamExt;
 use std::time::Duration;
 use tessera_common::hex::from_hex;
+use tessera_common::tls::MutualTls;
 use tessera_common::{Epoch, PartitionId};
 use tessera_sql::StatementOutput;
 
@@ -27,16 +28,45 @@ pub struct ClusterClient {
     clients: Clients,
 }
 
+/// The certificate this process's clients present under mutual TLS, unless told
+/// otherwise: the CLI sets it once from `--certs`, or from the cluster it started.
+static DEFAULT_TLS: std::sync::RwLock<Option<MutualTls>> = std::sync::RwLock::new(None);
+
+/// Sets the certificate [`ClusterClient::new`] presents from now on (`None`: plaintext).
+pub fn set_default_tls(tls: Option<MutualTls>) {
+    *DEFAULT_TLS.write().expect("default TLS lock") = tls;
+}
+
+/// The certificate [`ClusterClient::new`] presents, if any.
+pub fn default_tls() -> Option<MutualTls> {
+    DEFAULT_TLS.read().expect("default TLS lock").clone()
+}
+
 impl ClusterClient {
-    /// A client of the node at `addr`, whatever cluster it belongs to.
+    /// A client of the node at `addr`, whatever cluster it belongs to, with this process's
+    /// certificate ([`set_default_tls`]) if it has one.
     pub fn new(addr: &str) -> ClusterClient {
+        ClusterClient::with_tls(addr, default_tls().as_ref())
+    }
+
+    /// A client of the node at `addr` presenting `tls`'s certificate (plaintext if `None`).
+    pub fn with_tls(addr: &str, tls: Option<&MutualTls>) -> ClusterClient {
         ClusterClient {
             addr: addr.to_string(),
-            clients: Clients::new(crate::rpc::ANY_CLUSTER, PROTOCOL_VERSION),
+            clients: Clients::new(crate::rpc::ANY_CLUSTER, PROTOCOL_VERSION).with_tls(tls),
         }
     }
 
     fn call_error(&self, error: CallError) -> ClusterError {
+        let text = error.to_string();
+        if !self.clients.is_tls() && looks_like_tls_refusal(&text) {
+            return ClusterError::AddressUnreachable {
+                addr: self.addr.clone(),
+                reason: format!(
+                    "{text} (the connection broke at once: if the cluster uses mutual TLS on its internal port, give this client a certificate of its CA, e.g. `tessera --certs DIR`)"
+                ),
+            };
+        }
         match error {
             CallError::Refused(crate::rpc::Refusal::WrongCluster {
                 node_id,
@@ -206,7 +236,7 @@ impl ClusterClient {
             columns: (0..def.schema.fields().len()).collect(),
             changes_since: None,
         };
-        let clients = Clients::new(cluster_id, PROTOCOL_VERSION);
+        let clients = Clients::new(cluster_id, PROTOCOL_VERSION).with_tls(default_tls().as_ref());
         let stream = clients
             .get(&self.addr, &request)
             .await
@@ -239,4 +269,19 @@ impl ClusterClient {
             .await
             .map_err(|e| self.call_error(e))
     }
+}
+
+/// Whether a plaintext call's transport error is what a TLS port answers it with: the
+/// connection closed or reset before any HTTP/2 reply.
+fn looks_like_tls_refusal(reason: &str) -> bool {
+    [
+        "connection reset",
+        "connection closed",
+        "broken pipe",
+        "h2 protocol error",
+        "frame with invalid size",
+        "connection error",
+    ]
+    .iter()
+    .any(|sign| reason.to_ascii_lowercase().contains(sign))
 }

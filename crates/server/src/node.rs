@@ -20,6 +20,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tessera_common::tls::{CertIdentity, MutualTls};
 use tessera_common::{Epoch, NodeConfig};
 use tessera_replication::{Replication, Settings};
 use tessera_storage::{Store, StoreConfig};
@@ -52,6 +53,9 @@ pub struct Node {
     protocol: u32,
     /// The replication protocols' handle: publish, shipping, failure detection, copies.
     pub replication: Arc<Replication>,
+    /// Mutual TLS on the internal port: the cluster's CA and this node's certificate;
+    /// `None` under `insecure = true`.
+    pub mtls: Option<MutualTls>,
 }
 
 impl std::fmt::Debug for Node {
@@ -173,7 +177,12 @@ impl Node {
             .transpose()
             .map_err(ClusterError::Tls)?;
         let console_tls = pg_tls.clone();
-        let clients = Arc::new(Clients::new(&config.cluster_id, protocol));
+        let mtls = read_mtls(&config)?;
+        let clients = Arc::new(
+            Clients::new(&config.cluster_id, protocol)
+                .with_tls(mtls.as_ref())
+                .as_node(config.node_id),
+        );
         check_peers(&config, &clients, protocol).await?;
 
         let store_config = StoreConfig::with_settings(config.partitions, &config.store);
@@ -261,6 +270,7 @@ impl Node {
         ));
         let node = Arc::new(Node {
             config,
+            mtls,
             store,
             clients,
             exec,
@@ -468,6 +478,7 @@ impl Node {
     /// [`MetaCommand::Started`]).
     async fn registration_loop(self: Arc<Self>) {
         let voter = self.config.voter_ids().contains(&self.id());
+        let mut attempts: u64 = 0;
         loop {
             let view = self.meta.view();
             if view.state.nodes.contains_key(&self.id()) {
@@ -481,8 +492,14 @@ impl Node {
                 };
                 match self.meta.write(command).await {
                     Ok(_) => tracing::info!("registered with the cluster"),
+                    // Said aloud at first and then every ten seconds: a node that cannot
+                    // join (a wrong certificate, a wrong address) must say why.
+                    Err(error) if attempts % 20 == 0 => {
+                        tracing::warn!(%error, "could not register with the cluster yet")
+                    }
                     Err(error) => tracing::info!(%error, "could not register with the cluster yet"),
                 }
+                attempts += 1;
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
@@ -752,6 +769,26 @@ async fn check_peers(config: &NodeConfig, clients: &Clients, protocol: u32) -> R
 /// Binds a client-facing port if it is configured (`what` names its setting in errors).
 /// The client ports' certificate chain and key, read (and checked) at start, so a bad
 /// path stops the node with its name rather than leave a port without TLS.
+/// The internal port's mutual TLS files, read and checked: the certificate must be this
+/// node's (name `node-<id>.tessera`).
+fn read_mtls(config: &NodeConfig) -> Result<Option<MutualTls>, ClusterError> {
+    let Some(settings) = &config.mtls else {
+        return Ok(None);
+    };
+    let tls = MutualTls::load(&settings.ca, &settings.cert, &settings.key)
+        .map_err(|e| ClusterError::Tls(format!("[mtls]: {e}")))?;
+    if tls.identity != CertIdentity::Node(config.node_id) {
+        return Err(ClusterError::Tls(format!(
+            "[mtls]: {} is the certificate of {}, but this is node {} (make one with `tessera certs node --id {}`)",
+            settings.cert.display(),
+            tls.identity,
+            config.node_id,
+            config.node_id
+        )));
+    }
+    Ok(Some(tls))
+}
+
 fn read_tls(config: &NodeConfig) -> Result<Option<(Vec<u8>, Vec<u8>)>, ClusterError> {
     let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
         return Ok(None);

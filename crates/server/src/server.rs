@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::PartitionId;
 use tessera_exec::run::RunRequest;
-use tessera_net::TaggedRequest;
+use tessera_net::{Caller, TaggedRequest};
 use tessera_storage::versions::stored_user_schema;
 use tessera_storage::TableChanges;
 use tonic::{Request, Response, Status, Streaming};
@@ -64,12 +64,27 @@ pub fn serve(node: Arc<Node>, listener: tokio::net::TcpListener) {
         cluster_id: node.config.cluster_id.clone(),
         protocol: node.protocol(),
     };
-    let service = FlightServiceServer::new(NodeService { node, gate })
+    let tls = node.mtls.as_ref().map(|tls| {
+        tonic::transport::ServerTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(
+                &tls.cert_pem,
+                &tls.key_pem,
+            ))
+            .client_ca_root(tonic::transport::Certificate::from_pem(&tls.ca_pem))
+    });
+    let mtls = tls.is_some();
+    let service = FlightServiceServer::new(NodeService { node, gate, mtls })
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls)
+            .expect("a TLS identity checked when the node started");
+    }
     tokio::spawn(async move {
-        if let Err(error) = tonic::transport::Server::builder()
+        if let Err(error) = builder
             .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
             .initial_stream_window_size(STREAM_WINDOW_BYTES)
             .add_service(service)
@@ -84,6 +99,8 @@ pub fn serve(node: Arc<Node>, listener: tokio::net::TcpListener) {
 struct NodeService {
     node: Arc<Node>,
     gate: tessera_net::Gate,
+    /// The port is under mutual TLS: every caller has a certificate of the cluster's CA.
+    mtls: bool,
 }
 
 fn failed(error: impl std::fmt::Display) -> Status {
@@ -104,35 +121,64 @@ fn reply<T: Serialize>(
 
 impl NodeService {
     /// Opens a node-to-node request, refusing one for another cluster or protocol version.
-    fn open<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, Status> {
-        self.gate.open(bytes).map_err(Refusal::into_status)
+    fn open<T: DeserializeOwned>(&self, caller: &Caller, bytes: &[u8]) -> Result<T, Status> {
+        self.gate.open(caller, bytes).map_err(Refusal::into_status)
     }
 
     /// Opens a client request: clients may leave the cluster id open (`*`).
-    fn open_from_client<T: DeserializeOwned>(&self, bytes: &[u8]) -> Result<T, Status> {
+    fn open_from_client<T: DeserializeOwned>(
+        &self,
+        caller: &Caller,
+        bytes: &[u8],
+    ) -> Result<T, Status> {
         self.gate
-            .open_from_client(bytes)
+            .open_from_client(caller, bytes)
             .map_err(Refusal::into_status)
+    }
+
+    /// Who sent `request`: under mutual TLS, whom its certificate names.
+    fn caller<T>(&self, request: &Request<T>) -> Caller {
+        if !self.mtls {
+            return Caller::Plaintext;
+        }
+        match request.peer_certs() {
+            Some(chain) if !chain.is_empty() => Caller::Certified(
+                tessera_common::tls::cert_identity(&chain[0])
+                    .unwrap_or(tessera_common::tls::CertIdentity::Unknown(Vec::new())),
+            ),
+            _ => Caller::Uncertified,
+        }
     }
 
     async fn action(
         &self,
+        caller: Caller,
         action: Action,
     ) -> Result<Response<BoxStream<'static, Result<arrow_flight::Result, Status>>>, Status> {
         let node = &self.node;
         let body = action.body.as_ref();
         match action.r#type.as_str() {
             ACTION_HELLO => {
-                self.open::<()>(body)?;
+                self.open::<()>(&caller, body)?;
                 reply(&node.identity())
             }
-            ACTION_RAFT_APPEND => reply(&node.meta.raft().append_entries(self.open(body)?).await),
-            ACTION_RAFT_VOTE => reply(&node.meta.raft().vote(self.open(body)?).await),
-            ACTION_RAFT_SNAPSHOT => {
-                reply(&node.meta.raft().install_snapshot(self.open(body)?).await)
-            }
+            ACTION_RAFT_APPEND => reply(
+                &node
+                    .meta
+                    .raft()
+                    .append_entries(self.open(&caller, body)?)
+                    .await,
+            ),
+            ACTION_RAFT_VOTE => reply(&node.meta.raft().vote(self.open(&caller, body)?).await),
+            ACTION_RAFT_SNAPSHOT => reply(
+                &node
+                    .meta
+                    .raft()
+                    .install_snapshot(self.open(&caller, body)?)
+                    .await,
+            ),
             ACTION_META_WRITE => {
-                let command: MetaCommand = self.open(body)?;
+                let command: MetaCommand = self.open(&caller, body)?;
                 let result: Result<MetaResponse, Refusal> = if node.meta.is_leader() {
                     node.meta
                         .write_as_leader(command)
@@ -146,11 +192,11 @@ impl NodeService {
                 reply(&result)
             }
             ACTION_READ_INDEX => {
-                self.open::<()>(body)?;
+                self.open::<()>(&caller, body)?;
                 reply(&node.meta.read_index().await)
             }
             ACTION_HEARTBEAT => {
-                let (heartbeat, suspects): (Heartbeat, Vec<NodeId>) = self.open(body)?;
+                let (heartbeat, suspects): (Heartbeat, Vec<NodeId>) = self.open(&caller, body)?;
                 node.heard_from(&heartbeat);
                 for suspect in suspects {
                     node.suspect(suspect);
@@ -158,7 +204,7 @@ impl NodeService {
                 reply(&Ok::<(), Refusal>(()))
             }
             ACTION_SQL => {
-                let sql: String = self.open_from_client(body)?;
+                let sql: String = self.open_from_client(&caller, body)?;
                 let backend = Arc::new(crate::ClusterBackend::new(node.clone()));
                 let engine = tessera_sql::Engine::with_backend(
                     backend.clone(),
@@ -182,12 +228,12 @@ impl NodeService {
                 reply(&result)
             }
             ACTION_QUERY_END => {
-                let query: tessera_exec::QueryId = self.open(body)?;
+                let query: tessera_exec::QueryId = self.open(&caller, body)?;
                 node.exec.end_query(query);
                 reply(&Ok::<(), Refusal>(()))
             }
             ACTION_DECOMMISSION => {
-                let id: NodeId = self.open_from_client(body)?;
+                let id: NodeId = self.open_from_client(&caller, body)?;
                 let result = node
                     .decommission(id)
                     .await
@@ -196,7 +242,7 @@ impl NodeService {
             }
             ACTION_FLUSH => {
                 // Clients may ask too (after a bulk load, so standbys scan what primaries do).
-                self.open_from_client::<()>(body)?;
+                self.open_from_client::<()>(&caller, body)?;
                 let result = node
                     .flush_and_ship()
                     .await
@@ -204,7 +250,8 @@ impl NodeService {
                 reply(&result)
             }
             ACTION_SHIPPED_MANIFEST => {
-                let (table, generation, partition): (String, u64, PartitionId) = self.open(body)?;
+                let (table, generation, partition): (String, u64, PartitionId) =
+                    self.open(&caller, body)?;
                 // Only the partition's primary, as the metadata says now, ships: a node that
                 // lost the role (it was failed over while cut off) may lack committed epochs
                 // its components would claim to cover.
@@ -225,7 +272,7 @@ impl NodeService {
                 reply(&result)
             }
             ACTION_COMPONENTS_READY => {
-                let request: ComponentsRequest = self.open(body)?;
+                let request: ComponentsRequest = self.open(&caller, body)?;
                 let node = node.clone();
                 // Answered at once: the primary does not wait for its standbys' downloads.
                 tokio::spawn(async move {
@@ -239,14 +286,14 @@ impl NodeService {
                 reply(&Ok::<(), Refusal>(()))
             }
             ACTION_COPY_PARTITIONS => {
-                let request: CopyRequest = self.open(body)?;
+                let request: CopyRequest = self.open(&caller, body)?;
                 let result = crate::rebalance::copy_partitions(&node.replication, request)
                     .await
                     .map_err(|e| Refusal::Failed(e.to_string()));
                 reply(&result)
             }
             ACTION_CURRENT_METADATA => {
-                self.open_from_client::<()>(body)?;
+                self.open_from_client::<()>(&caller, body)?;
                 let view = node
                     .meta
                     .read_linearizable(crate::meta::LINEARIZABLE_READ_PATIENCE)
@@ -255,7 +302,7 @@ impl NodeService {
                 reply(&view.state)
             }
             ACTION_STATUS => {
-                self.open_from_client::<()>(body)?;
+                self.open_from_client::<()>(&caller, body)?;
                 let status = node_status(&node);
                 reply(&status)
             }
@@ -506,7 +553,8 @@ impl FlightService for NodeService {
         &self,
         request: Request<Ticket>,
     ) -> Result<Response<Self::DoGetStream>, Status> {
-        let request: TaggedRequest = self.open(&request.into_inner().ticket)?;
+        let caller = self.caller(&request);
+        let request: TaggedRequest = self.open(&caller, &request.into_inner().ticket)?;
         let decode_error = Refusal::into_status;
         let mut metadata = Bytes::new();
         let (schema, batches) = match request.kind.as_str() {
@@ -590,6 +638,7 @@ impl FlightService for NodeService {
         &self,
         request: Request<Streaming<FlightData>>,
     ) -> Result<Response<Self::DoPutStream>, Status> {
+        let caller = self.caller(&request);
         let mut input = request.into_inner();
         let first = input
             .message()
@@ -602,6 +651,9 @@ impl FlightService for NodeService {
         let envelope: Envelope<TaggedRequest> = self
             .gate
             .open_envelope(&descriptor.cmd)
+            .map_err(Refusal::into_status)?;
+        self.gate
+            .check_caller(&caller, envelope.from)
             .map_err(Refusal::into_status)?;
         let request = envelope.body;
         // Clients publish without knowing the cluster's id; nodes name it.
@@ -688,7 +740,8 @@ impl FlightService for NodeService {
         &self,
         request: Request<Action>,
     ) -> Result<Response<Self::DoActionStream>, Status> {
-        self.action(request.into_inner()).await
+        let caller = self.caller(&request);
+        self.action(caller, request.into_inner()).await
     }
 
     async fn list_actions(

@@ -165,6 +165,9 @@ pub struct LocalCluster {
     voters: Option<Vec<u64>>,
     /// More `key = value` lines for every configuration.
     extra: String,
+    /// Where the certificates of mutual TLS on the internal port are (`ca.pem`,
+    /// `node-<id>.pem`, `node-<id>.key`); plaintext (`insecure = true`) when `None`.
+    mtls: Option<PathBuf>,
     // Dropped in this order: the processes die before their links and namespaces go.
     processes: Vec<Option<TesseraProcess>>,
     /// The proxy of every directed link `(from, to)`, when links are proxied.
@@ -287,6 +290,7 @@ impl LocalCluster {
             founders: nodes,
             voters: None,
             extra: String::new(),
+            mtls: None,
             processes: (0..nodes).map(|_| None).collect(),
             links: BTreeMap::new(),
             link_seed,
@@ -354,6 +358,15 @@ impl LocalCluster {
         }
     }
 
+    /// Runs the internal port under mutual TLS with the certificates in `certs` (as
+    /// [`make_certs`] writes them), rewriting every configuration (call before starting).
+    pub fn use_mtls(&mut self, certs: &Path) {
+        self.mtls = Some(certs.to_path_buf());
+        for id in self.node_ids() {
+            self.write_config(id, &self.cluster_id.clone());
+        }
+    }
+
     /// Adds `key = value` to every configuration (call before starting).
     pub fn set_option(&mut self, key: &str, value: &str) {
         self.extra.push_str(&format!("{key} = {value}\n"));
@@ -395,8 +408,17 @@ impl LocalCluster {
                 .flightsql_addr(id)
                 .map(|addr| format!("flightsql_listen = \"{addr}\"\n"))
                 .unwrap_or_default();
+        let security = match &self.mtls {
+            None => "insecure = true\n".to_string(),
+            Some(certs) => format!(
+                "mtls.ca = {:?}\nmtls.cert = {:?}\nmtls.key = {:?}\n",
+                certs.join("ca.pem"),
+                certs.join(format!("node-{id}.pem")),
+                certs.join(format!("node-{id}.key"))
+            ),
+        };
         format!(
-            "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\n{pg_listen}data_dir = \"data\"\npartitions = {}\nreplication = {}\n{voters}{}{peers}",
+            "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\n{pg_listen}data_dir = \"data\"\npartitions = {}\nreplication = {}\n{voters}{security}{}{peers}",
             self.addr(id),
             self.partitions,
             self.replication,
@@ -569,4 +591,28 @@ pub fn kv_batch(from: i64, to: i64) -> arrow::array::RecordBatch {
         ],
     )
     .expect("kv columns match the schema")
+}
+
+/// Makes, with `binary`'s `tessera certs`, a CA in `dir`, node certificates for `nodes`
+/// (for 127.0.0.1) and the administrator's client certificate (`admin`).
+pub fn make_certs(binary: &Path, dir: &Path, nodes: &[u64]) {
+    let run = |args: &[&str]| {
+        let output = Command::new(binary)
+            .args(["certs"])
+            .args(args)
+            .arg("--dir")
+            .arg(dir)
+            .output()
+            .expect("run tessera certs");
+        assert!(
+            output.status.success(),
+            "tessera certs {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    run(&["init"]);
+    for id in nodes {
+        run(&["node", "--id", &id.to_string(), "--addr", "127.0.0.1"]);
+    }
+    run(&["client", "--name", "admin"]);
 }

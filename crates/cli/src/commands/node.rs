@@ -7,10 +7,19 @@ use tessera_server::{Node, NodeConfig};
 
 pub async fn run(config_path: &Path, overrides: &[String]) -> Result<()> {
     let mut config = NodeConfig::load_with(config_path, overrides)?;
-    if config.data_dir.is_relative() {
-        // Relative to the configuration file, so a config works from any directory.
-        let base = config_path.parent().unwrap_or(Path::new("."));
-        config.data_dir = base.join(&config.data_dir);
+    // Relative paths are relative to the configuration file, so a config works from any
+    // directory.
+    let base = config_path.parent().unwrap_or(Path::new("."));
+    let resolve = |path: &mut std::path::PathBuf| {
+        if path.is_relative() {
+            *path = base.join(&*path);
+        }
+    };
+    resolve(&mut config.data_dir);
+    if let Some(mtls) = &mut config.mtls {
+        resolve(&mut mtls.ca);
+        resolve(&mut mtls.cert);
+        resolve(&mut mtls.key);
     }
     let protocol = std::env::var("TESSERA_PROTOCOL_VERSION_FOR_TESTS")
         .ok()

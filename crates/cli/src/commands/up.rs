@@ -6,7 +6,7 @@ use super::node::wait_for_shutdown;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use tessera_server::config::{ReplicaSettings, StoreSettings};
+use tessera_server::config::{MtlsSettings, ReplicaSettings, StoreSettings};
 use tessera_server::{NodeConfig, NodeId, Peer};
 
 pub struct UpOptions {
@@ -24,6 +24,9 @@ pub struct UpOptions {
     pub hot_standby: bool,
     pub memtable_flush_bytes: Option<usize>,
     pub checkpoint_log_bytes: Option<usize>,
+    /// Plaintext on the internal port instead of mutual TLS (certificates made under the
+    /// data directory's `certs`).
+    pub insecure: bool,
 }
 
 impl UpOptions {
@@ -41,6 +44,7 @@ impl UpOptions {
             hot_standby: false,
             memtable_flush_bytes: None,
             checkpoint_log_bytes: None,
+            insecure: false,
         }
     }
 }
@@ -60,6 +64,9 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
                 first.peers.len()
             );
         }
+        if first.mtls.is_some() {
+            use_admin_certificate(&root)?;
+        }
         return Ok((1..=options.nodes)
             .map(|id| root.join(format!("node-{id}")).join("node.toml"))
             .collect());
@@ -73,6 +80,12 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
                 .expect("loopback address"),
         })
         .collect();
+    let certs = root.join("certs");
+    if !options.insecure {
+        let ids: Vec<NodeId> = peers.iter().map(|p| p.id).collect();
+        super::certs::ensure_local(&certs, &cluster_id, &ids)?;
+        use_admin_certificate(&root)?;
+    }
     let mut paths = Vec::new();
     for peer in &peers {
         let dir = root.join(format!("node-{}", peer.id));
@@ -106,12 +119,29 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
             },
             failure: Default::default(),
             exec: Default::default(),
+            insecure: options.insecure,
+            mtls: (!options.insecure).then(|| MtlsSettings {
+                ca: certs.join("ca.pem"),
+                cert: certs.join(format!("node-{}.pem", peer.id.0)),
+                key: certs.join(format!("node-{}.key", peer.id.0)),
+            }),
         };
         let path = dir.join("node.toml");
         std::fs::write(&path, toml::to_string(&config)?)?;
         paths.push(path);
     }
     Ok(paths)
+}
+
+/// This process talks to the cluster under `root` with its administrator's certificate.
+fn use_admin_certificate(root: &Path) -> Result<()> {
+    let certs = root.join("certs");
+    let tls =
+        tessera_common::tls::MutualTls::from_dir(&certs, super::certs::ADMIN).map_err(|e| {
+            anyhow::anyhow!("the cluster's certificates under {}: {e}", certs.display())
+        })?;
+    tessera_server::client::set_default_tls(Some(tls));
+    Ok(())
 }
 
 pub async fn run(root: &Path, options: UpOptions) -> Result<()> {
