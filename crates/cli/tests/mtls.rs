@@ -136,6 +136,32 @@ async fn only_holders_of_the_clusters_certificates_join_or_call() {
     let rows = admin.query("SELECT sum(v) FROM kv").await.unwrap();
     assert_eq!(rows[0].num_rows(), 1);
 
+    // The CLI with the cluster's certificates, and without.
+    let cli_status = |certs: Option<&Path>| {
+        let mut command = std::process::Command::new(BINARY);
+        command.env_remove("TESSERA_CERTS").current_dir(root.path());
+        if let Some(certs) = certs {
+            command.arg("--certs").arg(certs);
+        }
+        command
+            .args(["--node", cluster.addr(3), "status"])
+            .output()
+            .unwrap()
+    };
+    let with = cli_status(Some(&ours));
+    let stdout = String::from_utf8_lossy(&with.stdout);
+    assert!(
+        with.status.success() && stdout.contains("internal port:  mutual TLS"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&with.stderr)
+    );
+    let without = cli_status(None);
+    let stderr = String::from_utf8_lossy(&without.stderr);
+    assert!(
+        !without.status.success() && stderr.contains("tessera --certs DIR"),
+        "{stderr}"
+    );
+
     // Clients without a good certificate.
     let plaintext = error_of(&ClusterClient::with_tls(cluster.addr(2), None)).await;
     assert!(plaintext.contains("mutual TLS"), "{plaintext}");
@@ -211,5 +237,32 @@ async fn only_holders_of_the_clusters_certificates_join_or_call() {
     let status = admin.status().await.unwrap();
     assert_eq!(status.meta.live_nodes().count(), 3);
     assert!(status.leader.is_some());
+    drop(cluster);
+}
+
+/// `tessera status` says in red when a cluster's internal port is plaintext.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_says_when_the_internal_port_is_insecure() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
+    cluster.start_all();
+    let plaintext = ClusterClient::with_tls(cluster.addr(1), None);
+    common::wait_until("the cluster to form", Duration::from_secs(60), || async {
+        let status = plaintext.status().await.ok()?;
+        (status.leader.is_some() && status.meta.live_nodes().count() == 3).then_some(())
+    })
+    .await;
+    assert!(plaintext.status().await.unwrap().insecure);
+    let output = std::process::Command::new(BINARY)
+        .env_remove("TESSERA_CERTS")
+        .current_dir(root.path())
+        .args(["--node", cluster.addr(1), "status"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("\x1b[1;31minternal port:  INSECURE (plaintext, insecure = true)"),
+        "{stdout}"
+    );
     drop(cluster);
 }

@@ -39,6 +39,10 @@ pub struct NodeStatus {
     /// What this node copied as a new or returning replica since it started.
     #[serde(default)]
     pub transfers: crate::rebalance::TransferCounts,
+    /// The node's internal port is plaintext (`insecure = true`): anyone who reaches it
+    /// can join, write metadata and read data.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub insecure: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -776,5 +780,6 @@ pub fn node_status(node: &crate::node::Node) -> NodeStatus {
             })
             .collect(),
         transfers: node.replication.transfers.counts(),
+        insecure: node.mtls.is_none(),
     }
 }

@@ -616,6 +616,7 @@ fn samples() -> Samples {
                 delta_copies: 2,
                 delta_versions: 30,
             },
+            insecure: true,
         },
     );
     s

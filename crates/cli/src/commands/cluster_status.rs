@@ -9,6 +9,14 @@ pub async fn run(addr: &str) -> Result<()> {
     let meta = &status.meta;
     println!("cluster:        {}", meta.cluster_id);
     println!("asked node:     {} ({})", status.node_id, status.listen);
+    if status.insecure {
+        // Red: nothing keeps a stranger out of this cluster.
+        println!(
+            "\x1b[1;31minternal port:  INSECURE (plaintext, insecure = true): any process that reaches it can join, write metadata and read data\x1b[0m"
+        );
+    } else {
+        println!("internal port:  mutual TLS (certificates of the cluster's CA)");
+    }
     match status.leader {
         Some(leader) => println!("metadata leader: node {leader} (term {})", status.term),
         None => println!("metadata leader: none (election running)"),

@@ -202,7 +202,14 @@ fn print_connect_hints(configs: &[PathBuf]) -> Result<()> {
     if let Some(http) = first.http_listen {
         println!("watch it at:  http://{http}/");
     }
-    println!("connect with: tessera --node {} sql", first.listen);
+    match &first.mtls {
+        Some(mtls) => println!(
+            "connect with: tessera --certs {} --node {} sql",
+            mtls.ca.parent().unwrap_or(Path::new(".")).display(),
+            first.listen
+        ),
+        None => println!("connect with: tessera --node {} sql", first.listen),
+    }
     Ok(())
 }
 
