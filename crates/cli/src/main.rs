@@ -303,6 +303,17 @@ enum BenchKind {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// What mutual TLS on the internal port costs: TPC-H and publish time on two 3-node
+    /// clusters, one under mTLS and one plaintext, in turn.
+    Security {
+        #[arg(long, default_value_t = 0.1)]
+        sf: f64,
+        /// Queries to run (default: all 22), e.g. --queries 1,3,5.
+        #[arg(long, value_delimiter = ',')]
+        queries: Vec<usize>,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
     /// Cluster formation time, leader failover time, and publish rows/s on 1 vs 3 nodes.
     Cluster {
         /// Scale factor of the lineitem rows published.
@@ -582,6 +593,12 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             bench: BenchKind::Diff { sf, runs },
         } => commands::bench_diff::run(&cli.data_dir, cli.store.config(), *sf, *runs).await,
+        Command::Bench {
+            bench: BenchKind::Security { sf, queries, runs },
+        } => {
+            commands::bench_security::run(&cli.data_dir, cli.store.partitions, *sf, queries, *runs)
+                .await
+        }
         Command::Bench {
             bench: BenchKind::Cluster { sf, runs },
         } => commands::bench_cluster::run(&cli.data_dir, *sf, cli.store.partitions, *runs).await,

@@ -715,7 +715,10 @@ async fn up_starts_a_local_cluster_and_stops_it_cleanly() {
             "{text}"
         );
     }
-    let client = ClusterClient::new(&format!("127.0.0.1:{}", base + 1));
+    // `up` made the cluster's certificates under its data directory; a client presents
+    // the administrator's.
+    let admin = tessera_common::tls::MutualTls::from_dir(&data.join("certs"), "admin").unwrap();
+    let client = ClusterClient::with_tls(&format!("127.0.0.1:{}", base + 1), Some(&admin));
     client
         .sql("CREATE TABLE t (k INT PRIMARY KEY)")
         .await

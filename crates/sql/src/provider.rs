@@ -31,7 +31,7 @@ use tessera_common::ComponentHash;
 use tessera_common::Epoch;
 use tessera_common::PartitionId;
 use tessera_storage::component::component_path;
-use tessera_storage::evolution::ColumnChange;
+use tessera_storage::evolution::{ColumnChange, FileLayout};
 use tessera_storage::versions::{stored_schema, stored_user_schema};
 use tessera_storage::{PartitionSnapshot, TableSnapshot};
 use tessera_storage::{Store, TableDef};
@@ -133,25 +133,8 @@ impl ComponentStatistics {
 /// in `def`'s stored schema: columns it predates are unknown, widened ones cast.
 fn conform_statistics(own: &OwnStatistics, def: &TableDef) -> Result<Statistics> {
     let stored = stored_schema(def);
-    let user = def.schema.fields().len();
-    let given = own.schema.fields().len().saturating_sub(2);
-    if given > user {
-        return Err(SqlError::to_datafusion(
-            tessera_storage::StorageError::SchemaMismatch {
-                table: def.name.clone(),
-                reason: format!(
-                    "a component has {given} columns, the table's definition here {user}: it was written under a newer definition than this node has applied"
-                ),
-            },
-        ));
-    }
-    let in_own = |column: usize| -> Option<usize> {
-        if column < user {
-            (column < given).then_some(column)
-        } else {
-            Some(given + (column - user))
-        }
-    };
+    let layout = FileLayout::of(def, own.schema.fields().len()).map_err(SqlError::to_datafusion)?;
+    let in_own = |column: usize| layout.position(column);
     let own_type = |at: usize| own.schema.field(at).data_type();
     let mut columns = Vec::with_capacity(stored.fields().len());
     for (column, field) in stored.fields().iter().enumerate() {

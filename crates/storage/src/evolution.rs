@@ -374,12 +374,21 @@ pub(crate) struct FileColumns {
     requested: Vec<usize>,
 }
 
-impl FileColumns {
-    pub(crate) fn plan(
-        def: &TableDef,
-        file_columns: usize,
-        requested: &[usize],
-    ) -> Result<FileColumns> {
+/// Where a file written under this or an earlier version of a definition keeps each of
+/// the definition's stored columns: its user columns are a prefix of today's, then come
+/// the epoch and operation columns.
+#[derive(Debug, Clone, Copy)]
+pub struct FileLayout {
+    /// User columns in today's definition.
+    user: usize,
+    /// User columns in the file.
+    given: usize,
+}
+
+impl FileLayout {
+    /// The layout of a file with `file_columns` columns (user, epoch, operation), refused
+    /// if it has more user columns than `def` (written under a newer definition).
+    pub fn of(def: &TableDef, file_columns: usize) -> Result<FileLayout> {
         let user = def.schema.fields().len();
         let given = file_columns.saturating_sub(2);
         if given > user {
@@ -390,13 +399,27 @@ impl FileColumns {
                 ),
             });
         }
-        let in_file = |c: usize| -> Option<usize> {
-            if c < user {
-                (c < given).then_some(c)
-            } else {
-                Some(given + (c - user))
-            }
-        };
+        Ok(FileLayout { user, given })
+    }
+
+    /// The file's position of stored column `column`; `None` for one the file predates.
+    pub fn position(&self, column: usize) -> Option<usize> {
+        if column < self.user {
+            (column < self.given).then_some(column)
+        } else {
+            Some(self.given + (column - self.user))
+        }
+    }
+}
+
+impl FileColumns {
+    pub(crate) fn plan(
+        def: &TableDef,
+        file_columns: usize,
+        requested: &[usize],
+    ) -> Result<FileColumns> {
+        let layout = FileLayout::of(def, file_columns)?;
+        let in_file = |c: usize| layout.position(c);
         let read: Vec<usize> = requested.iter().filter_map(|&c| in_file(c)).collect();
         let sources = requested
             .iter()

@@ -8,7 +8,6 @@
 
 use super::bench::{chosen_queries, median};
 use super::local_cluster::{free_base_port, LocalCluster};
-use super::target::Target;
 use super::timing::timed;
 use super::up::UpOptions;
 use anyhow::{bail, Context, Result};
@@ -43,7 +42,7 @@ impl Clients {
         .context("connecting to the PostgreSQL port")?;
         tokio::spawn(connection);
         Ok(Clients {
-            internal: ClusterClient::new(&cluster.addrs[0]),
+            internal: cluster.client(0),
             flight_sql: FlightSqlServiceClient::new_from_inner(
                 FlightServiceClient::new(channel).max_decoding_message_size(256 << 20),
             ),
@@ -104,14 +103,8 @@ pub async fn run(
     };
     let (pg_port, flightsql_port) = (pg.port(), flightsql.port());
     cluster.wait_formed(Duration::from_secs(60)).await?;
-    let target = Target::cluster(&cluster.addrs[0]);
-    if target.table_def("lineitem").await?.is_none() {
-        println!(
-            "loading TPC-H SF {sf} into the {NODES}-node cluster under {}",
-            root.display()
-        );
-        super::load::tpch(&target, sf, &[], true).await?;
-    }
+    super::bench_distributed::ensure_tpch(&cluster, sf, &format!("{NODES}-node cluster"), &root)
+        .await?;
     let mut clients = Clients::connect(&cluster, pg_port, flightsql_port).await?;
 
     println!();

@@ -43,7 +43,7 @@ async fn measure(
     let started = Instant::now();
     let mut cluster =
         LocalCluster::start_on_free_ports(root, UpOptions::new(nodes, partitions, 3))?;
-    let client = ClusterClient::new(&cluster.addrs[0]);
+    let client = cluster.client(0);
     cluster.wait_formed(Duration::from_secs(60)).await?;
     let formation = started.elapsed();
     let lineitem = tessera_tpch::table("lineitem").expect("lineitem");
@@ -57,7 +57,7 @@ async fn measure(
         let survivor = (1..=nodes)
             .find(|id| *id != leader.0)
             .expect("another node");
-        let survivor = ClusterClient::new(&cluster.addrs[survivor as usize - 1]);
+        let survivor = cluster.client(survivor as usize - 1);
         let killed = Instant::now();
         cluster.kill9(leader.0);
         let elected = loop {

@@ -27,16 +27,28 @@ pub(super) async fn cluster(
     let options = UpOptions::new(nodes, partitions, 3);
     let mut cluster = LocalCluster::start_on_free_ports(root, options)?;
     cluster.wait_formed(Duration::from_secs(60)).await?;
-    let client = ClusterClient::new(&cluster.addrs[0]);
-    let target = Target::cluster(&cluster.addrs[0]);
+    let client = cluster.client(0);
+    ensure_tpch(&cluster, sf, &format!("{nodes}-node cluster"), root).await?;
+    Ok((cluster, client))
+}
+
+/// Loads TPC-H SF `sf` into `cluster` (called `what`, under `root`) unless a run before
+/// this one did.
+pub(super) async fn ensure_tpch(
+    cluster: &LocalCluster,
+    sf: f64,
+    what: &str,
+    root: &Path,
+) -> Result<()> {
+    let target = Target::Cluster(cluster.client(0));
     if target.table_def("lineitem").await?.is_none() {
         println!(
-            "loading TPC-H SF {sf} into the {nodes}-node cluster under {}",
+            "loading TPC-H SF {sf} into the {what} under {}",
             root.display()
         );
         super::load::tpch(&target, sf, &[], true).await?;
     }
-    Ok((cluster, client))
+    Ok(())
 }
 
 /// The bytes an `EXPLAIN ANALYZE` of `sql` reports as exchanged between nodes.

@@ -98,7 +98,7 @@ pub async fn run(
         let mut killed = Vec::new();
         for mode in ["restart", "lineage"] {
             let run = {
-                let client = ClusterClient::new(&cluster.addrs[0]);
+                let client = cluster.client(0);
                 let sql = sql.to_string();
                 tokio::spawn(async move {
                     let started = Instant::now();

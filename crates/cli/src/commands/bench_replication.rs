@@ -72,7 +72,7 @@ async fn start(
     }
     let mut nodes = LocalCluster::start_on_free_ports(root, options)?;
     nodes.wait_formed(Duration::from_secs(60)).await?;
-    let client = ClusterClient::new(&nodes.addrs[0]);
+    let client = nodes.client(0);
     let lineitem = tessera_tpch::table("lineitem").expect("lineitem");
     client
         .sql(&tessera_tpch::create_table_sql(&lineitem))
@@ -86,7 +86,7 @@ async fn publish_throughput(
     rows: &[RecordBatch],
     runs: usize,
 ) -> Result<Throughput> {
-    let client = ClusterClient::new(&nodes.addrs[0]);
+    let client = nodes.client(0);
     let count: usize = rows.iter().map(|b| b.num_rows()).sum();
     let median = median_publish_time(&client, rows, runs).await?;
     Ok(Throughput {
@@ -107,7 +107,7 @@ async fn count_rows(client: &ClusterClient) -> Result<i64> {
 /// SIGKILLs node 3 (not the metadata leader, so no election is timed) and measures how long
 /// until it is declared failed and until a query over every partition answers exactly.
 async fn failover(nodes: &mut LocalCluster, victim: u64) -> Result<Failover> {
-    let client = ClusterClient::new(&nodes.addrs[0]);
+    let client = nodes.client(0);
     let healthy_started = Instant::now();
     let expected = count_rows(&client).await?;
     let healthy_query = healthy_started.elapsed();
@@ -140,7 +140,7 @@ async fn failover(nodes: &mut LocalCluster, victim: u64) -> Result<Failover> {
 /// With `victim` down, publishes a small delta, restarts it and measures how long it takes
 /// from being declared alive to holding every epoch again.
 async fn failback(nodes: &mut LocalCluster, victim: u64, delta: &RecordBatch) -> Result<Failback> {
-    let client = ClusterClient::new(&nodes.addrs[0]);
+    let client = nodes.client(0);
     client
         .publish("lineitem", vec![delta.clone()], false)
         .await?;

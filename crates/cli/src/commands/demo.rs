@@ -75,7 +75,8 @@ async fn story(cluster: &mut LocalCluster, options: &DemoOptions) -> Result<()> 
     heading(1, "start the cluster");
     let started = Instant::now();
     cluster.wait_formed(Duration::from_secs(60)).await?;
-    let leader = ClusterClient::new(&cluster.addrs[0])
+    let leader = cluster
+        .client(0)
         .status()
         .await?
         .leader
@@ -85,7 +86,7 @@ async fn story(cluster: &mut LocalCluster, options: &DemoOptions) -> Result<()> 
         started.elapsed().as_secs_f64()
     );
     print_endpoints(cluster.configs())?;
-    let client = ClusterClient::new(&cluster.addrs[0]);
+    let client = cluster.client(0);
 
     heading(2, &format!("load TPC-H SF {}", options.sf));
     load_missing(&client, &cluster.addrs[0], options.sf).await?;
@@ -124,7 +125,7 @@ async fn story(cluster: &mut LocalCluster, options: &DemoOptions) -> Result<()> 
         ms(measured.mul_f64(KILL_AT))
     );
     let running = {
-        let client = ClusterClient::new(&cluster.addrs[0]);
+        let client = cluster.client(0);
         tokio::spawn(async move { timed(|| client.query_with_notices(sql)).await })
     };
     tokio::time::sleep(measured.mul_f64(KILL_AT)).await;
@@ -199,9 +200,7 @@ async fn story(cluster: &mut LocalCluster, options: &DemoOptions) -> Result<()> 
     )
     .await?;
     let (alive, caught_up) = (formed - restarted, up_to_date - formed);
-    let returned = ClusterClient::new(&cluster.addrs[victim as usize - 1])
-        .status()
-        .await?;
+    let returned = cluster.client(victim as usize - 1).status().await?;
     println!(
         "node {victim} back in {:.1} s and up to date {:.1} s later: {}",
         alive.as_secs_f64(),

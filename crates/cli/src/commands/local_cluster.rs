@@ -11,6 +11,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use tessera_common::tls::MutualTls;
 use tessera_server::{ClusterClient, NodeConfig};
 
 /// Where the nodes' own output (their logs) goes.
@@ -30,17 +31,27 @@ pub struct LocalCluster {
     configs: Vec<PathBuf>,
     pub addrs: Vec<String>,
     output: NodeOutput,
+    /// The administrator's certificate when the internal port is under mutual TLS.
+    tls: Option<MutualTls>,
 }
 
 impl LocalCluster {
     /// Writes or reuses the configurations under `root` and starts every node.
     pub fn start(root: &Path, options: &UpOptions, output: NodeOutput) -> Result<LocalCluster> {
         let configs = local_configs(root, options)?;
+        let tls = match NodeConfig::load(&configs[0])?.mtls {
+            Some(mtls) => {
+                let dir = mtls.ca.parent().unwrap_or(Path::new("."));
+                Some(MutualTls::from_dir(dir, super::certs::ADMIN).map_err(anyhow::Error::msg)?)
+            }
+            None => None,
+        };
         let mut cluster = LocalCluster {
             children: Vec::new(),
             addrs: Vec::new(),
             configs: configs.clone(),
             output,
+            tls,
         };
         for (i, config) in configs.iter().enumerate() {
             cluster
@@ -56,6 +67,11 @@ impl LocalCluster {
     pub fn start_on_free_ports(root: &Path, mut options: UpOptions) -> Result<LocalCluster> {
         options.base_port = free_base_port(options.nodes)?;
         Self::start(root, &options, NodeOutput::Discard)
+    }
+
+    /// A client of the node at `addrs[index]`, with this cluster's certificate if any.
+    pub fn client(&self, index: usize) -> ClusterClient {
+        ClusterClient::with_tls(&self.addrs[index], self.tls.as_ref())
     }
 
     pub fn configs(&self) -> &[PathBuf] {
@@ -133,8 +149,7 @@ impl LocalCluster {
     /// Waits until every node answers, knows the leader and sees them all alive; fails
     /// at once if a node exits.
     pub async fn wait_formed(&mut self, timeout: Duration) -> Result<()> {
-        let clients: Vec<ClusterClient> =
-            self.addrs.iter().map(|a| ClusterClient::new(a)).collect();
+        let clients: Vec<ClusterClient> = (0..self.addrs.len()).map(|i| self.client(i)).collect();
         let deadline = Instant::now() + timeout;
         while !formed(&clients).await {
             self.check_running()?;

@@ -7,6 +7,7 @@ pub mod bench_diff;
 pub mod bench_distributed;
 pub mod bench_recovery;
 pub mod bench_replication;
+pub mod bench_security;
 pub mod certs;
 pub mod cluster_status;
 pub mod demo;
