@@ -193,6 +193,45 @@ async fn only_holders_of_the_clusters_certificates_join_or_call() {
         }
         other => panic!("an impostor's hello: {other:?}"),
     }
+    // Or naming itself in the envelope but speaking for node 2 in what it sends: a
+    // heartbeat, a registration under node 2's id.
+    let forger = Clients::new(cluster.cluster_id(), PROTOCOL_VERSION)
+        .with_tls(Some(&node3))
+        .as_node(NodeId(3));
+    let heartbeat = tessera_server::meta::wire::Heartbeat {
+        node_id: NodeId(2),
+        working_on: vec![],
+    };
+    let forged: Result<Result<(), Refusal>, CallError> = forger
+        .action(
+            cluster.addr(1),
+            tessera_server::meta::wire::ACTION_HEARTBEAT,
+            (heartbeat, Vec::<NodeId>::new()),
+            Duration::from_secs(5),
+        )
+        .await;
+    let error = format!("{forged:?}");
+    assert!(
+        error.contains("a heartbeat for node 2 came with the certificate of node 3"),
+        "{error}"
+    );
+    let registration = tessera_server::meta::MetaCommand::RegisterNode {
+        id: NodeId(2),
+        addr: "127.0.0.1:9".into(),
+    };
+    let forged: Result<serde_json::Value, CallError> = forger
+        .action(
+            cluster.addr(1),
+            tessera_server::meta::wire::ACTION_META_WRITE,
+            registration,
+            Duration::from_secs(5),
+        )
+        .await;
+    let error = format!("{forged:?}");
+    assert!(
+        error.contains("a registration for node 2 came with the certificate of node 3"),
+        "{error}"
+    );
     // Node 3's certificate speaking as node 3 is welcome.
     let honest = Clients::new(cluster.cluster_id(), PROTOCOL_VERSION)
         .with_tls(Some(&node3))

@@ -24,7 +24,9 @@ pub enum MetaError {
     /// The metadata knows no address for a node (it never joined, or was retired).
     #[error("node {node} has no known address in the metadata or the configuration")]
     NoAddress { node: NodeId },
-    #[error("metadata leader {node} ({addr}) is unreachable: {reason}")]
+    /// A node asked to take a metadata write (the leader, or a peer a joining node asks)
+    /// did not answer.
+    #[error("node {node} ({addr}), asked to write metadata, is unreachable: {reason}")]
     Unreachable {
         node: NodeId,
         addr: String,

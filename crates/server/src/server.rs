@@ -154,6 +154,41 @@ impl NodeService {
         }
     }
 
+    /// Under mutual TLS a node speaks only for itself: `what`, sent for node `id`, must come
+    /// with node `id`'s certificate (not another node's, nor a client's).
+    fn check_speaks_for(&self, caller: &Caller, id: NodeId, what: &str) -> Result<(), Status> {
+        match caller {
+            Caller::Plaintext => Ok(()),
+            Caller::Certified(tessera_common::tls::CertIdentity::Node(node)) if *node == id => {
+                Ok(())
+            }
+            Caller::Certified(identity) => Err(Refusal::Unauthenticated {
+                node_id: self.node.id(),
+                reason: format!("{what} for node {id} came with the certificate of {identity}"),
+            }
+            .into_status()),
+            Caller::Uncertified => Err(Refusal::Unauthenticated {
+                node_id: self.node.id(),
+                reason: format!("{what} for node {id} came with no certificate"),
+            }
+            .into_status()),
+        }
+    }
+
+    /// A Raft message speaks for the node its vote names (the leader sending entries or a
+    /// snapshot, the candidate asking for a vote).
+    fn check_raft_sender(
+        &self,
+        caller: &Caller,
+        vote: &openraft::Vote<NodeId>,
+        what: &str,
+    ) -> Result<(), Status> {
+        match vote.leader_id().voted_for() {
+            Some(sender) => self.check_speaks_for(caller, sender, what),
+            None => Ok(()),
+        }
+    }
+
     async fn action(
         &self,
         caller: Caller,
@@ -166,23 +201,34 @@ impl NodeService {
                 self.open::<()>(&caller, body)?;
                 reply(&node.identity())
             }
-            ACTION_RAFT_APPEND => reply(
-                &node
-                    .meta
-                    .raft()
-                    .append_entries(self.open(&caller, body)?)
-                    .await,
-            ),
-            ACTION_RAFT_VOTE => reply(&node.meta.raft().vote(self.open(&caller, body)?).await),
-            ACTION_RAFT_SNAPSHOT => reply(
-                &node
-                    .meta
-                    .raft()
-                    .install_snapshot(self.open(&caller, body)?)
-                    .await,
-            ),
+            ACTION_RAFT_APPEND => {
+                let request: openraft::raft::AppendEntriesRequest<crate::meta::TypeConfig> =
+                    self.open(&caller, body)?;
+                self.check_raft_sender(&caller, &request.vote, "Raft entries")?;
+                reply(&node.meta.raft().append_entries(request).await)
+            }
+            ACTION_RAFT_VOTE => {
+                let request: openraft::raft::VoteRequest<NodeId> = self.open(&caller, body)?;
+                self.check_raft_sender(&caller, &request.vote, "a Raft vote request")?;
+                reply(&node.meta.raft().vote(request).await)
+            }
+            ACTION_RAFT_SNAPSHOT => {
+                let request: openraft::raft::InstallSnapshotRequest<crate::meta::TypeConfig> =
+                    self.open(&caller, body)?;
+                self.check_raft_sender(&caller, &request.vote, "a Raft snapshot")?;
+                reply(&node.meta.raft().install_snapshot(request).await)
+            }
             ACTION_META_WRITE => {
                 let command: MetaCommand = self.open(&caller, body)?;
+                match &command {
+                    MetaCommand::RegisterNode { id, .. } => {
+                        self.check_speaks_for(&caller, *id, "a registration")?
+                    }
+                    MetaCommand::Started { id, .. } => {
+                        self.check_speaks_for(&caller, *id, "a process start")?
+                    }
+                    _ => {}
+                }
                 let result: Result<MetaResponse, Refusal> = if node.meta.is_leader() {
                     node.meta
                         .write_as_leader(command)
@@ -201,6 +247,7 @@ impl NodeService {
             }
             ACTION_HEARTBEAT => {
                 let (heartbeat, suspects): (Heartbeat, Vec<NodeId>) = self.open(&caller, body)?;
+                self.check_speaks_for(&caller, heartbeat.node_id, "a heartbeat")?;
                 node.heard_from(&heartbeat);
                 for suspect in suspects {
                     node.suspect(suspect);
