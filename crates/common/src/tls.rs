@@ -94,6 +94,29 @@ pub fn cert_identity(der: &[u8]) -> Result<CertIdentity, String> {
     Ok(CertIdentity::Unknown(names))
 }
 
+/// Refuses a certificate outside its validity period, naming it: a node or client would
+/// otherwise start and be refused by every peer's handshake, where the reason is easily
+/// lost.
+pub fn check_validity(der: &[u8]) -> Result<(), String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der)
+        .map_err(|e| format!("the certificate does not parse: {e}"))?;
+    let validity = cert.validity();
+    let now = x509_parser::time::ASN1Time::now();
+    if now > validity.not_after {
+        return Err(format!(
+            "the certificate expired on {} (make a new one with `tessera certs`)",
+            validity.not_after
+        ));
+    }
+    if now < validity.not_before {
+        return Err(format!(
+            "the certificate is not valid before {}",
+            validity.not_before
+        ));
+    }
+    Ok(())
+}
+
 /// The PEM files of mutual TLS on the internal port: the cluster's CA, and this node's (or
 /// client's) certificate and key, read and checked once.
 #[derive(Clone)]
@@ -130,8 +153,9 @@ impl MutualTls {
                 .map_err(|e| format!("{} is not PEM certificates: {e}", path.display()))
         };
         first(&ca_pem, ca)?;
-        let identity = cert_identity(&first(&cert_pem, cert)?)
-            .map_err(|e| format!("{}: {e}", cert.display()))?;
+        let own = first(&cert_pem, cert)?;
+        check_validity(&own).map_err(|e| format!("{}: {e}", cert.display()))?;
+        let identity = cert_identity(&own).map_err(|e| format!("{}: {e}", cert.display()))?;
         PrivateKeyDer::from_pem_slice(&key_pem)
             .map_err(|e| format!("{} holds no PEM private key: {e}", key.display()))?;
         Ok(MutualTls {
