@@ -763,15 +763,7 @@ async fn a_replica_returning_past_the_retention_horizon_is_copied_whole() {
     let status = common::restart_node(&mut cluster, &client, 3).await;
     let epoch = status.meta.visible;
     for p in 0..PARTITIONS {
-        let partition = tessera_common::PartitionId(p);
-        let mut held = Vec::new();
-        for id in 1..=3 {
-            let batches = ClusterClient::new(cluster.addr(id))
-                .read_replica(cluster.cluster_id(), "kv", partition, epoch)
-                .await
-                .unwrap();
-            held.push(common::history::keys_of(&batches));
-        }
+        let held = held_by_each_node(&cluster, p, epoch, common::history::keys_of).await;
         assert!(
             held[2].iter().all(|(k, _)| *k >= 100),
             "a key deleted while node 3 was away is alive on it in p{p}"
@@ -794,6 +786,25 @@ async fn a_replica_returning_past_the_retention_horizon_is_copied_whole() {
 }
 
 /// One number a query answers.
+/// What each of the three nodes holds of `kv`'s partition `p` at `epoch`, as `view` sees it.
+async fn held_by_each_node<T>(
+    cluster: &tessera_testkit::LocalCluster,
+    p: u32,
+    epoch: tessera_common::Epoch,
+    view: impl Fn(&[RecordBatch]) -> T,
+) -> Vec<T> {
+    let partition = tessera_common::PartitionId(p);
+    let mut held = Vec::new();
+    for id in 1..=3 {
+        let batches = ClusterClient::new(cluster.addr(id))
+            .read_replica(cluster.cluster_id(), "kv", partition, epoch)
+            .await
+            .unwrap();
+        held.push(view(&batches));
+    }
+    held
+}
+
 async fn number(client: &ClusterClient, sql: &str) -> i64 {
     let batches = client.query(sql).await.unwrap();
     int64(&batches[0], 0).value(0)
@@ -853,19 +864,12 @@ async fn columns_change_across_the_cluster_and_a_returning_node_reads_them() {
     // Every replica holds the same rows, in the new stored columns.
     let epoch = client.status().await.unwrap().meta.visible;
     for p in 0..PARTITIONS {
-        let partition = tessera_common::PartitionId(p);
-        let mut held = Vec::new();
-        for id in 1..=3 {
-            let batches = ClusterClient::new(cluster.addr(id))
-                .read_replica(cluster.cluster_id(), "kv", partition, epoch)
-                .await
-                .unwrap();
-            held.push(
-                arrow::util::pretty::pretty_format_batches(&batches)
-                    .unwrap()
-                    .to_string(),
-            );
-        }
+        let held = held_by_each_node(&cluster, p, epoch, |batches| {
+            arrow::util::pretty::pretty_format_batches(batches)
+                .unwrap()
+                .to_string()
+        })
+        .await;
         assert_eq!(held[2], held[0], "p{p}: node 3 holds what node 1 holds");
         assert_eq!(held[1], held[0], "p{p}: node 2 holds what node 1 holds");
     }

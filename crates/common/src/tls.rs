@@ -63,8 +63,18 @@ impl std::fmt::Display for CertIdentity {
 
 /// Who the (already verified) certificate `der` speaks for.
 pub fn cert_identity(der: &[u8]) -> Result<CertIdentity, String> {
+    identity_of(&parse(der)?)
+}
+
+fn parse(der: &[u8]) -> Result<x509_parser::certificate::X509Certificate<'_>, String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der)
         .map_err(|e| format!("the certificate does not parse: {e}"))?;
+    Ok(cert)
+}
+
+fn identity_of(
+    cert: &x509_parser::certificate::X509Certificate<'_>,
+) -> Result<CertIdentity, String> {
     let names: Vec<String> = cert
         .subject_alternative_name()
         .map_err(|e| format!("the certificate's names do not parse: {e}"))?
@@ -97,9 +107,7 @@ pub fn cert_identity(der: &[u8]) -> Result<CertIdentity, String> {
 /// Refuses a certificate outside its validity period, naming it: a node or client would
 /// otherwise start and be refused by every peer's handshake, where the reason is easily
 /// lost.
-pub fn check_validity(der: &[u8]) -> Result<(), String> {
-    let (_, cert) = x509_parser::parse_x509_certificate(der)
-        .map_err(|e| format!("the certificate does not parse: {e}"))?;
+fn valid_now(cert: &x509_parser::certificate::X509Certificate<'_>) -> Result<(), String> {
     let validity = cert.validity();
     let now = x509_parser::time::ASN1Time::now();
     if now > validity.not_after {
@@ -154,8 +162,13 @@ impl MutualTls {
         };
         first(&ca_pem, ca)?;
         let own = first(&cert_pem, cert)?;
-        check_validity(&own).map_err(|e| format!("{}: {e}", cert.display()))?;
-        let identity = cert_identity(&own).map_err(|e| format!("{}: {e}", cert.display()))?;
+        // Parsed once: checked for its validity period, then read for its identity.
+        let identity = parse(&own)
+            .and_then(|parsed| {
+                valid_now(&parsed)?;
+                identity_of(&parsed)
+            })
+            .map_err(|e| format!("{}: {e}", cert.display()))?;
         PrivateKeyDer::from_pem_slice(&key_pem)
             .map_err(|e| format!("{} holds no PEM private key: {e}", key.display()))?;
         Ok(MutualTls {

@@ -330,35 +330,23 @@ pub fn conform_stored(def: &TableDef, batch: &RecordBatch) -> Result<RecordBatch
     if batch.schema() == stored {
         return Ok(batch.clone());
     }
-    let user = def.schema.fields().len();
-    let given = batch
-        .num_columns()
-        .checked_sub(2)
-        .ok_or_else(|| StorageError::SchemaMismatch {
+    if batch.num_columns() < 2 {
+        return Err(StorageError::SchemaMismatch {
             table: def.name.clone(),
             reason: format!(
                 "{} columns are too few for stored rows",
                 batch.num_columns()
             ),
-        })?;
-    if given > user {
-        return Err(StorageError::SchemaMismatch {
-            table: def.name.clone(),
-            reason: format!(
-                "stored rows have {given} columns, the table's definition here {user}: they were written under a newer definition than this node has applied"
-            ),
         });
     }
-    let mut columns = Vec::with_capacity(user + 2);
-    for column in 0..user {
-        columns.push(if column < given {
-            cast_to(batch.column(column), stored.field(column).data_type())?
-        } else {
-            missing_column(def, column, batch.num_rows())?
+    let layout = FileLayout::of(def, batch.num_columns())?;
+    let mut columns = Vec::with_capacity(stored.fields().len());
+    for (column, field) in stored.fields().iter().enumerate() {
+        columns.push(match layout.position(column) {
+            Some(at) => cast_to(batch.column(at), field.data_type())?,
+            None => missing_column(def, column, batch.num_rows())?,
         });
     }
-    columns.push(batch.column(given).clone());
-    columns.push(batch.column(given + 1).clone());
     Ok(RecordBatch::try_new(stored, columns)?)
 }
 
@@ -395,7 +383,7 @@ impl FileLayout {
             return Err(StorageError::SchemaMismatch {
                 table: def.name.clone(),
                 reason: format!(
-                    "a component has {given} columns, the table's definition here {user}: it was written under a newer definition than this node has applied"
+                    "stored rows have {given} columns, the table's definition here {user}: they were written under a newer definition than this node has applied"
                 ),
             });
         }

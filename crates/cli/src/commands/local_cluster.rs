@@ -46,6 +46,11 @@ impl LocalCluster {
             }
             None => None,
         };
+        // This process's own clients (`ClusterClient::new`) speak to this cluster with its
+        // administrator's certificate.
+        if tls.is_some() {
+            tessera_server::client::set_default_tls(tls.clone());
+        }
         let mut cluster = LocalCluster {
             children: Vec::new(),
             addrs: Vec::new(),

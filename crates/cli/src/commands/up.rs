@@ -64,9 +64,6 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
                 first.peers.len()
             );
         }
-        if first.mtls.is_some() {
-            use_admin_certificate(&root)?;
-        }
         return Ok((1..=options.nodes)
             .map(|id| root.join(format!("node-{id}")).join("node.toml"))
             .collect());
@@ -84,7 +81,6 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
     if !options.insecure {
         let ids: Vec<NodeId> = peers.iter().map(|p| p.id).collect();
         super::certs::ensure_local(&certs, &cluster_id, &ids)?;
-        use_admin_certificate(&root)?;
     }
     let mut paths = Vec::new();
     for peer in &peers {
@@ -131,17 +127,6 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
         paths.push(path);
     }
     Ok(paths)
-}
-
-/// This process talks to the cluster under `root` with its administrator's certificate.
-fn use_admin_certificate(root: &Path) -> Result<()> {
-    let certs = root.join("certs");
-    let tls =
-        tessera_common::tls::MutualTls::from_dir(&certs, super::certs::ADMIN).map_err(|e| {
-            anyhow::anyhow!("the cluster's certificates under {}: {e}", certs.display())
-        })?;
-    tessera_server::client::set_default_tls(Some(tls));
-    Ok(())
 }
 
 pub async fn run(root: &Path, options: UpOptions) -> Result<()> {
