@@ -6,7 +6,7 @@
 //! the current table and diffs between versions must equal the model's, before and after
 //! every node is SIGKILLed and restarted.
 
-use arrow::array::{Array, Int64Array, RecordBatch, StringArray};
+use arrow::array::{Array, Int64Array, StringArray};
 use arrow::datatypes::DataType;
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, BTreeSet};
