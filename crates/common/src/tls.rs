@@ -41,6 +41,16 @@ pub fn node_dns_name(id: crate::NodeId) -> String {
 /// `<name>.client.tessera`.
 pub const CLIENT_DNS_SUFFIX: &str = ".client.tessera";
 
+/// The client certificate of the cluster's administrator (`tessera certs init` makes it):
+/// it acts as the operator, who may do everything. Any other client certificate acts as
+/// the user it names.
+pub const ADMIN_CLIENT: &str = "admin";
+
+/// The DNS name that makes a certificate client `name`'s.
+pub fn client_dns_name(name: &str) -> String {
+    format!("{name}{CLIENT_DNS_SUFFIX}")
+}
+
 /// Who a certificate of the cluster's CA speaks for, from its DNS names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CertIdentity {

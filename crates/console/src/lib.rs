@@ -28,9 +28,9 @@ pub trait NodeView: Send + Sync + 'static {
     /// The cluster as this node sees it, and the statements it runs and ran, as JSON.
     fn status(&self) -> serde_json::Value;
 
-    /// Runs `sql` for the console's SQL box: each statement's rows or tag, as JSON, or
-    /// the error, said once.
-    async fn sql(&self, sql: String) -> Result<serde_json::Value, String>;
+    /// Runs `sql` for the console's SQL box, as `user` (who logged in; `None` on a cluster
+    /// without users): each statement's rows or tag, as JSON, or the error, said once.
+    async fn sql(&self, sql: String, user: Option<String>) -> Result<serde_json::Value, String>;
 
     /// Whether the cluster has users, so that the console asks for a login.
     fn login_required(&self) -> bool;
@@ -56,9 +56,13 @@ pub fn router(node: Arc<dyn NodeView>) -> Router {
 }
 
 /// Lets a request through if the cluster has no users or it carries a user's password.
+/// The user a console request logged in as.
+#[derive(Clone)]
+struct LoggedIn(String);
+
 async fn require_login(
     State(node): State<Arc<dyn NodeView>>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
     if !node.login_required() {
@@ -73,6 +77,7 @@ async fn require_login(
         static VERIFIED: std::sync::LazyLock<VerifiedPasswords> =
             std::sync::LazyLock::new(VerifiedPasswords::new);
         if VERIFIED.check(node.user_secret(&user).as_ref(), &user, &password) {
+            request.extensions_mut().insert(LoggedIn(user));
             return next.run(request).await;
         }
     }
@@ -157,8 +162,13 @@ async fn status(State(node): State<Arc<dyn NodeView>>) -> Json<serde_json::Value
 }
 
 /// The SQL box: the body is the SQL text.
-async fn sql(State(node): State<Arc<dyn NodeView>>, body: String) -> Response {
-    match node.sql(body).await {
+async fn sql(
+    State(node): State<Arc<dyn NodeView>>,
+    user: Option<axum::Extension<LoggedIn>>,
+    body: String,
+) -> Response {
+    let user = user.map(|axum::Extension(LoggedIn(name))| name);
+    match node.sql(body, user).await {
         Ok(results) => Json(results).into_response(),
         Err(error) => (
             StatusCode::BAD_REQUEST,

@@ -264,11 +264,18 @@ fn affected_rows(output: &StatementOutput) -> i64 {
 }
 
 impl TesseraFlightSql {
+    /// A fresh engine, acting as the user the call logged in as.
+    fn open_engine(&self) -> Engine {
+        let engine = self.sessions.open();
+        engine.act_as(login::logged_in());
+        engine
+    }
+
     /// The session a statement runs in: its transaction's, or a fresh one.
     fn engine(&self, transaction: Option<&[u8]>) -> Result<Arc<Engine>, Status> {
         match transaction {
             Some(id) if !id.is_empty() => self.transactions.get(id),
-            _ => Ok(Arc::new(self.sessions.open())),
+            _ => Ok(Arc::new(self.open_engine())),
         }
     }
 
@@ -320,7 +327,7 @@ impl TesseraFlightSql {
     }
 
     fn table_names(&self) -> Vec<String> {
-        let engine = self.sessions.open();
+        let engine = self.open_engine();
         let mut names = engine
             .session()
             .catalog(CATALOG)
@@ -537,7 +544,7 @@ impl FlightSqlService for TesseraFlightSql {
         _query: ActionBeginTransactionRequest,
         _request: Request<Action>,
     ) -> Result<ActionBeginTransactionResult, Status> {
-        let engine = self.sessions.open();
+        let engine = self.open_engine();
         engine.execute("BEGIN").await.map_err(status)?;
         let id = self.transactions.begin(engine)?;
         Ok(ActionBeginTransactionResult {
@@ -705,7 +712,7 @@ impl FlightSqlService for TesseraFlightSql {
         query: CommandGetTables,
         _request: Request<Ticket>,
     ) -> Result<Response<FlightDataStream>, Status> {
-        let engine = self.sessions.open();
+        let engine = self.open_engine();
         let mut builder = query.into_builder();
         for name in self.table_names() {
             let schema = engine

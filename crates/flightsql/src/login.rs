@@ -82,10 +82,11 @@ impl Logins {
         Ok(Some(token))
     }
 
-    /// Whether a call to `path` with this `authorization` header may go on.
-    fn admit(&self, path: &str, authorization: Option<&str>) -> Result<(), Status> {
+    /// Whether a call to `path` with this `authorization` header may go on, and for which
+    /// user (`None`: the cluster has no users yet, or the call is the handshake).
+    fn admit(&self, path: &str, authorization: Option<&str>) -> Result<Option<String>, Status> {
         if path == HANDSHAKE_PATH || !self.sessions.login_required() {
-            return Ok(());
+            return Ok(None);
         }
         let token = authorization
             .and_then(|value| value.strip_prefix("Bearer "))
@@ -100,7 +101,7 @@ impl Logins {
             Some(t)
                 if t.expires > Instant::now() && self.sessions.user_secret(&t.user).is_some() =>
             {
-                Ok(())
+                Ok(Some(t.user.clone()))
             }
             _ => Err(Status::unauthenticated(
                 "the bearer token is unknown or expired: log in again",
@@ -155,6 +156,17 @@ fn percent_decode(text: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+tokio::task_local! {
+    /// The user the call being handled logged in as (its bearer token's), for the whole
+    /// of its handler: the Flight SQL methods' signatures leave no room to pass it.
+    static LOGGED_IN: Option<String>;
+}
+
+/// The user the current call logged in as; `None` on a cluster without users.
+pub(crate) fn logged_in() -> Option<String> {
+    LOGGED_IN.try_with(Clone::clone).ok().flatten()
+}
+
 #[derive(Clone)]
 pub struct RequireLogin<S> {
     pub inner: S,
@@ -187,12 +199,12 @@ where
             .unwrap_or_default()
             .to_string();
         match self.logins.admit(request.uri().path(), authorization) {
-            Ok(()) => {
+            Ok(user) => {
                 let call = self.inner.call(request);
-                Box::pin(async move {
+                Box::pin(LOGGED_IN.scope(user, async move {
                     call.await
                         .map(|response| name_decode_errors(&method, response))
-                })
+                }))
             }
             Err(status) => Box::pin(async move { Ok(status.into_http()) }),
         }

@@ -50,6 +50,12 @@ pub struct EpochRecord {
     /// When it became visible, in milliseconds since the Unix epoch on the metadata's clock
     /// (0 while it is not yet visible, or for epochs from before the clock was kept).
     pub visible_at_ms: u64,
+    /// The user who published it (`None`: the operator, or a placement change).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publisher: Option<String>,
+    /// The publisher's participant, as it was when the epoch committed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub participant: Option<String>,
 }
 
 /// A name pinned to a committed epoch.
@@ -103,22 +109,28 @@ impl MetaState {
     pub(crate) fn log_commit(
         &mut self,
         epoch: Epoch,
-        coordinator: NodeId,
-        tables: Vec<String>,
+        open: &crate::OpenEpoch,
         changes: Option<Vec<TableChangeCount>>,
     ) {
         let kind = match changes {
             Some(_) => EpochKind::Publish,
             None => EpochKind::Placement,
         };
+        let participant = open
+            .publisher
+            .as_ref()
+            .and_then(|user| self.users.get(user))
+            .and_then(|user| user.participant.clone());
         self.epoch_log.insert(
             epoch,
             EpochRecord {
                 kind,
-                coordinator,
-                tables,
+                coordinator: open.coordinator,
+                tables: open.tables.clone(),
                 changes: changes.unwrap_or_default(),
                 visible_at_ms: 0,
+                publisher: open.publisher.clone(),
+                participant,
             },
         );
     }

@@ -14,6 +14,7 @@
 //! records what the layers above decide, and applies it deterministically on every node.
 //! API boundary: [`MetaClient`] for reads and writes; [`MetaState`] for reading a view.
 
+pub mod access;
 pub mod client;
 pub mod error;
 pub mod history;
@@ -24,6 +25,7 @@ pub mod state;
 pub mod state_machine;
 pub mod wire;
 
+pub use access::{Action, AuditEvent, AuditRecord, ParticipantRecord, Role, Standing, DENIED};
 pub use client::{MetaClient, LINEARIZABLE_READ_PATIENCE};
 pub use error::MetaError;
 pub use history::{EpochKind, EpochRecord, TableChangeCount, TagRecord};

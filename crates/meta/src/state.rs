@@ -5,6 +5,7 @@
 //! (create a table, commit an epoch's prepared rows) is returned as [`LocalEffect`]s for the
 //! state machine to carry out.
 
+use crate::access::{Action, AuditEvent, AuditRecord, ParticipantRecord, Role, Standing};
 use crate::history::{EpochRecord, TableChangeCount, TagRecord};
 use crate::NodeId;
 use serde::{Deserialize, Serialize};
@@ -184,10 +185,13 @@ pub enum MetaCommand {
     LineageEnd {
         query: QueryId,
     },
-    /// A user who may log in to the SQL endpoints (refused if the name is taken).
+    /// A user who may log in to the SQL endpoints (refused if the name is taken): a user
+    /// of `participant`, or with none a cluster administrator.
     CreateUser {
         name: String,
         secret: ScramSecret,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        participant: Option<String>,
     },
     /// A new password for an existing user.
     AlterUser {
@@ -217,6 +221,34 @@ pub enum MetaCommand {
         table: String,
         alter: tessera_storage::evolution::AlterColumn,
     },
+    /// An organization sharing the cluster (see [`crate::access`]).
+    CreateParticipant {
+        name: String,
+    },
+    /// Refused while it owns tables or has users.
+    DropParticipant {
+        name: String,
+    },
+    Grant {
+        user: String,
+        role: Role,
+    },
+    Revoke {
+        user: String,
+        role: Role,
+    },
+    /// `ALTER TABLE t OWNER TO p`: moves the table's ownership, and with it the right to
+    /// hold its one-writer lease, in one entry (see [`MetaState::hand_over`]).
+    SetTableOwner {
+        table: String,
+        owner: String,
+    },
+    /// A command on behalf of `user`, who must be allowed to do it (see
+    /// [`crate::access`]); a command not wrapped comes from the operator or the node.
+    As {
+        user: String,
+        command: Box<MetaCommand>,
+    },
     /// A command as the metadata leader proposed it, stamped with the leader's clock
     /// (milliseconds since the Unix epoch): the time the epoch log records.
     Stamped {
@@ -225,10 +257,36 @@ pub enum MetaCommand {
     },
 }
 
+impl MetaCommand {
+    /// Commands about the cluster's nodes, placement, epochs' fate and queries' lineage,
+    /// which only the nodes (or the operator) send.
+    fn is_the_clusters_own(&self) -> bool {
+        matches!(
+            self,
+            MetaCommand::Bootstrap { .. }
+                | MetaCommand::RegisterNode { .. }
+                | MetaCommand::SetLiveness { .. }
+                | MetaCommand::Started { .. }
+                | MetaCommand::SetPartitionMap { .. }
+                | MetaCommand::Leave { .. }
+                | MetaCommand::Decommission { .. }
+                | MetaCommand::Lineage { .. }
+                | MetaCommand::LineageEnd { .. }
+                | MetaCommand::AbortEpoch { .. }
+        )
+    }
+}
+
 /// A user of the SQL endpoints: only the SCRAM secret of the password is kept.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct UserRecord {
     pub secret: ScramSecret,
+    /// The organization the user acts for; `None` for a cluster administrator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub participant: Option<String>,
+    /// A member's roles (a cluster administrator needs none).
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub roles: BTreeSet<Role>,
 }
 
 /// The next stretch of one inbox's reading order: from position `from`, runs of
@@ -319,6 +377,9 @@ pub struct OpenEpoch {
     pub tables: Vec<String>,
     #[serde(default)]
     pub request: u64,
+    /// The user publishing, if a user asked for it (see [`crate::access`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publisher: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
@@ -362,6 +423,19 @@ pub struct MetaState {
     /// Tables whose history is not kept for ever, by name (see [`crate::retention`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub retention: BTreeMap<String, crate::retention::TableRetention>,
+    /// The organizations sharing the cluster, by name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub participants: BTreeMap<String, ParticipantRecord>,
+    /// Each owned table's participant, by table name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub owners: BTreeMap<String, String>,
+    /// Who changed membership, rights or ownership, and every publish, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub audit_log: Vec<AuditRecord>,
+    /// Why recent epochs were aborted, where a coordinator needs to be told more than
+    /// "aborted" (a hand-over).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub abort_reasons: BTreeMap<Epoch, String>,
 }
 
 fn is_zero(value: &u64) -> bool {
@@ -465,8 +539,36 @@ impl MetaState {
             }
             return applied;
         }
+        if let MetaCommand::As { user, command } = command {
+            if matches!(
+                *command,
+                MetaCommand::Stamped { .. } | MetaCommand::As { .. }
+            ) {
+                return Err("a command on behalf of a user holds another wrapper".into());
+            }
+            return self.apply_as(index, *command, Some(&user));
+        }
+        self.apply_as(index, command, None)
+    }
+
+    /// Applies one unwrapped command on behalf of `by` (`None`: the operator).
+    fn apply_as(
+        &mut self,
+        index: u64,
+        command: MetaCommand,
+        by: Option<&str>,
+    ) -> Result<(MetaResponse, Vec<LocalEffect>), String> {
         if !self.is_bootstrapped() && !matches!(command, MetaCommand::Bootstrap { .. }) {
             return Err("the cluster is not bootstrapped yet".into());
+        }
+        if by.is_some() && command.is_the_clusters_own() {
+            // Membership of nodes, placement and lineage are the nodes' own business.
+            if self.standing(by)? != Standing::Operator {
+                return Err(format!(
+                    "permission denied: user {:?} may not change the cluster's nodes or placement: only a cluster administrator may",
+                    by.unwrap_or_default()
+                ));
+            }
         }
         let mut effects = Vec::new();
         let response = match command {
@@ -557,31 +659,137 @@ impl MetaState {
                 if self.tables.contains_key(&def.name) {
                     return Err(format!("table {:?} already exists", def.name));
                 }
+                self.may(by, Action::CreateTable)?;
+                // A member's table belongs to its participant; the operator's to nobody
+                // until handed over.
+                let owner = match self.standing(by)? {
+                    Standing::Member { participant, .. } => Some(participant.to_string()),
+                    Standing::Operator => None,
+                };
+                if let Some(owner) = &owner {
+                    self.owners.insert(def.name.clone(), owner.clone());
+                }
+                self.audit(
+                    by,
+                    AuditEvent::CreateTable {
+                        table: def.name.clone(),
+                        owner,
+                    },
+                );
                 def.created_at = self.visible;
                 def.generation = index;
                 self.tables.insert(def.name.clone(), def.clone());
                 effects.push(LocalEffect::EnsureTable(def));
                 MetaResponse::Done
             }
-            MetaCommand::CreateUser { name, secret } => {
+            MetaCommand::CreateUser {
+                name,
+                secret,
+                participant,
+            } => {
                 if self.users.contains_key(&name) {
                     return Err(format!("user {name:?} already exists"));
                 }
-                self.users.insert(name, UserRecord { secret });
+                if let Some(p) = participant
+                    .as_ref()
+                    .filter(|p| !self.participants.contains_key(*p))
+                {
+                    return Err(format!("participant {p:?} does not exist"));
+                }
+                self.may(by, Action::ManageUser(participant.as_deref()))?;
+                // A member may read from the start; writing and administering are granted.
+                let roles = match participant {
+                    Some(_) => BTreeSet::from([Role::Reader]),
+                    None => BTreeSet::new(),
+                };
+                self.audit(
+                    by,
+                    AuditEvent::CreateUser {
+                        name: name.clone(),
+                        participant: participant.clone(),
+                    },
+                );
+                self.users.insert(
+                    name,
+                    UserRecord {
+                        secret,
+                        participant,
+                        roles,
+                    },
+                );
                 MetaResponse::Done
             }
             MetaCommand::AlterUser { name, secret } => {
-                let user = self
-                    .users
-                    .get_mut(&name)
-                    .ok_or_else(|| format!("user {name:?} does not exist"))?;
-                user.secret = secret;
+                if !self.users.contains_key(&name) {
+                    return Err(format!("user {name:?} does not exist"));
+                }
+                self.may(by, Action::ChangePassword(&name))?;
+                self.audit(by, AuditEvent::AlterUser { name: name.clone() });
+                self.users.get_mut(&name).expect("checked").secret = secret;
                 MetaResponse::Done
             }
             MetaCommand::DropUser { name } => {
-                self.users
-                    .remove(&name)
+                let user = self
+                    .users
+                    .get(&name)
                     .ok_or_else(|| format!("user {name:?} does not exist"))?;
+                self.may(by, Action::ManageUser(user.participant.as_deref()))?;
+                self.users.remove(&name);
+                self.audit(by, AuditEvent::DropUser { name });
+                MetaResponse::Done
+            }
+            MetaCommand::CreateParticipant { name } => {
+                self.may(by, Action::ManageParticipants)?;
+                if self.participants.contains_key(&name) {
+                    return Err(format!("participant {name:?} already exists"));
+                }
+                self.participants.insert(
+                    name.clone(),
+                    ParticipantRecord {
+                        created_at_ms: self.clock_ms,
+                    },
+                );
+                self.audit(by, AuditEvent::CreateParticipant { name });
+                MetaResponse::Done
+            }
+            MetaCommand::DropParticipant { name } => {
+                self.may(by, Action::ManageParticipants)?;
+                if !self.participants.contains_key(&name) {
+                    return Err(format!("participant {name:?} does not exist"));
+                }
+                if let Some((table, _)) = self.owners.iter().find(|(_, owner)| **owner == name) {
+                    return Err(format!(
+                        "participant {name:?} still owns table {table:?}: hand it over or drop it first"
+                    ));
+                }
+                if let Some((user, _)) = self
+                    .users
+                    .iter()
+                    .find(|(_, u)| u.participant.as_ref() == Some(&name))
+                {
+                    return Err(format!(
+                        "participant {name:?} still has user {user:?}: drop its users first"
+                    ));
+                }
+                self.participants.remove(&name);
+                self.audit(by, AuditEvent::DropParticipant { name });
+                MetaResponse::Done
+            }
+            MetaCommand::Grant { user, role } => {
+                self.change_role(&user, role, true, by)?;
+                MetaResponse::Done
+            }
+            MetaCommand::Revoke { user, role } => {
+                self.change_role(&user, role, false, by)?;
+                MetaResponse::Done
+            }
+            MetaCommand::SetTableOwner { table, owner } => {
+                let refused = self.hand_over(&table, &owner, by)?;
+                for epoch in refused {
+                    tracing::info!(%epoch, %table, %owner, "epoch aborted by a hand-over");
+                    self.decide(epoch, false);
+                    effects.push(LocalEffect::Abort(epoch));
+                }
                 MetaResponse::Done
             }
             MetaCommand::DropTable { name } => {
@@ -591,11 +799,19 @@ impl MetaState {
                         open.coordinator
                     ));
                 }
-                let def = self
-                    .tables
-                    .remove(&name)
-                    .ok_or_else(|| format!("table {name:?} does not exist"))?;
+                if !self.tables.contains_key(&name) {
+                    return Err(format!("table {name:?} does not exist"));
+                }
+                self.may(by, Action::DropTable(&name))?;
+                let def = self.tables.remove(&name).expect("checked");
                 self.retention.remove(&name);
+                self.owners.remove(&name);
+                self.audit(
+                    by,
+                    AuditEvent::DropTable {
+                        table: name.clone(),
+                    },
+                );
                 effects.push(LocalEffect::DropTable {
                     name,
                     generation: def.generation,
@@ -632,6 +848,9 @@ impl MetaState {
                 if let Some(table) = tables.iter().find(|t| !self.tables.contains_key(*t)) {
                     return Err(format!("table {table:?} does not exist"));
                 }
+                for table in &tables {
+                    self.may(by, Action::Publish(table))?;
+                }
                 if incarnation > member.incarnation {
                     self.enter_incarnation(coordinator, incarnation, &mut effects);
                 }
@@ -657,6 +876,7 @@ impl MetaState {
                         incarnation,
                         tables,
                         request,
+                        publisher: by.map(str::to_string),
                     },
                 );
                 MetaResponse::Epoch(epoch)
@@ -673,10 +893,12 @@ impl MetaState {
                 if !self.open.contains_key(&epoch) {
                     // A coordinator never commits an epoch it aborted itself: the leader
                     // aborted it when it declared the coordinator failed.
+                    let reason = self
+                        .abort_reasons
+                        .get(&epoch)
+                        .map_or("its coordinator was declared failed", String::as_str);
                     return Ok((
-                        MetaResponse::Fenced(format!(
-                            "epoch {epoch} was aborted because its coordinator was declared failed"
-                        )),
+                        MetaResponse::Fenced(format!("epoch {epoch} was aborted: {reason}")),
                         vec![],
                     ));
                 }
@@ -713,8 +935,20 @@ impl MetaState {
                         *first_missed = (*first_missed).min(epoch);
                     }
                 }
-                let open = &self.open[&epoch];
-                self.log_commit(epoch, open.coordinator, open.tables.clone(), changes);
+                let open = self.open[&epoch].clone();
+                let publish = changes.is_some();
+                self.log_commit(epoch, &open, changes);
+                if publish {
+                    let participant = self.epoch_log[&epoch].participant.clone();
+                    self.audit(
+                        open.publisher.as_deref(),
+                        AuditEvent::Publish {
+                            epoch,
+                            tables: open.tables,
+                            participant,
+                        },
+                    );
+                }
                 self.decide(epoch, true);
                 self.recompute_primaries();
                 effects.push(LocalEffect::Commit(epoch));
@@ -823,9 +1057,13 @@ impl MetaState {
                 MetaResponse::Done
             }
             MetaCommand::CreateTag { name, epoch } => {
+                self.may(by, Action::KeepHistory)?;
                 MetaResponse::Epoch(self.create_tag(name, epoch)?)
             }
             MetaCommand::SetRetention { table, retention } => {
+                if self.tables.contains_key(&table) {
+                    self.may(by, Action::AlterTable(&table))?;
+                }
                 MetaResponse::Epoch(self.set_retention(table, retention)?)
             }
             MetaCommand::AlterTable { table, alter } => {
@@ -833,6 +1071,7 @@ impl MetaState {
                     .tables
                     .get(&table)
                     .ok_or_else(|| format!("table {table:?} does not exist"))?;
+                self.may(by, Action::AlterTable(&table))?;
                 let altered = def
                     .altered(&alter, self.next_epoch)
                     .map_err(|e| e.to_string())?;
@@ -841,12 +1080,15 @@ impl MetaState {
                 MetaResponse::Done
             }
             MetaCommand::DropTag { name } => {
+                self.may(by, Action::KeepHistory)?;
                 self.tags
                     .remove(&name)
                     .ok_or_else(|| format!("tag {name:?} does not exist"))?;
                 MetaResponse::Done
             }
-            MetaCommand::Stamped { .. } => unreachable!("unwrapped above"),
+            MetaCommand::Stamped { .. } | MetaCommand::As { .. } => {
+                unreachable!("unwrapped above")
+            }
         };
         Ok((response, effects))
     }
@@ -914,6 +1156,8 @@ impl MetaState {
     }
 }
 
+#[cfg(test)]
+mod access_tests;
 #[cfg(test)]
 mod model_tests;
 #[cfg(test)]

@@ -33,6 +33,8 @@ pub struct Startup {
     /// The endpoint's process ids and cancel keys: one counter for all its connections.
     pub pids: Arc<RandomPidSecretKeyGenerator>,
     pub state: Mutex<Login>,
+    /// The connection's engine: once the client has logged in, it acts as that user.
+    pub engine: Arc<tessera_sql::Engine>,
 }
 
 /// Where a connection's login stands.
@@ -184,6 +186,7 @@ impl StartupHandler for Startup {
                     .send(PgWireBackendMessage::Authentication(reply))
                     .await?;
                 if finished {
+                    self.engine.act_as(Some(user));
                     admit(client, &self.connections, &self.pids).await?;
                 }
             }

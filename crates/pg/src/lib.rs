@@ -72,14 +72,16 @@ pub async fn serve(listener: TcpListener, sessions: Arc<dyn Sessions>, limits: P
             tokio::spawn(errors::refuse_connection(socket, limits.max_connections));
             continue;
         };
+        let session = Arc::new(PgSession::new(sessions.open()));
         let handlers = Connection {
-            session: Arc::new(PgSession::new(sessions.open())),
             startup: Arc::new(auth::Startup {
                 connections: connections.clone(),
                 sessions: sessions.clone(),
                 pids: pids.clone(),
                 state: Default::default(),
+                engine: session.engine(),
             }),
+            session,
             cancel: Arc::new(DefaultCancelHandler::new(connections.clone())),
         };
         let tls = limits.tls.clone();

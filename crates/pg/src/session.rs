@@ -208,6 +208,11 @@ impl PgSession {
         }
     }
 
+    /// The connection's engine (shared with its start-up, which tells it who logged in).
+    pub fn engine(&self) -> Arc<Engine> {
+        self.engine.clone()
+    }
+
     /// Runs one statement and sends the notices it raised (a query that survived a node's
     /// death says how) ahead of its result.
     async fn run<C>(

@@ -140,7 +140,15 @@ const VISIBLE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120
 /// Visible, not only committed: the visible epoch is the prefix of decided epochs, and a
 /// query reads at it, so an epoch committed while an earlier one (another table's) is still
 /// open would be missed by a read started after its acknowledgement (a stale read).
-pub async fn publish(node: &Arc<Replication>, changes: Vec<TableChanges>) -> Result<Epoch> {
+///
+/// `publisher` is the user it is published for (`None`: the operator): the metadata
+/// refuses the epoch unless that user may publish to every table (see
+/// `tessera_meta::access`), and records who published it.
+pub async fn publish(
+    node: &Arc<Replication>,
+    changes: Vec<TableChanges>,
+    publisher: Option<&str>,
+) -> Result<Epoch> {
     let started = std::time::Instant::now();
     let tables: Vec<String> = changes.iter().map(|c| c.table.clone()).collect();
     let (rows, bytes) = changes
@@ -153,7 +161,7 @@ pub async fn publish(node: &Arc<Replication>, changes: Vec<TableChanges>) -> Res
             )
         });
     let result = async {
-        let epoch = publish_committed(node, changes).await?;
+        let epoch = publish_committed(node, changes, publisher).await?;
         wait_visible(node, epoch).await?;
         Ok(epoch)
     }
@@ -247,7 +255,11 @@ async fn wait_visible(node: &Arc<Replication>, epoch: Epoch) -> Result<()> {
 }
 
 /// Publishes `changes` as one epoch across the cluster; returns once it is committed.
-async fn publish_committed(node: &Arc<Replication>, changes: Vec<TableChanges>) -> Result<Epoch> {
+async fn publish_committed(
+    node: &Arc<Replication>,
+    changes: Vec<TableChanges>,
+    publisher: Option<&str>,
+) -> Result<Epoch> {
     let state = node
         .meta
         .read_linearizable(LINEARIZABLE_READ_PATIENCE)
@@ -262,7 +274,7 @@ async fn publish_committed(node: &Arc<Replication>, changes: Vec<TableChanges>) 
     let mut attempt = 0;
     loop {
         attempt += 1;
-        match publish_routed(node, &routed).await {
+        match publish_routed(node, &routed, publisher).await {
             Err(ReplicationError::Meta(MetaError::Fenced(reason))) if attempt <= RETRIES => {
                 tracing::warn!(%reason, attempt, "publish fenced; retrying once this node is alive again");
                 node.meta
@@ -292,10 +304,11 @@ async fn publish_committed(node: &Arc<Replication>, changes: Vec<TableChanges>) 
 async fn publish_routed(
     node: &Arc<Replication>,
     routed: &BTreeMap<String, Routed>,
+    publisher: Option<&str>,
 ) -> Result<Epoch> {
     let started = std::time::Instant::now();
     let tables: Vec<String> = routed.keys().cloned().collect();
-    let epoch = allocate_epoch(node, tables.clone()).await?;
+    let epoch = allocate_epoch(node, tables.clone(), publisher).await?;
     let span = tracing::info_span!("publish", %epoch, ?tables);
     tracing::Instrument::instrument(publish_epoch(node, routed, epoch, started), span).await
 }
@@ -378,8 +391,12 @@ async fn publish_epoch(
 const LEASE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Takes an epoch and the ownership lease of `tables`, waiting while another writer holds
-/// one of them.
-pub async fn allocate_epoch(node: &Arc<Replication>, tables: Vec<String>) -> Result<Epoch> {
+/// one of them; for `publisher`, if a user (see [`publish`]).
+pub async fn allocate_epoch(
+    node: &Arc<Replication>,
+    tables: Vec<String>,
+    publisher: Option<&str>,
+) -> Result<Epoch> {
     let deadline = std::time::Instant::now() + LEASE_PATIENCE;
     let request: u64 = rand::random();
     loop {
@@ -388,6 +405,13 @@ pub async fn allocate_epoch(node: &Arc<Replication>, tables: Vec<String>) -> Res
             incarnation: node.incarnation(),
             tables: tables.clone(),
             request,
+        };
+        let command = match publisher {
+            Some(user) => MetaCommand::As {
+                user: user.to_string(),
+                command: Box::new(command),
+            },
+            None => command,
         };
         match node.meta.write(command).await {
             Ok(MetaResponse::Epoch(epoch)) => return Ok(epoch),

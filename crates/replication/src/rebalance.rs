@@ -121,7 +121,7 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
         return Ok(());
     };
     let tables: Vec<String> = state.tables.keys().cloned().collect();
-    let epoch = crate::publish::allocate_epoch(node, tables).await?;
+    let epoch = crate::publish::allocate_epoch(node, tables, None).await?;
     // Copies may take long: heartbeats keep the epoch from timing out while they run.
     let _working = node.work_on(epoch);
     // Every epoch before ours is decided (we hold every table's lease): copy as of then.

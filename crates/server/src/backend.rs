@@ -26,12 +26,13 @@ use std::sync::{Arc, Mutex};
 use tessera_common::{Epoch, PartitionId, PartitionRing};
 use tessera_exec::scan::{read_from, DistributedScanExec, ReadRows, ScanSpec, TableStatistics};
 use tessera_exec::{ExecError, RecoveryOutcome};
+use tessera_sql::access::AccessStatement;
 use tessera_sql::changes::{ChangesSource, ChangesTable};
 use tessera_sql::provider::{RowSource, VersionedTable};
 use tessera_sql::retention::RetentionStatement;
 use tessera_sql::system::{
-    is_system_table, EpochRow, TableRow, TagRow, EPOCHS_TABLE, SYSTEM_TABLES, TABLES_TABLE,
-    TAGS_TABLE,
+    is_system_table, AuditRow, EpochRow, ParticipantRow, TableRow, TagRow, UserRow, AUDIT_TABLE,
+    EPOCHS_TABLE, PARTICIPANTS_TABLE, SYSTEM_TABLES, TABLES_TABLE, TAGS_TABLE, USERS_TABLE,
 };
 use tessera_sql::tags::TagStatement;
 use tessera_sql::time_travel::{base_table_name, split_as_of, AsOf};
@@ -41,6 +42,19 @@ use tessera_sql::{Backend, SqlError};
 use tessera_storage::versions::stored_schema;
 use tessera_storage::versions::stored_user_schema;
 use tessera_storage::{StorageError, TableChanges, TableDef};
+
+/// The SQL error for a metadata command refused with `reason`.
+fn refusal(reason: String) -> SqlError {
+    if reason.starts_with(crate::meta::access::DENIED) {
+        SqlError::PermissionDenied(reason)
+    } else if reason.contains("already exists") {
+        SqlError::DuplicateObject(reason)
+    } else if reason.ends_with("does not exist") {
+        SqlError::UndefinedObject(reason)
+    } else {
+        SqlError::InvalidValue(reason)
+    }
+}
 
 fn external(error: ExecError) -> DataFusionError {
     match error {
@@ -76,6 +90,8 @@ pub struct ClusterBackend {
     view: StatementView,
     /// How this backend's statements survived node failures, until taken.
     recoveries: Mutex<Vec<RecoveryOutcome>>,
+    /// The user its statements run for (`None`: the operator).
+    actor: Mutex<Option<String>>,
 }
 
 impl ClusterBackend {
@@ -86,8 +102,37 @@ impl ClusterBackend {
                 pinned: Arc::default(),
             },
             recoveries: Mutex::default(),
+            actor: Mutex::default(),
             node,
         }
+    }
+
+    fn actor(&self) -> Option<String> {
+        self.actor.lock().expect("actor lock").clone()
+    }
+
+    /// Writes `command` to the metadata on behalf of this backend's user, who must be
+    /// allowed to (see `tessera_meta::access`); a refusal becomes the SQL error that
+    /// names it.
+    async fn write_as_actor(
+        &self,
+        command: MetaCommand,
+    ) -> tessera_sql::error::Result<MetaResponse> {
+        let command = match self.actor() {
+            Some(user) => MetaCommand::As {
+                user,
+                command: Box::new(command),
+            },
+            None => command,
+        };
+        self.node
+            .meta
+            .write(command)
+            .await
+            .map_err(|error| match error {
+                MetaError::Refused(reason) => refusal(reason),
+                other => ClusterError::from(other).into(),
+            })
     }
 
     fn view(&self) -> Arc<MetaView> {
@@ -126,28 +171,39 @@ impl Backend for ClusterBackend {
             .read_linearizable(crate::meta::LINEARIZABLE_READ_PATIENCE)
             .await
             .map_err(ClusterError::from)?;
+        let actor = self.actor();
+        view.state
+            .may(actor.as_deref(), crate::meta::Action::Read)
+            .map_err(
+                |reason| match reason.starts_with(crate::meta::access::DENIED) {
+                    true => SqlError::PermissionDenied(reason),
+                    // The user was dropped while connected.
+                    false => SqlError::PermissionDenied(format!(
+                        "{}{reason}",
+                        crate::meta::access::DENIED
+                    )),
+                },
+            )?;
         self.view.pin(view);
         Ok(())
     }
 
     async fn create_table(&self, def: TableDef) -> tessera_sql::error::Result<()> {
-        self.node
-            .meta
-            .write(crate::meta::MetaCommand::CreateTable { def })
-            .await
-            .map_err(ClusterError::from)?;
+        self.write_as_actor(MetaCommand::CreateTable { def })
+            .await?;
         // CREATE TABLE AS inserts next, within this statement: it must see the new table.
         self.begin_statement().await
     }
 
     async fn drop_table(&self, name: &str) -> tessera_sql::error::Result<()> {
-        self.node
-            .meta
-            .write(crate::meta::MetaCommand::DropTable {
-                name: name.to_string(),
-            })
-            .await
-            .map_err(ClusterError::from)?;
+        self.write_as_actor(MetaCommand::DropTable {
+            name: name.to_string(),
+        })
+        .await
+        .map_err(|error| match error {
+            SqlError::UndefinedObject(_) => StorageError::UnknownTable(name.to_string()).into(),
+            other => other,
+        })?;
         self.begin_statement().await
     }
 
@@ -160,21 +216,14 @@ impl Backend for ClusterBackend {
             table: table.to_string(),
             alter,
         };
-        match self.node.meta.write(command).await {
+        match self.write_as_actor(command).await {
             Ok(_) => {}
-            Err(MetaError::Refused(reason))
+            Err(SqlError::UndefinedObject(reason))
                 if reason == format!("table {table:?} does not exist") =>
             {
                 return Err(StorageError::UnknownTable(table.to_string()).into())
             }
-            Err(MetaError::Refused(reason)) if reason.ends_with("does not exist") => {
-                return Err(SqlError::UndefinedObject(reason))
-            }
-            Err(MetaError::Refused(reason)) if reason.ends_with("already exists") => {
-                return Err(SqlError::DuplicateObject(reason))
-            }
-            Err(MetaError::Refused(reason)) => return Err(SqlError::InvalidValue(reason)),
-            Err(other) => return Err(ClusterError::from(other).into()),
+            Err(other) => return Err(other),
         }
         // The statements after this one must see the change.
         self.begin_statement().await
@@ -182,20 +231,68 @@ impl Backend for ClusterBackend {
 
     async fn change_user(&self, change: UserChange) -> tessera_sql::error::Result<()> {
         let command = match change {
-            UserChange::Create { name, secret } => MetaCommand::CreateUser { name, secret },
+            UserChange::Create {
+                name,
+                secret,
+                participant,
+            } => {
+                // A participant's administrator adds users to its own participant.
+                let view = self.node.meta.view();
+                let participant = participant.or_else(|| {
+                    let actor = self.actor()?;
+                    view.state.users.get(&actor)?.participant.clone()
+                });
+                MetaCommand::CreateUser {
+                    name,
+                    secret,
+                    participant,
+                }
+            }
             UserChange::Alter { name, secret } => MetaCommand::AlterUser { name, secret },
             UserChange::Drop { name } => MetaCommand::DropUser { name },
         };
-        match self.node.meta.write(command).await {
-            Ok(_) => Ok(()),
-            Err(MetaError::Refused(reason)) if reason.ends_with("already exists") => {
-                Err(SqlError::DuplicateObject(reason))
+        self.write_as_actor(command).await.map(|_| ())
+    }
+
+    fn act_as(&self, user: Option<String>) {
+        *self.actor.lock().expect("actor lock") = user;
+    }
+
+    async fn change_access(&self, change: AccessStatement) -> tessera_sql::error::Result<()> {
+        let role = |name: &str| {
+            crate::meta::Role::parse(name).ok_or_else(|| {
+                SqlError::InvalidValue(format!(
+                    "unknown role {name:?}: the roles are reader, writer and admin"
+                ))
+            })
+        };
+        let command = match change {
+            AccessStatement::CreateParticipant { name, .. } => {
+                MetaCommand::CreateParticipant { name }
             }
-            Err(MetaError::Refused(reason)) if reason.ends_with("does not exist") => {
-                Err(SqlError::UndefinedObject(reason))
+            AccessStatement::DropParticipant { name, .. } => MetaCommand::DropParticipant { name },
+            AccessStatement::Grant { role: r, user } => MetaCommand::Grant {
+                user,
+                role: role(&r)?,
+            },
+            AccessStatement::Revoke { role: r, user } => MetaCommand::Revoke {
+                user,
+                role: role(&r)?,
+            },
+            AccessStatement::SetOwner { table, owner } => {
+                if !self.view().state.tables.contains_key(&table) {
+                    return Err(StorageError::UnknownTable(table).into());
+                }
+                MetaCommand::SetTableOwner { table, owner }
             }
-            Err(other) => Err(ClusterError::from(other).into()),
-        }
+        };
+        self.write_as_actor(command).await?;
+        // The statements after this one must see the change.
+        self.begin_statement().await
+    }
+
+    fn participant_exists(&self, name: &str) -> bool {
+        self.node.meta.view().state.participants.contains_key(name)
     }
 
     fn user_exists(&self, name: &str) -> bool {
@@ -210,17 +307,9 @@ impl Backend for ClusterBackend {
             },
             TagStatement::Drop { name, .. } => MetaCommand::DropTag { name },
         };
-        match self.node.meta.write(command).await {
-            Ok(MetaResponse::Epoch(epoch)) => Ok(Some(epoch)),
-            Ok(_) => Ok(None),
-            Err(MetaError::Refused(reason)) if reason.contains("already exists") => {
-                Err(SqlError::DuplicateObject(reason))
-            }
-            Err(MetaError::Refused(reason)) if reason.ends_with("does not exist") => {
-                Err(SqlError::UndefinedObject(reason))
-            }
-            Err(MetaError::Refused(reason)) => Err(SqlError::InvalidValue(reason)),
-            Err(other) => Err(ClusterError::from(other).into()),
+        match self.write_as_actor(command).await? {
+            MetaResponse::Epoch(epoch) => Ok(Some(epoch)),
+            _ => Ok(None),
         }
     }
 
@@ -253,16 +342,15 @@ impl Backend for ClusterBackend {
             table: change.table.clone(),
             retention,
         };
-        match self.node.meta.write(command).await {
+        match self.write_as_actor(command).await {
             Ok(MetaResponse::Epoch(horizon)) => Ok(horizon),
             Ok(other) => Err(SqlError::Cluster(format!(
                 "setting retention answered {other:?}"
             ))),
-            Err(MetaError::Refused(reason)) if reason.ends_with("does not exist") => {
+            Err(SqlError::UndefinedObject(_)) => {
                 Err(StorageError::UnknownTable(change.table.clone()).into())
             }
-            Err(MetaError::Refused(reason)) => Err(SqlError::InvalidValue(reason)),
-            Err(other) => Err(ClusterError::from(other).into()),
+            Err(other) => Err(other),
         }
     }
 
@@ -305,8 +393,10 @@ impl Backend for ClusterBackend {
         // leased until its epoch timed out. No re-pin afterwards: the next statement
         // catches up with the leader anyway.
         let replication = self.node.replication.clone();
-        let publish =
-            tokio::spawn(async move { crate::publish::publish(&replication, changes).await });
+        let publisher = self.actor();
+        let publish = tokio::spawn(async move {
+            crate::publish::publish(&replication, changes, publisher.as_deref()).await
+        });
         let published = publish
             .await
             .map_err(|e| SqlError::Cluster(format!("the publish task failed: {e}")))?;
@@ -483,6 +573,8 @@ fn system_table(
                     tables: record.tables.clone(),
                     rows_written: record.changes.iter().map(|c| c.upserts).sum(),
                     rows_deleted: record.changes.iter().map(|c| c.deletes).sum(),
+                    publisher: record.publisher.clone(),
+                    participant: record.participant.clone(),
                 })
                 .collect();
             Some(tessera_sql::system::epochs_table(&rows))
@@ -499,6 +591,7 @@ fn system_table(
                         .unwrap_or_default();
                     TableRow {
                         name: name.clone(),
+                        owner: state.table_owner(name).map(str::to_string),
                         retain_epochs: setting.epochs,
                         retain_for: setting
                             .for_ms
@@ -520,6 +613,58 @@ fn system_table(
                 })
                 .collect();
             Some(tessera_sql::system::tags_table(&rows))
+        }
+        PARTICIPANTS_TABLE => {
+            let rows: Vec<ParticipantRow> = state
+                .participants
+                .iter()
+                .map(|(name, record)| ParticipantRow {
+                    name: name.clone(),
+                    created_at_ms: (record.created_at_ms > 0).then_some(record.created_at_ms),
+                    users: state
+                        .users
+                        .values()
+                        .filter(|u| u.participant.as_ref() == Some(name))
+                        .count() as u64,
+                    tables_owned: state.owners.values().filter(|o| *o == name).count() as u64,
+                })
+                .collect();
+            Some(tessera_sql::system::participants_table(&rows))
+        }
+        USERS_TABLE => {
+            let rows: Vec<UserRow> = state
+                .users
+                .iter()
+                .map(|(name, user)| UserRow {
+                    name: name.clone(),
+                    participant: user.participant.clone(),
+                    roles: match &user.participant {
+                        None => "cluster administrator".to_string(),
+                        Some(_) => user
+                            .roles
+                            .iter()
+                            .map(|r| r.name())
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                    },
+                })
+                .collect();
+            Some(tessera_sql::system::users_table(&rows))
+        }
+        AUDIT_TABLE => {
+            let rows: Vec<AuditRow> = state
+                .audit_log
+                .iter()
+                .enumerate()
+                .map(|(at, record)| AuditRow {
+                    seq: at as u64 + 1,
+                    at_ms: (record.at_ms > 0).then_some(record.at_ms),
+                    user: record.by.clone(),
+                    kind: record.event.kind(),
+                    detail: record.event.to_string(),
+                })
+                .collect();
+            Some(tessera_sql::system::audit_table(&rows))
         }
         _ => None,
     }

@@ -39,8 +39,9 @@ impl tessera_console::NodeView for NodeConsole {
         status
     }
 
-    async fn sql(&self, sql: String) -> Result<serde_json::Value, String> {
+    async fn sql(&self, sql: String, user: Option<String>) -> Result<serde_json::Value, String> {
         let engine = tessera_sql::Sessions::open(&self.sessions);
+        engine.act_as(user);
         let outputs = engine
             .execute(&sql)
             .await

@@ -103,6 +103,14 @@ impl From<ClusterError> for tessera_sql::SqlError {
             ClusterError::Storage(e) => tessera_sql::SqlError::Storage(e),
             ClusterError::Sql(e) => e,
             ClusterError::Exec(e) => e.into(),
+            // The metadata refused a user's command for want of a right: not a failure
+            // that a retry could get past.
+            ClusterError::Meta(tessera_meta::MetaError::Refused(reason))
+            | ClusterError::Replication(tessera_replication::ReplicationError::Meta(
+                tessera_meta::MetaError::Refused(reason),
+            )) if reason.starts_with(tessera_meta::DENIED) => {
+                tessera_sql::SqlError::PermissionDenied(reason)
+            }
             other => tessera_sql::SqlError::Cluster(other.to_string()),
         }
     }

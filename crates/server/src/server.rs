@@ -19,6 +19,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
+use tessera_common::tls::CertIdentity;
 use tessera_common::PartitionId;
 use tessera_exec::run::RunRequest;
 use tessera_net::{Caller, TaggedRequest};
@@ -154,6 +155,31 @@ impl NodeService {
         }
     }
 
+    /// The user a client's request runs for: under mutual TLS, the user its certificate
+    /// names (`NAME.client.tessera` is user `NAME`, who must exist once the cluster has
+    /// users); the administrator's certificate, a node's, or a plaintext port: the
+    /// operator (`None`).
+    fn acting_user(&self, caller: &Caller) -> Result<Option<String>, Status> {
+        let Caller::Certified(CertIdentity::Client(name)) = caller else {
+            return Ok(None);
+        };
+        let view = self.node.meta.view();
+        if name == tessera_common::tls::ADMIN_CLIENT || view.state.users.is_empty() {
+            return Ok(None);
+        }
+        if !view.state.users.contains_key(name) {
+            return Err(Refusal::Unauthenticated {
+                node_id: self.node.id(),
+                reason: format!(
+                    "the client certificate names user {name:?}, but the cluster has no such user (CREATE USER {name} ... makes one; {} is the administrator's certificate)",
+                    tessera_common::tls::client_dns_name(tessera_common::tls::ADMIN_CLIENT)
+                ),
+            }
+            .into_status());
+        }
+        Ok(Some(name.clone()))
+    }
+
     /// Under mutual TLS a node speaks only for itself: `what`, sent for node `id`, must come
     /// with node `id`'s certificate (not another node's, nor a client's).
     fn check_speaks_for(&self, caller: &Caller, id: NodeId, what: &str) -> Result<(), Status> {
@@ -257,6 +283,7 @@ impl NodeService {
             ACTION_SQL => {
                 let sql: String = self.open_from_client(&caller, body)?;
                 let backend = Arc::new(crate::ClusterBackend::new(node.clone()));
+                tessera_sql::Backend::act_as(&*backend, self.acting_user(&caller)?);
                 let engine = tessera_sql::Engine::with_backend(
                     backend.clone(),
                     datafusion::prelude::SessionConfig::new(),
@@ -752,20 +779,24 @@ impl FlightService for NodeService {
                         deletes: vec![],
                     }
                 };
-                let epoch = crate::publish::publish(&self.node.replication, vec![changes])
-                    .await
-                    .map_err(|error| match error {
-                        tessera_replication::ReplicationError::Aborted { epoch, .. }
-                        | tessera_replication::ReplicationError::PrimaryLost { epoch, .. }
-                        | tessera_replication::ReplicationError::CommitRefused { epoch, .. } => {
-                            Refusal::Aborted {
-                                epoch,
-                                detail: error.to_string(),
-                            }
-                            .into_status()
+                let publisher = self.acting_user(&caller)?;
+                let publish = crate::publish::publish(
+                    &self.node.replication,
+                    vec![changes],
+                    publisher.as_deref(),
+                );
+                let epoch = publish.await.map_err(|error| match error {
+                    tessera_replication::ReplicationError::Aborted { epoch, .. }
+                    | tessera_replication::ReplicationError::PrimaryLost { epoch, .. }
+                    | tessera_replication::ReplicationError::CommitRefused { epoch, .. } => {
+                        Refusal::Aborted {
+                            epoch,
+                            detail: error.to_string(),
                         }
-                        other => failed(other),
-                    })?;
+                        .into_status()
+                    }
+                    other => failed(other),
+                })?;
                 Bytes::from(serde_json::to_vec(&epoch).map_err(failed)?)
             }
             other => {

@@ -2,6 +2,7 @@
 //! checks statements the same way for both; a backend supplies the catalog, the scans and
 //! the publish path.
 
+use crate::access::AccessStatement;
 use crate::changes::{ChangesSource, ChangesTable};
 use crate::engine::StatementOutput;
 use crate::error::{from_datafusion, Result, SqlError};
@@ -59,6 +60,23 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Whether `name` is a user (for `IF NOT EXISTS` and `IF EXISTS`).
     fn user_exists(&self, _name: &str) -> bool {
+        false
+    }
+
+    /// The user this backend's statements run for from now on (`None`: the cluster's
+    /// operator): a front end sets it once its client has logged in. A backend without
+    /// users (a local store) ignores it.
+    fn act_as(&self, _user: Option<String>) {}
+
+    /// Creates or drops a participant, grants or revokes a role, hands a table over.
+    async fn change_access(&self, _change: AccessStatement) -> Result<()> {
+        Err(SqlError::Unsupported(
+            "participants, roles and owners: they live in a cluster's metadata, and a local store has none".into(),
+        ))
+    }
+
+    /// Whether participant `name` exists (for `IF NOT EXISTS` and `IF EXISTS`).
+    fn participant_exists(&self, _name: &str) -> bool {
         false
     }
 

@@ -4,6 +4,7 @@
 //! UPDATE expressions and DELETE predicates mean what DataFusion says they mean) and then
 //! executed here: their input rows are collected and published as one epoch.
 
+use crate::access::AccessStatement;
 use crate::backend::{Backend, LocalBackend};
 use crate::error::{from_datafusion, Result, SqlError};
 use crate::provider::ScanLayout;
@@ -262,6 +263,7 @@ impl Engine {
             match statement {
                 TesseraStatement::User(user) => self.run_user(user).await,
                 TesseraStatement::Tag(tag) => self.run_tag(tag).await,
+                TesseraStatement::Access(access) => self.run_access(access).await,
                 TesseraStatement::Retention(retention) => {
                     self.backend.change_retention(&retention).await?;
                     Ok(done(retention.command_tag(), None))
@@ -283,6 +285,28 @@ impl Engine {
             false => self.backend.change_tag(statement.clone()).await?,
         };
         Ok(done(statement.command_tag(), epoch))
+    }
+
+    async fn run_access(&self, statement: AccessStatement) -> Result<StatementOutput> {
+        let skip = match &statement {
+            AccessStatement::CreateParticipant { name, tolerant } => {
+                *tolerant && self.backend.participant_exists(name)
+            }
+            AccessStatement::DropParticipant { name, tolerant } => {
+                *tolerant && !self.backend.participant_exists(name)
+            }
+            _ => false,
+        };
+        if !skip {
+            self.backend.change_access(statement.clone()).await?;
+        }
+        Ok(done(statement.command_tag(), None))
+    }
+
+    /// Statements run for `user` from now on (`None`: the cluster's operator), as the
+    /// front end authenticated it: the cluster checks each against the user's rights.
+    pub fn act_as(&self, user: Option<String>) {
+        self.backend.act_as(user);
     }
 
     async fn run_user(&self, statement: UserStatement) -> Result<StatementOutput> {

@@ -40,6 +40,9 @@ pub enum SqlError {
     /// A date or time that does not parse.
     #[error("{0}")]
     InvalidDatetime(String),
+    /// The user may not do this: it lacks the role, or another participant owns the table.
+    #[error("{0}")]
+    PermissionDenied(String),
 }
 
 impl SqlError {
@@ -108,6 +111,7 @@ impl SqlError {
             SqlError::UndefinedParameter(_) => "42P02",
             SqlError::InvalidValue(_) => "22023",
             SqlError::InvalidDatetime(_) => "22007",
+            SqlError::PermissionDenied(_) => "42501",
         }
     }
 }

@@ -6,6 +6,7 @@
 //! versioned store: CREATE/DROP TABLE, INSERT, UPDATE and DELETE, each write becoming one
 //! published epoch.
 
+pub mod access;
 pub mod activity;
 pub mod alter;
 pub mod backend;

@@ -3,6 +3,7 @@
 //! are recognized here from the tokens, before the SQL reaches DataFusion, by every front
 //! end alike (the engine's `execute`, the PostgreSQL wire protocol, Flight SQL).
 
+use crate::access::AccessStatement;
 use crate::error::{Result, SqlError};
 use crate::retention::RetentionStatement;
 use crate::tags::TagStatement;
@@ -17,6 +18,7 @@ pub enum TesseraStatement {
     User(UserStatement),
     Tag(TagStatement),
     Retention(RetentionStatement),
+    Access(AccessStatement),
 }
 
 impl TesseraStatement {
@@ -26,6 +28,7 @@ impl TesseraStatement {
             TesseraStatement::User(user) => user.tag(),
             TesseraStatement::Tag(tag) => tag.command_tag(),
             TesseraStatement::Retention(retention) => retention.command_tag(),
+            TesseraStatement::Access(access) => access.command_tag(),
         }
     }
 
@@ -35,6 +38,7 @@ impl TesseraStatement {
             TesseraStatement::User(user) => user.redacted(),
             TesseraStatement::Tag(tag) => tag.to_string(),
             TesseraStatement::Retention(retention) => retention.to_string(),
+            TesseraStatement::Access(access) => access.to_string(),
         }
     }
 }
@@ -45,6 +49,9 @@ impl TesseraStatement {
 pub fn parse_tessera_statement(sql: &str) -> Option<Result<TesseraStatement>> {
     if let Some(user) = crate::users::parse_user_statement(sql) {
         return Some(user.map(TesseraStatement::User));
+    }
+    if let Some(access) = crate::access::parse_access_statement(sql) {
+        return Some(access.map(TesseraStatement::Access));
     }
     if let Some(retention) = crate::retention::parse_retention_statement(sql) {
         return Some(retention.map(TesseraStatement::Retention));

@@ -3,7 +3,10 @@
 //! - `tessera_epochs`: every committed epoch, when it became visible, what kind of change
 //!   it was, which node coordinated it, the tables it touched and the rows it wrote.
 //! - `tessera_tags`: the named epochs.
-//! - `tessera_tables`: every table's retention and oldest readable epoch.
+//! - `tessera_tables`: every table's owner, retention and oldest readable epoch.
+//! - `tessera_participants`, `tessera_users`: the organizations sharing the cluster and
+//!   the users who log in, with their participant and roles (never a password).
+//! - `tessera_audit`: who changed membership, rights or ownership, and who published.
 //!
 //! They are read-only views of the cluster's metadata, built per statement from the view
 //! the statement pinned, and answered on the node that plans the statement. Names with
@@ -19,8 +22,18 @@ use std::sync::Arc;
 pub const EPOCHS_TABLE: &str = "tessera_epochs";
 pub const TAGS_TABLE: &str = "tessera_tags";
 pub const TABLES_TABLE: &str = "tessera_tables";
+pub const PARTICIPANTS_TABLE: &str = "tessera_participants";
+pub const USERS_TABLE: &str = "tessera_users";
+pub const AUDIT_TABLE: &str = "tessera_audit";
 /// Every system table's name.
-pub const SYSTEM_TABLES: [&str; 3] = [EPOCHS_TABLE, TAGS_TABLE, TABLES_TABLE];
+pub const SYSTEM_TABLES: [&str; 6] = [
+    EPOCHS_TABLE,
+    TAGS_TABLE,
+    TABLES_TABLE,
+    PARTICIPANTS_TABLE,
+    USERS_TABLE,
+    AUDIT_TABLE,
+];
 /// Table names starting with it belong to Tessera.
 pub const RESERVED_PREFIX: &str = "tessera_";
 
@@ -51,6 +64,9 @@ pub struct EpochRow {
     pub tables: Vec<String>,
     pub rows_written: u64,
     pub rows_deleted: u64,
+    /// The user who published it; `None` for the operator or a placement change.
+    pub publisher: Option<String>,
+    pub participant: Option<String>,
 }
 
 /// One row of `tessera_tags`.
@@ -76,6 +92,10 @@ fn timestamps(values: impl Iterator<Item = Option<u64>>) -> ArrayRef {
     )
 }
 
+fn optional_strings<'a>(values: impl Iterator<Item = Option<&'a str>>) -> ArrayRef {
+    Arc::new(StringArray::from(values.collect::<Vec<_>>()))
+}
+
 fn table(schema: Schema, columns: Vec<ArrayRef>) -> Result<Arc<dyn TableProvider>> {
     let schema = Arc::new(schema);
     let batch = RecordBatch::try_new(schema.clone(), columns)?;
@@ -92,6 +112,8 @@ pub fn epochs_table(rows: &[EpochRow]) -> Result<Arc<dyn TableProvider>> {
         Field::new("tables", DataType::Utf8, false),
         Field::new("rows_written", DataType::Int64, false),
         Field::new("rows_deleted", DataType::Int64, false),
+        Field::new("publisher", DataType::Utf8, true),
+        Field::new("participant", DataType::Utf8, true),
     ]);
     // BIGINT, as PostgreSQL clients know it (they have no unsigned integers).
     let numbers = |f: fn(&EpochRow) -> u64| -> ArrayRef {
@@ -111,6 +133,8 @@ pub fn epochs_table(rows: &[EpochRow]) -> Result<Arc<dyn TableProvider>> {
             )),
             numbers(|r| r.rows_written),
             numbers(|r| r.rows_deleted),
+            optional_strings(rows.iter().map(|r| r.publisher.as_deref())),
+            optional_strings(rows.iter().map(|r| r.participant.as_deref())),
         ],
     )
 }
@@ -138,6 +162,8 @@ pub fn tags_table(rows: &[TagRow]) -> Result<Arc<dyn TableProvider>> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct TableRow {
     pub name: String,
+    /// The participant that owns it (only its users publish to it).
+    pub owner: Option<String>,
     pub retain_epochs: Option<u64>,
     /// As the user would write it (`7 days`).
     pub retain_for: Option<String>,
@@ -149,6 +175,7 @@ pub struct TableRow {
 pub fn tables_table(rows: &[TableRow]) -> Result<Arc<dyn TableProvider>> {
     let schema = Schema::new(vec![
         Field::new("name", DataType::Utf8, false),
+        Field::new("owner", DataType::Utf8, true),
         Field::new("retain_epochs", DataType::Int64, true),
         Field::new("retain_for", DataType::Utf8, true),
         Field::new("oldest_readable_epoch", DataType::Int64, false),
@@ -157,6 +184,7 @@ pub fn tables_table(rows: &[TableRow]) -> Result<Arc<dyn TableProvider>> {
         schema,
         vec![
             Arc::new(StringArray::from_iter_values(rows.iter().map(|r| &r.name))),
+            optional_strings(rows.iter().map(|r| r.owner.as_deref())),
             Arc::new(Int64Array::from(
                 rows.iter()
                     .map(|r| r.retain_epochs.map(|n| n as i64))
@@ -169,6 +197,103 @@ pub fn tables_table(rows: &[TableRow]) -> Result<Arc<dyn TableProvider>> {
             )),
             Arc::new(Int64Array::from_iter_values(
                 rows.iter().map(|r| r.oldest_readable_epoch as i64),
+            )),
+        ],
+    )
+}
+
+/// One row of `tessera_participants`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParticipantRow {
+    pub name: String,
+    pub created_at_ms: Option<u64>,
+    pub users: u64,
+    pub tables_owned: u64,
+}
+
+/// `tessera_participants` over `rows`.
+pub fn participants_table(rows: &[ParticipantRow]) -> Result<Arc<dyn TableProvider>> {
+    let schema = Schema::new(vec![
+        Field::new("name", DataType::Utf8, false),
+        timestamp_field("created_at"),
+        Field::new("users", DataType::Int64, false),
+        Field::new("tables_owned", DataType::Int64, false),
+    ]);
+    table(
+        schema,
+        vec![
+            Arc::new(StringArray::from_iter_values(rows.iter().map(|r| &r.name))),
+            timestamps(rows.iter().map(|r| r.created_at_ms)),
+            Arc::new(Int64Array::from_iter_values(
+                rows.iter().map(|r| r.users as i64),
+            )),
+            Arc::new(Int64Array::from_iter_values(
+                rows.iter().map(|r| r.tables_owned as i64),
+            )),
+        ],
+    )
+}
+
+/// One row of `tessera_users`: never a password or its secret.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UserRow {
+    pub name: String,
+    /// `None`: a cluster administrator.
+    pub participant: Option<String>,
+    /// Comma-separated, as granted.
+    pub roles: String,
+}
+
+/// `tessera_users` over `rows`.
+pub fn users_table(rows: &[UserRow]) -> Result<Arc<dyn TableProvider>> {
+    let schema = Schema::new(vec![
+        Field::new("name", DataType::Utf8, false),
+        Field::new("participant", DataType::Utf8, true),
+        Field::new("roles", DataType::Utf8, false),
+    ]);
+    table(
+        schema,
+        vec![
+            Arc::new(StringArray::from_iter_values(rows.iter().map(|r| &r.name))),
+            optional_strings(rows.iter().map(|r| r.participant.as_deref())),
+            Arc::new(StringArray::from_iter_values(rows.iter().map(|r| &r.roles))),
+        ],
+    )
+}
+
+/// One row of `tessera_audit`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuditRow {
+    /// Its place in the log, from 1.
+    pub seq: u64,
+    pub at_ms: Option<u64>,
+    /// The user who did it; `None` for the operator.
+    pub user: Option<String>,
+    pub kind: &'static str,
+    /// What was done, in words.
+    pub detail: String,
+}
+
+/// `tessera_audit` over `rows`.
+pub fn audit_table(rows: &[AuditRow]) -> Result<Arc<dyn TableProvider>> {
+    let schema = Schema::new(vec![
+        Field::new("seq", DataType::Int64, false),
+        timestamp_field("at"),
+        Field::new("user", DataType::Utf8, true),
+        Field::new("kind", DataType::Utf8, false),
+        Field::new("detail", DataType::Utf8, false),
+    ]);
+    table(
+        schema,
+        vec![
+            Arc::new(Int64Array::from_iter_values(
+                rows.iter().map(|r| r.seq as i64),
+            )),
+            timestamps(rows.iter().map(|r| r.at_ms)),
+            optional_strings(rows.iter().map(|r| r.user.as_deref())),
+            Arc::new(StringArray::from_iter_values(rows.iter().map(|r| r.kind))),
+            Arc::new(StringArray::from_iter_values(
+                rows.iter().map(|r| &r.detail),
             )),
         ],
     )

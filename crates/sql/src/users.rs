@@ -17,9 +17,20 @@ use tessera_common::auth::ScramSecret;
 /// What a user statement asks of the cluster's metadata.
 #[derive(Debug, Clone, PartialEq)]
 pub enum UserChange {
-    Create { name: String, secret: ScramSecret },
-    Alter { name: String, secret: ScramSecret },
-    Drop { name: String },
+    /// A user of `participant`, or with none a cluster administrator; a participant's
+    /// administrator creates users of its own participant when it names none.
+    Create {
+        name: String,
+        secret: ScramSecret,
+        participant: Option<String>,
+    },
+    Alter {
+        name: String,
+        secret: ScramSecret,
+    },
+    Drop {
+        name: String,
+    },
 }
 
 /// A parsed user statement.
@@ -43,6 +54,11 @@ impl UserStatement {
     /// The statement as it may be shown: never with its password.
     pub fn redacted(&self) -> String {
         match &self.change {
+            UserChange::Create {
+                name,
+                participant: Some(participant),
+                ..
+            } => format!("CREATE USER {name} WITH PASSWORD '***' IN PARTICIPANT {participant}"),
             UserChange::Create { name, .. } => format!("CREATE USER {name} WITH PASSWORD '***'"),
             UserChange::Alter { name, .. } => format!("ALTER USER {name} WITH PASSWORD '***'"),
             UserChange::Drop { name } => format!("DROP USER {name}"),
@@ -86,8 +102,13 @@ impl Tokens {
         }
     }
 
-    /// `[WITH] [LOGIN] PASSWORD '...' [LOGIN]`: the options Tessera's users have.
-    fn options(&mut self, verb: &str) -> Result<ScramSecret> {
+    /// `[WITH] [LOGIN] PASSWORD '...' [LOGIN] [IN PARTICIPANT p]`: the options Tessera's
+    /// users have (a participant only where `participant` may take one: CREATE).
+    fn options(
+        &mut self,
+        verb: &str,
+        mut participant: Option<&mut Option<String>>,
+    ) -> Result<ScramSecret> {
         self.keyword_of(&[Keyword::WITH]);
         let mut secret = None;
         while let Some(token) = self.peek().cloned() {
@@ -101,8 +122,20 @@ impl Tokens {
                 secret = Some(self.password()?);
                 continue;
             }
+            if let Some(slot) = participant.as_deref_mut() {
+                if self.keyword_of(&[Keyword::IN]).is_some() {
+                    if !self.word("participant") {
+                        return Err(syntax(format!(
+                            "expected PARTICIPANT after IN, found {}",
+                            describe(self.peek())
+                        )));
+                    }
+                    *slot = Some(self.name("a participant name")?);
+                    continue;
+                }
+            }
             return Err(SqlError::Unsupported(format!(
-                "{verb} USER option {}: Tessera's users have a password and nothing else yet",
+                "{verb} USER option {}: Tessera's users have a password and a participant (IN PARTICIPANT p), and nothing else yet",
                 describe(Some(&token))
             )));
         }
@@ -114,15 +147,20 @@ impl Tokens {
             Keyword::CREATE => {
                 let tolerant = self.keywords(&[Keyword::IF, Keyword::NOT, Keyword::EXISTS]);
                 let name = self.name("a user name")?;
-                let secret = self.options("CREATE")?;
+                let mut participant = None;
+                let secret = self.options("CREATE", Some(&mut participant))?;
                 UserStatement {
-                    change: UserChange::Create { name, secret },
+                    change: UserChange::Create {
+                        name,
+                        secret,
+                        participant,
+                    },
                     tolerant,
                 }
             }
             Keyword::ALTER => {
                 let name = self.name("a user name")?;
-                let secret = self.options("ALTER")?;
+                let secret = self.options("ALTER", None)?;
                 UserStatement {
                     change: UserChange::Alter { name, secret },
                     tolerant: false,
@@ -162,13 +200,28 @@ mod tests {
     #[test]
     fn postgres_spellings_parse_and_hide_their_password() {
         let create = parsed("create user Ada with password 'pencil';");
-        let UserChange::Create { name, secret } = &create.change else {
+        let UserChange::Create {
+            name,
+            secret,
+            participant: None,
+        } = &create.change
+        else {
             panic!("{create:?}")
         };
         assert_eq!(name, "ada", "unquoted names fold to lower case");
         assert!(secret.verify_password("pencil"));
         assert_eq!(create.redacted(), "CREATE USER ada WITH PASSWORD '***'");
         assert_eq!(create.tag(), "CREATE ROLE");
+
+        let member = parsed("CREATE USER bo IN PARTICIPANT Lab_B PASSWORD 'x'");
+        let UserChange::Create { participant, .. } = &member.change else {
+            panic!("{member:?}")
+        };
+        assert_eq!(participant.as_deref(), Some("lab_b"));
+        assert_eq!(
+            member.redacted(),
+            "CREATE USER bo WITH PASSWORD '***' IN PARTICIPANT lab_b"
+        );
 
         let role = parsed("CREATE ROLE \"Bob\" WITH LOGIN PASSWORD 'x'");
         assert_eq!(role.name(), "Bob");
@@ -215,5 +268,7 @@ mod tests {
         assert!(error("CREATE USER ada PASSWORD ''").contains("may not be empty"));
         assert!(error("DROP USER a; SELECT 1").contains("send it on its own"));
         assert!(error("DROP USER").contains("expected a user name"));
+        assert!(error("CREATE USER a PASSWORD 'x' IN lab").contains("PARTICIPANT after IN"));
+        assert!(error("ALTER USER a PASSWORD 'x' IN PARTICIPANT p").contains("ALTER USER option"));
     }
 }

@@ -10,14 +10,14 @@ use rcgen::{
     KeyUsagePurpose,
 };
 use std::path::{Path, PathBuf};
-use tessera_common::tls::{node_dns_name, CLIENT_DNS_SUFFIX, CLUSTER_SERVER_NAME};
+use tessera_common::tls::{client_dns_name, node_dns_name, CLUSTER_SERVER_NAME};
 use tessera_common::NodeId;
 
 /// How long a certificate is valid unless told otherwise.
 pub const DEFAULT_VALID_DAYS: i64 = 365;
 
 /// The name `tessera up` and the CLI use for the administrator's client certificate.
-pub const ADMIN: &str = "admin";
+pub const ADMIN: &str = tessera_common::tls::ADMIN_CLIENT;
 
 /// When a new certificate stops being valid.
 #[derive(Debug, Clone, Copy)]
@@ -171,7 +171,7 @@ pub fn client(dir: &Path, name: &str, expiry: Expiry) -> Result<PathBuf> {
     issue(
         dir,
         name,
-        vec![format!("{name}{CLIENT_DNS_SUFFIX}")],
+        vec![client_dns_name(name)],
         format!("Tessera client {name}"),
         vec![ExtendedKeyUsagePurpose::ClientAuth],
         expiry,

@@ -303,6 +303,7 @@ fn the_invariant_check_names_a_stale_primary_and_a_shared_lease() {
         incarnation: 0,
         tables: tables.iter().map(|t| t.to_string()).collect(),
         request: 0,
+        publisher: None,
     };
     state.open.insert(Epoch(7), lease(&["t"]));
     state.open.insert(Epoch(8), lease(&["u", "t"]));
@@ -318,6 +319,7 @@ fn users_are_created_once_altered_and_dropped_only_if_they_exist() {
     let create = |name: &str, password: &str| MetaCommand::CreateUser {
         name: name.into(),
         secret: ScramSecret::new(password),
+        participant: None,
     };
     assert_eq!(state.apply(3, create("ada", "one")).0, MetaResponse::Done);
     assert!(state.users["ada"].secret.verify_password("one"));
