@@ -35,6 +35,12 @@ struct Cli {
     /// `tessera up` writes them). Default: <data-dir>/certs when it holds them.
     #[arg(long, global = true, env = "TESSERA_CERTS")]
     certs: Option<PathBuf>,
+    /// Whose certificate in the --certs directory to present (NAME.pem, NAME.key, as
+    /// `tessera certs client --name NAME` writes them): the cluster runs this CLI's
+    /// statements and publishes as user NAME, with NAME's rights. Default: admin, the
+    /// cluster's operator.
+    #[arg(long = "as", global = true, env = "TESSERA_USER", value_name = "NAME")]
+    as_user: Option<String>,
     #[command(flatten)]
     store: StoreFlags,
     #[command(subcommand)]
@@ -461,13 +467,19 @@ fn client_certs(cli: &Cli) -> Result<()> {
         None => {
             let dir = cli.data_dir.join("certs");
             if !dir.join(format!("{admin}.pem")).exists() {
+                if let Some(name) = &cli.as_user {
+                    anyhow::bail!(
+                        "--as {name} presents {name}'s client certificate from a certificates directory: give it with --certs DIR"
+                    );
+                }
                 return Ok(());
             }
             dir
         }
     };
-    let tls = tessera_common::tls::MutualTls::from_dir(&dir, admin)
-        .map_err(|e| anyhow::anyhow!("--certs {}: {e}", dir.display()))?;
+    let name = cli.as_user.as_deref().unwrap_or(admin);
+    let tls = tessera_common::tls::MutualTls::from_dir(&dir, name)
+        .map_err(|e| anyhow::anyhow!("--certs {} --as {name}: {e}", dir.display()))?;
     tessera_server::client::set_default_tls(Some(tls));
     Ok(())
 }

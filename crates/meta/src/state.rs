@@ -956,7 +956,12 @@ impl MetaState {
             }
             MetaCommand::AbortEpoch { epoch, reason } => {
                 if self.aborted.contains(&epoch) {
-                    return Ok((MetaResponse::Done, vec![]));
+                    // Its coordinator learns why, where the cluster aborted it (a hand-over).
+                    let response = match self.abort_reasons.get(&epoch) {
+                        Some(why) => MetaResponse::Fenced(why.clone()),
+                        None => MetaResponse::Done,
+                    };
+                    return Ok((response, vec![]));
                 }
                 if !self.open.contains_key(&epoch) {
                     return Err(format!("epoch {epoch} is already committed"));

@@ -367,8 +367,8 @@ async fn publish_epoch(
             Ok(epoch)
         }
         Err(error) => {
-            let reason = error.to_string();
-            if let Err(abort_error) = node
+            let mut reason = error.to_string();
+            match node
                 .meta
                 .write(MetaCommand::AbortEpoch {
                     epoch,
@@ -376,7 +376,13 @@ async fn publish_epoch(
                 })
                 .await
             {
-                tracing::warn!(%epoch, %abort_error, "could not abort epoch; the leader aborts it when this node is declared failed");
+                Ok(_) => {}
+                // The cluster had aborted it already, and says why (a hand-over of one
+                // of its tables): that, not the replicas' refusals it caused, is the story.
+                Err(MetaError::Fenced(why)) => reason = why,
+                Err(abort_error) => {
+                    tracing::warn!(%epoch, %abort_error, "could not abort epoch; the leader aborts it when this node is declared failed")
+                }
             }
             Err(match error {
                 lost @ ReplicationError::PrimaryLost { .. } => lost,

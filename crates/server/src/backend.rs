@@ -43,9 +43,17 @@ use tessera_storage::versions::stored_schema;
 use tessera_storage::versions::stored_user_schema;
 use tessera_storage::{StorageError, TableChanges, TableDef};
 
+/// The SQL error for a right the acting user lacks (or a user dropped while connected).
+fn denied(reason: String) -> SqlError {
+    match reason.starts_with(crate::meta::DENIED) {
+        true => SqlError::PermissionDenied(reason),
+        false => SqlError::PermissionDenied(format!("{}{reason}", crate::meta::DENIED)),
+    }
+}
+
 /// The SQL error for a metadata command refused with `reason`.
 fn refusal(reason: String) -> SqlError {
-    if reason.starts_with(crate::meta::access::DENIED) {
+    if reason.starts_with(crate::meta::DENIED) {
         SqlError::PermissionDenied(reason)
     } else if reason.contains("already exists") {
         SqlError::DuplicateObject(reason)
@@ -174,16 +182,7 @@ impl Backend for ClusterBackend {
         let actor = self.actor();
         view.state
             .may(actor.as_deref(), crate::meta::Action::Read)
-            .map_err(
-                |reason| match reason.starts_with(crate::meta::access::DENIED) {
-                    true => SqlError::PermissionDenied(reason),
-                    // The user was dropped while connected.
-                    false => SqlError::PermissionDenied(format!(
-                        "{}{reason}",
-                        crate::meta::access::DENIED
-                    )),
-                },
-            )?;
+            .map_err(denied)?;
         self.view.pin(view);
         Ok(())
     }
@@ -289,6 +288,14 @@ impl Backend for ClusterBackend {
         self.write_as_actor(command).await?;
         // The statements after this one must see the change.
         self.begin_statement().await
+    }
+
+    fn check_publish(&self, table: &str) -> tessera_sql::error::Result<()> {
+        let actor = self.actor();
+        self.view()
+            .state
+            .may(actor.as_deref(), crate::meta::Action::Publish(table))
+            .map_err(denied)
     }
 
     fn participant_exists(&self, name: &str) -> bool {

@@ -68,6 +68,12 @@ pub trait Backend: Send + Sync + 'static {
     /// users (a local store) ignores it.
     fn act_as(&self, _user: Option<String>) {}
 
+    /// Refuses a write to `table` that the acting user may not publish (the cluster
+    /// checks again, authoritatively, when the publish takes its epoch).
+    fn check_publish(&self, _table: &str) -> Result<()> {
+        Ok(())
+    }
+
     /// Creates or drops a participant, grants or revokes a role, hands a table over.
     async fn change_access(&self, _change: AccessStatement) -> Result<()> {
         Err(SqlError::Unsupported(

@@ -600,6 +600,8 @@ impl Engine {
 
     /// Publishes one statement's changes, or inside a transaction keeps them for COMMIT.
     async fn publish(&self, changes: TableChanges, rows: usize) -> Result<Option<Epoch>> {
+        // At the statement, as PostgreSQL checks privileges, not at a later COMMIT.
+        self.backend.check_publish(&changes.table)?;
         if rows == 0 {
             return Ok(None);
         }

@@ -210,6 +210,20 @@ fn a_hand_over_aborts_the_old_owners_open_epoch_in_the_same_entry() {
         !state.epoch_log.contains_key(&old),
         "nothing of it committed"
     );
+    // A coordinator that failed to prepare it and aborts it itself is told why too.
+    let abort = MetaCommand::AbortEpoch {
+        epoch: old,
+        reason: "a replica refused".into(),
+    };
+    match state.apply(43, abort).0 {
+        MetaResponse::Fenced(reason) => {
+            assert!(
+                reason.contains("handed over to participant lab_b"),
+                "{reason}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
     let reason = refused(state.apply(44, by("ada", allocate(&["t"], 2))).0);
     assert!(reason.contains("participant lab_b owns it"), "{reason}");
     // The new owner publishes at once: the lease is free.
