@@ -15,22 +15,9 @@ use tessera_common::tls::MutualTls;
 use tessera_common::NodeId;
 use tessera_net::{CallError, Clients, Identity, Refusal, ACTION_HELLO, PROTOCOL_VERSION};
 use tessera_server::ClusterClient;
-use tessera_testkit::{make_certs, LocalCluster};
+use tessera_testkit::{make_certs, tessera_certs, LocalCluster};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
-
-fn certs(binary_args: &[&str]) {
-    let output = std::process::Command::new(BINARY)
-        .arg("certs")
-        .args(binary_args)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "tessera certs {binary_args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
 
 async fn error_of(client: &ClusterClient) -> String {
     match client.status().await {
@@ -121,27 +108,19 @@ async fn only_holders_of_the_clusters_certificates_join_or_call() {
     for file in ["ca.pem", "ca.key"] {
         std::fs::copy(ours.join(file), expired.join(file)).unwrap();
     }
-    let dir = expired.to_str().unwrap();
-    certs(&[
+    let binary = Path::new(BINARY);
+    let node_4 = [
         "node",
-        "--dir",
-        dir,
         "--id",
         "4",
         "--addr",
         "127.0.0.1",
         "--not-after",
         "2024-01-01",
-    ]);
-    certs(&[
-        "client",
-        "--dir",
-        dir,
-        "--name",
-        "admin",
-        "--not-after",
-        "2024-01-01",
-    ]);
+    ];
+    tessera_certs(binary, &expired, &node_4);
+    let admin = ["client", "--name", "admin", "--not-after", "2024-01-01"];
+    tessera_certs(binary, &expired, &admin);
 
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
     cluster.use_mtls(&ours);

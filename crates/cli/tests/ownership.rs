@@ -18,7 +18,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 use tessera_common::tls::MutualTls;
 use tessera_server::ClusterClient;
-use tessera_testkit::{make_certs, LocalCluster};
+use tessera_testkit::{make_certs, tessera_certs, LocalCluster};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 
@@ -113,7 +113,7 @@ async fn only_the_owners_users_publish_and_a_hand_over_moves_the_right_exactly()
     let certs = root.path().join("certs");
     make_certs(Path::new(BINARY), &certs, &[1, 2, 3]);
     for user in ["ada", "bob"] {
-        cli_certs(&certs, user);
+        tessera_certs(Path::new(BINARY), &certs, &["client", "--name", user]);
     }
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
     cluster.use_mtls(&certs);
@@ -344,19 +344,4 @@ async fn only_the_owners_users_publish_and_a_hand_over_moves_the_right_exactly()
         "{audit}"
     );
     drop(cluster);
-}
-
-/// `tessera certs client --name user`.
-fn cli_certs(certs: &Path, user: &str) {
-    let output = Command::new(BINARY)
-        .args(["certs", "client", "--dir"])
-        .arg(certs)
-        .args(["--name", user])
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
 }

@@ -258,6 +258,62 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                 },
             },
         ),
+        (
+            "create-participant",
+            MetaCommand::CreateParticipant {
+                name: "lab_a".into(),
+            },
+        ),
+        (
+            "create-user-in-participant",
+            MetaCommand::CreateUser {
+                name: "ada".into(),
+                secret: tessera_common::auth::ScramSecret::from_verifier(
+                    "SCRAM-SHA-256$4096:c3Nzc3Nzc3Nzc3Nzc3Nzcw==$a2tra2tra2tra2tra2tra2tra2tra2tra2tra2tra2s=:dnZ2dnZ2dnZ2dnZ2dnZ2dnZ2dnZ2dnZ2dnZ2dnZ2dnY=",
+                )
+                .expect("a verifier"),
+                participant: Some("lab_a".into()),
+            },
+        ),
+        (
+            "grant",
+            MetaCommand::Grant {
+                user: "ada".into(),
+                role: tessera_meta::Role::Writer,
+            },
+        ),
+        (
+            "revoke",
+            MetaCommand::Revoke {
+                user: "ada".into(),
+                role: tessera_meta::Role::Admin,
+            },
+        ),
+        (
+            "set-table-owner",
+            MetaCommand::SetTableOwner {
+                table: "kv".into(),
+                owner: "lab_b".into(),
+            },
+        ),
+        (
+            "as-user",
+            MetaCommand::As {
+                user: "ada".into(),
+                command: Box::new(MetaCommand::AllocateEpoch {
+                    coordinator: NodeId(1),
+                    incarnation: 1_700_000_000_000_000,
+                    tables: vec!["kv".into()],
+                    request: 43,
+                }),
+            },
+        ),
+        (
+            "drop-participant",
+            MetaCommand::DropParticipant {
+                name: "lab_a".into(),
+            },
+        ),
         ("drop-table", MetaCommand::DropTable { name: "kv".into() }),
     ]
 }

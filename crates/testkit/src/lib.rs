@@ -593,26 +593,33 @@ pub fn kv_batch(from: i64, to: i64) -> arrow::array::RecordBatch {
     .expect("kv columns match the schema")
 }
 
+/// Runs `binary certs ARGS --dir DIR` (`tessera certs`), panicking with its error if it
+/// fails.
+pub fn tessera_certs(binary: &Path, dir: &Path, args: &[&str]) {
+    let output = Command::new(binary)
+        .args(["certs"])
+        .args(args)
+        .arg("--dir")
+        .arg(dir)
+        .output()
+        .expect("run tessera certs");
+    assert!(
+        output.status.success(),
+        "tessera certs {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// Makes, with `binary`'s `tessera certs`, a CA in `dir`, node certificates for `nodes`
 /// (for 127.0.0.1) and the administrator's client certificate (`admin`).
 pub fn make_certs(binary: &Path, dir: &Path, nodes: &[u64]) {
-    let run = |args: &[&str]| {
-        let output = Command::new(binary)
-            .args(["certs"])
-            .args(args)
-            .arg("--dir")
-            .arg(dir)
-            .output()
-            .expect("run tessera certs");
-        assert!(
-            output.status.success(),
-            "tessera certs {args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    };
-    run(&["init"]);
+    tessera_certs(binary, dir, &["init"]);
     for id in nodes {
-        run(&["node", "--id", &id.to_string(), "--addr", "127.0.0.1"]);
+        tessera_certs(
+            binary,
+            dir,
+            &["node", "--id", &id.to_string(), "--addr", "127.0.0.1"],
+        );
     }
-    run(&["client", "--name", "admin"]);
+    tessera_certs(binary, dir, &["client", "--name", "admin"]);
 }
