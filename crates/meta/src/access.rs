@@ -18,10 +18,11 @@
 //!   its participant then owns; `admin` also manages its participant's users and roles,
 //!   drops its tables and hands them over to another participant.
 
-use crate::state::MetaState;
+use crate::state::{LocalEffect, MetaCommand, MetaResponse, MetaState};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::fmt;
+use tessera_common::auth::ScramSecret;
 use tessera_common::Epoch;
 
 /// A member's role. Each includes the rights of those before it.
@@ -189,6 +190,38 @@ impl fmt::Display for AuditEvent {
                 owner(participant)
             ),
         }
+    }
+}
+
+/// A user of the SQL endpoints: only the SCRAM secret of the password is kept.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct UserRecord {
+    pub secret: ScramSecret,
+    /// The organization the user acts for; `None` for a cluster administrator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub participant: Option<String>,
+    /// A member's roles (a cluster administrator needs none).
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub roles: BTreeSet<Role>,
+}
+
+impl MetaCommand {
+    /// Commands about the cluster's nodes, placement, epochs' fate and queries' lineage,
+    /// which only the nodes (or the operator) send.
+    pub(crate) fn is_the_clusters_own(&self) -> bool {
+        matches!(
+            self,
+            MetaCommand::Bootstrap { .. }
+                | MetaCommand::RegisterNode { .. }
+                | MetaCommand::SetLiveness { .. }
+                | MetaCommand::Started { .. }
+                | MetaCommand::SetPartitionMap { .. }
+                | MetaCommand::Leave { .. }
+                | MetaCommand::Decommission { .. }
+                | MetaCommand::Lineage { .. }
+                | MetaCommand::LineageEnd { .. }
+                | MetaCommand::AbortEpoch { .. }
+        )
     }
 }
 
@@ -430,5 +463,129 @@ impl MetaState {
         while self.abort_reasons.len() > KEPT {
             self.abort_reasons.pop_first();
         }
+    }
+}
+
+impl MetaState {
+    /// Applies a command about users, participants, roles or ownership on behalf of `by`.
+    pub(crate) fn apply_access(
+        &mut self,
+        command: MetaCommand,
+        by: Option<&str>,
+        effects: &mut Vec<LocalEffect>,
+    ) -> Result<MetaResponse, String> {
+        Ok(match command {
+            MetaCommand::CreateUser {
+                name,
+                secret,
+                participant,
+            } => {
+                if self.users.contains_key(&name) {
+                    return Err(format!("user {name:?} already exists"));
+                }
+                if let Some(p) = participant
+                    .as_ref()
+                    .filter(|p| !self.participants.contains_key(*p))
+                {
+                    return Err(format!("participant {p:?} does not exist"));
+                }
+                self.may(by, Action::ManageUser(participant.as_deref()))?;
+                // A member may read from the start; writing and administering are granted.
+                let roles = match participant {
+                    Some(_) => BTreeSet::from([Role::Reader]),
+                    None => BTreeSet::new(),
+                };
+                self.audit(
+                    by,
+                    AuditEvent::CreateUser {
+                        name: name.clone(),
+                        participant: participant.clone(),
+                    },
+                );
+                self.users.insert(
+                    name,
+                    UserRecord {
+                        secret,
+                        participant,
+                        roles,
+                    },
+                );
+                MetaResponse::Done
+            }
+            MetaCommand::AlterUser { name, secret } => {
+                if !self.users.contains_key(&name) {
+                    return Err(format!("user {name:?} does not exist"));
+                }
+                self.may(by, Action::ChangePassword(&name))?;
+                self.audit(by, AuditEvent::AlterUser { name: name.clone() });
+                self.users.get_mut(&name).expect("checked").secret = secret;
+                MetaResponse::Done
+            }
+            MetaCommand::DropUser { name } => {
+                let user = self
+                    .users
+                    .get(&name)
+                    .ok_or_else(|| format!("user {name:?} does not exist"))?;
+                self.may(by, Action::ManageUser(user.participant.as_deref()))?;
+                self.users.remove(&name);
+                self.audit(by, AuditEvent::DropUser { name });
+                MetaResponse::Done
+            }
+            MetaCommand::CreateParticipant { name } => {
+                self.may(by, Action::ManageParticipants)?;
+                if self.participants.contains_key(&name) {
+                    return Err(format!("participant {name:?} already exists"));
+                }
+                self.participants.insert(
+                    name.clone(),
+                    ParticipantRecord {
+                        created_at_ms: self.clock_ms,
+                    },
+                );
+                self.audit(by, AuditEvent::CreateParticipant { name });
+                MetaResponse::Done
+            }
+            MetaCommand::DropParticipant { name } => {
+                self.may(by, Action::ManageParticipants)?;
+                if !self.participants.contains_key(&name) {
+                    return Err(format!("participant {name:?} does not exist"));
+                }
+                if let Some((table, _)) = self.owners.iter().find(|(_, owner)| **owner == name) {
+                    return Err(format!(
+                        "participant {name:?} still owns table {table:?}: hand it over or drop it first"
+                    ));
+                }
+                if let Some((user, _)) = self
+                    .users
+                    .iter()
+                    .find(|(_, u)| u.participant.as_ref() == Some(&name))
+                {
+                    return Err(format!(
+                        "participant {name:?} still has user {user:?}: drop its users first"
+                    ));
+                }
+                self.participants.remove(&name);
+                self.audit(by, AuditEvent::DropParticipant { name });
+                MetaResponse::Done
+            }
+            MetaCommand::Grant { user, role } => {
+                self.change_role(&user, role, true, by)?;
+                MetaResponse::Done
+            }
+            MetaCommand::Revoke { user, role } => {
+                self.change_role(&user, role, false, by)?;
+                MetaResponse::Done
+            }
+            MetaCommand::SetTableOwner { table, owner } => {
+                let refused = self.hand_over(&table, &owner, by)?;
+                for epoch in refused {
+                    tracing::info!(%epoch, %table, %owner, "epoch aborted by a hand-over");
+                    self.decide(epoch, false);
+                    effects.push(LocalEffect::Abort(epoch));
+                }
+                MetaResponse::Done
+            }
+            other => unreachable!("not an access command: {other:?}"),
+        })
     }
 }

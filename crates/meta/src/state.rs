@@ -5,13 +5,15 @@
 //! (create a table, commit an epoch's prepared rows) is returned as [`LocalEffect`]s for the
 //! state machine to carry out.
 
+pub use crate::access::UserRecord;
 use crate::access::{Action, AuditEvent, AuditRecord, ParticipantRecord, Role, Standing};
 use crate::history::{EpochRecord, TableChangeCount, TagRecord};
 use crate::NodeId;
+pub use lineage::{InboxLineage, LineageEntry, QueryLineage};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use tessera_common::auth::ScramSecret;
-use tessera_common::{Epoch, PartitionId, QueryId, StageId};
+use tessera_common::{Epoch, PartitionId, QueryId};
 use tessera_storage::TableDef;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -255,95 +257,6 @@ pub enum MetaCommand {
         at_ms: u64,
         command: Box<MetaCommand>,
     },
-}
-
-impl MetaCommand {
-    /// Commands about the cluster's nodes, placement, epochs' fate and queries' lineage,
-    /// which only the nodes (or the operator) send.
-    fn is_the_clusters_own(&self) -> bool {
-        matches!(
-            self,
-            MetaCommand::Bootstrap { .. }
-                | MetaCommand::RegisterNode { .. }
-                | MetaCommand::SetLiveness { .. }
-                | MetaCommand::Started { .. }
-                | MetaCommand::SetPartitionMap { .. }
-                | MetaCommand::Leave { .. }
-                | MetaCommand::Decommission { .. }
-                | MetaCommand::Lineage { .. }
-                | MetaCommand::LineageEnd { .. }
-                | MetaCommand::AbortEpoch { .. }
-        )
-    }
-}
-
-/// A user of the SQL endpoints: only the SCRAM secret of the password is kept.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct UserRecord {
-    pub secret: ScramSecret,
-    /// The organization the user acts for; `None` for a cluster administrator.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub participant: Option<String>,
-    /// A member's roles (a cluster administrator needs none).
-    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
-    pub roles: BTreeSet<Role>,
-}
-
-/// The next stretch of one inbox's reading order: from position `from`, runs of
-/// (producer channel, batches read in a row).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct LineageEntry {
-    pub query: QueryId,
-    pub initiator: NodeId,
-    pub exchange: StageId,
-    pub bucket: usize,
-    pub from: u64,
-    pub runs: Vec<(u32, u32)>,
-}
-
-/// The logged reading orders of one running query.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
-pub struct QueryLineage {
-    pub initiator: NodeId,
-    pub inboxes: Vec<InboxLineage>,
-}
-
-/// The reading order of one bucket on one node.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct InboxLineage {
-    pub node: NodeId,
-    pub exchange: StageId,
-    pub bucket: usize,
-    /// Batches read, in order, as runs of (producer channel, batches).
-    pub runs: Vec<(u32, u32)>,
-    pub batches: u64,
-}
-
-impl InboxLineage {
-    /// Appends the runs of an entry that starts at `from`, skipping what is already here
-    /// (a retried write). A gap (an entry whose predecessor was lost) is refused.
-    fn extend(&mut self, from: u64, runs: &[(u32, u32)]) -> Result<(), String> {
-        if from > self.batches {
-            return Err(format!(
-                "lineage of exchange {} bucket {} on node {} continues at batch {from}, but {} are logged",
-                self.exchange, self.bucket, self.node, self.batches
-            ));
-        }
-        let mut skip = self.batches - from;
-        for &(sender, count) in runs {
-            let kept = (count as u64).saturating_sub(skip);
-            skip = skip.saturating_sub(count as u64);
-            if kept == 0 {
-                continue;
-            }
-            match self.runs.last_mut() {
-                Some((last, n)) if *last == sender => *n += kept as u32,
-                _ => self.runs.push((sender, kept as u32)),
-            }
-            self.batches += kept;
-        }
-        Ok(())
-    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -682,116 +595,14 @@ impl MetaState {
                 effects.push(LocalEffect::EnsureTable(def));
                 MetaResponse::Done
             }
-            MetaCommand::CreateUser {
-                name,
-                secret,
-                participant,
-            } => {
-                if self.users.contains_key(&name) {
-                    return Err(format!("user {name:?} already exists"));
-                }
-                if let Some(p) = participant
-                    .as_ref()
-                    .filter(|p| !self.participants.contains_key(*p))
-                {
-                    return Err(format!("participant {p:?} does not exist"));
-                }
-                self.may(by, Action::ManageUser(participant.as_deref()))?;
-                // A member may read from the start; writing and administering are granted.
-                let roles = match participant {
-                    Some(_) => BTreeSet::from([Role::Reader]),
-                    None => BTreeSet::new(),
-                };
-                self.audit(
-                    by,
-                    AuditEvent::CreateUser {
-                        name: name.clone(),
-                        participant: participant.clone(),
-                    },
-                );
-                self.users.insert(
-                    name,
-                    UserRecord {
-                        secret,
-                        participant,
-                        roles,
-                    },
-                );
-                MetaResponse::Done
-            }
-            MetaCommand::AlterUser { name, secret } => {
-                if !self.users.contains_key(&name) {
-                    return Err(format!("user {name:?} does not exist"));
-                }
-                self.may(by, Action::ChangePassword(&name))?;
-                self.audit(by, AuditEvent::AlterUser { name: name.clone() });
-                self.users.get_mut(&name).expect("checked").secret = secret;
-                MetaResponse::Done
-            }
-            MetaCommand::DropUser { name } => {
-                let user = self
-                    .users
-                    .get(&name)
-                    .ok_or_else(|| format!("user {name:?} does not exist"))?;
-                self.may(by, Action::ManageUser(user.participant.as_deref()))?;
-                self.users.remove(&name);
-                self.audit(by, AuditEvent::DropUser { name });
-                MetaResponse::Done
-            }
-            MetaCommand::CreateParticipant { name } => {
-                self.may(by, Action::ManageParticipants)?;
-                if self.participants.contains_key(&name) {
-                    return Err(format!("participant {name:?} already exists"));
-                }
-                self.participants.insert(
-                    name.clone(),
-                    ParticipantRecord {
-                        created_at_ms: self.clock_ms,
-                    },
-                );
-                self.audit(by, AuditEvent::CreateParticipant { name });
-                MetaResponse::Done
-            }
-            MetaCommand::DropParticipant { name } => {
-                self.may(by, Action::ManageParticipants)?;
-                if !self.participants.contains_key(&name) {
-                    return Err(format!("participant {name:?} does not exist"));
-                }
-                if let Some((table, _)) = self.owners.iter().find(|(_, owner)| **owner == name) {
-                    return Err(format!(
-                        "participant {name:?} still owns table {table:?}: hand it over or drop it first"
-                    ));
-                }
-                if let Some((user, _)) = self
-                    .users
-                    .iter()
-                    .find(|(_, u)| u.participant.as_ref() == Some(&name))
-                {
-                    return Err(format!(
-                        "participant {name:?} still has user {user:?}: drop its users first"
-                    ));
-                }
-                self.participants.remove(&name);
-                self.audit(by, AuditEvent::DropParticipant { name });
-                MetaResponse::Done
-            }
-            MetaCommand::Grant { user, role } => {
-                self.change_role(&user, role, true, by)?;
-                MetaResponse::Done
-            }
-            MetaCommand::Revoke { user, role } => {
-                self.change_role(&user, role, false, by)?;
-                MetaResponse::Done
-            }
-            MetaCommand::SetTableOwner { table, owner } => {
-                let refused = self.hand_over(&table, &owner, by)?;
-                for epoch in refused {
-                    tracing::info!(%epoch, %table, %owner, "epoch aborted by a hand-over");
-                    self.decide(epoch, false);
-                    effects.push(LocalEffect::Abort(epoch));
-                }
-                MetaResponse::Done
-            }
+            command @ (MetaCommand::CreateUser { .. }
+            | MetaCommand::AlterUser { .. }
+            | MetaCommand::DropUser { .. }
+            | MetaCommand::CreateParticipant { .. }
+            | MetaCommand::DropParticipant { .. }
+            | MetaCommand::Grant { .. }
+            | MetaCommand::Revoke { .. }
+            | MetaCommand::SetTableOwner { .. }) => self.apply_access(command, by, &mut effects)?,
             MetaCommand::DropTable { name } => {
                 if let Some(open) = self.open.values().find(|o| o.tables.contains(&name)) {
                     return Err(format!(
@@ -1127,7 +938,7 @@ impl MetaState {
         }
     }
 
-    fn decide(&mut self, epoch: Epoch, committed: bool) {
+    pub(crate) fn decide(&mut self, epoch: Epoch, committed: bool) {
         self.open.remove(&epoch);
         if !committed {
             self.aborted.insert(epoch);
@@ -1160,6 +971,8 @@ impl MetaState {
         }
     }
 }
+
+mod lineage;
 
 #[cfg(test)]
 mod access_tests;

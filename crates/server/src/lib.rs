@@ -26,6 +26,7 @@ pub mod error;
 pub mod node;
 pub mod rpc;
 pub mod server;
+mod system_tables;
 
 pub use tessera_common::NodeId;
 
