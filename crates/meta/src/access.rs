@@ -62,6 +62,20 @@ impl fmt::Display for Role {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ParticipantRecord {
     pub created_at_ms: u64,
+    /// Its public signing keys (hex), oldest first: an epoch it publishes must be signed
+    /// with one of them once it has any (see [`crate::seal`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keys: Vec<RegisteredKey>,
+}
+
+/// A participant's public signing key.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RegisteredKey {
+    /// The ed25519 public key, hex.
+    pub key: String,
+    /// The first epoch allocated after it was registered: the participant's epochs from
+    /// there on must be signed.
+    pub from: Epoch,
 }
 
 /// One entry of the audit log: who changed membership, rights or ownership, or published.
@@ -122,6 +136,11 @@ pub enum AuditEvent {
         tables: Vec<String>,
         participant: Option<String>,
     },
+    /// A public key registered for the participant's signatures.
+    AddKey {
+        participant: String,
+        key: String,
+    },
 }
 
 impl AuditEvent {
@@ -138,6 +157,7 @@ impl AuditEvent {
             AuditEvent::CreateTable { .. } => "create table",
             AuditEvent::DropTable { .. } => "drop table",
             AuditEvent::HandOver { .. } => "hand over",
+            AuditEvent::AddKey { .. } => "add key",
             AuditEvent::Publish { .. } => "publish",
         }
     }
@@ -188,6 +208,11 @@ impl fmt::Display for AuditEvent {
                 "published epoch {epoch} to {} for {}",
                 tables.join(", "),
                 owner(participant)
+            ),
+            AuditEvent::AddKey { participant, key } => write!(
+                f,
+                "registered signing key {} for participant {participant}",
+                crate::seal::short(key)
             ),
         }
     }
@@ -266,6 +291,8 @@ pub enum Action<'a> {
     ManageUser(Option<&'a str>),
     /// A new password for this user.
     ChangePassword(&'a str),
+    /// Register a signing key for this participant.
+    ManageKeys(&'a str),
 }
 
 /// "user bob (participant lab_b, roles reader)".
@@ -360,6 +387,12 @@ impl MetaState {
             Action::ManageUser(None) => {
                 denied("may not manage cluster administrators (users of no participant)".into())
             }
+            Action::ManageKeys(theirs) if theirs == participant => {
+                needs(Role::Admin, "register signing keys")
+            }
+            Action::ManageKeys(theirs) => denied(format!(
+                "may not register signing keys for participant {theirs}"
+            )),
             Action::ChangePassword(user) if Some(user) == by => Ok(()),
             Action::ChangePassword(user) => {
                 let theirs = self.users.get(user).and_then(|u| u.participant.as_deref());
@@ -540,6 +573,7 @@ impl MetaState {
                     name.clone(),
                     ParticipantRecord {
                         created_at_ms: self.clock_ms,
+                        keys: Vec::new(),
                     },
                 );
                 self.audit(by, AuditEvent::CreateParticipant { name });
@@ -574,6 +608,22 @@ impl MetaState {
             }
             MetaCommand::Revoke { user, role } => {
                 self.change_role(&user, role, false, by)?;
+                MetaResponse::Done
+            }
+            MetaCommand::AddParticipantKey { participant, key } => {
+                self.may(by, Action::ManageKeys(&participant))?;
+                tessera_common::signing::check_public_key(&key)?;
+                let record = self
+                    .participants
+                    .get_mut(&participant)
+                    .ok_or_else(|| format!("participant {participant:?} does not exist"))?;
+                if !record.keys.iter().any(|k| k.key == key) {
+                    record.keys.push(RegisteredKey {
+                        key: key.clone(),
+                        from: self.next_epoch,
+                    });
+                    self.audit(by, AuditEvent::AddKey { participant, key });
+                }
                 MetaResponse::Done
             }
             MetaCommand::SetTableOwner { table, owner } => {

@@ -56,6 +56,9 @@ pub struct EpochRecord {
     /// The publisher's participant, as it was when the epoch committed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub participant: Option<String>,
+    /// A publish's version ids and signature (see [`crate::seal`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seal: Option<crate::seal::EpochSeal>,
 }
 
 /// A name pinned to a committed epoch.
@@ -111,16 +114,13 @@ impl MetaState {
         epoch: Epoch,
         open: &crate::OpenEpoch,
         changes: Option<Vec<TableChangeCount>>,
+        seal: Option<crate::seal::EpochSeal>,
     ) {
         let kind = match changes {
             Some(_) => EpochKind::Publish,
             None => EpochKind::Placement,
         };
-        let participant = open
-            .publisher
-            .as_ref()
-            .and_then(|user| self.users.get(user))
-            .and_then(|user| user.participant.clone());
+        let participant = self.participant_of(open.publisher.as_deref());
         self.epoch_log.insert(
             epoch,
             EpochRecord {
@@ -131,8 +131,15 @@ impl MetaState {
                 visible_at_ms: 0,
                 publisher: open.publisher.clone(),
                 participant,
+                seal,
             },
         );
+    }
+
+    /// The participant `user` belongs to, if any.
+    pub fn participant_of(&self, user: Option<&str>) -> Option<String> {
+        user.and_then(|user| self.users.get(user))
+            .and_then(|user| user.participant.clone())
     }
 
     /// Gives an epoch that just became visible the metadata's time now.

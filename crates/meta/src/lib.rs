@@ -21,15 +21,19 @@ pub mod history;
 pub mod log_store;
 pub mod network;
 pub mod retention;
+pub mod seal;
 pub mod state;
 pub mod state_machine;
 pub mod wire;
 
-pub use access::{Action, AuditEvent, AuditRecord, ParticipantRecord, Role, Standing, DENIED};
+pub use access::{
+    Action, AuditEvent, AuditRecord, ParticipantRecord, RegisteredKey, Role, Standing, DENIED,
+};
 pub use client::{MetaClient, LINEARIZABLE_READ_PATIENCE};
 pub use error::MetaError;
 pub use history::{EpochKind, EpochRecord, TableChangeCount, TagRecord};
 pub use retention::{Retention, TableRetention};
+pub use seal::{EpochSeal, EpochSignature, SignatureStatus, TableVersion};
 pub use state::{
     InboxLineage, LineageEntry, LocalEffect, MetaCommand, MetaResponse, MetaState, NodeInfo,
     OpenEpoch, PartitionMap, Placement, QueryLineage,

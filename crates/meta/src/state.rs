@@ -13,7 +13,7 @@ pub use lineage::{InboxLineage, LineageEntry, QueryLineage};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use tessera_common::auth::ScramSecret;
-use tessera_common::{Epoch, PartitionId, QueryId};
+use tessera_common::{ComponentHash, Epoch, PartitionId, QueryId};
 use tessera_storage::TableDef;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -154,6 +154,9 @@ pub enum MetaCommand {
         /// changed placement only.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         changes: Option<Vec<TableChangeCount>>,
+        /// A publish's version ids and signature (see [`crate::seal`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        seal: Option<crate::seal::EpochSeal>,
     },
     AbortEpoch {
         epoch: Epoch,
@@ -244,6 +247,11 @@ pub enum MetaCommand {
     SetTableOwner {
         table: String,
         owner: String,
+    },
+    /// Registers a public key the participant signs its epochs with (see [`crate::seal`]).
+    AddParticipantKey {
+        participant: String,
+        key: String,
     },
     /// A command on behalf of `user`, who must be allowed to do it (see
     /// [`crate::access`]); a command not wrapped comes from the operator or the node.
@@ -349,6 +357,10 @@ pub struct MetaState {
     /// "aborted" (a hand-over).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub abort_reasons: BTreeMap<Epoch, String>,
+    /// Each published table's current version id: the head of its hash chain (see
+    /// [`crate::seal`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub table_heads: BTreeMap<String, ComponentHash>,
 }
 
 fn is_zero(value: &u64) -> bool {
@@ -602,7 +614,10 @@ impl MetaState {
             | MetaCommand::DropParticipant { .. }
             | MetaCommand::Grant { .. }
             | MetaCommand::Revoke { .. }
-            | MetaCommand::SetTableOwner { .. }) => self.apply_access(command, by, &mut effects)?,
+            | MetaCommand::SetTableOwner { .. }
+            | MetaCommand::AddParticipantKey { .. }) => {
+                self.apply_access(command, by, &mut effects)?
+            }
             MetaCommand::DropTable { name } => {
                 if let Some(open) = self.open.values().find(|o| o.tables.contains(&name)) {
                     return Err(format!(
@@ -617,6 +632,7 @@ impl MetaState {
                 let def = self.tables.remove(&name).expect("checked");
                 self.retention.remove(&name);
                 self.owners.remove(&name);
+                self.table_heads.remove(&name);
                 self.audit(
                     by,
                     AuditEvent::DropTable {
@@ -696,6 +712,7 @@ impl MetaState {
                 epoch,
                 missed,
                 changes,
+                seal,
             } => {
                 if self.is_committed(epoch) {
                     // A retried commit whose first reply was lost.
@@ -740,15 +757,18 @@ impl MetaState {
                         ));
                     }
                 }
+                let open = self.open[&epoch].clone();
+                if let Some(changes) = &changes {
+                    self.apply_seal(epoch, &open, changes, seal.as_ref())?;
+                }
                 for (partition, node) in missed {
                     if let Some(placement) = self.map.partitions.get_mut(partition.0 as usize) {
                         let first_missed = placement.stale.entry(node).or_insert(epoch);
                         *first_missed = (*first_missed).min(epoch);
                     }
                 }
-                let open = self.open[&epoch].clone();
                 let publish = changes.is_some();
-                self.log_commit(epoch, &open, changes);
+                self.log_commit(epoch, &open, changes, seal);
                 if publish {
                     let participant = self.epoch_log[&epoch].participant.clone();
                     self.audit(
@@ -978,5 +998,7 @@ mod lineage;
 mod access_tests;
 #[cfg(test)]
 mod model_tests;
+#[cfg(test)]
+mod seal_tests;
 #[cfg(test)]
 mod tests;

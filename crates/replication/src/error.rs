@@ -19,6 +19,9 @@ pub enum ReplicationError {
     Aborted { epoch: Epoch, reason: String },
     #[error("epoch {epoch} could not commit: {reason}")]
     CommitRefused { epoch: Epoch, reason: String },
+    /// The publish needs a signature this node cannot make (see [`crate::seal`]).
+    #[error("{0}")]
+    Unsignable(String),
     #[error("epoch {epoch} is committed and will not be lost, but is not yet visible after {waited:?}: epoch {undecided} below it is still open; it becomes visible once that one is committed or aborted")]
     CommittedNotVisible {
         epoch: Epoch,

@@ -17,6 +17,7 @@ pub mod failover;
 pub mod log_shipping;
 pub mod publish;
 pub mod rebalance;
+pub mod seal;
 pub mod shipping;
 pub mod wire;
 
@@ -44,6 +45,9 @@ pub struct Settings {
     pub delta_recovery: bool,
     /// The metadata leader aborts an epoch open this long.
     pub open_epoch_timeout: Duration,
+    /// Where this node keeps the secret signing keys of the participants it publishes for
+    /// (see [`seal`]).
+    pub keys_dir: std::path::PathBuf,
 }
 
 /// This node's part in the replication protocols.

@@ -20,9 +20,9 @@ use tessera_storage::{versions, StorageError, TableChanges, TableDef};
 
 /// One table's rows routed to partitions: upserts (table columns) and deletes (key columns).
 #[derive(Default)]
-struct Routed {
-    upserts: BTreeMap<PartitionId, Vec<RecordBatch>>,
-    deletes: BTreeMap<PartitionId, Vec<RecordBatch>>,
+pub(crate) struct Routed {
+    pub(crate) upserts: BTreeMap<PartitionId, Vec<RecordBatch>>,
+    pub(crate) deletes: BTreeMap<PartitionId, Vec<RecordBatch>>,
 }
 
 /// Rows written per table, for the epoch log.
@@ -266,11 +266,14 @@ async fn publish_committed(
         .await?
         .state
         .clone();
+    let tables: Vec<String> = changes.iter().map(|c| c.table.clone()).collect();
+    crate::seal::check_can_sign(node, &state, &tables, publisher)?;
     // Routing is CPU work proportional to the rows; keep it off the threads that answer
     // heartbeats and Raft.
     let routed = tokio::task::spawn_blocking(move || route(&state, changes))
         .await
         .map_err(ReplicationError::task("routing the rows"))??;
+    let routed = Arc::new(routed);
     let mut attempt = 0;
     loop {
         attempt += 1;
@@ -303,21 +306,23 @@ async fn publish_committed(
 /// One attempt at publishing routed rows: an epoch, prepares on every live replica, commit.
 async fn publish_routed(
     node: &Arc<Replication>,
-    routed: &BTreeMap<String, Routed>,
+    routed: &Arc<BTreeMap<String, Routed>>,
     publisher: Option<&str>,
 ) -> Result<Epoch> {
     let started = std::time::Instant::now();
     let tables: Vec<String> = routed.keys().cloned().collect();
     let epoch = allocate_epoch(node, tables.clone(), publisher).await?;
     let span = tracing::info_span!("publish", %epoch, ?tables);
-    tracing::Instrument::instrument(publish_epoch(node, routed, epoch, started), span).await
+    tracing::Instrument::instrument(publish_epoch(node, routed, epoch, publisher, started), span)
+        .await
 }
 
 /// Prepares an allocated epoch's rows on every live replica, then commits it (or aborts it).
 async fn publish_epoch(
     node: &Arc<Replication>,
-    routed: &BTreeMap<String, Routed>,
+    routed: &Arc<BTreeMap<String, Routed>>,
     epoch: Epoch,
+    publisher: Option<&str>,
     started: std::time::Instant,
 ) -> Result<Epoch> {
     // The placement is read only now, under the lease: a partition move or a refresh of a
@@ -331,17 +336,31 @@ async fn publish_epoch(
             .meta
             .read_linearizable(LINEARIZABLE_READ_PATIENCE)
             .await?;
-        prepare_everywhere(node, &view.state, epoch, routed).await
+        // The version ids hash the rows while the replicas log them: the digests are CPU
+        // work proportional to the rows, kept off the threads that answer Raft.
+        let digests = {
+            let (state, routed) = (view.state.clone(), routed.clone());
+            tokio::task::spawn_blocking(move || crate::seal::digest_routed(&state, &routed, epoch))
+        };
+        let (missed, digests) = futures::join!(
+            prepare_everywhere(node, &view.state, epoch, routed),
+            digests
+        );
+        let digests = digests.map_err(ReplicationError::task("hashing the rows"))??;
+        let changes = change_counts(routed);
+        let seal = crate::seal::seal(node, &view.state, epoch, publisher, &digests, &changes)?;
+        Ok::<_, ReplicationError>((missed?, changes, seal))
     };
     let prepared = async {
-        let missed = prepared.await?;
+        let (missed, changes, seal) = prepared.await?;
         let prepared_at = started.elapsed();
         match node
             .meta
             .write(MetaCommand::CommitEpoch {
                 epoch,
                 missed,
-                changes: Some(change_counts(routed)),
+                changes: Some(changes),
+                seal: Some(seal),
             })
             .await
         {

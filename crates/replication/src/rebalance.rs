@@ -241,6 +241,7 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
             epoch,
             missed: vec![],
             changes: None,
+            seal: None,
         })
         .await?;
     tracing::info!(%epoch, moved, elapsed_ms = leased_at.elapsed().as_millis() as u64, "partition map switched");

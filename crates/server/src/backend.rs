@@ -282,6 +282,9 @@ impl Backend for ClusterBackend {
                 }
                 MetaCommand::SetTableOwner { table, owner }
             }
+            AccessStatement::AddKey { participant, key } => {
+                MetaCommand::AddParticipantKey { participant, key }
+            }
         };
         self.write_as_actor(command).await?;
         // The statements after this one must see the change.

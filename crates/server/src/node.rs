@@ -27,6 +27,8 @@ use tessera_storage::{Store, StoreConfig};
 
 /// The format of a node's data directory; bumped on incompatible changes.
 pub const DATA_FORMAT_VERSION: u32 = 1;
+/// The directory, under a node's data directory, of the participants' secret signing keys it holds.
+pub const KEYS_DIR: &str = "keys";
 const IDENTITY_FILE: &str = "node.json";
 
 /// Written into the data directory on first start, checked on every later one.
@@ -252,6 +254,7 @@ impl Node {
                 rereplicate_after: config.rereplicate_after(),
                 delta_recovery: config.replicas.delta_recovery,
                 open_epoch_timeout: config.open_epoch_timeout(),
+                keys_dir: config.data_dir.join(KEYS_DIR),
             },
         ));
         let lineage = tessera_recovery::WriteAheadLineage::start(

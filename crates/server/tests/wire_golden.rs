@@ -134,6 +134,7 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                 epoch: Epoch(1),
                 missed: vec![(PartitionId(3), NodeId(2))],
                 changes: None,
+                seal: None,
             },
         ),
         (

@@ -1,6 +1,7 @@
 //! Who may do what, in SQL: `CREATE PARTICIPANT lab_a`, `DROP PARTICIPANT lab_a`,
-//! `GRANT writer TO ada`, `REVOKE writer FROM ada` and `ALTER TABLE t OWNER TO lab_b` (the
-//! hand-over of a table's ownership). Users join a participant with `CREATE USER ... IN
+//! `GRANT writer TO ada`, `REVOKE writer FROM ada`, `ALTER TABLE t OWNER TO lab_b` (the
+//! hand-over of a table's ownership) and `ALTER PARTICIPANT lab_a ADD KEY '<hex>'` (a
+//! public key the participant signs its epochs with). Users join a participant with `CREATE USER ... IN
 //! PARTICIPANT p` (`crate::users`). The rules themselves live with the cluster's metadata;
 //! this module only reads the statements.
 
@@ -32,6 +33,11 @@ pub enum AccessStatement {
         table: String,
         owner: String,
     },
+    /// An ed25519 public key, hex; the cluster checks it.
+    AddKey {
+        participant: String,
+        key: String,
+    },
 }
 
 impl AccessStatement {
@@ -43,6 +49,7 @@ impl AccessStatement {
             AccessStatement::Grant { .. } => "GRANT ROLE",
             AccessStatement::Revoke { .. } => "REVOKE ROLE",
             AccessStatement::SetOwner { .. } => "ALTER TABLE",
+            AccessStatement::AddKey { .. } => "ALTER PARTICIPANT",
         }
     }
 }
@@ -58,6 +65,9 @@ impl std::fmt::Display for AccessStatement {
             AccessStatement::Revoke { role, user } => write!(f, "REVOKE {role} FROM {user}"),
             AccessStatement::SetOwner { table, owner } => {
                 write!(f, "ALTER TABLE {table} OWNER TO {owner}")
+            }
+            AccessStatement::AddKey { participant, key } => {
+                write!(f, "ALTER PARTICIPANT {participant} ADD KEY '{key}'")
             }
         }
     }
@@ -81,6 +91,7 @@ pub fn parse_access_statement(sql: &str) -> Option<Result<AccessStatement>> {
             tokens.participant_statement(verb == Keyword::CREATE)
         }
         verb @ (Keyword::GRANT | Keyword::REVOKE) => tokens.role_statement(verb == Keyword::GRANT),
+        _ if tokens.word("participant") => tokens.key_statement(),
         _ => {
             tokens.keyword_of(&[Keyword::TABLE])?;
             let table = tokens.name("a table name").ok()?;
@@ -127,6 +138,21 @@ impl Tokens {
             true => AccessStatement::Grant { role, user },
             false => AccessStatement::Revoke { role, user },
         })
+    }
+
+    /// `ALTER PARTICIPANT p ADD KEY '<hex>'`.
+    fn key_statement(&mut self) -> Result<AccessStatement> {
+        let participant = self.name("a participant name")?;
+        if !(self.keyword_of(&[Keyword::ADD]).is_some()
+            && self.keyword_of(&[Keyword::KEY]).is_some())
+        {
+            return Err(syntax(format!(
+                "ALTER PARTICIPANT registers a signing key: ALTER PARTICIPANT {participant} ADD KEY '<public key, hex>'"
+            )));
+        }
+        let key = self.string("the public key")?;
+        self.end("ALTER PARTICIPANT")?;
+        Ok(AccessStatement::AddKey { participant, key })
     }
 
     fn owner_statement(&mut self, table: String) -> Result<AccessStatement> {
@@ -183,6 +209,13 @@ mod tests {
                 owner: "lab_b".into()
             }
         );
+        assert_eq!(
+            parsed("ALTER PARTICIPANT lab_a ADD KEY 'ab12'"),
+            AccessStatement::AddKey {
+                participant: "lab_a".into(),
+                key: "ab12".into()
+            }
+        );
     }
 
     #[test]
@@ -214,5 +247,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("expected a participant name"), "{error}");
+        let error = parse_access_statement("ALTER PARTICIPANT lab_a ADD KEY abc")
+            .unwrap()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("the public key as a quoted string"),
+            "{error}"
+        );
+        let error = parse_access_statement("ALTER PARTICIPANT lab_a RENAME TO b")
+            .unwrap()
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("ADD KEY"), "{error}");
     }
 }

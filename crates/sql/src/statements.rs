@@ -183,6 +183,20 @@ impl Tokens {
         }
     }
 
+    /// A quoted string (`what` says of what, for the error).
+    pub(crate) fn string(&mut self, what: &str) -> Result<String> {
+        match self.tokens.get(self.at) {
+            Some(Token::SingleQuotedString(text)) => {
+                self.at += 1;
+                Ok(text.clone())
+            }
+            other => Err(syntax(format!(
+                "expected {what} as a quoted string, found {}",
+                describe(other)
+            ))),
+        }
+    }
+
     /// A whole number.
     pub(crate) fn number(&mut self, what: &str) -> Result<u64> {
         match self.tokens.get(self.at) {

@@ -10,6 +10,7 @@ pub mod catalog;
 pub mod changes;
 pub mod checkpoint;
 pub mod component;
+pub mod digest;
 pub mod error;
 pub mod evolution;
 mod fsio;

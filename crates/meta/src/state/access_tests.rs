@@ -9,7 +9,7 @@ use tessera_common::auth::ScramSecret;
 /// A 3-node cluster with participants lab_a and lab_b; users ada (lab_a, writer), abe
 /// (lab_a, reader), bob (lab_b, writer) and root (a cluster administrator); table `t`
 /// created by ada, so lab_a's.
-fn consortium() -> MetaState {
+pub(super) fn consortium() -> MetaState {
     let mut state = MetaState::default();
     let mut index = 0;
     let mut apply = |state: &mut MetaState, command: MetaCommand| {
@@ -66,7 +66,7 @@ fn consortium() -> MetaState {
     state
 }
 
-fn by(user: &str, command: MetaCommand) -> MetaCommand {
+pub(super) fn by(user: &str, command: MetaCommand) -> MetaCommand {
     MetaCommand::As {
         user: user.into(),
         command: Box::new(command),
@@ -84,7 +84,7 @@ fn create_table(name: &str) -> MetaCommand {
     MetaCommand::CreateTable { def }
 }
 
-fn allocate(tables: &[&str], request: u64) -> MetaCommand {
+pub(super) fn allocate(tables: &[&str], request: u64) -> MetaCommand {
     MetaCommand::AllocateEpoch {
         coordinator: NodeId(1),
         incarnation: 0,
@@ -93,23 +93,24 @@ fn allocate(tables: &[&str], request: u64) -> MetaCommand {
     }
 }
 
-fn commit(epoch: Epoch) -> MetaCommand {
+pub(super) fn commit(epoch: Epoch) -> MetaCommand {
     MetaCommand::CommitEpoch {
         epoch,
         missed: vec![],
         changes: Some(vec![]),
+        seal: None,
     }
 }
 
 /// The refusal's reason, or a panic naming what was answered instead.
-fn refused(response: MetaResponse) -> String {
+pub(super) fn refused(response: MetaResponse) -> String {
     match response {
         MetaResponse::Refused(reason) => reason,
         other => panic!("expected a refusal, got {other:?}"),
     }
 }
 
-fn epoch_of(response: MetaResponse) -> Epoch {
+pub(super) fn epoch_of(response: MetaResponse) -> Epoch {
     match response {
         MetaResponse::Epoch(epoch) => epoch,
         other => panic!("expected an epoch, got {other:?}"),

@@ -122,6 +122,7 @@ impl Run {
                     epoch,
                     missed: missed.clone(),
                     changes: None,
+                    seal: None,
                 });
                 if was_open && leaves_none_fresh {
                     assert!(

@@ -127,6 +127,7 @@ fn retried_allocations_and_commits_are_idempotent() {
         epoch: first,
         missed: vec![],
         changes: None,
+        seal: None,
     };
     assert_eq!(state.apply(5, commit.clone()).0, MetaResponse::Epoch(first));
     assert_eq!(state.apply(6, commit).0, MetaResponse::Epoch(first));
@@ -185,6 +186,7 @@ fn visible_epoch_waits_for_every_earlier_epoch() {
             epoch: second,
             missed: vec![],
             changes: None,
+            seal: None,
         },
     );
     assert_eq!(state.visible, second);
@@ -273,6 +275,7 @@ fn a_replica_that_missed_an_epoch_is_not_read() {
             epoch,
             missed: vec![(PartitionId(0), NodeId(1))],
             changes: None,
+            seal: None,
         },
     );
     assert_eq!(state.map.partitions[0].primary, Some(NodeId(2)));
@@ -374,6 +377,7 @@ fn an_aborted_rebalance_cannot_switch_the_map_and_clear_newer_stale_marks() {
             epoch: later,
             missed: vec![(PartitionId(0), NodeId(3))],
             changes: None,
+            seal: None,
         },
     );
     assert_eq!(state.map.partitions[0].stale.get(&NodeId(3)), Some(&later));
@@ -426,6 +430,7 @@ fn commit_at(state: &mut MetaState, epoch: Epoch, at_ms: u64) {
             upserts: 3,
             deletes: 1,
         }]),
+        seal: None,
     };
     assert_eq!(
         state.apply(4, stamped(at_ms, commit)).0,

@@ -114,17 +114,21 @@ impl Store {
         component::read_component(&self.components_dir, def, hash, None)
     }
 
-    /// The table version id at `epoch`: a hash over its partition manifests, equal on any
-    /// node holding the same data (Pond's version GUID). Rows still only in memory are not
-    /// part of a manifest, so call after a checkpoint for a stable id.
-    pub fn table_version(&self, table: &str, epoch: Epoch) -> Result<ComponentHash> {
-        let state = self.state();
-        let table = state.table(table)?;
-        let mut hasher = blake3::Hasher::new();
-        for partition in &table.partitions {
-            hasher.update(&partition.manifest.hash_at(epoch).0);
-        }
-        Ok(ComponentHash(*hasher.finalize().as_bytes()))
+    /// The change digest of every epoch this node holds of one partition of `table`, from
+    /// its components (each checked against its hash) and memory, with the table's
+    /// retention horizon: epochs at or below it may have been merged away, so their
+    /// digests are not reproducible (see [`crate::digest`]).
+    pub fn partition_digests(
+        &self,
+        table: &str,
+        partition: PartitionId,
+    ) -> Result<(Epoch, BTreeMap<Epoch, ComponentHash>)> {
+        let def = self
+            .table_def(table)
+            .ok_or_else(|| StorageError::UnknownTable(table.to_string()))?;
+        let versions = self.partition_versions(table, partition, Epoch::ZERO)?;
+        let digests = crate::digest::digests_by_epoch(&def, &versions)?;
+        Ok((self.retention_horizon(table), digests))
     }
 
     pub fn table_stats(&self) -> Vec<TableStats> {

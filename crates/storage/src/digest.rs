@@ -1,0 +1,264 @@
+//! Version ids: what a table's content at an epoch hashes to, equal on every replica.
+//!
+//! A table version id must come out the same on any node holding the same data, yet
+//! replicas flush and merge on their own, so their components and manifests differ. The id
+//! is therefore built from content, not layout:
+//!
+//! - the **change digest** of one partition at one epoch hashes the row versions that epoch
+//!   wrote there, in a canonical form: each row as Arrow's row encoding of the columns the
+//!   table had at that epoch (types as they were then, so later widenings and added
+//!   columns do not change it), with its operation, sorted; how the rows were batched,
+//!   flushed or merged does not matter;
+//! - the **table version id** at an epoch chains the previous version id with that epoch's
+//!   change digests, per partition it touched. Each table's version ids form a hash chain
+//!   (Pond's stream of versions): one changed row anywhere in its history changes every
+//!   later id.
+//!
+//! The publish coordinator computes the digests from the rows it routes; `tessera verify`
+//! recomputes them from the components and memory each replica holds.
+
+use crate::catalog::TableDef;
+use crate::error::Result;
+use arrow::array::{Array, AsArray, RecordBatch};
+use arrow::compute::{cast, concat_batches, sort_to_indices, take_record_batch};
+use arrow::datatypes::{UInt64Type, UInt8Type};
+use arrow::row::{RowConverter, SortField};
+use std::collections::BTreeMap;
+use tessera_common::{ComponentHash, Epoch, PartitionId, EPOCH_COLUMN, OP_COLUMN};
+
+/// Bumped if the canonical form ever changes (old ids stay checkable by their version).
+const DIGEST_DOMAIN: &[u8] = b"tessera change digest v1";
+const VERSION_DOMAIN: &[u8] = b"tessera table version v1";
+
+/// The version id a table has before its first publish.
+pub const GENESIS: ComponentHash = ComponentHash([0; 32]);
+
+/// The change digest of the row versions `epoch` wrote to one partition of `def`.
+/// `versions` are in the stored schema (the table's columns, then the epoch and operation
+/// columns), all stamped with `epoch`.
+pub fn change_digest(
+    def: &TableDef,
+    epoch: Epoch,
+    versions: &[RecordBatch],
+) -> Result<ComponentHash> {
+    let columns = def.columns_at(Some(epoch));
+    let converter = RowConverter::new(
+        columns
+            .iter()
+            .map(|(_, field)| SortField::new(field.data_type().clone()))
+            .collect(),
+    )?;
+    let mut rows: Vec<(u8, Vec<u8>)> = Vec::new();
+    for batch in versions.iter().filter(|b| b.num_rows() > 0) {
+        let epochs = batch
+            .column_by_name(EPOCH_COLUMN)
+            .expect("stored schema")
+            .as_primitive::<UInt64Type>();
+        assert!(
+            epochs.values().iter().all(|&e| e == epoch.0),
+            "a change digest covers one epoch's versions"
+        );
+        let ops = batch
+            .column_by_name(OP_COLUMN)
+            .expect("stored schema")
+            .as_primitive::<UInt8Type>();
+        let arrays = columns
+            .iter()
+            .map(|(position, field)| {
+                let column = batch.column(*position);
+                if column.data_type() == field.data_type() {
+                    Ok(column.clone())
+                } else {
+                    Ok(cast(column, field.data_type())?)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let encoded = converter.convert_columns(&arrays)?;
+        rows.extend(
+            encoded
+                .iter()
+                .zip(ops.values().iter())
+                .map(|(row, op)| (*op, row.as_ref().to_vec())),
+        );
+    }
+    // The row encoding orders like the values, key columns included: sorting by it gives
+    // one order however the rows came.
+    rows.sort_unstable_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(&b.0)));
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(DIGEST_DOMAIN);
+    hasher.update(&(rows.len() as u64).to_le_bytes());
+    for (op, row) in &rows {
+        hasher.update(&[*op]);
+        hasher.update(&(row.len() as u32).to_le_bytes());
+        hasher.update(row);
+    }
+    Ok(ComponentHash(*hasher.finalize().as_bytes()))
+}
+
+/// The change digest of every epoch found in one partition's row versions (stored schema),
+/// by epoch.
+pub fn digests_by_epoch(
+    def: &TableDef,
+    versions: &[RecordBatch],
+) -> Result<BTreeMap<Epoch, ComponentHash>> {
+    let versions: Vec<&RecordBatch> = versions.iter().filter(|b| b.num_rows() > 0).collect();
+    let Some(first) = versions.first() else {
+        return Ok(BTreeMap::new());
+    };
+    let all = concat_batches(&first.schema(), versions.iter().copied())?;
+    let epoch_column = all
+        .column_by_name(EPOCH_COLUMN)
+        .expect("stored schema")
+        .clone();
+    let order = sort_to_indices(&epoch_column, None, None)?;
+    let sorted = take_record_batch(&all, &order)?;
+    let epochs = sorted
+        .column_by_name(EPOCH_COLUMN)
+        .expect("stored schema")
+        .as_primitive::<UInt64Type>()
+        .clone();
+    let mut digests = BTreeMap::new();
+    let mut start = 0;
+    while start < sorted.num_rows() {
+        let epoch = epochs.value(start);
+        let end = (start..sorted.num_rows())
+            .find(|&i| epochs.value(i) != epoch)
+            .unwrap_or(sorted.num_rows());
+        let slice = sorted.slice(start, end - start);
+        digests.insert(Epoch(epoch), change_digest(def, Epoch(epoch), &[slice])?);
+        start = end;
+    }
+    Ok(digests)
+}
+
+/// The version id of `table` at `epoch`, which changed the partitions in `digests` and
+/// follows version `previous`.
+pub fn table_version_id(
+    table: &str,
+    epoch: Epoch,
+    previous: &ComponentHash,
+    digests: &BTreeMap<PartitionId, ComponentHash>,
+) -> ComponentHash {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(VERSION_DOMAIN);
+    hasher.update(&(table.len() as u32).to_le_bytes());
+    hasher.update(table.as_bytes());
+    hasher.update(&epoch.0.to_le_bytes());
+    hasher.update(&previous.0);
+    hasher.update(&(digests.len() as u32).to_le_bytes());
+    for (partition, digest) in digests {
+        hasher.update(&partition.0.to_le_bytes());
+        hasher.update(&digest.0);
+    }
+    ComponentHash(*hasher.finalize().as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::versions::{stamp, tombstone_rows};
+    use arrow::array::{Int64Array, StringArray};
+    use arrow::datatypes::{DataType, Field, Schema};
+    use std::sync::Arc;
+    use tessera_common::RowOp;
+
+    fn def() -> TableDef {
+        let schema = Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("name", DataType::Utf8, true),
+        ]);
+        TableDef::new("t", schema, vec!["id".into()], None).unwrap()
+    }
+
+    fn rows(def: &TableDef, ids: &[i64], names: &[&str]) -> RecordBatch {
+        RecordBatch::try_new(
+            def.schema_ref(),
+            vec![
+                Arc::new(Int64Array::from(ids.to_vec())),
+                Arc::new(StringArray::from(names.to_vec())),
+            ],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_digest_ignores_batching_and_order_but_not_content() {
+        let def = def();
+        let e = Epoch(3);
+        let whole = stamp(
+            &def,
+            &rows(&def, &[1, 2, 3], &["a", "b", "c"]),
+            e,
+            RowOp::Upsert,
+        )
+        .unwrap();
+        let split = [
+            stamp(&def, &rows(&def, &[3], &["c"]), e, RowOp::Upsert).unwrap(),
+            stamp(&def, &rows(&def, &[2, 1], &["b", "a"]), e, RowOp::Upsert).unwrap(),
+        ];
+        let digest = change_digest(&def, e, &[whole]).unwrap();
+        assert_eq!(change_digest(&def, e, &split).unwrap(), digest);
+        let changed = stamp(
+            &def,
+            &rows(&def, &[1, 2, 3], &["a", "b", "C"]),
+            e,
+            RowOp::Upsert,
+        )
+        .unwrap();
+        assert_ne!(change_digest(&def, e, &[changed]).unwrap(), digest);
+        // A delete of a key is not an upsert of it.
+        let keys = rows(&def, &[1], &["a"]).project(&[0]).unwrap();
+        let delete = stamp(
+            &def,
+            &tombstone_rows(&def, &keys).unwrap(),
+            e,
+            RowOp::Delete,
+        )
+        .unwrap();
+        let upsert_null = stamp(
+            &def,
+            &tombstone_rows(&def, &keys).unwrap(),
+            e,
+            RowOp::Upsert,
+        )
+        .unwrap();
+        assert_ne!(
+            change_digest(&def, e, &[delete]).unwrap(),
+            change_digest(&def, e, &[upsert_null]).unwrap()
+        );
+    }
+
+    #[test]
+    fn digests_by_epoch_match_each_epoch_on_its_own() {
+        let def = def();
+        let first = stamp(
+            &def,
+            &rows(&def, &[1, 2], &["a", "b"]),
+            Epoch(1),
+            RowOp::Upsert,
+        )
+        .unwrap();
+        let second = stamp(&def, &rows(&def, &[2], &["B"]), Epoch(2), RowOp::Upsert).unwrap();
+        let mixed = concat_batches(&first.schema(), [&second, &first]).unwrap();
+        let digests = digests_by_epoch(&def, &[mixed]).unwrap();
+        assert_eq!(digests.len(), 2);
+        assert_eq!(
+            digests[&Epoch(1)],
+            change_digest(&def, Epoch(1), &[first]).unwrap()
+        );
+        assert_eq!(
+            digests[&Epoch(2)],
+            change_digest(&def, Epoch(2), &[second]).unwrap()
+        );
+    }
+
+    #[test]
+    fn a_version_id_chains_its_predecessor() {
+        let digests = BTreeMap::from([(PartitionId(4), ComponentHash([7; 32]))]);
+        let one = table_version_id("t", Epoch(1), &GENESIS, &digests);
+        let two = table_version_id("t", Epoch(2), &one, &digests);
+        assert_ne!(one, two);
+        assert_ne!(two, table_version_id("t", Epoch(2), &GENESIS, &digests));
+        assert_ne!(one, table_version_id("u", Epoch(1), &GENESIS, &digests));
+    }
+}
