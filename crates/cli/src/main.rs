@@ -163,6 +163,25 @@ enum Command {
         #[arg(long)]
         insecure: bool,
     },
+    /// Check a cluster's data against its signed, chained version ids (needs --node): each
+    /// table's chain, each epoch's signature, and every up-to-date replica's rows. A
+    /// corrupt replica is refused and copied again whole from a good one.
+    Verify {
+        /// Only this table.
+        #[arg(long)]
+        table: Option<String>,
+        /// Only this epoch's rows and signature (chains are always checked whole).
+        #[arg(long)]
+        epoch: Option<u64>,
+        /// Report corrupt replicas without refusing them.
+        #[arg(long)]
+        no_repair: bool,
+    },
+    /// Participants' signing keys (ed25519), with which they sign the epochs they publish.
+    Keys {
+        #[command(subcommand)]
+        action: KeysAction,
+    },
     /// Certificates for mutual TLS on the internal port: the cluster's CA, nodes', clients'.
     Certs {
         #[command(subcommand)]
@@ -178,6 +197,18 @@ enum Command {
     Debug {
         #[command(subcommand)]
         tool: DebugTool,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeysAction {
+    /// Make a participant's secret key (PARTICIPANT.ed25519) and print its public key.
+    New {
+        #[arg(long)]
+        participant: String,
+        /// The keys directory of a node of the participant (default: --data-dir/keys).
+        #[arg(long)]
+        dir: Option<PathBuf>,
     },
 }
 
@@ -543,6 +574,24 @@ async fn run(cli: Cli) -> Result<()> {
             commands::up::run(&cli.data_dir, options).await
         }
         Command::Certs { action } => certs(action),
+        Command::Verify {
+            table,
+            epoch,
+            no_repair,
+        } => {
+            let Some(addr) = &cli.node else {
+                anyhow::bail!("verify works on a cluster: give --node ADDR of any member");
+            };
+            commands::verify::run(addr, table.clone(), *epoch, !no_repair).await
+        }
+        Command::Keys {
+            action: KeysAction::New { participant, dir },
+        } => {
+            let dir = dir
+                .clone()
+                .unwrap_or_else(|| cli.data_dir.join(tessera_server::node::KEYS_DIR));
+            commands::verify::new_key(&dir, participant)
+        }
         Command::Checkpoint => {
             let store = open_store(&cli)?;
             store.checkpoint()?;

@@ -246,6 +246,7 @@ impl MetaCommand {
                 | MetaCommand::Lineage { .. }
                 | MetaCommand::LineageEnd { .. }
                 | MetaCommand::AbortEpoch { .. }
+                | MetaCommand::MarkCorrupt { .. }
         )
     }
 }

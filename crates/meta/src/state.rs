@@ -248,6 +248,13 @@ pub enum MetaCommand {
         table: String,
         owner: String,
     },
+    /// `tessera verify` found a replica whose versions do not reproduce the signed version
+    /// ids: it may no longer serve the partition until copied whole from a good replica.
+    MarkCorrupt {
+        node: NodeId,
+        partition: PartitionId,
+        reason: String,
+    },
     /// Registers a public key the participant signs its epochs with (see [`crate::seal`]).
     AddParticipantKey {
         participant: String,
@@ -618,6 +625,14 @@ impl MetaState {
             | MetaCommand::AddParticipantKey { .. }) => {
                 self.apply_access(command, by, &mut effects)?
             }
+            MetaCommand::MarkCorrupt {
+                node,
+                partition,
+                reason,
+            } => {
+                self.mark_corrupt(node, partition, &reason)?;
+                MetaResponse::Done
+            }
             MetaCommand::DropTable { name } => {
                 if let Some(open) = self.open.values().find(|o| o.tables.contains(&name)) {
                     return Err(format!(
@@ -969,30 +984,10 @@ impl MetaState {
             self.log_visible(self.visible);
         }
     }
-
-    /// Each partition's primary is its first live replica that missed nothing.
-    fn recompute_primaries(&mut self) {
-        let mut changed = false;
-        for placement in &mut self.map.partitions {
-            let primary = placement.replicas.iter().copied().find(|id| {
-                !placement.stale.contains_key(id)
-                    && self
-                        .nodes
-                        .get(id)
-                        .is_some_and(|n| n.alive && !n.decommissioned)
-            });
-            if primary != placement.primary {
-                placement.primary = primary;
-                changed = true;
-            }
-        }
-        if changed {
-            self.map.version += 1;
-        }
-    }
 }
 
 mod lineage;
+mod placement;
 
 #[cfg(test)]
 mod access_tests;

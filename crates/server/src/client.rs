@@ -247,6 +247,24 @@ impl ClusterClient {
             .map_err(|e: CallError| self.call_error(e))
     }
 
+    /// Checks the cluster's data against its signed version ids (see [`crate::verify`]).
+    pub async fn verify(
+        &self,
+        request: crate::verify::VerifyRequest,
+    ) -> Result<crate::verify::VerifyReport> {
+        let reply: std::result::Result<crate::verify::VerifyReport, crate::rpc::Refusal> = self
+            .clients
+            .action(
+                &self.addr,
+                crate::verify::ACTION_VERIFY,
+                request,
+                Duration::from_secs(3600),
+            )
+            .await
+            .map_err(|e| self.call_error(e))?;
+        reply.map_err(|refusal| self.call_error(CallError::Refused(refusal)))
+    }
+
     pub async fn status(&self) -> Result<NodeStatus> {
         self.clients
             .action(&self.addr, ACTION_STATUS, (), Duration::from_secs(5))

@@ -27,6 +27,7 @@ pub mod node;
 pub mod rpc;
 pub mod server;
 mod system_tables;
+pub mod verify;
 
 pub use tessera_common::NodeId;
 

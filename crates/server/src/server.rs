@@ -379,6 +379,18 @@ impl NodeService {
                     .map_err(|e| Refusal::Failed(e.to_string()).into_status())?;
                 reply(&view.state)
             }
+            crate::verify::ACTION_PARTITION_DIGESTS => {
+                let request: crate::verify::DigestsRequest = self.open(&caller, body)?;
+                let digests = crate::verify::local_digests(node, request).await;
+                reply(&Ok::<_, Refusal>(digests))
+            }
+            crate::verify::ACTION_VERIFY => {
+                let request: crate::verify::VerifyRequest = self.open_from_client(&caller, body)?;
+                let result = crate::verify::verify(node, request)
+                    .await
+                    .map_err(Refusal::Failed);
+                reply(&result)
+            }
             ACTION_STATUS => {
                 self.open_from_client::<()>(&caller, body)?;
                 let status = node_status(&node);

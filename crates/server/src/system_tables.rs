@@ -33,6 +33,15 @@ pub(crate) fn system_table(
                     rows_deleted: record.changes.iter().map(|c| c.deletes).sum(),
                     publisher: record.publisher.clone(),
                     participant: record.participant.clone(),
+                    versions: record.seal.as_ref().map(|seal| {
+                        let ids: Vec<String> = seal
+                            .versions
+                            .iter()
+                            .map(|v| format!("{}={}", v.table, &v.version.to_hex()[..16]))
+                            .collect();
+                        ids.join(", ")
+                    }),
+                    signature: state.signature_status(*epoch, record).to_string(),
                 })
                 .collect();
             Some(tessera_sql::system::epochs_table(&rows))

@@ -145,11 +145,12 @@ impl Engine {
     }
 
     async fn execute_statements(&self, sql: &str) -> Result<Vec<StatementOutput>> {
-        if let Some(statement) = crate::statements::parse_tessera_statement(sql) {
-            return Ok(vec![self.execute_tessera(statement?).await?]);
-        }
         let texts = crate::statements::split_statements(sql);
-        if texts.len() > 1 {
+        if texts.len() <= 1 {
+            if let Some(statement) = crate::statements::parse_tessera_statement(sql) {
+                return Ok(vec![self.execute_tessera(statement?).await?]);
+            }
+        } else {
             // Tessera's own statements may sit among others: each text on its own.
             let mut outputs = Vec::with_capacity(texts.len());
             for text in texts {

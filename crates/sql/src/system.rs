@@ -67,6 +67,10 @@ pub struct EpochRow {
     /// The user who published it; `None` for the operator or a placement change.
     pub publisher: Option<String>,
     pub participant: Option<String>,
+    /// Each table's version id after it, `table=<16 hex digits>`; `None` for a placement.
+    pub versions: Option<String>,
+    /// Whether its signature checks: `valid (participant)`, `unsigned`, `INVALID: ...`.
+    pub signature: String,
 }
 
 /// One row of `tessera_tags`.
@@ -114,6 +118,8 @@ pub fn epochs_table(rows: &[EpochRow]) -> Result<Arc<dyn TableProvider>> {
         Field::new("rows_deleted", DataType::Int64, false),
         Field::new("publisher", DataType::Utf8, true),
         Field::new("participant", DataType::Utf8, true),
+        Field::new("versions", DataType::Utf8, true),
+        Field::new("signature", DataType::Utf8, false),
     ]);
     // BIGINT, as PostgreSQL clients know it (they have no unsigned integers).
     let numbers = |f: fn(&EpochRow) -> u64| -> ArrayRef {
@@ -135,6 +141,10 @@ pub fn epochs_table(rows: &[EpochRow]) -> Result<Arc<dyn TableProvider>> {
             numbers(|r| r.rows_deleted),
             optional_strings(rows.iter().map(|r| r.publisher.as_deref())),
             optional_strings(rows.iter().map(|r| r.participant.as_deref())),
+            optional_strings(rows.iter().map(|r| r.versions.as_deref())),
+            Arc::new(StringArray::from_iter_values(
+                rows.iter().map(|r| r.signature.as_str()),
+            )),
         ],
     )
 }

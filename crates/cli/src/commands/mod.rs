@@ -22,3 +22,4 @@ pub mod status;
 pub mod target;
 pub mod timing;
 pub mod up;
+pub mod verify;

@@ -203,3 +203,41 @@ fn only_the_participants_admin_registers_its_keys() {
     assert_eq!(state.participant_keys("lab_a").len(), 1);
     assert!(state.audit_log.iter().any(|r| r.event.kind() == "add key"));
 }
+
+#[test]
+fn a_corrupt_replica_is_refused_and_its_primary_moves_while_a_good_one_is_left() {
+    let mut state = consortium();
+    let p = PartitionId(0);
+    let replicas = state.map.partitions[0].replicas.clone();
+    let primary = state.map.partitions[0].primary.unwrap();
+    let mark = |node: NodeId| MetaCommand::MarkCorrupt {
+        node,
+        partition: p,
+        reason: "test".into(),
+    };
+    let reason = refused(state.apply(20, by("ada", mark(primary))).0);
+    assert!(reason.starts_with("permission denied"), "{reason}");
+    assert!(matches!(
+        state.apply(21, mark(primary)).0,
+        MetaResponse::Done
+    ));
+    let placement = &state.map.partitions[0];
+    assert_eq!(placement.stale.get(&primary), Some(&Epoch::ZERO));
+    assert_ne!(
+        placement.primary,
+        Some(primary),
+        "a corrupt replica serves nothing"
+    );
+    for (i, node) in replicas.iter().filter(|n| **n != primary).enumerate() {
+        let response = state.apply(22 + i as u64, mark(*node)).0;
+        if i + 2 < replicas.len() {
+            assert!(matches!(response, MetaResponse::Done));
+        } else {
+            let reason = refused(response);
+            assert!(
+                reason.contains("no other replica is up to date"),
+                "{reason}"
+            );
+        }
+    }
+}

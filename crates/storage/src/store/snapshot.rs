@@ -115,7 +115,7 @@ impl Store {
     }
 
     /// The change digest of every epoch this node holds of one partition of `table`, from
-    /// its components (each checked against its hash) and memory, with the table's
+    /// its components (each hashed again now) and memory, with the table's
     /// retention horizon: epochs at or below it may have been merged away, so their
     /// digests are not reproducible (see [`crate::digest`]).
     pub fn partition_digests(
@@ -126,7 +126,7 @@ impl Store {
         let def = self
             .table_def(table)
             .ok_or_else(|| StorageError::UnknownTable(table.to_string()))?;
-        let versions = self.partition_versions(table, partition, Epoch::ZERO)?;
+        let versions = self.read_partition_versions(table, partition, Epoch::ZERO, true)?;
         let digests = crate::digest::digests_by_epoch(&def, &versions)?;
         Ok((self.retention_horizon(table), digests))
     }

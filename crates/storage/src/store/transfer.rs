@@ -13,6 +13,19 @@ impl Store {
         partition: PartitionId,
         since: Epoch,
     ) -> Result<Vec<RecordBatch>> {
+        self.read_partition_versions(table, partition, since, false)
+    }
+
+    /// As [`Store::partition_versions`]; with `rehash`, every component's bytes are hashed
+    /// again now, even if this process checked them before (a scrub or `tessera verify`:
+    /// the disk may have changed them since).
+    pub(crate) fn read_partition_versions(
+        &self,
+        table: &str,
+        partition: PartitionId,
+        since: Epoch,
+        rehash: bool,
+    ) -> Result<Vec<RecordBatch>> {
         let horizon = self.retention_horizon(table);
         // A merge keeps every version above the horizon, but not all at or below it.
         if since != Epoch::ZERO && since <= horizon {
@@ -28,6 +41,18 @@ impl Store {
         let part = &snapshot.partitions[partition.0 as usize];
         let mut batches = Vec::new();
         for component in part.components.iter().filter(|c| c.max_epoch >= since) {
+            if rehash {
+                if let Err(damaged) =
+                    component::verify_component(&self.components_dir, &component.hash)
+                {
+                    // Readers must not trust the earlier check any more.
+                    self.verified
+                        .lock()
+                        .expect("verified lock")
+                        .remove(&component.hash);
+                    return Err(damaged);
+                }
+            }
             batches.extend(self.read_verified_rows(&snapshot.def, &component.hash)?);
         }
         batches.extend(part.memtable.iter().cloned());
@@ -333,7 +358,13 @@ impl Store {
                             actual,
                         });
                     }
-                    self.or_poison(component::write_component(&self.components_dir, bytes))?;
+                    // Fetched because this node's copy is missing or damaged: a damaged
+                    // file under the same name is replaced, not kept.
+                    self.or_poison(component::replace_component(
+                        &self.components_dir,
+                        &meta.hash,
+                        bytes,
+                    ))?;
                     self.verified.lock().expect("verified lock").insert(actual);
                 }
                 None => self.verify_component(&meta.hash)?,
