@@ -187,6 +187,17 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                     upserts: 10,
                     deletes: 2,
                 }]),
+                seal: Some(tessera_meta::EpochSeal {
+                    versions: vec![tessera_meta::TableVersion {
+                        table: "kv".into(),
+                        previous: tessera_common::ComponentHash([0; 32]),
+                        version: tessera_common::ComponentHash([0xab; 32]),
+                    }],
+                    signature: Some(tessera_meta::EpochSignature {
+                        key: "11".repeat(32),
+                        signature: "22".repeat(64),
+                    }),
+                }),
             },
         ),
         (
@@ -295,6 +306,21 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
             MetaCommand::SetTableOwner {
                 table: "kv".into(),
                 owner: "lab_b".into(),
+            },
+        ),
+        (
+            "add-participant-key",
+            MetaCommand::AddParticipantKey {
+                participant: "lab_a".into(),
+                key: "11".repeat(32),
+            },
+        ),
+        (
+            "mark-corrupt",
+            MetaCommand::MarkCorrupt {
+                node: NodeId(2),
+                partition: PartitionId(3),
+                reason: "component damaged".into(),
             },
         ),
         (
@@ -414,6 +440,21 @@ fn samples() -> Samples {
     s.request(
         ACTION_SHIPPED_MANIFEST,
         ("kv".to_string(), 7u64, PartitionId(3)),
+    );
+    s.request(
+        tessera_server::verify::ACTION_PARTITION_DIGESTS,
+        tessera_server::verify::DigestsRequest {
+            table: "kv".into(),
+            partitions: vec![PartitionId(3)],
+        },
+    );
+    s.request(
+        tessera_server::verify::ACTION_VERIFY,
+        tessera_server::verify::VerifyRequest {
+            table: Some("kv".into()),
+            epoch: Some(Epoch(4)),
+            repair: true,
+        },
     );
     s.request(
         ACTION_COMPONENTS_READY,
@@ -739,6 +780,8 @@ fn every_action_has_a_sample() {
         ACTION_SHIPPED_MANIFEST,
         ACTION_COMPONENTS_READY,
         ACTION_COPY_PARTITIONS,
+        tessera_server::verify::ACTION_PARTITION_DIGESTS,
+        tessera_server::verify::ACTION_VERIFY,
     ] {
         assert!(names.contains_key(action), "no sample of action {action}");
     }
