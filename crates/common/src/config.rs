@@ -178,6 +178,11 @@ pub struct ReplicaSettings {
     /// A returning replica fetches only the versions it missed (true), or copies its stale
     /// partitions whole (false: for comparison).
     pub delta_recovery: bool,
+    /// Publishes coordinated here record their tables' version ids, signed where the
+    /// publisher's participant has a key (true). False is for benchmark baselines only:
+    /// the tables' chains stop, `tessera verify` has nothing to check their epochs
+    /// against, and a participant that signs refuses such publishes.
+    pub version_ids: bool,
 }
 
 impl Default for ReplicaSettings {
@@ -185,6 +190,7 @@ impl Default for ReplicaSettings {
         ReplicaSettings {
             hot_standby: false,
             delta_recovery: true,
+            version_ids: true,
         }
     }
 }

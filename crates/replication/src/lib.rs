@@ -48,6 +48,8 @@ pub struct Settings {
     /// Where this node keeps the secret signing keys of the participants it publishes for
     /// (see [`seal`]).
     pub keys_dir: std::path::PathBuf,
+    /// Seal publishes with version ids and signatures (see `ReplicaSettings::version_ids`).
+    pub version_ids: bool,
 }
 
 /// This node's part in the replication protocols.

@@ -340,7 +340,12 @@ async fn publish_epoch(
         // work proportional to the rows, kept off the threads that answer Raft.
         let digests = {
             let (state, routed) = (view.state.clone(), routed.clone());
-            tokio::task::spawn_blocking(move || crate::seal::digest_routed(&state, &routed, epoch))
+            let sealed = node.settings.version_ids;
+            tokio::task::spawn_blocking(move || {
+                sealed
+                    .then(|| crate::seal::digest_routed(&state, &routed, epoch))
+                    .transpose()
+            })
         };
         let (missed, digests) = futures::join!(
             prepare_everywhere(node, &view.state, epoch, routed),
@@ -348,7 +353,17 @@ async fn publish_epoch(
         );
         let digests = digests.map_err(ReplicationError::task("hashing the rows"))??;
         let changes = change_counts(routed);
-        let seal = crate::seal::seal(node, &view.state, epoch, publisher, &digests, &changes)?;
+        let seal = match digests {
+            Some(digests) => Some(crate::seal::seal(
+                node,
+                &view.state,
+                epoch,
+                publisher,
+                &digests,
+                &changes,
+            )?),
+            None => None,
+        };
         Ok::<_, ReplicationError>((missed?, changes, seal))
     };
     let prepared = async {
@@ -360,7 +375,7 @@ async fn publish_epoch(
                 epoch,
                 missed,
                 changes: Some(changes),
-                seal: Some(seal),
+                seal,
             })
             .await
         {

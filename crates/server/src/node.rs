@@ -255,6 +255,7 @@ impl Node {
                 delta_recovery: config.replicas.delta_recovery,
                 open_epoch_timeout: config.open_epoch_timeout(),
                 keys_dir: config.data_dir.join(KEYS_DIR),
+                version_ids: config.replicas.version_ids,
             },
         ));
         let lineage = tessera_recovery::WriteAheadLineage::start(

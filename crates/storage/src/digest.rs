@@ -48,7 +48,9 @@ pub fn change_digest(
             .map(|(_, field)| SortField::new(field.data_type().clone()))
             .collect(),
     )?;
-    let mut rows: Vec<(u8, Vec<u8>)> = Vec::new();
+    // Each batch's rows in the row encoding, with their operations; then one order over
+    // all of them by (encoded row, operation), without copying a row.
+    let mut encoded = Vec::with_capacity(versions.len());
     for batch in versions.iter().filter(|b| b.num_rows() > 0) {
         let epochs = batch
             .column_by_name(EPOCH_COLUMN)
@@ -61,7 +63,8 @@ pub fn change_digest(
         let ops = batch
             .column_by_name(OP_COLUMN)
             .expect("stored schema")
-            .as_primitive::<UInt8Type>();
+            .as_primitive::<UInt8Type>()
+            .clone();
         let arrays = columns
             .iter()
             .map(|(position, field)| {
@@ -73,24 +76,27 @@ pub fn change_digest(
                 }
             })
             .collect::<Result<Vec<_>>>()?;
-        let encoded = converter.convert_columns(&arrays)?;
-        rows.extend(
-            encoded
-                .iter()
-                .zip(ops.values().iter())
-                .map(|(row, op)| (*op, row.as_ref().to_vec())),
-        );
+        encoded.push((converter.convert_columns(&arrays)?, ops));
     }
+    let mut order: Vec<(u32, u32)> = encoded
+        .iter()
+        .enumerate()
+        .flat_map(|(b, (rows, _))| (0..rows.num_rows() as u32).map(move |i| (b as u32, i)))
+        .collect();
+    let row = |(b, i): (u32, u32)| encoded[b as usize].0.row(i as usize);
+    let op = |(b, i): (u32, u32)| encoded[b as usize].1.value(i as usize);
     // The row encoding orders like the values, key columns included: sorting by it gives
     // one order however the rows came.
-    rows.sort_unstable_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(&b.0)));
+    order.sort_unstable_by(|&x, &y| row(x).cmp(&row(y)).then(op(x).cmp(&op(y))));
     let mut hasher = blake3::Hasher::new();
     hasher.update(DIGEST_DOMAIN);
-    hasher.update(&(rows.len() as u64).to_le_bytes());
-    for (op, row) in &rows {
-        hasher.update(&[*op]);
-        hasher.update(&(row.len() as u32).to_le_bytes());
-        hasher.update(row);
+    hasher.update(&(order.len() as u64).to_le_bytes());
+    for at in order {
+        let bytes = row(at);
+        let bytes: &[u8] = bytes.as_ref();
+        hasher.update(&[op(at)]);
+        hasher.update(&(bytes.len() as u32).to_le_bytes());
+        hasher.update(bytes);
     }
     Ok(ComponentHash(*hasher.finalize().as_bytes()))
 }

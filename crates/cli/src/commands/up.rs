@@ -22,6 +22,8 @@ pub struct UpOptions {
     pub replication: u32,
     pub delta_recovery: bool,
     pub hot_standby: bool,
+    /// Publishes record version ids and signatures (off only for a benchmark's baseline).
+    pub version_ids: bool,
     pub memtable_flush_bytes: Option<usize>,
     pub checkpoint_log_bytes: Option<usize>,
     /// Plaintext on the internal port instead of mutual TLS (certificates made under the
@@ -42,6 +44,7 @@ impl UpOptions {
             replication,
             delta_recovery: true,
             hot_standby: false,
+            version_ids: true,
             memtable_flush_bytes: None,
             checkpoint_log_bytes: None,
             insecure: false,
@@ -112,6 +115,7 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
             replicas: ReplicaSettings {
                 hot_standby: options.hot_standby,
                 delta_recovery: options.delta_recovery,
+                version_ids: options.version_ids,
             },
             failure: Default::default(),
             exec: Default::default(),
