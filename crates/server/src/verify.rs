@@ -39,15 +39,42 @@ const DIGEST_PATIENCE: Duration = Duration::from_secs(600);
 pub struct DigestsRequest {
     pub table: String,
     pub partitions: Vec<PartitionId>,
+    /// The replica first waits until it has applied every epoch through this one (the
+    /// visible epoch the check reads), so a replica that is merely behind is not taken
+    /// for a corrupt one.
+    pub through: Epoch,
 }
 
-/// One replica's change digests of one partition, by epoch, or why it could not make them
-/// (a damaged component, above all).
+/// How long a replica waits to apply the epochs a check reads.
+const CATCH_UP_PATIENCE: Duration = Duration::from_secs(30);
+
+/// One replica's change digests of one partition, by epoch, or why it could not make them.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PartitionDigests {
     pub partition: PartitionId,
     pub horizon: Epoch,
-    pub digests: Result<Vec<(Epoch, ComponentHash)>, String>,
+    pub digests: Result<Vec<(Epoch, ComponentHash)>, Unreadable>,
+}
+
+/// Why a replica could not hash a partition.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Unreadable {
+    /// Its bytes are damaged or missing (a component that does not hash to its name, an
+    /// undecodable file): the replica is corrupt. Otherwise it could not answer now.
+    pub damaged: bool,
+    pub reason: String,
+}
+
+fn unreadable(error: tessera_storage::StorageError) -> Unreadable {
+    use tessera_storage::StorageError as E;
+    let damaged = matches!(
+        error,
+        E::CorruptComponent { .. } | E::MissingComponent { .. } | E::Parquet { .. } | E::Io { .. }
+    );
+    Unreadable {
+        damaged,
+        reason: error.to_string(),
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -92,6 +119,29 @@ pub struct VerifyReport {
 
 /// This node's digests of the asked partitions of a table.
 pub async fn local_digests(node: &Arc<Node>, request: DigestsRequest) -> Vec<PartitionDigests> {
+    let through = request.through;
+    let caught_up = node
+        .meta
+        .wait_until(CATCH_UP_PATIENCE, |view| view.state.visible >= through)
+        .await;
+    if !caught_up {
+        let behind = Unreadable {
+            damaged: false,
+            reason: format!(
+                "node {} has not applied epoch {through} after {CATCH_UP_PATIENCE:?}",
+                node.id()
+            ),
+        };
+        return request
+            .partitions
+            .iter()
+            .map(|&partition| PartitionDigests {
+                partition,
+                horizon: Epoch::ZERO,
+                digests: Err(behind.clone()),
+            })
+            .collect();
+    }
     let store = node.store.clone();
     let work = move || {
         request
@@ -107,7 +157,7 @@ pub async fn local_digests(node: &Arc<Node>, request: DigestsRequest) -> Vec<Par
                     Err(error) => PartitionDigests {
                         partition,
                         horizon: Epoch::ZERO,
-                        digests: Err(error.to_string()),
+                        digests: Err(unreadable(error)),
                     },
                 },
             )
@@ -241,9 +291,14 @@ async fn verify_table(
                     .or_default()
                     .insert(*replica, digests.iter().copied().collect());
             }
+            Err(error) if !error.damaged => report.skipped.push(format!(
+                "table {table}: node {replica}'s replica of partition {partition} ({})",
+                error.reason
+            )),
             Err(error) => {
                 let problem = format!(
-                    "table {table}: node {replica}'s replica of partition {partition} cannot be read: {error}"
+                    "table {table}: node {replica}'s replica of partition {partition} cannot be read: {}",
+                    error.reason
                 );
                 corrupt
                     .entry((*replica, *partition))
@@ -400,6 +455,7 @@ async fn gather_digests(
         let request = DigestsRequest {
             table: table.to_string(),
             partitions,
+            through: state.visible,
         };
         let answer: Result<Vec<PartitionDigests>, String> = if replica == node.id() {
             Ok(local_digests(node, request).await)

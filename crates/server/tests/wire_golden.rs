@@ -446,6 +446,7 @@ fn samples() -> Samples {
         tessera_server::verify::DigestsRequest {
             table: "kv".into(),
             partitions: vec![PartitionId(3)],
+            through: Epoch(9),
         },
     );
     s.request(

@@ -116,6 +116,24 @@ pub async fn run(
         count as f64 / publish_tls.as_secs_f64(),
         count as f64 / publish_plain.as_secs_f64()
     );
+    // The secure cluster's publishes must have been signed, or this measured nothing.
+    let signed = secure
+        .query(&format!(
+            "SELECT count(*) AS n FROM tessera_epochs WHERE signature = 'valid ({ORG})'"
+        ))
+        .await?;
+    let signed = signed
+        .first()
+        .and_then(|b| {
+            b.column(0)
+                .as_any()
+                .downcast_ref::<arrow::array::Int64Array>()
+        })
+        .map_or(0, |n| n.value(0));
+    println!("signed epochs with a valid signature on the secure cluster: {signed}");
+    if signed == 0 {
+        bail!("the secure cluster's publishes were not signed");
+    }
     if !mismatches.is_empty() {
         bail!("queries {mismatches:?} answered differently under mutual TLS");
     }
