@@ -177,6 +177,9 @@ enum Command {
         #[arg(long)]
         no_repair: bool,
     },
+    /// Have every live node hash its components again now and repair the damaged ones
+    /// from other replicas (needs --node); prints what each checked and repaired.
+    Scrub,
     /// Participants' signing keys (ed25519), with which they sign the epochs they publish.
     Keys {
         #[command(subcommand)]
@@ -583,6 +586,12 @@ async fn run(cli: Cli) -> Result<()> {
                 anyhow::bail!("verify works on a cluster: give --node ADDR of any member");
             };
             commands::verify::run(addr, table.clone(), *epoch, !no_repair).await
+        }
+        Command::Scrub => {
+            let Some(addr) = &cli.node else {
+                anyhow::bail!("scrub works on a cluster: give --node ADDR of any member");
+            };
+            commands::scrub::run(addr).await
         }
         Command::Keys {
             action: KeysAction::New { participant, dir },

@@ -30,6 +30,7 @@
 //! [replicas]               # how replicas follow their primaries
 //! hot_standby = false
 //! delta_recovery = true
+//! version_ids = true       # seal publishes with version ids (false: benchmark baselines)
 //!
 //! [failure]                # failure detection and re-replication
 //! heartbeat_ms = 200
@@ -46,6 +47,10 @@
 //! inbox_budget_bytes = 16777216
 //! send_batch_rows = 8192
 //! spool_start_timeout_ms = 30000
+//!
+//! [scrub]                  # hash components again and repair damaged ones
+//! bytes_per_sec = 16777216 # 0: only `tessera scrub`
+//! every_ms = 21600000      # a pass this long after the last one ended
 //! ```
 
 use crate::{NodeId, DEFAULT_PARTITIONS};
@@ -120,6 +125,8 @@ pub struct NodeConfig {
     pub failure: FailureSettings,
     #[serde(default)]
     pub exec: ExecSettings,
+    #[serde(default)]
+    pub scrub: ScrubSettings,
     /// Mutual TLS on the internal port (node to node, and the CLI): required unless
     /// `insecure = true`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -244,6 +251,27 @@ impl Default for ExecSettings {
             inbox_budget_bytes: 16 << 20,
             send_batch_rows: 8192,
             spool_start_timeout_ms: 30_000,
+        }
+    }
+}
+
+/// `[scrub]`: the background scrubber, which hashes this node's components again and
+/// repairs the damaged ones from other replicas.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScrubSettings {
+    /// Bytes read per second at most (0: no background scrubbing; `tessera scrub` still
+    /// runs on demand).
+    pub bytes_per_sec: u64,
+    /// A pass starts this long after the previous one ended.
+    pub every_ms: u64,
+}
+
+impl Default for ScrubSettings {
+    fn default() -> Self {
+        ScrubSettings {
+            bytes_per_sec: 16 << 20,
+            every_ms: 6 * 3600 * 1000,
         }
     }
 }

@@ -52,6 +52,9 @@ pub struct Metrics {
     /// Partition copies (failbacks and moves) this node installed, and how long each took.
     pub failbacks: Counter,
     pub failback_seconds: Histogram,
+    /// Component bytes the scrubber hashed again, and the damaged components it found.
+    pub scrubbed_bytes: Counter,
+    pub scrub_damaged: Counter,
     pub raft_term: Gauge,
     /// The metadata leader's node id (0 while none is known).
     pub raft_leader: Gauge,
@@ -85,6 +88,8 @@ impl Metrics {
             failovers: Counter::default(),
             failbacks: Counter::default(),
             failback_seconds: seconds_buckets(),
+            scrubbed_bytes: Counter::default(),
+            scrub_damaged: Counter::default(),
             raft_term: Gauge::default(),
             raft_leader: Gauge::default(),
             raft_last_log_index: Gauge::default(),
@@ -156,6 +161,16 @@ impl Metrics {
                 "failbacks",
                 "Partition copies installed on this node (failbacks and moves)",
                 metrics.failbacks.clone(),
+            );
+            r.register(
+                "scrubbed_bytes",
+                "Component bytes the scrubber hashed again",
+                metrics.scrubbed_bytes.clone(),
+            );
+            r.register(
+                "scrub_damaged",
+                "Damaged or missing components the scrubber found",
+                metrics.scrub_damaged.clone(),
             );
             r.register(
                 "failback_seconds",

@@ -265,6 +265,22 @@ impl ClusterClient {
         reply.map_err(|refusal| self.call_error(CallError::Refused(refusal)))
     }
 
+    /// Has every live node hash its components again now and repair the damaged ones
+    /// (see [`crate::scrub`]); each node's report.
+    pub async fn scrub(&self) -> Result<Vec<crate::scrub::ScrubReport>> {
+        let reply: std::result::Result<Vec<crate::scrub::ScrubReport>, crate::rpc::Refusal> = self
+            .clients
+            .action(
+                &self.addr,
+                crate::scrub::ACTION_SCRUB,
+                crate::scrub::ScrubRequest { everywhere: true },
+                Duration::from_secs(3600),
+            )
+            .await
+            .map_err(|e| self.call_error(e))?;
+        reply.map_err(|refusal| self.call_error(CallError::Refused(refusal)))
+    }
+
     pub async fn status(&self) -> Result<NodeStatus> {
         self.clients
             .action(&self.addr, ACTION_STATUS, (), Duration::from_secs(5))

@@ -25,6 +25,7 @@ mod console;
 pub mod error;
 pub mod node;
 pub mod rpc;
+pub mod scrub;
 pub mod server;
 mod system_tables;
 pub mod verify;

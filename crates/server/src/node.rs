@@ -315,6 +315,7 @@ impl Node {
         tokio::spawn(node.clone().heartbeat_loop());
         tokio::spawn(node.clone().duty_loop());
         tokio::spawn(node.clone().registration_loop());
+        tokio::spawn(crate::scrub::scrub_loop(node.clone()));
         tracing::info!(node = node.config.node_id.0, listen = %node.config.listen, "node started");
         Ok(node)
     }

@@ -44,6 +44,9 @@ pub struct NodeStatus {
     /// can join, write metadata and read data.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub insecure: bool,
+    /// The scrubber's last pass on this node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scrub: Option<crate::scrub::ScrubReport>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -383,6 +386,11 @@ impl NodeService {
                 let request: crate::verify::DigestsRequest = self.open(&caller, body)?;
                 let digests = crate::verify::local_digests(node, request).await;
                 reply(&Ok::<_, Refusal>(digests))
+            }
+            crate::scrub::ACTION_SCRUB => {
+                let request: crate::scrub::ScrubRequest = self.open_from_client(&caller, body)?;
+                let reports = crate::scrub::scrub_now(node, request).await;
+                reply(&Ok::<_, Refusal>(reports))
             }
             crate::verify::ACTION_VERIFY => {
                 let request: crate::verify::VerifyRequest = self.open_from_client(&caller, body)?;
@@ -871,5 +879,6 @@ pub fn node_status(node: &crate::node::Node) -> NodeStatus {
             .collect(),
         transfers: node.replication.transfers.counts(),
         insecure: node.mtls.is_none(),
+        last_scrub: crate::scrub::last_scrub(),
     }
 }

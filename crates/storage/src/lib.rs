@@ -24,5 +24,6 @@ pub use component::ComponentMeta;
 pub use error::StorageError;
 pub use manifest::Manifest;
 pub use store::{
-    PartitionChanges, PartitionSnapshot, Store, StoreConfig, TableChanges, TableSnapshot,
+    HeldComponent, PartitionChanges, PartitionSnapshot, Store, StoreConfig, TableChanges,
+    TableSnapshot,
 };

@@ -21,6 +21,20 @@ pub async fn run(addr: &str) -> Result<()> {
         Some(leader) => println!("metadata leader: node {leader} (term {})", status.term),
         None => println!("metadata leader: none (election running)"),
     }
+    match &status.last_scrub {
+        Some(scrub) => println!(
+            "last scrub:     {} on this node: {} components checked, {} damaged, {} repaired{}",
+            tessera_common::time::format_ms(scrub.started_at_ms),
+            scrub.components,
+            scrub.damaged.len(),
+            scrub.repaired.len(),
+            match scrub.unrepaired.len() {
+                0 => String::new(),
+                n => format!(", \x1b[1;31m{n} NOT REPAIRED\x1b[0m"),
+            }
+        ),
+        None => println!("last scrub:     none yet on this node"),
+    }
     println!("visible epoch:  {}", meta.visible);
     println!("next epoch:     {}", meta.next_epoch);
     if !meta.open.is_empty() {

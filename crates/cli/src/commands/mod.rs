@@ -17,6 +17,7 @@ pub mod local_cluster;
 pub mod node;
 pub mod publish;
 pub mod publish_loop;
+pub mod scrub;
 pub mod sql;
 pub mod status;
 pub mod target;

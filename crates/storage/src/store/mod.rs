@@ -36,12 +36,14 @@ mod maintenance;
 mod participant;
 mod publish;
 mod replay;
+mod scrub;
 mod snapshot;
 mod standby;
 mod transfer;
 
 use publish::PreparedChanges;
 use replay::replay;
+pub use scrub::HeldComponent;
 
 /// Store settings, with defaults suited to a laptop or a small server.
 #[derive(Debug, Clone)]

@@ -42,16 +42,7 @@ impl Store {
         let mut batches = Vec::new();
         for component in part.components.iter().filter(|c| c.max_epoch >= since) {
             if rehash {
-                if let Err(damaged) =
-                    component::verify_component(&self.components_dir, &component.hash)
-                {
-                    // Readers must not trust the earlier check any more.
-                    self.verified
-                        .lock()
-                        .expect("verified lock")
-                        .remove(&component.hash);
-                    return Err(damaged);
-                }
+                self.rehash_component(&component.hash)?;
             }
             batches.extend(self.read_verified_rows(&snapshot.def, &component.hash)?);
         }

@@ -1,0 +1,46 @@
+//! Scrubbing: listing the components this node's manifests name, and hashing one again
+//! now, whatever an earlier check in this process said (the disk may have changed it).
+
+use super::*;
+
+/// A component some of this node's partitions hold.
+#[derive(Debug, Clone)]
+pub struct HeldComponent {
+    pub hash: ComponentHash,
+    pub bytes: u64,
+    /// The (table, partition) manifests that name it.
+    pub holders: Vec<(String, PartitionId)>,
+}
+
+impl Store {
+    /// Every component the manifests name, once each, in hash order.
+    pub fn held_components(&self) -> Vec<HeldComponent> {
+        let state = self.state();
+        let mut held: BTreeMap<ComponentHash, HeldComponent> = BTreeMap::new();
+        for (name, table) in &state.tables {
+            for (p, partition) in table.partitions.iter().enumerate() {
+                for component in &partition.manifest.components {
+                    held.entry(component.hash)
+                        .or_insert_with(|| HeldComponent {
+                            hash: component.hash,
+                            bytes: component.bytes,
+                            holders: Vec::new(),
+                        })
+                        .holders
+                        .push((name.clone(), PartitionId(p as u32)));
+                }
+            }
+        }
+        held.into_values().collect()
+    }
+
+    /// Hashes component `hash`'s file again now. If it no longer matches its name (or is
+    /// gone), readers stop trusting the earlier check, and the error says what is wrong.
+    pub fn rehash_component(&self, hash: &ComponentHash) -> Result<()> {
+        let checked = component::verify_component(&self.components_dir, hash);
+        if checked.is_err() {
+            self.verified.lock().expect("verified lock").remove(hash);
+        }
+        checked
+    }
+}
