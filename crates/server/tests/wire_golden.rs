@@ -450,6 +450,10 @@ fn samples() -> Samples {
         },
     );
     s.request(
+        tessera_server::scrub::ACTION_SCRUB,
+        tessera_server::scrub::ScrubRequest { everywhere: true },
+    );
+    s.request(
         tessera_server::verify::ACTION_VERIFY,
         tessera_server::verify::VerifyRequest {
             table: Some("kv".into()),
@@ -716,6 +720,16 @@ fn samples() -> Samples {
                 delta_versions: 30,
             },
             insecure: true,
+            last_scrub: Some(tessera_server::scrub::ScrubReport {
+                node: NodeId(1),
+                started_at_ms: 1_763_632_800_250,
+                elapsed_ms: 25,
+                components: 128,
+                bytes: 4 << 20,
+                damaged: vec!["orders p35: component ... is corrupt".into()],
+                repaired: vec!["component ... replaced by another replica's copy".into()],
+                unrepaired: vec![],
+            }),
         },
     );
     s
@@ -783,6 +797,7 @@ fn every_action_has_a_sample() {
         ACTION_COPY_PARTITIONS,
         tessera_server::verify::ACTION_PARTITION_DIGESTS,
         tessera_server::verify::ACTION_VERIFY,
+        tessera_server::scrub::ACTION_SCRUB,
     ] {
         assert!(names.contains_key(action), "no sample of action {action}");
     }
