@@ -34,10 +34,35 @@ fn batch(columns: Vec<Vec<i64>>, names: &[&str]) -> RecordBatch {
 }
 
 type Digests = BTreeMap<(PartitionId, Epoch), ComponentHash>;
+/// The rows each (partition, epoch) wrote, as sorted text: what a digest must tell apart.
+type Contents = BTreeMap<(PartitionId, Epoch), Vec<String>>;
+
+/// Each row's values and operation (not its epoch), sorted.
+fn content(versions: &[RecordBatch]) -> Vec<String> {
+    let mut rows = Vec::new();
+    for batch in versions {
+        let schema = batch.schema();
+        for i in 0..batch.num_rows() {
+            let row: Vec<String> = (0..batch.num_columns())
+                .filter(|&c| schema.field(c).name() != tessera_common::EPOCH_COLUMN)
+                .map(|c| arrow::util::display::array_value_to_string(batch.column(c), i).unwrap())
+                .collect();
+            rows.push(row.join(","));
+        }
+    }
+    rows.sort();
+    rows
+}
 
 /// Publishes one epoch and returns the digests its rows give, per partition, computed as
 /// the publish coordinator does (from the rows routed, before the store sees them).
-fn publish(store: &Store, upserts: RecordBatch, deletes: RecordBatch, expected: &mut Digests) {
+fn publish(
+    store: &Store,
+    upserts: RecordBatch,
+    deletes: RecordBatch,
+    expected: &mut Digests,
+    contents: &mut Contents,
+) {
     let def = store.table_def("kv").unwrap();
     let ring = store.ring();
     let epoch = store.visible_epoch().next();
@@ -70,6 +95,7 @@ fn publish(store: &Store, upserts: RecordBatch, deletes: RecordBatch, expected: 
     assert_eq!(published, epoch);
     for (p, versions) in by_partition {
         expected.insert((p, epoch), change_digest(&def, epoch, &versions).unwrap());
+        contents.insert((p, epoch), content(&versions));
     }
 }
 
@@ -97,6 +123,7 @@ fn digests_survive_flushes_merges_and_an_added_column() {
     store.create_table(def()).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     let mut expected = Digests::new();
+    let mut contents = Contents::new();
     let mut added = false;
     for step in 0..30 {
         let mut keys = Vec::new();
@@ -118,7 +145,13 @@ fn digests_survive_flushes_merges_and_an_added_column() {
         } else {
             batch(vec![keys, values], &["k", "v"])
         };
-        publish(&store, upserts, batch(vec![deletes], &["k"]), &mut expected);
+        publish(
+            &store,
+            upserts,
+            batch(vec![deletes], &["k"]),
+            &mut expected,
+            &mut contents,
+        );
         if step % 4 == 3 {
             store.checkpoint().unwrap();
         }
@@ -139,6 +172,24 @@ fn digests_survive_flushes_merges_and_an_added_column() {
     assert!(
         stats[0].components > 0,
         "the checkpoints flushed components: {stats:?}"
+    );
+    // The digests tell change sets apart (a constant would also compare equal): equal
+    // digests exactly where the rows written are equal.
+    let pairs: std::collections::BTreeSet<(&Vec<String>, &ComponentHash)> = expected
+        .iter()
+        .map(|(at, digest)| (&contents[at], digest))
+        .collect();
+    let distinct_contents: std::collections::BTreeSet<&Vec<String>> = contents.values().collect();
+    let distinct_digests: std::collections::BTreeSet<&ComponentHash> = expected.values().collect();
+    assert_eq!(
+        pairs.len(),
+        distinct_contents.len(),
+        "one digest per change set"
+    );
+    assert_eq!(
+        distinct_digests.len(),
+        distinct_contents.len(),
+        "one change set per digest"
     );
     assert_eq!(recomputed(&store), expected, "before a restart");
     store.checkpoint().unwrap();
