@@ -599,7 +599,7 @@ async fn run(cli: Cli) -> Result<()> {
             let dir = dir
                 .clone()
                 .unwrap_or_else(|| cli.data_dir.join(tessera_server::node::KEYS_DIR));
-            commands::verify::new_key(&dir, participant)
+            commands::keys::new_key(&dir, participant)
         }
         Command::Checkpoint => {
             let store = open_store(&cli)?;

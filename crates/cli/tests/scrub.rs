@@ -8,7 +8,6 @@ mod common;
 
 use common::{flush_everywhere, load_tpch_tables, wait_formed, wait_until};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 use tessera_server::ClusterClient;
 use tessera_testkit::LocalCluster;
@@ -16,16 +15,7 @@ use tessera_testkit::LocalCluster;
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 
 fn scrub(cluster: &LocalCluster) -> (bool, String) {
-    let output = Command::new(BINARY)
-        .args(["--node", cluster.addr(1), "scrub"])
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    (output.status.success(), text)
+    common::tessera_at_node_1(BINARY, cluster, ["scrub"])
 }
 
 /// Node `id`'s component files, largest first.

@@ -14,6 +14,7 @@
 mod common;
 
 use common::{flush_everywhere, load_tpch, wait_formed, wait_until};
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -29,18 +30,12 @@ const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 
 /// `tessera verify` through node 1: its exit status and its output (stdout and stderr).
 fn verify(cluster: &LocalCluster, certs: &Path) -> (bool, String) {
-    let output = Command::new(BINARY)
-        .args(["--node", cluster.addr(1), "--certs"])
-        .arg(certs)
-        .arg("verify")
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    (output.status.success(), text)
+    let args = [
+        OsStr::new("--certs"),
+        certs.as_os_str(),
+        OsStr::new("verify"),
+    ];
+    common::tessera_at_node_1(BINARY, cluster, args)
 }
 
 /// Waits until `tessera verify` passes again (the refused replicas copied whole).

@@ -235,10 +235,8 @@ impl Backend for ClusterBackend {
             } => {
                 // A participant's administrator adds users to its own participant.
                 let view = self.node.meta.view();
-                let participant = participant.or_else(|| {
-                    let actor = self.actor()?;
-                    view.state.users.get(&actor)?.participant.clone()
-                });
+                let participant =
+                    participant.or_else(|| view.state.participant_of(self.actor().as_deref()));
                 MetaCommand::CreateUser {
                     name,
                     secret,

@@ -2,32 +2,16 @@
 //! whose checkpoints flush and merge components between them; every diff between two
 //! retained epochs must equal the model's, whichever components hold the versions.
 
-use arrow::array::{Array, AsArray, Int64Array, RecordBatch};
+use arrow::array::{Array, AsArray};
 use arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use tessera_common::Epoch;
 use tessera_storage::changes::partition_changes;
 use tessera_storage::{Store, StoreConfig, TableChanges, TableDef};
 
 mod common;
-use common::def;
-
-fn batch(columns: Vec<Vec<i64>>, names: &[&str]) -> RecordBatch {
-    let fields: Vec<Field> = names
-        .iter()
-        .map(|n| Field::new(*n, DataType::Int64, false))
-        .collect();
-    RecordBatch::try_new(
-        Arc::new(Schema::new(fields)),
-        columns
-            .into_iter()
-            .map(|c| Arc::new(Int64Array::from(c)) as _)
-            .collect(),
-    )
-    .unwrap()
-}
+use common::{def, int64_batch as batch};
 
 type Rows = BTreeMap<i64, i64>;
 /// (change, key, before, after)

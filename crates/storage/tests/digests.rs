@@ -4,11 +4,10 @@
 //! into other components, and after a column was added (older epochs keep the columns
 //! they had). Otherwise `tessera verify` would call a healthy replica corrupt.
 
-use arrow::array::{Int64Array, RecordBatch};
-use arrow::datatypes::{DataType, Field, Schema};
+use arrow::array::RecordBatch;
+use arrow::datatypes::{DataType, Field};
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use tessera_common::{ComponentHash, Epoch, PartitionId, RowOp};
 use tessera_storage::digest::change_digest;
 use tessera_storage::evolution::AlterColumn;
@@ -16,22 +15,7 @@ use tessera_storage::versions::{conform_to_schema, split_by_partition, stamp, to
 use tessera_storage::{Store, StoreConfig, TableChanges};
 
 mod common;
-use common::def;
-
-fn batch(columns: Vec<Vec<i64>>, names: &[&str]) -> RecordBatch {
-    let fields: Vec<Field> = names
-        .iter()
-        .map(|n| Field::new(*n, DataType::Int64, false))
-        .collect();
-    RecordBatch::try_new(
-        Arc::new(Schema::new(fields)),
-        columns
-            .into_iter()
-            .map(|c| Arc::new(Int64Array::from(c)) as _)
-            .collect(),
-    )
-    .unwrap()
-}
+use common::{def, int64_batch as batch};
 
 type Digests = BTreeMap<(PartitionId, Epoch), ComponentHash>;
 /// The rows each (partition, epoch) wrote, as sorted text: what a digest must tell apart.
@@ -67,22 +51,16 @@ fn publish(
     let ring = store.ring();
     let epoch = store.visible_epoch().next();
     let mut by_partition: BTreeMap<PartitionId, Vec<RecordBatch>> = BTreeMap::new();
-    if upserts.num_rows() > 0 {
-        let rows = conform_to_schema(&def, &upserts).unwrap();
-        for (p, part) in split_by_partition(&def, &ring, &rows).unwrap() {
+    let rows = [
+        (conform_to_schema(&def, &upserts).unwrap(), RowOp::Upsert),
+        (tombstone_rows(&def, &deletes).unwrap(), RowOp::Delete),
+    ];
+    for (rows, op) in rows.iter().filter(|(rows, _)| rows.num_rows() > 0) {
+        for (p, part) in split_by_partition(&def, &ring, rows).unwrap() {
             by_partition
                 .entry(p)
                 .or_default()
-                .push(stamp(&def, &part, epoch, RowOp::Upsert).unwrap());
-        }
-    }
-    if deletes.num_rows() > 0 {
-        let rows = tombstone_rows(&def, &deletes).unwrap();
-        for (p, part) in split_by_partition(&def, &ring, &rows).unwrap() {
-            by_partition
-                .entry(p)
-                .or_default()
-                .push(stamp(&def, &part, epoch, RowOp::Delete).unwrap());
+                .push(stamp(&def, &part, epoch, *op).unwrap());
         }
     }
     let published = store

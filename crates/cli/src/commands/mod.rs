@@ -12,6 +12,7 @@ pub mod certs;
 pub mod cluster_status;
 pub mod demo;
 pub mod export;
+pub mod keys;
 pub mod load;
 pub mod local_cluster;
 pub mod node;

@@ -256,3 +256,23 @@ async fn program_ok(command: &str, args: &[&str]) -> Result<(), String> {
         ))
     }
 }
+
+/// Runs the `tessera` binary with `--node` (node 1 of `cluster`) and `args`: whether it
+/// succeeded, and its standard output followed by its standard error.
+pub fn tessera_at_node_1<S: AsRef<std::ffi::OsStr>>(
+    binary: &str,
+    cluster: &LocalCluster,
+    args: impl IntoIterator<Item = S>,
+) -> (bool, String) {
+    let output = std::process::Command::new(binary)
+        .args(["--node", cluster.addr(1)])
+        .args(args)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output.status.success(), text)
+}

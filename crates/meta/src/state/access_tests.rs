@@ -3,7 +3,6 @@
 
 use super::*;
 use crate::access::DENIED;
-use arrow::datatypes::{DataType, Field, Schema};
 use tessera_common::auth::ScramSecret;
 
 /// A 3-node cluster with participants lab_a and lab_b; users ada (lab_a, writer), abe
@@ -74,14 +73,9 @@ pub(super) fn by(user: &str, command: MetaCommand) -> MetaCommand {
 }
 
 fn create_table(name: &str) -> MetaCommand {
-    let def = TableDef::new(
-        name,
-        Schema::new(vec![Field::new("k", DataType::Int64, false)]),
-        vec!["k".into()],
-        None,
-    )
-    .unwrap();
-    MetaCommand::CreateTable { def }
+    MetaCommand::CreateTable {
+        def: super::tests::keyed_table(name),
+    }
 }
 
 pub(super) fn allocate(tables: &[&str], request: u64) -> MetaCommand {

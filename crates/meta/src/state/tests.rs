@@ -27,16 +27,25 @@ fn bootstrapped(nodes: u64) -> MetaState {
     with_table(state, "t")
 }
 
-/// `state` with a table `name` keyed by a BIGINT `k`.
-fn with_table(mut state: MetaState, name: &str) -> MetaState {
-    let def = TableDef::new(
+/// A table `name` keyed by a BIGINT `k`, its only column.
+pub(super) fn keyed_table(name: &str) -> TableDef {
+    TableDef::new(
         name,
         Schema::new(vec![Field::new("k", DataType::Int64, false)]),
         vec!["k".into()],
         None,
     )
-    .unwrap();
-    state.apply(2, MetaCommand::CreateTable { def });
+    .unwrap()
+}
+
+/// `state` with a table `name` keyed by a BIGINT `k`.
+fn with_table(mut state: MetaState, name: &str) -> MetaState {
+    state.apply(
+        2,
+        MetaCommand::CreateTable {
+            def: keyed_table(name),
+        },
+    );
     state
 }
 

@@ -35,12 +35,15 @@ impl Store {
     }
 
     /// Hashes component `hash`'s file again now. If it no longer matches its name (or is
-    /// gone), readers stop trusting the earlier check, and the error says what is wrong.
+    /// gone), readers stop trusting the earlier check, and the error says what is wrong;
+    /// if it does, readers need not hash it again.
     pub fn rehash_component(&self, hash: &ComponentHash) -> Result<()> {
         let checked = component::verify_component(&self.components_dir, hash);
-        if checked.is_err() {
-            self.verified.lock().expect("verified lock").remove(hash);
-        }
+        let mut verified = self.verified.lock().expect("verified lock");
+        match &checked {
+            Ok(()) => verified.insert(*hash),
+            Err(_) => verified.remove(hash),
+        };
         checked
     }
 }

@@ -1,9 +1,27 @@
-//! Helpers shared by the storage integration tests.
+//! Helpers shared by the storage integration tests (each test file uses some of them).
+#![allow(dead_code)]
 
-use arrow::array::RecordBatch;
+use arrow::array::{Int64Array, RecordBatch};
 use arrow::datatypes::{DataType, Field, Schema};
+use std::sync::Arc;
 use tessera_common::Epoch;
 use tessera_storage::{Store, TableDef};
+
+/// A batch of BIGINT columns named `names`, NOT NULL.
+pub fn int64_batch(columns: Vec<Vec<i64>>, names: &[&str]) -> RecordBatch {
+    let fields: Vec<Field> = names
+        .iter()
+        .map(|n| Field::new(*n, DataType::Int64, false))
+        .collect();
+    RecordBatch::try_new(
+        Arc::new(Schema::new(fields)),
+        columns
+            .into_iter()
+            .map(|c| Arc::new(Int64Array::from(c)) as _)
+            .collect(),
+    )
+    .unwrap()
+}
 
 /// Table `kv`: a BIGINT key `k` and a BIGINT value `v`.
 pub fn def() -> TableDef {
