@@ -153,6 +153,10 @@ enum Command {
     Up {
         #[arg(long, default_value_t = 3)]
         nodes: u64,
+        /// Compute-only nodes besides them (ids after the storage nodes'): they hold no
+        /// partitions and take query channels.
+        #[arg(long, default_value_t = 0)]
+        compute: u64,
         #[command(flatten)]
         ports: LocalPorts,
         /// Copies of each partition.
@@ -568,12 +572,14 @@ async fn run(cli: Cli) -> Result<()> {
         }
         Command::Up {
             nodes,
+            compute,
             ports,
             replication,
             insecure,
         } => {
             let mut options = ports.options(*nodes, cli.store.partitions, *replication);
             options.insecure = *insecure;
+            options.compute = *compute;
             commands::up::run(&cli.data_dir, options).await
         }
         Command::Certs { action } => certs(action),

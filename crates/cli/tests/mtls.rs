@@ -234,6 +234,7 @@ async fn only_holders_of_the_clusters_certificates_join_or_call() {
     let registration = tessera_server::meta::MetaCommand::RegisterNode {
         id: NodeId(2),
         addr: "127.0.0.1:9".into(),
+        compute: false,
     };
     let error = refusal_of(
         &forger,

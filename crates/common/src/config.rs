@@ -11,6 +11,7 @@
 //! partitions = 64          # fixed when the cluster is created
 //! replication = 3
 //! voters = [1, 2, 3]       # default: the three lowest ids
+//! # role = "compute"       # no partitions, never a voter: adds CPU to queries
 //! # insecure = true        # plaintext internal port, development only; else [mtls]
 //!
 //! [[peers]]
@@ -117,6 +118,11 @@ pub struct NodeConfig {
     pub partitions: u32,
     #[serde(default = "default_replication")]
     pub replication: u32,
+    /// What this node is for: holding partitions (`storage`, the default) or only running
+    /// queries (`compute`: a metadata learner given no partitions, whose channels read
+    /// from the storage nodes).
+    #[serde(default, skip_serializing_if = "NodeRole::is_storage")]
+    pub role: NodeRole,
     #[serde(default)]
     pub store: StoreSettings,
     #[serde(default)]
@@ -131,6 +137,28 @@ pub struct NodeConfig {
     /// `insecure = true`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mtls: Option<MtlsSettings>,
+}
+
+/// What a node is for (`role` in `node.toml`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeRole {
+    /// Holds partitions (replicas placed by the ring) and runs query channels.
+    #[default]
+    Storage,
+    /// Holds no partitions and never votes in the metadata: it adds CPU to queries, its
+    /// channels reading the storage nodes' partitions over the network.
+    Compute,
+}
+
+impl NodeRole {
+    pub fn is_storage(&self) -> bool {
+        *self == NodeRole::Storage
+    }
+
+    pub fn is_compute(&self) -> bool {
+        *self == NodeRole::Compute
+    }
 }
 
 /// `[mtls]`: the cluster's CA and this node's certificate and key (PEM), as `tessera certs`
@@ -351,11 +379,18 @@ impl NodeConfig {
         Ok(config)
     }
 
-    /// The voters: configured, or the three lowest peer ids.
+    /// The voters: configured, or the three lowest peer ids. A compute node is never one
+    /// (validation refuses it among configured voters; it leaves itself out of the default).
     pub fn voter_ids(&self) -> BTreeSet<NodeId> {
         match &self.voters {
             Some(voters) => voters.iter().copied().collect(),
-            None => self.peers.iter().map(|p| p.id).take(3).collect(),
+            None => self
+                .peers
+                .iter()
+                .map(|p| p.id)
+                .filter(|id| !(self.role.is_compute() && *id == self.node_id))
+                .take(3)
+                .collect(),
         }
     }
 
@@ -419,6 +454,11 @@ impl NodeConfig {
                 if !ids.contains(voter) {
                     return Err(format!(
                         "voter {voter} is not a known peer (peers are {ids:?})"
+                    ));
+                }
+                if *voter == self.node_id && self.role.is_compute() {
+                    return Err(format!(
+                        "node {voter} is a compute node (role = \"compute\") and cannot be a voter: list only storage nodes in voters"
                     ));
                 }
             }
@@ -540,6 +580,25 @@ mod tests {
         assert_eq!(config.failure, FailureSettings::default());
         assert_eq!(config.exec.send_batch_rows, 8192);
         assert!(config.replicas.delta_recovery && !config.replicas.hot_standby);
+    }
+
+    #[test]
+    fn a_compute_node_never_votes() {
+        // Node 2 of GOOD, as a compute node: the default voters leave it out.
+        let compute = format!("role = \"compute\"\n{}", GOOD.replace("node_id = 1", "node_id = 2"))
+            .replace("listen = \"127.0.0.1:7001\"", "listen = \"127.0.0.1:7002\"");
+        let config = NodeConfig::parse(&compute, Path::new("node.toml")).unwrap();
+        assert!(config.role.is_compute());
+        assert_eq!(config.voter_ids(), BTreeSet::from([NodeId(1)]));
+        let named = error(&format!("voters = [1, 2]\n{compute}"));
+        assert!(
+            named.contains("node 2 is a compute node") && named.contains("cannot be a voter"),
+            "{named}"
+        );
+        assert!(error(&format!("role = \"archive\"\n{GOOD}")).contains("unknown variant `archive`"));
+        let storage = NodeConfig::parse(GOOD, Path::new("node.toml")).unwrap();
+        assert!(storage.role.is_storage());
+        assert!(!toml::to_string(&storage).unwrap().contains("role"), "the default is not written");
     }
 
     #[test]

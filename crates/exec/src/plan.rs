@@ -12,8 +12,9 @@
 //!
 //! Then every channel is placed: a channel that reads a storage partition runs on that
 //! partition's first listed replica (its primary in the query's snapshot), any other on
-//! the primary of the partition in the middle of its hash range, which spreads them over
-//! the nodes in ring order. Finally each stage gets an [`ExchangeWriteExec`] root naming,
+//! a live compute-only node (in turn) if there is one, else on the primary of the
+//! partition in the middle of its hash range, which spreads them over the nodes in ring
+//! order. Finally each stage gets an [`ExchangeWriteExec`] root naming,
 //! for each bucket, the nodes hosting a consumer channel that reads it.
 
 use crate::exchange::{ExchangeMode, ExchangeReadExec, ExchangeWriteExec, ReadSpec, WriteSpec};
@@ -253,17 +254,27 @@ impl Cutter {
 }
 
 /// The node of each channel of a stage rooted at `root`, never one in `avoid` (peers the
-/// initiator cannot reach) while another will do.
+/// initiator cannot reach) while another will do. Channels that read no partition go to
+/// the compute nodes first; scans too if `scans_on_compute`.
 fn place(
     root: &Arc<dyn ExecutionPlan>,
     state: &MetaState,
     fallback: NodeId,
     avoid: &BTreeSet<NodeId>,
+    scans_on_compute: bool,
 ) -> Vec<NodeId> {
     let channels = root.output_partitioning().partition_count();
     let partitions = state.map.partitions.len();
+    let compute: Vec<NodeId> = state
+        .live_compute_nodes()
+        .into_iter()
+        .filter(|id| !avoid.contains(id))
+        .collect();
     (0..channels)
         .map(|channel| {
+            if scans_on_compute && !compute.is_empty() {
+                return compute[channel % compute.len()];
+            }
             let mut leaves = Vec::new();
             leaves_of(root, channel, &mut leaves);
             let by_data = leaves.iter().find_map(|leaf| match leaf {
@@ -275,6 +286,10 @@ fn place(
                 Leaf::Exchange { .. } => None,
             });
             by_data.unwrap_or_else(|| {
+                // Compute nodes first, in turn: they are there for exactly this work.
+                if !compute.is_empty() {
+                    return compute[channel % compute.len()];
+                }
                 // The middle of this channel's share of the ring, or the next primary
                 // along it that is not avoided.
                 let middle = (2 * channel + 1) * partitions / (2 * channels.max(1));
@@ -402,6 +417,16 @@ fn adapt_joins_for_distribution(
     .map(|t| t.data)
 }
 
+/// How a query is cut and placed, from its session's settings.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PlanOptions {
+    /// Recover from a node's death by write-ahead lineage (`tessera.recovery = lineage`).
+    pub lineage: bool,
+    /// Place scan channels on compute nodes too (`tessera.scans_on_compute`), reading the
+    /// partitions from their replicas over the network.
+    pub scans_on_compute: bool,
+}
+
 /// Cuts `plan` into stages for `query`, placed by the snapshot `state`.
 pub fn distribute(
     node: &Arc<Exec>,
@@ -410,8 +435,12 @@ pub fn distribute(
     state: &MetaState,
     started_at_us: u64,
     buckets: usize,
-    lineage: bool,
+    options: PlanOptions,
 ) -> DfResult<DistributedPlan> {
+    let PlanOptions {
+        lineage,
+        scans_on_compute,
+    } = options;
     let initiator = node.id();
     let plan = adapt_joins_for_distribution(plan, buckets)?;
     let plan = single_partition(plan);
@@ -445,7 +474,7 @@ pub fn distribute(
         .enumerate()
         .map(|(id, cut)| match id {
             0 => vec![initiator],
-            _ => place(&cut.root, state, initiator, &avoid),
+            _ => place(&cut.root, state, initiator, &avoid, scans_on_compute),
         })
         .collect();
     let mut destinations: Vec<Vec<BTreeSet<NodeId>>> = cuts

@@ -87,8 +87,11 @@ pub async fn prepare(
     let physical = crate::subquery::resolve(node, view, physical, started_at_us, buckets).await?;
     let query = crate::QueryId(rand::random());
     // Scalar subqueries above ran on their own; a node's death there restarts the query.
-    let lineage = tessera_sql::options::tessera_options(ctx.state().config()).recovery
-        == tessera_sql::options::RecoveryMode::Lineage;
+    let settings = tessera_sql::options::tessera_options(ctx.state().config());
+    let options = crate::plan::PlanOptions {
+        lineage: settings.recovery == tessera_sql::options::RecoveryMode::Lineage,
+        scans_on_compute: settings.scans_on_compute,
+    };
     let not_distributable = |error: DataFusionError| match error {
         DataFusionError::NotImplemented(reason) => Ok(Prepared::InProcess { reason }),
         other => Err(sql_error(other)),
@@ -100,7 +103,7 @@ pub async fn prepare(
         &view.state,
         started_at_us,
         buckets,
-        lineage,
+        options,
     ) {
         Ok(plan) => plan,
         Err(error) => return not_distributable(error),

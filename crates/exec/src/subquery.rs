@@ -89,7 +89,7 @@ async fn run_scalar(
         &view.state,
         started_at_us,
         buckets,
-        false,
+        crate::plan::PlanOptions::default(),
     )
     .map_err(ExecError::Plan)?;
     let work = encode(node, &distributed).map_err(ExecError::Plan)?;

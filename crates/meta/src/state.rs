@@ -10,27 +10,12 @@ use crate::access::{Action, AuditEvent, AuditRecord, ParticipantRecord, Role, St
 use crate::history::{EpochRecord, TableChangeCount, TagRecord};
 use crate::NodeId;
 pub use lineage::{InboxLineage, LineageEntry, QueryLineage};
+pub use members::NodeInfo;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use tessera_common::auth::ScramSecret;
 use tessera_common::{ComponentHash, Epoch, PartitionId, QueryId};
 use tessera_storage::TableDef;
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct NodeInfo {
-    pub id: NodeId,
-    pub addr: String,
-    pub alive: bool,
-    /// A decommissioned node holds no partitions and is no longer a member.
-    pub decommissioned: bool,
-    /// Asked to leave: its partitions move to the other members, then it is decommissioned.
-    #[serde(default)]
-    pub leaving: bool,
-    /// The newest process of this node the metadata has heard from: a counter the node
-    /// keeps on disk and raises at every start. Epochs opened by an older process are dead.
-    #[serde(default)]
-    pub incarnation: u64,
-}
 
 /// Where one partition lives (chained declustering: `replicas` are consecutive ring nodes
 /// starting at `original`).
@@ -115,6 +100,9 @@ pub enum MetaCommand {
     RegisterNode {
         id: NodeId,
         addr: String,
+        /// It registers as a compute-only node, to be given no partitions.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        compute: bool,
     },
     /// The metadata leader's failure detector (or a returning node's heartbeat) speaks.
     SetLiveness {
@@ -418,6 +406,9 @@ impl MetaState {
     /// - every open epoch lies above the visible epoch (visible means decided);
     /// - open epochs' table leases are exclusive: one writer per table at a time.
     pub fn broken_invariant(&self) -> Option<String> {
+        if let Err(misplaced) = self.check_only_storage_nodes_hold(&self.map) {
+            return Some(misplaced);
+        }
         for (p, placement) in self.map.partitions.iter().enumerate() {
             if let Some(primary) = placement.primary {
                 if !placement.replicas.contains(&primary) {
@@ -523,23 +514,14 @@ impl MetaState {
                 self.hot_standby = hot_standby;
                 self.next_epoch = Epoch(1);
                 for (id, addr) in &nodes {
-                    self.nodes.insert(
-                        *id,
-                        NodeInfo {
-                            id: *id,
-                            addr: addr.clone(),
-                            alive: true,
-                            decommissioned: false,
-                            leaving: false,
-                            incarnation: 0,
-                        },
-                    );
+                    self.nodes
+                        .insert(*id, NodeInfo::joining(*id, addr.clone(), false));
                 }
                 let ids: Vec<NodeId> = nodes.iter().map(|(id, _)| *id).collect();
                 self.map = PartitionMap::uniform(partition_count, replication, &ids);
                 MetaResponse::Done
             }
-            MetaCommand::RegisterNode { id, addr } => {
+            MetaCommand::RegisterNode { id, addr, compute } => {
                 if let Some(existing) = self.nodes.get(&id) {
                     if existing.addr != addr {
                         return Err(format!(
@@ -547,18 +529,18 @@ impl MetaState {
                             existing.addr
                         ));
                     }
+                    if existing.compute != compute {
+                        // A storage node's replicas cannot be dropped by a change of heart,
+                        // nor a compute node be given partitions behind the ring's back.
+                        return Err(format!(
+                            "node {id} is a member as a {} node and cannot register as a {} node: decommission it and join it under a new id",
+                            existing.role(),
+                            if compute { "compute" } else { "storage" }
+                        ));
+                    }
                 } else {
-                    self.nodes.insert(
-                        id,
-                        NodeInfo {
-                            id,
-                            addr,
-                            alive: true,
-                            decommissioned: false,
-                            leaving: false,
-                            incarnation: 0,
-                        },
-                    );
+                    self.nodes
+                        .insert(id, NodeInfo::joining(id, addr, compute));
                 }
                 MetaResponse::Done
             }
@@ -831,6 +813,7 @@ impl MetaState {
                         map.partitions.len()
                     ));
                 }
+                self.check_only_storage_nodes_hold(&map)?;
                 self.map = PartitionMap {
                     version: self.map.version + 1,
                     partitions: map.partitions,
@@ -987,6 +970,7 @@ impl MetaState {
 }
 
 mod lineage;
+mod members;
 mod placement;
 
 #[cfg(test)]

@@ -75,13 +75,14 @@ impl TransferCounters {
     }
 }
 
-/// The members that should hold partitions: every node that is not leaving, retired, or
-/// `lost` (failed for so long that its replicas are rebuilt elsewhere).
+/// The members that should hold partitions: every storage node that is not leaving,
+/// retired, or `lost` (failed for so long that its replicas are rebuilt elsewhere).
+/// Compute nodes hold none.
 fn members(state: &MetaState, lost: &BTreeSet<NodeId>) -> Vec<NodeId> {
     state
         .nodes
         .values()
-        .filter(|n| !n.decommissioned && !n.leaving && !lost.contains(&n.id))
+        .filter(|n| !n.compute && !n.decommissioned && !n.leaving && !lost.contains(&n.id))
         .map(|n| n.id)
         .collect()
 }

@@ -494,6 +494,7 @@ impl Node {
                 let command = MetaCommand::RegisterNode {
                     id: self.id(),
                     addr: self.config.listen.to_string(),
+                    compute: self.config.role.is_compute(),
                 };
                 match self.meta.write(command).await {
                     Ok(_) => tracing::info!("registered with the cluster"),

@@ -102,6 +102,15 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
             MetaCommand::RegisterNode {
                 id: NodeId(3),
                 addr: "127.0.0.1:7003".into(),
+                compute: false,
+            },
+        ),
+        (
+            "register-compute-node",
+            MetaCommand::RegisterNode {
+                id: NodeId(7),
+                addr: "127.0.0.1:7007".into(),
+                compute: true,
             },
         ),
         (

@@ -1,7 +1,7 @@
 //! Tessera's own session settings, under the `tessera.` prefix of DataFusion's
 //! configuration: `SET tessera.recovery = 'restart'` for the session, or a hint at the
 //! head of one request, `/*+ SET tessera.recovery = restart */ SELECT ...`, for that
-//! request only.
+//! request only. The settings: `tessera.recovery` and `tessera.scans_on_compute`.
 
 use crate::error::{Result, SqlError};
 use datafusion::common::config::{
@@ -60,11 +60,32 @@ impl fmt::Display for RecoveryMode {
 #[derive(Debug, Clone, Default)]
 pub struct TesseraOptions {
     pub recovery: RecoveryMode,
+    /// Scan channels run on the compute nodes too, reading from the replicas.
+    pub scans_on_compute: bool,
 }
 
 const RECOVERY_KEY: &str = "recovery";
 const RECOVERY_DOC: &str =
     "what a query does when a node dies under it: none (fail), restart (run again on the survivors) or lineage (the default: rebuild only the dead node's work from write-ahead lineage)";
+const SCANS_ON_COMPUTE_KEY: &str = "scans_on_compute";
+const SCANS_ON_COMPUTE_DOC: &str =
+    "true: scans run on the compute-only nodes too, which read the partitions from their replicas; false (the default): scans run where their partitions are, and the compute nodes take the other channels";
+
+/// `true`/`false` (or `on`/`off`, `1`/`0`), naming the setting when it is neither.
+fn parse_flag(key: &str, value: &str) -> datafusion::common::Result<bool> {
+    match value
+        .trim()
+        .trim_matches('\'')
+        .to_ascii_lowercase()
+        .as_str()
+    {
+        "true" | "on" | "1" | "yes" => Ok(true),
+        "false" | "off" | "0" | "no" => Ok(false),
+        other => Err(DataFusionError::Configuration(format!(
+            "tessera.{key} must be true or false, not {other:?}"
+        ))),
+    }
+}
 
 impl ConfigExtension for TesseraOptions {
     const PREFIX: &'static str = "tessera";
@@ -89,18 +110,29 @@ impl ExtensionOptions for TesseraOptions {
                 self.recovery = value.parse()?;
                 Ok(())
             }
+            SCANS_ON_COMPUTE_KEY => {
+                self.scans_on_compute = parse_flag(key, value)?;
+                Ok(())
+            }
             other => Err(DataFusionError::Configuration(format!(
-                "unknown setting tessera.{other}; the tessera settings are: tessera.{RECOVERY_KEY}"
+                "unknown setting tessera.{other}; the tessera settings are: tessera.{RECOVERY_KEY}, tessera.{SCANS_ON_COMPUTE_KEY}"
             ))),
         }
     }
 
     fn entries(&self) -> Vec<ConfigEntry> {
-        vec![ConfigEntry {
-            key: format!("tessera.{RECOVERY_KEY}"),
-            value: Some(self.recovery.to_string()),
-            description: RECOVERY_DOC,
-        }]
+        vec![
+            ConfigEntry {
+                key: format!("tessera.{RECOVERY_KEY}"),
+                value: Some(self.recovery.to_string()),
+                description: RECOVERY_DOC,
+            },
+            ConfigEntry {
+                key: format!("tessera.{SCANS_ON_COMPUTE_KEY}"),
+                value: Some(self.scans_on_compute.to_string()),
+                description: SCANS_ON_COMPUTE_DOC,
+            },
+        ]
     }
 }
 
@@ -185,6 +217,26 @@ mod tests {
         );
         let error = "sometimes".parse::<RecoveryMode>().unwrap_err().to_string();
         assert!(error.contains("\"sometimes\""), "{error}");
+    }
+
+    #[test]
+    fn scans_on_compute_is_a_flag_and_a_bad_value_is_named() {
+        let mut options = TesseraOptions::default();
+        assert!(!options.scans_on_compute, "scans stay with their data by default");
+        options.set(SCANS_ON_COMPUTE_KEY, "'on'").unwrap();
+        assert!(options.scans_on_compute);
+        options.set(SCANS_ON_COMPUTE_KEY, "false").unwrap();
+        assert!(!options.scans_on_compute);
+        let error = options
+            .set(SCANS_ON_COMPUTE_KEY, "sometimes")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("tessera.scans_on_compute must be true or false") && error.contains("sometimes"),
+            "{error}"
+        );
+        let unknown = options.set("nonsense", "1").unwrap_err().to_string();
+        assert!(unknown.contains("tessera.scans_on_compute"), "{unknown}");
     }
 
     #[test]

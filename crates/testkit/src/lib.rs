@@ -7,7 +7,7 @@ pub mod proxy;
 pub use netlab::NetLab;
 pub use proxy::{LinkFaults, LinkProxy};
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Output, Stdio};
@@ -180,6 +180,8 @@ pub struct LocalCluster {
     log_to_files: bool,
     /// Environment variables for a node's next starts (disk faults, say).
     env: BTreeMap<u64, Vec<(String, String)>>,
+    /// Nodes configured as compute-only (`role = "compute"`).
+    compute: BTreeSet<u64>,
 }
 
 /// How the nodes of a networked cluster reach each other.
@@ -297,6 +299,7 @@ impl LocalCluster {
             lab,
             log_to_files: false,
             env: BTreeMap::new(),
+            compute: BTreeSet::new(),
         };
         for id in 1..=nodes as u64 {
             cluster.write_config(id, &cluster.cluster_id.clone());
@@ -417,8 +420,13 @@ impl LocalCluster {
                 certs.join(format!("node-{id}.key"))
             ),
         };
+        let role = if self.compute.contains(&id) {
+            "role = \"compute\"\n"
+        } else {
+            ""
+        };
         format!(
-            "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\n{pg_listen}data_dir = \"data\"\npartitions = {}\nreplication = {}\n{voters}{security}{}{peers}",
+            "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\n{role}{pg_listen}data_dir = \"data\"\npartitions = {}\nreplication = {}\n{voters}{security}{}{peers}",
             self.addr(id),
             self.partitions,
             self.replication,
@@ -465,6 +473,15 @@ impl LocalCluster {
         let id = self.addrs.len() as u64;
         self.write_config(id, &self.cluster_id.clone());
         self.wire_links(id);
+        id
+    }
+
+    /// Configures one more node as compute-only (`role = "compute"`): it will join the
+    /// running cluster when started, and be given no partitions.
+    pub fn add_compute_node(&mut self) -> u64 {
+        let id = self.add_node();
+        self.compute.insert(id);
+        self.write_config(id, &self.cluster_id.clone());
         id
     }
 

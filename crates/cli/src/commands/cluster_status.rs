@@ -47,8 +47,8 @@ pub async fn run(addr: &str) -> Result<()> {
     }
     println!();
     println!(
-        "{:<6} {:<22} {:<8} {:>9} {:>9}",
-        "node", "address", "state", "primary", "replica"
+        "{:<6} {:<22} {:<8} {:<8} {:>9} {:>9}",
+        "node", "address", "role", "state", "primary", "replica"
     );
     for node in meta.nodes.values() {
         let primary = meta
@@ -71,8 +71,13 @@ pub async fn run(addr: &str) -> Result<()> {
             "failed"
         };
         println!(
-            "{:<6} {:<22} {:<8} {:>9} {:>9}",
-            node.id, node.addr, state, primary, replica
+            "{:<6} {:<22} {:<8} {:<8} {:>9} {:>9}",
+            node.id.to_string(),
+            node.addr,
+            node.role(),
+            state,
+            primary,
+            replica
         );
     }
     println!();

@@ -70,7 +70,7 @@ impl LocalCluster {
     /// Starts a cluster as `options` say, on the first free run of ports (a benchmark's,
     /// whose nodes' output is discarded).
     pub fn start_on_free_ports(root: &Path, mut options: UpOptions) -> Result<LocalCluster> {
-        options.base_port = free_base_port(options.nodes)?;
+        options.base_port = free_base_port(options.all_nodes())?;
         Self::start(root, &options, NodeOutput::Discard)
     }
 

@@ -1,16 +1,20 @@
-//! `tessera up --nodes N`: a local cluster of N node processes on 127.0.0.1, with data and
-//! configuration under the data directory. Running it again restarts the same cluster.
+//! `tessera up --nodes N [--compute M]`: a local cluster of N storage node processes (and M
+//! compute-only ones) on 127.0.0.1, with data and configuration under the data directory.
+//! Running it again restarts the same cluster.
 
 use super::local_cluster::{LocalCluster, NodeOutput};
 use super::node::wait_for_shutdown;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use tessera_server::config::{MtlsSettings, ReplicaSettings, StoreSettings};
+use tessera_server::config::{MtlsSettings, NodeRole, ReplicaSettings, StoreSettings};
 use tessera_server::{NodeConfig, NodeId, Peer};
 
 pub struct UpOptions {
+    /// Storage nodes: ids 1 to `nodes`.
     pub nodes: u64,
+    /// Compute-only nodes after them: ids `nodes + 1` to `nodes + compute`.
+    pub compute: u64,
     pub base_port: u16,
     /// Node i serves PostgreSQL clients on this + i - 1; none when unset.
     pub pg_base_port: Option<u16>,
@@ -36,6 +40,7 @@ impl UpOptions {
     pub fn new(nodes: u64, partitions: u32, replication: u32) -> UpOptions {
         UpOptions {
             nodes,
+            compute: 0,
             base_port: 0,
             pg_base_port: None,
             http_base_port: None,
@@ -50,6 +55,11 @@ impl UpOptions {
             insecure: false,
         }
     }
+
+    /// Every node, storage and compute.
+    pub fn all_nodes(&self) -> u64 {
+        self.nodes + self.compute
+    }
 }
 
 /// Writes (or reuses) the node configurations of a local cluster under `root`.
@@ -59,20 +69,23 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
     let existing = root.join("node-1").join("node.toml");
     if existing.exists() {
         let first = NodeConfig::load(&existing)?;
-        if first.peers.len() as u64 != options.nodes {
+        let compute = (first.peers.len() as u64 + 1..)
+            .take_while(|id| root.join(format!("node-{id}")).join("node.toml").exists())
+            .count();
+        if first.peers.len() as u64 != options.nodes || compute as u64 != options.compute {
             bail!(
-                "{} holds a {}-node cluster; use --nodes {} or another --data-dir",
+                "{} holds a cluster of {} storage and {compute} compute nodes; use --nodes {} --compute {compute} or another --data-dir",
                 root.display(),
                 first.peers.len(),
                 first.peers.len()
             );
         }
-        return Ok((1..=options.nodes)
+        return Ok((1..=options.all_nodes())
             .map(|id| root.join(format!("node-{id}")).join("node.toml"))
             .collect());
     }
     let cluster_id = format!("local-{:08x}", rand::random::<u32>());
-    let peers: Vec<Peer> = (1..=options.nodes)
+    let all: Vec<Peer> = (1..=options.all_nodes())
         .map(|id| Peer {
             id: NodeId(id),
             addr: format!("127.0.0.1:{}", options.base_port as u64 + id - 1)
@@ -80,13 +93,20 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
                 .expect("loopback address"),
         })
         .collect();
+    // Storage nodes found the cluster; a compute node lists them and itself, and joins.
+    let founders = &all[..options.nodes as usize];
     let certs = root.join("certs");
     if !options.insecure {
-        let ids: Vec<NodeId> = peers.iter().map(|p| p.id).collect();
+        let ids: Vec<NodeId> = all.iter().map(|p| p.id).collect();
         super::certs::ensure_local(&certs, &cluster_id, &ids)?;
     }
     let mut paths = Vec::new();
-    for peer in &peers {
+    for peer in &all {
+        let compute = peer.id.0 > options.nodes;
+        let mut peers = founders.to_vec();
+        if compute {
+            peers.push(peer.clone());
+        }
         let dir = root.join(format!("node-{}", peer.id));
         std::fs::create_dir_all(&dir)?;
         let config = NodeConfig {
@@ -103,10 +123,15 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
             tls_cert: None,
             tls_key: None,
             data_dir: PathBuf::from("data"),
-            peers: peers.clone(),
+            peers,
             voters: None,
             partitions: options.partitions,
             replication: options.replication,
+            role: if compute {
+                NodeRole::Compute
+            } else {
+                NodeRole::Storage
+            },
             store: StoreSettings {
                 memtable_flush_bytes: options.memtable_flush_bytes,
                 checkpoint_log_bytes: options.checkpoint_log_bytes,
@@ -162,7 +187,11 @@ pub async fn run(root: &Path, options: UpOptions) -> Result<()> {
 pub fn print_endpoints(configs: &[PathBuf]) -> Result<()> {
     for config in configs {
         let config = NodeConfig::load(config)?;
-        let mut line = format!("  node {}: RPC {}", config.node_id, config.listen);
+        let role = match config.role {
+            NodeRole::Compute => " (compute)",
+            NodeRole::Storage => "",
+        };
+        let mut line = format!("  node {}{role}: RPC {}", config.node_id, config.listen);
         if let Some(pg) = config.pg_listen {
             line.push_str(&format!(", SQL (PostgreSQL) {pg}"));
         }

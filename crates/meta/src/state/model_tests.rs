@@ -192,11 +192,26 @@ impl Run {
                 if self.nodes < 8 {
                     self.nodes += 1;
                     let id = NodeId(self.nodes);
+                    let compute = self.rng.random_bool(0.3);
                     self.apply(MetaCommand::RegisterNode {
                         id,
                         addr: format!("n{}", id.0),
+                        compute,
                     });
-                    format!("node {id} joined")
+                    if compute {
+                        // Whatever map a step proposes, a compute node is refused in it.
+                        let mut map = self.state.map.clone();
+                        map.partitions[0].replicas[0] = id;
+                        let refused = self.state.clone().apply(
+                            0,
+                            MetaCommand::SetPartitionMap { map, rebalance: None },
+                        );
+                        assert!(
+                            matches!(&refused.0, MetaResponse::Refused(why) if why.contains("compute node")),
+                            "a map placing a partition on compute node {id} was accepted: {refused:?}"
+                        );
+                    }
+                    format!("node {id} joined ({})", if compute { "compute" } else { "storage" })
                 } else {
                     "no more nodes".into()
                 }
@@ -283,7 +298,9 @@ impl Run {
                 .state
                 .nodes
                 .values()
-                .filter(|n| !n.decommissioned && !placement.replicas.contains(&n.id))
+                .filter(|n| {
+                    !n.compute && !n.decommissioned && !placement.replicas.contains(&n.id)
+                })
                 .map(|n| n.id)
                 .collect();
             if candidates.is_empty() {
