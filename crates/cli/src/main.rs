@@ -358,6 +358,23 @@ enum BenchKind {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// TPC-H on a cluster of storage nodes alone against the same with compute-only nodes
+    /// added, in turn: times, and the share of channels that ran on the compute nodes.
+    Compute {
+        #[arg(long, default_value_t = 1.0)]
+        sf: f64,
+        /// Storage nodes (both clusters).
+        #[arg(long, default_value_t = 3)]
+        nodes: u64,
+        /// Compute-only nodes added to the second cluster.
+        #[arg(long, default_value_t = 2)]
+        compute: u64,
+        /// Queries to run (default: all 22), e.g. --queries 1,3,5.
+        #[arg(long, value_delimiter = ',')]
+        queries: Vec<usize>,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
     /// Cluster formation time, leader failover time, and publish rows/s on 1 vs 3 nodes.
     Cluster {
         /// Scale factor of the lineitem rows published.
@@ -674,6 +691,27 @@ async fn run(cli: Cli) -> Result<()> {
         } => {
             commands::bench_security::run(&cli.data_dir, cli.store.partitions, *sf, queries, *runs)
                 .await
+        }
+        Command::Bench {
+            bench:
+                BenchKind::Compute {
+                    sf,
+                    nodes,
+                    compute,
+                    queries,
+                    runs,
+                },
+        } => {
+            commands::bench_compute::run(
+                &cli.data_dir,
+                *nodes,
+                *compute,
+                cli.store.partitions,
+                *sf,
+                queries,
+                *runs,
+            )
+            .await
         }
         Command::Bench {
             bench: BenchKind::Cluster { sf, runs },

@@ -42,7 +42,13 @@ fn nodes_that_produced(explained: &str) -> BTreeSet<u64> {
         .filter_map(|line| {
             let at = line.find("channel ")?;
             let rest = &line[at..];
-            let node: u64 = rest.split("on node ").nth(1)?.split(':').next()?.parse().ok()?;
+            let node: u64 = rest
+                .split("on node ")
+                .nth(1)?
+                .split(':')
+                .next()?
+                .parse()
+                .ok()?;
             let rows: u64 = rest
                 .split("rows=")
                 .nth(1)?
@@ -204,7 +210,11 @@ async fn compute_nodes_hold_nothing_run_channels_and_survive_being_killed() {
             wait_formed(&cluster, id, all).await;
         }
         if let Some(recovery) = notices.iter().find_map(|n| n.recovery.clone()) {
-            assert_eq!(recovery.dead(), NodeId(victim), "the recovery names the dead node");
+            assert_eq!(
+                recovery.dead(),
+                NodeId(victim),
+                "the recovery names the dead node"
+            );
             recovered = Some(recovery);
             break;
         }

@@ -585,8 +585,11 @@ mod tests {
     #[test]
     fn a_compute_node_never_votes() {
         // Node 2 of GOOD, as a compute node: the default voters leave it out.
-        let compute = format!("role = \"compute\"\n{}", GOOD.replace("node_id = 1", "node_id = 2"))
-            .replace("listen = \"127.0.0.1:7001\"", "listen = \"127.0.0.1:7002\"");
+        let compute = format!(
+            "role = \"compute\"\n{}",
+            GOOD.replace("node_id = 1", "node_id = 2")
+        )
+        .replace("listen = \"127.0.0.1:7001\"", "listen = \"127.0.0.1:7002\"");
         let config = NodeConfig::parse(&compute, Path::new("node.toml")).unwrap();
         assert!(config.role.is_compute());
         assert_eq!(config.voter_ids(), BTreeSet::from([NodeId(1)]));
@@ -598,7 +601,10 @@ mod tests {
         assert!(error(&format!("role = \"archive\"\n{GOOD}")).contains("unknown variant `archive`"));
         let storage = NodeConfig::parse(GOOD, Path::new("node.toml")).unwrap();
         assert!(storage.role.is_storage());
-        assert!(!toml::to_string(&storage).unwrap().contains("role"), "the default is not written");
+        assert!(
+            !toml::to_string(&storage).unwrap().contains("role"),
+            "the default is not written"
+        );
     }
 
     #[test]

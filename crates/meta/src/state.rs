@@ -539,8 +539,7 @@ impl MetaState {
                         ));
                     }
                 } else {
-                    self.nodes
-                        .insert(id, NodeInfo::joining(id, addr, compute));
+                    self.nodes.insert(id, NodeInfo::joining(id, addr, compute));
                 }
                 MetaResponse::Done
             }

@@ -222,7 +222,10 @@ mod tests {
     #[test]
     fn scans_on_compute_is_a_flag_and_a_bad_value_is_named() {
         let mut options = TesseraOptions::default();
-        assert!(!options.scans_on_compute, "scans stay with their data by default");
+        assert!(
+            !options.scans_on_compute,
+            "scans stay with their data by default"
+        );
         options.set(SCANS_ON_COMPUTE_KEY, "'on'").unwrap();
         assert!(options.scans_on_compute);
         options.set(SCANS_ON_COMPUTE_KEY, "false").unwrap();
@@ -232,7 +235,8 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            error.contains("tessera.scans_on_compute must be true or false") && error.contains("sometimes"),
+            error.contains("tessera.scans_on_compute must be true or false")
+                && error.contains("sometimes"),
             "{error}"
         );
         let unknown = options.set("nonsense", "1").unwrap_err().to_string();

@@ -47,7 +47,6 @@ impl NodeInfo {
     }
 }
 
-
 impl super::MetaState {
     /// The live compute-only nodes, by id: where the planner puts channels that read no
     /// partition first.
@@ -60,7 +59,10 @@ impl super::MetaState {
 
     /// Refuses a map that gives a partition to a compute node (or to a node that is not a
     /// member): compute nodes hold no replicas, whatever computed the map.
-    pub(super) fn check_only_storage_nodes_hold(&self, map: &super::PartitionMap) -> Result<(), String> {
+    pub(super) fn check_only_storage_nodes_hold(
+        &self,
+        map: &super::PartitionMap,
+    ) -> Result<(), String> {
         for (index, placement) in map.partitions.iter().enumerate() {
             for replica in &placement.replicas {
                 match self.nodes.get(replica) {

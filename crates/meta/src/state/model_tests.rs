@@ -204,14 +204,20 @@ impl Run {
                         map.partitions[0].replicas[0] = id;
                         let refused = self.state.clone().apply(
                             0,
-                            MetaCommand::SetPartitionMap { map, rebalance: None },
+                            MetaCommand::SetPartitionMap {
+                                map,
+                                rebalance: None,
+                            },
                         );
                         assert!(
                             matches!(&refused.0, MetaResponse::Refused(why) if why.contains("compute node")),
                             "a map placing a partition on compute node {id} was accepted: {refused:?}"
                         );
                     }
-                    format!("node {id} joined ({})", if compute { "compute" } else { "storage" })
+                    format!(
+                        "node {id} joined ({})",
+                        if compute { "compute" } else { "storage" }
+                    )
                 } else {
                     "no more nodes".into()
                 }
@@ -298,9 +304,7 @@ impl Run {
                 .state
                 .nodes
                 .values()
-                .filter(|n| {
-                    !n.compute && !n.decommissioned && !placement.replicas.contains(&n.id)
-                })
+                .filter(|n| !n.compute && !n.decommissioned && !placement.replicas.contains(&n.id))
                 .map(|n| n.id)
                 .collect();
             if candidates.is_empty() {
