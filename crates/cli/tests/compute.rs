@@ -3,7 +3,8 @@
 //! - The compute nodes join as metadata learners and are given no partition, also after a
 //!   rebalance; a map placing one there is refused.
 //! - All 22 TPC-H queries answer exactly as plain DataFusion on the same data, asked of a
-//!   storage node and of a compute node (which holds nothing to plan from).
+//!   storage node and of a compute node, which plans with statistics it asks of a storage
+//!   node (it holds none of its own) and so plans as a storage node does.
 //! - The channels that read no partition run on the compute nodes: EXPLAIN places them
 //!   there and EXPLAIN ANALYZE shows them producing rows.
 //! - A compute node SIGKILLed in the middle of a query: the answer is still exact, and the
@@ -119,6 +120,30 @@ async fn compute_nodes_hold_nothing_run_channels_and_survive_being_killed() {
             }
         }
     }
+
+    // A compute node holds no statistics of its own: it plans with a holder's, as a storage
+    // node does (without them it hashed every join of Q9 instead of broadcasting the
+    // small tables).
+    let plan_of = |text: String| -> (String, bool) {
+        let stages = text
+            .lines()
+            .find_map(|l| l.split("Distributed plan: ").nth(1))
+            .and_then(|rest| rest.split(',').next())
+            .unwrap_or_default()
+            .to_string();
+        (stages, text.contains("broadcast"))
+    };
+    let explain_q9 = format!("EXPLAIN {}", tessera_tpch::query(9));
+    let from_storage = plan_of(pretty(&storage_node.query(&explain_q9).await.unwrap()));
+    let from_compute = plan_of(pretty(&compute_node.query(&explain_q9).await.unwrap()));
+    assert!(
+        from_storage.1,
+        "node 1 broadcasts Q9's small tables: {from_storage:?}"
+    );
+    assert_eq!(
+        from_compute, from_storage,
+        "a compute node plans Q9 as a storage node does"
+    );
 
     // The join's and aggregation's channels are placed on the compute nodes, and run there.
     let explained = pretty(

@@ -25,7 +25,7 @@ use futures::{StreamExt, TryStreamExt};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use tessera_common::{Epoch, PartitionId, PartitionRing};
-use tessera_exec::scan::{read_from, DistributedScanExec, ReadRows, ScanSpec, TableStatistics};
+use tessera_exec::scan::{read_from, DistributedScanExec, ReadRows, ScanSpec};
 use tessera_exec::{ExecError, RecoveryOutcome};
 use tessera_sql::access::AccessStatement;
 use tessera_sql::changes::{ChangesSource, ChangesTable};
@@ -37,7 +37,6 @@ use tessera_sql::time_travel::{base_table_name, split_as_of, AsOf};
 use tessera_sql::users::UserChange;
 use tessera_sql::StatementOutput;
 use tessera_sql::{Backend, SqlError};
-use tessera_storage::versions::stored_schema;
 use tessera_storage::versions::stored_user_schema;
 use tessera_storage::{StorageError, TableChanges, TableDef};
 
@@ -579,7 +578,11 @@ impl RowSource for ClusterRows {
         limit: Option<usize>,
     ) -> DfResult<Arc<dyn ExecutionPlan>> {
         let (partitions, replicas) = channels_of(&self.node, &self.view, def)?;
-        let (estimated_rows, statistics) = self.statistics(def);
+        let (estimated_rows, statistics) = self
+            .node
+            .remote_statistics
+            .of(&self.node, &self.view.get().state, def, self.epoch)
+            .await;
         let spec = ScanSpec {
             def: def.clone(),
             epoch: self.epoch,
@@ -630,68 +633,6 @@ impl ChangesSource for ClusterChanges {
             None,
             self.node.exec.clone(),
         )?))
-    }
-}
-
-impl ClusterRows {
-    /// The table's rows, extrapolated from the current replicas this node holds, and their
-    /// components' column statistics (for the optimizer's join order and filter estimates;
-    /// nothing if it holds none).
-    fn statistics(&self, def: &TableDef) -> (Option<usize>, Option<TableStatistics>) {
-        let me = self.node.id();
-        let Some(snapshot) = self
-            .node
-            .store
-            .snapshot(&def.name, Some(self.epoch))
-            .ok()
-            .filter(|s| s.def.generation == def.generation)
-        else {
-            return (None, None);
-        };
-        let view = self.view.get();
-        let placements = &view.state.map.partitions;
-        let held: Vec<&tessera_storage::PartitionSnapshot> = snapshot
-            .partitions
-            .iter()
-            .filter(|p| {
-                placements
-                    .get(p.partition.0 as usize)
-                    .is_some_and(|placement| {
-                        placement.replicas.contains(&me) && !placement.stale.contains_key(&me)
-                    })
-            })
-            .collect();
-        if held.is_empty() {
-            return (None, None);
-        }
-        let rows: u64 = held.iter().map(|p| p.estimated_rows()).sum();
-        let rows = (rows * placements.len() as u64 / held.len() as u64) as usize;
-        let stored = stored_schema(def);
-        let components: Option<Vec<Arc<datafusion::common::Statistics>>> = held
-            .iter()
-            .flat_map(|p| &p.components)
-            .map(|c| {
-                self.node
-                    .exec
-                    .queries()
-                    .statistics()
-                    .get(&self.node.store, &c.hash, def)
-                    .ok()
-            })
-            .collect();
-        let columns = components.and_then(|components| {
-            let merged = datafusion::common::Statistics::try_merge_iter(
-                components.iter().map(|s| s.as_ref()),
-                &stored,
-            )
-            .ok()?;
-            // Only the user columns; the version columns are not the table's.
-            let user: Vec<usize> = (0..def.schema.fields().len()).collect();
-            let mut table = merged.project(Some(&user)).to_inexact();
-            table.total_byte_size = datafusion::common::stats::Precision::Absent;
-            Some(Arc::new(table))
-        });
-        (Some(rows), columns)
     }
 }
 

@@ -58,6 +58,8 @@ pub struct Node {
     /// Mutual TLS on the internal port: the cluster's CA and this node's certificate;
     /// `None` under `insecure = true`.
     pub mtls: Option<MutualTls>,
+    /// Table statistics asked of other nodes, for planning tables this node holds none of.
+    pub remote_statistics: crate::table_statistics::RemoteStatistics,
 }
 
 impl std::fmt::Debug for Node {
@@ -275,6 +277,7 @@ impl Node {
         let node = Arc::new(Node {
             config,
             mtls,
+            remote_statistics: Default::default(),
             store,
             clients,
             exec,

@@ -387,6 +387,11 @@ impl NodeService {
                 let digests = crate::verify::local_digests(node, request).await;
                 reply(&Ok::<_, Refusal>(digests))
             }
+            crate::table_statistics::ACTION_TABLE_STATISTICS => {
+                let request: crate::table_statistics::StatisticsRequest =
+                    self.open(&caller, body)?;
+                reply(&crate::table_statistics::serve(node, request))
+            }
             crate::scrub::ACTION_SCRUB => {
                 let request: crate::scrub::ScrubRequest = self.open_from_client(&caller, body)?;
                 let reports = crate::scrub::scrub_now(node, request).await;

@@ -463,6 +463,14 @@ fn samples() -> Samples {
         tessera_server::scrub::ScrubRequest { everywhere: true },
     );
     s.request(
+        tessera_server::table_statistics::ACTION_TABLE_STATISTICS,
+        tessera_server::table_statistics::StatisticsRequest {
+            table: "kv".into(),
+            generation: 7,
+            epoch: Epoch(9),
+        },
+    );
+    s.request(
         tessera_server::verify::ACTION_VERIFY,
         tessera_server::verify::VerifyRequest {
             table: Some("kv".into()),
@@ -628,6 +636,13 @@ fn samples() -> Samples {
     }
     s.value("empty reply", &Ok::<(), Refusal>(()));
     s.value("read-index reply", &Ok::<u64, Refusal>(12));
+    s.value(
+        "table statistics reply",
+        &Ok::<_, Refusal>(tessera_server::table_statistics::StatisticsReply {
+            rows: Some(6001215),
+            columns: Some(vec![10, 2, 8, 1]),
+        }),
+    );
     for response in [
         MetaResponse::Done,
         MetaResponse::Epoch(Epoch(4)),
@@ -807,6 +822,7 @@ fn every_action_has_a_sample() {
         tessera_server::verify::ACTION_PARTITION_DIGESTS,
         tessera_server::verify::ACTION_VERIFY,
         tessera_server::scrub::ACTION_SCRUB,
+        tessera_server::table_statistics::ACTION_TABLE_STATISTICS,
     ] {
         assert!(names.contains_key(action), "no sample of action {action}");
     }
