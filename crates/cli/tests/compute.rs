@@ -192,17 +192,104 @@ async fn compute_nodes_hold_nothing_run_channels_and_survive_being_killed() {
             "a stage runs on a storage node under scans_on_compute: {stage}\n{explained}"
         );
     }
-    for q in [1, 3, 9, 18] {
+    let scans_on_compute = [1, 3, 9, 18];
+    let mut scan_answers = std::collections::BTreeMap::new();
+    for q in scans_on_compute {
         let sql = tessera_tpch::query(q);
-        let expected = oracle.sql(sql).await.unwrap().collect().await.unwrap();
-        let actual = storage_node
-            .query(&format!("{on_compute}{sql}"))
-            .await
-            .unwrap_or_else(|e| panic!("Q{q} with scans on compute: {e}"));
-        if let Err(diff) = tessera_tpch::compare::same_answer(&expected, &actual, 1e-9) {
-            panic!("Q{q} with scans on compute: wrong answer: {diff}");
-        }
+        scan_answers.insert(q, oracle.sql(sql).await.unwrap().collect().await.unwrap());
     }
+    let run_on_compute = |round: &'static str| {
+        let (client, answers) = (&storage_node, &scan_answers);
+        async move {
+            for (q, expected) in answers {
+                let actual = client
+                    .query(&format!("{on_compute}{}", tessera_tpch::query(*q)))
+                    .await
+                    .unwrap_or_else(|e| panic!("Q{q} with scans on compute ({round}): {e}"));
+                if let Err(diff) = tessera_tpch::compare::same_answer(expected, &actual, 1e-9) {
+                    panic!("Q{q} with scans on compute ({round}): wrong answer: {diff}");
+                }
+            }
+        }
+    };
+    run_on_compute("cache filling").await;
+
+    // Those scans read components through each compute node's cache: filled the first
+    // time, read from it the second, nothing fetched again.
+    let cache_of = |id: u64| {
+        let client = ClusterClient::new(cluster.addr(id));
+        async move {
+            let status = client.status().await.unwrap();
+            status
+                .cache
+                .unwrap_or_else(|| panic!("compute node {id} has no cache"))
+        }
+    };
+    let mut filled = Vec::new();
+    for id in compute {
+        let cache = cache_of(id).await;
+        assert!(
+            cache.files > 0 && cache.miss_bytes > 0,
+            "compute node {id}'s cache was not filled: {cache:?}"
+        );
+        filled.push(cache);
+    }
+    assert!(
+        ClusterClient::new(cluster.addr(1))
+            .status()
+            .await
+            .unwrap()
+            .cache
+            .is_none(),
+        "a storage node keeps no component cache"
+    );
+    run_on_compute("from the cache").await;
+    for (id, before) in compute.into_iter().zip(&filled) {
+        let after = cache_of(id).await;
+        assert_eq!(
+            after.miss_bytes, before.miss_bytes,
+            "node {id} fetched again: {after:?}"
+        );
+        assert!(
+            after.hit_bytes > before.hit_bytes,
+            "node {id} read nothing from its cache: {after:?}"
+        );
+    }
+
+    // A cached file damaged while its node was down is found when it is read next, and
+    // fetched again; the answers stay exact.
+    let cache_dir = root
+        .path()
+        .join(format!("node-{}", compute[0]))
+        .join("data/cache");
+    let cached_files = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(&cache_dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "parquet"))
+            .collect()
+    };
+    let victim = cached_files()
+        .into_iter()
+        .max_by_key(|p| std::fs::metadata(p).unwrap().len())
+        .expect("a cached component");
+    cluster.kill9(compute[0]);
+    let mut bytes = std::fs::read(&victim).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&victim, bytes).unwrap();
+    cluster.start(compute[0]);
+    for id in cluster.node_ids() {
+        wait_formed(&cluster, id, all).await;
+    }
+    run_on_compute("after a cached file was damaged").await;
+    let name = victim.file_stem().unwrap().to_string_lossy().to_string();
+    let now = std::fs::read(&victim).expect("the damaged file is fetched again");
+    assert_eq!(
+        tessera_common::ComponentHash::of_bytes(&now).to_hex(),
+        name,
+        "the cached file hashes to its name again"
+    );
 
     // A compute node killed in the middle of the join: the exact answer, with the recovery
     // naming it. A kill that lands after the answer is retried.

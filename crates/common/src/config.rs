@@ -48,6 +48,7 @@
 //! inbox_budget_bytes = 16777216
 //! send_batch_rows = 8192
 //! spool_start_timeout_ms = 30000
+//! cache_bytes = 1073741824 # a compute node's component cache
 //!
 //! [scrub]                  # hash components again and repair damaged ones
 //! bytes_per_sec = 16777216 # 0: only `tessera scrub`
@@ -271,6 +272,9 @@ pub struct ExecSettings {
     /// to start, before it fails naming the channel (a request for a query that never ran
     /// here must not wait for ever).
     pub spool_start_timeout_ms: u64,
+    /// A compute node's cache of the components its scans fetch (under
+    /// `data_dir/cache`), in bytes; the least recently used go first.
+    pub cache_bytes: u64,
 }
 
 impl Default for ExecSettings {
@@ -279,6 +283,7 @@ impl Default for ExecSettings {
             inbox_budget_bytes: 16 << 20,
             send_batch_rows: 8192,
             spool_start_timeout_ms: 30_000,
+            cache_bytes: 1 << 30,
         }
     }
 }

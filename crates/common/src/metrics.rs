@@ -55,6 +55,10 @@ pub struct Metrics {
     /// Component bytes the scrubber hashed again, and the damaged components it found.
     pub scrubbed_bytes: Counter,
     pub scrub_damaged: Counter,
+    /// A compute node's component cache: bytes of components read from it (hits) and
+    /// fetched into it from a replica (misses).
+    pub component_cache_hit_bytes: Counter,
+    pub component_cache_miss_bytes: Counter,
     pub raft_term: Gauge,
     /// The metadata leader's node id (0 while none is known).
     pub raft_leader: Gauge,
@@ -90,6 +94,8 @@ impl Metrics {
             failback_seconds: seconds_buckets(),
             scrubbed_bytes: Counter::default(),
             scrub_damaged: Counter::default(),
+            component_cache_hit_bytes: Counter::default(),
+            component_cache_miss_bytes: Counter::default(),
             raft_term: Gauge::default(),
             raft_leader: Gauge::default(),
             raft_last_log_index: Gauge::default(),
@@ -171,6 +177,16 @@ impl Metrics {
                 "scrub_damaged",
                 "Damaged or missing components the scrubber found",
                 metrics.scrub_damaged.clone(),
+            );
+            r.register(
+                "component_cache_hit_bytes",
+                "Component bytes a compute node's scans found in its cache",
+                metrics.component_cache_hit_bytes.clone(),
+            );
+            r.register(
+                "component_cache_miss_bytes",
+                "Component bytes a compute node fetched into its cache from a replica",
+                metrics.component_cache_miss_bytes.clone(),
             );
             r.register(
                 "failback_seconds",

@@ -28,6 +28,7 @@
 //! logs the order inputs were read in, backs up what producers send, and rebuilds only a
 //! dead node's channels.
 
+pub mod cache;
 pub mod codec;
 pub mod error;
 pub mod exchange;
@@ -36,6 +37,7 @@ pub mod hooks;
 pub mod plan;
 pub mod progress;
 pub mod reachability;
+pub mod remote_snapshot;
 pub mod run;
 pub mod scan;
 pub mod session;
@@ -62,6 +64,9 @@ pub struct Exec {
     replication: Arc<tessera_replication::Replication>,
     /// Peers this node could not reach though the leader counts them alive.
     pub(crate) unreachable: reachability::Unreachable,
+    /// A compute node's cache of the components its scans read from other nodes; `None`
+    /// on storage nodes, whose scans of partitions they do not hold fetch rows.
+    pub(crate) cache: Option<Arc<cache::ComponentCache>>,
 }
 
 impl std::fmt::Debug for Exec {
@@ -88,7 +93,19 @@ impl Exec {
             settings,
             replication,
             unreachable: reachability::Unreachable::default(),
+            cache: None,
         }
+    }
+
+    /// Reads other nodes' partitions through `cache` (a compute node).
+    pub fn with_cache(mut self, cache: Arc<cache::ComponentCache>) -> Exec {
+        self.cache = Some(cache);
+        self
+    }
+
+    /// The component cache, on a compute node.
+    pub fn cache_status(&self) -> Option<cache::CacheStatus> {
+        self.cache.as_ref().map(|c| c.status())
     }
 
     /// This node's id.

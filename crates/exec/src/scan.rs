@@ -228,6 +228,27 @@ impl ExecutionPlan for DistributedScanExec {
                     }
                 }
             } else {
+                if let (Some(cache), None) = (&node.cache, spec.changes_since) {
+                    match crate::remote_snapshot::read_through_cache(
+                        &node,
+                        cache,
+                        &spec,
+                        &storage_partitions,
+                        &replicas,
+                        predicate,
+                        context,
+                    )
+                    .await
+                    {
+                        Ok(stream) => return Ok(stream),
+                        Err(why) => tracing::warn!(
+                            table = %spec.def.name,
+                            partitions = ?storage_partitions,
+                            %why,
+                            "reading rows from the replicas: the component cache could not be filled"
+                        ),
+                    }
+                }
                 read_remotely(&node, &spec, &storage_partitions, &replicas).await
             }
         };
@@ -250,36 +271,18 @@ async fn read_here(
     predicate: Option<Arc<dyn PhysicalExpr>>,
     context: Arc<TaskContext>,
 ) -> DfResult<Option<SendableRecordBatchStream>> {
-    node.meta
-        .wait_to_read(&spec.def.name, spec.def.generation, spec.epoch, EPOCH_WAIT)
-        .await
-        .map_err(|e| DataFusionError::External(Box::new(e)))?;
+    let snapshot = replica_snapshot(
+        node,
+        &spec.def.name,
+        spec.def.generation,
+        spec.epoch,
+        &partitions,
+    )
+    .await
+    .map_err(|e| DataFusionError::External(Box::new(e)))?;
     let store = node.store.clone();
-    let table = spec.def.name.clone();
-    let epoch = spec.epoch;
-    let generation = spec.def.generation;
-    let wanted = partitions.clone();
+    let (table, epoch, wanted) = (spec.def.name.clone(), spec.epoch, partitions.clone());
     let snapshot = tokio::task::spawn_blocking(move || {
-        if store
-            .table_def(&table)
-            .is_none_or(|d| d.generation != generation)
-        {
-            return Err(tessera_storage::StorageError::UnknownTable(table));
-        }
-        // A commit may add logged rows between the replay and the snapshot: go round again.
-        let snapshot = loop {
-            store.replay_standby(&wanted)?;
-            let snapshot = store.snapshot(&table, Some(epoch))?;
-            let logged = wanted.iter().any(|p| {
-                snapshot
-                    .partitions
-                    .get(p.0 as usize)
-                    .is_some_and(|p| p.rows_in_log)
-            });
-            if !logged {
-                break snapshot;
-            }
-        };
         // Which versions this replica holds for the query's partitions: the trail a wrong
         // count leaves (`TESSERA_LOG=tessera_exec::scan=debug`).
         if tracing::enabled!(tracing::Level::DEBUG) {
@@ -296,7 +299,7 @@ async fn read_here(
             tracing::debug!(%table, %epoch, ?versions, "reading partitions here");
         }
         let damaged = find_damaged(&store, &snapshot, &wanted);
-        Ok((snapshot, damaged))
+        Ok::<_, tessera_storage::StorageError>((snapshot, damaged))
     })
     .await
     .map_err(|e| DataFusionError::Execution(format!("scan task failed: {e}")))?
@@ -314,7 +317,7 @@ async fn read_here(
     let mut parquet = TableParquetOptions::default();
     parquet.global = context.session_config().options().execution.parquet.clone();
     let plan = plan_snapshot_scan(SnapshotScan {
-        store: &node.store,
+        store: node.store.as_ref(),
         snapshot: &snapshot,
         partitions: Some(&partitions),
         projection: spec.projection.clone(),
@@ -337,6 +340,54 @@ async fn read_here(
     Ok(Some(Box::pin(RecordBatchStreamAdapter::new(
         schema, stream,
     ))))
+}
+
+/// This node's snapshot of `table` at `epoch` for reading `wanted`, once it has applied
+/// the epoch, with a cold standby's logged rows of those partitions replayed first.
+pub(crate) async fn replica_snapshot(
+    node: &Arc<Exec>,
+    table: &str,
+    generation: u64,
+    epoch: Epoch,
+    wanted: &[PartitionId],
+) -> Result<Arc<tessera_storage::TableSnapshot>, ExecError> {
+    node.meta
+        .wait_to_read(table, generation, epoch, EPOCH_WAIT)
+        .await
+        .map_err(|e| ExecError::Task {
+            what: "waiting for the query's epoch",
+            reason: e.to_string(),
+        })?;
+    let store = node.store.clone();
+    let (table, wanted) = (table.to_string(), wanted.to_vec());
+    tokio::task::spawn_blocking(move || {
+        if store
+            .table_def(&table)
+            .is_none_or(|d| d.generation != generation)
+        {
+            return Err(tessera_storage::StorageError::UnknownTable(table));
+        }
+        // A commit may add logged rows between the replay and the snapshot: go round again.
+        loop {
+            store.replay_standby(&wanted)?;
+            let snapshot = store.snapshot(&table, Some(epoch))?;
+            let logged = wanted.iter().any(|p| {
+                snapshot
+                    .partitions
+                    .get(p.0 as usize)
+                    .is_some_and(|p| p.rows_in_log)
+            });
+            if !logged {
+                return Ok(snapshot);
+            }
+        }
+    })
+    .await
+    .map_err(|e| ExecError::Task {
+        what: "taking a snapshot",
+        reason: e.to_string(),
+    })?
+    .map_err(ExecError::from)
 }
 
 /// A component of a partition this node holds that is damaged or missing here, and why.

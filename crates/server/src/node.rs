@@ -266,14 +266,24 @@ impl Node {
             config.data_dir.join("spool"),
             Duration::from_millis(config.exec.spool_start_timeout_ms),
         );
-        let exec = Arc::new(tessera_exec::Exec::new(
+        let mut exec = tessera_exec::Exec::new(
             store.clone(),
             meta.clone(),
             clients.clone(),
             replication.clone(),
             lineage.clone(),
             config.exec.clone(),
-        ));
+        );
+        if config.role.is_compute() {
+            let dir = config.data_dir.join("cache");
+            let cache = tessera_exec::cache::ComponentCache::open(&dir, config.exec.cache_bytes)
+                .map_err(|e| ClusterError::DataDir {
+                    dir: dir.display().to_string(),
+                    reason: format!("opening the component cache: {e}"),
+                })?;
+            exec = exec.with_cache(cache);
+        }
+        let exec = Arc::new(exec);
         let node = Arc::new(Node {
             config,
             mtls,

@@ -47,6 +47,9 @@ pub struct NodeStatus {
     /// The scrubber's last pass on this node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scrub: Option<crate::scrub::ScrubReport>,
+    /// A compute node's component cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<tessera_exec::cache::CacheStatus>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -386,6 +389,11 @@ impl NodeService {
                 let request: crate::verify::DigestsRequest = self.open(&caller, body)?;
                 let digests = crate::verify::local_digests(node, request).await;
                 reply(&Ok::<_, Refusal>(digests))
+            }
+            tessera_exec::remote_snapshot::ACTION_SNAPSHOT_MANIFEST => {
+                let request: tessera_exec::remote_snapshot::ManifestRequest =
+                    self.open(&caller, body)?;
+                reply(&tessera_exec::remote_snapshot::serve(&node.exec, request).await)
             }
             crate::table_statistics::ACTION_TABLE_STATISTICS => {
                 let request: crate::table_statistics::StatisticsRequest =
@@ -885,5 +893,6 @@ pub fn node_status(node: &crate::node::Node) -> NodeStatus {
         transfers: node.replication.transfers.counts(),
         insecure: node.mtls.is_none(),
         last_scrub: crate::scrub::last_scrub(),
+        cache: node.exec.cache_status(),
     }
 }

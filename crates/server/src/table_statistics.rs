@@ -84,7 +84,7 @@ pub fn local(node: &Node, state: &MetaState, def: &TableDef, epoch: Epoch) -> Es
             node.exec
                 .queries()
                 .statistics()
-                .get(&node.store, &c.hash, def)
+                .get(node.store.as_ref(), &c.hash, def)
                 .ok()
         })
         .collect();

@@ -463,6 +463,15 @@ fn samples() -> Samples {
         tessera_server::scrub::ScrubRequest { everywhere: true },
     );
     s.request(
+        tessera_exec::remote_snapshot::ACTION_SNAPSHOT_MANIFEST,
+        tessera_exec::remote_snapshot::ManifestRequest {
+            table: "kv".into(),
+            generation: 7,
+            epoch: Epoch(9),
+            partitions: vec![PartitionId(0), PartitionId(3)],
+        },
+    );
+    s.request(
         tessera_server::table_statistics::ACTION_TABLE_STATISTICS,
         tessera_server::table_statistics::StatisticsRequest {
             table: "kv".into(),
@@ -637,6 +646,14 @@ fn samples() -> Samples {
     s.value("empty reply", &Ok::<(), Refusal>(()));
     s.value("read-index reply", &Ok::<u64, Refusal>(12));
     s.value(
+        "snapshot manifest reply",
+        &Ok::<_, Refusal>(vec![tessera_exec::remote_snapshot::PartitionManifest {
+            partition: PartitionId(3),
+            components: vec![component()],
+            memtable_ipc_hex: Some("ffffffff".into()),
+        }]),
+    );
+    s.value(
         "table statistics reply",
         &Ok::<_, Refusal>(tessera_server::table_statistics::StatisticsReply {
             rows: Some(6001215),
@@ -754,6 +771,13 @@ fn samples() -> Samples {
                 repaired: vec!["component ... replaced by another replica's copy".into()],
                 unrepaired: vec![],
             }),
+            cache: Some(tessera_exec::cache::CacheStatus {
+                bytes: 1 << 20,
+                files: 3,
+                budget: 1 << 30,
+                hit_bytes: 3 << 20,
+                miss_bytes: 1 << 20,
+            }),
         },
     );
     s
@@ -823,6 +847,7 @@ fn every_action_has_a_sample() {
         tessera_server::verify::ACTION_VERIFY,
         tessera_server::scrub::ACTION_SCRUB,
         tessera_server::table_statistics::ACTION_TABLE_STATISTICS,
+        tessera_exec::remote_snapshot::ACTION_SNAPSHOT_MANIFEST,
     ] {
         assert!(names.contains_key(action), "no sample of action {action}");
     }

@@ -36,6 +36,26 @@ use tessera_storage::versions::{stored_schema, stored_user_schema};
 use tessera_storage::{PartitionSnapshot, TableSnapshot};
 use tessera_storage::{Store, TableDef};
 
+/// Where a scan finds the component files a snapshot names, and how it checks one against
+/// its name before reading it: a node's own store, or a compute node's cache of other
+/// nodes' components.
+pub trait ComponentFiles: Send + Sync {
+    /// The directory holding the files, each named by its hash (`component_path`).
+    fn dir(&self) -> &std::path::Path;
+    /// Refuses a file whose bytes do not hash to its name (at most once per file).
+    fn verify(&self, hash: &ComponentHash) -> Result<(), tessera_storage::StorageError>;
+}
+
+impl ComponentFiles for Store {
+    fn dir(&self) -> &std::path::Path {
+        self.components_dir()
+    }
+
+    fn verify(&self, hash: &ComponentHash) -> Result<(), tessera_storage::StorageError> {
+        self.verify_component(hash)
+    }
+}
+
 /// How a scan lays storage partitions out as DataFusion output partitions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ScanLayout {
@@ -87,7 +107,7 @@ impl ComponentStatistics {
     /// conformed as its rows are (by position; nothing known of columns it predates).
     pub fn get(
         &self,
-        store: &Store,
+        store: &dyn ComponentFiles,
         hash: &ComponentHash,
         def: &TableDef,
     ) -> Result<Arc<Statistics>> {
@@ -112,8 +132,8 @@ impl ComponentStatistics {
     }
 
     /// A component's statistics over its own columns, from its Parquet footer.
-    fn read(store: &Store, hash: &ComponentHash) -> Result<OwnStatistics> {
-        let path = component_path(store.components_dir(), hash);
+    fn read(store: &dyn ComponentFiles, hash: &ComponentHash) -> Result<OwnStatistics> {
+        let path = component_path(store.dir(), hash);
         let file = std::fs::File::open(&path)
             .map_err(|e| SqlError::to_datafusion(tessera_storage::StorageError::io(&path, e)))?;
         let reader = SerializedFileReader::new(file)?;
@@ -449,7 +469,7 @@ impl RowSource for LocalRows {
             ScanLayout::Packed => FileGrouping::Packed(state.config().target_partitions()),
         };
         plan_snapshot_scan(SnapshotScan {
-            store: &self.store,
+            store: self.store.as_ref(),
             snapshot: &snapshot,
             partitions: None,
             projection,
@@ -474,7 +494,8 @@ pub enum FileGrouping {
 
 /// What to read of a table snapshot, and how.
 pub struct SnapshotScan<'a> {
-    pub store: &'a Store,
+    /// Where the snapshot's component files are.
+    pub store: &'a dyn ComponentFiles,
     pub snapshot: &'a Arc<TableSnapshot>,
     /// The storage partitions to read (every one if `None`).
     pub partitions: Option<&'a [PartitionId]>,
@@ -520,7 +541,7 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
     {
         for component in &partition.components {
             store
-                .verify_component(&component.hash)
+                .verify(&component.hash)
                 .map_err(SqlError::to_datafusion)?;
         }
         if partition.is_plain_scan(epoch, def.layout()) {
@@ -553,7 +574,7 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
         let mut file_statistics = Vec::with_capacity(plain.len());
         let mut files = Vec::with_capacity(plain.len());
         for component in &plain {
-            let path = component_path(store.components_dir(), &component.hash);
+            let path = component_path(store.dir(), &component.hash);
             let location = path.to_string_lossy().trim_start_matches('/').to_string();
             let stats = statistics.get(store, &component.hash, &snapshot.def)?;
             file_statistics.push(stats.clone());
@@ -577,7 +598,7 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
         children.push(DataSourceExec::from_data_source(config));
     }
     if !versioned.is_empty() {
-        let dir = store.components_dir().to_path_buf();
+        let dir = store.dir().to_path_buf();
         children.push(Arc::new(VersionedScanExec::new(
             snapshot.clone(),
             versioned,

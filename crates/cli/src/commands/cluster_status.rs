@@ -35,6 +35,20 @@ pub async fn run(addr: &str) -> Result<()> {
         ),
         None => println!("last scrub:     none yet on this node"),
     }
+    if let Some(cache) = &status.cache {
+        println!(
+            "component cache: {} in {} files of {} allowed; {} read from it, {} fetched into it{}",
+            super::scrub::human_bytes(cache.bytes),
+            cache.files,
+            super::scrub::human_bytes(cache.budget),
+            super::scrub::human_bytes(cache.hit_bytes),
+            super::scrub::human_bytes(cache.miss_bytes),
+            cache.hit_rate().map_or(String::new(), |rate| format!(
+                " (hit rate {:.0}%)",
+                rate * 100.0
+            ))
+        );
+    }
     println!("visible epoch:  {}", meta.visible);
     println!("next epoch:     {}", meta.next_epoch);
     if !meta.open.is_empty() {

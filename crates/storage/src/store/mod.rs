@@ -135,7 +135,23 @@ pub struct TableSnapshot {
     pub def: TableDef,
     pub epoch: Epoch,
     pub partitions: Vec<PartitionSnapshot>,
-    _reader: ReaderGuard,
+    /// Keeps this store's components from deletion while the snapshot lives; `None` for a
+    /// snapshot of another node's replica ([`TableSnapshot::detached`]).
+    _reader: Option<ReaderGuard>,
+}
+
+impl TableSnapshot {
+    /// A snapshot of partitions held elsewhere (another node's replica, described to a
+    /// compute node): no store protects its components, so whoever reads it keeps the
+    /// files it names (a cache pins them).
+    pub fn detached(def: TableDef, epoch: Epoch, partitions: Vec<PartitionSnapshot>) -> Self {
+        TableSnapshot {
+            def,
+            epoch,
+            partitions,
+            _reader: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]

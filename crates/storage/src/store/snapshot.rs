@@ -55,7 +55,7 @@ impl Store {
             def: table.def.clone(),
             epoch,
             partitions,
-            _reader: reader,
+            _reader: Some(reader),
         }))
     }
 
