@@ -1,9 +1,10 @@
 //! `tessera bench compute`: what compute-only nodes add to TPC-H. Two local clusters hold
-//! the same data: `nodes` storage nodes, and the same plus `compute` compute-only nodes
-//! (which take the channels that read no partition). Each query runs once untimed on both
-//! and on plain DataFusion (warming caches and checking the answers), then `runs` times in
-//! turn; medians are reported, with the share of each query's channels that ran on the
-//! compute nodes (from `EXPLAIN ANALYZE`). Every process shares this machine's cores, so
+//! the same data: `nodes` storage nodes, and the same plus `compute` compute-only nodes,
+//! which take the channels that read no partition, and, under `tessera.scans_on_compute`,
+//! the scans too, reading through their component caches. Each query runs once untimed in
+//! each way and on plain DataFusion (warming caches and checking the answers), then `runs`
+//! times in turn; medians are reported, with the share of each query's channels that ran
+//! on the compute nodes (from `EXPLAIN ANALYZE`) and the caches' hit rates. Every process shares this machine's cores, so
 //! on a small machine extra nodes add work rather than CPU: the figures say so honestly.
 
 use super::bench::{chosen_queries, median, shared_baseline};
@@ -89,7 +90,7 @@ pub async fn run(
         sf,
     )
     .await?;
-    let (_with, with_compute) = cluster(
+    let (compute_cluster, with_compute) = cluster(
         &root.join(format!("storage-{nodes}-compute-{compute}")),
         nodes,
         compute,
@@ -98,75 +99,103 @@ pub async fn run(
     )
     .await?;
     let baseline = shared_baseline(data_dir, sf).await?;
+    let on_compute = |sql: &str| format!("/*+ SET tessera.scans_on_compute = true */ {sql}");
 
     println!();
     println!(
-        "TPC-H SF {sf}: median of {runs} run(s); {nodes} storage nodes alone vs with {compute} compute-only nodes, every process on this machine's {} cores",
+        "TPC-H SF {sf}: median of {runs} run(s); {nodes} storage nodes alone vs with {compute} compute-only nodes (scans with their data, or on the compute nodes through their component caches), every process on this machine's {} cores",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    let with = format!("+{compute}c (ms)");
     println!(
-        "{:>5} {:>14} {:>12} {:>9} {:>16}  answer",
+        "{:>5} {:>14} {:>12} {:>14} {:>9} {:>9} {:>16}  answer",
         "query",
         format!("{nodes} storage (ms)"),
-        with,
+        format!("+{compute}c (ms)"),
+        "+scans (ms)",
         "with/alone",
+        "scans/alone",
         "channels on compute"
     );
-    let mut log_ratio = 0.0f64;
-    let (mut sum_alone, mut sum_with) = (0.0, 0.0);
+    let (mut log_with, mut log_scans) = (0.0f64, 0.0f64);
+    let (mut sum_alone, mut sum_with, mut sum_scans) = (0.0, 0.0, 0.0);
     let (mut compute_channels, mut all_channels) = (0, 0);
     let mut mismatches = Vec::new();
     for &q in &queries {
         let sql = tessera_tpch::query(q);
         let expected = baseline.sql(sql).await?.collect().await?;
         let mut answer = "same".to_string();
-        for (name, client) in [
-            ("storage only", &storage_only),
-            ("with compute", &with_compute),
+        for (name, client, text) in [
+            ("storage only", &storage_only, sql.to_string()),
+            ("with compute", &with_compute, sql.to_string()),
+            ("scans on compute", &with_compute, on_compute(sql)),
         ] {
-            let actual = client.query(sql).await?;
+            let actual = client.query(&text).await?;
             if let Err(diff) = tessera_tpch::compare::same_answer(&expected, &actual, 1e-9) {
                 mismatches.push(q);
                 answer = format!("DIFFERENT {name}: {diff}");
             }
         }
-        let (on_compute, channels) = channels_on_compute(&with_compute, sql, nodes).await?;
-        compute_channels += on_compute;
+        let (on, channels) = channels_on_compute(&with_compute, sql, nodes).await?;
+        compute_channels += on;
         all_channels += channels;
-        let (mut t_alone, mut t_with) = (Vec::new(), Vec::new());
+        let (mut t_alone, mut t_with, mut t_scans) = (Vec::new(), Vec::new(), Vec::new());
+        let scans_sql = on_compute(sql);
         for _ in 0..runs {
             t_alone.push(timed(|| storage_only.query(sql)).await?.0);
             t_with.push(timed(|| with_compute.query(sql)).await?.0);
+            t_scans.push(timed(|| with_compute.query(&scans_sql)).await?.0);
         }
         let ms = |times: &mut Vec<Duration>| median(times).as_secs_f64() * 1e3;
-        let (alone, with) = (ms(&mut t_alone), ms(&mut t_with));
+        let (alone, with, scans) = (ms(&mut t_alone), ms(&mut t_with), ms(&mut t_scans));
         sum_alone += alone;
         sum_with += with;
-        log_ratio += (with / alone).ln();
+        sum_scans += scans;
+        log_with += (with / alone).ln();
+        log_scans += (scans / alone).ln();
         println!(
-            "{:>5} {:>14.1} {:>12.1} {:>9.3} {:>16}  {answer}",
+            "{:>5} {:>14.1} {:>12.1} {:>14.1} {:>9.3} {:>9.3} {:>16}  {answer}",
             format!("Q{q}"),
             alone,
             with,
+            scans,
             with / alone,
-            format!("{on_compute}/{channels}")
+            scans / alone,
+            format!("{on}/{channels}")
         );
     }
     let n = queries.len() as f64;
     println!(
-        "{:>5} {:>14.1} {:>12.1} {:>9.3} {:>16}",
+        "{:>5} {:>14.1} {:>12.1} {:>14.1} {:>9.3} {:>9.3} {:>16}",
         "sum",
         sum_alone,
         sum_with,
+        sum_scans,
         sum_with / sum_alone,
+        sum_scans / sum_alone,
         format!("{compute_channels}/{all_channels}")
     );
     println!(
-        "geometric mean ratio, with {compute} compute nodes / storage only: {:.3}; {:.0}% of channels ran on compute nodes; component cache: not built yet (compute nodes' scans read rows from the replicas)",
-        (log_ratio / n).exp(),
+        "geometric mean ratio to storage only: with {compute} compute nodes {:.3}, with scans on them too {:.3}; {:.0}% of channels ran on compute nodes (scans with their data)",
+        (log_with / n).exp(),
+        (log_scans / n).exp(),
         100.0 * compute_channels as f64 / all_channels.max(1) as f64
     );
+    for index in nodes as usize..(nodes + compute) as usize {
+        let status = compute_cluster.client(index).status().await?;
+        if let Some(cache) = status.cache {
+            println!(
+                "compute node {}: component cache {} in {} files; {} read from it, {} fetched into it: hit rate {}",
+                status.node_id,
+                super::scrub::human_bytes(cache.bytes),
+                cache.files,
+                super::scrub::human_bytes(cache.hit_bytes),
+                super::scrub::human_bytes(cache.miss_bytes),
+                cache
+                    .hit_rate()
+                    .map_or("-".to_string(), |rate| format!("{:.1}%", rate * 100.0))
+            );
+        }
+    }
     if !mismatches.is_empty() {
         bail!("answers differ from DataFusion for queries {mismatches:?}");
     }
