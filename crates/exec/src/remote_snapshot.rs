@@ -11,19 +11,14 @@ use crate::cache::{ComponentCache, Pins};
 use crate::scan::ScanSpec;
 use crate::{Exec, NodeId};
 use arrow::array::RecordBatch;
-use datafusion::common::config::TableParquetOptions;
 use datafusion::common::Result as DfResult;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::PhysicalExpr;
-use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
-use datafusion::physical_plan::ExecutionPlanProperties;
-use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::{Epoch, PartitionId};
 use tessera_net::Refusal;
-use tessera_sql::provider::{plan_snapshot_scan, FileGrouping, SnapshotScan};
 use tessera_storage::{ComponentMeta, PartitionSnapshot, TableSnapshot};
 
 pub const ACTION_SNAPSHOT_MANIFEST: &str = "snapshot-manifest";
@@ -235,27 +230,15 @@ fn read_cached(
     predicate: Option<Arc<dyn PhysicalExpr>>,
     context: Arc<TaskContext>,
 ) -> DfResult<SendableRecordBatchStream> {
-    let mut parquet = TableParquetOptions::default();
-    parquet.global = context.session_config().options().execution.parquet.clone();
-    let plan = plan_snapshot_scan(SnapshotScan {
-        store: cache.as_ref(),
-        snapshot: &snapshot,
-        partitions: Some(partitions),
-        projection: spec.projection.clone(),
+    let keep = (snapshot.clone(), pins);
+    crate::scan::stream_snapshot(
+        node,
+        cache.as_ref(),
+        spec,
+        partitions,
+        snapshot,
+        keep,
         predicate,
-        limit: spec.limit,
-        grouping: FileGrouping::Packed(1),
-        statistics: node.queries.statistics(),
-        runtime: &context.runtime_env(),
-        parquet,
-    })?;
-    let schema = plan.schema();
-    let parts = plan.output_partitioning().partition_count();
-    let stream = futures::stream::iter(0..parts)
-        .map(move |i| {
-            let _keep = (&snapshot, &pins);
-            plan.execute(i, context.clone())
-        })
-        .try_flatten();
-    Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
+        context,
+    )
 }

@@ -314,12 +314,41 @@ async fn read_here(
         );
         return Ok(None);
     }
+    // The snapshot protects its components from deletion until the stream is done.
+    let keep = snapshot.clone();
+    stream_snapshot(
+        node,
+        node.store.as_ref(),
+        spec,
+        &partitions,
+        snapshot,
+        keep,
+        predicate,
+        context,
+    )
+    .map(Some)
+}
+
+/// Streams `partitions` of `snapshot`, whose component files `files` holds, through
+/// DataFusion's Parquet reader and the versioned reader; `keep` (what protects those files)
+/// lives until the stream is done.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stream_snapshot<K: Send + Sync + 'static>(
+    node: &Arc<Exec>,
+    files: &dyn tessera_sql::provider::ComponentFiles,
+    spec: &ScanSpec,
+    partitions: &[PartitionId],
+    snapshot: Arc<tessera_storage::TableSnapshot>,
+    keep: K,
+    predicate: Option<Arc<dyn PhysicalExpr>>,
+    context: Arc<TaskContext>,
+) -> DfResult<SendableRecordBatchStream> {
     let mut parquet = TableParquetOptions::default();
     parquet.global = context.session_config().options().execution.parquet.clone();
     let plan = plan_snapshot_scan(SnapshotScan {
-        store: node.store.as_ref(),
+        store: files,
         snapshot: &snapshot,
-        partitions: Some(&partitions),
+        partitions: Some(partitions),
         projection: spec.projection.clone(),
         predicate,
         limit: spec.limit,
@@ -330,16 +359,13 @@ async fn read_here(
     })?;
     let schema = plan.schema();
     let parts = plan.output_partitioning().partition_count();
-    // The snapshot protects its components from deletion until the stream is done.
     let stream = futures::stream::iter(0..parts)
         .map(move |i| {
-            let _keep = &snapshot;
+            let _keep = &keep;
             plan.execute(i, context.clone())
         })
         .try_flatten();
-    Ok(Some(Box::pin(RecordBatchStreamAdapter::new(
-        schema, stream,
-    ))))
+    Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
 }
 
 /// This node's snapshot of `table` at `epoch` for reading `wanted`, once it has applied
