@@ -665,25 +665,25 @@ async fn a_joining_node_takes_its_share_while_queries_stay_exact() {
     assert!(error.contains("votes in the metadata group"), "{error}");
 }
 
-/// A run of three consecutive free loopback ports.
-fn three_free_ports() -> u16 {
+/// A run of four consecutive free loopback ports.
+fn four_free_ports() -> u16 {
     for _ in 0..100 {
         let base = tessera_testkit::free_ports(1)[0];
-        if base > u16::MAX - 3 {
+        if base > u16::MAX - 4 {
             continue;
         }
-        if (0..3).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
+        if (0..4).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
             return base;
         }
     }
-    panic!("no three consecutive free ports");
+    panic!("no four consecutive free ports");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_starts_a_local_cluster_and_stops_it_cleanly() {
     let _exclusive = exclusive();
     let root = tempfile::tempdir().unwrap();
-    let base = three_free_ports();
+    let base = four_free_ports();
     let data = root.path().join("data");
     let base_arg = base.to_string();
     let up = tessera_testkit::TesseraProcess::spawn(
@@ -695,6 +695,8 @@ async fn up_starts_a_local_cluster_and_stops_it_cleanly() {
             "up",
             "--nodes",
             "3",
+            "--compute",
+            "1",
             "--base-port",
             &base_arg,
         ],
@@ -708,13 +710,17 @@ async fn up_starts_a_local_cluster_and_stops_it_cleanly() {
         }
     }
     let text = printed.join("\n");
-    assert!(text.contains("cluster of 3 nodes up"), "{text}");
-    for i in 0..3 {
+    assert!(text.contains("cluster of 4 nodes up"), "{text}");
+    for i in 0..4 {
         assert!(
             text.contains(&format!("listening on 127.0.0.1:{}", base + i)),
             "{text}"
         );
     }
+    assert!(
+        text.contains(&format!("node 4 (compute): RPC 127.0.0.1:{}", base + 3)),
+        "up lists its compute node: {text}"
+    );
     // `up` made the cluster's certificates under its data directory; a client presents
     // the administrator's.
     let admin = tessera_common::tls::MutualTls::from_dir(&data.join("certs"), "admin").unwrap();
@@ -725,8 +731,16 @@ async fn up_starts_a_local_cluster_and_stops_it_cleanly() {
         .unwrap();
     client.sql("INSERT INTO t VALUES (1), (2)").await.unwrap();
     let status = client.status().await.unwrap();
-    assert_eq!(status.meta.live_nodes().count(), 3);
+    assert_eq!(status.meta.live_nodes().count(), 4);
     assert_eq!(status.meta.partition_count, 8);
+    // Node 4 joined as a compute node: a member that holds nothing.
+    assert!(status.meta.nodes[&NodeId(4)].compute);
+    assert!(status
+        .meta
+        .map
+        .partitions
+        .iter()
+        .all(|p| p.replicas.len() == 3 && !p.replicas.contains(&NodeId(4))));
     // Ctrl-C stops every node.
     // SAFETY: kill(2) on the pid of a child we own and have not reaped.
     unsafe {
@@ -740,7 +754,7 @@ async fn up_starts_a_local_cluster_and_stops_it_cleanly() {
         }
     }
     assert!(stopped, "up reports the cluster stopped");
-    for i in 0..3 {
+    for i in 0..4 {
         assert!(
             std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok(),
             "node {} released its port",
