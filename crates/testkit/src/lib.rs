@@ -132,15 +132,39 @@ pub fn temp_data_dir() -> (tempfile::TempDir, PathBuf) {
     (dir, data)
 }
 
-/// `n` TCP ports on 127.0.0.1 that were free a moment ago.
+/// `n` distinct TCP ports on 127.0.0.1 that were free a moment ago, chosen below the
+/// kernel's ephemeral range where there is room: a port given to a node that has not
+/// bound it yet (not started, or being restarted) is otherwise free for the kernel to hand
+/// to any outgoing connection, and the node then cannot listen ("address already in use").
 pub fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<std::net::TcpListener> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port"))
-        .collect();
+    let mut listeners: Vec<std::net::TcpListener> = Vec::with_capacity(n);
+    if let Some((low, high)) = below_ephemeral_range() {
+        let mut rng = rand::rng();
+        for _ in 0..n * 100 {
+            if listeners.len() == n {
+                break;
+            }
+            let port = rand::Rng::random_range(&mut rng, low..high);
+            if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+                listeners.push(listener);
+            }
+        }
+    }
+    while listeners.len() < n {
+        listeners.push(std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port"));
+    }
     listeners
         .iter()
         .map(|l| l.local_addr().expect("local address").port())
         .collect()
+}
+
+/// Ports for test nodes: from 10000 up to the start of the ephemeral range (Linux's
+/// `ip_local_port_range`), if at least 4096 ports lie there.
+fn below_ephemeral_range() -> Option<(u16, u16)> {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let ephemeral_low: u16 = range.split_whitespace().next()?.parse().ok()?;
+    (ephemeral_low >= 10_000 + 4096).then_some((10_000, ephemeral_low))
 }
 
 /// Node processes of one cluster on loopback, each configured by its own `node.toml` under
@@ -466,7 +490,7 @@ impl LocalCluster {
                 let id = lab.add_node();
                 lab.node_addr(id)
             }
-            None => format!("127.0.0.1:{}", free_ports(1)[0]),
+            None => format!("127.0.0.1:{}", self.unassigned_port()),
         };
         self.addrs.push(addr);
         self.processes.push(None);
@@ -474,6 +498,23 @@ impl LocalCluster {
         self.write_config(id, &self.cluster_id.clone());
         self.wire_links(id);
         id
+    }
+
+    /// A free loopback port that no node of this cluster has been given yet: the ports
+    /// given to nodes not yet started are free too, and the kernel may hand one out again.
+    fn unassigned_port(&self) -> u16 {
+        let assigned: BTreeSet<&str> = self
+            .addrs
+            .iter()
+            .chain(&self.pg_addrs)
+            .chain(&self.http_addrs)
+            .chain(&self.flightsql_addrs)
+            .map(String::as_str)
+            .collect();
+        (0..100)
+            .map(|_| free_ports(1)[0])
+            .find(|port| !assigned.contains(format!("127.0.0.1:{port}").as_str()))
+            .expect("a free port no node was given, in 100 tries")
     }
 
     /// Configures one more node as compute-only (`role = "compute"`): it will join the
