@@ -719,6 +719,15 @@ async fn connections_are_bounded_and_bad_input_loses_nothing() {
     again.simple_query("SELECT 1").await.unwrap();
     drop(again);
     drop(held);
+    // The node frees a slot when it sees its connection close, a moment after the drop.
+    common::wait_until(
+        "the held connections to close",
+        std::time::Duration::from_secs(30),
+        || async {
+            (common::metric(&cluster, 1, "tessera_pg_connections").await == Some(0.0)).then_some(())
+        },
+    )
+    .await;
 
     // Garbage instead of a start-up message: that connection ends, the node serves on.
     let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
