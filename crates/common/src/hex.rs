@@ -22,6 +22,31 @@ pub fn from_hex(text: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
+/// `batches` as an Arrow IPC stream in hex: rows that travel inside JSON.
+pub fn batches_to_ipc_hex(
+    schema: &arrow::datatypes::SchemaRef,
+    batches: &[arrow::array::RecordBatch],
+) -> Result<String, arrow::error::ArrowError> {
+    let mut ipc = Vec::new();
+    let mut writer = arrow::ipc::writer::StreamWriter::try_new(&mut ipc, schema)?;
+    for batch in batches {
+        writer.write(batch)?;
+    }
+    writer.finish()?;
+    drop(writer);
+    Ok(to_hex(&ipc))
+}
+
+/// The batches of an Arrow IPC stream in hex ([`batches_to_ipc_hex`]); `Err` says what is
+/// wrong with it.
+pub fn batches_from_ipc_hex(text: &str) -> Result<Vec<arrow::array::RecordBatch>, String> {
+    let bytes = from_hex(text).ok_or("not hex")?;
+    arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(bytes), None)
+        .map_err(|e| e.to_string())?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

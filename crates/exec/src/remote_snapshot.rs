@@ -11,7 +11,6 @@ use crate::cache::{ComponentCache, Pins};
 use crate::scan::ScanSpec;
 use crate::{Exec, NodeId};
 use arrow::array::RecordBatch;
-use datafusion::common::Result as DfResult;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::PhysicalExpr;
 use serde::{Deserialize, Serialize};
@@ -89,26 +88,12 @@ pub async fn serve(
         .collect()
 }
 
+/// A partition's row versions in memory, as they travel: an IPC stream in hex, if any.
 fn encode_rows(batches: &[RecordBatch]) -> Result<Option<String>, arrow::error::ArrowError> {
-    let Some(first) = batches.first() else {
-        return Ok(None);
-    };
-    let mut ipc = Vec::new();
-    let mut writer = arrow::ipc::writer::StreamWriter::try_new(&mut ipc, &first.schema())?;
-    for batch in batches {
-        writer.write(batch)?;
+    match batches.first() {
+        Some(first) => tessera_common::hex::batches_to_ipc_hex(&first.schema(), batches).map(Some),
+        None => Ok(None),
     }
-    writer.finish()?;
-    drop(writer);
-    Ok(Some(tessera_common::hex::to_hex(&ipc)))
-}
-
-fn decode_rows(hex: &str) -> Result<Vec<RecordBatch>, String> {
-    let bytes = tessera_common::hex::from_hex(hex).ok_or("memtable rows: not hex")?;
-    arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(bytes), None)
-        .map_err(|e| format!("memtable rows: {e}"))?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("memtable rows: {e}"))
 }
 
 /// Reads `partitions` through `cache` from the first replica that describes them and
@@ -129,13 +114,14 @@ pub async fn read_through_cache(
         // fetches it again.
         for _round in 0..2 {
             let read = match fill_from(node, cache, spec, partitions, replica).await {
-                Ok((snapshot, pins)) => read_cached(
+                // The pins hold the snapshot's files until the stream is done.
+                Ok((snapshot, pins)) => crate::scan::stream_snapshot(
                     node,
-                    cache,
+                    cache.as_ref(),
                     spec,
                     partitions,
-                    snapshot,
-                    pins,
+                    snapshot.clone(),
+                    (snapshot, pins),
                     predicate.clone(),
                     context.clone(),
                 )
@@ -201,7 +187,8 @@ async fn fill_from(
             partition: manifest.partition,
             components: manifest.components,
             memtable: match &manifest.memtable_ipc_hex {
-                Some(hex) => decode_rows(hex)?,
+                Some(hex) => tessera_common::hex::batches_from_ipc_hex(hex)
+                    .map_err(|e| format!("memtable rows: {e}"))?,
                 None => Vec::new(),
             },
             rows_in_log: false,
@@ -215,30 +202,4 @@ async fn fill_from(
     );
     let snapshot = TableSnapshot::detached(spec.def.clone(), spec.epoch, snapshots);
     Ok((Arc::new(snapshot), pins))
-}
-
-/// Streams the cached snapshot through the Parquet and versioned readers; the pins hold
-/// its files until the stream is done.
-#[allow(clippy::too_many_arguments)]
-fn read_cached(
-    node: &Arc<Exec>,
-    cache: &Arc<ComponentCache>,
-    spec: &ScanSpec,
-    partitions: &[PartitionId],
-    snapshot: Arc<TableSnapshot>,
-    pins: Pins,
-    predicate: Option<Arc<dyn PhysicalExpr>>,
-    context: Arc<TaskContext>,
-) -> DfResult<SendableRecordBatchStream> {
-    let keep = (snapshot.clone(), pins);
-    crate::scan::stream_snapshot(
-        node,
-        cache.as_ref(),
-        spec,
-        partitions,
-        snapshot,
-        keep,
-        predicate,
-        context,
-    )
 }

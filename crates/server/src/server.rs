@@ -424,18 +424,9 @@ impl NodeService {
 
 fn sql_output(output: tessera_sql::StatementOutput) -> Result<SqlOutput, arrow::error::ArrowError> {
     Ok(match output {
-        tessera_sql::StatementOutput::Rows { schema, batches } => {
-            let mut ipc = Vec::new();
-            let mut writer = arrow::ipc::writer::StreamWriter::try_new(&mut ipc, &schema)?;
-            for batch in &batches {
-                writer.write(batch)?;
-            }
-            writer.finish()?;
-            drop(writer);
-            SqlOutput::Rows {
-                ipc_hex: tessera_common::hex::to_hex(&ipc),
-            }
-        }
+        tessera_sql::StatementOutput::Rows { schema, batches } => SqlOutput::Rows {
+            ipc_hex: tessera_common::hex::batches_to_ipc_hex(&schema, &batches)?,
+        },
         tessera_sql::StatementOutput::Done { tag, epoch } => SqlOutput::Done { tag, epoch },
     })
 }
