@@ -53,6 +53,10 @@
 //! [scrub]                  # hash components again and repair damaged ones
 //! bytes_per_sec = 16777216 # 0: only `tessera scrub`
 //! every_ms = 21600000      # a pass this long after the last one ended
+//!
+//! [archive]                # tagged epochs past retention, erasure-coded
+//! data_fragments = 4       # k: any k fragments rebuild a component
+//! parity_fragments = 2     # m: fragments a component may lose
 //! ```
 
 use crate::{NodeId, DEFAULT_PARTITIONS};
@@ -134,6 +138,8 @@ pub struct NodeConfig {
     pub exec: ExecSettings,
     #[serde(default)]
     pub scrub: ScrubSettings,
+    #[serde(default)]
+    pub archive: ArchiveSettings,
     /// Mutual TLS on the internal port (node to node, and the CLI): required unless
     /// `insecure = true`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -284,6 +290,25 @@ impl Default for ExecSettings {
             send_batch_rows: 8192,
             spool_start_timeout_ms: 30_000,
             cache_bytes: 1 << 30,
+        }
+    }
+}
+
+/// `[archive]`: how the metadata leader cuts archived components (Reed-Solomon: `k` data
+/// and `m` parity fragments on `k + m` distinct storage nodes; stored bytes are
+/// `(k + m) / k` of the component's).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ArchiveSettings {
+    pub data_fragments: u32,
+    pub parity_fragments: u32,
+}
+
+impl Default for ArchiveSettings {
+    fn default() -> Self {
+        ArchiveSettings {
+            data_fragments: 4,
+            parity_fragments: 2,
         }
     }
 }
@@ -512,6 +537,12 @@ impl NodeConfig {
             return Err(format!(
                 "failure.rereplicate_after_ms ({}) must exceed failure.timeout_ms ({})",
                 failure.rereplicate_after_ms, failure.timeout_ms
+            ));
+        }
+        if self.archive.data_fragments == 0 || self.archive.parity_fragments == 0 {
+            return Err(format!(
+                "archive.data_fragments ({}) and archive.parity_fragments ({}) must both be at least 1",
+                self.archive.data_fragments, self.archive.parity_fragments
             ));
         }
         if self.exec.inbox_budget_bytes < 1 << 10 || self.exec.send_batch_rows == 0 {

@@ -28,6 +28,7 @@
 //! logs the order inputs were read in, backs up what producers send, and rebuilds only a
 //! dead node's channels.
 
+pub mod archive_scan;
 pub mod cache;
 pub mod codec;
 pub mod error;
@@ -64,9 +65,12 @@ pub struct Exec {
     replication: Arc<tessera_replication::Replication>,
     /// Peers this node could not reach though the leader counts them alive.
     pub(crate) unreachable: reachability::Unreachable,
-    /// A compute node's cache of the components its scans read from other nodes; `None`
-    /// on storage nodes, whose scans of partitions they do not hold fetch rows.
+    /// The node's cache of components read from elsewhere: archived components rebuilt
+    /// from fragments, and on a compute node the components of other nodes' partitions.
     pub(crate) cache: Option<Arc<cache::ComponentCache>>,
+    /// Scans of partitions this node does not hold read their components through the
+    /// cache (a compute node); otherwise they fetch rows from a replica.
+    pub(crate) reads_through_cache: bool,
 }
 
 impl std::fmt::Debug for Exec {
@@ -94,16 +98,19 @@ impl Exec {
             replication,
             unreachable: reachability::Unreachable::default(),
             cache: None,
+            reads_through_cache: false,
         }
     }
 
-    /// Reads other nodes' partitions through `cache` (a compute node).
-    pub fn with_cache(mut self, cache: Arc<cache::ComponentCache>) -> Exec {
+    /// Keeps components read from elsewhere in `cache`; with `reads_through_cache` (a
+    /// compute node), also those of the partitions its scans read from other nodes.
+    pub fn with_cache(mut self, cache: Arc<cache::ComponentCache>, reads_through_cache: bool) -> Exec {
         self.cache = Some(cache);
+        self.reads_through_cache = reads_through_cache;
         self
     }
 
-    /// The component cache, on a compute node.
+    /// The component cache.
     pub fn cache_status(&self) -> Option<cache::CacheStatus> {
         self.cache.as_ref().map(|c| c.status())
     }

@@ -54,6 +54,10 @@ pub struct ScanSpec {
     /// `epoch`; `projection` then indexes [`tessera_storage::changes::changes_schema`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub changes_since: Option<Epoch>,
+    /// The epoch is read from the archive: every partition's archived component (see
+    /// `tessera_meta::archive`), not the replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub archive: Option<Vec<tessera_meta::archive::ArchivedComponent>>,
 }
 
 impl ScanSpec {
@@ -208,6 +212,17 @@ impl ExecutionPlan for DistributedScanExec {
         let spec = self.spec.clone();
         let predicate = self.predicate.clone();
         let open = async move {
+            if let Some(archive) = &spec.archive {
+                return crate::archive_scan::read_archived(
+                    &node,
+                    &spec,
+                    &storage_partitions,
+                    archive,
+                    predicate,
+                    context,
+                )
+                .await;
+            }
             if spec.changes_since.is_some() && replicas.contains(&node.id()) {
                 // A diff is computed by the store, not planned as a Parquet scan: read here
                 // like a replica would answer, else from the others.
@@ -228,7 +243,9 @@ impl ExecutionPlan for DistributedScanExec {
                     }
                 }
             } else {
-                if let (Some(cache), None) = (&node.cache, spec.changes_since) {
+                if let (Some(cache), true, None) =
+                    (&node.cache, node.reads_through_cache, spec.changes_since)
+                {
                     match crate::remote_snapshot::read_through_cache(
                         &node,
                         cache,

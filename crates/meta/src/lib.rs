@@ -15,6 +15,7 @@
 //! API boundary: [`MetaClient`] for reads and writes; [`MetaState`] for reading a view.
 
 pub mod access;
+pub mod archive;
 pub mod client;
 pub mod error;
 pub mod history;

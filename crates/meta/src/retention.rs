@@ -6,7 +6,8 @@
 //! the epoch log, the metadata's clock and the tags), so every node computes the same one
 //! from the same applied index. It never falls, since merges may already have used it: the
 //! epoch log only grows and the clock never moves back; a new tag must be at or above it
-//! (and then pins it: the horizon stays at or below every tagged epoch); and a changed
+//! (and then pins it: the horizon stays at or below every tagged epoch until the archive
+//! holds that epoch, see [`crate::archive`]); and a changed
 //! setting starts from the horizon the old one had reached (its *floor*), so retaining more
 //! keeps more from now on but never claims history already given up.
 
@@ -81,8 +82,9 @@ impl MetaState {
             return Epoch::ZERO;
         };
         let wanted = self.horizon_of_setting(table, &retention.setting);
-        let pinned = match self.oldest_tag() {
-            Some((_, tagged)) => wanted.min(tagged),
+        // A tagged epoch holds the horizon until the archive holds it.
+        let pinned = match self.unarchived_tags(table).next() {
+            Some(tagged) => wanted.min(tagged),
             None => wanted,
         };
         pinned.max(retention.floor)
@@ -106,8 +108,9 @@ impl MetaState {
         ))
     }
 
-    /// Sets `table`'s retention; refuses one that would make a tagged epoch unreadable.
-    /// Returns the new horizon (never below the old one).
+    /// Sets `table`'s retention. A tagged epoch it would leave behind stays readable: it
+    /// pins the horizon until the archive holds it. Returns the new horizon (never below
+    /// the old one).
     pub(crate) fn set_retention(
         &mut self,
         table: String,
@@ -118,15 +121,6 @@ impl MetaState {
         }
         if retention.epochs == Some(0) {
             return Err("retain_epochs must be at least 1 (the table's current version)".into());
-        }
-        let wanted = self.horizon_of_setting(&table, &retention);
-        if let Some((name, tagged)) = self.oldest_tag() {
-            if tagged < wanted {
-                return Err(format!(
-                    "{} would leave epoch {tagged} of table {table:?} unreadable, but tag {name:?} pins it: drop the tag first, or retain more",
-                    retention.describe()
-                ));
-            }
         }
         let floor = self.retention_horizon(&table);
         if retention.is_unlimited() && floor == Epoch::ZERO {
@@ -162,15 +156,8 @@ impl MetaState {
             .collect()
     }
 
-    fn oldest_tag(&self) -> Option<(&str, Epoch)> {
-        self.tags
-            .iter()
-            .map(|(name, tag)| (name.as_str(), tag.epoch))
-            .min_by_key(|(_, epoch)| *epoch)
-    }
-
     /// The horizon `retention` asks for now, before tags pin it.
-    fn horizon_of_setting(&self, table: &str, retention: &Retention) -> Epoch {
+    pub(crate) fn horizon_of_setting(&self, table: &str, retention: &Retention) -> Epoch {
         let by_count = retention.epochs.map(|n| {
             self.epoch_log
                 .range(..=self.visible)

@@ -248,6 +248,18 @@ pub enum MetaCommand {
         participant: String,
         key: String,
     },
+    /// A table's epoch is in the archive: every fragment is durable on its node (see
+    /// [`crate::archive`]).
+    RecordArchive {
+        archived: crate::archive::ArchivedEpoch,
+    },
+    /// A fragment of an archived component was rebuilt on node `to` (its holder is gone,
+    /// or was).
+    MoveFragment {
+        component: ComponentHash,
+        index: u32,
+        to: NodeId,
+    },
     /// A command on behalf of `user`, who must be allowed to do it (see
     /// [`crate::access`]); a command not wrapped comes from the operator or the node.
     As {
@@ -356,6 +368,9 @@ pub struct MetaState {
     /// [`crate::seal`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub table_heads: BTreeMap<String, ComponentHash>,
+    /// Archived epochs, by table and epoch (see [`crate::archive`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub archive: BTreeMap<String, BTreeMap<Epoch, crate::archive::ArchivedEpoch>>,
 }
 
 fn is_zero(value: &u64) -> bool {
@@ -627,6 +642,7 @@ impl MetaState {
                 self.may(by, Action::DropTable(&name))?;
                 let def = self.tables.remove(&name).expect("checked");
                 self.retention.remove(&name);
+                self.archive.remove(&name);
                 self.owners.remove(&name);
                 self.table_heads.remove(&name);
                 self.audit(
@@ -917,6 +933,19 @@ impl MetaState {
                 self.tags
                     .remove(&name)
                     .ok_or_else(|| format!("tag {name:?} does not exist"))?;
+                self.drop_untagged_archives();
+                MetaResponse::Done
+            }
+            MetaCommand::RecordArchive { archived } => {
+                self.record_archive(archived)?;
+                MetaResponse::Done
+            }
+            MetaCommand::MoveFragment {
+                component,
+                index,
+                to,
+            } => {
+                self.move_fragment(component, index, to)?;
                 MetaResponse::Done
             }
             MetaCommand::Stamped { .. } | MetaCommand::As { .. } => {

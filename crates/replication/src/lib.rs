@@ -12,6 +12,7 @@
 //! API boundary: [`Replication`], [`publish::publish`], [`log_shipping::receive`], [`rebalance::rebalance`],
 //! [`rebalance::copy_partitions`], [`shipping`]'s checkpoint and pull, [`failover`], [`wire`].
 
+pub mod archive;
 pub mod error;
 pub mod failover;
 pub mod log_shipping;

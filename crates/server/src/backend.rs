@@ -519,9 +519,11 @@ impl SchemaProvider for ClusterSchema {
                 visible: view.state.visible,
             }));
         }
-        view.state
-            .check_retained(table, epoch)
-            .map_err(|why| SqlError::InvalidValue(why).into_datafusion())?;
+        let archive = view
+            .state
+            .read_source(table, epoch)
+            .map_err(|why| SqlError::InvalidValue(why).into_datafusion())?
+            .map(|archived| archived.components.clone());
         Ok(Some(Arc::new(VersionedTable::new(
             def,
             as_of,
@@ -529,6 +531,7 @@ impl SchemaProvider for ClusterSchema {
                 node: self.node.clone(),
                 view: self.view.clone(),
                 epoch,
+                archive,
             },
         ))))
     }
@@ -565,6 +568,8 @@ struct ClusterRows {
     /// a restarted scan reads from the survivors (at the same epoch).
     view: StatementView,
     epoch: Epoch,
+    /// The epoch is below the table's retention horizon and read from the archive.
+    archive: Option<Vec<tessera_meta::archive::ArchivedComponent>>,
 }
 
 #[async_trait]
@@ -592,6 +597,7 @@ impl RowSource for ClusterRows {
             limit,
             estimated_rows,
             changes_since: None,
+            archive: self.archive.clone(),
         };
         Ok(Arc::new(
             DistributedScanExec::try_new(spec, predicate, self.node.exec.clone())?
@@ -627,6 +633,7 @@ impl ChangesSource for ClusterChanges {
             limit: None,
             estimated_rows: None,
             changes_since: Some(from),
+            archive: None,
         };
         Ok(Arc::new(DistributedScanExec::try_new(
             spec,

@@ -52,6 +52,10 @@ pub struct Node {
     pub lineage: Arc<tessera_recovery::WriteAheadLineage>,
     checkpointing: AtomicBool,
     rebalancing: AtomicBool,
+    /// The leader's archive duty is running.
+    archiving: AtomicBool,
+    /// What the archive duty could not do on its last round, and why.
+    pub archive_waiting: std::sync::Mutex<Vec<String>>,
     protocol: u32,
     /// The replication protocols' handle: publish, shipping, failure detection, copies.
     pub replication: Arc<Replication>,
@@ -274,14 +278,14 @@ impl Node {
             lineage.clone(),
             config.exec.clone(),
         );
-        if config.role.is_compute() {
+        {
             let dir = config.data_dir.join("cache");
             let cache = tessera_exec::cache::ComponentCache::open(&dir, config.exec.cache_bytes)
                 .map_err(|e| ClusterError::DataDir {
                     dir: dir.display().to_string(),
                     reason: format!("opening the component cache: {e}"),
                 })?;
-            exec = exec.with_cache(cache);
+            exec = exec.with_cache(cache, config.role.is_compute());
         }
         let exec = Arc::new(exec);
         let node = Arc::new(Node {
@@ -295,6 +299,8 @@ impl Node {
             meta,
             checkpointing: AtomicBool::new(false),
             rebalancing: AtomicBool::new(false),
+            archiving: AtomicBool::new(false),
+            archive_waiting: Default::default(),
             protocol,
             replication,
         });
@@ -574,6 +580,7 @@ impl Node {
             }
         }
         self.move_partitions(&state, &metrics).await?;
+        self.maintain_archive(&state);
         // Failure detection.
         let checks = self
             .detector()
@@ -666,6 +673,36 @@ impl Node {
             tracing::info!(node = node.id.0, "node decommissioned");
         }
         Ok(())
+    }
+
+    /// The archive's duties, off the heartbeat's path: archive the tagged epochs retention
+    /// has passed, and rebuild the fragments of nodes gone too long on live ones.
+    fn maintain_archive(self: &Arc<Self>, state: &crate::meta::MetaState) {
+        let lost = self.lost_nodes(state);
+        let fragments_lost = state
+            .archived_components()
+            .iter()
+            .any(|c| c.fragments.iter().any(|f| lost.contains(&f.node)));
+        if state.archive_due().is_empty() && !fragments_lost {
+            self.archive_waiting.lock().expect("archive waiting lock").clear();
+            return;
+        }
+        if self.archiving.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let node = self.clone();
+        tokio::spawn(async move {
+            let code = &node.config.archive;
+            let waiting = tessera_replication::archive::archive_due(
+                &node.replication,
+                code.data_fragments,
+                code.parity_fragments,
+            )
+            .await;
+            *node.archive_waiting.lock().expect("archive waiting lock") = waiting;
+            tessera_replication::archive::rereplicate_fragments(&node.replication, &lost).await;
+            node.archiving.store(false, Ordering::SeqCst);
+        });
     }
 
     /// Nodes failed for longer than `rereplicate_after`: their replicas are rebuilt on the

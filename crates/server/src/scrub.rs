@@ -37,6 +37,9 @@ pub struct ScrubReport {
     pub started_at_ms: u64,
     pub elapsed_ms: u64,
     pub components: usize,
+    /// Archive fragments this node holds, checked.
+    #[serde(default)]
+    pub fragments: usize,
     pub bytes: u64,
     /// Each damaged component found, and what was wrong.
     pub damaged: Vec<String>,
@@ -78,6 +81,7 @@ pub async fn scrub(node: &Arc<Node>, bytes_per_sec: u64) -> ScrubReport {
         started_at_ms: tessera_common::time::now_ms(),
         elapsed_ms: 0,
         components: 0,
+        fragments: 0,
         bytes: 0,
         damaged: Vec::new(),
         repaired: Vec::new(),
@@ -102,20 +106,72 @@ pub async fn scrub(node: &Arc<Node>, bytes_per_sec: u64) -> ScrubReport {
             report.damaged.push(format!("{}: {why}", places.join(", ")));
             repair(node, &component, &why.to_string(), &mut report).await;
         }
-        if bytes_per_sec > 0 {
-            // Keep the average under the rate: wait until the bytes read so far are due.
-            let due = Duration::from_secs_f64(report.bytes as f64 / bytes_per_sec as f64);
-            if let Some(ahead) = due.checked_sub(started.elapsed()) {
-                tokio::time::sleep(ahead).await;
-            }
-        }
+        keep_under(bytes_per_sec, report.bytes, started).await;
     }
+    scrub_fragments(node, bytes_per_sec, started, &mut report).await;
     report.elapsed_ms = started.elapsed().as_millis() as u64;
     let metrics = tessera_common::metrics::metrics();
     metrics.scrubbed_bytes.inc_by(report.bytes);
     metrics.scrub_damaged.inc_by(report.damaged.len() as u64);
     *LAST.lock().expect("last scrub lock") = Some(report.clone());
     report
+}
+
+/// Keeps a pass's average read rate under `bytes_per_sec` (0: no limit): waits until the
+/// `read` bytes so far are due.
+async fn keep_under(bytes_per_sec: u64, read: u64, started: Instant) {
+    if bytes_per_sec > 0 {
+        let due = Duration::from_secs_f64(read as f64 / bytes_per_sec as f64);
+        if let Some(ahead) = due.checked_sub(started.elapsed()) {
+            tokio::time::sleep(ahead).await;
+        }
+    }
+}
+
+/// Hashes again every archive fragment the metadata places on this node; rebuilds one
+/// that is missing or damaged from `k` others (checked against its recorded hash).
+async fn scrub_fragments(
+    node: &Arc<Node>,
+    bytes_per_sec: u64,
+    started: Instant,
+    report: &mut ScrubReport,
+) {
+    let state = node.meta.view().state.clone();
+    for component in state.archived_components() {
+        for fragment in component.fragments.iter().filter(|f| f.node == node.id()) {
+            let store = node.store.clone();
+            let hash = fragment.hash;
+            let checked =
+                tokio::task::spawn_blocking(move || store.fragments().read_verified(&hash))
+                    .await
+                    .unwrap_or_else(|e| panic!("scrubbing a fragment panicked: {e}"));
+            report.fragments += 1;
+            match checked {
+                Ok(bytes) => report.bytes += bytes.len() as u64,
+                Err(why) => {
+                    let what = format!(
+                        "archive fragment {} of component {} (partition {})",
+                        fragment.index, component.component.hash, component.partition
+                    );
+                    report.damaged.push(format!("{what}: {why}"));
+                    match tessera_replication::archive::rebuild_fragment(
+                        &node.replication,
+                        component,
+                        fragment.index,
+                    )
+                    .await
+                    {
+                        Ok(()) => report.repaired.push(format!(
+                            "{what} rebuilt from {} others",
+                            component.data_fragments
+                        )),
+                        Err(e) => report.unrepaired.push(format!("{what}: {e}")),
+                    }
+                }
+            }
+            keep_under(bytes_per_sec, report.bytes, started).await;
+        }
+    }
 }
 
 /// Replaces a damaged component with a replica's copy; failing that, refuses this node's

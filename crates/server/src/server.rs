@@ -1,5 +1,6 @@
 //! The RPC server of a node: the Flight service behind [`crate::rpc`].
 
+use tessera_replication::archive::{FragmentRequest, StoreFragmentRequest};
 use crate::meta::{MetaCommand, MetaResponse, MetaState};
 use crate::node::Node;
 use crate::rpc::*;
@@ -47,9 +48,12 @@ pub struct NodeStatus {
     /// The scrubber's last pass on this node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scrub: Option<crate::scrub::ScrubReport>,
-    /// A compute node's component cache.
+    /// The node's component cache (archived components; a compute node's reads).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache: Option<tessera_exec::cache::CacheStatus>,
+    /// On the metadata leader: archives retention wants that could not be made yet, and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub archive_waiting: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -400,6 +404,27 @@ impl NodeService {
                     self.open(&caller, body)?;
                 reply(&crate::table_statistics::serve(node, request))
             }
+            tessera_replication::archive::ACTION_ARCHIVE_PARTITION => {
+                let request: tessera_replication::archive::ArchivePartitionRequest =
+                    self.open(&caller, body)?;
+                let result =
+                    tessera_replication::archive::archive_partition(&node.replication, request)
+                        .await
+                        .map_err(Refusal::Failed);
+                reply(&result)
+            }
+            tessera_replication::archive::ACTION_REBUILD_FRAGMENT => {
+                let request: tessera_replication::archive::RebuildFragmentRequest =
+                    self.open(&caller, body)?;
+                let result = tessera_replication::archive::rebuild_fragment(
+                    &node.replication,
+                    &request.component,
+                    request.index,
+                )
+                .await
+                .map_err(Refusal::Failed);
+                reply(&result)
+            }
             crate::scrub::ACTION_SCRUB => {
                 let request: crate::scrub::ScrubRequest = self.open_from_client(&caller, body)?;
                 let reports = crate::scrub::scrub_now(node, request).await;
@@ -702,13 +727,18 @@ impl FlightService for NodeService {
                 metadata = Bytes::from(serde_json::to_vec(&components).map_err(failed)?);
                 (tessera_storage::versions::stored_schema(&def), memtable)
             }
-            ComponentRequest::KIND => {
-                let ComponentRequest { hash } = request.decode().map_err(decode_error)?;
+            ComponentRequest::KIND | FragmentRequest::KIND => {
                 let store = self.node.store.clone();
-                let bytes = tokio::task::spawn_blocking(move || store.component_bytes(&hash))
-                    .await
-                    .map_err(failed)?
-                    .map_err(failed)?;
+                let bytes = if request.kind == ComponentRequest::KIND {
+                    let ComponentRequest { hash } = request.decode().map_err(decode_error)?;
+                    tokio::task::spawn_blocking(move || store.component_bytes(&hash)).await
+                } else {
+                    let FragmentRequest { hash } = request.decode().map_err(decode_error)?;
+                    tokio::task::spawn_blocking(move || store.fragments().read_verified(&hash))
+                        .await
+                }
+                .map_err(failed)?
+                .map_err(failed)?;
                 let bytes = Bytes::from(bytes);
                 let chunks: Vec<Result<FlightData, Status>> = (0..bytes.len())
                     .step_by(COMPONENT_CHUNK_BYTES)
@@ -777,6 +807,18 @@ impl FlightService for NodeService {
                 .await
                 .map_err(failed)?;
                 Bytes::from(serde_json::to_vec(&reply).map_err(failed)?)
+            }
+            StoreFragmentRequest::KIND => {
+                let StoreFragmentRequest { hash } = request.decode().map_err(decode_error)?;
+                let mut bytes = Vec::new();
+                let mut data = std::pin::pin!(data);
+                while let Some(message) = data.next().await {
+                    bytes.extend_from_slice(&message.map_err(failed)?.data_body);
+                }
+                tessera_replication::archive::receive_fragment(&self.node.replication, hash, bytes)
+                    .await
+                    .map_err(failed)?;
+                Bytes::new()
             }
             ExchangeHeader::KIND => {
                 let header: ExchangeHeader = request.decode().map_err(decode_error)?;
@@ -885,5 +927,6 @@ pub fn node_status(node: &crate::node::Node) -> NodeStatus {
         insecure: node.mtls.is_none(),
         last_scrub: crate::scrub::last_scrub(),
         cache: node.exec.cache_status(),
+        archive_waiting: node.archive_waiting.lock().expect("archive waiting lock").clone(),
     }
 }

@@ -95,6 +95,16 @@ pub enum StorageError {
     },
     #[error("component {hash} is missing: {path} does not exist")]
     MissingComponent { hash: ComponentHash, path: PathBuf },
+    #[error("archive fragment {hash} is corrupt: {path} hashes to {actual}; the file's bytes do not match its name")]
+    CorruptFragment {
+        hash: ComponentHash,
+        path: PathBuf,
+        actual: ComponentHash,
+    },
+    #[error("archive fragment {hash} is missing: {path} does not exist")]
+    MissingFragment { hash: ComponentHash, path: PathBuf },
+    #[error("archive: {0}")]
+    Archive(String),
     #[error("write-ahead log {path} is corrupt at byte {offset}: {reason}; valid records follow, so this is not a torn tail and recovery stops rather than lose acknowledged epochs")]
     CorruptLog {
         path: PathBuf,

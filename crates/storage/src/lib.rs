@@ -6,6 +6,7 @@
 //! record the partition manifests and let old log segments go. Recovery loads the last
 //! checkpoint and replays committed log records above each manifest's LSN.
 
+pub mod archive;
 pub mod catalog;
 pub mod changes;
 pub mod checkpoint;

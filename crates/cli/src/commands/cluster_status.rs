@@ -21,6 +21,7 @@ pub async fn run(addr: &str) -> Result<()> {
         Some(leader) => println!("metadata leader: node {leader} (term {})", status.term),
         None => println!("metadata leader: none (election running)"),
     }
+    print_archive(&status);
     match &status.last_scrub {
         Some(scrub) => println!(
             "last scrub:     {} on this node: {} components checked, {} damaged, {} repaired{}",
@@ -148,4 +149,30 @@ pub async fn run(addr: &str) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The archive's size and health: how many fragments the worst-off component has on live
+/// nodes, against how many it may lose.
+fn print_archive(status: &tessera_server::server::NodeStatus) {
+    let health = status.meta.archive_health();
+    if let Some((live, parity)) = health.fewest_live {
+        let total = health.fragments / health.components.max(1);
+        let line = format!(
+            "archive:        {} epochs, {} components in {} fragments; fewest live fragments of one component: {live} of {total} (any {} rebuild it)",
+            health.epochs,
+            health.components,
+            health.fragments,
+            total - parity
+        );
+        if live < total - parity {
+            println!("\x1b[1;31m{line}: UNREADABLE until nodes return\x1b[0m");
+        } else if live < total {
+            println!("\x1b[1;33m{line}: degraded\x1b[0m");
+        } else {
+            println!("{line}");
+        }
+    }
+    for waiting in &status.archive_waiting {
+        println!("\x1b[1;33marchive waiting: {waiting}\x1b[0m");
+    }
 }

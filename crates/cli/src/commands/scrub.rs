@@ -11,7 +11,7 @@ pub async fn run(addr: &str) -> Result<()> {
     }
     let unrepaired: usize = reports.iter().map(|r| r.unrepaired.len()).sum();
     if unrepaired > 0 {
-        bail!("{unrepaired} damaged component(s) could not be repaired");
+        bail!("{unrepaired} damaged component(s) or fragment(s) could not be repaired");
     }
     Ok(())
 }
@@ -19,9 +19,10 @@ pub async fn run(addr: &str) -> Result<()> {
 /// One node's pass, as the terminal shows it.
 pub fn render(report: &ScrubReport) -> String {
     let mut out = format!(
-        "node {}: checked {} components ({}) in {} ms: {} damaged, {} repaired\n",
+        "node {}: checked {} components and {} archive fragments ({}) in {} ms: {} damaged, {} repaired\n",
         report.node,
         report.components,
+        report.fragments,
         human_bytes(report.bytes),
         report.elapsed_ms,
         report.damaged.len(),

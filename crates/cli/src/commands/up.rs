@@ -145,6 +145,7 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
             failure: Default::default(),
             exec: Default::default(),
             scrub: Default::default(),
+            archive: Default::default(),
             insecure: options.insecure,
             mtls: (!options.insecure).then(|| MtlsSettings {
                 ca: certs.join("ca.pem"),

@@ -670,8 +670,8 @@ fn retention_by_age_keeps_what_was_current_within_the_window() {
 }
 
 #[test]
-fn tags_pin_the_horizon_and_a_retention_that_would_drop_one_is_refused() {
-    let mut state = bootstrapped(3);
+fn a_tag_pins_the_horizon_until_the_archive_holds_its_epoch() {
+    let mut state = bootstrapped(6);
     let t: Vec<Epoch> = (1..=4)
         .map(|i| publish(&mut state, "t", i, i * 1_000))
         .collect();
@@ -686,39 +686,53 @@ fn tags_pin_the_horizon_and_a_retention_that_would_drop_one_is_refused() {
         epochs: Some(1),
         for_ms: None,
     };
-    let refused = match set_retention(&mut state, "t", keep_one) {
-        MetaResponse::Refused(reason) => reason,
-        other => panic!("expected a refusal, got {other:?}"),
-    };
-    assert!(
-        refused.contains("release_1") && refused.contains(&t[1].to_string()),
-        "{refused}"
-    );
-    assert!(!state.retention.contains_key("t"), "nothing changed");
-    // Retention that keeps the tagged epoch is taken; the tag then holds the horizon.
-    let keep_three = crate::Retention {
-        epochs: Some(3),
-        for_ms: None,
-    };
-    assert_eq!(
-        set_retention(&mut state, "t", keep_three),
-        MetaResponse::Epoch(t[1])
-    );
-    for i in 5..8 {
-        publish(&mut state, "t", i, i * 1_000);
-    }
+    // Retention past the tag is taken; the tag holds the horizon while it is not archived.
+    assert_eq!(set_retention(&mut state, "t", keep_one), MetaResponse::Epoch(t[1]));
     assert_eq!(state.retention_horizon("t"), t[1], "pinned by the tag");
-    // A tag below the horizon is refused: its versions may be merged away.
-    state.apply(
-        24,
-        MetaCommand::DropTag {
-            name: "release_1".into(),
-        },
-    );
+    let generation = state.tables["t"].generation;
+    assert_eq!(state.archive_due(), vec![("t".to_string(), generation, t[1])]);
+    assert!(state.read_source("t", t[0]).is_err(), "below the horizon, not archived");
+    // A record whose fragments share a node, or name a non-member, is refused.
+    let mut archived = archived_epoch(&state, "t", t[1], 4, 2);
+    archived.components[0].fragments[1].node = NodeId(1);
+    let refused = state.apply(30, MetaCommand::RecordArchive { archived }).0;
+    assert!(matches!(refused, MetaResponse::Refused(ref r) if r.contains("two fragments on node 1")), "{refused:?}");
+    let mut archived = archived_epoch(&state, "t", t[1], 4, 2);
+    archived.components[0].fragments[5].node = NodeId(9);
+    let refused = state.apply(31, MetaCommand::RecordArchive { archived }).0;
+    assert!(matches!(refused, MetaResponse::Refused(ref r) if r.contains("not a member")), "{refused:?}");
+    assert!(state.archive.is_empty());
+    // Once archived, the horizon passes the tag, and reads of it go to the archive.
+    let archived = archived_epoch(&state, "t", t[1], 4, 2);
+    assert_eq!(state.apply(32, MetaCommand::RecordArchive { archived: archived.clone() }).0, MetaResponse::Done);
+    assert_eq!(state.retention_horizon("t"), t[3]);
+    assert!(state.archive_due().is_empty());
+    assert_eq!(state.read_source("t", t[1]).unwrap(), Some(&archived));
+    assert_eq!(state.read_source("t", t[3]).unwrap(), None, "the replicas hold it");
+    // An epoch after the tag but before the next change of the table reads the same rows.
+    state = with_table(state, "other");
+    publish(&mut state, "other", 40, 9_000);
+    let unchanged = state.visible;
+    let at_tag = state.tag_epoch("release_1").unwrap();
+    assert_eq!(at_tag, t[1]);
+    assert!(state.read_source("t", t[0]).is_err(), "before the archived epoch");
+    assert!(state.read_source("t", t[2]).is_err(), "the table changed after the archived epoch");
+    assert!(state.read_source("t", unchanged).is_ok());
+    // A fragment moves to a node holding none of its component; not onto one that does.
+    let hash = archived.components[0].component.hash;
+    let refused = state.apply(33, MetaCommand::MoveFragment { component: hash, index: 0, to: NodeId(2) }).0;
+    assert!(matches!(refused, MetaResponse::Refused(ref r) if r.contains("already holds")), "{refused:?}");
+    state.nodes.get_mut(&NodeId(1)).unwrap().alive = false;
+    let health = state.archive_health();
+    assert_eq!((health.epochs, health.components, health.fewest_live), (1, 1, Some((5, 2))));
+    // Dropping the tag forgets the archived epoch; the horizon never falls.
     let horizon = state.retention_horizon("t");
-    assert!(horizon > t[1]);
+    state.apply(34, MetaCommand::DropTag { name: "release_1".into() });
+    assert!(state.archive.is_empty());
+    assert_eq!(state.retention_horizon("t"), horizon, "a horizon never falls");
+    // A tag below the horizon is refused: its versions may be merged away.
     let refused = state.apply(
-        25,
+        35,
         MetaCommand::CreateTag {
             name: "too_late".into(),
             epoch: Some(t[0]),
@@ -728,9 +742,39 @@ fn tags_pin_the_horizon_and_a_retention_that_would_drop_one_is_refused() {
         matches!(refused.0, MetaResponse::Refused(ref r) if r.contains("no longer retained")),
         "{refused:?}"
     );
-    assert_eq!(
-        state.retention_horizon("t"),
-        horizon,
-        "a horizon never falls"
-    );
+}
+
+/// An archive record of `table` at `epoch`: one component in partition 0, its fragments on
+/// nodes 1..=k+m.
+fn archived_epoch(state: &MetaState, table: &str, epoch: Epoch, k: u32, m: u32) -> crate::archive::ArchivedEpoch {
+    let component = tessera_storage::ComponentMeta {
+        hash: ComponentHash::of_bytes(b"component"),
+        rows: 10,
+        bytes: 1000,
+        min_lsn: Default::default(),
+        max_lsn: Default::default(),
+        min_epoch: epoch,
+        max_epoch: epoch,
+        unique_keys: true,
+        tombstones: 0,
+        layout: 0,
+    };
+    crate::archive::ArchivedEpoch {
+        table: table.into(),
+        generation: state.tables[table].generation,
+        epoch,
+        components: vec![crate::archive::ArchivedComponent {
+            partition: PartitionId(0),
+            component,
+            data_fragments: k,
+            parity_fragments: m,
+            fragments: (0..k + m)
+                .map(|i| crate::archive::ArchivedFragment {
+                    index: i,
+                    node: NodeId(i as u64 + 1),
+                    hash: ComponentHash::of_bytes(&i.to_le_bytes()),
+                })
+                .collect(),
+        }],
+    }
 }

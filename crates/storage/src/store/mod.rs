@@ -32,6 +32,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use tessera_common::{ComponentHash, Epoch, Lsn, PartitionId, PartitionRing, RowOp};
 
+mod archive;
 mod maintenance;
 mod participant;
 mod publish;
@@ -471,6 +472,8 @@ pub struct Store {
     verified: Mutex<HashSet<ComponentHash>>,
     readers: Arc<Mutex<ReaderRegistry>>,
     poisoned: Mutex<Option<String>>,
+    /// The erasure-coded archive's fragments this node holds.
+    fragments: crate::archive::FragmentStore,
     _lock: DirLock,
 }
 
@@ -538,6 +541,7 @@ impl Store {
             verified: Mutex::new(HashSet::new()),
             readers: Arc::new(Mutex::new(ReaderRegistry::default())),
             poisoned: Mutex::new(None),
+            fragments: crate::archive::FragmentStore::open(&dir.join("fragments"))?,
             _lock: lock,
         };
         store.delete_unreferenced_component_files()?;
