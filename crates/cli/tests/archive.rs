@@ -1,5 +1,5 @@
-//! The erasure-coded archive on a real 6-node cluster (r = 3, k = 4, m = 2, five Raft
-//! voters), against a model of the table's history:
+//! The erasure-coded archive on a real 7-node cluster (r = 3, k = 4, m = 2: each component's
+//! fragments on 6 of the 7 nodes; five Raft voters), against a model of the table's history:
 //!
 //! - random publishes (inserts, updates, deletes), tags, retention changes and flushes
 //!   with merges; the leader archives every tagged epoch retention has passed, and the
@@ -9,8 +9,10 @@
 //!   `tessera scrub` finds all three and repairs them (the files hash right again), and a
 //!   second scrub finds nothing.
 //! - two random nodes other than the one asked are SIGKILLed: every tag still answers
-//!   exactly, its components rebuilt from the four fragments left; status shows the
-//!   archive degraded (4 of 6 fragments live).
+//!   exactly, its components rebuilt from the four or five fragments left. Once they have
+//!   been gone `rereplicate_after_ms`, the fragments they held are rebuilt on the node that
+//!   holds none of their component, so every component has 5 live fragments again (status
+//!   shows it), and a scrub of the live nodes finds them all sound.
 
 mod common;
 
@@ -124,18 +126,19 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
     println!("seed {seed} (TESSERA_TEST_SEED={seed} repeats this run)");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let root = tempfile::tempdir().unwrap();
-    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 6, 8, 3);
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 7, 8, 3);
     cluster.set_voters(&[1, 2, 3, 4, 5]);
     for (key, value) in [
         ("store.merge_threshold", "2"),
         ("scrub.bytes_per_sec", "0"),
         ("failure.timeout_ms", "1500"),
+        ("failure.rereplicate_after_ms", "4000"),
     ] {
         cluster.set_option(key, value);
     }
     cluster.log_to_files();
     cluster.start_all();
-    wait_formed(&cluster, 1, 6).await;
+    wait_formed(&cluster, 1, 7).await;
     let client = ClusterClient::new(cluster.addr(1));
     write(&client, "CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT)").await;
 
@@ -210,7 +213,7 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
     assert!(ok && !again.contains("  damaged:"), "{again}");
     // Two nodes die; the tags (archived or not) still answer: the first reads of archived
     // components, so every one is rebuilt from the four fragments left.
-    let mut victims: Vec<u64> = (2..=6).collect();
+    let mut victims: Vec<u64> = (2..=7).collect();
     let first = victims.remove(rng.random_range(0..victims.len()));
     let second = victims.remove(rng.random_range(0..victims.len()));
     println!("killing nodes {first} and {second}");
@@ -218,7 +221,7 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
     cluster.kill9(second);
     wait_until("both declared failed", Duration::from_secs(60), || async {
         let status = client.status().await.ok()?;
-        (status.meta.live_nodes().count() == 4).then_some(())
+        (status.meta.live_nodes().count() == 5).then_some(())
     })
     .await;
     check_tags(&client, &tags, "two nodes dead").await;
@@ -236,7 +239,18 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
     }
     println!("{refused} of {} epochs below the horizon and not archived", versions.len());
 
+
+    // Re-replication: the dead nodes' fragments are rebuilt where none of their
+    // component's are.
+    wait_until("the lost fragments rebuilt on live nodes", Duration::from_secs(120), || async {
+        let status = client.status().await.ok()?;
+        (status.meta.archive_health().fewest_live == Some((5, 2))).then_some(())
+    })
+    .await;
     let (_, status_out) = common::tessera_at_node_1(BINARY, &cluster, ["status"]);
-    assert!(status_out.contains("fewest live fragments of one component: 4 of 6"), "{status_out}");
+    assert!(status_out.contains("fewest live fragments of one component: 5 of 6"), "{status_out}");
+    let (ok, scrubbed) = common::tessera_at_node_1(BINARY, &cluster, ["scrub"]);
+    assert!(ok && !scrubbed.contains("  damaged:"), "{scrubbed}");
+    check_tags(&client, &tags, "after re-replication").await;
 
 }

@@ -526,3 +526,95 @@ fn next_fragment_move(
         Some((component.clone(), fragment.index, target))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_meta::NodeInfo;
+
+    fn node(id: u64, compute: bool) -> NodeInfo {
+        NodeInfo {
+            id: NodeId(id),
+            addr: format!("127.0.0.1:{id}"),
+            alive: true,
+            decommissioned: false,
+            leaving: false,
+            incarnation: 1,
+            compute,
+        }
+    }
+
+    /// Seven storage nodes and a compute node; one component with fragments on nodes 1..=6.
+    fn archived_state() -> (MetaState, ComponentHash) {
+        let mut state = MetaState::default();
+        for id in 1..=7 {
+            state.nodes.insert(NodeId(id), node(id, false));
+        }
+        state.nodes.insert(NodeId(8), node(8, true));
+        let hash = ComponentHash::of_bytes(b"component");
+        let component = ArchivedComponent {
+            partition: PartitionId(0),
+            component: tessera_storage::ComponentMeta {
+                hash,
+                rows: 1,
+                bytes: 100,
+                min_lsn: Default::default(),
+                max_lsn: Default::default(),
+                min_epoch: Epoch(1),
+                max_epoch: Epoch(1),
+                unique_keys: true,
+                tombstones: 0,
+                layout: 0,
+            },
+            data_fragments: 4,
+            parity_fragments: 2,
+            fragments: (0..6)
+                .map(|i| ArchivedFragment {
+                    index: i,
+                    node: NodeId(i as u64 + 1),
+                    hash: ComponentHash::of_bytes(&[i as u8]),
+                })
+                .collect(),
+        };
+        let archived = ArchivedEpoch {
+            table: "t".into(),
+            generation: 1,
+            epoch: Epoch(1),
+            components: vec![component],
+        };
+        state
+            .archive
+            .entry("t".into())
+            .or_default()
+            .insert(Epoch(1), archived);
+        (state, hash)
+    }
+
+    #[test]
+    fn placement_takes_consecutive_distinct_nodes_from_where_the_hash_points() {
+        let nodes: Vec<NodeId> = (1..=7).map(NodeId).collect();
+        for seed in 0..50u32 {
+            let hash = ComponentHash::of_bytes(&seed.to_le_bytes());
+            let placed = placement(&hash, &nodes, 6);
+            let distinct: BTreeSet<NodeId> = placed.iter().copied().collect();
+            assert_eq!(distinct.len(), 6, "{placed:?}");
+            assert_eq!(placed, placement(&hash, &nodes, 6), "deterministic");
+        }
+    }
+
+    #[test]
+    fn a_lost_holders_fragment_moves_to_a_storage_node_holding_none_of_the_component() {
+        let (mut state, hash) = archived_state();
+        let lost = BTreeSet::from([NodeId(3)]);
+        state.nodes.get_mut(&NodeId(3)).unwrap().alive = false;
+        let (component, index, target) = next_fragment_move(&state, &lost).expect("a move");
+        assert_eq!((component.component.hash, index, target), (hash, 2, NodeId(7)));
+        // With node 7 holding one too, no storage node is free (node 8 computes only).
+        state.archive.get_mut("t").unwrap().get_mut(&Epoch(1)).unwrap().components[0].fragments[2].node = NodeId(7);
+        let lost = BTreeSet::from([NodeId(4)]);
+        state.nodes.get_mut(&NodeId(4)).unwrap().alive = false;
+        assert!(next_fragment_move(&state, &lost).is_none());
+        // Nothing moves while no holder is lost.
+        assert!(next_fragment_move(&state, &BTreeSet::new()).is_none());
+    }
+}

@@ -350,8 +350,58 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                 name: "lab_a".into(),
             },
         ),
+        (
+            "record-archive",
+            MetaCommand::RecordArchive {
+                archived: sample_archived_epoch(),
+            },
+        ),
+        (
+            "move-fragment",
+            MetaCommand::MoveFragment {
+                component: ComponentHash::of_bytes(b"an archived component"),
+                index: 5,
+                to: NodeId(7),
+            },
+        ),
         ("drop-table", MetaCommand::DropTable { name: "kv".into() }),
     ]
+}
+
+fn sample_archived_component() -> tessera_meta::archive::ArchivedComponent {
+    tessera_meta::archive::ArchivedComponent {
+        partition: PartitionId(3),
+        component: ComponentMeta {
+            hash: ComponentHash::of_bytes(b"an archived component"),
+            rows: 1000,
+            bytes: 40_000,
+            min_lsn: Lsn(0),
+            max_lsn: Lsn(0),
+            min_epoch: Epoch(2),
+            max_epoch: Epoch(9),
+            unique_keys: true,
+            tombstones: 0,
+            layout: 0,
+        },
+        data_fragments: 4,
+        parity_fragments: 2,
+        fragments: (0..6)
+            .map(|i| tessera_meta::archive::ArchivedFragment {
+                index: i,
+                node: NodeId(i as u64 + 1),
+                hash: ComponentHash::of_bytes(&[i as u8]),
+            })
+            .collect(),
+    }
+}
+
+fn sample_archived_epoch() -> tessera_meta::archive::ArchivedEpoch {
+    tessera_meta::archive::ArchivedEpoch {
+        table: "kv".into(),
+        generation: 7,
+        epoch: Epoch(9),
+        components: vec![sample_archived_component()],
+    }
 }
 
 fn log_id(index: u64) -> LogId<NodeId> {
@@ -472,6 +522,25 @@ fn samples() -> Samples {
         },
     );
     s.request(
+        tessera_replication::archive::ACTION_ARCHIVE_PARTITION,
+        tessera_replication::archive::ArchivePartitionRequest {
+            table: "kv".into(),
+            generation: 7,
+            epoch: Epoch(9),
+            partition: PartitionId(3),
+            data_fragments: 4,
+            parity_fragments: 2,
+            nodes: (1..=6).map(NodeId).collect(),
+        },
+    );
+    s.request(
+        tessera_replication::archive::ACTION_REBUILD_FRAGMENT,
+        tessera_replication::archive::RebuildFragmentRequest {
+            component: sample_archived_component(),
+            index: 2,
+        },
+    );
+    s.request(
         tessera_server::table_statistics::ACTION_TABLE_STATISTICS,
         tessera_server::table_statistics::StatisticsRequest {
             table: "kv".into(),
@@ -546,6 +615,18 @@ fn samples() -> Samples {
         "get component",
         ComponentRequest {
             hash: ComponentHash::of_bytes(b"a component"),
+        },
+    );
+    s.tagged(
+        "get fragment",
+        tessera_replication::archive::FragmentRequest {
+            hash: ComponentHash::of_bytes(b"a fragment"),
+        },
+    );
+    s.tagged(
+        "put fragment",
+        tessera_replication::archive::StoreFragmentRequest {
+            hash: ComponentHash::of_bytes(b"a fragment"),
         },
     );
     s.tagged(
@@ -766,6 +847,7 @@ fn samples() -> Samples {
                 started_at_ms: 1_763_632_800_250,
                 elapsed_ms: 25,
                 components: 128,
+                fragments: 12,
                 bytes: 4 << 20,
                 damaged: vec!["orders p35: component ... is corrupt".into()],
                 repaired: vec!["component ... replaced by another replica's copy".into()],
@@ -778,6 +860,7 @@ fn samples() -> Samples {
                 hit_bytes: 3 << 20,
                 miss_bytes: 1 << 20,
             }),
+            archive_waiting: vec!["table \"kv\" at epoch 9: k = 4, m = 2 needs 6 live storage nodes to place fragments on; 4 are live".into()],
         },
     );
     s
@@ -848,6 +931,8 @@ fn every_action_has_a_sample() {
         tessera_server::scrub::ACTION_SCRUB,
         tessera_server::table_statistics::ACTION_TABLE_STATISTICS,
         tessera_exec::remote_snapshot::ACTION_SNAPSHOT_MANIFEST,
+        tessera_replication::archive::ACTION_ARCHIVE_PARTITION,
+        tessera_replication::archive::ACTION_REBUILD_FRAGMENT,
     ] {
         assert!(names.contains_key(action), "no sample of action {action}");
     }
