@@ -375,6 +375,22 @@ enum BenchKind {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// The erasure-coded archive: bytes on disk per logical byte (replicas vs archive), and
+    /// the time to read an archived epoch vs the same epoch from the replicas; with
+    /// --compute-sf, also `bench compute`'s TPC-H comparison.
+    Archive {
+        #[arg(long, default_value_t = 0.1)]
+        sf: f64,
+        /// Storage nodes (at least k + m of `[archive]`: 6 by default).
+        #[arg(long, default_value_t = 6)]
+        nodes: u64,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Also run TPC-H at this scale on 3 storage nodes alone vs with 2 compute nodes
+        /// (0: skip).
+        #[arg(long, default_value_t = 0.0)]
+        compute_sf: f64,
+    },
     /// Cluster formation time, leader failover time, and publish rows/s on 1 vs 3 nodes.
     Cluster {
         /// Scale factor of the lineitem rows published.
@@ -710,6 +726,25 @@ async fn run(cli: Cli) -> Result<()> {
                 *sf,
                 queries,
                 *runs,
+            )
+            .await
+        }
+        Command::Bench {
+            bench:
+                BenchKind::Archive {
+                    sf,
+                    nodes,
+                    runs,
+                    compute_sf,
+                },
+        } => {
+            commands::bench_archive::run(
+                &cli.data_dir,
+                *nodes,
+                cli.store.partitions,
+                *sf,
+                *runs,
+                *compute_sf,
             )
             .await
         }
