@@ -5,6 +5,8 @@
 //!   with merges; the leader archives every tagged epoch retention has passed, and the
 //!   horizon then passes it. Every epoch the model wrote is either answered exactly (from
 //!   the replicas or the archive) or refused naming the horizon; every tag answers exactly.
+//! - a table with `archive = true, retain_epochs = 1`: every version but the last is
+//!   archived, and every epoch from its first version on answers exactly.
 //! - a deleted fragment, a fragment with a flipped byte and a component with a flipped byte:
 //!   `tessera scrub` finds all three and repairs them (the files hash right again), and a
 //!   second scrub finds nothing.
@@ -179,6 +181,17 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
             versions.push((epoch, rows.clone()));
         }
     }
+    // A table archived whole: every version retention lets go moves to the archive.
+    write(&client, "CREATE TABLE whole (k BIGINT PRIMARY KEY, v BIGINT)").await;
+    write(&client, "ALTER TABLE whole SET (archive = true, retain_epochs = 1)").await;
+    let (mut whole_rows, mut whole_key) = (Rows::new(), 0i64);
+    let mut whole: Vec<(u64, Rows)> = Vec::new();
+    while whole.len() < 5 {
+        let sql = random_change(&mut rng, &mut whole_key, &mut whole_rows).replace(" kv ", " whole ");
+        if let Some(epoch) = write(&client, &sql).await {
+            whole.push((epoch, whole_rows.clone()));
+        }
+    }
     let status = wait_until("the leader archives every tagged epoch retention passed", Duration::from_secs(120), || async {
         let status = client.status().await.ok()?;
         status.meta.archive_due().is_empty().then_some(status)
@@ -193,6 +206,12 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
     let health = status.meta.archive_health();
     assert_eq!(health.fewest_live, Some((6, 2)), "every fragment on a live node: {health:?}");
     println!("horizon {horizon}, archived epochs {archived:?}, {} components", health.components);
+    let whole_horizon = status.meta.retention_horizon("whole");
+    assert_eq!(whole_horizon.0, whole.last().unwrap().0, "retain_epochs = 1 keeps the last version");
+    let whole_archived: Vec<u64> = status.meta.archive["whole"].keys().map(|e| e.0).collect();
+    for (epoch, _) in &whole[..whole.len() - 1] {
+        assert!(whole_archived.contains(epoch), "version {epoch} of whole archived: {whole_archived:?}");
+    }
 
     // Damage: a deleted fragment, a flipped fragment, a flipped component, on three nodes.
     let deleted = files(root.path(), 2, "fragments", "fragment")[0].clone();
@@ -238,6 +257,17 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
         }
     }
     println!("{refused} of {} epochs below the horizon and not archived", versions.len());
+    // Every version of the table archived whole answers exactly, and so does every epoch
+    // between two of them.
+    for (i, (epoch, expected)) in whole.iter().enumerate() {
+        let until = whole.get(i + 1).map_or(*epoch + 1, |(next, _)| *next);
+        for at in *epoch..until {
+            let answer = rows_of(&client, &format!("SELECT k, v FROM whole AS OF EPOCH {at}"))
+                .await
+                .unwrap_or_else(|e| panic!("whole AS OF EPOCH {at}: {e}"));
+            assert_eq!(&answer, expected, "whole AS OF EPOCH {at} (version of epoch {epoch})");
+        }
+    }
 
 
     // Re-replication: the dead nodes' fragments are rebuilt where none of their

@@ -3,7 +3,7 @@
 //! became there, and which node holds each of its fragments.
 //!
 //! An epoch is archived when a tag pins it below where its table's retention wants the
-//! horizon: once the archive holds it, the tag no longer holds the horizon back, merges
+//! horizon (with the table option `archive = true`, every version retention lets go): once the archive holds it, the tag no longer holds the horizon back, merges
 //! drop its versions from the replicas, and `AS OF` it reads the archive instead. The
 //! record is written only after every fragment is durable on its node, so the horizon
 //! never passes an epoch that nothing can rebuild.
@@ -124,15 +124,33 @@ impl MetaState {
         self.archived(table, generation, epoch).map(Some).ok_or(refusal)
     }
 
-    /// The tagged epochs of `table` the archive does not hold yet, oldest first.
-    pub(crate) fn unarchived_tags(&self, table: &str) -> impl Iterator<Item = Epoch> + '_ {
+    /// The epochs of `table` that must be archived before its horizon may pass them, and
+    /// the archive does not hold yet, oldest first: the tagged ones; with `archive = true`
+    /// also the table as it was at its floor and at every publish that changed it after,
+    /// below where retention `wanted` the horizon.
+    pub(crate) fn unarchived_wanted(
+        &self,
+        table: &str,
+        retention: &crate::retention::TableRetention,
+        wanted: Epoch,
+    ) -> Vec<Epoch> {
         let archived = self.archive.get(table);
         let mut epochs: Vec<Epoch> = self.tags.values().map(|t| t.epoch).collect();
+        if retention.setting.archive && retention.floor < wanted {
+            epochs.push(retention.floor);
+            epochs.extend(
+                self.epoch_log
+                    .range(retention.floor.next()..wanted)
+                    .filter(|(_, r)| {
+                        r.kind == EpochKind::Publish && r.tables.iter().any(|t| t == table)
+                    })
+                    .map(|(epoch, _)| *epoch),
+            );
+        }
         epochs.sort_unstable();
         epochs.dedup();
+        epochs.retain(|e| !archived.is_some_and(|a| a.contains_key(e)));
         epochs
-            .into_iter()
-            .filter(move |e| !archived.is_some_and(|a| a.contains_key(e)))
     }
 
     /// The (table, epoch) pairs to archive now: tagged epochs that hold a table's horizon
@@ -144,8 +162,10 @@ impl MetaState {
                 continue;
             };
             let wanted = self.horizon_of_setting(table, &retention.setting);
-            for epoch in self.unarchived_tags(table).filter(|e| *e < wanted) {
-                due.push((table.clone(), def.generation, epoch));
+            for epoch in self.unarchived_wanted(table, retention, wanted) {
+                if epoch < wanted {
+                    due.push((table.clone(), def.generation, epoch));
+                }
             }
         }
         due
@@ -225,10 +245,13 @@ impl MetaState {
         Ok(())
     }
 
-    /// Forgets archived epochs no tag names any more (their fragments are collected).
+    /// Forgets archived epochs no tag names any more, of tables not archived whole.
     pub(crate) fn drop_untagged_archives(&mut self) {
         let tagged: std::collections::BTreeSet<Epoch> = self.tags.values().map(|t| t.epoch).collect();
-        for epochs in self.archive.values_mut() {
+        for (table, epochs) in self.archive.iter_mut() {
+            if self.retention.get(table).is_some_and(|r| r.setting.archive) {
+                continue;
+            }
             epochs.retain(|epoch, _| tagged.contains(epoch));
         }
         self.archive.retain(|_, epochs| !epochs.is_empty());

@@ -26,6 +26,10 @@ pub struct Retention {
     /// Keep every version current at some moment of the last `ms` milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub for_ms: Option<u64>,
+    /// Versions the other two let go move to the erasure-coded archive rather than away:
+    /// the horizon passes each of the table's epochs only once the archive holds it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub archive: bool,
 }
 
 /// A table's retention as the metadata keeps it.
@@ -51,7 +55,10 @@ impl Retention {
         if let Some(ms) = self.for_ms {
             parts.push(format!("retain_for = '{}'", describe_duration(ms)));
         }
-        if parts.is_empty() {
+        if self.archive {
+            parts.push("archive = true".into());
+        }
+        if self.is_unlimited() {
             "every epoch retained".into()
         } else {
             parts.join(", ")
@@ -82,9 +89,10 @@ impl MetaState {
             return Epoch::ZERO;
         };
         let wanted = self.horizon_of_setting(table, &retention.setting);
-        // A tagged epoch holds the horizon until the archive holds it.
-        let pinned = match self.unarchived_tags(table).next() {
-            Some(tagged) => wanted.min(tagged),
+        // A tagged epoch (or any, with `archive = true`) holds the horizon until the
+        // archive holds it.
+        let pinned = match self.unarchived_wanted(table, retention, wanted).first() {
+            Some(&kept) => wanted.min(kept),
             None => wanted,
         };
         pinned.max(retention.floor)
@@ -123,7 +131,7 @@ impl MetaState {
             return Err("retain_epochs must be at least 1 (the table's current version)".into());
         }
         let floor = self.retention_horizon(&table);
-        if retention.is_unlimited() && floor == Epoch::ZERO {
+        if retention.is_unlimited() && !retention.archive && floor == Epoch::ZERO {
             self.retention.remove(&table);
         } else {
             self.retention.insert(
@@ -134,6 +142,8 @@ impl MetaState {
                 },
             );
         }
+        // With `archive` turned off, archived epochs only tags name are let go.
+        self.drop_untagged_archives();
         let horizon = self.retention_horizon(&table);
         debug_assert!(horizon >= floor, "a retention horizon never falls");
         Ok(horizon)

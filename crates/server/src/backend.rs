@@ -343,6 +343,9 @@ impl Backend for ClusterBackend {
         if let Some(for_ms) = change.for_ms {
             retention.for_ms = for_ms;
         }
+        if let Some(archive) = change.archive {
+            retention.archive = archive;
+        }
         let command = MetaCommand::SetRetention {
             table: change.table.clone(),
             retention,

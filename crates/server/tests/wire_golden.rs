@@ -276,6 +276,7 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                 retention: Retention {
                     epochs: Some(3),
                     for_ms: Some(7 * 24 * 3600 * 1000),
+                    archive: false,
                 },
             },
         ),

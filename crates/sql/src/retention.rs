@@ -10,6 +10,8 @@ use datafusion::sql::sqlparser::tokenizer::Token;
 
 pub const RETAIN_EPOCHS: &str = "retain_epochs";
 pub const RETAIN_FOR: &str = "retain_for";
+/// `archive = true`: every version retention passes goes to the erasure-coded archive.
+pub const ARCHIVE: &str = "archive";
 
 /// A parsed retention change: for each option, `None` leaves it as it is, `Some(None)`
 /// resets it (keep every version), `Some(Some(v))` sets it.
@@ -19,6 +21,8 @@ pub struct RetentionStatement {
     pub epochs: Option<Option<u64>>,
     /// Milliseconds.
     pub for_ms: Option<Option<u64>>,
+    /// `archive = true|false` (RESET: false).
+    pub archive: Option<bool>,
 }
 
 impl RetentionStatement {
@@ -40,6 +44,9 @@ impl std::fmt::Display for RetentionStatement {
             Some(Some(ms)) => set.push(format!("{RETAIN_FOR} = '{ms} milliseconds'")),
             Some(None) => reset.push(RETAIN_FOR),
             None => {}
+        }
+        if let Some(archive) = self.archive {
+            set.push(format!("{ARCHIVE} = {archive}"));
         }
         write!(f, "ALTER TABLE {}", self.table)?;
         if !set.is_empty() {
@@ -77,6 +84,12 @@ impl Tokens {
         };
         loop {
             let option = self.name("a table option")?;
+            if option == ARCHIVE {
+                if statement.archive.is_some() {
+                    return Err(syntax(format!("option {option} is given twice")));
+                }
+                statement.archive = Some(set && self.archive_value()?);
+            } else {
             let value = if set {
                 self.expect(&Token::Eq, &format!("'=' after {option}"))?;
                 Some(self.option_value(&option)?)
@@ -88,7 +101,7 @@ impl Tokens {
                 RETAIN_FOR => &mut statement.for_ms,
                 other => {
                     return Err(SqlError::InvalidValue(format!(
-                        "unknown table option {other:?}: the options are {RETAIN_EPOCHS} and {RETAIN_FOR}"
+                        "unknown table option {other:?}: the options are {RETAIN_EPOCHS}, {RETAIN_FOR} and {ARCHIVE}"
                     )))
                 }
             };
@@ -96,6 +109,7 @@ impl Tokens {
                 return Err(syntax(format!("option {option} is given twice")));
             }
             *slot = Some(value);
+            }
             match self.peek() {
                 Some(Token::Comma) => self.at += 1,
                 Some(Token::RParen) => {
@@ -112,6 +126,23 @@ impl Tokens {
         }
         self.end("ALTER TABLE")?;
         Ok(statement)
+    }
+
+    /// `= true` or `= false` after `archive`.
+    fn archive_value(&mut self) -> Result<bool> {
+        self.expect(&Token::Eq, &format!("'=' after {ARCHIVE}"))?;
+        let value = match self.peek() {
+            Some(Token::Word(word)) if word.value.eq_ignore_ascii_case("true") => true,
+            Some(Token::Word(word)) if word.value.eq_ignore_ascii_case("false") => false,
+            other => {
+                return Err(syntax(format!(
+                    "expected true or false for {ARCHIVE}, found {}",
+                    describe(other)
+                )))
+            }
+        };
+        self.at += 1;
+        Ok(value)
     }
 
     /// `retain_epochs = 3`, `retain_for = '7 days'`.
@@ -197,6 +228,7 @@ mod tests {
                 table: "accounts".into(),
                 epochs: Some(Some(3)),
                 for_ms: Some(Some(7 * 86_400_000)),
+                archive: None,
             }
         );
         assert_eq!(
@@ -205,6 +237,7 @@ mod tests {
                 table: "t".into(),
                 epochs: None,
                 for_ms: Some(None),
+                archive: None,
             }
         );
     }
@@ -218,6 +251,11 @@ mod tests {
 
     #[test]
     fn bad_options_are_named() {
+        let archived = parse("ALTER TABLE t SET (archive = true, retain_epochs = 2)").unwrap();
+        assert_eq!((archived.archive, archived.epochs), (Some(true), Some(Some(2))));
+        assert_eq!(parse("ALTER TABLE t RESET (archive)").unwrap().archive, Some(false));
+        assert!(parse("ALTER TABLE t SET (archive = 3)").is_err());
+        assert!(parse("ALTER TABLE t SET (archive = true, archive = false)").is_err());
         let error = parse("ALTER TABLE t SET (retain_rows = 3)")
             .unwrap_err()
             .to_string();

@@ -596,6 +596,7 @@ fn retention_keeps_a_tables_last_versions_and_never_falls() {
     let keep_two = crate::Retention {
         epochs: Some(2),
         for_ms: None,
+        archive: false,
     };
     assert_eq!(
         set_retention(&mut state, "t", keep_two),
@@ -621,6 +622,7 @@ fn retention_keeps_a_tables_last_versions_and_never_falls() {
     let keep_ten = crate::Retention {
         epochs: Some(10),
         for_ms: None,
+        archive: false,
     };
     assert_eq!(
         set_retention(&mut state, "t", keep_ten),
@@ -647,6 +649,7 @@ fn retention_by_age_keeps_what_was_current_within_the_window() {
     let a_few_seconds = crate::Retention {
         epochs: None,
         for_ms: Some(6_000),
+        archive: false,
     };
     // At 9 s, the window starts at 3 s, when the first epoch was current.
     assert_eq!(
@@ -663,6 +666,7 @@ fn retention_by_age_keeps_what_was_current_within_the_window() {
     let both = crate::Retention {
         epochs: Some(3),
         for_ms: Some(6_000),
+        archive: false,
     };
     set_retention(&mut state, "t", both);
     assert_eq!(state.retention_horizon("t"), second, "the floor holds");
@@ -685,6 +689,7 @@ fn a_tag_pins_the_horizon_until_the_archive_holds_its_epoch() {
     let keep_one = crate::Retention {
         epochs: Some(1),
         for_ms: None,
+        archive: false,
     };
     // Retention past the tag is taken; the tag holds the horizon while it is not archived.
     assert_eq!(set_retention(&mut state, "t", keep_one), MetaResponse::Epoch(t[1]));
