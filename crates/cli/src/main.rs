@@ -143,6 +143,11 @@ enum Command {
         /// `--set failure.timeout_ms=3000` (repeatable).
         #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
         overrides: Vec<String>,
+        /// This node's data is gone (a wiped or replaced disk): rejoin empty, the cluster
+        /// copying its partitions to it from the other replicas. Only on a new data
+        /// directory; a node that finds its data gone refuses to start without it.
+        #[arg(long)]
+        replace: bool,
     },
     /// Move a node's partitions to the other members and retire it (needs --node).
     Decommission {
@@ -592,7 +597,11 @@ async fn run(cli: Cli) -> Result<()> {
             delete,
             files,
         } => commands::publish::run(target(&cli)?, table, *delete, files).await,
-        Command::Node { config, overrides } => commands::node::run(config, overrides).await,
+        Command::Node {
+            config,
+            overrides,
+            replace,
+        } => commands::node::run(config, overrides, *replace).await,
         Command::Decommission { id } => {
             let Some(addr) = &cli.node else {
                 anyhow::bail!("decommission works on a cluster: give --node ADDR of any member");

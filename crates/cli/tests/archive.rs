@@ -15,6 +15,8 @@
 //!   been gone `rereplicate_after_ms`, the fragments they held are rebuilt on the node that
 //!   holds none of their component, so every component has 5 live fragments again (status
 //!   shows it), and a scrub of the live nodes finds them all sound.
+//! - with every tag dropped and the whole-table archive reset, the next scrub deletes
+//!   every fragment.
 
 mod common;
 
@@ -135,6 +137,7 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
         ("scrub.bytes_per_sec", "0"),
         ("failure.timeout_ms", "1500"),
         ("failure.rereplicate_after_ms", "4000"),
+        ("archive.collect_after_ms", "1000"),
     ] {
         cluster.set_option(key, value);
     }
@@ -282,5 +285,21 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
     let (ok, scrubbed) = common::tessera_at_node_1(BINARY, &cluster, ["scrub"]);
     assert!(ok && !scrubbed.contains("  damaged:"), "{scrubbed}");
     check_tags(&client, &tags, "after re-replication").await;
+
+    // Dropping every tag and the whole-table archive lets every archived epoch go; the
+    // next scrub deletes every fragment on the live nodes.
+    for name in tags.keys() {
+        write(&client, &format!("DROP TAG \"{name}\"")).await;
+    }
+    write(&client, "ALTER TABLE whole RESET (archive)").await;
+    assert!(client.status().await.unwrap().meta.archive.is_empty());
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (ok, collected) = common::tessera_at_node_1(BINARY, &cluster, ["scrub"]);
+    assert!(ok && collected.contains("archive fragments no archived epoch names any more"), "{collected}");
+    for id in (1..=7).filter(|id| *id != first && *id != second) {
+        let left = files(root.path(), id, "fragments", "fragment");
+        assert!(left.is_empty(), "node {id} still holds fragments {left:?}: {collected}");
+    }
+    assert_eq!(rows_of(&client, "SELECT k, v FROM kv").await.unwrap(), rows, "the current rows");
 
 }

@@ -57,6 +57,7 @@
 //! [archive]                # tagged epochs past retention, erasure-coded
 //! data_fragments = 4       # k: any k fragments rebuild a component
 //! parity_fragments = 2     # m: fragments a component may lose
+//! collect_after_ms = 600000 # a fragment no archived epoch names is deleted this old
 //! ```
 
 use crate::{NodeId, DEFAULT_PARTITIONS};
@@ -144,6 +145,10 @@ pub struct NodeConfig {
     /// `insecure = true`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mtls: Option<MtlsSettings>,
+    /// `tessera node --replace`: this node's data is gone (a wiped or replaced disk) and it
+    /// comes back empty; not a file setting.
+    #[serde(skip)]
+    pub replace: bool,
 }
 
 /// What a node is for (`role` in `node.toml`).
@@ -302,6 +307,9 @@ impl Default for ExecSettings {
 pub struct ArchiveSettings {
     pub data_fragments: u32,
     pub parity_fragments: u32,
+    /// The scrubber deletes a fragment that no archived epoch places on this node once
+    /// its file is this old (younger ones may belong to an archive being made).
+    pub collect_after_ms: u64,
 }
 
 impl Default for ArchiveSettings {
@@ -309,6 +317,7 @@ impl Default for ArchiveSettings {
         ArchiveSettings {
             data_fragments: 4,
             parity_fragments: 2,
+            collect_after_ms: 600_000,
         }
     }
 }

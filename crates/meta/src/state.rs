@@ -248,6 +248,11 @@ pub enum MetaCommand {
         participant: String,
         key: String,
     },
+    /// Node `id` returns with its data gone (a wiped or replaced disk): its replicas are
+    /// copied to it whole (see [`MetaState::replace_node`]).
+    ReplaceNode {
+        id: NodeId,
+    },
     /// A table's epoch is in the archive: every fragment is durable on its node (see
     /// [`crate::archive`]).
     RecordArchive {
@@ -934,6 +939,10 @@ impl MetaState {
                     .remove(&name)
                     .ok_or_else(|| format!("tag {name:?} does not exist"))?;
                 self.drop_untagged_archives();
+                MetaResponse::Done
+            }
+            MetaCommand::ReplaceNode { id } => {
+                self.replace_node(id)?;
                 MetaResponse::Done
             }
             MetaCommand::RecordArchive { archived } => {

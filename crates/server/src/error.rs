@@ -35,6 +35,15 @@ pub enum ClusterError {
     Tls(String),
     #[error("data directory {dir}: {reason}")]
     DataDir { dir: String, reason: String },
+    /// The data directory is new, but the cluster knows this node as one that ran before:
+    /// its data (rows, metadata log, votes) is gone.
+    #[error("data directory {dir} is new, but node {peer} knows node {node} as a member that has run before (process {incarnation}): its data is gone, a wiped or replaced disk. Starting it empty would answer queries without the rows it held and could confuse the metadata group, so it does not start. Bring it back empty with `tessera node --config ... --replace`: the cluster then forgets what it held and copies its partitions to it from the other replicas")]
+    DataLost {
+        dir: String,
+        node: NodeId,
+        peer: NodeId,
+        incarnation: u64,
+    },
     /// A client could not reach the node it was given (whose id it does not know).
     #[error("the node at {addr} is unreachable: {reason}")]
     AddressUnreachable { addr: String, reason: String },

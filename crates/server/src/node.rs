@@ -54,6 +54,9 @@ pub struct Node {
     rebalancing: AtomicBool,
     /// The leader's archive duty is running.
     archiving: AtomicBool,
+    /// This process is announced to the metadata ([`MetaCommand::Started`]): until then it
+    /// takes no rows, so a node the metadata has never seen run holds none.
+    announced: tokio::sync::watch::Sender<bool>,
     /// What the archive duty could not do on its last round, and why.
     pub archive_waiting: std::sync::Mutex<Vec<String>>,
     protocol: u32,
@@ -75,7 +78,9 @@ impl std::fmt::Debug for Node {
 }
 
 /// Checks (or records) which cluster and node a data directory belongs to.
-fn check_data_identity(dir: &Path, config: &NodeConfig) -> Result<()> {
+/// Checks the data directory belongs to this cluster and node; `true` if it is new (it has
+/// no identity file yet, written by [`write_data_identity`] once the node may start).
+fn check_data_identity(dir: &Path, config: &NodeConfig) -> Result<bool> {
     let data_error = |reason: String| ClusterError::DataDir {
         dir: dir.display().to_string(),
         reason,
@@ -109,14 +114,98 @@ fn check_data_identity(dir: &Path, config: &NodeConfig) -> Result<()> {
                     found.node_id, ours.node_id
                 )));
             }
-            Ok(())
+            Ok(false)
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let bytes = serde_json::to_vec_pretty(&ours).expect("identity serializes");
-            std::fs::write(&path, bytes).map_err(|e| data_error(e.to_string()))
-        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
         Err(e) => Err(data_error(e.to_string())),
     }
+}
+
+/// Marks the data directory as this cluster's and node's.
+fn write_data_identity(dir: &Path, config: &NodeConfig) -> Result<()> {
+    let ours = DataIdentity {
+        cluster_id: config.cluster_id.clone(),
+        node_id: config.node_id,
+        format: DATA_FORMAT_VERSION,
+    };
+    let bytes = serde_json::to_vec_pretty(&ours).expect("identity serializes");
+    std::fs::write(dir.join(IDENTITY_FILE), bytes).map_err(|e| ClusterError::DataDir {
+        dir: dir.display().to_string(),
+        reason: e.to_string(),
+    })
+}
+
+/// A node whose data is gone asks to be taken back empty ([`Node::replace`]).
+pub const ACTION_REPLACE_NODE: &str = "replace-node";
+
+/// How long a replacement node keeps asking its peers to take it back.
+const REPLACEMENT_PATIENCE: Duration = Duration::from_secs(120);
+
+/// A node starting on a new data directory with `--replace`: has the metadata leader (through
+/// any peer) forget what it held, before its own metadata member starts.
+async fn request_replacement(config: &NodeConfig, clients: &Clients) -> Result<()> {
+    let deadline = Instant::now() + REPLACEMENT_PATIENCE;
+    let mut last = String::from("no peer answered");
+    while Instant::now() < deadline {
+        for peer in config.peers.iter().filter(|p| p.id != config.node_id) {
+            let addr = peer.addr.to_string();
+            let reply: std::result::Result<std::result::Result<(), Refusal>, CallError> = clients
+                .action(&addr, ACTION_REPLACE_NODE, config.node_id, Duration::from_secs(30))
+                .await;
+            match reply {
+                Ok(Ok(())) => {
+                    tracing::warn!(via = peer.id.0, "the cluster took this node back empty: its partitions are copied to it whole");
+                    return Ok(());
+                }
+                Ok(Err(refusal)) => last = format!("node {}: {refusal:?}", peer.id),
+                Err(error) => last = format!("node {}: {error}", peer.id),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Err(ClusterError::DataDir {
+        dir: config.data_dir.display().to_string(),
+        reason: format!("the cluster did not take this node back as a replacement within {REPLACEMENT_PATIENCE:?}: {last}"),
+    })
+}
+
+/// A node starting on a new data directory asks its reachable peers whether the cluster
+/// knows it as a member that has already run (announced a process; only then does it take
+/// rows, see [`Node::wait_announced`]): then its data is gone, and it refuses to start
+/// ([`ClusterError::DataLost`]). Peers that do not answer (a cluster starting for the
+/// first time) are skipped.
+async fn refuse_if_data_lost(
+    config: &NodeConfig,
+    clients: &Clients,
+    reachable: &[tessera_common::config::Peer],
+) -> Result<()> {
+    for peer in reachable {
+        let addr = peer.addr.to_string();
+        let status: std::result::Result<crate::server::NodeStatus, CallError> = clients
+            .action(&addr, crate::rpc::ACTION_STATUS, (), Duration::from_secs(5))
+            .await;
+        let status = match status {
+            Ok(status) => status,
+            Err(error) => {
+                tracing::info!(peer = peer.id.0, %error, "a peer could not say whether it knows this node");
+                continue;
+            }
+        };
+        if let Some(me) = status
+            .meta
+            .nodes
+            .get(&config.node_id)
+            .filter(|n| n.incarnation > 0 && !n.decommissioned)
+        {
+            return Err(ClusterError::DataLost {
+                dir: config.data_dir.display().to_string(),
+                node: config.node_id,
+                peer: status.node_id,
+                incarnation: me.incarnation,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The file in a data directory holding the node's incarnation.
@@ -167,7 +256,7 @@ impl Node {
 
     /// As [`Node::start`], speaking a given protocol version (tests of version checks).
     pub async fn start_with_protocol(config: NodeConfig, protocol: u32) -> Result<Arc<Node>> {
-        check_data_identity(&config.data_dir, &config)?;
+        let fresh = check_data_identity(&config.data_dir, &config)?;
         let incarnation = next_incarnation(&config.data_dir)?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
@@ -191,7 +280,20 @@ impl Node {
                 .with_tls(mtls.as_ref())
                 .as_node(config.node_id),
         );
-        check_peers(&config, &clients, protocol).await?;
+        let reachable = check_peers(&config, &clients, protocol).await?;
+        if fresh {
+            if config.replace {
+                request_replacement(&config, &clients).await?;
+            } else {
+                refuse_if_data_lost(&config, &clients, &reachable).await?;
+            }
+            write_data_identity(&config.data_dir, &config)?;
+        } else if config.replace {
+            return Err(ClusterError::DataDir {
+                dir: config.data_dir.display().to_string(),
+                reason: "--replace brings back a node whose data is gone, but this data directory holds the node's data: start it without --replace".into(),
+            });
+        }
 
         let store_config = StoreConfig::with_settings(config.partitions, &config.store);
         let store_dir = config.data_dir.join("store");
@@ -300,6 +402,7 @@ impl Node {
             checkpointing: AtomicBool::new(false),
             rebalancing: AtomicBool::new(false),
             archiving: AtomicBool::new(false),
+            announced: tokio::sync::watch::Sender::new(false),
             archive_waiting: Default::default(),
             protocol,
             replication,
@@ -383,7 +486,9 @@ impl Node {
     /// The lowest-id voter of a fresh cluster proposes the founding membership.
     async fn initialize_if_founder(&self) -> Result<()> {
         let voters = self.config.voter_ids();
-        if voters.iter().next() != Some(&self.id())
+        // A replacement joins the group that exists; it never founds one.
+        if self.config.replace
+            || voters.iter().next() != Some(&self.id())
             || self
                 .meta
                 .raft()
@@ -536,7 +641,27 @@ impl Node {
             tracing::info!(%error, "could not announce this process yet");
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
+        self.announced.send_replace(true);
         tracing::info!(incarnation = self.incarnation(), "process announced");
+    }
+
+    /// Waits (at most `patience`) until this process is announced to the metadata. Rows
+    /// (prepares, copies) are taken only after it, so that a node the metadata has never
+    /// seen run holds none: one that comes back with a new data directory then either
+    /// never held any, or is known to have run and refuses to start (see
+    /// [`ClusterError::DataLost`]).
+    pub async fn wait_announced(&self, patience: Duration) -> std::result::Result<(), String> {
+        let mut announced = self.announced.subscribe();
+        let waited = tokio::time::timeout(patience, announced.wait_for(|a| *a))
+            .await
+            .map(|r| r.is_ok());
+        match waited {
+            Ok(true) => Ok(()),
+            _ => Err(format!(
+                "node {} has not yet announced its process to the metadata (after {patience:?}): it takes no rows until then",
+                self.id()
+            )),
+        }
     }
 
     async fn lead(self: &Arc<Self>) -> Result<()> {
@@ -579,6 +704,7 @@ impl Node {
                     .map_err(ClusterError::raft)?;
             }
         }
+        self.promote_caught_up_voters(&state, &metrics).await?;
         self.move_partitions(&state, &metrics).await?;
         self.maintain_archive(&state);
         // Failure detection.
@@ -675,6 +801,39 @@ impl Node {
         Ok(())
     }
 
+    /// A configured voter that is only a learner (it came back as a replacement, its log
+    /// empty) becomes a voter again once it is alive and has caught up with the log.
+    async fn promote_caught_up_voters(
+        &self,
+        state: &crate::meta::MetaState,
+        metrics: &openraft::RaftMetrics<NodeId, BasicNode>,
+    ) -> Result<()> {
+        let membership = metrics.membership_config.membership();
+        let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
+        let learners: BTreeSet<NodeId> = membership.learner_ids().collect();
+        let last = metrics.last_log_index.unwrap_or(0);
+        for id in self.config.voter_ids() {
+            if voters.contains(&id) || !learners.contains(&id) {
+                continue;
+            }
+            let matched = metrics
+                .replication
+                .as_ref()
+                .and_then(|r| r.get(&id).cloned().flatten())
+                .map_or(0, |log_id| log_id.index);
+            let alive = state.nodes.get(&id).is_some_and(|n| n.alive);
+            if alive && matched + 10 >= last {
+                tracing::info!(node = id.0, matched, last, "a configured voter caught up: it votes again");
+                self.meta
+                    .raft()
+                    .change_membership(openraft::ChangeMembers::AddVoterIds(BTreeSet::from([id])), true)
+                    .await
+                    .map_err(ClusterError::raft)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The archive's duties, off the heartbeat's path: archive the tagged epochs retention
     /// has passed, and rebuild the fragments of nodes gone too long on live ones.
     fn maintain_archive(self: &Arc<Self>, state: &crate::meta::MetaState) {
@@ -715,6 +874,57 @@ impl Node {
             .map(|n| n.id)
             .collect();
         self.detector().lost(&failed, Instant::now())
+    }
+
+    /// Takes node `id` back with its data gone (on the metadata leader; others forward):
+    /// removes it from the metadata group, so its empty log never counts towards a quorum,
+    /// and marks every replica it held stale from the first epoch. The leader's duties add
+    /// it back as a learner once it runs, copy its partitions to it whole, and make it a
+    /// voter again (if configured as one) once it has caught up.
+    pub async fn replace(&self, id: NodeId) -> Result<()> {
+        let leader = self.meta.leader();
+        if leader != Some(self.id()) {
+            let no_leader = || ClusterError::Meta(tessera_meta::MetaError::NoLeader);
+            let leader = leader.ok_or_else(no_leader)?;
+            let addr = self.meta.addr_of(leader).ok_or_else(no_leader)?;
+            let reply: std::result::Result<std::result::Result<(), Refusal>, CallError> = self
+                .clients
+                .action(&addr, ACTION_REPLACE_NODE, id, Duration::from_secs(30))
+                .await;
+            return match reply {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(refusal)) => Err(ClusterError::Meta(tessera_meta::MetaError::Refused(
+                    format!("{refusal:?}"),
+                ))),
+                Err(error) => Err(ClusterError::Meta(tessera_meta::MetaError::Refused(
+                    error.to_string(),
+                ))),
+            };
+        }
+        let metrics = self.meta.raft().metrics().borrow().clone();
+        let membership = metrics.membership_config.membership().clone();
+        if membership.voter_ids().any(|v| v == id) {
+            self.meta
+                .raft()
+                .change_membership(
+                    openraft::ChangeMembers::RemoveVoters(BTreeSet::from([id])),
+                    false,
+                )
+                .await
+                .map_err(ClusterError::raft)?;
+        }
+        let metrics = self.meta.raft().metrics().borrow().clone();
+        if metrics.membership_config.nodes().any(|(n, _)| *n == id) {
+            self.meta
+                .raft()
+                .change_membership(openraft::ChangeMembers::RemoveNodes(BTreeSet::from([id])), false)
+                .await
+                .map_err(ClusterError::raft)?;
+        }
+        self.meta
+            .write_as_leader(MetaCommand::ReplaceNode { id })
+            .await?;
+        Ok(())
     }
 
     /// Asks a node to leave: refuses metadata voters, whose departure would change the
@@ -776,7 +986,12 @@ impl Node {
 /// Refuses to start next to peers of another cluster, another protocol version, or at an
 /// address where another node answers. Peers that do not answer are fine: they may start
 /// later.
-async fn check_peers(config: &NodeConfig, clients: &Clients, protocol: u32) -> Result<()> {
+async fn check_peers(
+    config: &NodeConfig,
+    clients: &Clients,
+    protocol: u32,
+) -> Result<Vec<tessera_common::config::Peer>> {
+    let mut reachable = Vec::new();
     for peer in config.peers.iter().filter(|p| p.id != config.node_id) {
         let addr = peer.addr.to_string();
         let reply: std::result::Result<Identity, CallError> = clients
@@ -818,8 +1033,9 @@ async fn check_peers(config: &NodeConfig, clients: &Clients, protocol: u32) -> R
                 theirs: identity.node_id,
             });
         }
+        reachable.push(peer.clone());
     }
-    Ok(())
+    Ok(reachable)
 }
 
 /// Binds a client-facing port if it is configured (`what` names its setting in errors).

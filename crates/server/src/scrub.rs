@@ -40,6 +40,9 @@ pub struct ScrubReport {
     /// Archive fragments this node holds, checked.
     #[serde(default)]
     pub fragments: usize,
+    /// Fragments no archived epoch placed here any more, deleted.
+    #[serde(default)]
+    pub collected_fragments: usize,
     pub bytes: u64,
     /// Each damaged component found, and what was wrong.
     pub damaged: Vec<String>,
@@ -82,6 +85,7 @@ pub async fn scrub(node: &Arc<Node>, bytes_per_sec: u64) -> ScrubReport {
         elapsed_ms: 0,
         components: 0,
         fragments: 0,
+        collected_fragments: 0,
         bytes: 0,
         damaged: Vec::new(),
         repaired: Vec::new(),
@@ -109,6 +113,7 @@ pub async fn scrub(node: &Arc<Node>, bytes_per_sec: u64) -> ScrubReport {
         keep_under(bytes_per_sec, report.bytes, started).await;
     }
     scrub_fragments(node, bytes_per_sec, started, &mut report).await;
+    collect_fragments(node, &mut report).await;
     report.elapsed_ms = started.elapsed().as_millis() as u64;
     let metrics = tessera_common::metrics::metrics();
     metrics.scrubbed_bytes.inc_by(report.bytes);
@@ -171,6 +176,39 @@ async fn scrub_fragments(
             }
             keep_under(bytes_per_sec, report.bytes, started).await;
         }
+    }
+}
+
+/// Deletes the fragments this node holds that no archived epoch places here any more
+/// (their tag was dropped, their table dropped, or they moved while this node was away),
+/// once `[archive] collect_after_ms` old: younger ones may belong to an archive being made,
+/// which is recorded only once all its fragments are placed.
+async fn collect_fragments(node: &Arc<Node>, report: &mut ScrubReport) {
+    let grace = Duration::from_millis(node.config.archive.collect_after_ms);
+    let state = node.meta.view().state.clone();
+    let named: std::collections::BTreeSet<_> = state
+        .archived_components()
+        .iter()
+        .flat_map(|c| c.fragments.iter())
+        .filter(|f| f.node == node.id())
+        .map(|f| f.hash)
+        .collect();
+    let store = node.store.clone();
+    let collected = tokio::task::spawn_blocking(move || {
+        let mut collected = 0;
+        for (hash, _, age) in store.fragments().held()? {
+            if !named.contains(&hash) && age >= grace {
+                store.fragments().remove(&hash)?;
+                collected += 1;
+            }
+        }
+        Ok::<_, tessera_storage::StorageError>(collected)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("collecting fragments panicked: {e}"));
+    match collected {
+        Ok(n) => report.collected_fragments = n,
+        Err(e) => tracing::warn!(error = %e, "collecting unnamed archive fragments failed"),
     }
 }
 

@@ -28,6 +28,9 @@ use tessera_storage::versions::stored_user_schema;
 use tessera_storage::TableChanges;
 use tonic::{Request, Response, Status, Streaming};
 
+/// How long a request carrying rows waits for a starting node to announce its process.
+const ANNOUNCE_PATIENCE: Duration = Duration::from_secs(10);
+
 /// What `tessera status` shows of one node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeStatus {
@@ -54,6 +57,10 @@ pub struct NodeStatus {
     /// On the metadata leader: archives retention wants that could not be made yet, and why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub archive_waiting: Vec<String>,
+    /// The metadata group's voters, as this node knows its membership (the other members
+    /// are learners).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub voters: Vec<NodeId>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -320,6 +327,15 @@ impl NodeService {
                 node.exec.end_query(query);
                 reply(&Ok::<(), Refusal>(()))
             }
+            crate::node::ACTION_REPLACE_NODE => {
+                let id: NodeId = self.open(&caller, body)?;
+                self.check_speaks_for(&caller, id, "a replacement")?;
+                let result = node
+                    .replace(id)
+                    .await
+                    .map_err(|e| Refusal::Failed(e.to_string()));
+                reply(&result)
+            }
             ACTION_DECOMMISSION => {
                 let id: NodeId = self.open_from_client(&caller, body)?;
                 let result = node
@@ -375,9 +391,12 @@ impl NodeService {
             }
             ACTION_COPY_PARTITIONS => {
                 let request: CopyRequest = self.open(&caller, body)?;
-                let result = crate::rebalance::copy_partitions(&node.replication, request)
-                    .await
-                    .map_err(|e| Refusal::Failed(e.to_string()));
+                let result = match node.wait_announced(ANNOUNCE_PATIENCE).await {
+                    Ok(()) => crate::rebalance::copy_partitions(&node.replication, request)
+                        .await
+                        .map_err(|e| Refusal::Failed(e.to_string())),
+                    Err(why) => Err(Refusal::Failed(why)),
+                };
                 reply(&result)
             }
             ACTION_CURRENT_METADATA => {
@@ -798,6 +817,10 @@ impl FlightService for NodeService {
         let app_metadata = match request.kind.as_str() {
             PrepareRequest::KIND => {
                 let prepare: PrepareRequest = request.decode().map_err(decode_error)?;
+                self.node
+                    .wait_announced(ANNOUNCE_PATIENCE)
+                    .await
+                    .map_err(failed)?;
                 let batches = FlightRecordBatchStream::new_from_flight_data(data);
                 let reply = tessera_replication::log_shipping::receive(
                     &self.node.replication,
@@ -928,5 +951,6 @@ pub fn node_status(node: &crate::node::Node) -> NodeStatus {
         last_scrub: crate::scrub::last_scrub(),
         cache: node.exec.cache_status(),
         archive_waiting: node.archive_waiting.lock().expect("archive waiting lock").clone(),
+        voters: metrics.membership_config.membership().voter_ids().collect(),
     }
 }

@@ -849,6 +849,7 @@ fn samples() -> Samples {
                 elapsed_ms: 25,
                 components: 128,
                 fragments: 12,
+                collected_fragments: 2,
                 bytes: 4 << 20,
                 damaged: vec!["orders p35: component ... is corrupt".into()],
                 repaired: vec!["component ... replaced by another replica's copy".into()],
@@ -861,6 +862,7 @@ fn samples() -> Samples {
                 hit_bytes: 3 << 20,
                 miss_bytes: 1 << 20,
             }),
+            voters: vec![NodeId(1), NodeId(2), NodeId(3)],
             archive_waiting: vec!["table \"kv\" at epoch 9: k = 4, m = 2 needs 6 live storage nodes to place fragments on; 4 are live".into()],
         },
     );

@@ -176,8 +176,9 @@ impl FragmentStore {
         Ok(bytes)
     }
 
-    /// Every fragment file here (by name, unchecked) and its size.
-    pub fn held(&self) -> Result<Vec<(ComponentHash, u64)>> {
+    /// Every fragment file here (by name, unchecked), its size and how long ago it was
+    /// last written.
+    pub fn held(&self) -> Result<Vec<(ComponentHash, u64, std::time::Duration)>> {
         let mut held = Vec::new();
         let entries = std::fs::read_dir(&self.dir).map_err(|e| StorageError::io(&self.dir, e))?;
         for entry in entries {
@@ -190,11 +191,15 @@ impl FragmentStore {
             else {
                 continue;
             };
-            let len = entry
+            let metadata = entry
                 .metadata()
-                .map_err(|e| StorageError::io(&entry.path(), e))?
-                .len();
-            held.push((hash, len));
+                .map_err(|e| StorageError::io(&entry.path(), e))?;
+            let age = metadata
+                .modified()
+                .ok()
+                .and_then(|at| at.elapsed().ok())
+                .unwrap_or_default();
+            held.push((hash, metadata.len(), age));
         }
         Ok(held)
     }

@@ -570,6 +570,11 @@ impl LocalCluster {
     }
 
     pub fn start(&mut self, id: u64) {
+        self.start_with_args(id, &[]);
+    }
+
+    /// Starts node `id` with `extra` arguments after `node --config ...` (e.g. `--replace`).
+    pub fn start_with_args(&mut self, id: u64, extra: &[&str]) {
         let config = self.config_path(id);
         let mut command = match &self.lab {
             Some(lab) => lab.command(id, &self.binary),
@@ -586,11 +591,9 @@ impl LocalCluster {
                 .expect("open the node's log file");
             command.stderr(log);
         }
-        let process = TesseraProcess::spawn_command(
-            command,
-            &self.root,
-            &["node", "--config", config.to_str().expect("UTF-8 path")],
-        );
+        let mut args = vec!["node", "--config", config.to_str().expect("UTF-8 path")];
+        args.extend_from_slice(extra);
+        let process = TesseraProcess::spawn_command(command, &self.root, &args);
         self.processes[id as usize - 1] = Some(process);
     }
 

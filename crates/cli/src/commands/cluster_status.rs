@@ -62,7 +62,7 @@ pub async fn run(addr: &str) -> Result<()> {
     }
     println!();
     println!(
-        "{:<6} {:<22} {:<8} {:<8} {:>9} {:>9}",
+        "{:<6} {:<22} {:<8} {:<8} {:>9} {:>9}  metadata",
         "node", "address", "role", "state", "primary", "replica"
     );
     for node in meta.nodes.values() {
@@ -85,8 +85,13 @@ pub async fn run(addr: &str) -> Result<()> {
         } else {
             "failed"
         };
+        let metadata = if status.voters.contains(&node.id) {
+            "voter"
+        } else {
+            "learner"
+        };
         println!(
-            "{:<6} {:<22} {:<8} {:<8} {:>9} {:>9}",
+            "{:<6} {:<22} {:<8} {:<8} {:>9} {:>9}  {metadata}",
             node.id.to_string(),
             node.addr,
             node.role(),
@@ -147,6 +152,15 @@ pub async fn run(addr: &str) -> Result<()> {
                 meta.retention_horizon(&def.name)
             );
         }
+        if let Some(archived) = meta.archive.get(&def.name) {
+            let epochs: Vec<String> = archived.keys().map(|e| e.to_string()).collect();
+            println!(
+                "  {:<20} archived epochs: {} ({} components)",
+                "",
+                epochs.join(", "),
+                archived.values().map(|a| a.components.len()).sum::<usize>()
+            );
+        }
     }
     Ok(())
 }
@@ -158,11 +172,13 @@ fn print_archive(status: &tessera_server::server::NodeStatus) {
     if let Some((live, parity)) = health.fewest_live {
         let total = health.fragments / health.components.max(1);
         let line = format!(
-            "archive:        {} epochs, {} components in {} fragments; fewest live fragments of one component: {live} of {total} (any {} rebuild it)",
+            "archive:        {} epoch{}, {} components in {} fragments; fewest live fragments of one component: {live} of {total} (any {} rebuild it; it can lose {} more)",
             health.epochs,
+            if health.epochs == 1 { "" } else { "s" },
             health.components,
             health.fragments,
-            total - parity
+            total - parity,
+            live.saturating_sub(total - parity)
         );
         if live < total - parity {
             println!("\x1b[1;31m{line}: UNREADABLE until nodes return\x1b[0m");

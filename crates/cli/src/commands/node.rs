@@ -1,12 +1,13 @@
-//! `tessera node --config node.toml [--set section.key=value]...`: run one node of a
-//! cluster until stopped.
+//! `tessera node --config node.toml [--set section.key=value]... [--replace]`: run one node
+//! of a cluster until stopped (`--replace`: its data is gone, it rejoins empty).
 
 use anyhow::{Context, Result};
 use std::path::Path;
 use tessera_server::{Node, NodeConfig};
 
-pub async fn run(config_path: &Path, overrides: &[String]) -> Result<()> {
+pub async fn run(config_path: &Path, overrides: &[String], replace: bool) -> Result<()> {
     let mut config = NodeConfig::load_with(config_path, overrides)?;
+    config.replace = replace;
     // Relative paths are relative to the configuration file, so a config works from any
     // directory.
     let base = config_path.parent().unwrap_or(Path::new("."));

@@ -28,6 +28,12 @@ pub fn render(report: &ScrubReport) -> String {
         report.damaged.len(),
         report.repaired.len()
     );
+    if report.collected_fragments > 0 {
+        out += &format!(
+            "  deleted {} archive fragments no archived epoch names any more\n",
+            report.collected_fragments
+        );
+    }
     for line in &report.damaged {
         out += &format!("  damaged:    {line}\n");
     }

@@ -146,6 +146,7 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
             exec: Default::default(),
             scrub: Default::default(),
             archive: Default::default(),
+            replace: false,
             insecure: options.insecure,
             mtls: (!options.insecure).then(|| MtlsSettings {
                 ca: certs.join("ca.pem"),

@@ -61,4 +61,45 @@ impl MetaState {
         self.recompute_primaries();
         Ok(())
     }
+
+    /// Node `id` comes back with its data gone (a wiped or replaced disk): every replica it
+    /// held is marked stale from the first epoch, so it serves nothing until each is copied
+    /// whole from a good replica, and it is counted failed until it says it is alive.
+    /// Refused, changing nothing, if it was the only up-to-date replica of a partition:
+    /// that partition's newest rows exist nowhere else.
+    pub(crate) fn replace_node(&mut self, id: NodeId) -> Result<(), String> {
+        let node = self
+            .nodes
+            .get(&id)
+            .ok_or_else(|| format!("node {id} is not a member"))?;
+        if node.decommissioned {
+            return Err(format!("node {id} is decommissioned"));
+        }
+        let lost: Vec<String> = self
+            .map
+            .partitions
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.replicas.contains(&id))
+            .filter(|(_, p)| !p.replicas.iter().any(|r| *r != id && !p.stale.contains_key(r)))
+            .map(|(i, _)| format!("p{i}"))
+            .collect();
+        if !lost.is_empty() {
+            return Err(format!(
+                "node {id} was the only up-to-date replica of partitions {}: with its data gone, their newest rows are nowhere else (bring back a replica that has them, or restore node {id}'s disk)",
+                lost.join(", ")
+            ));
+        }
+        let node = self.nodes.get_mut(&id).expect("checked");
+        node.alive = false;
+        for placement in &mut self.map.partitions {
+            if placement.replicas.contains(&id) {
+                placement.stale.insert(id, Epoch::ZERO);
+            }
+        }
+        self.map.version += 1;
+        self.recompute_primaries();
+        tracing::warn!(node = %id, "node replaced: its data is gone, its replicas are copied to it whole");
+        Ok(())
+    }
 }
