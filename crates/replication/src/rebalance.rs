@@ -203,15 +203,23 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
                 return copy_partitions(node, request).await;
             }
             let addr = node.meta.require_addr(target)?;
-            let reply: std::result::Result<std::result::Result<(), Refusal>, CallError> = node
-                .clients
-                .action(
-                    &addr,
-                    ACTION_COPY_PARTITIONS,
-                    request,
-                    Duration::from_secs(3600),
-                )
-                .await;
+            let copy = node.clients.action(
+                &addr,
+                ACTION_COPY_PARTITIONS,
+                request,
+                Duration::from_secs(3600),
+            );
+            // The rebalance's epoch leases every table: a target that stops answering
+            // (killed, paused, cut off) must not hold every publish for the copy's hour.
+            // Once the failure detector declares it failed, the rebalance gives up and
+            // is tried again without it.
+            let target_failed = node.meta.wait_until_failed(target, Duration::from_secs(3600));
+            let reply: std::result::Result<std::result::Result<(), Refusal>, CallError> = tokio::select! {
+                reply = copy => reply,
+                () = target_failed => Err(CallError::Transport(format!(
+                    "node {target} was declared failed while copying"
+                ))),
+            };
             match reply {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(refusal)) => Err(ReplicationError::Refused {

@@ -351,6 +351,7 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                 name: "lab_a".into(),
             },
         ),
+        ("replace-node", MetaCommand::ReplaceNode { id: NodeId(3) }),
         (
             "record-archive",
             MetaCommand::RecordArchive {
@@ -522,6 +523,7 @@ fn samples() -> Samples {
             partitions: vec![PartitionId(0), PartitionId(3)],
         },
     );
+    s.request(tessera_server::node::ACTION_REPLACE_NODE, NodeId(3));
     s.request(
         tessera_replication::archive::ACTION_ARCHIVE_PARTITION,
         tessera_replication::archive::ArchivePartitionRequest {
@@ -936,6 +938,7 @@ fn every_action_has_a_sample() {
         tessera_exec::remote_snapshot::ACTION_SNAPSHOT_MANIFEST,
         tessera_replication::archive::ACTION_ARCHIVE_PARTITION,
         tessera_replication::archive::ACTION_REBUILD_FRAGMENT,
+        tessera_server::node::ACTION_REPLACE_NODE,
     ] {
         assert!(names.contains_key(action), "no sample of action {action}");
     }
