@@ -4,7 +4,9 @@
 //! isolation, a minority split (the metadata leader inside it half the time), a bridge
 //! (two nodes that only a third sees both of), a one-way drop, slow links, connection
 //! resets, and disk faults (a node restarted on a disk whose log fsync fails after a
-//! while, or that crashes mid-write losing what it had not fsynced). Each is healed after
+//! while, or that crashes mid-write losing what it had not fsynced), and a wiped disk (a
+//! node killed, its data directory deleted, brought back with `--replace`; only a node
+//! whose partitions all have another up-to-date replica). Each is healed after
 //! a few seconds. The history is checked
 //! (`common::history`): no acknowledged publish lost, no aborted one seen, no stale,
 //! phantom or backwards read, `AS OF` answers stable, replicas equal, no panic in any
@@ -61,9 +63,12 @@ enum Kind {
     ResetLinks,
     FsyncFails,
     TornWrite,
+    /// A node's data directory is deleted while it is down (a wiped or replaced disk); it
+    /// comes back with `--replace`.
+    Wipe,
 }
 
-const KINDS: [Kind; 10] = [
+const KINDS: [Kind; 11] = [
     Kind::Kill,
     Kind::Pause,
     Kind::Isolate,
@@ -74,6 +79,7 @@ const KINDS: [Kind; 10] = [
     Kind::ResetLinks,
     Kind::FsyncFails,
     Kind::TornWrite,
+    Kind::Wipe,
 ];
 
 /// One injected fault and when it was healed.
@@ -90,6 +96,9 @@ struct Fault {
 struct Nemesis {
     rng: StdRng,
     leader_hint: Option<u64>,
+    /// Nodes whose every partition has another up-to-date replica: wiping one loses
+    /// nothing acknowledged (the fault model keeps within what r = 3 survives).
+    wipe_safe: Vec<u64>,
 }
 
 impl Nemesis {
@@ -113,6 +122,13 @@ impl Nemesis {
     fn apply(&mut self, cluster: &mut LocalCluster, kind: Kind) -> (Vec<u64>, bool) {
         let two_or_one = if self.rng.random_bool(0.5) { 2 } else { 1 };
         match kind {
+            Kind::Wipe => {
+                let node = self.wipe_safe[self.rng.random_range(0..self.wipe_safe.len())];
+                cluster.kill9(node);
+                let data = cluster.config_path(node).parent().unwrap().join("data");
+                std::fs::remove_dir_all(&data).unwrap();
+                (vec![node], self.leader_hint == Some(node))
+            }
             Kind::Kill => {
                 let (nodes, leader) = self.pick(two_or_one);
                 nodes.iter().for_each(|&n| cluster.kill9(n));
@@ -187,11 +203,46 @@ impl Nemesis {
     }
 }
 
+/// The live nodes whose every partition has another live, up-to-date replica, as the first
+/// node that answers sees them (none if none answers).
+async fn wipe_safe(cluster: &LocalCluster) -> Vec<u64> {
+    for id in cluster.node_ids() {
+        let Ok(Ok(status)) = tokio::time::timeout(
+            Duration::from_secs(2),
+            ClusterClient::new(cluster.addr(id)).status(),
+        )
+        .await
+        else {
+            continue;
+        };
+        let meta = &status.meta;
+        let alive = |n: &tessera_common::NodeId| meta.nodes.get(n).is_some_and(|n| n.alive);
+        return cluster
+            .node_ids()
+            .into_iter()
+            .filter(|&n| {
+                let node = tessera_common::NodeId(n);
+                alive(&node)
+                    && meta.map.partitions.iter().all(|p| {
+                        !p.replicas.contains(&node)
+                            || p.replicas.iter().any(|r| {
+                                *r != node && alive(r) && !p.stale.contains_key(r)
+                            })
+                    })
+            })
+            .collect();
+    }
+    Vec::new()
+}
+
 /// Undoes every fault: restarts killed nodes, resumes paused ones, heals the network and
 /// the links.
 fn heal(cluster: &mut LocalCluster, fault: Kind, nodes: &[u64]) {
     match fault {
         Kind::Kill => nodes.iter().for_each(|&n| cluster.start(n)),
+        Kind::Wipe => nodes
+            .iter()
+            .for_each(|&n| cluster.start_with_args(n, &["--replace"])),
         Kind::Pause => nodes.iter().for_each(|&n| cluster.resume(n)),
         Kind::Isolate | Kind::SplitMinority | Kind::Bridge | Kind::OneWay => cluster.net().heal(),
         Kind::SlowLinks => cluster
@@ -317,6 +368,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
     let mut nemesis = Nemesis {
         rng: StdRng::seed_from_u64(seed ^ 0xfa017),
         leader_hint: None,
+        wipe_safe: Vec::new(),
     };
     let mut faults = Vec::new();
     let run_started = Instant::now();
@@ -334,7 +386,11 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         .await
         .ok()
         .flatten();
-        let kind = KINDS[nemesis.rng.random_range(0..KINDS.len())];
+        nemesis.wipe_safe = wipe_safe(&cluster).await;
+        let kind = match KINDS[nemesis.rng.random_range(0..KINDS.len())] {
+            Kind::Wipe if nemesis.wipe_safe.is_empty() => Kind::Kill,
+            kind => kind,
+        };
         let started = Instant::now();
         let (nodes, leader_inside) = nemesis.apply(&mut cluster, kind);
         let hold = Duration::from_millis(nemesis.rng.random_range(1000..4000));
