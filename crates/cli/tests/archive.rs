@@ -99,13 +99,6 @@ fn files(root: &Path, id: u64, dir: &str, ext: &str) -> Vec<PathBuf> {
     files
 }
 
-fn flip_a_byte(path: &Path) {
-    let mut bytes = std::fs::read(path).unwrap();
-    let middle = bytes.len() / 2;
-    bytes[middle] ^= 0x10;
-    std::fs::write(path, bytes).unwrap();
-}
-
 fn hashes_right(path: &Path) -> bool {
     let name = path.file_stem().unwrap().to_string_lossy().to_string();
     std::fs::read(path).is_ok_and(|bytes| ComponentHash::of_bytes(&bytes).to_hex() == name)
@@ -220,9 +213,9 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
     let deleted = files(root.path(), 2, "fragments", "fragment")[0].clone();
     std::fs::remove_file(&deleted).unwrap();
     let flipped = files(root.path(), 3, "fragments", "fragment")[0].clone();
-    flip_a_byte(&flipped);
+    common::flip_a_byte(&flipped);
     let component = files(root.path(), 4, "components", "parquet")[0].clone();
-    flip_a_byte(&component);
+    common::flip_a_byte(&component);
     let (ok, out) = common::tessera_at_node_1(BINARY, &cluster, ["scrub"]);
     assert!(ok, "{out}");
     let damaged = out.matches("  damaged:").count();

@@ -7,8 +7,10 @@
 //!   `--replace`, instead of answering without its rows (before this check it answered
 //!   counts short by a third, and the metadata leader's Raft core panicked);
 //! - started with `--replace` it rejoins empty: its partitions are copied to it whole,
-//!   every row (those published while it was down included) is there through every node,
-//!   and it votes again: with node 2 then SIGKILLed, nodes 1 and 3 still take a publish.
+//!   every row (those published while it was down included) is there through every node;
+//! - wiped again and killed while its replacement was under way, it finishes the
+//!   replacement when started without the flag;
+//! - it votes again: with node 2 then SIGKILLed, nodes 1 and 3 still take a publish.
 
 mod common;
 
@@ -119,6 +121,32 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
     let rows_here: u64 = one.status().await.unwrap().tables.iter().map(|t| t.rows).sum();
     assert_eq!(rows_here, 4000, "node 1 holds every row again");
 
+    // Wiped again, and killed while its --replace was under way (its data directory holds
+    // the replacement's marker and nothing else): started plainly, it finishes the
+    // replacement instead of refusing.
+    cluster.kill9(1);
+    wait_until("node 1 declared failed again", Duration::from_secs(30), || async {
+        let status = client.status().await.ok()?;
+        status.meta.nodes.values().any(|n| n.id.0 == 1 && !n.alive).then_some(())
+    })
+    .await;
+    insert(&client, 4001, 4500).await;
+    let data = root.path().join("node-1/data");
+    std::fs::remove_dir_all(&data).unwrap();
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(data.join("REPLACING"), b"").unwrap();
+    cluster.start(1);
+    wait_until("node 1 back again", Duration::from_secs(120), || async {
+        let status = client.status().await.ok()?;
+        let back = status.meta.nodes.values().any(|n| n.id.0 == 1 && n.alive);
+        let stale = status.meta.map.partitions.iter().any(|p| !p.stale.is_empty());
+        (back && !stale).then_some(())
+    })
+    .await;
+    assert!(!data.join("REPLACING").exists(), "the marker is gone once the node is back");
+    let rows_here: u64 = one.status().await.unwrap().tables.iter().map(|t| t.rows).sum();
+    assert_eq!(rows_here, 4500, "node 1 holds every row again");
+
     // It votes again: without node 2, nodes 1 and 3 are a majority of the three voters.
     wait_until("node 1 a voter again", Duration::from_secs(60), || async {
         let status = client.status().await.ok()?;
@@ -135,6 +163,6 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
             .map(|_| ())
     })
     .await;
-    assert_eq!(count(&three).await.unwrap(), 4001);
+    assert_eq!(count(&three).await.unwrap(), 4501);
     assert!(cluster.panics_logged().is_empty(), "{:?}", cluster.panics_logged());
 }

@@ -30,13 +30,6 @@ fn components(root: &Path, id: u64) -> Vec<PathBuf> {
     files
 }
 
-fn flip_a_byte(path: &Path) {
-    let mut bytes = std::fs::read(path).unwrap();
-    let middle = bytes.len() / 2;
-    bytes[middle] ^= 0x10;
-    std::fs::write(path, bytes).unwrap();
-}
-
 fn stem(path: &Path) -> String {
     path.file_stem().unwrap().to_string_lossy().to_string()
 }
@@ -71,7 +64,7 @@ async fn the_scrubber_finds_every_damaged_component_and_repairs_it() {
 
     // Node 2's background scrubber finds a flipped byte and repairs it.
     let on_two = components(root.path(), 2)[0].clone();
-    flip_a_byte(&on_two);
+    common::flip_a_byte(&on_two);
     let log = cluster.log_path(2);
     wait_until(
         "node 2's scrubber repairs its damaged component",
@@ -86,7 +79,7 @@ async fn the_scrubber_finds_every_damaged_component_and_repairs_it() {
 
     // Node 3 does not scrub by itself: `tessera scrub` finds both of its damaged files.
     let on_three = components(root.path(), 3);
-    flip_a_byte(&on_three[0]);
+    common::flip_a_byte(&on_three[0]);
     std::fs::remove_file(&on_three[1]).unwrap();
     let (ok, text) = scrub(&cluster);
     eprintln!("tessera scrub:\n{text}");

@@ -37,6 +37,10 @@ struct DataIdentity {
     cluster_id: String,
     node_id: NodeId,
     format: u32,
+    /// The node came back empty with `--replace` onto this directory: it joins the
+    /// metadata group that exists and never founds one.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    replaced: bool,
 }
 
 pub struct Node {
@@ -78,9 +82,10 @@ impl std::fmt::Debug for Node {
 }
 
 /// Checks (or records) which cluster and node a data directory belongs to.
-/// Checks the data directory belongs to this cluster and node; `true` if it is new (it has
-/// no identity file yet, written by [`write_data_identity`] once the node may start).
-fn check_data_identity(dir: &Path, config: &NodeConfig) -> Result<bool> {
+/// Checks the data directory belongs to this cluster and node: `None` if it is new (it has
+/// no identity file yet, written by [`write_data_identity`] once the node may start), else
+/// whether the node came back onto it as a replacement.
+fn check_data_identity(dir: &Path, config: &NodeConfig) -> Result<Option<bool>> {
     let data_error = |reason: String| ClusterError::DataDir {
         dir: dir.display().to_string(),
         reason,
@@ -91,6 +96,7 @@ fn check_data_identity(dir: &Path, config: &NodeConfig) -> Result<bool> {
         cluster_id: config.cluster_id.clone(),
         node_id: config.node_id,
         format: DATA_FORMAT_VERSION,
+        replaced: false,
     };
     match std::fs::read(&path) {
         Ok(bytes) => {
@@ -114,19 +120,21 @@ fn check_data_identity(dir: &Path, config: &NodeConfig) -> Result<bool> {
                     found.node_id, ours.node_id
                 )));
             }
-            Ok(false)
+            Ok(Some(found.replaced))
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(data_error(e.to_string())),
     }
 }
 
-/// Marks the data directory as this cluster's and node's.
+/// Marks the data directory as this cluster's and node's (`replaced`: it came back onto it
+/// with `--replace`).
 fn write_data_identity(dir: &Path, config: &NodeConfig) -> Result<()> {
     let ours = DataIdentity {
         cluster_id: config.cluster_id.clone(),
         node_id: config.node_id,
         format: DATA_FORMAT_VERSION,
+        replaced: config.replace,
     };
     let bytes = serde_json::to_vec_pretty(&ours).expect("identity serializes");
     std::fs::write(dir.join(IDENTITY_FILE), bytes).map_err(|e| ClusterError::DataDir {
@@ -134,6 +142,9 @@ fn write_data_identity(dir: &Path, config: &NodeConfig) -> Result<()> {
         reason: e.to_string(),
     })
 }
+
+/// Present in a new data directory while its `--replace` is under way.
+const REPLACING_FILE: &str = "REPLACING";
 
 /// A node whose data is gone asks to be taken back empty ([`Node::replace`]).
 pub const ACTION_REPLACE_NODE: &str = "replace-node";
@@ -255,8 +266,16 @@ impl Node {
     }
 
     /// As [`Node::start`], speaking a given protocol version (tests of version checks).
-    pub async fn start_with_protocol(config: NodeConfig, protocol: u32) -> Result<Arc<Node>> {
-        let fresh = check_data_identity(&config.data_dir, &config)?;
+    pub async fn start_with_protocol(mut config: NodeConfig, protocol: u32) -> Result<Arc<Node>> {
+        let identity = check_data_identity(&config.data_dir, &config)?;
+        let fresh = identity.is_none();
+        // `--replace` is remembered in the data directory until the cluster has taken the
+        // node back (a process killed on the way finishes the replacement when restarted),
+        // and in its identity after: a replacement never founds a metadata group.
+        let replacing = config.data_dir.join(REPLACING_FILE);
+        if identity == Some(true) || (fresh && replacing.exists()) {
+            config.replace = true;
+        }
         let incarnation = next_incarnation(&config.data_dir)?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
@@ -283,12 +302,17 @@ impl Node {
         let reachable = check_peers(&config, &clients, protocol).await?;
         if fresh {
             if config.replace {
+                std::fs::write(&replacing, b"").map_err(|e| ClusterError::DataDir {
+                    dir: config.data_dir.display().to_string(),
+                    reason: format!("recording the replacement: {e}"),
+                })?;
                 request_replacement(&config, &clients).await?;
             } else {
                 refuse_if_data_lost(&config, &clients, &reachable).await?;
             }
             write_data_identity(&config.data_dir, &config)?;
-        } else if config.replace {
+            let _ = std::fs::remove_file(&replacing);
+        } else if config.replace && identity == Some(false) {
             return Err(ClusterError::DataDir {
                 dir: config.data_dir.display().to_string(),
                 reason: "--replace brings back a node whose data is gone, but this data directory holds the node's data: start it without --replace".into(),

@@ -11,7 +11,7 @@
 use crate::error::{Result, StorageError};
 use crate::fsio;
 use std::path::{Path, PathBuf};
-use tessera_common::{disk, ComponentHash};
+use tessera_common::ComponentHash;
 
 /// How components are cut: `data` fragments carry the bytes, `parity` fragments let any
 /// `data` of the `data + parity` rebuild them.
@@ -157,23 +157,12 @@ impl FragmentStore {
 
     /// A fragment's bytes, checked against its name.
     pub fn read_verified(&self, hash: &ComponentHash) -> Result<Vec<u8>> {
-        let path = self.path(hash);
-        let bytes = match disk::read(&path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(StorageError::MissingFragment { hash: *hash, path })
-            }
-            Err(e) => return Err(StorageError::io(&path, e)),
-        };
-        let actual = ComponentHash::of_bytes(&bytes);
-        if actual != *hash {
-            return Err(StorageError::CorruptFragment {
-                hash: *hash,
-                path,
-                actual,
-            });
-        }
-        Ok(bytes)
+        crate::component::read_named(
+            self.path(hash),
+            hash,
+            |hash, path| StorageError::MissingFragment { hash, path },
+            |hash, path, actual| StorageError::CorruptFragment { hash, path, actual },
+        )
     }
 
     /// Every fragment file here (by name, unchecked), its size and how long ago it was

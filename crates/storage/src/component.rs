@@ -116,21 +116,30 @@ pub fn verify_component(dir: &Path, hash: &ComponentHash) -> Result<()> {
 
 /// A component's bytes, checked against its name.
 pub fn read_verified(dir: &Path, hash: &ComponentHash) -> Result<Vec<u8>> {
-    let path = component_path(dir, hash);
+    read_named(
+        component_path(dir, hash),
+        hash,
+        |hash, path| StorageError::MissingComponent { hash, path },
+        |hash, path, actual| StorageError::CorruptComponent { hash, path, actual },
+    )
+}
+
+/// The bytes of a file named by their hash (a component, an archive fragment), checked
+/// against it; `missing` and `corrupt` say what kind of file is wrong.
+pub(crate) fn read_named(
+    path: PathBuf,
+    hash: &ComponentHash,
+    missing: impl FnOnce(ComponentHash, PathBuf) -> StorageError,
+    corrupt: impl FnOnce(ComponentHash, PathBuf, ComponentHash) -> StorageError,
+) -> Result<Vec<u8>> {
     let bytes = match disk::read(&path) {
         Ok(bytes) => bytes,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(StorageError::MissingComponent { hash: *hash, path })
-        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(missing(*hash, path)),
         Err(e) => return Err(StorageError::io(&path, e)),
     };
     let actual = ComponentHash::of_bytes(&bytes);
     if actual != *hash {
-        return Err(StorageError::CorruptComponent {
-            hash: *hash,
-            path,
-            actual,
-        });
+        return Err(corrupt(*hash, path, actual));
     }
     Ok(bytes)
 }

@@ -276,3 +276,11 @@ pub fn tessera_at_node_1<S: AsRef<std::ffi::OsStr>>(
     );
     (output.status.success(), text)
 }
+
+/// Flips one bit in the middle of a file: damage a hash check must find.
+pub fn flip_a_byte(path: &Path) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x10;
+    std::fs::write(path, bytes).unwrap();
+}
