@@ -56,37 +56,6 @@ async fn write(client: &ClusterClient, sql: &str) -> Option<u64> {
     }
 }
 
-/// A random change as SQL, applied to `rows`.
-fn random_change(rng: &mut rand::rngs::StdRng, next_key: &mut i64, rows: &mut Rows) -> String {
-    match rng.random_range(0..10) {
-        0..=4 => {
-            let values: Vec<String> = (0..rng.random_range(20..80))
-                .map(|_| {
-                    let (k, v) = (*next_key, rng.random_range(0..1000));
-                    *next_key += 1;
-                    rows.insert(k, v);
-                    format!("({k}, {v})")
-                })
-                .collect();
-            format!("INSERT INTO kv VALUES {}", values.join(", "))
-        }
-        5..=7 => {
-            let (m, r, d) = (rng.random_range(2..5), rng.random_range(0..2), rng.random_range(1..50));
-            for (k, v) in rows.iter_mut() {
-                if k % m == r {
-                    *v += d;
-                }
-            }
-            format!("UPDATE kv SET v = v + {d} WHERE k % {m} = {r}")
-        }
-        _ => {
-            let (m, r) = (rng.random_range(3..7), rng.random_range(0..3));
-            rows.retain(|k, _| k % m != r);
-            format!("DELETE FROM kv WHERE k % {m} = {r}")
-        }
-    }
-}
-
 /// Node `id`'s files under `dir` of its store with extension `ext`.
 fn files(root: &Path, id: u64, dir: &str, ext: &str) -> Vec<PathBuf> {
     let dir = root.join(format!("node-{id}/data/store/{dir}"));
@@ -145,7 +114,7 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
     let mut versions: Vec<(u64, Rows)> = Vec::new();
     let mut tags: BTreeMap<String, (u64, Rows)> = BTreeMap::new();
     for step in 0..24 {
-        let sql = random_change(&mut rng, &mut next_key, &mut rows);
+        let sql = common::random_kv_change(&mut rng, 20..80, &mut next_key, &mut rows);
         if let Some(epoch) = write(&client, &sql).await {
             versions.push((epoch, rows.clone()));
         }
@@ -172,7 +141,7 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
     // The oldest tag is then certainly below what retention keeps.
     write(&client, "ALTER TABLE kv SET (retain_epochs = 1)").await;
     for _ in 0..2 {
-        let sql = random_change(&mut rng, &mut next_key, &mut rows);
+        let sql = common::random_kv_change(&mut rng, 20..80, &mut next_key, &mut rows);
         if let Some(epoch) = write(&client, &sql).await {
             versions.push((epoch, rows.clone()));
         }
@@ -183,7 +152,7 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
     let (mut whole_rows, mut whole_key) = (Rows::new(), 0i64);
     let mut whole: Vec<(u64, Rows)> = Vec::new();
     while whole.len() < 5 {
-        let sql = random_change(&mut rng, &mut whole_key, &mut whole_rows).replace(" kv ", " whole ");
+        let sql = common::random_kv_change(&mut rng, 20..80, &mut whole_key, &mut whole_rows).replace(" kv ", " whole ");
         if let Some(epoch) = write(&client, &sql).await {
             whole.push((epoch, whole_rows.clone()));
         }

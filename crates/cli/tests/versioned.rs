@@ -5,7 +5,7 @@
 //! readable as system tables; bad time-travel input is refused by name and changes nothing.
 
 use arrow::array::{Array, Int64Array, RecordBatch, StringArray};
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tessera_server::ClusterClient;
@@ -95,42 +95,6 @@ async fn error_of(client: &ClusterClient, sql: &str) -> String {
     match client.sql(sql).await {
         Ok(outputs) => panic!("{sql} was accepted: {outputs:?}"),
         Err(error) => error.to_string(),
-    }
-}
-
-/// A random change to the table, as SQL, and what it does to `rows`.
-fn random_change(rng: &mut rand::rngs::StdRng, next_key: &mut i64, rows: &mut Rows) -> String {
-    match rng.random_range(0..10) {
-        0..=4 => {
-            let n = rng.random_range(1..20);
-            let values: Vec<String> = (0..n)
-                .map(|_| {
-                    let (k, v) = (*next_key, rng.random_range(0..1000));
-                    *next_key += 1;
-                    rows.insert(k, v);
-                    format!("({k}, {v})")
-                })
-                .collect();
-            format!("INSERT INTO kv VALUES {}", values.join(", "))
-        }
-        5..=7 => {
-            let (m, r, d) = (
-                rng.random_range(2..5),
-                rng.random_range(0..2),
-                rng.random_range(1..50),
-            );
-            for (k, v) in rows.iter_mut() {
-                if k % m == r {
-                    *v += d;
-                }
-            }
-            format!("UPDATE kv SET v = v + {d} WHERE k % {m} = {r}")
-        }
-        _ => {
-            let (m, r) = (rng.random_range(3..7), rng.random_range(0..3));
-            rows.retain(|k, _| k % m != r);
-            format!("DELETE FROM kv WHERE k % {m} = {r}")
-        }
     }
 }
 
@@ -259,7 +223,7 @@ async fn every_as_of_answer_equals_the_model_before_and_after_restarts() {
     let mut next_key = 0;
     for step in 0..30 {
         let mut rows = model.current();
-        let sql = random_change(&mut rng, &mut next_key, &mut rows);
+        let sql = common::random_kv_change(&mut rng, 1..20, &mut next_key, &mut rows);
         // The gap keeps each version's time window wide enough to name.
         tokio::time::sleep(Duration::from_millis(30)).await;
         let sent_ms = tessera_common::time::now_ms();
@@ -412,7 +376,7 @@ async fn check_retention(
     // More versions, merged under the moving horizon (eager merges, small memtables).
     for _ in 0..8 {
         let mut rows = model.current();
-        let sql = random_change(rng, next_key, &mut rows);
+        let sql = common::random_kv_change(rng, 1..20, next_key, &mut rows);
         let sent_ms = tessera_common::time::now_ms();
         if let Some(epoch) = write(client, &sql).await {
             model.versions.push(Version {

@@ -284,3 +284,46 @@ pub fn flip_a_byte(path: &Path) {
     bytes[middle] ^= 0x10;
     std::fs::write(path, bytes).unwrap();
 }
+
+/// A random change to table `kv (k BIGINT PRIMARY KEY, v BIGINT)`, as SQL, applied to its
+/// model `rows`: half the time an insert of `inserted` new keys (from `next_key` on), else
+/// an update or a delete of the keys in a random residue class.
+pub fn random_kv_change(
+    rng: &mut rand::rngs::StdRng,
+    inserted: std::ops::Range<usize>,
+    next_key: &mut i64,
+    rows: &mut std::collections::BTreeMap<i64, i64>,
+) -> String {
+    use rand::Rng;
+    match rng.random_range(0..10) {
+        0..=4 => {
+            let values: Vec<String> = (0..rng.random_range(inserted))
+                .map(|_| {
+                    let (k, v) = (*next_key, rng.random_range(0..1000));
+                    *next_key += 1;
+                    rows.insert(k, v);
+                    format!("({k}, {v})")
+                })
+                .collect();
+            format!("INSERT INTO kv VALUES {}", values.join(", "))
+        }
+        5..=7 => {
+            let (m, r, d) = (
+                rng.random_range(2..5),
+                rng.random_range(0..2),
+                rng.random_range(1..50),
+            );
+            for (k, v) in rows.iter_mut() {
+                if k % m == r {
+                    *v += d;
+                }
+            }
+            format!("UPDATE kv SET v = v + {d} WHERE k % {m} = {r}")
+        }
+        _ => {
+            let (m, r) = (rng.random_range(3..7), rng.random_range(0..3));
+            rows.retain(|k, _| k % m != r);
+            format!("DELETE FROM kv WHERE k % {m} = {r}")
+        }
+    }
+}
