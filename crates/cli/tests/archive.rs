@@ -39,8 +39,16 @@ async fn rows_of(client: &ClusterClient, sql: &str) -> Result<Rows, String> {
     let batches = client.query(sql).await.map_err(|e| e.to_string())?;
     let mut rows = Rows::new();
     for batch in &batches {
-        let k = batch.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
-        let v = batch.column(1).as_any().downcast_ref::<Int64Array>().unwrap();
+        let k = batch
+            .column(0)
+            .as_any()
+            .downcast_ref::<Int64Array>()
+            .unwrap();
+        let v = batch
+            .column(1)
+            .as_any()
+            .downcast_ref::<Int64Array>()
+            .unwrap();
         for i in 0..batch.num_rows() {
             rows.insert(k.value(i), v.value(i));
         }
@@ -49,7 +57,10 @@ async fn rows_of(client: &ClusterClient, sql: &str) -> Result<Rows, String> {
 }
 
 async fn write(client: &ClusterClient, sql: &str) -> Option<u64> {
-    let outputs = client.sql(sql).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+    let outputs = client
+        .sql(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
     match outputs.last() {
         Some(StatementOutput::Done { epoch, .. }) => epoch.map(|e| e.0),
         other => panic!("{sql}: {other:?}"),
@@ -127,7 +138,11 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
             }
             2 => {
                 let keep = rng.random_range(1..4);
-                write(&client, &format!("ALTER TABLE kv SET (retain_epochs = {keep})")).await;
+                write(
+                    &client,
+                    &format!("ALTER TABLE kv SET (retain_epochs = {keep})"),
+                )
+                .await;
             }
             3 => flush_everywhere(&cluster).await,
             _ => {}
@@ -147,35 +162,68 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
         }
     }
     // A table archived whole: every version retention lets go moves to the archive.
-    write(&client, "CREATE TABLE whole (k BIGINT PRIMARY KEY, v BIGINT)").await;
-    write(&client, "ALTER TABLE whole SET (archive = true, retain_epochs = 1)").await;
+    write(
+        &client,
+        "CREATE TABLE whole (k BIGINT PRIMARY KEY, v BIGINT)",
+    )
+    .await;
+    write(
+        &client,
+        "ALTER TABLE whole SET (archive = true, retain_epochs = 1)",
+    )
+    .await;
     let (mut whole_rows, mut whole_key) = (Rows::new(), 0i64);
     let mut whole: Vec<(u64, Rows)> = Vec::new();
     while whole.len() < 5 {
-        let sql = common::random_kv_change(&mut rng, 20..80, &mut whole_key, &mut whole_rows).replace(" kv ", " whole ");
+        let sql = common::random_kv_change(&mut rng, 20..80, &mut whole_key, &mut whole_rows)
+            .replace(" kv ", " whole ");
         if let Some(epoch) = write(&client, &sql).await {
             whole.push((epoch, whole_rows.clone()));
         }
     }
-    let status = wait_until("the leader archives every tagged epoch retention passed", Duration::from_secs(120), || async {
-        let status = client.status().await.ok()?;
-        status.meta.archive_due().is_empty().then_some(status)
-    })
+    let status = wait_until(
+        "the leader archives every tagged epoch retention passed",
+        Duration::from_secs(120),
+        || async {
+            let status = client.status().await.ok()?;
+            status.meta.archive_due().is_empty().then_some(status)
+        },
+    )
     .await;
     flush_everywhere(&cluster).await;
     let horizon = status.meta.retention_horizon("kv");
     let archived: Vec<u64> = status.meta.archive["kv"].keys().map(|e| e.0).collect();
     let oldest_tag = tags.values().map(|(e, _)| *e).min().unwrap();
-    assert!(horizon.0 > oldest_tag, "the horizon ({horizon}) passed the oldest tag ({oldest_tag})");
-    assert!(archived.contains(&oldest_tag), "tagged epoch {oldest_tag} archived: {archived:?}");
+    assert!(
+        horizon.0 > oldest_tag,
+        "the horizon ({horizon}) passed the oldest tag ({oldest_tag})"
+    );
+    assert!(
+        archived.contains(&oldest_tag),
+        "tagged epoch {oldest_tag} archived: {archived:?}"
+    );
     let health = status.meta.archive_health();
-    assert_eq!(health.fewest_live, Some((6, 2)), "every fragment on a live node: {health:?}");
-    println!("horizon {horizon}, archived epochs {archived:?}, {} components", health.components);
+    assert_eq!(
+        health.fewest_live,
+        Some((6, 2)),
+        "every fragment on a live node: {health:?}"
+    );
+    println!(
+        "horizon {horizon}, archived epochs {archived:?}, {} components",
+        health.components
+    );
     let whole_horizon = status.meta.retention_horizon("whole");
-    assert_eq!(whole_horizon.0, whole.last().unwrap().0, "retain_epochs = 1 keeps the last version");
+    assert_eq!(
+        whole_horizon.0,
+        whole.last().unwrap().0,
+        "retain_epochs = 1 keeps the last version"
+    );
     let whole_archived: Vec<u64> = status.meta.archive["whole"].keys().map(|e| e.0).collect();
     for (epoch, _) in &whole[..whole.len() - 1] {
-        assert!(whole_archived.contains(epoch), "version {epoch} of whole archived: {whole_archived:?}");
+        assert!(
+            whole_archived.contains(epoch),
+            "version {epoch} of whole archived: {whole_archived:?}"
+        );
     }
 
     // Damage: a deleted fragment, a flipped fragment, a flipped component, on three nodes.
@@ -215,13 +263,22 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
         match rows_of(&client, &format!("SELECT k, v FROM kv AS OF EPOCH {epoch}")).await {
             Ok(answer) => assert_eq!(&answer, expected, "AS OF EPOCH {epoch}"),
             Err(error) => {
-                assert!(*epoch < horizon.0, "epoch {epoch} at or above the horizon {horizon} refused: {error}");
-                assert!(error.contains("no longer retained") && error.contains(&horizon.to_string()), "{error}");
+                assert!(
+                    *epoch < horizon.0,
+                    "epoch {epoch} at or above the horizon {horizon} refused: {error}"
+                );
+                assert!(
+                    error.contains("no longer retained") && error.contains(&horizon.to_string()),
+                    "{error}"
+                );
                 refused += 1;
             }
         }
     }
-    println!("{refused} of {} epochs below the horizon and not archived", versions.len());
+    println!(
+        "{refused} of {} epochs below the horizon and not archived",
+        versions.len()
+    );
     // Every version of the table archived whole answers exactly, and so does every epoch
     // between two of them.
     for (i, (epoch, expected)) in whole.iter().enumerate() {
@@ -230,20 +287,29 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
             let answer = rows_of(&client, &format!("SELECT k, v FROM whole AS OF EPOCH {at}"))
                 .await
                 .unwrap_or_else(|e| panic!("whole AS OF EPOCH {at}: {e}"));
-            assert_eq!(&answer, expected, "whole AS OF EPOCH {at} (version of epoch {epoch})");
+            assert_eq!(
+                &answer, expected,
+                "whole AS OF EPOCH {at} (version of epoch {epoch})"
+            );
         }
     }
 
-
     // Re-replication: the dead nodes' fragments are rebuilt where none of their
     // component's are.
-    wait_until("the lost fragments rebuilt on live nodes", Duration::from_secs(120), || async {
-        let status = client.status().await.ok()?;
-        (status.meta.archive_health().fewest_live == Some((5, 2))).then_some(())
-    })
+    wait_until(
+        "the lost fragments rebuilt on live nodes",
+        Duration::from_secs(120),
+        || async {
+            let status = client.status().await.ok()?;
+            (status.meta.archive_health().fewest_live == Some((5, 2))).then_some(())
+        },
+    )
     .await;
     let (_, status_out) = common::tessera_at_node_1(BINARY, &cluster, ["status"]);
-    assert!(status_out.contains("fewest live fragments of one component: 5 of 6"), "{status_out}");
+    assert!(
+        status_out.contains("fewest live fragments of one component: 5 of 6"),
+        "{status_out}"
+    );
     let (ok, scrubbed) = common::tessera_at_node_1(BINARY, &cluster, ["scrub"]);
     assert!(ok && !scrubbed.contains("  damaged:"), "{scrubbed}");
     check_tags(&client, &tags, "after re-replication").await;
@@ -257,11 +323,20 @@ async fn archived_epochs_answer_exactly_with_two_nodes_dead_and_the_scrubber_rep
     assert!(client.status().await.unwrap().meta.archive.is_empty());
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let (ok, collected) = common::tessera_at_node_1(BINARY, &cluster, ["scrub"]);
-    assert!(ok && collected.contains("archive fragments no archived epoch names any more"), "{collected}");
+    assert!(
+        ok && collected.contains("archive fragments no archived epoch names any more"),
+        "{collected}"
+    );
     for id in (1..=7).filter(|id| *id != first && *id != second) {
         let left = files(root.path(), id, "fragments", "fragment");
-        assert!(left.is_empty(), "node {id} still holds fragments {left:?}: {collected}");
+        assert!(
+            left.is_empty(),
+            "node {id} still holds fragments {left:?}: {collected}"
+        );
     }
-    assert_eq!(rows_of(&client, "SELECT k, v FROM kv").await.unwrap(), rows, "the current rows");
-
+    assert_eq!(
+        rows_of(&client, "SELECT k, v FROM kv").await.unwrap(),
+        rows,
+        "the current rows"
+    );
 }

@@ -225,9 +225,9 @@ async fn wipe_safe(cluster: &LocalCluster) -> Vec<u64> {
                 alive(&node)
                     && meta.map.partitions.iter().all(|p| {
                         !p.replicas.contains(&node)
-                            || p.replicas.iter().any(|r| {
-                                *r != node && alive(r) && !p.stale.contains_key(r)
-                            })
+                            || p.replicas
+                                .iter()
+                                .any(|r| *r != node && alive(r) && !p.stale.contains_key(r))
                     })
             })
             .collect();

@@ -38,7 +38,10 @@ async fn count(client: &ClusterClient) -> Result<i64, String> {
 
 async fn insert(client: &ClusterClient, from: i64, to: i64) {
     let sql = format!("INSERT INTO kv SELECT value, value * 2 FROM generate_series({from}, {to})");
-    client.sql(&sql).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+    client
+        .sql(&sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -61,15 +64,19 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
 
     // Node 1 dies; rows are published without it; its data directory is wiped.
     cluster.kill9(1);
-    wait_until("node 1 declared failed", Duration::from_secs(30), || async {
-        let status = client.status().await.ok()?;
-        status
-            .meta
-            .nodes
-            .values()
-            .any(|n| n.id.0 == 1 && !n.alive)
-            .then_some(())
-    })
+    wait_until(
+        "node 1 declared failed",
+        Duration::from_secs(30),
+        || async {
+            let status = client.status().await.ok()?;
+            status
+                .meta
+                .nodes
+                .values()
+                .any(|n| n.id.0 == 1 && !n.alive)
+                .then_some(())
+        },
+    )
     .await;
     insert(&client, 3001, 4000).await;
     std::fs::remove_dir_all(root.path().join("node-1/data")).unwrap();
@@ -94,7 +101,11 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
         log.contains("its data is gone") && log.contains("--replace"),
         "{log}"
     );
-    assert_eq!(count(&client).await.unwrap(), 4000, "the others answer in full");
+    assert_eq!(
+        count(&client).await.unwrap(),
+        4000,
+        "the others answer in full"
+    );
 
     // With --replace it rejoins empty and gets every row back.
     cluster.start_with_args(1, &["--replace"]);
@@ -104,31 +115,55 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
         || async {
             let status = client.status().await.ok()?;
             let back = status.meta.nodes.values().any(|n| n.id.0 == 1 && n.alive);
-            let stale = status.meta.map.partitions.iter().any(|p| !p.stale.is_empty());
+            let stale = status
+                .meta
+                .map
+                .partitions
+                .iter()
+                .any(|p| !p.stale.is_empty());
             (back && !stale).then_some(())
         },
     )
     .await;
     let one = ClusterClient::new(cluster.addr(1));
     let copied = one.status().await.unwrap().transfers;
-    assert!(copied.whole_copies > 0 && copied.delta_copies == 0, "{copied:?}");
+    assert!(
+        copied.whole_copies > 0 && copied.delta_copies == 0,
+        "{copied:?}"
+    );
     println!("node 1 copied back: {copied:?}");
     for id in 1..=3 {
         let via = ClusterClient::new(cluster.addr(id));
         assert_eq!(count(&via).await.unwrap(), 4000, "through node {id}");
     }
     // Every row is on node 1 itself: it holds a replica of every partition (r = 3).
-    let rows_here: u64 = one.status().await.unwrap().tables.iter().map(|t| t.rows).sum();
+    let rows_here: u64 = one
+        .status()
+        .await
+        .unwrap()
+        .tables
+        .iter()
+        .map(|t| t.rows)
+        .sum();
     assert_eq!(rows_here, 4000, "node 1 holds every row again");
 
     // Wiped again, and killed while its --replace was under way (its data directory holds
     // the replacement's marker and nothing else): started plainly, it finishes the
     // replacement instead of refusing.
     cluster.kill9(1);
-    wait_until("node 1 declared failed again", Duration::from_secs(30), || async {
-        let status = client.status().await.ok()?;
-        status.meta.nodes.values().any(|n| n.id.0 == 1 && !n.alive).then_some(())
-    })
+    wait_until(
+        "node 1 declared failed again",
+        Duration::from_secs(30),
+        || async {
+            let status = client.status().await.ok()?;
+            status
+                .meta
+                .nodes
+                .values()
+                .any(|n| n.id.0 == 1 && !n.alive)
+                .then_some(())
+        },
+    )
     .await;
     insert(&client, 4001, 4500).await;
     let data = root.path().join("node-1/data");
@@ -139,30 +174,56 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
     wait_until("node 1 back again", Duration::from_secs(120), || async {
         let status = client.status().await.ok()?;
         let back = status.meta.nodes.values().any(|n| n.id.0 == 1 && n.alive);
-        let stale = status.meta.map.partitions.iter().any(|p| !p.stale.is_empty());
+        let stale = status
+            .meta
+            .map
+            .partitions
+            .iter()
+            .any(|p| !p.stale.is_empty());
         (back && !stale).then_some(())
     })
     .await;
-    assert!(!data.join("REPLACING").exists(), "the marker is gone once the node is back");
-    let rows_here: u64 = one.status().await.unwrap().tables.iter().map(|t| t.rows).sum();
+    assert!(
+        !data.join("REPLACING").exists(),
+        "the marker is gone once the node is back"
+    );
+    let rows_here: u64 = one
+        .status()
+        .await
+        .unwrap()
+        .tables
+        .iter()
+        .map(|t| t.rows)
+        .sum();
     assert_eq!(rows_here, 4500, "node 1 holds every row again");
 
     // It votes again: without node 2, nodes 1 and 3 are a majority of the three voters.
     wait_until("node 1 a voter again", Duration::from_secs(60), || async {
         let status = client.status().await.ok()?;
-        status.voters.contains(&tessera_common::NodeId(1)).then_some(())
+        status
+            .voters
+            .contains(&tessera_common::NodeId(1))
+            .then_some(())
     })
     .await;
     cluster.kill9(2);
     let three = ClusterClient::new(cluster.addr(3));
-    wait_until("a publish without node 2", Duration::from_secs(60), || async {
-        three
-            .sql("INSERT INTO kv VALUES (5000, 1)")
-            .await
-            .ok()
-            .map(|_| ())
-    })
+    wait_until(
+        "a publish without node 2",
+        Duration::from_secs(60),
+        || async {
+            three
+                .sql("INSERT INTO kv VALUES (5000, 1)")
+                .await
+                .ok()
+                .map(|_| ())
+        },
+    )
     .await;
     assert_eq!(count(&three).await.unwrap(), 4501);
-    assert!(cluster.panics_logged().is_empty(), "{:?}", cluster.panics_logged());
+    assert!(
+        cluster.panics_logged().is_empty(),
+        "{:?}",
+        cluster.panics_logged()
+    );
 }

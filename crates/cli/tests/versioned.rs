@@ -352,13 +352,17 @@ async fn check_retention(
     );
     let leader = client.status().await.unwrap().leader.unwrap();
     let leader = ClusterClient::new(cluster.addr(leader.0));
-    common::wait_until("the leader to say why it cannot archive", Duration::from_secs(30), || async {
-        let waiting = leader.status().await.ok()?.archive_waiting;
-        waiting
-            .iter()
-            .any(|w| w.contains("needs 6 live storage nodes"))
-            .then_some(())
-    })
+    common::wait_until(
+        "the leader to say why it cannot archive",
+        Duration::from_secs(30),
+        || async {
+            let waiting = leader.status().await.ok()?.archive_waiting;
+            waiting
+                .iter()
+                .any(|w| w.contains("needs 6 live storage nodes"))
+                .then_some(())
+        },
+    )
     .await;
     for name in std::mem::take(&mut model.tags).into_keys() {
         write(client, &format!("DROP TAG \"{name}\"")).await;

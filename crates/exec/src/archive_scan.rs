@@ -49,10 +49,12 @@ pub async fn read_archived(
             repair_fragments(node, component, &bad);
         }
         let cache = cache.clone();
-        pins = tokio::task::spawn_blocking(move || cache.insert(&mut pins, hash, &bytes).map(|()| pins))
-            .await
-            .map_err(|e| DataFusionError::Execution(e.to_string()))?
-            .map_err(|e| DataFusionError::External(Box::new(e)))?;
+        pins = tokio::task::spawn_blocking(move || {
+            cache.insert(&mut pins, hash, &bytes).map(|()| pins)
+        })
+        .await
+        .map_err(|e| DataFusionError::Execution(e.to_string()))?
+        .map_err(|e| DataFusionError::External(Box::new(e)))?;
     }
     tracing::debug!(table = %spec.def.name, epoch = %spec.epoch, ?partitions, "reading archived partitions");
     let snapshots = partitions
@@ -68,7 +70,11 @@ pub async fn read_archived(
             rows_in_log: false,
         })
         .collect();
-    let snapshot = Arc::new(TableSnapshot::detached(spec.def.clone(), spec.epoch, snapshots));
+    let snapshot = Arc::new(TableSnapshot::detached(
+        spec.def.clone(),
+        spec.epoch,
+        snapshots,
+    ));
     crate::scan::stream_snapshot(
         node,
         cache.as_ref(),
@@ -83,7 +89,11 @@ pub async fn read_archived(
 
 /// Has each fragment a read found bad rebuilt by its holder, in the background (a holder
 /// that is down is left to re-replication).
-fn repair_fragments(node: &Arc<Exec>, component: &ArchivedComponent, bad: &[(u32, tessera_common::NodeId, String)]) {
+fn repair_fragments(
+    node: &Arc<Exec>,
+    component: &ArchivedComponent,
+    bad: &[(u32, tessera_common::NodeId, String)],
+) {
     for (index, holder, why) in bad {
         tracing::warn!(component = %component.component.hash, index, %holder, %why, "archive fragment unreadable; asking its holder to rebuild it");
         let Some(addr) = node.meta.addr_of(*holder) else {

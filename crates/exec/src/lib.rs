@@ -104,7 +104,11 @@ impl Exec {
 
     /// Keeps components read from elsewhere in `cache`; with `reads_through_cache` (a
     /// compute node), also those of the partitions its scans read from other nodes.
-    pub fn with_cache(mut self, cache: Arc<cache::ComponentCache>, reads_through_cache: bool) -> Exec {
+    pub fn with_cache(
+        mut self,
+        cache: Arc<cache::ComponentCache>,
+        reads_through_cache: bool,
+    ) -> Exec {
         self.cache = Some(cache);
         self.reads_through_cache = reads_through_cache;
         self

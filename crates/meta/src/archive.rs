@@ -108,9 +108,9 @@ impl MetaState {
         }
         let changed_since = at < epoch
             && self
-            .epoch_log
-            .range(at.next()..=epoch)
-            .any(|(_, r)| r.kind == EpochKind::Publish && r.tables.iter().any(|t| t == table));
+                .epoch_log
+                .range(at.next()..=epoch)
+                .any(|(_, r)| r.kind == EpochKind::Publish && r.tables.iter().any(|t| t == table));
         (!changed_since).then_some(archived)
     }
 
@@ -121,7 +121,9 @@ impl MetaState {
             return Ok(None);
         };
         let generation = self.tables.get(table).map_or(0, |d| d.generation);
-        self.archived(table, generation, epoch).map(Some).ok_or(refusal)
+        self.archived(table, generation, epoch)
+            .map(Some)
+            .ok_or(refusal)
     }
 
     /// The epochs of `table` that must be archived before its horizon may pass them, and
@@ -189,7 +191,10 @@ impl MetaState {
                 archived.epoch, self.visible
             ));
         }
-        if self.check_retained(&archived.table, archived.epoch).is_err() {
+        if self
+            .check_retained(&archived.table, archived.epoch)
+            .is_err()
+        {
             return Err(format!(
                 "epoch {} of table {:?} is already below its retention horizon: the replicas may no longer hold what this archive was made from",
                 archived.epoch, archived.table
@@ -197,7 +202,9 @@ impl MetaState {
         }
         let mut partitions = std::collections::BTreeSet::new();
         for component in &archived.components {
-            if component.partition.0 >= self.partition_count || !partitions.insert(component.partition) {
+            if component.partition.0 >= self.partition_count
+                || !partitions.insert(component.partition)
+            {
                 return Err(format!(
                     "the archive of table {:?} at epoch {} names partition {} twice or out of range",
                     archived.table, archived.epoch, component.partition
@@ -225,7 +232,11 @@ impl MetaState {
         }
         let mut moved = false;
         for archived in self.archive.values_mut().flat_map(|t| t.values_mut()) {
-            for c in archived.components.iter_mut().filter(|c| c.component.hash == component) {
+            for c in archived
+                .components
+                .iter_mut()
+                .filter(|c| c.component.hash == component)
+            {
                 if c.fragments.iter().any(|f| f.node == to && f.index != index) {
                     return Err(format!(
                         "node {to} already holds another fragment of component {component}"
@@ -247,7 +258,8 @@ impl MetaState {
 
     /// Forgets archived epochs no tag names any more, of tables not archived whole.
     pub(crate) fn drop_untagged_archives(&mut self) {
-        let tagged: std::collections::BTreeSet<Epoch> = self.tags.values().map(|t| t.epoch).collect();
+        let tagged: std::collections::BTreeSet<Epoch> =
+            self.tags.values().map(|t| t.epoch).collect();
         for (table, epochs) in self.archive.iter_mut() {
             if self.retention.get(table).is_some_and(|r| r.setting.archive) {
                 continue;

@@ -91,7 +91,9 @@ fn code_of(component: &ArchivedComponent) -> Result<ErasureCode, String> {
 pub fn placement(hash: &ComponentHash, nodes: &[NodeId], count: usize) -> Vec<NodeId> {
     assert!(nodes.len() >= count, "placement needs {count} nodes");
     let start = u64::from_le_bytes(hash.0[..8].try_into().expect("8 bytes")) as usize % nodes.len();
-    (0..count).map(|i| nodes[(start + i) % nodes.len()]).collect()
+    (0..count)
+        .map(|i| nodes[(start + i) % nodes.len()])
+        .collect()
 }
 
 /// The storage nodes fragments may be placed on now: live members that hold partitions.
@@ -251,15 +253,15 @@ pub async fn archive_partition(
         |(index, (bytes, holder))| {
             let node = node.clone();
             async move {
-            let hash = ComponentHash::of_bytes(&bytes);
-            store_fragment(&node, holder, hash, bytes)
-                .await
-                .map_err(|e| format!("fragment {index} to node {holder}: {e}"))?;
-            Ok::<_, String>(ArchivedFragment {
-                index: index as u32,
-                node: holder,
-                hash,
-            })
+                let hash = ComponentHash::of_bytes(&bytes);
+                store_fragment(&node, holder, hash, bytes)
+                    .await
+                    .map_err(|e| format!("fragment {index} to node {holder}: {e}"))?;
+                Ok::<_, String>(ArchivedFragment {
+                    index: index as u32,
+                    node: holder,
+                    hash,
+                })
             }
         },
     ))
@@ -302,7 +304,11 @@ async fn store_fragment(
         })
         .collect();
     node.clients
-        .put_flight(&addr, &StoreFragmentRequest { hash }, futures::stream::iter(chunks))
+        .put_flight(
+            &addr,
+            &StoreFragmentRequest { hash },
+            futures::stream::iter(chunks),
+        )
         .await
         .map(|_| ())
         .map_err(|e| e.to_string())
@@ -327,7 +333,9 @@ pub async fn fetch_fragment(
     addr: &str,
     hash: ComponentHash,
 ) -> Result<Vec<u8>, CallError> {
-    let mut stream = clients.get_messages(addr, &FragmentRequest { hash }).await?;
+    let mut stream = clients
+        .get_messages(addr, &FragmentRequest { hash })
+        .await?;
     let mut bytes = Vec::new();
     while let Some(data) = stream.next().await {
         bytes.extend_from_slice(&data?.data_body);
@@ -447,7 +455,12 @@ pub async fn rebuild_fragment(
     let expected = component
         .fragments
         .get(index as usize)
-        .ok_or_else(|| format!("component {} has no fragment {index}", component.component.hash))?
+        .ok_or_else(|| {
+            format!(
+                "component {} has no fragment {index}",
+                component.component.hash
+            )
+        })?
         .hash;
     let meta = node.meta.clone();
     let addr_of = move |id: NodeId| meta.addr_of(id);
@@ -489,7 +502,12 @@ pub async fn rereplicate_fragments(node: &Arc<Replication>, lost: &BTreeSet<Node
         let request = RebuildFragmentRequest { component, index };
         let rebuilt = node
             .clients
-            .action::<_, Result<(), Refusal>>(&addr, ACTION_REBUILD_FRAGMENT, request, ARCHIVE_PATIENCE)
+            .action::<_, Result<(), Refusal>>(
+                &addr,
+                ACTION_REBUILD_FRAGMENT,
+                request,
+                ARCHIVE_PATIENCE,
+            )
             .await
             .map_err(|e| e.to_string())
             .and_then(|r| r.map_err(|e| format!("{e:?}")));
@@ -517,14 +535,20 @@ fn next_fragment_move(
     lost: &BTreeSet<NodeId>,
 ) -> Option<(ArchivedComponent, u32, NodeId)> {
     let live = fragment_holders(state);
-    state.archived_components().into_iter().find_map(|component| {
-        let fragment = component.fragments.iter().find(|f| lost.contains(&f.node))?;
-        let holding: BTreeSet<NodeId> = component.fragments.iter().map(|f| f.node).collect();
-        let target = placement(&component.component.hash, &live, live.len())
-            .into_iter()
-            .find(|n| !holding.contains(n))?;
-        Some((component.clone(), fragment.index, target))
-    })
+    state
+        .archived_components()
+        .into_iter()
+        .find_map(|component| {
+            let fragment = component
+                .fragments
+                .iter()
+                .find(|f| lost.contains(&f.node))?;
+            let holding: BTreeSet<NodeId> = component.fragments.iter().map(|f| f.node).collect();
+            let target = placement(&component.component.hash, &live, live.len())
+                .into_iter()
+                .find(|n| !holding.contains(n))?;
+            Some((component.clone(), fragment.index, target))
+        })
 }
 
 #[cfg(test)]
@@ -608,9 +632,20 @@ mod tests {
         let lost = BTreeSet::from([NodeId(3)]);
         state.nodes.get_mut(&NodeId(3)).unwrap().alive = false;
         let (component, index, target) = next_fragment_move(&state, &lost).expect("a move");
-        assert_eq!((component.component.hash, index, target), (hash, 2, NodeId(7)));
+        assert_eq!(
+            (component.component.hash, index, target),
+            (hash, 2, NodeId(7))
+        );
         // With node 7 holding one too, no storage node is free (node 8 computes only).
-        state.archive.get_mut("t").unwrap().get_mut(&Epoch(1)).unwrap().components[0].fragments[2].node = NodeId(7);
+        state
+            .archive
+            .get_mut("t")
+            .unwrap()
+            .get_mut(&Epoch(1))
+            .unwrap()
+            .components[0]
+            .fragments[2]
+            .node = NodeId(7);
         let lost = BTreeSet::from([NodeId(4)]);
         state.nodes.get_mut(&NodeId(4)).unwrap().alive = false;
         assert!(next_fragment_move(&state, &lost).is_none());

@@ -161,7 +161,12 @@ async fn request_replacement(config: &NodeConfig, clients: &Clients) -> Result<(
         for peer in config.peers.iter().filter(|p| p.id != config.node_id) {
             let addr = peer.addr.to_string();
             let reply: std::result::Result<std::result::Result<(), Refusal>, CallError> = clients
-                .action(&addr, ACTION_REPLACE_NODE, config.node_id, Duration::from_secs(30))
+                .action(
+                    &addr,
+                    ACTION_REPLACE_NODE,
+                    config.node_id,
+                    Duration::from_secs(30),
+                )
                 .await;
             match reply {
                 Ok(Ok(())) => {
@@ -847,10 +852,18 @@ impl Node {
                 .map_or(0, |log_id| log_id.index);
             let alive = state.nodes.get(&id).is_some_and(|n| n.alive);
             if alive && matched + 10 >= last {
-                tracing::info!(node = id.0, matched, last, "a configured voter caught up: it votes again");
+                tracing::info!(
+                    node = id.0,
+                    matched,
+                    last,
+                    "a configured voter caught up: it votes again"
+                );
                 self.meta
                     .raft()
-                    .change_membership(openraft::ChangeMembers::AddVoterIds(BTreeSet::from([id])), true)
+                    .change_membership(
+                        openraft::ChangeMembers::AddVoterIds(BTreeSet::from([id])),
+                        true,
+                    )
                     .await
                     .map_err(ClusterError::raft)?;
             }
@@ -867,7 +880,10 @@ impl Node {
             .iter()
             .any(|c| c.fragments.iter().any(|f| lost.contains(&f.node)));
         if state.archive_due().is_empty() && !fragments_lost {
-            self.archive_waiting.lock().expect("archive waiting lock").clear();
+            self.archive_waiting
+                .lock()
+                .expect("archive waiting lock")
+                .clear();
             return;
         }
         if self.archiving.swap(true, Ordering::SeqCst) {
@@ -941,7 +957,10 @@ impl Node {
         if metrics.membership_config.nodes().any(|(n, _)| *n == id) {
             self.meta
                 .raft()
-                .change_membership(openraft::ChangeMembers::RemoveNodes(BTreeSet::from([id])), false)
+                .change_membership(
+                    openraft::ChangeMembers::RemoveNodes(BTreeSet::from([id])),
+                    false,
+                )
                 .await
                 .map_err(ClusterError::raft)?;
         }

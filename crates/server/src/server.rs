@@ -1,6 +1,5 @@
 //! The RPC server of a node: the Flight service behind [`crate::rpc`].
 
-use tessera_replication::archive::{FragmentRequest, StoreFragmentRequest};
 use crate::meta::{MetaCommand, MetaResponse, MetaState};
 use crate::node::Node;
 use crate::rpc::*;
@@ -24,6 +23,7 @@ use tessera_common::tls::CertIdentity;
 use tessera_common::PartitionId;
 use tessera_exec::run::RunRequest;
 use tessera_net::{Caller, TaggedRequest};
+use tessera_replication::archive::{FragmentRequest, StoreFragmentRequest};
 use tessera_storage::versions::stored_user_schema;
 use tessera_storage::TableChanges;
 use tonic::{Request, Response, Status, Streaming};
@@ -950,7 +950,11 @@ pub fn node_status(node: &crate::node::Node) -> NodeStatus {
         insecure: node.mtls.is_none(),
         last_scrub: crate::scrub::last_scrub(),
         cache: node.exec.cache_status(),
-        archive_waiting: node.archive_waiting.lock().expect("archive waiting lock").clone(),
+        archive_waiting: node
+            .archive_waiting
+            .lock()
+            .expect("archive waiting lock")
+            .clone(),
         voters: metrics.membership_config.membership().voter_ids().collect(),
     }
 }

@@ -90,13 +90,13 @@ impl Tokens {
                 }
                 statement.archive = Some(set && self.archive_value()?);
             } else {
-            let value = if set {
-                self.expect(&Token::Eq, &format!("'=' after {option}"))?;
-                Some(self.option_value(&option)?)
-            } else {
-                None
-            };
-            let slot = match option.as_str() {
+                let value = if set {
+                    self.expect(&Token::Eq, &format!("'=' after {option}"))?;
+                    Some(self.option_value(&option)?)
+                } else {
+                    None
+                };
+                let slot = match option.as_str() {
                 RETAIN_EPOCHS => &mut statement.epochs,
                 RETAIN_FOR => &mut statement.for_ms,
                 other => {
@@ -105,10 +105,10 @@ impl Tokens {
                     )))
                 }
             };
-            if slot.is_some() {
-                return Err(syntax(format!("option {option} is given twice")));
-            }
-            *slot = Some(value);
+                if slot.is_some() {
+                    return Err(syntax(format!("option {option} is given twice")));
+                }
+                *slot = Some(value);
             }
             match self.peek() {
                 Some(Token::Comma) => self.at += 1,
@@ -252,8 +252,14 @@ mod tests {
     #[test]
     fn bad_options_are_named() {
         let archived = parse("ALTER TABLE t SET (archive = true, retain_epochs = 2)").unwrap();
-        assert_eq!((archived.archive, archived.epochs), (Some(true), Some(Some(2))));
-        assert_eq!(parse("ALTER TABLE t RESET (archive)").unwrap().archive, Some(false));
+        assert_eq!(
+            (archived.archive, archived.epochs),
+            (Some(true), Some(Some(2)))
+        );
+        assert_eq!(
+            parse("ALTER TABLE t RESET (archive)").unwrap().archive,
+            Some(false)
+        );
         assert!(parse("ALTER TABLE t SET (archive = 3)").is_err());
         assert!(parse("ALTER TABLE t SET (archive = true, archive = false)").is_err());
         let error = parse("ALTER TABLE t SET (retain_rows = 3)")

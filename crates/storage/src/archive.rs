@@ -217,7 +217,9 @@ mod tests {
             let bytes: Vec<u8> = (0..len).map(|_| rng.random()).collect();
             let fragments = code.encode(&bytes).unwrap();
             assert_eq!(fragments.len(), 6);
-            assert!(fragments.iter().all(|f| f.len() == code.fragment_len(len as u64)));
+            assert!(fragments
+                .iter()
+                .all(|f| f.len() == code.fragment_len(len as u64)));
             // Every choice of 4 of the 6 fragments.
             for lost_a in 0..6 {
                 for lost_b in lost_a + 1..6 {
@@ -227,13 +229,20 @@ mod tests {
                         .filter(|(i, _)| *i != lost_a && *i != lost_b)
                         .map(|(i, f)| (i, f.clone()))
                         .collect();
-                    assert_eq!(code.decode(len as u64, &kept).unwrap(), bytes, "len {len}, lost {lost_a} and {lost_b}");
+                    assert_eq!(
+                        code.decode(len as u64, &kept).unwrap(),
+                        bytes,
+                        "len {len}, lost {lost_a} and {lost_b}"
+                    );
                 }
             }
             let three: Vec<(usize, Vec<u8>)> =
                 fragments.iter().take(3).cloned().enumerate().collect();
             let refused = code.decode(len as u64, &three).unwrap_err().to_string();
-            assert!(refused.contains("3 fragments") && refused.contains("4 are needed"), "{refused}");
+            assert!(
+                refused.contains("3 fragments") && refused.contains("4 are needed"),
+                "{refused}"
+            );
         }
     }
 

@@ -63,7 +63,8 @@ pub async fn run(
         // Each run archives afresh: the tag and retention would otherwise be there already.
         std::fs::remove_dir_all(&root)?;
     }
-    let mut cluster = LocalCluster::start_on_free_ports(&root, UpOptions::new(nodes, partitions, 3))?;
+    let mut cluster =
+        LocalCluster::start_on_free_ports(&root, UpOptions::new(nodes, partitions, 3))?;
     cluster.wait_formed(Duration::from_secs(60)).await?;
     ensure_tpch(&cluster, sf, &format!("{nodes}-node cluster"), &root).await?;
     let client = cluster.client(0);
@@ -88,15 +89,22 @@ pub async fn run(
     }
     let (replica_bytes, component_bytes, single) = replicas_on_disk;
 
-    client.sql("ALTER TABLE lineitem SET (retain_epochs = 1)").await?;
-    client.sql("DELETE FROM lineitem WHERE l_orderkey < 100").await?;
+    client
+        .sql("ALTER TABLE lineitem SET (retain_epochs = 1)")
+        .await?;
+    client
+        .sql("DELETE FROM lineitem WHERE l_orderkey < 100")
+        .await?;
     let archiving = std::time::Instant::now();
-    poll_until("the leader to archive the tagged epoch", Duration::from_secs(1800), || async {
-        client
-            .status()
-            .await
-            .is_ok_and(|s| s.meta.archive.contains_key("lineitem") && s.meta.archive_due().is_empty())
-    })
+    poll_until(
+        "the leader to archive the tagged epoch",
+        Duration::from_secs(1800),
+        || async {
+            client.status().await.is_ok_and(|s| {
+                s.meta.archive.contains_key("lineitem") && s.meta.archive_due().is_empty()
+            })
+        },
+    )
     .await?;
     let archive_time = archiving.elapsed();
     let status = client.status().await?;

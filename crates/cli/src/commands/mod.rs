@@ -1,9 +1,9 @@
 //! One module per `tessera` subcommand.
 
 pub mod bench;
+pub mod bench_archive;
 pub mod bench_clients;
 pub mod bench_cluster;
-pub mod bench_archive;
 pub mod bench_compute;
 pub mod bench_diff;
 pub mod bench_distributed;

@@ -81,7 +81,11 @@ impl MetaState {
             .iter()
             .enumerate()
             .filter(|(_, p)| p.replicas.contains(&id))
-            .filter(|(_, p)| !p.replicas.iter().any(|r| *r != id && !p.stale.contains_key(r)))
+            .filter(|(_, p)| {
+                !p.replicas
+                    .iter()
+                    .any(|r| *r != id && !p.stale.contains_key(r))
+            })
             .map(|(i, _)| format!("p{i}"))
             .collect();
         if !lost.is_empty() {

@@ -692,49 +692,108 @@ fn a_tag_pins_the_horizon_until_the_archive_holds_its_epoch() {
         archive: false,
     };
     // Retention past the tag is taken; the tag holds the horizon while it is not archived.
-    assert_eq!(set_retention(&mut state, "t", keep_one), MetaResponse::Epoch(t[1]));
+    assert_eq!(
+        set_retention(&mut state, "t", keep_one),
+        MetaResponse::Epoch(t[1])
+    );
     assert_eq!(state.retention_horizon("t"), t[1], "pinned by the tag");
     let generation = state.tables["t"].generation;
-    assert_eq!(state.archive_due(), vec![("t".to_string(), generation, t[1])]);
-    assert!(state.read_source("t", t[0]).is_err(), "below the horizon, not archived");
+    assert_eq!(
+        state.archive_due(),
+        vec![("t".to_string(), generation, t[1])]
+    );
+    assert!(
+        state.read_source("t", t[0]).is_err(),
+        "below the horizon, not archived"
+    );
     // A record whose fragments share a node, or name a non-member, is refused.
     let mut archived = archived_epoch(&state, "t", t[1], 4, 2);
     archived.components[0].fragments[1].node = NodeId(1);
     let refused = state.apply(30, MetaCommand::RecordArchive { archived }).0;
-    assert!(matches!(refused, MetaResponse::Refused(ref r) if r.contains("two fragments on node 1")), "{refused:?}");
+    assert!(
+        matches!(refused, MetaResponse::Refused(ref r) if r.contains("two fragments on node 1")),
+        "{refused:?}"
+    );
     let mut archived = archived_epoch(&state, "t", t[1], 4, 2);
     archived.components[0].fragments[5].node = NodeId(9);
     let refused = state.apply(31, MetaCommand::RecordArchive { archived }).0;
-    assert!(matches!(refused, MetaResponse::Refused(ref r) if r.contains("not a member")), "{refused:?}");
+    assert!(
+        matches!(refused, MetaResponse::Refused(ref r) if r.contains("not a member")),
+        "{refused:?}"
+    );
     assert!(state.archive.is_empty());
     // Once archived, the horizon passes the tag, and reads of it go to the archive.
     let archived = archived_epoch(&state, "t", t[1], 4, 2);
-    assert_eq!(state.apply(32, MetaCommand::RecordArchive { archived: archived.clone() }).0, MetaResponse::Done);
+    assert_eq!(
+        state
+            .apply(
+                32,
+                MetaCommand::RecordArchive {
+                    archived: archived.clone()
+                }
+            )
+            .0,
+        MetaResponse::Done
+    );
     assert_eq!(state.retention_horizon("t"), t[3]);
     assert!(state.archive_due().is_empty());
     assert_eq!(state.read_source("t", t[1]).unwrap(), Some(&archived));
-    assert_eq!(state.read_source("t", t[3]).unwrap(), None, "the replicas hold it");
+    assert_eq!(
+        state.read_source("t", t[3]).unwrap(),
+        None,
+        "the replicas hold it"
+    );
     // An epoch after the tag but before the next change of the table reads the same rows.
     state = with_table(state, "other");
     publish(&mut state, "other", 40, 9_000);
     let unchanged = state.visible;
     let at_tag = state.tag_epoch("release_1").unwrap();
     assert_eq!(at_tag, t[1]);
-    assert!(state.read_source("t", t[0]).is_err(), "before the archived epoch");
-    assert!(state.read_source("t", t[2]).is_err(), "the table changed after the archived epoch");
+    assert!(
+        state.read_source("t", t[0]).is_err(),
+        "before the archived epoch"
+    );
+    assert!(
+        state.read_source("t", t[2]).is_err(),
+        "the table changed after the archived epoch"
+    );
     assert!(state.read_source("t", unchanged).is_ok());
     // A fragment moves to a node holding none of its component; not onto one that does.
     let hash = archived.components[0].component.hash;
-    let refused = state.apply(33, MetaCommand::MoveFragment { component: hash, index: 0, to: NodeId(2) }).0;
-    assert!(matches!(refused, MetaResponse::Refused(ref r) if r.contains("already holds")), "{refused:?}");
+    let refused = state
+        .apply(
+            33,
+            MetaCommand::MoveFragment {
+                component: hash,
+                index: 0,
+                to: NodeId(2),
+            },
+        )
+        .0;
+    assert!(
+        matches!(refused, MetaResponse::Refused(ref r) if r.contains("already holds")),
+        "{refused:?}"
+    );
     state.nodes.get_mut(&NodeId(1)).unwrap().alive = false;
     let health = state.archive_health();
-    assert_eq!((health.epochs, health.components, health.fewest_live), (1, 1, Some((5, 2))));
+    assert_eq!(
+        (health.epochs, health.components, health.fewest_live),
+        (1, 1, Some((5, 2)))
+    );
     // Dropping the tag forgets the archived epoch; the horizon never falls.
     let horizon = state.retention_horizon("t");
-    state.apply(34, MetaCommand::DropTag { name: "release_1".into() });
+    state.apply(
+        34,
+        MetaCommand::DropTag {
+            name: "release_1".into(),
+        },
+    );
     assert!(state.archive.is_empty());
-    assert_eq!(state.retention_horizon("t"), horizon, "a horizon never falls");
+    assert_eq!(
+        state.retention_horizon("t"),
+        horizon,
+        "a horizon never falls"
+    );
     // A tag below the horizon is refused: its versions may be merged away.
     let refused = state.apply(
         35,
@@ -751,7 +810,13 @@ fn a_tag_pins_the_horizon_until_the_archive_holds_its_epoch() {
 
 /// An archive record of `table` at `epoch`: one component in partition 0, its fragments on
 /// nodes 1..=k+m.
-fn archived_epoch(state: &MetaState, table: &str, epoch: Epoch, k: u32, m: u32) -> crate::archive::ArchivedEpoch {
+fn archived_epoch(
+    state: &MetaState,
+    table: &str,
+    epoch: Epoch,
+    k: u32,
+    m: u32,
+) -> crate::archive::ArchivedEpoch {
     let component = tessera_storage::ComponentMeta {
         hash: ComponentHash::of_bytes(b"component"),
         rows: 10,
