@@ -27,6 +27,7 @@ pub mod node;
 pub mod rpc;
 pub mod scrub;
 pub mod server;
+pub mod startup;
 mod system_tables;
 pub mod table_statistics;
 pub mod verify;
