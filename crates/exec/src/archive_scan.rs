@@ -48,13 +48,10 @@ pub async fn read_archived(
         if !bad.is_empty() {
             repair_fragments(node, component, &bad);
         }
-        let cache = cache.clone();
-        pins = tokio::task::spawn_blocking(move || {
-            cache.insert(&mut pins, hash, &bytes).map(|()| pins)
-        })
-        .await
-        .map_err(|e| DataFusionError::Execution(e.to_string()))?
-        .map_err(|e| DataFusionError::External(Box::new(e)))?;
+        pins = cache
+            .insert_blocking(pins, hash, bytes)
+            .await
+            .map_err(|e| DataFusionError::Execution(format!("archived component {hash}: {e}")))?;
     }
     tracing::debug!(table = %spec.def.name, epoch = %spec.epoch, ?partitions, "reading archived partitions");
     let snapshots = partitions

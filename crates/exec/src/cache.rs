@@ -186,6 +186,21 @@ impl ComponentCache {
         Ok(())
     }
 
+    /// [`ComponentCache::insert`] off the async threads (it writes the file); the pins
+    /// come back with the new file among them.
+    pub async fn insert_blocking(
+        self: &Arc<Self>,
+        mut pins: Pins,
+        hash: ComponentHash,
+        bytes: Vec<u8>,
+    ) -> Result<Pins, String> {
+        let cache = self.clone();
+        tokio::task::spawn_blocking(move || cache.insert(&mut pins, hash, &bytes).map(|()| pins))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())
+    }
+
     /// Drops the least recently used unpinned files until the cache fits its budget.
     fn evict(&self) {
         let mut cached = self.cached.lock().expect("cache lock");

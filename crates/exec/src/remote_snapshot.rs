@@ -173,13 +173,10 @@ async fn fill_from(
         let bytes = tessera_replication::wire::component(&node.clients, &addr, hash)
             .await
             .map_err(|e| format!("fetching component {hash}: {e}"))?;
-        let cache = cache.clone();
-        pins = tokio::task::spawn_blocking(move || {
-            cache.insert(&mut pins, hash, &bytes).map(|()| pins)
-        })
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("component {hash} from node {replica}: {e}"))?;
+        pins = cache
+            .insert_blocking(pins, hash, bytes)
+            .await
+            .map_err(|e| format!("component {hash} from node {replica}: {e}"))?;
     }
     let mut snapshots = Vec::with_capacity(manifests.len());
     for manifest in manifests {

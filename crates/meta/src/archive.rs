@@ -56,9 +56,6 @@ pub struct ArchiveHealth {
     /// The fewest fragments of one component on live nodes, and the most a component
     /// may lose of them (its parity); `None` with nothing archived.
     pub fewest_live: Option<(usize, usize)>,
-    /// Archives retention wants but cannot make yet, and why.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub waiting: Vec<String>,
 }
 
 impl ArchivedComponent {
@@ -300,7 +297,6 @@ impl MetaState {
                     )
                 })
                 .min(),
-            waiting: Vec::new(),
         }
     }
 }

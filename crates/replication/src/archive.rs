@@ -285,11 +285,7 @@ async fn store_fragment(
     bytes: Vec<u8>,
 ) -> Result<(), String> {
     if holder == node.id() {
-        let store = node.store.clone();
-        return tokio::task::spawn_blocking(move || store.fragments().write(&hash, &bytes))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string());
+        return receive_fragment(node, hash, bytes).await;
     }
     let addr = node
         .meta
@@ -314,7 +310,8 @@ async fn store_fragment(
         .map_err(|e| e.to_string())
 }
 
-/// A holder's part of [`store_fragment`]: the bytes, checked against their name, kept.
+/// A holder's part of [`store_fragment`] (this node's, or a peer's): the bytes, checked
+/// against their name, kept durably.
 pub async fn receive_fragment(
     node: &Replication,
     hash: ComponentHash,
