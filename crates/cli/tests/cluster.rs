@@ -12,7 +12,7 @@ use tessera_server::{ClusterClient, NodeId};
 use tessera_testkit::{kv_batch, LocalCluster};
 
 mod common;
-use common::{load_tpch, load_tpch_tables, wait_formed, wait_until};
+use common::{load_tpch, load_tpch_tables, plan_text, wait_formed, wait_until};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 
@@ -81,28 +81,6 @@ async fn five_nodes_answer_all_tpch_queries_exactly() {
 }
 
 /// The text an EXPLAIN statement returns in the row of `plan_type`.
-async fn plan_text(client: &ClusterClient, sql: &str, plan_type: &str) -> String {
-    let batches = client.query(sql).await.unwrap();
-    for batch in &batches {
-        let types = batch
-            .column(0)
-            .as_any()
-            .downcast_ref::<StringArray>()
-            .unwrap();
-        let plans = batch
-            .column(1)
-            .as_any()
-            .downcast_ref::<StringArray>()
-            .unwrap();
-        for i in 0..batch.num_rows() {
-            if types.value(i) == plan_type {
-                return plans.value(i).to_string();
-            }
-        }
-    }
-    panic!("{sql} returned no {plan_type:?} row");
-}
-
 /// One stage of an `EXPLAIN ANALYZE` as its text says.
 #[derive(Debug, Default)]
 struct AnalyzedStage {
@@ -169,9 +147,17 @@ async fn queries_run_as_pipelined_stages_placed_over_every_node() {
     let client = ClusterClient::new(cluster.addr(2));
     let sql = "SELECT o_orderpriority, count(*) AS n FROM lineitem JOIN orders \
                ON l_orderkey = o_orderkey GROUP BY o_orderpriority ORDER BY o_orderpriority";
+    // Both sides cross the network, to show an exchange pipelined (co-located, the join
+    // would run in the scan stage and send only partial aggregates: tests/colocate.rs).
+    let apart = "/*+ SET tessera.colocate = false */";
 
     // EXPLAIN: stages, where each channel runs, what goes where.
-    let explain = plan_text(&client, &format!("EXPLAIN {sql}"), "distributed_plan").await;
+    let explain = plan_text(
+        &client,
+        &format!("{apart} EXPLAIN {sql}"),
+        "distributed_plan",
+    )
+    .await;
     assert!(
         explain.contains("Stage 0: 1 channel(s) [node 2: 0]; answer gathered on node 2"),
         "{explain}"
@@ -197,7 +183,7 @@ async fn queries_run_as_pipelined_stages_placed_over_every_node() {
     // EXPLAIN ANALYZE: what every stage and channel did.
     let analyzed = plan_text(
         &client,
-        &format!("EXPLAIN ANALYZE {sql}"),
+        &format!("{apart} EXPLAIN ANALYZE {sql}"),
         "Plan with Metrics",
     )
     .await;

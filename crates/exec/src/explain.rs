@@ -67,7 +67,7 @@ fn output(stage: &Stage, plan: &DistributedPlan) -> String {
         .map(|s| s.id.to_string())
         .unwrap_or_else(|| "?".into());
     format!(
-        "{:?} exchange into {} bucket(s) of stage {consumer_stage} on node(s) {consumers:?}{}",
+        "{} exchange into {} bucket(s) of stage {consumer_stage} on node(s) {consumers:?}{}",
         writer.spec.mode,
         writer.spec.buckets,
         if broadcast { ", broadcast" } else { "" }

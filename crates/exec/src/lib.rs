@@ -31,6 +31,7 @@
 pub mod archive_scan;
 pub mod cache;
 pub mod codec;
+pub mod colocate;
 pub mod error;
 pub mod exchange;
 pub mod explain;

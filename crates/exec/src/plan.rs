@@ -2,7 +2,10 @@
 //!
 //! - A hash or round-robin `RepartitionExec` becomes an exchange: the subtree below is a
 //!   producer stage, and the repartition is replaced by an [`ExchangeReadExec`] with as
-//!   many buckets as the repartition had output partitions.
+//!   many buckets as the repartition had output partitions. Before the cut, joins on a
+//!   partition key are co-located (`crate::colocate`): a repartition over an input
+//!   partitioned as the storage is removed, and one whose partner is becomes a
+//!   `StorageRepartitionExec`, an exchange that hashes as the storage does.
 //! - A `SortPreservingMergeExec` over several partitions stays, and reads its input
 //!   through a gather exchange: bucket `k` is producer channel `k`'s output, so a merge
 //!   still sees each input sorted. A `CoalescePartitionsExec` reads through a collect
@@ -17,6 +20,7 @@
 //! order. Finally each stage gets an [`ExchangeWriteExec`] root naming,
 //! for each bucket, the nodes hosting a consumer channel that reads it.
 
+use crate::colocate::{check as check_colocation, colocate, StorageRepartitionExec};
 use crate::exchange::{ExchangeMode, ExchangeReadExec, ExchangeWriteExec, ReadSpec, WriteSpec};
 use crate::scan::DistributedScanExec;
 use crate::Exec;
@@ -199,6 +203,16 @@ impl Cutter {
         plan: Arc<dyn ExecutionPlan>,
     ) -> DfResult<(Arc<dyn ExecutionPlan>, Vec<StageId>)> {
         let any: &dyn ExecutionPlan = plan.as_ref();
+        if let Some(repartition) = any.downcast_ref::<StorageRepartitionExec>() {
+            let (input, inputs) = self.cut(repartition.input().clone())?;
+            let mode = ExchangeMode::Storage {
+                bucket_of_partition: repartition.layout.bucket_of_partition(),
+            };
+            let buckets = repartition.layout.groups.len();
+            let (reader, id) =
+                self.exchange(input, inputs, mode, repartition.exprs.clone(), buckets);
+            return Ok((reader, vec![id]));
+        }
         if let Some(repartition) = any.downcast_ref::<RepartitionExec>() {
             let (input, inputs) = self.cut(repartition.input().clone())?;
             let (mode, exprs, buckets) = match repartition.partitioning().clone() {
@@ -443,6 +457,8 @@ pub fn distribute(
     } = options;
     let initiator = node.id();
     let plan = adapt_joins_for_distribution(plan, buckets)?;
+    let plan = colocate(plan)?;
+    check_colocation(&plan)?;
     let plan = single_partition(plan);
     let mut cutter = Cutter {
         query,

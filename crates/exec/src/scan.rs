@@ -58,9 +58,38 @@ pub struct ScanSpec {
     /// `tessera_meta::archive`), not the replicas.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub archive: Option<Vec<tessera_meta::archive::ArchivedComponent>>,
+    /// The ring's partition count, when the scan declares its output partitioned as the
+    /// storage is (on the table's partition key, channel `k` holding exactly the
+    /// partitions of group `k`): set while the cluster plans with co-location on
+    /// (`tessera.colocate`), and declared if the projection keeps every key column.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_partitioned: Option<u32>,
 }
 
 impl ScanSpec {
+    /// The partition-key columns in the scan's output, in key order, if the scan declares
+    /// its storage partitioning: a scan of rows (not a diff) keeping every key column,
+    /// over groups that hold every partition of the ring once.
+    fn declared_key_columns(&self, schema: &SchemaRef) -> Option<Vec<Arc<dyn PhysicalExpr>>> {
+        let ring = self.key_partitioned?;
+        if self.changes_since.is_some() || !covers_ring_once(&self.partitions, ring) {
+            return None;
+        }
+        self.def
+            .partition_key_indices()
+            .into_iter()
+            .map(|column| {
+                let position = self.projection.iter().position(|&p| p == column)?;
+                let key: Arc<dyn PhysicalExpr> =
+                    Arc::new(datafusion::physical_expr::expressions::Column::new(
+                        schema.field(position).name(),
+                        position,
+                    ));
+                Some(key)
+            })
+            .collect()
+    }
+
     /// The columns the scan outputs: the table's, or its diff's.
     pub fn schema(&self) -> DfResult<SchemaRef> {
         let full = match self.changes_since {
@@ -100,9 +129,14 @@ impl DistributedScanExec {
             "every scanned partition names its replicas"
         );
         let schema = spec.schema()?;
+        let channels = spec.partitions.len().max(1);
+        let partitioning = match spec.declared_key_columns(&schema) {
+            Some(keys) => Partitioning::Hash(keys, channels),
+            None => Partitioning::UnknownPartitioning(channels),
+        };
         let properties = Arc::new(PlanProperties::new(
             EquivalenceProperties::new(schema.clone()),
-            Partitioning::UnknownPartitioning(spec.partitions.len().max(1)),
+            partitioning,
             EmissionType::Incremental,
             Boundedness::Bounded,
         ));
@@ -117,7 +151,30 @@ impl DistributedScanExec {
     }
 }
 
+/// True if `groups` hold every partition of a ring of `ring` partitions exactly once.
+fn covers_ring_once(groups: &[Vec<PartitionId>], ring: u32) -> bool {
+    let mut seen = vec![false; ring as usize];
+    for partition in groups.iter().flatten() {
+        match seen.get_mut(partition.0 as usize) {
+            Some(slot) if !*slot => *slot = true,
+            _ => return false,
+        }
+    }
+    seen.iter().all(|&s| s)
+}
+
 impl DistributedScanExec {
+    /// How the scan's output is partitioned, if it declares its storage partitioning.
+    pub fn storage_layout(&self) -> Option<crate::colocate::StorageLayout> {
+        match self.properties.output_partitioning() {
+            Partitioning::Hash(..) => Some(crate::colocate::StorageLayout {
+                ring: self.spec.key_partitioned?,
+                groups: self.spec.partitions.clone(),
+            }),
+            _ => None,
+        }
+    }
+
     /// Gives the optimizer the table's statistics (on the planning node).
     pub fn with_statistics(mut self, statistics: Option<TableStatistics>) -> Self {
         self.statistics = statistics;

@@ -42,6 +42,14 @@ fn configure(options: &mut ConfigOptions, buckets: usize) {
     options.optimizer.enable_join_dynamic_filter_pushdown = false;
     options.optimizer.enable_topk_dynamic_filter_pushdown = false;
     options.optimizer.enable_aggregate_dynamic_filter_pushdown = false;
+    // Scans may now declare their storage partitioning: every exchange of this plan is
+    // cut by `distribute`, which hashes as the storage does where a join needs it.
+    if let Some(tessera) = options
+        .extensions
+        .get_mut::<tessera_sql::options::TesseraOptions>()
+    {
+        tessera.planning_for_cluster = true;
+    }
 }
 
 /// True if the plan reads a Tessera table (anything else, such as `information_schema`,

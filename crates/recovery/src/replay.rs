@@ -28,9 +28,10 @@ pub fn replay_bucket(
 ) -> SendableRecordBatchStream {
     let senders: Vec<usize> = match spec.mode {
         ExchangeMode::Gather => vec![bucket],
-        ExchangeMode::Hash | ExchangeMode::RoundRobin | ExchangeMode::Collect => {
-            (0..spec.producer_channels).collect()
-        }
+        ExchangeMode::Hash
+        | ExchangeMode::Storage { .. }
+        | ExchangeMode::RoundRobin
+        | ExchangeMode::Collect => (0..spec.producer_channels).collect(),
     };
     let mut feeds: BTreeMap<usize, mpsc::Receiver<DfResult<RecordBatch>>> = BTreeMap::new();
     for sender in senders {

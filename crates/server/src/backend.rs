@@ -580,12 +580,16 @@ impl RowSource for ClusterRows {
     async fn plan_scan(
         &self,
         def: &TableDef,
-        _state: &dyn Session,
+        state: &dyn Session,
         projection: Vec<usize>,
         predicate: Option<Arc<dyn datafusion::physical_expr::PhysicalExpr>>,
         limit: Option<usize>,
     ) -> DfResult<Arc<dyn ExecutionPlan>> {
         let (partitions, replicas) = channels_of(&self.node, &self.view, def)?;
+        let options = tessera_sql::options::tessera_options_of(state.config_options());
+        let key_partitioned = options
+            .scans_declare_partitioning()
+            .then_some(self.view.get().state.partition_count);
         let (estimated_rows, statistics) = self
             .node
             .remote_statistics
@@ -601,6 +605,7 @@ impl RowSource for ClusterRows {
             estimated_rows,
             changes_since: None,
             archive: self.archive.clone(),
+            key_partitioned,
         };
         Ok(Arc::new(
             DistributedScanExec::try_new(spec, predicate, self.node.exec.clone())?
@@ -637,6 +642,7 @@ impl ChangesSource for ClusterChanges {
             estimated_rows: None,
             changes_since: Some(from),
             archive: None,
+            key_partitioned: None,
         };
         Ok(Arc::new(DistributedScanExec::try_new(
             spec,

@@ -1,11 +1,12 @@
 //! Tessera's own session settings, under the `tessera.` prefix of DataFusion's
 //! configuration: `SET tessera.recovery = 'restart'` for the session, or a hint at the
 //! head of one request, `/*+ SET tessera.recovery = restart */ SELECT ...`, for that
-//! request only. The settings: `tessera.recovery` and `tessera.scans_on_compute`.
+//! request only. The settings: `tessera.recovery`, `tessera.scans_on_compute` and
+//! `tessera.colocate`.
 
 use crate::error::{Result, SqlError};
 use datafusion::common::config::{
-    ConfigEntry, ConfigExtension, ConfigField, ExtensionOptions, Visit,
+    ConfigEntry, ConfigExtension, ConfigField, ConfigOptions, ExtensionOptions, Visit,
 };
 use datafusion::error::DataFusionError;
 use datafusion::prelude::SessionConfig;
@@ -57,17 +58,45 @@ impl fmt::Display for RecoveryMode {
 }
 
 /// The settings under `tessera.`.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct TesseraOptions {
     pub recovery: RecoveryMode,
     /// Scan channels run on the compute nodes too, reading from the replicas.
     pub scans_on_compute: bool,
+    /// Joins and aggregations on a table's partition key run where its partitions are
+    /// (scans declare their storage partitioning), moving neither side.
+    pub colocate: bool,
+    /// Set by the cluster's planner, never by a user: the plan is about to be cut into
+    /// stages, whose exchanges can hash as the storage does. A plan run in one process
+    /// (DataFusion's own repartitions) must not see scans declare storage partitioning.
+    pub planning_for_cluster: bool,
+}
+
+impl Default for TesseraOptions {
+    fn default() -> Self {
+        TesseraOptions {
+            recovery: RecoveryMode::default(),
+            scans_on_compute: false,
+            colocate: true,
+            planning_for_cluster: false,
+        }
+    }
+}
+
+impl TesseraOptions {
+    /// True if a scan planned under these settings declares its storage partitioning.
+    pub fn scans_declare_partitioning(&self) -> bool {
+        self.colocate && self.planning_for_cluster
+    }
 }
 
 const RECOVERY_KEY: &str = "recovery";
 const RECOVERY_DOC: &str =
     "what a query does when a node dies under it: none (fail), restart (run again on the survivors) or lineage (the default: rebuild only the dead node's work from write-ahead lineage)";
 const SCANS_ON_COMPUTE_KEY: &str = "scans_on_compute";
+const COLOCATE_KEY: &str = "colocate";
+const COLOCATE_DOC: &str =
+    "true (the default): joins and aggregations on a table's partition key run where its partitions are, moving neither side (the other side, if not partitioned alike, is hashed as the storage hashes); false: every such join hashes both sides across the nodes";
 const SCANS_ON_COMPUTE_DOC: &str =
     "true: scans run on the compute-only nodes too, which read the partitions from their replicas; false (the default): scans run where their partitions are, and the compute nodes take the other channels";
 
@@ -114,8 +143,12 @@ impl ExtensionOptions for TesseraOptions {
                 self.scans_on_compute = parse_flag(key, value)?;
                 Ok(())
             }
+            COLOCATE_KEY => {
+                self.colocate = parse_flag(key, value)?;
+                Ok(())
+            }
             other => Err(DataFusionError::Configuration(format!(
-                "unknown setting tessera.{other}; the tessera settings are: tessera.{RECOVERY_KEY}, tessera.{SCANS_ON_COMPUTE_KEY}"
+                "unknown setting tessera.{other}; the tessera settings are: tessera.{RECOVERY_KEY}, tessera.{SCANS_ON_COMPUTE_KEY}, tessera.{COLOCATE_KEY}"
             ))),
         }
     }
@@ -131,6 +164,11 @@ impl ExtensionOptions for TesseraOptions {
                 key: format!("tessera.{SCANS_ON_COMPUTE_KEY}"),
                 value: Some(self.scans_on_compute.to_string()),
                 description: SCANS_ON_COMPUTE_DOC,
+            },
+            ConfigEntry {
+                key: format!("tessera.{COLOCATE_KEY}"),
+                value: Some(self.colocate.to_string()),
+                description: COLOCATE_DOC,
             },
         ]
     }
@@ -162,8 +200,12 @@ pub fn with_tessera_options(config: SessionConfig) -> SessionConfig {
 
 /// The session's Tessera settings.
 pub fn tessera_options(config: &SessionConfig) -> TesseraOptions {
-    config
-        .options()
+    tessera_options_of(config.options())
+}
+
+/// The Tessera settings among DataFusion's options.
+pub fn tessera_options_of(options: &ConfigOptions) -> TesseraOptions {
+    options
         .extensions
         .get::<TesseraOptions>()
         .cloned()

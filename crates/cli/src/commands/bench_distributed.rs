@@ -4,7 +4,8 @@
 //! Both clusters run the same distributed engine (on one node every exchange stays in
 //! the process). Each query runs once untimed on every engine (warming caches, checking
 //! the answers agree, and measuring the bytes the N-node run exchanged through
-//! `EXPLAIN ANALYZE`), then `runs` times in turn; medians are reported.
+//! `EXPLAIN ANALYZE`, with co-located joins and without), then `runs` times in turn;
+//! medians are reported.
 
 use super::bench::{chosen_queries, median, shared_baseline};
 use super::local_cluster::LocalCluster;
@@ -51,9 +52,15 @@ pub(super) async fn ensure_tpch(
     Ok(())
 }
 
-/// The bytes an `EXPLAIN ANALYZE` of `sql` reports as exchanged between nodes.
-async fn bytes_exchanged(client: &ClusterClient, sql: &str) -> Result<u64> {
-    let batches = client.query(&format!("EXPLAIN ANALYZE {sql}")).await?;
+/// Turns co-located joins off for one request, to compare.
+const APART: &str = "/*+ SET tessera.colocate = false */";
+
+/// The bytes an `EXPLAIN ANALYZE` of `sql` (after `hint`) reports as exchanged between
+/// nodes.
+async fn bytes_exchanged(client: &ClusterClient, hint: &str, sql: &str) -> Result<u64> {
+    let batches = client
+        .query(&format!("{hint} EXPLAIN ANALYZE {sql}"))
+        .await?;
     for batch in &batches {
         let plans = batch
             .column(1)
@@ -94,18 +101,19 @@ pub async fn run(
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!(
-        "{:>5} {:>12} {:>12} {:>15} {:>11} {:>11} {:>14}  answer",
+        "{:>5} {:>12} {:>12} {:>15} {:>11} {:>11} {:>14} {:>14}  answer",
         "query",
         format!("{nodes}-node (ms)"),
         "1-node (ms)",
         "datafusion (ms)",
         format!("{nodes}n/df"),
         format!("{nodes}n/1n"),
-        "bytes exch."
+        "bytes exch.",
+        "not colocated"
     );
     let (mut log_vs_df, mut log_vs_one) = (0.0f64, 0.0f64);
     let (mut sum_many, mut sum_one, mut sum_df) = (0.0, 0.0, 0.0);
-    let mut total_bytes = 0u64;
+    let (mut total_bytes, mut total_apart) = (0u64, 0u64);
     let mut mismatches = Vec::new();
     for &q in &queries {
         let sql = tessera_tpch::query(q);
@@ -118,8 +126,10 @@ pub async fn run(
                 answer = format!("DIFFERENT on {name}: {diff}");
             }
         }
-        let bytes = bytes_exchanged(&many, sql).await?;
+        let bytes = bytes_exchanged(&many, "", sql).await?;
+        let apart = bytes_exchanged(&many, APART, sql).await?;
         total_bytes += bytes;
+        total_apart += apart;
         let (mut t_many, mut t_one, mut t_df) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..runs {
             t_many.push(timed(|| many.query(sql)).await?.0);
@@ -138,31 +148,34 @@ pub async fn run(
         log_vs_df += (m / d).ln();
         log_vs_one += (m / o).ln();
         println!(
-            "{:>5} {:>12.1} {:>12.1} {:>15.1} {:>11.3} {:>11.3} {:>14}  {answer}",
+            "{:>5} {:>12.1} {:>12.1} {:>15.1} {:>11.3} {:>11.3} {:>14} {:>14}  {answer}",
             format!("Q{q}"),
             m,
             o,
             d,
             m / d,
             m / o,
-            bytes
+            bytes,
+            apart
         );
     }
     let n = queries.len() as f64;
     println!(
-        "{:>5} {:>12.1} {:>12.1} {:>15.1} {:>11.3} {:>11.3} {:>14}",
+        "{:>5} {:>12.1} {:>12.1} {:>15.1} {:>11.3} {:>11.3} {:>14} {:>14}",
         "sum",
         sum_many,
         sum_one,
         sum_df,
         sum_many / sum_df,
         sum_many / sum_one,
-        total_bytes
+        total_bytes,
+        total_apart
     );
     println!(
-        "geometric mean ratio: {nodes}-node / DataFusion {:.3}, {nodes}-node / 1-node {:.3}; total bytes exchanged {total_bytes}",
+        "geometric mean ratio: {nodes}-node / DataFusion {:.3}, {nodes}-node / 1-node {:.3}; total bytes exchanged {total_bytes} ({:.2} of the {total_apart} exchanged without co-located joins)",
         (log_vs_df / n).exp(),
-        (log_vs_one / n).exp()
+        (log_vs_one / n).exp(),
+        total_bytes as f64 / total_apart.max(1) as f64
     );
     if !mismatches.is_empty() {
         bail!("answers differ from DataFusion for queries {mismatches:?}");

@@ -3,7 +3,7 @@
 
 pub mod history;
 
-use arrow::array::RecordBatch;
+use arrow::array::{RecordBatch, StringArray};
 use std::path::Path;
 use std::time::{Duration, Instant};
 use tessera_server::ClusterClient;
@@ -326,4 +326,28 @@ pub fn random_kv_change(
             format!("DELETE FROM kv WHERE k % {m} = {r}")
         }
     }
+}
+
+/// The text of the `plan_type` row (`distributed_plan`, `Plan with Metrics`) of an
+/// `EXPLAIN [ANALYZE]` statement's answer.
+pub async fn plan_text(client: &ClusterClient, sql: &str, plan_type: &str) -> String {
+    let batches = client.query(sql).await.unwrap();
+    for batch in &batches {
+        let types = batch
+            .column(0)
+            .as_any()
+            .downcast_ref::<StringArray>()
+            .unwrap();
+        let plans = batch
+            .column(1)
+            .as_any()
+            .downcast_ref::<StringArray>()
+            .unwrap();
+        for i in 0..batch.num_rows() {
+            if types.value(i) == plan_type {
+                return plans.value(i).to_string();
+            }
+        }
+    }
+    panic!("{sql} returned no {plan_type:?} row");
 }

@@ -40,6 +40,10 @@ use serde::{Deserialize, Serialize};
 pub enum ExchangeMode {
     /// By DataFusion's repartition hash of the expressions (the same on every node).
     Hash,
+    /// By the storage's partition hash of the expressions (`tessera_common::partitioning`):
+    /// bucket `bucket_of_partition[p]` takes the rows of ring partition `p`, so bucket `k`
+    /// meets exactly the rows of scan channel `k` (see `crate::colocate`).
+    Storage { bucket_of_partition: Vec<u32> },
     /// Whole batches in turn, starting at a bucket that depends on the channel.
     RoundRobin,
     /// Bucket `k` is producer channel `k`'s whole output.
@@ -56,10 +60,23 @@ impl ExchangeMode {
     pub fn senders_per_bucket(&self, producer_channels: usize) -> usize {
         match self {
             ExchangeMode::Gather => 1,
-            ExchangeMode::Hash | ExchangeMode::RoundRobin | ExchangeMode::Collect => {
-                producer_channels
-            }
+            ExchangeMode::Hash
+            | ExchangeMode::Storage { .. }
+            | ExchangeMode::RoundRobin
+            | ExchangeMode::Collect => producer_channels,
         }
+    }
+}
+
+impl std::fmt::Display for ExchangeMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ExchangeMode::Hash => "Hash",
+            ExchangeMode::Storage { .. } => "Storage-hash",
+            ExchangeMode::RoundRobin => "RoundRobin",
+            ExchangeMode::Gather => "Gather",
+            ExchangeMode::Collect => "Collect",
+        })
     }
 }
 

@@ -94,7 +94,7 @@ impl DisplayAs for ExchangeReadExec {
     fn fmt_as(&self, _t: DisplayFormatType, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         write!(
             f,
-            "ExchangeReadExec: exchange={}, mode={:?}, buckets={}, from {} channel(s) of stage {}",
+            "ExchangeReadExec: exchange={}, mode={}, buckets={}, from {} channel(s) of stage {}",
             self.spec.exchange,
             self.spec.mode,
             self.spec.buckets,

@@ -7,6 +7,7 @@
 use super::{
     batch_digest, tokio_stream_from, BatchTag, ExchangeMode, Inbox, InboxKey, StreamEnd, StreamMark,
 };
+use crate::colocate::StorageRouter;
 use crate::hooks::Backup;
 use crate::wire::ExchangeHeader;
 use crate::{now_us, ChannelId, ChannelReport, Exec, NodeId, QueryId, StageId};
@@ -128,7 +129,7 @@ impl DisplayAs for ExchangeWriteExec {
         let exprs: Vec<String> = self.hash_exprs.iter().map(|e| e.to_string()).collect();
         write!(
             f,
-            "ExchangeWriteExec: exchange={}, mode={:?}{}, buckets={}",
+            "ExchangeWriteExec: exchange={}, mode={}{}, buckets={}",
             self.spec.exchange,
             self.spec.mode,
             if exprs.is_empty() {
@@ -362,7 +363,9 @@ impl ChannelWriter {
         match self.spec.mode {
             ExchangeMode::Gather => vec![self.channel],
             ExchangeMode::Collect => vec![0],
-            ExchangeMode::Hash | ExchangeMode::RoundRobin => (0..self.spec.buckets).collect(),
+            ExchangeMode::Hash | ExchangeMode::Storage { .. } | ExchangeMode::RoundRobin => {
+                (0..self.spec.buckets).collect()
+            }
         }
     }
 
@@ -450,19 +453,28 @@ impl ChannelWriter {
         mut input: SendableRecordBatchStream,
         ready: tokio::sync::mpsc::Sender<Ready>,
     ) -> DfResult<u64> {
-        let mut partitioner = match self.spec.mode {
-            ExchangeMode::Hash => Some(BatchPartitioner::new_hash_partitioner(
+        let mut router = match &self.spec.mode {
+            ExchangeMode::Hash => Router::DataFusion(BatchPartitioner::new_hash_partitioner(
                 self.hash_exprs.clone(),
                 self.spec.buckets,
                 metrics::Time::new(),
             )?),
-            ExchangeMode::RoundRobin => Some(BatchPartitioner::new_round_robin_partitioner(
+            ExchangeMode::Storage {
+                bucket_of_partition,
+            } => Router::Storage(StorageRouter::new(
+                self.hash_exprs.clone(),
+                bucket_of_partition.clone(),
                 self.spec.buckets,
-                metrics::Time::new(),
-                self.channel,
-                self.channels.max(1),
             )),
-            ExchangeMode::Gather | ExchangeMode::Collect => None,
+            ExchangeMode::RoundRobin => {
+                Router::DataFusion(BatchPartitioner::new_round_robin_partitioner(
+                    self.spec.buckets,
+                    metrics::Time::new(),
+                    self.channel,
+                    self.channels.max(1),
+                ))
+            }
+            ExchangeMode::Gather | ExchangeMode::Collect => Router::Own,
         };
         let own_bucket = self.my_buckets()[0];
         let hand_over = |bucket: usize, batch: RecordBatch| {
@@ -488,12 +500,15 @@ impl ChannelWriter {
             }
             rows += batch.num_rows() as u64;
             let mut parts = Vec::new();
-            match partitioner.as_mut() {
-                Some(partitioner) => partitioner.partition(batch, |bucket, part| {
-                    parts.push((bucket, part));
-                    Ok(())
-                })?,
-                None => parts.push((own_bucket, batch)),
+            match &mut router {
+                Router::DataFusion(partitioner) => {
+                    partitioner.partition(batch, |bucket, part| {
+                        parts.push((bucket, part));
+                        Ok(())
+                    })?
+                }
+                Router::Storage(router) => parts = router.route(&batch)?,
+                Router::Own => parts.push((own_bucket, batch)),
             }
             for (bucket, part) in parts {
                 let coalescer = pending.entry(bucket).or_insert_with(|| {
@@ -700,4 +715,14 @@ impl ChannelWriter {
         }
         Ok(())
     }
+}
+
+/// How a channel's output rows find their buckets.
+enum Router {
+    /// DataFusion's hash or round robin.
+    DataFusion(BatchPartitioner),
+    /// The storage's partition hash and grouping.
+    Storage(StorageRouter),
+    /// All into the channel's own bucket (gather, collect).
+    Own,
 }
