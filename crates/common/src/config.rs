@@ -286,6 +286,10 @@ pub struct ExecSettings {
     /// A compute node's cache of the components its scans fetch (under
     /// `data_dir/cache`), in bytes; the least recently used go first.
     pub cache_bytes: u64,
+    /// The most memory all of this node's queries hold at once (sorts, aggregations,
+    /// join build sides), in bytes; sorts and aggregations past it spill to
+    /// `data_dir/spill`. 0: half of this machine's memory.
+    pub memory_limit_bytes: u64,
 }
 
 impl Default for ExecSettings {
@@ -295,6 +299,7 @@ impl Default for ExecSettings {
             send_batch_rows: 8192,
             spool_start_timeout_ms: 30_000,
             cache_bytes: 1 << 30,
+            memory_limit_bytes: 0,
         }
     }
 }

@@ -113,8 +113,12 @@ fn ms(us: u64) -> String {
 }
 
 fn channel_line(report: &ChannelReport) -> String {
+    let spilled = match report.spilled_bytes {
+        0 => String::new(),
+        bytes => format!(" spilled_bytes={bytes}"),
+    };
     format!(
-        "channel {} on node {}: rows={} batches={} bytes_sent={} started_ms={} first_input_ms={} finished_ms={}",
+        "channel {} on node {}: rows={} batches={} bytes_sent={} started_ms={} first_input_ms={} finished_ms={}{spilled}",
         report.channel,
         report.node,
         report.rows,
@@ -129,9 +133,10 @@ fn channel_line(report: &ChannelReport) -> String {
 /// The plan with what every stage and channel did.
 pub fn describe_with_metrics(plan: &DistributedPlan, outcome: &QueryOutcome) -> String {
     let total_bytes: u64 = outcome.reports.iter().map(|r| r.bytes_sent).sum();
+    let spilled: u64 = outcome.reports.iter().map(|r| r.spilled_bytes).sum();
     let answer_rows: usize = outcome.batches.iter().map(|b| b.num_rows()).sum();
     let mut text = format!(
-        "Distributed plan with metrics: {} stage(s), initiator node {}, {} answer row(s) in {:.1} ms, bytes exchanged {total_bytes}\n",
+        "Distributed plan with metrics: {} stage(s), initiator node {}, {} answer row(s) in {:.1} ms, bytes exchanged {total_bytes}, bytes spilled {spilled}\n",
         plan.stages.len(),
         plan.initiator,
         answer_rows,

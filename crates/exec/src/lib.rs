@@ -36,6 +36,7 @@ pub mod error;
 pub mod exchange;
 pub mod explain;
 pub mod hooks;
+pub mod memory;
 pub mod plan;
 pub mod progress;
 pub mod reachability;
@@ -72,6 +73,8 @@ pub struct Exec {
     /// Scans of partitions this node does not hold read their components through the
     /// cache (a compute node); otherwise they fetch rows from a replica.
     pub(crate) reads_through_cache: bool,
+    /// The node's memory pool for queries; `None` runs channels unbounded.
+    pub(crate) memory: Option<memory::NodeMemory>,
 }
 
 impl std::fmt::Debug for Exec {
@@ -100,7 +103,33 @@ impl Exec {
             unreachable: reachability::Unreachable::default(),
             cache: None,
             reads_through_cache: false,
+            memory: None,
         }
+    }
+
+    /// Bounds the memory this node's queries hold (see [`memory`]).
+    pub fn with_memory(mut self, memory: memory::NodeMemory) -> Exec {
+        self.memory = Some(memory);
+        self
+    }
+
+    /// The context one of `query`'s `channels` here runs in, sharing `query_limit` bytes
+    /// with the others if set.
+    pub(crate) fn task_context(
+        &self,
+        query: QueryId,
+        query_limit: Option<u64>,
+        channels: usize,
+    ) -> Arc<datafusion::execution::TaskContext> {
+        match &self.memory {
+            Some(memory) => memory.task_context(query, query_limit, channels),
+            None => run::task_context(),
+        }
+    }
+
+    /// The node's memory limit for queries and what they hold now, in bytes.
+    pub fn memory_use(&self) -> Option<(usize, usize)> {
+        self.memory.as_ref().map(|m| (m.limit(), m.reserved()))
     }
 
     /// Keeps components read from elsewhere in `cache`; with `reads_through_cache` (a
@@ -304,6 +333,14 @@ pub struct ChannelReport {
     /// When the channel's output was acknowledged by every receiver.
     pub finished_us: u64,
     pub error: Option<String>,
+    /// Bytes the channel's sorts and aggregations spilled to disk to stay within the
+    /// memory limits.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub spilled_bytes: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The cores one node can use for channels: this machine's, shared among the live nodes

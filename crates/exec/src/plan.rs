@@ -51,6 +51,8 @@ pub struct DistributedPlan {
     pub query: QueryId,
     /// Recovers from a node's death by write-ahead lineage (`tessera.recovery = lineage`).
     pub lineage: bool,
+    /// The most memory the query may hold on each node (`tessera.query_memory_limit`).
+    pub memory_limit: Option<u64>,
     pub initiator: NodeId,
     pub started_at_us: u64,
     pub map_version: u64,
@@ -439,6 +441,8 @@ pub struct PlanOptions {
     /// Place scan channels on compute nodes too (`tessera.scans_on_compute`), reading the
     /// partitions from their replicas over the network.
     pub scans_on_compute: bool,
+    /// The most memory the query may hold on each node (`tessera.query_memory_limit`).
+    pub memory_limit: Option<u64>,
 }
 
 /// Cuts `plan` into stages for `query`, placed by the snapshot `state`.
@@ -454,6 +458,7 @@ pub fn distribute(
     let PlanOptions {
         lineage,
         scans_on_compute,
+        memory_limit,
     } = options;
     let initiator = node.id();
     let plan = adapt_joins_for_distribution(plan, buckets)?;
@@ -553,6 +558,7 @@ pub fn distribute(
     Ok(DistributedPlan {
         query,
         lineage,
+        memory_limit,
         initiator,
         started_at_us,
         map_version: state.map.version,

@@ -42,6 +42,9 @@ pub struct RunRequest {
     /// it, not only until its channels are done.
     #[serde(default)]
     pub lineage: bool,
+    /// The most memory the query may hold on the node (`tessera.query_memory_limit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_limit: Option<u64>,
 }
 
 impl tessera_net::WireRequest for RunRequest {
@@ -123,16 +126,18 @@ pub fn run_stages(
             task.channels.iter().map(|c| c.0).collect(),
         ));
     }
-    start_plans(node, request.query, plans)
+    start_plans(node, request.query, request.memory_limit, plans)
 }
 
 /// Starts channels of stage plans already in memory (the initiator's own share).
 fn start_plans(
     node: &Arc<Exec>,
     query: QueryId,
+    memory_limit: Option<u64>,
     plans: Vec<(Arc<dyn ExecutionPlan>, StageId, Vec<usize>)>,
 ) -> Result<mpsc::Receiver<ChannelReport>, ExecError> {
-    let ctx = task_context();
+    let here: usize = plans.iter().map(|(_, _, channels)| channels.len()).sum();
+    let ctx = || node.task_context(query, memory_limit, here);
     let (tx, rx) = mpsc::channel(256);
     for (plan, stage, channels) in plans {
         start_stage(node, query, stage, plan, channels, &ctx, &tx)?;
@@ -149,7 +154,7 @@ fn start_stage(
     stage: StageId,
     plan: Arc<dyn ExecutionPlan>,
     channels: Vec<usize>,
-    ctx: &Arc<TaskContext>,
+    ctx: &dyn Fn() -> Arc<TaskContext>,
     reports: &mpsc::Sender<ChannelReport>,
 ) -> Result<(), ExecError> {
     let writer = plan
@@ -185,7 +190,7 @@ fn start_stage(
         let (here, plan, ctx, reports, readers) = (
             node.clone(),
             plan.clone(),
-            ctx.clone(),
+            ctx(),
             reports.clone(),
             readers.clone(),
         );
@@ -377,6 +382,7 @@ pub fn encode(node: &Arc<Exec>, plan: &DistributedPlan) -> DfResult<Work> {
                     initiator: me,
                     stages: vec![],
                     lineage: plan.lineage,
+                    memory_limit: plan.memory_limit,
                 })
                 .stages
                 .push(StageTask {
@@ -482,7 +488,7 @@ async fn execute_here(
     // RunStages calls not yet done, per node.
     let mut outstanding: BTreeMap<NodeId, usize> = BTreeMap::new();
     {
-        let mut reports = start_plans(node, plan.query, local)?;
+        let mut reports = start_plans(node, plan.query, plan.memory_limit, local)?;
         let events = events.clone();
         tokio::spawn(async move {
             while let Some(report) = reports.recv().await {

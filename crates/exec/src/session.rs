@@ -99,6 +99,7 @@ pub async fn prepare(
     let options = crate::plan::PlanOptions {
         lineage: settings.recovery == tessera_sql::options::RecoveryMode::Lineage,
         scans_on_compute: settings.scans_on_compute,
+        memory_limit: settings.query_memory_limit,
     };
     let not_distributable = |error: DataFusionError| match error {
         DataFusionError::NotImplemented(reason) => Ok(Prepared::InProcess { reason }),

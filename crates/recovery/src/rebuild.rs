@@ -155,6 +155,7 @@ impl Recovery {
                         initiator: plan.initiator,
                         stages: vec![],
                         lineage: true,
+                        memory_limit: plan.memory_limit,
                     })
                     .stages
                     .push(StageTask {

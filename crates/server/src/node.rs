@@ -222,6 +222,19 @@ impl Node {
                 })?;
             exec = exec.with_cache(cache, config.role.is_compute());
         }
+        {
+            let dir = config.data_dir.join("spill");
+            let memory = tessera_exec::memory::NodeMemory::new(
+                config.node_id,
+                config.exec.memory_limit_bytes,
+                &dir,
+            )
+            .map_err(|e| ClusterError::DataDir {
+                dir: dir.display().to_string(),
+                reason: format!("preparing the spill directory: {e}"),
+            })?;
+            exec = exec.with_memory(memory);
+        }
         let exec = Arc::new(exec);
         let node = Arc::new(Node {
             config,

@@ -643,6 +643,7 @@ fn samples() -> Samples {
                 channels: vec![ChannelId(0), ChannelId(3)],
             }],
             lineage: true,
+            memory_limit: None,
         },
     );
     s.tagged(
@@ -809,6 +810,7 @@ fn samples() -> Samples {
             first_input_us: Some(20),
             finished_us: 30,
             error: None,
+            spilled_bytes: 0,
         }),
     );
     s.value("stages event done", &StagesEvent::AllDone);

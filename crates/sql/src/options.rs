@@ -1,8 +1,8 @@
 //! Tessera's own session settings, under the `tessera.` prefix of DataFusion's
 //! configuration: `SET tessera.recovery = 'restart'` for the session, or a hint at the
 //! head of one request, `/*+ SET tessera.recovery = restart */ SELECT ...`, for that
-//! request only. The settings: `tessera.recovery`, `tessera.scans_on_compute` and
-//! `tessera.colocate`.
+//! request only. The settings: `tessera.recovery`, `tessera.scans_on_compute`,
+//! `tessera.colocate` and `tessera.query_memory_limit`.
 
 use crate::error::{Result, SqlError};
 use datafusion::common::config::{
@@ -70,6 +70,9 @@ pub struct TesseraOptions {
     /// stages, whose exchanges can hash as the storage does. A plan run in one process
     /// (DataFusion's own repartitions) must not see scans declare storage partitioning.
     pub planning_for_cluster: bool,
+    /// The most memory one query may hold on each node, in bytes (`None`: the node's
+    /// whole pool, `[exec] memory_limit_bytes`).
+    pub query_memory_limit: Option<u64>,
 }
 
 impl Default for TesseraOptions {
@@ -79,6 +82,7 @@ impl Default for TesseraOptions {
             scans_on_compute: false,
             colocate: true,
             planning_for_cluster: false,
+            query_memory_limit: None,
         }
     }
 }
@@ -97,6 +101,9 @@ const SCANS_ON_COMPUTE_KEY: &str = "scans_on_compute";
 const COLOCATE_KEY: &str = "colocate";
 const COLOCATE_DOC: &str =
     "true (the default): joins and aggregations on a table's partition key run where its partitions are, moving neither side (the other side, if not partitioned alike, is hashed as the storage hashes); false: every such join hashes both sides across the nodes";
+const QUERY_MEMORY_LIMIT_KEY: &str = "query_memory_limit";
+const QUERY_MEMORY_LIMIT_DOC: &str =
+    "the most memory one query may hold on each node, as bytes or with a unit ('512MB', '2GB'); sorts and aggregations spill to disk past it, and a query that cannot (a join's build side) fails naming the limit. none (the default): the node's whole pool ([exec] memory_limit_bytes)";
 const SCANS_ON_COMPUTE_DOC: &str =
     "true: scans run on the compute-only nodes too, which read the partitions from their replicas; false (the default): scans run where their partitions are, and the compute nodes take the other channels";
 
@@ -112,6 +119,33 @@ fn parse_flag(key: &str, value: &str) -> datafusion::common::Result<bool> {
         "false" | "off" | "0" | "no" => Ok(false),
         other => Err(DataFusionError::Configuration(format!(
             "tessera.{key} must be true or false, not {other:?}"
+        ))),
+    }
+}
+
+/// A size in bytes: a number with an optional unit (`B`, `KB`, `MB`, `GB`, `TB`, powers of
+/// 1024; `KiB` and so on alike), or `none`/`0` for no limit.
+fn parse_size(key: &str, value: &str) -> datafusion::common::Result<Option<u64>> {
+    let text = value.trim().trim_matches('\'').trim().to_ascii_lowercase();
+    if text == "none" || text == "0" {
+        return Ok(None);
+    }
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let shift = match unit.trim().trim_end_matches("ib").trim_end_matches('b') {
+        "" => 0,
+        "k" => 10,
+        "m" => 20,
+        "g" => 30,
+        "t" => 40,
+        _ => u32::MAX,
+    };
+    match number.parse::<u64>() {
+        Ok(n) if n > 0 && shift != u32::MAX && n.leading_zeros() >= shift => Ok(Some(n << shift)),
+        _ => Err(DataFusionError::Configuration(format!(
+            "tessera.{key} must be a size such as 536870912, '512MB' or '2GB' (or none), not {value:?}"
         ))),
     }
 }
@@ -147,8 +181,12 @@ impl ExtensionOptions for TesseraOptions {
                 self.colocate = parse_flag(key, value)?;
                 Ok(())
             }
+            QUERY_MEMORY_LIMIT_KEY => {
+                self.query_memory_limit = parse_size(key, value)?;
+                Ok(())
+            }
             other => Err(DataFusionError::Configuration(format!(
-                "unknown setting tessera.{other}; the tessera settings are: tessera.{RECOVERY_KEY}, tessera.{SCANS_ON_COMPUTE_KEY}, tessera.{COLOCATE_KEY}"
+                "unknown setting tessera.{other}; the tessera settings are: tessera.{RECOVERY_KEY}, tessera.{SCANS_ON_COMPUTE_KEY}, tessera.{COLOCATE_KEY}, tessera.{QUERY_MEMORY_LIMIT_KEY}"
             ))),
         }
     }
@@ -169,6 +207,14 @@ impl ExtensionOptions for TesseraOptions {
                 key: format!("tessera.{COLOCATE_KEY}"),
                 value: Some(self.colocate.to_string()),
                 description: COLOCATE_DOC,
+            },
+            ConfigEntry {
+                key: format!("tessera.{QUERY_MEMORY_LIMIT_KEY}"),
+                value: Some(
+                    self.query_memory_limit
+                        .map_or_else(|| "none".to_string(), |b| b.to_string()),
+                ),
+                description: QUERY_MEMORY_LIMIT_DOC,
             },
         ]
     }
@@ -259,6 +305,38 @@ mod tests {
         );
         let error = "sometimes".parse::<RecoveryMode>().unwrap_err().to_string();
         assert!(error.contains("\"sometimes\""), "{error}");
+    }
+
+    #[test]
+    fn memory_limits_parse_with_units_and_bad_ones_are_named() {
+        let mut options = TesseraOptions::default();
+        assert_eq!(options.query_memory_limit, None);
+        for (text, bytes) in [
+            ("1048576", 1 << 20),
+            ("'512MB'", 512 << 20),
+            ("2 GiB", 2 << 30),
+            ("64kb", 64 << 10),
+        ] {
+            options.set(QUERY_MEMORY_LIMIT_KEY, text).unwrap();
+            assert_eq!(options.query_memory_limit, Some(bytes), "{text}");
+        }
+        options.set(QUERY_MEMORY_LIMIT_KEY, "none").unwrap();
+        assert_eq!(options.query_memory_limit, None);
+        for bad in ["lots", "12XB", "-5MB", "99999999999TB"] {
+            let error = options
+                .set(QUERY_MEMORY_LIMIT_KEY, bad)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.contains("tessera.query_memory_limit must be a size") && error.contains(bad),
+                "{error}"
+            );
+        }
+        // Co-location is on unless turned off, and only the cluster's planner plans for it.
+        assert!(options.colocate && !options.scans_declare_partitioning());
+        options.set(COLOCATE_KEY, "off").unwrap();
+        assert!(!options.colocate);
+        assert!(options.set("planning_for_cluster", "true").is_err());
     }
 
     #[test]

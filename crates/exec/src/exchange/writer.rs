@@ -116,11 +116,14 @@ impl ExchangeWriteExec {
 
     /// What channel `k` did, once its stream has ended.
     pub fn report(&self, channel: usize) -> Option<ChannelReport> {
-        self.reports
+        let mut report = self
+            .reports
             .lock()
             .expect("reports lock")
             .get(&channel)
-            .cloned()
+            .cloned()?;
+        report.spilled_bytes = spilled_bytes(&self.input, channel);
+        Some(report)
     }
 }
 
@@ -725,4 +728,23 @@ enum Router {
     Storage(StorageRouter),
     /// All into the channel's own bucket (gather, collect).
     Own,
+}
+
+/// Bytes the operators of `plan` spilled while computing output partition `channel`.
+fn spilled_bytes(plan: &Arc<dyn ExecutionPlan>, channel: usize) -> u64 {
+    let own = plan.metrics().map_or(0, |metrics| {
+        metrics
+            .iter()
+            .filter(|m| m.partition() == Some(channel))
+            .map(|m| match m.value() {
+                metrics::MetricValue::SpilledBytes(count) => count.value() as u64,
+                _ => 0,
+            })
+            .sum()
+    });
+    own + plan
+        .children()
+        .into_iter()
+        .map(|child| spilled_bytes(child, channel))
+        .sum::<u64>()
 }

@@ -1,0 +1,109 @@
+//! Bounded memory on a real node process: a query held to `tessera.query_memory_limit`
+//! spills its sorts and aggregations to disk and answers exactly what it answers without
+//! the limit; a join whose build side cannot fit fails with an error naming the query,
+//! the node and the limit, and the node serves on.
+
+use std::path::Path;
+use tessera_server::ClusterClient;
+use tessera_testkit::LocalCluster;
+
+mod common;
+use common::{load_tpch_tables, plan_text, wait_formed};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
+
+/// The number after `label` in an `EXPLAIN ANALYZE` text.
+fn reported(text: &str, label: &str) -> u64 {
+    let rest = text
+        .split(label)
+        .nth(1)
+        .unwrap_or_else(|| panic!("no {label:?} in:\n{text}"));
+    rest.trim_start()
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect::<String>()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queries_over_their_memory_limit_spill_and_stay_exact_or_fail_naming_the_limit() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 1, 16, 1);
+    cluster.start_all();
+    wait_formed(&cluster, 1, 1).await;
+    load_tpch_tables(&cluster, 0.1, &["lineitem"]).await;
+    let client = ClusterClient::new(cluster.addr(1));
+    // The query's channels on the node share the limit (about 13 MiB each); sorting or
+    // grouping 600,000 rows needs several times a sort channel's spilling half of that.
+    let limited = "/*+ SET tessera.query_memory_limit = '64MB' */";
+
+    for sql in [
+        "SELECT l_orderkey, l_linenumber, l_comment FROM lineitem \
+         ORDER BY l_comment, l_orderkey, l_linenumber",
+        "SELECT l_comment, count(*) AS n, sum(l_quantity) AS q FROM lineitem \
+         GROUP BY l_comment ORDER BY l_comment",
+    ] {
+        let free = client.query(sql).await.unwrap();
+        let held = client
+            .query(&format!("{limited} {sql}"))
+            .await
+            .unwrap_or_else(|e| panic!("{sql} under 64 MiB: {e}"));
+        tessera_tpch::compare::same_answer(&free, &held, 0.0)
+            .unwrap_or_else(|diff| panic!("{sql}: {diff}"));
+        let analyzed = plan_text(
+            &client,
+            &format!("{limited} EXPLAIN ANALYZE {sql}"),
+            "Plan with Metrics",
+        )
+        .await;
+        assert!(
+            reported(&analyzed, "bytes spilled") > 0,
+            "held to 64 MiB, {sql} spilled:\n{analyzed}"
+        );
+        let unlimited = plan_text(
+            &client,
+            &format!("EXPLAIN ANALYZE {sql}"),
+            "Plan with Metrics",
+        )
+        .await;
+        assert_eq!(
+            reported(&unlimited, "bytes spilled"),
+            0,
+            "with the node's whole pool nothing spills:\n{unlimited}"
+        );
+    }
+
+    // A hash join's build side does not spill: the query fails, naming what it passed.
+    let join = "/*+ SET tessera.query_memory_limit = '4MB', \
+                SET datafusion.optimizer.hash_join_single_partition_threshold = 0, \
+                SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0 */ \
+                SELECT count(*) FROM lineitem a JOIN lineitem b ON a.l_comment = b.l_comment";
+    let error = client.query(join).await.unwrap_err().to_string();
+    for part in [
+        "needs more memory on node 1",
+        "of its limit of 4.0 MiB (tessera.query_memory_limit",
+        "cannot spill",
+        "query ",
+    ] {
+        assert!(error.contains(part), "{part:?} missing from: {error}");
+    }
+
+    // A limit that is not a size is refused by name.
+    let error = client
+        .query("/*+ SET tessera.query_memory_limit = 'lots' */ SELECT count(*) FROM lineitem")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("tessera.query_memory_limit must be a size"),
+        "{error}"
+    );
+
+    // The node serves on, and the limit held only its own requests.
+    let count = client
+        .query("SELECT count(*) AS n FROM lineitem")
+        .await
+        .unwrap();
+    assert_eq!(count[0].num_rows(), 1);
+}

@@ -1,0 +1,355 @@
+//! Bounded memory for queries: one pool per node, a limit per query, spilling to disk.
+//!
+//! Every channel a node runs takes its memory (a sort's buffered rows, an aggregation's
+//! groups, a join's build side) from the node's pool, a DataFusion `FairSpillPool` of
+//! `[exec] memory_limit_bytes`; the channels of one query also share that query's limit,
+//! `tessera.query_memory_limit` (per node; the node's whole pool if unset). Sorts and
+//! aggregations that reach a limit spill sorted runs to `data_dir/spill` and go on; an
+//! operator that cannot spill (a hash join's build side) fails the query with an error
+//! naming the query, the node and the limit it would pass.
+
+use crate::{NodeId, QueryId};
+use datafusion::common::{DataFusionError, Result as DfResult};
+use datafusion::execution::disk_manager::{DiskManagerBuilder, DiskManagerMode};
+use datafusion::execution::memory_pool::{
+    FairSpillPool, MemoryConsumer, MemoryLimit, MemoryPool, MemoryReservation,
+};
+use datafusion::execution::runtime_env::RuntimeEnv;
+use datafusion::execution::TaskContext;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// A node's memory for queries and the runtime its channels share.
+#[derive(Debug)]
+pub struct NodeMemory {
+    node: NodeId,
+    limit: usize,
+    pool: Arc<dyn MemoryPool>,
+    /// The process's runtime (its Parquet metadata cache, spill files), with the node's pool.
+    runtime: Arc<RuntimeEnv>,
+}
+
+/// Half of this machine's memory, or 4 GiB where it cannot be read.
+fn default_limit() -> usize {
+    let total_kib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|line| line.strip_prefix("MemTotal:"))
+                .and_then(|rest| {
+                    rest.trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<usize>()
+                        .ok()
+                })
+        });
+    total_kib.map_or(4 << 30, |kib| kib * 1024 / 2)
+}
+
+/// `bytes` for a person: `512.0 MiB`.
+pub fn human(bytes: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+impl NodeMemory {
+    /// The pool of `limit` bytes (0: half of this machine's memory) spilling under
+    /// `spill_dir`, which is emptied first (spill files of a process that died).
+    pub fn new(node: NodeId, limit: u64, spill_dir: &Path) -> std::io::Result<NodeMemory> {
+        let limit = match limit {
+            0 => default_limit(),
+            bytes => bytes as usize,
+        };
+        if spill_dir.exists() {
+            std::fs::remove_dir_all(spill_dir)?;
+        }
+        std::fs::create_dir_all(spill_dir)?;
+        let pool: Arc<dyn MemoryPool> = Arc::new(FairSpillPool::new(limit));
+        let base = crate::run::task_context().runtime_env();
+        let disk_manager = DiskManagerBuilder::default()
+            .with_mode(DiskManagerMode::Directories(vec![spill_dir.to_path_buf()]))
+            .build()
+            .map_err(std::io::Error::other)?;
+        let runtime = Arc::new(RuntimeEnv {
+            memory_pool: pool.clone(),
+            disk_manager: Arc::new(disk_manager),
+            cache_manager: base.cache_manager.clone(),
+            object_store_registry: base.object_store_registry.clone(),
+        });
+        Ok(NodeMemory {
+            node,
+            limit,
+            pool,
+            runtime,
+        })
+    }
+
+    /// The node's limit, in bytes.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Bytes the node's queries hold now.
+    pub fn reserved(&self) -> usize {
+        self.pool.reserved()
+    }
+
+    /// The context one of `query`'s `channels` on this node runs in: the node's runtime
+    /// with a pool that holds the channel to an equal share of `query_limit` bytes (no
+    /// share of its own if `None` or not below the node's limit). Shares, not one pool
+    /// for the query: a sort merging its spilled runs takes what its pool has left, and
+    /// would leave nothing to the merge of another stage waiting on it.
+    pub fn task_context(
+        &self,
+        query: QueryId,
+        query_limit: Option<u64>,
+        channels: usize,
+    ) -> Arc<TaskContext> {
+        let own = query_limit.is_some_and(|l| (l as usize) < self.limit);
+        let query_limit = query_limit.map_or(self.limit, |l| (l as usize).min(self.limit));
+        let limit = if own {
+            query_limit / channels.max(1)
+        } else {
+            self.limit
+        };
+        let pool = Arc::new(QueryPool {
+            node: self.node,
+            query,
+            limit,
+            query_limit,
+            channels,
+            // Spilling consumers share half of the limit fairly; the rest is
+            // left for those that cannot spill (a merge, a join's build side), which
+            // would otherwise find it all held by a sort that will not give it back.
+            query_pool: own.then(|| FairSpillPool::new(limit / 2)),
+            node_limit: self.limit,
+            node_pool: self.pool.clone(),
+            reserved: AtomicUsize::new(0),
+        });
+        let runtime = Arc::new(RuntimeEnv {
+            memory_pool: pool,
+            disk_manager: self.runtime.disk_manager.clone(),
+            cache_manager: self.runtime.cache_manager.clone(),
+            object_store_registry: self.runtime.object_store_registry.clone(),
+        });
+        let base = crate::run::task_context();
+        let mut config = base.session_config().clone();
+        // Each sort sets aside this much, unspillable, to merge its spilled runs: sized
+        // for large pools by default, it would take a small limit whole.
+        let execution = &mut config.options_mut().execution;
+        execution.sort_spill_reservation_bytes =
+            execution.sort_spill_reservation_bytes.min(limit / 16);
+        Arc::new(TaskContext::new(
+            None,
+            base.session_id(),
+            config,
+            base.scalar_functions().clone(),
+            base.higher_order_functions().clone(),
+            base.aggregate_functions().clone(),
+            base.window_functions().clone(),
+            runtime,
+        ))
+    }
+}
+
+/// One query's share of a node's pool. A query with a limit of its own is held to it in
+/// total, and its spilling consumers to equal shares of half of it; every
+/// byte must also fit in the node's pool.
+#[derive(Debug)]
+struct QueryPool {
+    node: NodeId,
+    query: QueryId,
+    /// The channel's share of the query's limit.
+    limit: usize,
+    query_limit: usize,
+    /// The query's channels on this node, which share its limit.
+    channels: usize,
+    /// The query's own pool, under `tessera.query_memory_limit`.
+    query_pool: Option<FairSpillPool>,
+    node_limit: usize,
+    node_pool: Arc<dyn MemoryPool>,
+    reserved: AtomicUsize,
+}
+
+impl QueryPool {
+    fn refusal(
+        &self,
+        reservation: &MemoryReservation,
+        additional: usize,
+        why: String,
+    ) -> DataFusionError {
+        let consumer = reservation.consumer();
+        let spills = if consumer.can_spill() {
+            "even after spilling"
+        } else {
+            "and it cannot spill to disk"
+        };
+        DataFusionError::ResourcesExhausted(format!(
+            "query {} needs more memory on node {} than {why}: {} asked for {} more while the {} held {} ({spills})",
+            self.query,
+            self.node,
+            consumer.name(),
+            human(additional),
+            if self.channels > 1 { "channel" } else { "query" },
+            human(self.reserved.load(Ordering::SeqCst)),
+        ))
+    }
+}
+
+impl std::fmt::Display for QueryPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "query {} on node {}: {} of {}",
+            self.query,
+            self.node,
+            human(self.reserved.load(Ordering::SeqCst)),
+            human(self.limit)
+        )
+    }
+}
+
+impl QueryPool {
+    /// The query's own pool, for a consumer that spills (the others are held to the
+    /// query's total only).
+    fn own_share(&self, consumer: &MemoryConsumer) -> Option<&FairSpillPool> {
+        self.query_pool.as_ref().filter(|_| consumer.can_spill())
+    }
+}
+
+impl MemoryPool for QueryPool {
+    fn name(&self) -> &str {
+        "tessera-query"
+    }
+
+    fn register(&self, consumer: &MemoryConsumer) {
+        if let Some(own) = self.own_share(consumer) {
+            own.register(consumer);
+        }
+        self.node_pool.register(consumer);
+    }
+
+    fn unregister(&self, consumer: &MemoryConsumer) {
+        if let Some(own) = self.own_share(consumer) {
+            own.unregister(consumer);
+        }
+        self.node_pool.unregister(consumer);
+    }
+
+    fn grow(&self, reservation: &MemoryReservation, additional: usize) {
+        if let Some(own) = self.own_share(reservation.consumer()) {
+            own.grow(reservation, additional);
+        }
+        self.node_pool.grow(reservation, additional);
+        self.reserved.fetch_add(additional, Ordering::SeqCst);
+    }
+
+    fn shrink(&self, reservation: &MemoryReservation, shrink: usize) {
+        if let Some(own) = self.own_share(reservation.consumer()) {
+            own.shrink(reservation, shrink);
+        }
+        self.node_pool.shrink(reservation, shrink);
+        self.reserved.fetch_sub(shrink, Ordering::SeqCst);
+    }
+
+    fn try_grow(&self, reservation: &MemoryReservation, additional: usize) -> DfResult<()> {
+        let own_limit = || {
+            match self.channels {
+            0 | 1 => format!(
+                "its limit of {} (tessera.query_memory_limit)",
+                human(self.query_limit)
+            ),
+            channels => format!(
+                "a channel's share, {}, of its limit of {} (tessera.query_memory_limit, shared by its {channels} channels on the node)",
+                human(self.limit),
+                human(self.query_limit)
+            ),
+        }
+        };
+        let held = self.reserved.fetch_add(additional, Ordering::SeqCst);
+        let undo = || {
+            self.reserved.fetch_sub(additional, Ordering::SeqCst);
+        };
+        if self.query_pool.is_some() && held + additional > self.limit {
+            undo();
+            return Err(self.refusal(reservation, additional, own_limit()));
+        }
+        let own = self.own_share(reservation.consumer());
+        if let Some(own) = own {
+            if own.try_grow(reservation, additional).is_err() {
+                undo();
+                return Err(self.refusal(reservation, additional, own_limit()));
+            }
+        }
+        if self.node_pool.try_grow(reservation, additional).is_err() {
+            if let Some(own) = own {
+                own.shrink(reservation, additional);
+            }
+            undo();
+            return Err(self.refusal(
+                reservation,
+                additional,
+                format!(
+                    "the node's limit of {} for all its queries ([exec] memory_limit_bytes)",
+                    human(self.node_limit)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn reserved(&self) -> usize {
+        self.reserved.load(Ordering::SeqCst)
+    }
+
+    fn memory_limit(&self) -> MemoryLimit {
+        MemoryLimit::Finite(self.limit)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_query_is_held_to_its_limit_and_the_node_to_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let memory = NodeMemory::new(NodeId(2), 10 << 20, &dir.path().join("spill")).unwrap();
+        let query = memory.task_context(QueryId(0xabc), Some(1 << 20), 1);
+        let pool = query.memory_pool();
+        let mut sort = MemoryConsumer::new("a sort")
+            .with_can_spill(true)
+            .register(pool);
+        sort.try_grow(512 << 10).unwrap();
+        let error = sort.try_grow(768 << 10).unwrap_err().to_string();
+        assert!(error.contains("tessera.query_memory_limit"), "{error}");
+        assert!(
+            error.contains("1.0 MiB") && error.contains("node 2"),
+            "{error}"
+        );
+        assert!(error.contains(&QueryId(0xabc).to_string()), "{error}");
+        assert_eq!(
+            memory.reserved(),
+            512 << 10,
+            "the node pool saw the query's bytes"
+        );
+        sort.free();
+        assert_eq!(memory.reserved(), 0);
+
+        // Without a limit of its own a query may take the node's whole pool, and no more.
+        let big = memory.task_context(QueryId(1), None, 3);
+        let mut join = MemoryConsumer::new("a join's build side").register(big.memory_pool());
+        join.try_grow(9 << 20).unwrap();
+        let error = join.try_grow(2 << 20).unwrap_err().to_string();
+        assert!(error.contains("[exec] memory_limit_bytes"), "{error}");
+        assert!(error.contains("cannot spill"), "{error}");
+    }
+}
