@@ -4,7 +4,7 @@
 //! Why this file is long (over 800 lines): its tests share one cluster harness and one
 //! lock that keeps them from running their clusters at once on a 2-core machine.
 
-use arrow::array::{Int64Array, RecordBatch, StringArray};
+use arrow::array::{Int64Array, RecordBatch};
 use datafusion::prelude::SessionContext;
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -12,7 +12,7 @@ use tessera_server::ClusterClient;
 use tessera_testkit::LocalCluster;
 
 mod common;
-use common::{load_tpch_tables, plan_text, wait_formed};
+use common::{load_tpch_tables, plan_text, reported, wait_formed};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 const SF: f64 = 0.05;
@@ -53,15 +53,7 @@ async fn bytes_exchanged(client: &ClusterClient, hints: &[&str], sql: &str) -> u
         "Plan with Metrics",
     )
     .await;
-    let rest = text
-        .split("bytes exchanged ")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no bytes exchanged in:\n{text}"));
-    rest.chars()
-        .take_while(|c| c.is_ascii_digit())
-        .collect::<String>()
-        .parse()
-        .unwrap()
+    reported(&text, "bytes exchanged")
 }
 
 /// The stages of a distributed plan's text, each its header line and operators.

@@ -8,23 +8,9 @@ use tessera_server::ClusterClient;
 use tessera_testkit::LocalCluster;
 
 mod common;
-use common::{load_tpch_tables, plan_text, wait_formed};
+use common::{load_tpch_tables, plan_text, reported, wait_formed};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
-
-/// The number after `label` in an `EXPLAIN ANALYZE` text.
-fn reported(text: &str, label: &str) -> u64 {
-    let rest = text
-        .split(label)
-        .nth(1)
-        .unwrap_or_else(|| panic!("no {label:?} in:\n{text}"));
-    rest.trim_start()
-        .chars()
-        .take_while(|c| c.is_ascii_digit())
-        .collect::<String>()
-        .parse()
-        .unwrap()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queries_over_their_memory_limit_spill_and_stay_exact_or_fail_naming_the_limit() {

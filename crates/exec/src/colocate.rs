@@ -355,12 +355,7 @@ impl ExecutionPlan for StorageRepartitionExec {
         &self,
         f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> DfResult<TreeNodeRecursion>,
     ) -> DfResult<TreeNodeRecursion> {
-        for expr in &self.exprs {
-            if f(expr)? == TreeNodeRecursion::Stop {
-                return Ok(TreeNodeRecursion::Stop);
-            }
-        }
-        Ok(TreeNodeRecursion::Continue)
+        crate::apply_to_each(&self.exprs, f)
     }
 
     fn with_new_children(

@@ -343,6 +343,24 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
+/// Visits `exprs` in order for `ExecutionPlan::apply_expressions`, stopping where `f` says.
+pub(crate) fn apply_to_each(
+    exprs: &[Arc<dyn datafusion::physical_expr::PhysicalExpr>],
+    f: &mut dyn FnMut(
+        &Arc<dyn datafusion::physical_expr::PhysicalExpr>,
+    ) -> datafusion::common::Result<
+        datafusion::common::tree_node::TreeNodeRecursion,
+    >,
+) -> datafusion::common::Result<datafusion::common::tree_node::TreeNodeRecursion> {
+    use datafusion::common::tree_node::TreeNodeRecursion;
+    for expr in exprs {
+        if f(expr)? == TreeNodeRecursion::Stop {
+            return Ok(TreeNodeRecursion::Stop);
+        }
+    }
+    Ok(TreeNodeRecursion::Continue)
+}
+
 /// The cores one node can use for channels: this machine's, shared among the live nodes
 /// whose address names the same host as `node`'s (a local cluster on one machine, or
 /// several nodes per server). At least one.

@@ -351,3 +351,18 @@ pub async fn plan_text(client: &ClusterClient, sql: &str, plan_type: &str) -> St
     }
     panic!("{sql} returned no {plan_type:?} row");
 }
+
+/// The number after `label` in an `EXPLAIN ANALYZE` text (`bytes exchanged`, `bytes
+/// spilled`).
+pub fn reported(text: &str, label: &str) -> u64 {
+    let rest = text
+        .split(label)
+        .nth(1)
+        .unwrap_or_else(|| panic!("no {label:?} in:\n{text}"));
+    rest.trim_start()
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect::<String>()
+        .parse()
+        .unwrap()
+}

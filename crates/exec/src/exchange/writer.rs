@@ -162,12 +162,7 @@ impl ExecutionPlan for ExchangeWriteExec {
         &self,
         f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> DfResult<TreeNodeRecursion>,
     ) -> DfResult<TreeNodeRecursion> {
-        for expr in &self.hash_exprs {
-            if f(expr)? == TreeNodeRecursion::Stop {
-                return Ok(TreeNodeRecursion::Stop);
-            }
-        }
-        Ok(TreeNodeRecursion::Continue)
+        crate::apply_to_each(&self.hash_exprs, f)
     }
 
     fn with_new_children(

@@ -34,6 +34,17 @@ impl Store {
         held.into_values().collect()
     }
 
+    /// True if some partition's manifest still names component `hash` (a merge or a
+    /// retention pass may have replaced it, and its file gone with it, since it was listed).
+    pub fn holds_component(&self, hash: &ComponentHash) -> bool {
+        self.state().tables.values().any(|table| {
+            table
+                .partitions
+                .iter()
+                .any(|p| p.manifest.components.iter().any(|c| c.hash == *hash))
+        })
+    }
+
     /// Hashes component `hash`'s file again now. If it no longer matches its name (or is
     /// gone), readers stop trusting the earlier check, and the error says what is wrong;
     /// if it does, readers need not hash it again.
