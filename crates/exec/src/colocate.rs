@@ -396,6 +396,8 @@ fn key_type(data_type: &DataType) -> DataType {
 #[derive(Debug)]
 pub struct StorageRouter {
     exprs: Vec<Arc<dyn PhysicalExpr>>,
+    /// Each expression's text, naming it in an error.
+    names: Vec<String>,
     ring: PartitionRing,
     bucket_of_partition: Vec<u32>,
     buckets: usize,
@@ -412,6 +414,7 @@ impl StorageRouter {
             "every partition's bucket exists"
         );
         StorageRouter {
+            names: exprs.iter().map(|e| e.to_string()).collect(),
             exprs,
             ring: PartitionRing::new(bucket_of_partition.len() as u32),
             bucket_of_partition,
@@ -428,10 +431,11 @@ impl StorageRouter {
             .map(|expr| {
                 let values = expr.evaluate(batch)?.into_array(rows)?;
                 let wanted = key_type(values.data_type());
-                Ok((expr.to_string(), cast(&values, &wanted)?))
+                Ok(cast(&values, &wanted)?)
             })
-            .collect::<DfResult<Vec<(String, ArrayRef)>>>()?;
-        let named: Vec<(&str, &ArrayRef)> = keys.iter().map(|(n, a)| (n.as_str(), a)).collect();
+            .collect::<DfResult<Vec<ArrayRef>>>()?;
+        let named: Vec<(&str, &ArrayRef)> =
+            self.names.iter().map(String::as_str).zip(&keys).collect();
         let hashes = partition_key_hashes(&named)
             .map_err(|e| DataFusionError::Execution(format!("storage exchange: {e}")))?;
         let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); self.buckets];

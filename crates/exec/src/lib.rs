@@ -127,11 +127,6 @@ impl Exec {
         }
     }
 
-    /// The node's memory limit for queries and what they hold now, in bytes.
-    pub fn memory_use(&self) -> Option<(usize, usize)> {
-        self.memory.as_ref().map(|m| (m.limit(), m.reserved()))
-    }
-
     /// Keeps components read from elsewhere in `cache`; with `reads_through_cache` (a
     /// compute node), also those of the partitions its scans read from other nodes.
     pub fn with_cache(
