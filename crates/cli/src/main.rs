@@ -317,6 +317,10 @@ enum BenchKind {
         /// DataFusion (without it: one local store against plain DataFusion).
         #[arg(long)]
         nodes: Option<u64>,
+        /// With --nodes: run every query once more under this per-query memory limit
+        /// (e.g. '256MB'), checking its answer and counting the bytes spilled.
+        #[arg(long, requires = "nodes")]
+        memory_limit: Option<String>,
     },
     /// Surviving a node failure mid-query: lineage's overhead against none, and restart
     /// against lineage with a node SIGKILLed at 50% of each query's no-failure time.
@@ -666,6 +670,7 @@ async fn run(cli: Cli) -> Result<()> {
                     queries,
                     runs,
                     nodes,
+                    memory_limit,
                 },
         } => match nodes {
             Some(nodes) => {
@@ -676,6 +681,7 @@ async fn run(cli: Cli) -> Result<()> {
                     *sf,
                     queries,
                     *runs,
+                    memory_limit.as_deref(),
                 )
                 .await
             }

@@ -69,8 +69,8 @@ fn a_relative_data_dir_works_across_checkpoints_and_formats() {
         None,
     ));
     assert!(
-        explain.contains("DataSourceExec"),
-        "plain components are scanned as Parquet: {explain}"
+        explain.contains("DecodedScanExec") && !explain.contains("VersionedScanExec"),
+        "small plain components are read whole, kept decoded, with no versions to resolve: {explain}"
     );
 }
 

@@ -290,6 +290,11 @@ pub struct ExecSettings {
     /// join build sides), in bytes; sorts and aggregations past it spill to
     /// `data_dir/spill`. 0: half of this machine's memory.
     pub memory_limit_bytes: u64,
+    /// Memory for small components kept decoded, so a scan of a small table does not pay
+    /// a Parquet file's fixed cost per storage partition (0: keep none).
+    pub decoded_cache_bytes: u64,
+    /// The largest component file (bytes) kept decoded.
+    pub decoded_component_max_bytes: u64,
 }
 
 impl Default for ExecSettings {
@@ -300,6 +305,8 @@ impl Default for ExecSettings {
             spool_start_timeout_ms: 30_000,
             cache_bytes: 1 << 30,
             memory_limit_bytes: 0,
+            decoded_cache_bytes: 512 << 20,
+            decoded_component_max_bytes: 1 << 20,
         }
     }
 }

@@ -73,6 +73,8 @@ pub struct Metrics {
     pub pg_connections: Gauge,
     /// Queries with channels running on this node now.
     pub queries_running: Gauge,
+    /// Memory held by small components kept decoded for scans.
+    pub decoded_cache_bytes: Gauge,
 }
 
 impl Metrics {
@@ -105,6 +107,7 @@ impl Metrics {
             standby_unapplied_rows: Gauge::default(),
             pg_connections: Gauge::default(),
             queries_running: Gauge::default(),
+            decoded_cache_bytes: Gauge::default(),
         };
         {
             let mut r = metrics.registry.lock().expect("registry lock");
@@ -233,6 +236,11 @@ impl Metrics {
                 "queries_running",
                 "Queries with channels running on this node",
                 metrics.queries_running.clone(),
+            );
+            r.register(
+                "decoded_cache_bytes",
+                "Memory held by small components kept decoded for scans",
+                metrics.decoded_cache_bytes.clone(),
             );
         }
         metrics

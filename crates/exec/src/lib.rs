@@ -96,7 +96,7 @@ impl Exec {
             store,
             meta,
             clients,
-            queries: Arc::new(exchange::QueryRegistry::new(settings.inbox_budget_bytes)),
+            queries: Arc::new(exchange::QueryRegistry::new(&settings)),
             lineage,
             settings,
             replication,

@@ -325,7 +325,7 @@ mod tests {
         let memory = NodeMemory::new(NodeId(2), 10 << 20, &dir.path().join("spill")).unwrap();
         let query = memory.task_context(QueryId(0xabc), Some(1 << 20), 1);
         let pool = query.memory_pool();
-        let mut sort = MemoryConsumer::new("a sort")
+        let sort = MemoryConsumer::new("a sort")
             .with_can_spill(true)
             .register(pool);
         sort.try_grow(512 << 10).unwrap();
@@ -346,7 +346,7 @@ mod tests {
 
         // Without a limit of its own a query may take the node's whole pool, and no more.
         let big = memory.task_context(QueryId(1), None, 3);
-        let mut join = MemoryConsumer::new("a join's build side").register(big.memory_pool());
+        let join = MemoryConsumer::new("a join's build side").register(big.memory_pool());
         join.try_grow(9 << 20).unwrap();
         let error = join.try_grow(2 << 20).unwrap_err().to_string();
         assert!(error.contains("[exec] memory_limit_bytes"), "{error}");

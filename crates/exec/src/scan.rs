@@ -428,6 +428,7 @@ pub(crate) fn stream_snapshot<K: Send + Sync + 'static>(
         limit: spec.limit,
         grouping: FileGrouping::Packed(1),
         statistics: node.queries.statistics(),
+        decoded: Some(node.queries.decoded()),
         runtime: &context.runtime_env(),
         parquet,
     })?;

@@ -94,6 +94,8 @@ impl tessera_console::NodeView for NodeConsole {
         m.standby_unapplied_rows.set(unapplied as i64);
         let running = self.node.exec.queries().queries_running();
         m.queries_running.set(running as i64);
+        let decoded = self.node.exec.queries().decoded().usage();
+        m.decoded_cache_bytes.set(decoded.bytes as i64);
     }
 }
 

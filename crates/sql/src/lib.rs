@@ -11,6 +11,7 @@ pub mod activity;
 pub mod alter;
 pub mod backend;
 pub mod changes;
+pub mod decoded;
 pub mod engine;
 pub mod error;
 pub mod options;

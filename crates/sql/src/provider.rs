@@ -1,6 +1,7 @@
 //! Tessera's catalog as DataFusion sees it: a schema provider whose tables are read from
 //! the store, optionally pinned to an epoch (`t@42`).
 
+use crate::decoded::{DecodedComponents, DecodedScan, DecodedScanExec};
 use crate::error::SqlError;
 use crate::scan::VersionedScanExec;
 use crate::time_travel::{base_table_name, split_as_of, AsOf};
@@ -74,6 +75,7 @@ pub struct TesseraSchema {
     store: Arc<Store>,
     layout: ScanLayout,
     statistics: Arc<ComponentStatistics>,
+    decoded: Arc<DecodedComponents>,
 }
 
 impl TesseraSchema {
@@ -82,7 +84,13 @@ impl TesseraSchema {
             store,
             layout,
             statistics: Arc::default(),
+            decoded: Arc::default(),
         }
+    }
+
+    /// The small components this schema's scans keep decoded.
+    pub fn decoded(&self) -> &Arc<DecodedComponents> {
+        &self.decoded
     }
 }
 
@@ -218,6 +226,7 @@ impl SchemaProvider for TesseraSchema {
             epoch,
             self.layout,
             self.statistics.clone(),
+            self.decoded.clone(),
         ))))
     }
 
@@ -416,6 +425,7 @@ pub struct LocalRows {
     epoch: Option<Epoch>,
     layout: ScanLayout,
     statistics: Arc<ComponentStatistics>,
+    decoded: Arc<DecodedComponents>,
 }
 
 /// A table of this node's store.
@@ -428,6 +438,7 @@ impl TesseraTable {
         epoch: Option<Epoch>,
         layout: ScanLayout,
         statistics: Arc<ComponentStatistics>,
+        decoded: Arc<DecodedComponents>,
     ) -> Self {
         VersionedTable::new(
             def,
@@ -437,6 +448,7 @@ impl TesseraTable {
                 epoch,
                 layout,
                 statistics,
+                decoded,
             },
         )
     }
@@ -477,6 +489,7 @@ impl RowSource for LocalRows {
             limit,
             grouping: layout,
             statistics: &self.statistics,
+            decoded: Some(&self.decoded),
             runtime: state.runtime_env(),
             parquet: state.table_options().parquet.clone(),
         })
@@ -507,14 +520,17 @@ pub struct SnapshotScan<'a> {
     pub limit: Option<usize>,
     pub grouping: FileGrouping,
     pub statistics: &'a ComponentStatistics,
+    /// Where small plain components are kept decoded (`None`: always read Parquet).
+    pub decoded: Option<&'a Arc<DecodedComponents>>,
     pub runtime: &'a Arc<RuntimeEnv>,
     pub parquet: TableParquetOptions,
 }
 
 /// The physical plan that reads `scan`'s partitions of a snapshot: partitions that are a
 /// single duplicate-free component go to DataFusion's Parquet scan (projection, pruning by
-/// the predicate, the runtime's footer cache), the rest through [`VersionedScanExec`].
-/// Every component read is verified against its hash first.
+/// the predicate, the runtime's footer cache), or, when every such component is small, to
+/// the decoded cache ([`DecodedScanExec`]); the rest through [`VersionedScanExec`]. Every
+/// component read is verified against its hash first.
 pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPlan>> {
     let SnapshotScan {
         store,
@@ -525,6 +541,7 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
         limit,
         grouping,
         statistics,
+        decoded,
         runtime,
         parquet,
     } = scan;
@@ -551,7 +568,30 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
         }
     }
     let mut children: Vec<Arc<dyn ExecutionPlan>> = Vec::new();
-    if !plain.is_empty() {
+    // A table is read decoded only if all of its plain components are small: mixing the
+    // two readers would double the scan's output partitions.
+    let decoded = decoded.filter(|cache| plain.iter().all(|c| cache.admits(c)));
+    if let (Some(cache), false) = (decoded, plain.is_empty()) {
+        let file_statistics = plain
+            .iter()
+            .map(|c| statistics.get(store, &c.hash, &snapshot.def))
+            .collect::<Result<Vec<_>>>()?;
+        let merged =
+            Statistics::try_merge_iter(file_statistics.iter().map(|s| s.as_ref()), &stored)?;
+        let groups = match grouping {
+            FileGrouping::PerStoragePartition => plain.into_iter().map(|c| vec![c]).collect(),
+            FileGrouping::Packed(groups) => pack_by_bytes(plain, groups, |c| c.bytes),
+        };
+        children.push(Arc::new(DecodedScanExec::new(DecodedScan {
+            snapshot: snapshot.clone(),
+            groups,
+            components_dir: store.dir().to_path_buf(),
+            cache: cache.clone(),
+            projection: projection.clone(),
+            limit,
+            statistics: merged,
+        })?));
+    } else if !plain.is_empty() {
         // The same reader settings as DataFusion's own Parquet tables: the session's
         // Parquet options and the runtime's footer cache (components never change, so a
         // cached footer is always valid).
@@ -584,7 +624,10 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
             FileGrouping::PerStoragePartition => {
                 files.into_iter().map(|f| FileGroup::new(vec![f])).collect()
             }
-            FileGrouping::Packed(groups) => pack_files(files, groups),
+            FileGrouping::Packed(groups) => pack_by_bytes(files, groups, |f| f.object_meta.size)
+                .into_iter()
+                .map(FileGroup::new)
+                .collect(),
         };
         let statistics =
             Statistics::try_merge_iter(file_statistics.iter().map(|s| s.as_ref()), &stored)?;
@@ -616,21 +659,25 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
 
 /// Packs files into at most `groups` groups of about equal bytes (largest first, each into
 /// the lightest group), keeping every file whole.
-fn pack_files(mut files: Vec<PartitionedFile>, groups: usize) -> Vec<FileGroup> {
+fn pack_by_bytes<F: Clone>(
+    mut files: Vec<F>,
+    groups: usize,
+    bytes: impl Fn(&F) -> u64,
+) -> Vec<Vec<F>> {
     let groups = groups.clamp(1, files.len().max(1));
-    files.sort_by_key(|f| std::cmp::Reverse(f.object_meta.size));
-    let mut packed: Vec<(u64, Vec<PartitionedFile>)> = vec![(0, Vec::new()); groups];
+    files.sort_by_key(|f| std::cmp::Reverse(bytes(f)));
+    let mut packed: Vec<(u64, Vec<F>)> = vec![(0, Vec::new()); groups];
     for file in files {
         let lightest = packed
             .iter_mut()
-            .min_by_key(|(bytes, _)| *bytes)
+            .min_by_key(|(held, _)| *held)
             .expect("at least one group");
-        lightest.0 += file.object_meta.size;
+        lightest.0 += bytes(&file);
         lightest.1.push(file);
     }
     packed
         .into_iter()
         .filter(|(_, f)| !f.is_empty())
-        .map(|(_, f)| FileGroup::new(f))
+        .map(|(_, f)| f)
         .collect()
 }

@@ -58,6 +58,16 @@ const APART: &str = "/*+ SET tessera.colocate = false */";
 /// The bytes an `EXPLAIN ANALYZE` of `sql` (after `hint`) reports as exchanged between
 /// nodes.
 async fn bytes_exchanged(client: &ClusterClient, hint: &str, sql: &str) -> Result<u64> {
+    analyzed_number(client, hint, sql, "bytes exchanged ").await
+}
+
+/// The number that follows `label` in an `EXPLAIN ANALYZE` of `sql` (after `hint`).
+async fn analyzed_number(
+    client: &ClusterClient,
+    hint: &str,
+    sql: &str,
+    label: &str,
+) -> Result<u64> {
     let batches = client
         .query(&format!("{hint} EXPLAIN ANALYZE {sql}"))
         .await?;
@@ -68,13 +78,64 @@ async fn bytes_exchanged(client: &ClusterClient, hint: &str, sql: &str) -> Resul
             .downcast_ref::<StringArray>()
             .context("EXPLAIN ANALYZE returns its plan as text")?;
         for i in 0..plans.len() {
-            if let Some(rest) = plans.value(i).split("bytes exchanged ").nth(1) {
+            if let Some(rest) = plans.value(i).split(label).nth(1) {
                 let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
                 return Ok(digits.parse()?);
             }
         }
     }
-    bail!("EXPLAIN ANALYZE did not report the bytes exchanged")
+    bail!("EXPLAIN ANALYZE did not report {}", label.trim())
+}
+
+/// Each node process's peak resident memory since the last [`reset_peak_memory`], in
+/// bytes (`VmHWM` of `/proc/<pid>/status`); `None` where it cannot be read.
+fn peak_memory(cluster: &LocalCluster, nodes: u64) -> Vec<Option<u64>> {
+    (1..=nodes)
+        .map(|id| {
+            let status =
+                std::fs::read_to_string(format!("/proc/{}/status", cluster.pid(id)?)).ok()?;
+            let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        })
+        .collect()
+}
+
+/// Starts each node process's peak memory afresh (`clear_refs` 5), so the peak printed
+/// is the queries', not the load's. Best effort: an older kernel keeps the load's peak.
+fn reset_peak_memory(cluster: &LocalCluster, nodes: u64) {
+    for id in 1..=nodes {
+        if let Some(pid) = cluster.pid(id) {
+            let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
+        }
+    }
+}
+
+fn mib(bytes: Option<u64>) -> String {
+    bytes.map_or("?".to_string(), |b| {
+        format!("{:.0} MiB", b as f64 / (1 << 20) as f64)
+    })
+}
+
+/// A memory-limited run of the N-node cluster: each query again under
+/// `tessera.query_memory_limit`, its answer checked and its spilled bytes counted.
+struct Limited {
+    limit: String,
+    hint: String,
+    spilled: u64,
+    /// Queries that failed under the limit.
+    failed: Vec<usize>,
+}
+
+impl Limited {
+    fn new(limit: &str) -> Limited {
+        Limited {
+            limit: limit.to_string(),
+            hint: format!("/*+ SET tessera.query_memory_limit = '{limit}' */"),
+            spilled: 0,
+            failed: Vec::new(),
+        }
+    }
 }
 
 pub async fn run(
@@ -84,16 +145,20 @@ pub async fn run(
     sf: f64,
     queries: &[usize],
     runs: usize,
+    memory_limit: Option<&str>,
 ) -> Result<()> {
     if nodes < 2 {
         bail!("--nodes compares a cluster with one node: give 2 or more");
     }
     let queries = chosen_queries(queries, runs)?;
     let root = data_dir.join(format!("bench-tpch-cluster-sf{sf}"));
-    let (_many, many) =
+    let (many_nodes, many) =
         cluster(&root.join(format!("nodes-{nodes}")), nodes, partitions, sf).await?;
-    let (_one, one) = cluster(&root.join("nodes-1"), 1, partitions, sf).await?;
+    let (one_node, one) = cluster(&root.join("nodes-1"), 1, partitions, sf).await?;
     let baseline = shared_baseline(data_dir, sf).await?;
+    let mut limited = memory_limit.map(Limited::new);
+    reset_peak_memory(&many_nodes, nodes);
+    reset_peak_memory(&one_node, 1);
 
     println!();
     println!(
@@ -128,6 +193,28 @@ pub async fn run(
         }
         let bytes = bytes_exchanged(&many, "", sql).await?;
         let apart = bytes_exchanged(&many, APART, sql).await?;
+        let mut limited_ms = None;
+        if let Some(limited) = limited.as_mut() {
+            let hinted = format!("{} {sql}", limited.hint);
+            match timed(|| many.query(&hinted)).await {
+                Ok((elapsed, actual)) => {
+                    if let Err(diff) = tessera_tpch::compare::same_answer(&expected, &actual, 1e-9)
+                    {
+                        mismatches.push(q);
+                        answer = format!("DIFFERENT under {}: {diff}", limited.limit);
+                    }
+                    limited.spilled +=
+                        analyzed_number(&many, &limited.hint, sql, "bytes spilled ").await?;
+                    limited_ms = Some(elapsed.as_secs_f64() * 1e3);
+                }
+                // A query that cannot fit (a join's build side does not spill) is reported,
+                // and the benchmark goes on.
+                Err(error) => {
+                    limited.failed.push(q);
+                    answer = format!("{answer}; FAILED under {}: {error}", limited.limit);
+                }
+            }
+        }
         total_bytes += bytes;
         total_apart += apart;
         let (mut t_many, mut t_one, mut t_df) = (Vec::new(), Vec::new(), Vec::new());
@@ -158,6 +245,9 @@ pub async fn run(
             bytes,
             apart
         );
+        if let Some(ms) = limited_ms {
+            println!("{:>5} {ms:>12.1} under tessera.query_memory_limit", "");
+        }
     }
     let n = queries.len() as f64;
     println!(
@@ -177,6 +267,22 @@ pub async fn run(
         (log_vs_one / n).exp(),
         total_bytes as f64 / total_apart.max(1) as f64
     );
+    let peaks: Vec<String> = peak_memory(&many_nodes, nodes)
+        .into_iter()
+        .enumerate()
+        .map(|(i, peak)| format!("node {} {}", i + 1, mib(peak)))
+        .collect();
+    println!(
+        "peak memory per node while querying (VmHWM): {nodes}-node cluster {}; 1-node cluster {}",
+        peaks.join(", "),
+        mib(peak_memory(&one_node, 1)[0])
+    );
+    if let Some(limited) = &limited {
+        println!(
+            "with tessera.query_memory_limit = '{}': every answer checked, {} bytes spilled in all, failed: {:?}",
+            limited.limit, limited.spilled, limited.failed
+        );
+    }
     if !mismatches.is_empty() {
         bail!("answers differ from DataFusion for queries {mismatches:?}");
     }

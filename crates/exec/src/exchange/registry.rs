@@ -6,6 +6,7 @@ use crate::QueryId;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use tessera_common::config::ExecSettings;
+use tessera_sql::decoded::{DecodedComponents, DecodedLimits};
 use tokio::sync::Notify;
 
 /// Queries remembered as ended, so late batches for them are dropped, not buffered.
@@ -22,24 +23,30 @@ pub struct QueryRegistry {
     running: Mutex<HashMap<QueryId, Vec<tokio::task::AbortHandle>>>,
     /// Component statistics read for scans on this node.
     statistics: tessera_sql::provider::ComponentStatistics,
+    /// Small components kept decoded for scans on this node.
+    decoded: Arc<DecodedComponents>,
 }
 
 impl Default for QueryRegistry {
     fn default() -> Self {
-        QueryRegistry::new(ExecSettings::default().inbox_budget_bytes)
+        QueryRegistry::new(&ExecSettings::default())
     }
 }
 
 impl QueryRegistry {
-    /// A registry whose inboxes hold up to `inbox_budget_bytes` each.
-    pub fn new(inbox_budget_bytes: usize) -> QueryRegistry {
+    /// A registry whose inboxes hold up to `settings.inbox_budget_bytes` each.
+    pub fn new(settings: &ExecSettings) -> QueryRegistry {
         QueryRegistry {
-            inbox_budget_bytes,
+            inbox_budget_bytes: settings.inbox_budget_bytes,
             inboxes: Mutex::default(),
             ended: Mutex::default(),
             ended_now: Notify::new(),
             running: Mutex::default(),
             statistics: Default::default(),
+            decoded: Arc::new(DecodedComponents::new(DecodedLimits {
+                budget_bytes: settings.decoded_cache_bytes,
+                max_component_bytes: settings.decoded_component_max_bytes,
+            })),
         }
     }
 
@@ -141,6 +148,11 @@ impl QueryRegistry {
     /// Component statistics read for scans on this node, cached.
     pub fn statistics(&self) -> &tessera_sql::provider::ComponentStatistics {
         &self.statistics
+    }
+
+    /// Small components kept decoded for scans on this node.
+    pub fn decoded(&self) -> &Arc<DecodedComponents> {
+        &self.decoded
     }
 
     /// Queries with channels still running on this node (a gauge at each scrape: after a

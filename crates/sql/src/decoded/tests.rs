@@ -1,0 +1,202 @@
+use super::*;
+use crate::provider::{plan_snapshot_scan, ComponentStatistics, FileGrouping, SnapshotScan};
+use crate::Engine;
+use arrow::array::Int64Array;
+use datafusion::physical_plan::{collect, displayable};
+use datafusion::prelude::SessionContext;
+use tessera_storage::{Store, StoreConfig};
+
+/// A store of 8 partitions whose table `t (k, v = 10 k)` holds keys 1..=rows, checkpointed
+/// into one plain component per partition.
+async fn store_with_rows(rows: i64) -> (tempfile::TempDir, Arc<Store>) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(
+        dir.path(),
+        StoreConfig {
+            partitions: 8,
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    let engine = Engine::new(store.clone());
+    engine
+        .execute("CREATE TABLE t (k BIGINT PRIMARY KEY, v BIGINT)")
+        .await
+        .unwrap();
+    engine
+        .execute(&format!(
+            "INSERT INTO t SELECT value, value * 10 FROM generate_series(1, {rows})"
+        ))
+        .await
+        .unwrap();
+    store.checkpoint().unwrap();
+    (dir, store)
+}
+
+/// Plans a scan of every column of `t` through `cache` and runs it.
+async fn scan(
+    store: &Arc<Store>,
+    cache: &Arc<DecodedComponents>,
+    limit: Option<usize>,
+    groups: usize,
+) -> (String, Vec<RecordBatch>) {
+    scan_columns(store, cache, vec![1, 0], limit, groups).await
+}
+
+/// Plans a scan of `projection` of `t` through `cache` and runs it.
+async fn scan_columns(
+    store: &Arc<Store>,
+    cache: &Arc<DecodedComponents>,
+    projection: Vec<usize>,
+    limit: Option<usize>,
+    groups: usize,
+) -> (String, Vec<RecordBatch>) {
+    let ctx = SessionContext::new();
+    let snapshot = store.snapshot("t", None).unwrap();
+    let plan = plan_snapshot_scan(SnapshotScan {
+        store: store.as_ref(),
+        snapshot: &snapshot,
+        partitions: None,
+        projection,
+        predicate: None,
+        limit,
+        grouping: FileGrouping::Packed(groups),
+        statistics: &ComponentStatistics::default(),
+        decoded: Some(cache),
+        runtime: &ctx.runtime_env(),
+        parquet: Default::default(),
+    })
+    .unwrap();
+    let shown = displayable(plan.as_ref()).indent(false).to_string();
+    let batches = collect(plan, ctx.task_ctx()).await.unwrap();
+    (shown, batches)
+}
+
+/// Every (v, k) row of the batches, sorted by k.
+fn rows_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
+    let column = |b: &RecordBatch, i: usize| {
+        b.column(i)
+            .as_any()
+            .downcast_ref::<Int64Array>()
+            .expect("BIGINT column")
+            .clone()
+    };
+    let mut rows: Vec<(i64, i64)> = batches
+        .iter()
+        .flat_map(|b| {
+            let (v, k) = (column(b, 0), column(b, 1));
+            (0..b.num_rows())
+                .map(|i| (v.value(i), k.value(i)))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    rows.sort_by_key(|&(_, k)| k);
+    rows
+}
+
+#[tokio::test]
+async fn small_components_are_read_decoded_kept_and_exact() {
+    let (_dir, store) = store_with_rows(1000).await;
+    let cache = Arc::new(DecodedComponents::default());
+    let components = store.snapshot("t", None).unwrap().partitions.len();
+    assert!(components > 1, "the rows span several partitions");
+
+    let (shown, batches) = scan(&store, &cache, None, 2).await;
+    assert!(shown.contains("DecodedScanExec"), "{shown}");
+    let expected: Vec<(i64, i64)> = (1..=1000).map(|k| (k * 10, k)).collect();
+    assert_eq!(rows_of(&batches), expected);
+    assert!(
+        batches.len() <= 2,
+        "small components' rows are gathered into batches, one group each: {} batches",
+        batches.len()
+    );
+    let usage = cache.usage();
+    assert_eq!(usage.components, components);
+    assert!(usage.bytes > 0);
+
+    // A second read is served from memory, the same rows.
+    let (_, again) = scan(&store, &cache, None, 2).await;
+    assert_eq!(rows_of(&again), expected);
+    assert_eq!(cache.usage(), usage, "nothing decoded twice");
+}
+
+#[tokio::test]
+async fn a_scan_of_no_columns_counts_the_rows() {
+    let (_dir, store) = store_with_rows(1000).await;
+    let cache = Arc::new(DecodedComponents::default());
+    let (shown, batches) = scan_columns(&store, &cache, vec![], None, 2).await;
+    assert!(shown.contains("DecodedScanExec"), "{shown}");
+    assert!(batches.iter().all(|b| b.num_columns() == 0));
+    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 1000);
+}
+
+#[tokio::test]
+async fn a_limit_stops_each_group_early() {
+    let (_dir, store) = store_with_rows(1000).await;
+    let cache = Arc::new(DecodedComponents::default());
+    let (_, batches) = scan(&store, &cache, Some(3), 1).await;
+    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 3);
+}
+
+#[tokio::test]
+async fn components_over_the_size_limit_are_read_from_parquet() {
+    let (_dir, store) = store_with_rows(1000).await;
+    let smallest = store.snapshot("t", None).unwrap().partitions[0].components[0].bytes;
+    let cache = Arc::new(DecodedComponents::new(DecodedLimits {
+        budget_bytes: 1 << 30,
+        max_component_bytes: smallest / 2,
+    }));
+    let (shown, batches) = scan(&store, &cache, None, 2).await;
+    assert!(shown.contains("DataSourceExec"), "{shown}");
+    assert!(!shown.contains("DecodedScanExec"), "{shown}");
+    assert_eq!(rows_of(&batches).len(), 1000);
+    assert_eq!(cache.usage().components, 0);
+}
+
+#[tokio::test]
+async fn the_budget_evicts_the_least_recently_read() {
+    let (_dir, store) = store_with_rows(1000).await;
+    let snapshot = store.snapshot("t", None).unwrap();
+    let components: Vec<ComponentMeta> = snapshot
+        .partitions
+        .iter()
+        .flat_map(|p| p.components.clone())
+        .collect();
+    let def = &snapshot.def;
+    let dir = store.components_dir();
+    let measure = DecodedComponents::default();
+    let sizes: Vec<u64> = components
+        .iter()
+        .map(|c| {
+            let rows = measure.rows(dir, def, c).unwrap();
+            rows.iter().map(|b| b.get_array_memory_size() as u64).sum()
+        })
+        .collect();
+    let largest = *sizes.iter().max().unwrap();
+    // Room for two of the largest, never three.
+    let cache = DecodedComponents::new(DecodedLimits {
+        budget_bytes: 2 * largest + largest / 2,
+        max_component_bytes: u64::MAX,
+    });
+    let first = &components[0];
+    cache.rows(dir, def, first).unwrap();
+    for component in &components[1..] {
+        // The first is read again before each new one, so it is never the oldest.
+        cache.rows(dir, def, first).unwrap();
+        cache.rows(dir, def, component).unwrap();
+        let usage = cache.usage();
+        assert!(usage.bytes <= 2 * largest + largest / 2, "{usage:?}");
+    }
+    let state = cache.state.lock().unwrap();
+    assert!(state.entries.len() < components.len(), "some were evicted");
+    assert!(
+        state.entries.contains_key(&(first.hash, def.layout())),
+        "the most recently read stays"
+    );
+    assert!(
+        state
+            .entries
+            .contains_key(&(components.last().unwrap().hash, def.layout())),
+        "the newest stays"
+    );
+}
