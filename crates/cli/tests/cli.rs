@@ -275,10 +275,23 @@ fn the_cluster_benchmark_compares_nodes_with_one_node_and_datafusion() {
             "1",
             "--queries",
             "3,13",
+            "--memory-limit",
+            "256KB",
         ],
         None,
     );
     let stdout = stdout_of(&output);
+    // A limit far below the working set: each query fails naming it, and the benchmark
+    // reports that and goes on.
+    assert!(
+        stdout.contains("with tessera.query_memory_limit = '256KB'")
+            && stdout.contains("failed: [3, 13]"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("peak memory per node while querying"),
+        "{stdout}"
+    );
     assert_eq!(
         stdout.matches("  same").count(),
         2,
