@@ -206,15 +206,15 @@ pub struct DecodedScan {
 impl DecodedScanExec {
     pub fn new(scan: DecodedScan) -> Result<Self> {
         assert!(
-            scan.groups.iter().all(|g| !g.is_empty()),
-            "every group reads at least one component"
+            !scan.groups.is_empty() && scan.groups.iter().all(|g| !g.is_empty()),
+            "a decoded scan reads at least one group, each of at least one component"
         );
         let stored = stored_schema(&scan.snapshot.def);
         let schema = Arc::new(stored.project(&scan.projection)?);
         let statistics = Arc::new(scan.statistics.project(Some(&scan.projection)));
         let properties = Arc::new(PlanProperties::new(
             EquivalenceProperties::new(schema.clone()),
-            Partitioning::UnknownPartitioning(scan.groups.len().max(1)),
+            Partitioning::UnknownPartitioning(scan.groups.len()),
             EmissionType::Incremental,
             Boundedness::Bounded,
         ));
@@ -257,15 +257,11 @@ impl ExecutionPlan for DecodedScanExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        let components = match self.groups.get(partition) {
-            Some(group) => group.clone(),
-            None if self.groups.is_empty() && partition == 0 => Vec::new(),
-            None => {
-                return Err(datafusion::error::DataFusionError::Internal(format!(
-                    "DecodedScanExec has no partition {partition}"
-                )))
-            }
-        };
+        let components = self.groups.get(partition).cloned().ok_or_else(|| {
+            datafusion::error::DataFusionError::Internal(format!(
+                "DecodedScanExec has no partition {partition}"
+            ))
+        })?;
         let reader = GroupReader {
             snapshot: self.snapshot.clone(),
             components: components.into(),

@@ -570,26 +570,23 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
     let mut children: Vec<Arc<dyn ExecutionPlan>> = Vec::new();
     // A table is read decoded only if all of its plain components are small: mixing the
     // two readers would double the scan's output partitions.
+    // Every component's statistics, merged once for whichever reader takes them.
+    let file_statistics = plain
+        .iter()
+        .map(|c| statistics.get(store, &c.hash, &snapshot.def))
+        .collect::<Result<Vec<_>>>()?;
+    let merged_statistics =
+        Statistics::try_merge_iter(file_statistics.iter().map(|s| s.as_ref()), &stored)?;
     let decoded = decoded.filter(|cache| plain.iter().all(|c| cache.admits(c)));
     if let (Some(cache), false) = (decoded, plain.is_empty()) {
-        let file_statistics = plain
-            .iter()
-            .map(|c| statistics.get(store, &c.hash, &snapshot.def))
-            .collect::<Result<Vec<_>>>()?;
-        let merged =
-            Statistics::try_merge_iter(file_statistics.iter().map(|s| s.as_ref()), &stored)?;
-        let groups = match grouping {
-            FileGrouping::PerStoragePartition => plain.into_iter().map(|c| vec![c]).collect(),
-            FileGrouping::Packed(groups) => pack_by_bytes(plain, groups, |c| c.bytes),
-        };
         children.push(Arc::new(DecodedScanExec::new(DecodedScan {
             snapshot: snapshot.clone(),
-            groups,
+            groups: group_files(plain, grouping, |c| c.bytes),
             components_dir: store.dir().to_path_buf(),
             cache: cache.clone(),
             projection: projection.clone(),
             limit,
-            statistics: merged,
+            statistics: merged_statistics,
         })?));
     } else if !plain.is_empty() {
         // The same reader settings as DataFusion's own Parquet tables: the session's
@@ -611,30 +608,23 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
         if let Some(predicate) = predicate {
             source = source.with_predicate(predicate);
         }
-        let mut file_statistics = Vec::with_capacity(plain.len());
-        let mut files = Vec::with_capacity(plain.len());
-        for component in &plain {
-            let path = component_path(store.dir(), &component.hash);
-            let location = path.to_string_lossy().trim_start_matches('/').to_string();
-            let stats = statistics.get(store, &component.hash, &snapshot.def)?;
-            file_statistics.push(stats.clone());
-            files.push(PartitionedFile::new(location, component.bytes).with_statistics(stats));
-        }
-        let groups = match grouping {
-            FileGrouping::PerStoragePartition => {
-                files.into_iter().map(|f| FileGroup::new(vec![f])).collect()
-            }
-            FileGrouping::Packed(groups) => pack_by_bytes(files, groups, |f| f.object_meta.size)
-                .into_iter()
-                .map(FileGroup::new)
-                .collect(),
-        };
-        let statistics =
-            Statistics::try_merge_iter(file_statistics.iter().map(|s| s.as_ref()), &stored)?;
+        let files = plain
+            .iter()
+            .zip(file_statistics)
+            .map(|(component, stats)| {
+                let path = component_path(store.dir(), &component.hash);
+                let location = path.to_string_lossy().trim_start_matches('/').to_string();
+                PartitionedFile::new(location, component.bytes).with_statistics(stats)
+            })
+            .collect();
+        let groups = group_files(files, grouping, |f| f.object_meta.size)
+            .into_iter()
+            .map(FileGroup::new)
+            .collect();
         let config =
             FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source))
                 .with_file_groups(groups)
-                .with_statistics(statistics)
+                .with_statistics(merged_statistics)
                 .with_projection_indices(Some(projection.clone()))?
                 .with_limit(limit)
                 .build();
@@ -655,6 +645,18 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
         ))));
     }
     UnionExec::try_new(children)
+}
+
+/// Lays files out as `grouping` says: one group each, or packed by bytes.
+fn group_files<F: Clone>(
+    files: Vec<F>,
+    grouping: FileGrouping,
+    bytes: impl Fn(&F) -> u64,
+) -> Vec<Vec<F>> {
+    match grouping {
+        FileGrouping::PerStoragePartition => files.into_iter().map(|f| vec![f]).collect(),
+        FileGrouping::Packed(groups) => pack_by_bytes(files, groups, bytes),
+    }
 }
 
 /// Packs files into at most `groups` groups of about equal bytes (largest first, each into
