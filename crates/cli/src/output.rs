@@ -10,6 +10,11 @@ use tessera_sql::StatementOutput;
 pub fn print_output(output: &StatementOutput, format: Format, out: &mut impl Write) -> Result<()> {
     match output {
         StatementOutput::Rows { schema, batches } => print_rows(schema, batches, format, out),
+        StatementOutput::Streaming { .. } => {
+            anyhow::bail!(
+                "internal: an answer still streaming reached the printer; read it whole first"
+            )
+        }
         StatementOutput::Done { tag, epoch } => {
             match epoch {
                 Some(epoch) => writeln!(out, "{tag} (epoch {epoch})")?,

@@ -54,11 +54,22 @@ async fn a_node_cut_off_from_the_majority_refuses_reads_instead_of_answering_sta
     );
     // The catalog a client acts on (the CLI's load and publish check it) is refused the
     // same way; the node's status, which says it is the node's own view, still answers.
-    let catalog = lone
-        .current_metadata()
-        .await
-        .expect_err("a node cut off from the majority served its own catalog as current")
-        .to_string();
+    let catalog = match lone.current_metadata().await {
+        Err(refusal) => refusal.to_string(),
+        // Seen once under a loaded machine: say what node 3 believed, to find out why.
+        Ok(state) => {
+            let own = lone.status().await.ok();
+            panic!(
+                "a node cut off from the majority served its own catalog as current \
+                 (visible epoch {}); its view: leader {:?}, term {:?}, voters {:?}, applied {:?}",
+                state.visible,
+                own.as_ref().map(|s| s.leader),
+                own.as_ref().map(|s| s.term),
+                own.as_ref().map(|s| s.voters.clone()),
+                own.as_ref().map(|s| s.applied_index),
+            )
+        }
+    };
     assert!(
         catalog.contains("node 3 cannot prove its metadata is current"),
         "the refusal names the node and why: {catalog}"

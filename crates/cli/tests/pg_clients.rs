@@ -857,3 +857,87 @@ async fn a_cancelled_query_stops_on_every_node() {
         .get(0);
     assert_eq!(n, 100000);
 }
+
+/// An answer larger than the session's answer buffer goes out as it comes: the client
+/// reads its first rows while the query still runs (a node holding the whole answer would
+/// have finished first), every row arrives once and in order, and a cancel mid-answer
+/// stops the query on every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_answer_streams_at_the_clients_pace() {
+    use futures::StreamExt;
+    let _one = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let cluster = cluster(root.path()).await;
+    let client = connect(&cluster, 1).await;
+    client
+        .batch_execute(
+            "CREATE TABLE numbers (k BIGINT NOT NULL, PRIMARY KEY (k));
+             INSERT INTO numbers SELECT value FROM generate_series(1, 100000);
+             SET tessera.answer_buffer = '64KB'",
+        )
+        .await
+        .unwrap();
+
+    // Streamed, yet exact: every number once, in order.
+    let ordered = client
+        .query_raw("SELECT k FROM numbers ORDER BY k", Vec::<i64>::new())
+        .await
+        .unwrap();
+    futures::pin_mut!(ordered);
+    let mut expected = 1_i64;
+    while let Some(row) = ordered.next().await {
+        assert_eq!(
+            row.unwrap().get::<_, i64>(0),
+            expected,
+            "in order, none lost"
+        );
+        expected += 1;
+    }
+    assert_eq!(expected, 100_001, "every row arrived");
+
+    // Twenty million rows (about 300 MiB as Arrow): more than every buffer between the
+    // nodes and the client (exchange inboxes, the answer's queue, the sockets) together.
+    const LARGE: &str = "SELECT a.k, b.k FROM numbers a, numbers b WHERE b.k <= 200";
+    let cancel = client.cancel_token();
+    let rows = client
+        .query_raw(LARGE, Vec::<i64>::new())
+        .await
+        .expect("the first rows arrive");
+    futures::pin_mut!(rows);
+    rows.next().await.expect("a first row").unwrap();
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let running = metric(&cluster, 1, "tessera_queries_running").await;
+    assert!(
+        running >= Some(1.0),
+        "the query still runs while its client has read only its first rows: {running:?}"
+    );
+    cancel.cancel_query(NoTls).await.unwrap();
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        while let Some(row) = rows.next().await {
+            if let Err(error) = row {
+                return error;
+            }
+        }
+        panic!("a cancelled answer ran to its end");
+    })
+    .await
+    .expect("the cancel ended the answer");
+    assert_eq!(ended.code(), Some(&SqlState::QUERY_CANCELED), "{ended}");
+    for node in 1..=3 {
+        wait_until(
+            &format!("node {node} to stop the cancelled query's channels"),
+            std::time::Duration::from_secs(15),
+            || async {
+                (metric(&cluster, node, "tessera_queries_running").await? == 0.0).then_some(())
+            },
+        )
+        .await;
+    }
+    let n: i64 = connect(&cluster, 1)
+        .await
+        .query_one("SELECT count(*) FROM numbers", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 100000, "the node serves on");
+}

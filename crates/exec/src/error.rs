@@ -25,6 +25,15 @@ pub enum ExecError {
         query: QueryId,
         detail: String,
     },
+    /// A node the query ran on died after part of the answer had gone to the client: those
+    /// rows cannot be taken back, so the query is not run again.
+    #[error("node {node} died during query {query:x} ({detail}) after {rows_sent} rows of its answer were sent; an answer larger than tessera.answer_buffer streams, and a query is run again unseen only before its first rows are sent: run it again")]
+    LostMidAnswer {
+        node: NodeId,
+        query: QueryId,
+        rows_sent: u64,
+        detail: String,
+    },
     /// A plan could not be executed, cut, encoded or filled in (its subqueries' values).
     #[error("{0}")]
     Plan(#[from] DataFusionError),

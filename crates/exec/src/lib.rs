@@ -28,6 +28,7 @@
 //! logs the order inputs were read in, backs up what producers send, and rebuilds only a
 //! dead node's channels.
 
+pub mod answer;
 pub mod archive_scan;
 pub mod cache;
 pub mod codec;

@@ -290,6 +290,8 @@ enum Failure {
     Node(NodeId, String),
     /// A channel or the answer reported an error.
     Other(String),
+    /// Whoever read the answer stopped (a client that went away): nothing to report.
+    Abandoned,
 }
 
 /// How long after a channel's error the initiator waits for a participant's stream to
@@ -308,6 +310,7 @@ async fn diagnose(
 ) -> ExecError {
     let (suspect, detail) = match failure {
         Failure::Node(at, detail) => (Some(at), detail),
+        Failure::Abandoned => (None, "the answer's reader went away".to_string()),
         Failure::Other(detail) => {
             let broke = tokio::time::timeout(SUSPECT_GRACE, async {
                 while let Some(event) = incoming.recv().await {
@@ -441,8 +444,43 @@ pub async fn execute(
     work: Work,
     schema: SchemaRef,
 ) -> Result<QueryOutcome, ExecError> {
+    let (sink, mut answer) = mpsc::channel(ANSWER_QUEUE);
+    let run = async {
+        let outcome = execute_into(node, plan, work, schema, &sink).await;
+        drop(sink);
+        outcome
+    };
+    let collect = async {
+        let mut batches = Vec::new();
+        while let Some(Ok(batch)) = answer.recv().await {
+            batches.push(batch);
+        }
+        batches
+    };
+    let (outcome, batches) = tokio::join!(run, collect);
+    Ok(QueryOutcome {
+        batches,
+        ..outcome?
+    })
+}
+
+/// The answer's batches on their way out of [`execute_into`], which sends only `Ok`s; a
+/// streaming reader's task adds the query's error at the end ([`crate::answer`]).
+pub(crate) type AnswerSink = mpsc::Sender<DfResult<RecordBatch>>;
+/// Answer batches the initiator holds ahead of a slow reader before it stops reading them.
+pub(crate) const ANSWER_QUEUE: usize = 4;
+
+/// Runs a distributed plan from this node, sending its answer's batches to `sink` as they
+/// arrive. The outcome it returns has no batches.
+pub(crate) async fn execute_into(
+    node: &Arc<Exec>,
+    plan: &DistributedPlan,
+    work: Work,
+    schema: SchemaRef,
+    sink: &AnswerSink,
+) -> Result<QueryOutcome, ExecError> {
     let span = tracing::info_span!("query", query = %plan.query, initiator = node.id().0);
-    tracing::Instrument::instrument(execute_here(node, plan, work, schema), span).await
+    tracing::Instrument::instrument(execute_here(node, plan, work, schema, sink), span).await
 }
 
 async fn execute_here(
@@ -450,6 +488,7 @@ async fn execute_here(
     plan: &DistributedPlan,
     work: Work,
     schema: SchemaRef,
+    sink: &AnswerSink,
 ) -> Result<QueryOutcome, ExecError> {
     let started = std::time::Instant::now();
     let watch = crate::progress::Watch::start(plan);
@@ -506,16 +545,22 @@ async fn execute_here(
     // Kept while recovery may start more calls (the loop then ends on `outstanding`).
     let events = plan.lineage.then_some(events);
 
-    let mut batches = Vec::new();
+    // A batch read from the answer and not yet taken by the sink: the answer is read no
+    // faster than the client takes it, while node failures are still handled meanwhile.
+    let mut unsent: Option<RecordBatch> = None;
     let mut reports = Vec::new();
     let mut answered = false;
     let mut events_open = true;
     let failure = loop {
         tokio::select! {
-            batch = answer.next(), if !answered => match batch {
+            permit = sink.reserve(), if unsent.is_some() => match permit {
+                Ok(permit) => permit.send(Ok(unsent.take().expect("a batch to send"))),
+                Err(_) => break Some(Failure::Abandoned),
+            },
+            batch = answer.next(), if !answered && unsent.is_none() => match batch {
                 Some(Ok(batch)) => {
                     watch.answer_rows(batch.num_rows());
-                    batches.push(batch);
+                    unsent = Some(batch);
                 }
                 Some(Err(error)) => break Some(Failure::Other(error.to_string())),
                 None => answered = true,
@@ -560,7 +605,7 @@ async fn execute_here(
                 None => events_open = false,
             },
         }
-        if answered && (!events_open || outstanding.is_empty()) {
+        if answered && unsent.is_none() && (!events_open || outstanding.is_empty()) {
             break None;
         }
     };
@@ -598,7 +643,7 @@ async fn execute_here(
     }
     reports.sort_by_key(|r| (r.stage, r.channel));
     Ok(QueryOutcome {
-        batches,
+        batches: Vec::new(),
         reports,
         elapsed: started.elapsed(),
         recoveries: recovery.into_outcomes(),

@@ -20,6 +20,7 @@ use arrow::array::RecordBatch;
 use arrow::datatypes::{Schema, SchemaRef};
 use arrow::ipc::writer::IpcWriteOptions;
 use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
 use arrow_flight::sql::metadata::{SqlInfoData, SqlInfoDataBuilder};
 use arrow_flight::sql::server::{FlightSqlService, PeekableFlightDataStream};
@@ -36,7 +37,8 @@ use arrow_flight::{
     Action, FlightDescriptor, FlightEndpoint, FlightInfo, HandshakeRequest, HandshakeResponse,
     IpcMessage, SchemaAsIpc, Ticket,
 };
-use futures::{Stream, TryStreamExt};
+use datafusion::physical_plan::SendableRecordBatchStream;
+use futures::{Stream, StreamExt, TryStreamExt};
 use prost::Message;
 use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
@@ -170,7 +172,9 @@ fn one_batch<E: std::fmt::Display>(
     batch: Result<RecordBatch, E>,
 ) -> Result<Response<FlightDataStream>, Status> {
     let batch = batch.map_err(|e| Status::internal(e.to_string()))?;
-    Ok(Response::new(stream_batches(schema, vec![batch])))
+    Ok(Response::new(stream_batches(
+        tessera_sql::answer::stream_of(schema, vec![batch]),
+    )))
 }
 
 type FlightDataStream =
@@ -178,13 +182,19 @@ type FlightDataStream =
 
 /// The answer of a command, or of a ticket whose command already ran: no columns, no rows.
 fn empty_stream() -> FlightDataStream {
-    stream_batches(Arc::new(Schema::empty()), Vec::new())
+    stream_batches(tessera_sql::answer::stream_of(
+        Arc::new(Schema::empty()),
+        Vec::new(),
+    ))
 }
 
-fn stream_batches(schema: SchemaRef, batches: Vec<RecordBatch>) -> FlightDataStream {
-    let schema = plain_types(&schema);
+fn stream_batches(answer: SendableRecordBatchStream) -> FlightDataStream {
+    let schema = plain_types(&answer.schema());
     let encoder = FlightDataEncoderBuilder::new().with_schema(schema.clone());
-    let batches = batches.into_iter().map(move |batch| {
+    let batches = answer.map(move |batch| {
+        let batch = batch.map_err(|error| {
+            FlightError::Tonic(Box::new(status(tessera_sql::error::from_datafusion(error))))
+        })?;
         let columns = batch
             .columns()
             .iter()
@@ -193,11 +203,7 @@ fn stream_batches(schema: SchemaRef, batches: Vec<RecordBatch>) -> FlightDataStr
             .collect::<Result<Vec<_>, _>>()?;
         Ok(RecordBatch::try_new(schema.clone(), columns)?)
     });
-    Box::pin(
-        encoder
-            .build(futures::stream::iter(batches))
-            .map_err(Status::from),
-    )
+    Box::pin(encoder.build(batches).map_err(Status::from))
 }
 
 /// `schema` with the string and binary view types DataFusion computes with in their plain
@@ -260,6 +266,8 @@ fn affected_rows(output: &StatementOutput) -> i64 {
             .1
             .map_or(0, |rows| rows as i64),
         StatementOutput::Rows { batches, .. } => batches.iter().map(|b| b.num_rows() as i64).sum(),
+        // A statement run for its count only: its answer is read whole first.
+        StatementOutput::Streaming { .. } => unreachable!("affected_rows of a whole answer"),
     }
 }
 
@@ -280,8 +288,14 @@ impl TesseraFlightSql {
     }
 
     /// Runs a statement's handle (one statement, with its bound values if it has some, in
-    /// its transaction if it has one) and returns what it answered.
+    /// its transaction if it has one) and returns what it answered, read whole.
     async fn run(&self, handle: &Handle) -> Result<StatementOutput, Status> {
+        let output = self.run_streaming(handle).await?;
+        tessera_sql::answer::collected(output).await.map_err(status)
+    }
+
+    /// [`Self::run`], but an answer larger than the session's answer buffer streams.
+    async fn run_streaming(&self, handle: &Handle) -> Result<StatementOutput, Status> {
         let engine = self.engine(handle.transaction.as_deref())?;
         match &handle.params {
             Some(params) => engine
@@ -289,7 +303,7 @@ impl TesseraFlightSql {
                 .await
                 .map_err(status),
             None => engine
-                .execute(&handle.sql)
+                .execute_streaming(&handle.sql)
                 .await
                 .map_err(status)?
                 .pop()
@@ -299,10 +313,11 @@ impl TesseraFlightSql {
 
     /// Runs a statement's handle and streams its rows.
     async fn query(&self, handle: &Handle) -> Result<Response<FlightDataStream>, Status> {
-        match self.run(handle).await? {
-            StatementOutput::Rows { schema, batches } => {
-                Ok(Response::new(stream_batches(schema, batches)))
-            }
+        match self.run_streaming(handle).await? {
+            StatementOutput::Rows { schema, batches } => Ok(Response::new(stream_batches(
+                tessera_sql::answer::stream_of(schema, batches),
+            ))),
+            StatementOutput::Streaming { stream, .. } => Ok(Response::new(stream_batches(stream))),
             StatementOutput::Done { .. } => Ok(Response::new(empty_stream())),
         }
     }

@@ -19,6 +19,7 @@
 mod auth;
 mod copy;
 mod errors;
+mod execute;
 mod results;
 mod session;
 mod tls;

@@ -15,7 +15,7 @@ use datafusion::common::ParamValues;
 use datafusion::sql::parser::Statement as DFStatement;
 use datafusion::sql::sqlparser::ast::{CopySource, CopyTarget, Statement};
 use datafusion_pg_catalog::sql::PostgresCompatibilityParser;
-use futures::{Sink, SinkExt};
+use futures::{Sink, SinkExt, StreamExt};
 use pgwire::api::copy::CopyHandler;
 use pgwire::api::portal::{Format, Portal};
 use pgwire::api::query::{ExtendedQueryHandler, SimpleQueryHandler};
@@ -25,6 +25,7 @@ use pgwire::api::store::PortalStore;
 use pgwire::api::{ClientInfo, ClientPortalStore, Type};
 use pgwire::error::{ErrorInfo, PgWireError, PgWireResult};
 use pgwire::messages::copy::{CopyData, CopyDone, CopyFail};
+use pgwire::messages::extendedquery::Execute;
 use pgwire::messages::response::{NoticeResponse, TransactionStatus};
 use pgwire::messages::PgWireBackendMessage;
 use pgwire::types::format::FormatOptions;
@@ -236,7 +237,12 @@ impl PgSession {
                 }
                 let result = self.engine.execute_tessera(statement).await;
                 let options = Arc::new(FormatOptions::from_client_metadata(client.metadata()));
-                return response(result.map_err(sql_error)?, format, options);
+                return response(
+                    result.map_err(sql_error)?,
+                    format,
+                    options,
+                    connection_handle(client),
+                );
             }
         };
         if let Statement::Deallocate { name, .. } = &statement {
@@ -285,7 +291,12 @@ impl PgSession {
             .await;
         self.send_notices(client).await?;
         let options = Arc::new(FormatOptions::from_client_metadata(client.metadata()));
-        response(result.map_err(sql_error)?, format, options)
+        response(
+            result.map_err(sql_error)?,
+            format,
+            options,
+            connection_handle(client),
+        )
     }
 
     /// Sends the notices the last statement raised (a query that survived a node's death
@@ -393,25 +404,47 @@ impl PgSession {
             .execute_parsed(DFStatement::Statement(Box::new(query)), None)
             .await;
         self.send_notices(client).await?;
-        let StatementOutput::Rows { schema, batches } = result.map_err(sql_error)? else {
-            return Err(user_error(
-                "42601",
-                "COPY TO needs a query that returns rows",
-            ));
+        let (schema, answer) = match result.map_err(sql_error)? {
+            StatementOutput::Rows { schema, batches } => (
+                schema.clone(),
+                tessera_sql::answer::stream_of(schema, batches),
+            ),
+            StatementOutput::Streaming { schema, stream } => (schema, stream),
+            StatementOutput::Done { .. } => {
+                return Err(user_error(
+                    "42601",
+                    "COPY TO needs a query that returns rows",
+                ))
+            }
         };
-        let mut chunks: Vec<Vec<u8>> = format.header_line(&schema).into_iter().collect();
-        for batch in &batches {
-            chunks.extend(format.encode(batch)?);
-        }
-        let rows = chunks
-            .into_iter()
-            .map(|chunk| Ok(CopyData::new(bytes::Bytes::from(chunk))));
+        let header = format.header_line(&schema).map(Ok);
+        // Encoded a batch at a time as the answer arrives: an export of any size holds one.
+        let body = answer.flat_map(move |batch| {
+            let chunks = batch
+                .map_err(|error| sql_error(tessera_sql::error::from_datafusion(error)))
+                .and_then(|batch| format.encode(&batch));
+            match chunks {
+                Ok(chunks) => futures::stream::iter(chunks.into_iter().map(Ok)).left_stream(),
+                Err(error) => futures::stream::iter([Err(error)]).right_stream(),
+            }
+        });
+        let data = futures::stream::iter(header)
+            .chain(body)
+            .map(|chunk| chunk.map(|chunk| CopyData::new(bytes::Bytes::from(chunk))));
         Ok(Response::CopyOut(CopyResponse::new(
             0,
             schema.fields().len(),
-            futures::stream::iter(rows),
+            data,
         )))
     }
+}
+
+/// The connection's cancel handle, which pgwire keeps among the session's extensions.
+fn connection_handle<C: ClientInfo>(client: &C) -> Option<Arc<pgwire::api::ConnectionHandle>> {
+    client
+        .session_extensions()
+        .get::<Arc<pgwire::api::ConnectionHandle>>()
+        .map(|handle| Arc::clone(&*handle))
 }
 
 /// `schema.table` or `table` as the engine names tables (schemas are not separate).
@@ -536,6 +569,16 @@ impl ExtendedQueryHandler for PgSession {
 
     fn query_parser(&self) -> Arc<PgParser> {
         self.parser.clone()
+    }
+
+    async fn on_execute<C>(&self, client: &mut C, message: Execute) -> PgWireResult<()>
+    where
+        C: ClientInfo + ClientPortalStore + Sink<PgWireBackendMessage> + Unpin + Send + Sync,
+        C::PortalStore: PortalStore<Statement = PgStatement>,
+        C::Error: Debug,
+        PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
+    {
+        crate::execute::on_execute(self, client, message).await
     }
 
     async fn do_query<C>(

@@ -43,10 +43,14 @@ impl tessera_console::NodeView for NodeConsole {
         let engine = tessera_sql::Sessions::open(&self.sessions);
         engine.act_as(user);
         let outputs = engine
-            .execute(&sql)
+            .execute_streaming(&sql)
             .await
             .map_err(|e| tessera_sql::error::one_message(&e))?;
-        outputs.into_iter().map(output_json).collect()
+        let mut shown = Vec::with_capacity(outputs.len());
+        for output in outputs {
+            shown.push(output_json(output).await?);
+        }
+        Ok(serde_json::Value::Array(shown))
     }
 
     fn login_required(&self) -> bool {
@@ -101,36 +105,41 @@ impl tessera_console::NodeView for NodeConsole {
 
 /// One statement's output for the console: `{tag, epoch}`, or `{columns, rows, truncated}`
 /// with the rows as objects (at most [`CONSOLE_ROWS`]).
-fn output_json(output: tessera_sql::StatementOutput) -> Result<serde_json::Value, String> {
-    match output {
+async fn output_json(output: tessera_sql::StatementOutput) -> Result<serde_json::Value, String> {
+    use futures::StreamExt;
+    let (schema, mut answer) = match output {
         tessera_sql::StatementOutput::Done { tag, epoch } => {
-            Ok(serde_json::json!({ "tag": tag, "epoch": epoch }))
+            return Ok(serde_json::json!({ "tag": tag, "epoch": epoch }))
         }
-        tessera_sql::StatementOutput::Rows { schema, batches } => {
-            let total: usize = batches.iter().map(|b| b.num_rows()).sum();
-            let mut writer = arrow::json::ArrayWriter::new(Vec::new());
-            let mut left = CONSOLE_ROWS;
-            for batch in &batches {
-                if left == 0 {
-                    break;
-                }
-                let shown = batch.slice(0, batch.num_rows().min(left));
-                left -= shown.num_rows();
-                writer.write(&shown).map_err(|e| e.to_string())?;
-            }
-            writer.finish().map_err(|e| e.to_string())?;
-            let bytes = writer.into_inner();
-            let rows: serde_json::Value = if bytes.is_empty() {
-                serde_json::json!([])
-            } else {
-                serde_json::from_slice(&bytes).map_err(|e| e.to_string())?
-            };
-            let columns: Vec<&String> = schema.fields().iter().map(|f| f.name()).collect();
-            Ok(serde_json::json!({
-                "columns": columns,
-                "rows": rows,
-                "truncated": total > CONSOLE_ROWS,
-            }))
+        tessera_sql::StatementOutput::Rows { schema, batches } => (
+            schema.clone(),
+            tessera_sql::answer::stream_of(schema, batches),
+        ),
+        tessera_sql::StatementOutput::Streaming { schema, stream } => (schema, stream),
+    };
+    // The rows past the shown ones are counted, not kept.
+    let mut total = 0;
+    let mut writer = arrow::json::ArrayWriter::new(Vec::new());
+    while let Some(batch) = answer.next().await {
+        let batch = batch.map_err(|e| e.to_string())?;
+        let left = CONSOLE_ROWS.saturating_sub(total);
+        total += batch.num_rows();
+        if left > 0 {
+            let shown = batch.slice(0, batch.num_rows().min(left));
+            writer.write(&shown).map_err(|e| e.to_string())?;
         }
     }
+    writer.finish().map_err(|e| e.to_string())?;
+    let bytes = writer.into_inner();
+    let rows: serde_json::Value = if bytes.is_empty() {
+        serde_json::json!([])
+    } else {
+        serde_json::from_slice(&bytes).map_err(|e| e.to_string())?
+    };
+    let columns: Vec<&String> = schema.fields().iter().map(|f| f.name()).collect();
+    Ok(serde_json::json!({
+        "columns": columns,
+        "rows": rows,
+        "truncated": total > CONSOLE_ROWS,
+    }))
 }

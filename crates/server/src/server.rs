@@ -472,6 +472,9 @@ fn sql_output(output: tessera_sql::StatementOutput) -> Result<SqlOutput, arrow::
             ipc_hex: tessera_common::hex::batches_to_ipc_hex(&schema, &batches)?,
         },
         tessera_sql::StatementOutput::Done { tag, epoch } => SqlOutput::Done { tag, epoch },
+        tessera_sql::StatementOutput::Streaming { .. } => {
+            unreachable!("Engine::execute reads every answer whole")
+        }
     })
 }
 

@@ -13,7 +13,6 @@ use crate::tags::TagStatement;
 use crate::time_travel::AsOf;
 use crate::users::UserChange;
 use arrow::array::RecordBatch;
-use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::SchemaProvider;
 use datafusion::catalog::TableProvider;
@@ -155,9 +154,11 @@ pub async fn run_in_process(ctx: &SessionContext, plan: LogicalPlan) -> Result<S
         .execute_logical_plan(plan)
         .await
         .map_err(from_datafusion)?;
-    let schema: SchemaRef = Arc::new(frame.schema().as_arrow().clone());
-    let batches = frame.collect().await.map_err(from_datafusion)?;
-    Ok(StatementOutput::Rows { schema, batches })
+    let buffer = crate::options::tessera_options(ctx.state().config()).answer_buffer;
+    let answer = frame.execute_stream().await.map_err(from_datafusion)?;
+    crate::answer::buffered(answer, buffer)
+        .await
+        .map_err(from_datafusion)
 }
 
 /// Tables in one store on this machine.

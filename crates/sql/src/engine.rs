@@ -36,16 +36,52 @@ pub const MAX_SQL_BYTES: usize = 16 << 20;
 /// The most rows one INSERT, UPDATE or DELETE may write.
 pub const MAX_DML_ROWS: usize = 50_000_000;
 
+/// Whether a caller reads answers whole or as they come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answers {
+    Whole,
+    MayStream,
+}
+
 /// What one statement produced.
-#[derive(Debug)]
 pub enum StatementOutput {
+    /// An answer, whole.
     Rows {
         schema: SchemaRef,
         batches: Vec<RecordBatch>,
     },
+    /// An answer larger than the session's answer buffer, arriving as the query runs (see
+    /// [`crate::answer`]); an error can end it after rows were sent. Only
+    /// [`Engine::execute_streaming`], [`Engine::execute_parsed`] and
+    /// [`Engine::execute_with`] return one.
+    Streaming {
+        schema: SchemaRef,
+        stream: datafusion::physical_plan::SendableRecordBatchStream,
+    },
     /// A statement that returns no rows: a tag such as `INSERT 3` and, for writes, the epoch
     /// that made them visible.
     Done { tag: String, epoch: Option<Epoch> },
+}
+
+impl std::fmt::Debug for StatementOutput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StatementOutput::Rows { schema, batches } => f
+                .debug_struct("Rows")
+                .field("schema", schema)
+                .field("batches", batches)
+                .finish(),
+            StatementOutput::Streaming { schema, .. } => f
+                .debug_struct("Streaming")
+                .field("schema", schema)
+                .finish_non_exhaustive(),
+            StatementOutput::Done { tag, epoch } => f
+                .debug_struct("Done")
+                .field("tag", tag)
+                .field("epoch", epoch)
+                .finish(),
+        }
+    }
 }
 
 pub struct Engine {
@@ -112,15 +148,36 @@ impl Engine {
         &self.ctx
     }
 
-    /// Runs every statement in `sql`, in order, stopping at the first error.
+    /// Runs every statement in `sql`, in order, stopping at the first error. Every answer
+    /// is whole ([`StatementOutput::Rows`]).
     pub async fn execute(&self, sql: &str) -> Result<Vec<StatementOutput>> {
+        let mut outputs = self.execute_answering(sql, Answers::Whole).await?;
+        if let Some(last) = outputs.pop() {
+            outputs.push(crate::answer::collected(last).await?);
+        }
+        Ok(outputs)
+    }
+
+    /// [`Engine::execute`], but the last statement's answer may stream
+    /// ([`StatementOutput::Streaming`]) when it outgrows the session's answer buffer. The
+    /// earlier statements' answers are whole.
+    pub async fn execute_streaming(&self, sql: &str) -> Result<Vec<StatementOutput>> {
+        self.execute_answering(sql, Answers::MayStream).await
+    }
+
+    async fn execute_answering(&self, sql: &str, answers: Answers) -> Result<Vec<StatementOutput>> {
         if sql.len() > MAX_SQL_BYTES {
             return Err(SqlError::TooLarge {
                 bytes: sql.len(),
                 limit: MAX_SQL_BYTES,
             });
         }
-        let (hints, sql) = crate::options::split_hints(sql)?;
+        let (mut hints, sql) = crate::options::split_hints(sql)?;
+        if answers == Answers::Whole {
+            // Read whole anyway, so kept whole: a query that loses a node can then always
+            // be run again unseen, however large its answer.
+            hints.insert(0, ("tessera.answer_buffer".into(), "none".into()));
+        }
         if hints.is_empty() {
             return self.execute_statements(sql).await;
         }
@@ -154,6 +211,9 @@ impl Engine {
             // Tessera's own statements may sit among others: each text on its own.
             let mut outputs = Vec::with_capacity(texts.len());
             for text in texts {
+                if let Some(earlier) = outputs.pop() {
+                    outputs.push(crate::answer::collected(earlier).await?);
+                }
                 outputs.extend(Box::pin(self.execute_statements(&text)).await?);
             }
             return Ok(outputs);
@@ -161,6 +221,10 @@ impl Engine {
         let statements = parse_statements(sql)?;
         let mut outputs = Vec::with_capacity(statements.len());
         for statement in statements {
+            // An answer still streaming would run beside the next statement: read it first.
+            if let Some(earlier) = outputs.pop() {
+                outputs.push(crate::answer::collected(earlier).await?);
+            }
             outputs.push(self.execute_statement(statement, None).await?);
         }
         Ok(outputs)
@@ -244,6 +308,9 @@ impl Engine {
     pub async fn query(&self, sql: &str) -> Result<Vec<RecordBatch>> {
         match self.execute(sql).await?.pop() {
             Some(StatementOutput::Rows { batches, .. }) => Ok(batches),
+            Some(StatementOutput::Streaming { .. }) => {
+                unreachable!("Engine::execute reads every answer whole")
+            }
             Some(StatementOutput::Done { tag, .. }) => Err(SqlError::Unsupported(format!(
                 "expected a query returning rows, got {tag}"
             ))),
@@ -345,12 +412,29 @@ impl Engine {
         let tracked = crate::activity::Tracked::start(text);
         // The distributed queries the statement starts list themselves under it.
         let result = tessera_common::statement::within(tracked.id(), run).await;
-        tracked.end(result.as_ref().err().map(crate::error::one_message));
-        let metrics = tessera_common::metrics::metrics();
-        tessera_common::metrics::observe_seconds(&metrics.query_seconds, started.elapsed());
-        let outcome = if result.is_ok() { "ok" } else { "failed" };
-        tessera_common::metrics::count(&metrics.queries, "outcome", outcome);
-        result
+        let end = move |error: Option<String>| {
+            let metrics = tessera_common::metrics::metrics();
+            tessera_common::metrics::observe_seconds(&metrics.query_seconds, started.elapsed());
+            let outcome = if error.is_none() { "ok" } else { "failed" };
+            tessera_common::metrics::count(&metrics.queries, "outcome", outcome);
+            tracked.end(error);
+        };
+        match result {
+            // A streaming answer's statement runs until its last row is read.
+            Ok(StatementOutput::Streaming { schema, stream }) => {
+                let stream = crate::answer::on_end(stream, move |how| match how {
+                    crate::answer::End::Finished => end(None),
+                    crate::answer::End::Failed(error) => end(Some(error)),
+                    // Dropping the record ends it as cancelled.
+                    crate::answer::End::Dropped => {}
+                });
+                Ok(StatementOutput::Streaming { schema, stream })
+            }
+            result => {
+                end(result.as_ref().err().map(crate::error::one_message));
+                result
+            }
+        }
     }
 
     async fn run_statement(

@@ -9,6 +9,7 @@
 pub mod access;
 pub mod activity;
 pub mod alter;
+pub mod answer;
 pub mod backend;
 pub mod changes;
 pub mod decoded;

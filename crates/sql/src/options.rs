@@ -2,7 +2,7 @@
 //! configuration: `SET tessera.recovery = 'restart'` for the session, or a hint at the
 //! head of one request, `/*+ SET tessera.recovery = restart */ SELECT ...`, for that
 //! request only. The settings: `tessera.recovery`, `tessera.scans_on_compute`,
-//! `tessera.colocate` and `tessera.query_memory_limit`.
+//! `tessera.colocate`, `tessera.query_memory_limit` and `tessera.answer_buffer`.
 
 use crate::error::{Result, SqlError};
 use datafusion::common::config::{
@@ -73,6 +73,9 @@ pub struct TesseraOptions {
     /// The most memory one query may hold on each node, in bytes (`None`: the node's
     /// whole pool, `[exec] memory_limit_bytes`).
     pub query_memory_limit: Option<u64>,
+    /// The most bytes of an answer kept before it is sent (`None`: the whole answer); a
+    /// larger answer streams (see [`crate::answer`]).
+    pub answer_buffer: Option<u64>,
 }
 
 impl Default for TesseraOptions {
@@ -83,6 +86,7 @@ impl Default for TesseraOptions {
             colocate: true,
             planning_for_cluster: false,
             query_memory_limit: None,
+            answer_buffer: Some(crate::answer::DEFAULT_ANSWER_BUFFER_BYTES),
         }
     }
 }
@@ -104,6 +108,9 @@ const COLOCATE_DOC: &str =
 const QUERY_MEMORY_LIMIT_KEY: &str = "query_memory_limit";
 const QUERY_MEMORY_LIMIT_DOC: &str =
     "the most memory one query may hold on each node, as bytes or with a unit ('512MB', '2GB'); sorts and aggregations spill to disk past it, and a query that cannot (a join's build side) fails naming the limit. none (the default): the node's whole pool ([exec] memory_limit_bytes)";
+const ANSWER_BUFFER_KEY: &str = "answer_buffer";
+const ANSWER_BUFFER_DOC: &str =
+    "the most bytes of an answer a node keeps before sending it, as bytes or with a unit ('16MB', the default): an answer within it is sent whole once the query has finished, so a query that loses a node can be run again unseen; a larger one streams as it comes, and a failure after its first rows ends it with an error. none: keep every answer whole, however large";
 const SCANS_ON_COMPUTE_DOC: &str =
     "true: scans run on the compute-only nodes too, which read the partitions from their replicas; false (the default): scans run where their partitions are, and the compute nodes take the other channels";
 
@@ -185,8 +192,12 @@ impl ExtensionOptions for TesseraOptions {
                 self.query_memory_limit = parse_size(key, value)?;
                 Ok(())
             }
+            ANSWER_BUFFER_KEY => {
+                self.answer_buffer = parse_size(key, value)?;
+                Ok(())
+            }
             other => Err(DataFusionError::Configuration(format!(
-                "unknown setting tessera.{other}; the tessera settings are: tessera.{RECOVERY_KEY}, tessera.{SCANS_ON_COMPUTE_KEY}, tessera.{COLOCATE_KEY}, tessera.{QUERY_MEMORY_LIMIT_KEY}"
+                "unknown setting tessera.{other}; the tessera settings are: tessera.{RECOVERY_KEY}, tessera.{SCANS_ON_COMPUTE_KEY}, tessera.{COLOCATE_KEY}, tessera.{QUERY_MEMORY_LIMIT_KEY}, tessera.{ANSWER_BUFFER_KEY}"
             ))),
         }
     }
@@ -215,6 +226,14 @@ impl ExtensionOptions for TesseraOptions {
                         .map_or_else(|| "none".to_string(), |b| b.to_string()),
                 ),
                 description: QUERY_MEMORY_LIMIT_DOC,
+            },
+            ConfigEntry {
+                key: format!("tessera.{ANSWER_BUFFER_KEY}"),
+                value: Some(
+                    self.answer_buffer
+                        .map_or_else(|| "none".to_string(), |b| b.to_string()),
+                ),
+                description: ANSWER_BUFFER_DOC,
             },
         ]
     }

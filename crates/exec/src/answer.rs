@@ -1,0 +1,145 @@
+//! A distributed query's answer as a stream: the query runs in a task of its own and its
+//! answer's batches arrive as the initiator reads them, at the pace of whoever reads the
+//! stream (the initiator reads no further ahead than [`crate::run::ANSWER_QUEUE`]
+//! batches). Dropping the stream ends the query on every node.
+//!
+//! The stream's last item is the query's error, if it failed, as an
+//! [`ExecError`] inside [`DataFusionError::External`]: [`exec_error`] takes it back out, so
+//! a caller that has sent nothing yet can still run the query again.
+
+use crate::run::{execute_into, QueryOutcome, Work, ANSWER_QUEUE};
+use crate::{Exec, ExecError};
+use arrow::datatypes::SchemaRef;
+use datafusion::error::DataFusionError;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::SendableRecordBatchStream;
+use futures::{stream, StreamExt};
+use std::sync::Arc;
+use tessera_sql::SqlError;
+use tokio::sync::{mpsc, oneshot};
+
+/// Starts `plan` and returns its answer as a stream, with the query's outcome (its reports
+/// and what lineage recovery rebuilt), ready once the stream has ended without error.
+pub fn execute_stream(
+    node: Arc<Exec>,
+    plan: crate::plan::DistributedPlan,
+    work: Work,
+    schema: SchemaRef,
+) -> (SendableRecordBatchStream, oneshot::Receiver<QueryOutcome>) {
+    let (sink, answer) = mpsc::channel(ANSWER_QUEUE);
+    let (outcome_tx, outcome) = oneshot::channel();
+    // The task works for the statement the caller works for (the console lists it there).
+    let statement = tessera_common::statement::current();
+    let run = {
+        let schema = schema.clone();
+        async move {
+            match execute_into(&node, &plan, work, schema, &sink).await {
+                // Before the stream ends (the sink drops after this), so a reader that saw
+                // the end finds the outcome.
+                Ok(outcome) => drop(outcome_tx.send(outcome)),
+                Err(error) => drop(sink.send(Err(external(error))).await),
+            }
+        }
+    };
+    let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
+        match statement {
+            Some(id) => tessera_common::statement::within(id, run).await,
+            None => run.await,
+        }
+    }));
+    let stopper = AbortOnDrop(task);
+    let batches = stream::unfold((answer, stopper), |(mut answer, stopper)| async move {
+        let item = answer.recv().await?;
+        Some((item, (answer, stopper)))
+    });
+    (
+        Box::pin(RecordBatchStreamAdapter::new(schema, batches)),
+        outcome,
+    )
+}
+
+/// Ends the query's task (and so the query everywhere) when its answer is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn external(error: ExecError) -> DataFusionError {
+    DataFusionError::External(Box::new(error))
+}
+
+/// The [`ExecError`] a query's answer stream ended in, or the error as a plan error.
+pub fn exec_error(error: DataFusionError) -> ExecError {
+    match error {
+        DataFusionError::External(inner) => match inner.downcast::<ExecError>() {
+            Ok(exec) => *exec,
+            Err(other) => ExecError::Plan(DataFusionError::External(other)),
+        },
+        other => ExecError::Plan(other),
+    }
+}
+
+/// The rest of an answer that has begun to reach its client: counts the rows that went
+/// out, so that a node lost from here on is reported as cutting the answer short (it cannot
+/// be run again unseen), and, at its end, reports what lineage recovery rebuilt.
+pub fn sent_as_it_comes(
+    answer: SendableRecordBatchStream,
+    outcome: oneshot::Receiver<QueryOutcome>,
+) -> SendableRecordBatchStream {
+    let schema = answer.schema();
+    let rows = stream::unfold(
+        (answer, 0_u64, Some(outcome)),
+        |(mut answer, sent, mut outcome)| async move {
+            match answer.next().await {
+                Some(Ok(batch)) => {
+                    let sent = sent + batch.num_rows() as u64;
+                    Some((Ok(batch), (answer, sent, outcome)))
+                }
+                Some(Err(error)) => Some((Err(cut_short(error, sent)), (answer, sent, None))),
+                None => {
+                    if let Some(Ok(done)) = outcome.take().map(|mut o| o.try_recv()) {
+                        note_recoveries(&done);
+                    }
+                    None
+                }
+            }
+        },
+    );
+    Box::pin(RecordBatchStreamAdapter::new(schema, rows))
+}
+
+/// A streaming answer's error, as the client gets it: a node lost after rows went out
+/// says so; the cluster's errors are [`SqlError::Cluster`] (a client may retry them).
+fn cut_short(error: DataFusionError, rows_sent: u64) -> DataFusionError {
+    let cluster = |error: ExecError| {
+        DataFusionError::External(Box::new(SqlError::Cluster(error.to_string())))
+    };
+    match exec_error(error) {
+        ExecError::NodeLost {
+            node,
+            query,
+            detail,
+        } => cluster(ExecError::LostMidAnswer {
+            node,
+            query,
+            rows_sent,
+            detail,
+        }),
+        ExecError::Plan(error) => error,
+        other => cluster(other),
+    }
+}
+
+/// What lineage recovery rebuilt while an answer streamed: there is no statement reply
+/// left to carry it as a notice, so it goes to the log and the node's metrics.
+fn note_recoveries(outcome: &QueryOutcome) {
+    for recovery in &outcome.recoveries {
+        tracing::warn!(%recovery, "a streamed answer survived the loss of a node");
+    }
+    tessera_common::metrics::metrics()
+        .query_recoveries
+        .inc_by(outcome.recoveries.len() as u64);
+}
