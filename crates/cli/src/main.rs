@@ -400,6 +400,13 @@ enum BenchKind {
         #[arg(long, default_value_t = 0.0)]
         compute_sf: f64,
     },
+    /// The metadata's cost per publish as the cluster's history grows (every node applies
+    /// each entry and publishes a view of the state), against a young cluster's.
+    Meta {
+        /// Epochs of history to build up.
+        #[arg(long, default_value_t = 100_000)]
+        epochs: u64,
+    },
     /// Cluster formation time, leader failover time, and publish rows/s on 1 vs 3 nodes.
     Cluster {
         /// Scale factor of the lineitem rows published.
@@ -744,6 +751,9 @@ async fn run(cli: Cli) -> Result<()> {
             )
             .await
         }
+        Command::Bench {
+            bench: BenchKind::Meta { epochs },
+        } => commands::bench_meta::run(*epochs),
         Command::Bench {
             bench:
                 BenchKind::Archive {

@@ -24,6 +24,8 @@ fn read_arrow(path: &Path) -> Vec<arrow::array::RecordBatch> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adbc_answers_every_tpch_query_exactly_and_ingests_in_one_epoch() {
+    const STREAMED: &str = "SELECT l_orderkey, l_linenumber, l_comment FROM lineitem \
+                            ORDER BY l_orderkey, l_linenumber";
     let root = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
     cluster.start_all();
@@ -48,6 +50,13 @@ async fn adbc_answers_every_tpch_query_exactly_and_ingests_in_one_epoch() {
             "SELECT count(*) AS n FROM lineitem AS OF EPOCH {}",
             loaded_at.0
         ),
+    )
+    .unwrap();
+
+    // An answer far past its answer buffer streams through DoGet as the query runs.
+    std::fs::write(
+        queries.path().join("z_streamed.sql"),
+        format!("/*+ SET tessera.answer_buffer = '64KB' */ {STREAMED}"),
     )
     .unwrap();
 
@@ -90,6 +99,10 @@ async fn adbc_answers_every_tpch_query_exactly_and_ingests_in_one_epoch() {
         .unwrap();
     let as_of = read_arrow(&out.path().join("z_as_of.arrow"));
     tessera_tpch::compare::same_answer(&expected, &as_of, 0.0).unwrap();
+    let expected = oracle.sql(STREAMED).await.unwrap().collect().await.unwrap();
+    let streamed = read_arrow(&out.path().join("z_streamed.arrow"));
+    tessera_tpch::compare::same_answer(&expected, &streamed, 0.0)
+        .unwrap_or_else(|diff| panic!("a streamed answer through ADBC differs: {diff}"));
 
     // The ingest, the INSERT, the INSERT bound to three rows and the committed transaction
     // each published one epoch; the rolled back transaction none.

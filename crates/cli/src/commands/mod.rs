@@ -7,6 +7,7 @@ pub mod bench_cluster;
 pub mod bench_compute;
 pub mod bench_diff;
 pub mod bench_distributed;
+pub mod bench_meta;
 pub mod bench_recovery;
 pub mod bench_replication;
 pub mod bench_security;
