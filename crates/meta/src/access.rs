@@ -404,7 +404,7 @@ impl MetaState {
 
     /// Appends to the audit log, stamped with the metadata's clock.
     pub(crate) fn audit(&mut self, by: Option<&str>, event: AuditEvent) {
-        self.audit_log.push(AuditRecord {
+        self.audit_log.push_back(AuditRecord {
             at_ms: self.clock_ms,
             by: by.map(str::to_string),
             event,

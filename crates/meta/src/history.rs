@@ -194,9 +194,10 @@ impl MetaState {
 
     /// The broken invariant of the epoch log, if any: times never decrease with the epoch
     /// number among visible epochs, and no epoch above the visible one has a time.
-    pub(crate) fn broken_history_invariant(&self) -> Option<String> {
+    /// Checked for the epochs from `from` on.
+    pub(crate) fn broken_history_invariant_from(&self, from: Epoch) -> Option<String> {
         let mut last = (Epoch::ZERO, 0);
-        for (epoch, record) in &self.epoch_log {
+        for (epoch, record) in self.epoch_log.range(from..) {
             if *epoch > self.visible {
                 if record.visible_at_ms != 0 {
                     return Some(format!(

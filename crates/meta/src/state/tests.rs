@@ -848,3 +848,37 @@ fn archived_epoch(
         }],
     }
 }
+
+/// Every applied entry publishes a copy of the state to its readers: the copy must share
+/// the histories (every epoch, abort and audited change ever made) rather than copy them,
+/// or each entry would cost more the longer the cluster has lived (`tessera bench meta`).
+#[test]
+fn a_copy_of_the_state_shares_its_histories() {
+    let mut state = bootstrapped(3);
+    for request in 0..200 {
+        let epoch = open_epoch(&mut state, "t", 100 + request);
+        if request % 10 == 0 {
+            state.apply(
+                5,
+                MetaCommand::AbortEpoch {
+                    epoch,
+                    reason: "test".into(),
+                },
+            );
+        } else {
+            commit_at(&mut state, epoch, 1_000 + request);
+        }
+    }
+    assert_eq!(state.epoch_log.len(), 180);
+    assert_eq!(state.aborted.len(), 20);
+    let copy = state.clone();
+    assert!(copy.epoch_log.ptr_eq(&state.epoch_log));
+    assert!(copy.aborted.ptr_eq(&state.aborted));
+    assert!(copy.audit_log.ptr_eq(&state.audit_log));
+    // A change to one leaves the other as it was.
+    let mut changed = copy.clone();
+    let epoch = open_epoch(&mut changed, "t", 999);
+    commit_at(&mut changed, epoch, 5_000);
+    assert_eq!(changed.epoch_log.len(), 181);
+    assert_eq!(state.epoch_log.len(), 180);
+}
