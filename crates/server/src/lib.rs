@@ -28,6 +28,7 @@ pub mod rpc;
 pub mod scrub;
 pub mod server;
 pub mod startup;
+pub mod status;
 mod system_tables;
 pub mod table_statistics;
 pub mod verify;

@@ -1,6 +1,6 @@
 //! The RPC server of a node: the Flight service behind [`crate::rpc`].
 
-use crate::meta::{MetaCommand, MetaResponse, MetaState};
+use crate::meta::{MetaCommand, MetaResponse};
 use crate::node::Node;
 use crate::rpc::*;
 use crate::NodeId;
@@ -16,7 +16,7 @@ use bytes::Bytes;
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::tls::CertIdentity;
@@ -28,52 +28,10 @@ use tessera_storage::versions::stored_user_schema;
 use tessera_storage::TableChanges;
 use tonic::{Request, Response, Status, Streaming};
 
+pub use crate::status::{node_status, HistorySizes, NodeStatus, TableCount, STATUS_HISTORY};
+
 /// How long a request carrying rows waits for a starting node to announce its process.
 const ANNOUNCE_PATIENCE: Duration = Duration::from_secs(10);
-
-/// What `tessera status` shows of one node.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct NodeStatus {
-    pub node_id: NodeId,
-    pub listen: String,
-    pub leader: Option<NodeId>,
-    pub term: u64,
-    pub applied_index: u64,
-    pub meta: MetaState,
-    pub tables: Vec<TableCount>,
-    /// What this node copied as a new or returning replica since it started.
-    #[serde(default)]
-    pub transfers: crate::rebalance::TransferCounts,
-    /// The node's internal port is plaintext (`insecure = true`): anyone who reaches it
-    /// can join, write metadata and read data.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub insecure: bool,
-    /// The scrubber's last pass on this node.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_scrub: Option<crate::scrub::ScrubReport>,
-    /// The node's component cache (archived components; a compute node's reads).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cache: Option<tessera_exec::cache::CacheStatus>,
-    /// On the metadata leader: archives retention wants that could not be made yet, and why.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub archive_waiting: Vec<String>,
-    /// The metadata group's voters, as this node knows its membership (the other members
-    /// are learners).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub voters: Vec<NodeId>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct TableCount {
-    pub name: String,
-    /// Committed rows this node holds, applied or not.
-    pub rows: u64,
-    /// Of `rows`, those a cold standby holds in its log only (not yet covered by
-    /// components from their primary).
-    #[serde(default)]
-    pub logged_rows: u64,
-    pub partitions_with_data: usize,
-}
 
 /// The HTTP/2 receive windows both ends of a connection use (see
 /// [`tessera_net::CONNECTION_WINDOW_BYTES`] for why the connection's is so large).
@@ -923,41 +881,5 @@ impl FlightService for NodeService {
         _request: Request<Empty>,
     ) -> Result<Response<Self::ListActionsStream>, Status> {
         Err(Status::unimplemented("list_actions"))
-    }
-}
-
-/// What `tessera status` and the console show of a node: its metadata view, Raft's state,
-/// the rows it holds and what it copied.
-pub fn node_status(node: &crate::node::Node) -> NodeStatus {
-    let metrics = node.meta.raft().metrics().borrow().clone();
-    let view = node.meta.view();
-    NodeStatus {
-        node_id: node.id(),
-        listen: node.config.listen.to_string(),
-        leader: metrics.current_leader,
-        term: metrics.current_term,
-        applied_index: view.applied_index,
-        meta: view.state.clone(),
-        tables: node
-            .store
-            .table_stats()
-            .into_iter()
-            .map(|t| TableCount {
-                name: t.name,
-                rows: t.component_rows + t.memtable_rows + t.logged_rows,
-                logged_rows: t.logged_rows,
-                partitions_with_data: t.partitions_with_data,
-            })
-            .collect(),
-        transfers: node.replication.transfers.counts(),
-        insecure: node.mtls.is_none(),
-        last_scrub: crate::scrub::last_scrub(),
-        cache: node.exec.cache_status(),
-        archive_waiting: node
-            .archive_waiting
-            .lock()
-            .expect("archive waiting lock")
-            .clone(),
-        voters: metrics.membership_config.membership().voter_ids().collect(),
     }
 }

@@ -834,6 +834,11 @@ fn samples() -> Samples {
             term: 3,
             applied_index: 12,
             meta: MetaState::default(),
+            history: tessera_server::server::HistorySizes {
+                epochs: 40,
+                aborted: 2,
+                audited: 7,
+            },
             tables: vec![TableCount {
                 name: "kv".into(),
                 rows: 10,
