@@ -289,7 +289,10 @@ impl ClusterClient {
     }
 
     /// The cluster's metadata as of a linearizable read through this node: every table
-    /// created and every epoch committed before the call, or an error. [`Self::status`]
+    /// created and every epoch committed before the call, or an error. Its histories (the
+    /// epoch log, aborted epochs, the audit log) hold their newest
+    /// [`crate::status::STATUS_HISTORY`] entries; the whole epoch log is the
+    /// `tessera_epochs` table. [`Self::status`]
     /// shows the node's own view instead, which a restarting node may not yet have
     /// brought up to date.
     pub async fn current_metadata(&self) -> Result<crate::meta::MetaState> {

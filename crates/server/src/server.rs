@@ -364,7 +364,7 @@ impl NodeService {
                     .read_linearizable(crate::meta::LINEARIZABLE_READ_PATIENCE)
                     .await
                     .map_err(|e| Refusal::Failed(e.to_string()).into_status())?;
-                reply(&view.state)
+                reply(&crate::status::newest_history(&view.state))
             }
             crate::verify::ACTION_PARTITION_DIGESTS => {
                 let request: crate::verify::DigestsRequest = self.open(&caller, body)?;

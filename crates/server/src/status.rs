@@ -79,8 +79,8 @@ impl HistorySizes {
 /// `state` with its histories cut to their newest [`STATUS_HISTORY`] entries: whole, they
 /// grow with every epoch ever committed (tens of MiB after 100 000), and `tessera status`
 /// and the console ask every few seconds. [`crate::ClusterClient::current_metadata`]
-/// answers with all of it.
-fn newest_history(state: &MetaState) -> MetaState {
+/// answers the same way; SQL reads the whole epoch log (`tessera_epochs`).
+pub(crate) fn newest_history(state: &MetaState) -> MetaState {
     let mut trimmed = state.clone();
     let cut = |len: usize| len.saturating_sub(STATUS_HISTORY);
     if let Some((&first, _)) = state.epoch_log.iter().nth(cut(state.epoch_log.len())) {
