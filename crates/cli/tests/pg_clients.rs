@@ -800,11 +800,9 @@ async fn connections_are_bounded_and_bad_input_loses_nothing() {
     assert_eq!(row.get::<_, i64>(0), 42, "the node serves on");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cancelled_query_stops_on_every_node() {
-    let _one = exclusive();
-    let root = tempfile::tempdir().unwrap();
-    let cluster = cluster(root.path()).await;
+/// A 3-node cluster with a table `numbers` of the keys 1 to 100 000, and a client of node 1.
+async fn numbers_cluster(root: &Path) -> (LocalCluster, tokio_postgres::Client) {
+    let cluster = cluster(root).await;
     let client = connect(&cluster, 1).await;
     client
         .batch_execute(
@@ -813,6 +811,28 @@ async fn a_cancelled_query_stops_on_every_node() {
         )
         .await
         .unwrap();
+    (cluster, client)
+}
+
+/// Waits until no node runs a channel of any query.
+async fn wait_no_query_running(cluster: &LocalCluster) {
+    for node in 1..=3 {
+        wait_until(
+            &format!("node {node} to stop the query's channels"),
+            std::time::Duration::from_secs(15),
+            || async {
+                (metric(cluster, node, "tessera_queries_running").await? == 0.0).then_some(())
+            },
+        )
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_query_stops_on_every_node() {
+    let _one = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let (cluster, client) = numbers_cluster(root.path()).await;
     // A join of every number with a thousandth of the others: hours in a debug build, with
     // channels on every node (both sides are hashed across the cluster).
     const LONG: &str = "SELECT count(*) FROM numbers a JOIN numbers b ON a.k % 100 = b.k % 100";
@@ -838,16 +858,7 @@ async fn a_cancelled_query_stops_on_every_node() {
         .unwrap();
     let error = answer.expect_err("a cancelled query answered");
     assert_eq!(error.code(), Some(&SqlState::QUERY_CANCELED), "{error}");
-    for node in 1..=3 {
-        wait_until(
-            &format!("node {node} to stop the query's channels"),
-            std::time::Duration::from_secs(15),
-            || async {
-                (metric(&cluster, node, "tessera_queries_running").await? == 0.0).then_some(())
-            },
-        )
-        .await;
-    }
+    wait_no_query_running(&cluster).await;
     // The connection goes on.
     let client = connect(&cluster, 1).await;
     let n: i64 = client
@@ -867,14 +878,9 @@ async fn a_large_answer_streams_at_the_clients_pace() {
     use futures::StreamExt;
     let _one = exclusive();
     let root = tempfile::tempdir().unwrap();
-    let cluster = cluster(root.path()).await;
-    let client = connect(&cluster, 1).await;
+    let (cluster, client) = numbers_cluster(root.path()).await;
     client
-        .batch_execute(
-            "CREATE TABLE numbers (k BIGINT NOT NULL, PRIMARY KEY (k));
-             INSERT INTO numbers SELECT value FROM generate_series(1, 100000);
-             SET tessera.answer_buffer = '64KB'",
-        )
+        .batch_execute("SET tessera.answer_buffer = '64KB'")
         .await
         .unwrap();
 
@@ -923,16 +929,7 @@ async fn a_large_answer_streams_at_the_clients_pace() {
     .await
     .expect("the cancel ended the answer");
     assert_eq!(ended.code(), Some(&SqlState::QUERY_CANCELED), "{ended}");
-    for node in 1..=3 {
-        wait_until(
-            &format!("node {node} to stop the cancelled query's channels"),
-            std::time::Duration::from_secs(15),
-            || async {
-                (metric(&cluster, node, "tessera_queries_running").await? == 0.0).then_some(())
-            },
-        )
-        .await;
-    }
+    wait_no_query_running(&cluster).await;
     let n: i64 = connect(&cluster, 1)
         .await
         .query_one("SELECT count(*) FROM numbers", &[])
