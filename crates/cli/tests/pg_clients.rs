@@ -900,6 +900,23 @@ async fn a_large_answer_streams_at_the_clients_pace() {
         expected += 1;
     }
     assert_eq!(expected, 100_001, "every row arrived");
+    // Several statements in one simple query: the earlier answer is read whole first.
+    let both = client
+        .simple_query("SELECT k FROM numbers ORDER BY k; SELECT count(*) FROM numbers")
+        .await
+        .unwrap();
+    let rows: Vec<&str> = both
+        .iter()
+        .filter_map(|message| match message {
+            tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(rows.len(), 100_001);
+    assert_eq!(
+        (rows[0], rows[99_999], rows[100_000]),
+        ("1", "100000", "100000")
+    );
 
     // Twenty million rows (about 300 MiB as Arrow): more than every buffer between the
     // nodes and the client (exchange inboxes, the answer's queue, the sockets) together.

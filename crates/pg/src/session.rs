@@ -222,6 +222,7 @@ impl PgSession {
         command: PgCommand,
         params: Option<&ParamValues>,
         format: &Format,
+        whole: Answers,
     ) -> PgWireResult<Response>
     where
         C: ClientInfo + ClientPortalStore + Sink<PgWireBackendMessage> + Unpin + Send + Sync,
@@ -235,7 +236,9 @@ impl PgSession {
                 if client.transaction_status() == TransactionStatus::Error {
                     return Err(transaction_aborted());
                 }
-                let result = self.engine.execute_tessera(statement).await;
+                let result = whole
+                    .read(self.engine.execute_tessera(statement).await)
+                    .await;
                 let options = Arc::new(FormatOptions::from_client_metadata(client.metadata()));
                 return response(
                     result.map_err(sql_error)?,
@@ -289,6 +292,7 @@ impl PgSession {
             .engine
             .execute_parsed(DFStatement::Statement(Box::new(statement)), params)
             .await;
+        let result = whole.read(result).await;
         self.send_notices(client).await?;
         let options = Arc::new(FormatOptions::from_client_metadata(client.metadata()));
         response(
@@ -439,6 +443,27 @@ impl PgSession {
     }
 }
 
+/// Whether a statement's answer is read whole before it is sent, or may stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answers {
+    Whole,
+    MayStream,
+}
+
+impl Answers {
+    /// `result` as this asks: a whole answer is read now, while pgwire still listens for a
+    /// cancel.
+    async fn read(
+        self,
+        result: tessera_sql::error::Result<StatementOutput>,
+    ) -> tessera_sql::error::Result<StatementOutput> {
+        match result {
+            Ok(output) if self == Answers::Whole => tessera_sql::answer::collected(output).await,
+            other => other,
+        }
+    }
+}
+
 /// The connection's cancel handle, which pgwire keeps among the session's extensions.
 fn connection_handle<C: ClientInfo>(client: &C) -> Option<Arc<pgwire::api::ConnectionHandle>> {
     client
@@ -547,8 +572,19 @@ impl SimpleQueryHandler for PgSession {
             return Ok(vec![Response::EmptyQuery]);
         }
         let mut responses = Vec::with_capacity(commands.len());
-        for command in commands {
-            match self.run(client, command, None, &Format::UnifiedText).await {
+        let count = commands.len();
+        for (i, command) in commands.into_iter().enumerate() {
+            // Only the last statement's answer may stream: an earlier one's query would
+            // still run beside the next statement.
+            let answers = if i + 1 < count {
+                Answers::Whole
+            } else {
+                Answers::MayStream
+            };
+            match self
+                .run(client, command, None, &Format::UnifiedText, answers)
+                .await
+            {
                 Ok(response) => responses.push(response),
                 // What ran before the failed statement is reported; the rest never runs.
                 Err(error) if !responses.is_empty() => {
@@ -603,6 +639,7 @@ impl ExtendedQueryHandler for PgSession {
             statement.command.clone(),
             params.as_ref(),
             &portal.result_column_format,
+            Answers::MayStream,
         )
         .await
     }
