@@ -214,20 +214,19 @@ pub async fn run_query(
                 let (answer, outcome) =
                     crate::answer::execute_stream(node.clone(), distributed, work, schema);
                 match tessera_sql::answer::buffered(answer, buffer).await {
-                    Ok(whole @ StatementOutput::Rows { .. }) => {
-                        // The stream ended without error, so the outcome was sent.
-                        if let Ok(outcome) = outcome.await {
-                            recoveries.extend(outcome.recoveries);
-                        }
-                        Ok(whole)
-                    }
                     Ok(StatementOutput::Streaming { schema, stream }) => {
                         Ok(StatementOutput::Streaming {
                             schema,
                             stream: crate::answer::sent_as_it_comes(stream, outcome),
                         })
                     }
-                    Ok(done @ StatementOutput::Done { .. }) => Ok(done),
+                    Ok(whole) => {
+                        // The stream ended without error, so the outcome was sent.
+                        if let Ok(outcome) = outcome.await {
+                            recoveries.extend(outcome.recoveries);
+                        }
+                        Ok(whole)
+                    }
                     // Nothing was sent yet: the caller may still run it again.
                     Err(error) => Err(crate::answer::exec_error(error)),
                 }

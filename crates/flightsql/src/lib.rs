@@ -313,12 +313,9 @@ impl TesseraFlightSql {
 
     /// Runs a statement's handle and streams its rows.
     async fn query(&self, handle: &Handle) -> Result<Response<FlightDataStream>, Status> {
-        match self.run_streaming(handle).await? {
-            StatementOutput::Rows { schema, batches } => Ok(Response::new(stream_batches(
-                tessera_sql::answer::stream_of(schema, batches),
-            ))),
-            StatementOutput::Streaming { stream, .. } => Ok(Response::new(stream_batches(stream))),
-            StatementOutput::Done { .. } => Ok(Response::new(empty_stream())),
+        match self.run_streaming(handle).await?.into_rows() {
+            Ok((_, answer)) => Ok(Response::new(stream_batches(answer))),
+            Err(_) => Ok(Response::new(empty_stream())),
         }
     }
 

@@ -30,13 +30,9 @@ pub(crate) fn response(
     options: Arc<FormatOptions>,
     connection: Option<Arc<ConnectionHandle>>,
 ) -> PgWireResult<Response> {
-    let (schema, answer) = match output {
-        StatementOutput::Rows { schema, batches } => (
-            schema.clone(),
-            tessera_sql::answer::stream_of(schema, batches),
-        ),
-        StatementOutput::Streaming { schema, stream } => (schema, stream),
-        StatementOutput::Done { tag, .. } => return Ok(command_response(&tag)),
+    let (schema, answer) = match output.into_rows() {
+        Ok(rows) => rows,
+        Err((tag, _)) => return Ok(command_response(&tag)),
     };
     let fields = Arc::new(fields(&schema, format, options)?);
     let encoding = fields.clone();

@@ -408,18 +408,11 @@ impl PgSession {
             .execute_parsed(DFStatement::Statement(Box::new(query)), None)
             .await;
         self.send_notices(client).await?;
-        let (schema, answer) = match result.map_err(sql_error)? {
-            StatementOutput::Rows { schema, batches } => (
-                schema.clone(),
-                tessera_sql::answer::stream_of(schema, batches),
-            ),
-            StatementOutput::Streaming { schema, stream } => (schema, stream),
-            StatementOutput::Done { .. } => {
-                return Err(user_error(
-                    "42601",
-                    "COPY TO needs a query that returns rows",
-                ))
-            }
+        let Ok((schema, answer)) = result.map_err(sql_error)?.into_rows() else {
+            return Err(user_error(
+                "42601",
+                "COPY TO needs a query that returns rows",
+            ));
         };
         let header = format.header_line(&schema).map(Ok);
         // Encoded a batch at a time as the answer arrives: an export of any size holds one.

@@ -107,15 +107,9 @@ impl tessera_console::NodeView for NodeConsole {
 /// with the rows as objects (at most [`CONSOLE_ROWS`]).
 async fn output_json(output: tessera_sql::StatementOutput) -> Result<serde_json::Value, String> {
     use futures::StreamExt;
-    let (schema, mut answer) = match output {
-        tessera_sql::StatementOutput::Done { tag, epoch } => {
-            return Ok(serde_json::json!({ "tag": tag, "epoch": epoch }))
-        }
-        tessera_sql::StatementOutput::Rows { schema, batches } => (
-            schema.clone(),
-            tessera_sql::answer::stream_of(schema, batches),
-        ),
-        tessera_sql::StatementOutput::Streaming { schema, stream } => (schema, stream),
+    let (schema, mut answer) = match output.into_rows() {
+        Ok(rows) => rows,
+        Err((tag, epoch)) => return Ok(serde_json::json!({ "tag": tag, "epoch": epoch })),
     };
     // The rows past the shown ones are counted, not kept.
     let mut total = 0;

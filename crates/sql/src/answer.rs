@@ -58,6 +58,31 @@ pub async fn collected(output: StatementOutput) -> crate::error::Result<Statemen
     }
 }
 
+/// Reads the last of `outputs` whole, if it is still streaming.
+pub async fn read_last_whole(outputs: &mut Vec<StatementOutput>) -> crate::error::Result<()> {
+    if let Some(last) = outputs.pop() {
+        outputs.push(collected(last).await?);
+    }
+    Ok(())
+}
+
+impl StatementOutput {
+    /// An answer's columns and rows as a stream, whole or streaming; a command's tag and
+    /// epoch otherwise.
+    pub fn into_rows(
+        self,
+    ) -> Result<(SchemaRef, SendableRecordBatchStream), (String, Option<tessera_common::Epoch>)>
+    {
+        match self {
+            StatementOutput::Rows { schema, batches } => {
+                Ok((schema.clone(), stream_of(schema, batches)))
+            }
+            StatementOutput::Streaming { schema, stream } => Ok((schema, stream)),
+            StatementOutput::Done { tag, epoch } => Err((tag, epoch)),
+        }
+    }
+}
+
 /// `answer` with `at_end` called once, when it ends: finished, failed (with its error), or
 /// dropped before its end by a client that stopped reading.
 pub fn on_end(

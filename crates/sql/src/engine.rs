@@ -152,9 +152,7 @@ impl Engine {
     /// is whole ([`StatementOutput::Rows`]).
     pub async fn execute(&self, sql: &str) -> Result<Vec<StatementOutput>> {
         let mut outputs = self.execute_answering(sql, Answers::Whole).await?;
-        if let Some(last) = outputs.pop() {
-            outputs.push(crate::answer::collected(last).await?);
-        }
+        crate::answer::read_last_whole(&mut outputs).await?;
         Ok(outputs)
     }
 
@@ -211,9 +209,7 @@ impl Engine {
             // Tessera's own statements may sit among others: each text on its own.
             let mut outputs = Vec::with_capacity(texts.len());
             for text in texts {
-                if let Some(earlier) = outputs.pop() {
-                    outputs.push(crate::answer::collected(earlier).await?);
-                }
+                crate::answer::read_last_whole(&mut outputs).await?;
                 outputs.extend(Box::pin(self.execute_statements(&text)).await?);
             }
             return Ok(outputs);
@@ -222,9 +218,7 @@ impl Engine {
         let mut outputs = Vec::with_capacity(statements.len());
         for statement in statements {
             // An answer still streaming would run beside the next statement: read it first.
-            if let Some(earlier) = outputs.pop() {
-                outputs.push(crate::answer::collected(earlier).await?);
-            }
+            crate::answer::read_last_whole(&mut outputs).await?;
             outputs.push(self.execute_statement(statement, None).await?);
         }
         Ok(outputs)
