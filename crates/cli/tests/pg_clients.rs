@@ -902,7 +902,10 @@ async fn a_large_answer_streams_at_the_clients_pace() {
     assert_eq!(expected, 100_001, "every row arrived");
     // Several statements in one simple query: the earlier answer is read whole first.
     let both = client
-        .simple_query("SELECT k FROM numbers ORDER BY k; SELECT count(*) FROM numbers")
+        .simple_query(
+            "SELECT k AS streamed FROM numbers ORDER BY k; \
+             SELECT count(*) AS after_it FROM numbers",
+        )
         .await
         .unwrap();
     let rows: Vec<&str> = both
@@ -916,6 +919,25 @@ async fn a_large_answer_streams_at_the_clients_pace() {
     assert_eq!(
         (rows[0], rows[99_999], rows[100_000]),
         ("1", "100000", "100000")
+    );
+    // ... so the first statement had ended (its last row read) before the second began;
+    // streamed, it would have run on while the second ran.
+    let (_, status) = common::http_get(&cluster, 1, "/api/status", None).await;
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    let recent = |tag: &str| {
+        let statement = status["recent"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["sql"].as_str().unwrap().contains(tag))
+            .unwrap_or_else(|| panic!("{tag} among the recent statements: {status}"));
+        let started = statement["started_ms"].as_u64().unwrap();
+        (started, started + statement["elapsed_ms"].as_u64().unwrap())
+    };
+    let ((_, first_ended), (second_started, _)) = (recent("streamed"), recent("after_it"));
+    assert!(
+        first_ended <= second_started + 5,
+        "the first statement ended at {first_ended} ms, after the second began at {second_started} ms"
     );
 
     // Twenty million rows (about 300 MiB as Arrow): more than every buffer between the
