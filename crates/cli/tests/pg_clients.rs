@@ -940,6 +940,45 @@ async fn a_large_answer_streams_at_the_clients_pace() {
         "the first statement ended at {first_ended} ms, after the second began at {second_started} ms"
     );
 
+    // A streamed answer that fails after rows went out fails its transaction, as an
+    // error mid-scan does in PostgreSQL: what follows is refused until ROLLBACK.
+    client.batch_execute("BEGIN").await.unwrap();
+    let failing = client
+        .query_raw("SELECT 1 / (k - 90000) FROM numbers", Vec::<i64>::new())
+        .await;
+    let error = match failing {
+        Err(error) => error,
+        Ok(rows) => {
+            futures::pin_mut!(rows);
+            let mut received = 0;
+            loop {
+                match rows.next().await {
+                    Some(Ok(_)) => received += 1,
+                    Some(Err(error)) => {
+                        eprintln!("{received} rows arrived before the error");
+                        break error;
+                    }
+                    None => panic!("a division by zero answered {received} rows"),
+                }
+            }
+        }
+    };
+    assert_eq!(error.code(), Some(&SqlState::DIVISION_BY_ZERO), "{error:?}");
+    let refused = client.query_one("SELECT 1", &[]).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Some(&SqlState::IN_FAILED_SQL_TRANSACTION),
+        "{refused}"
+    );
+    client.batch_execute("ROLLBACK").await.unwrap();
+    // The same error met by a channel on another node, in an answer kept whole, keeps its
+    // SQLSTATE across the network: it is the statement's fault, not a node's (40001).
+    let error = client
+        .query_one("SELECT sum(1 / (k - 90000)) FROM numbers", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Some(&SqlState::DIVISION_BY_ZERO), "{error:?}");
+
     // Twenty million rows (about 300 MiB as Arrow): more than every buffer between the
     // nodes and the client (exchange inboxes, the answer's queue, the sockets) together.
     const LARGE: &str = "SELECT a.k, b.k FROM numbers a, numbers b WHERE b.k <= 200";
@@ -976,4 +1015,34 @@ async fn a_large_answer_streams_at_the_clients_pace() {
         .unwrap()
         .get(0);
     assert_eq!(n, 100000, "the node serves on");
+
+    // A node lost just before a streamed answer (the cluster still counts it alive, so
+    // the plan places work on it): lineage recovery carries the answer through, and its
+    // notice, known only once the answer has ended, follows the rows in psql's output.
+    let mut cluster = cluster;
+    cluster.kill9(3);
+    let (rows, stderr) = psql(
+        &cluster,
+        1,
+        &[
+            "-c",
+            "SET tessera.answer_buffer = '1'",
+            "-c",
+            "SELECT k FROM numbers ORDER BY k",
+        ],
+    )
+    .expect("the streamed answer survives the lost node");
+    let keys: Vec<i64> = rows
+        .iter()
+        .map(|row| row[0].as_deref().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(
+        keys,
+        (1..=100_000).collect::<Vec<i64>>(),
+        "every row once, in order"
+    );
+    assert!(
+        stderr.contains("NOTICE") && stderr.contains("node 3 died"),
+        "psql shows the recovery notice of the streamed answer: {stderr:?}"
+    );
 }

@@ -8,7 +8,7 @@
 //! a caller that has sent nothing yet can still run the query again.
 
 use crate::run::{execute_into, QueryOutcome, Work, ANSWER_QUEUE};
-use crate::{Exec, ExecError};
+use crate::{Exec, ExecError, Recoveries, RecoveryOutcome};
 use arrow::datatypes::SchemaRef;
 use datafusion::error::DataFusionError;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
@@ -84,24 +84,30 @@ pub fn exec_error(error: DataFusionError) -> ExecError {
 
 /// The rest of an answer that has begun to reach its client: counts the rows that went
 /// out, so that a node lost from here on is reported as cutting the answer short (it cannot
-/// be run again unseen), and, at its end, reports what lineage recovery rebuilt.
+/// be run again unseen), and, at its end, adds what lineage recovery rebuilt to the
+/// statement's `recoveries` (the client's notices) before the end is seen.
 pub fn sent_as_it_comes(
     answer: SendableRecordBatchStream,
     outcome: oneshot::Receiver<QueryOutcome>,
+    recoveries: Recoveries,
 ) -> SendableRecordBatchStream {
     let schema = answer.schema();
+    // The stream is read by the client's connection, outside the statement's task.
+    let statement = tessera_common::statement::current();
     let rows = stream::unfold(
-        (answer, 0_u64, Some(outcome)),
-        |(mut answer, sent, mut outcome)| async move {
+        (answer, 0_u64, Some((outcome, recoveries))),
+        move |(mut answer, sent, mut end)| async move {
             match answer.next().await {
                 Some(Ok(batch)) => {
                     let sent = sent + batch.num_rows() as u64;
-                    Some((Ok(batch), (answer, sent, outcome)))
+                    Some((Ok(batch), (answer, sent, end)))
                 }
                 Some(Err(error)) => Some((Err(cut_short(error, sent)), (answer, sent, None))),
                 None => {
-                    if let Some(Ok(done)) = outcome.take().map(|mut o| o.try_recv()) {
-                        note_recoveries(&done);
+                    if let Some((mut outcome, recoveries)) = end.take() {
+                        if let Ok(done) = outcome.try_recv() {
+                            note_recoveries(done, statement, &recoveries);
+                        }
                     }
                     None
                 }
@@ -112,11 +118,10 @@ pub fn sent_as_it_comes(
 }
 
 /// A streaming answer's error, as the client gets it: a node lost after rows went out
-/// says so; the cluster's errors are [`SqlError::Cluster`] (a client may retry them).
+/// says so; the cluster's errors are [`SqlError::Cluster`] (a client may retry them), the
+/// statement's own keep their SQLSTATE.
 fn cut_short(error: DataFusionError, rows_sent: u64) -> DataFusionError {
-    let cluster = |error: ExecError| {
-        DataFusionError::External(Box::new(SqlError::Cluster(error.to_string())))
-    };
+    let cluster = |error: ExecError| DataFusionError::External(Box::new(SqlError::from(error)));
     match exec_error(error) {
         ExecError::NodeLost {
             node,
@@ -133,13 +138,18 @@ fn cut_short(error: DataFusionError, rows_sent: u64) -> DataFusionError {
     }
 }
 
-/// What lineage recovery rebuilt while an answer streamed: there is no statement reply
-/// left to carry it as a notice, so it goes to the log and the node's metrics.
-fn note_recoveries(outcome: &QueryOutcome) {
+/// What lineage recovery rebuilt while an answer streamed: the statement's notices, its
+/// entry among the node's statements (the console), the log and the node's metrics.
+fn note_recoveries(outcome: QueryOutcome, statement: Option<u64>, recoveries: &Recoveries) {
     for recovery in &outcome.recoveries {
         tracing::warn!(%recovery, "a streamed answer survived the loss of a node");
     }
     tessera_common::metrics::metrics()
         .query_recoveries
         .inc_by(outcome.recoveries.len() as u64);
+    if let Some(statement) = statement {
+        let lines = outcome.recoveries.iter().map(RecoveryOutcome::to_string);
+        tessera_sql::activity::note_recoveries_of(statement, lines);
+    }
+    recoveries.extend(outcome.recoveries);
 }

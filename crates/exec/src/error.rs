@@ -9,7 +9,12 @@ pub enum ExecError {
     /// A query failed for a reason other than a node's death (a channel's error, a
     /// refused request).
     #[error("query {query:x} failed: {detail}")]
-    Failed { query: QueryId, detail: String },
+    Failed {
+        query: QueryId,
+        detail: String,
+        /// Set when the error was the statement's own (bad data, a bad cast), not a node's.
+        sqlstate: Option<&'static str>,
+    },
     /// A node stopped answering, but the metadata leader does not confirm it dead: the
     /// query cannot tell a slow or cut-off node from a dead one, and stops.
     #[error("query {query:x} failed: node {node} stopped answering, but the metadata leader still counts it alive: {detail}")]
@@ -93,6 +98,13 @@ impl From<ExecError> for tessera_sql::SqlError {
         match error {
             ExecError::Storage(e) => tessera_sql::SqlError::Storage(e),
             ExecError::Sql(e) => e,
+            ExecError::Failed {
+                sqlstate: Some(sqlstate),
+                ..
+            } => tessera_sql::SqlError::Query {
+                sqlstate,
+                message: error.to_string(),
+            },
             other => tessera_sql::SqlError::Cluster(other.to_string()),
         }
     }

@@ -245,6 +245,36 @@ pub enum RecoveryOutcome {
     },
 }
 
+/// How one statement's runs survived node failures. A handle: the statement's answer keeps
+/// a copy while it streams, since lineage recovery during a streamed answer is known only
+/// when the answer ends, after the statement has returned.
+#[derive(Debug, Clone, Default)]
+pub struct Recoveries(Arc<std::sync::Mutex<Vec<RecoveryOutcome>>>);
+
+impl Recoveries {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<RecoveryOutcome>> {
+        self.0.lock().expect("recoveries lock")
+    }
+
+    pub fn push(&self, recovery: RecoveryOutcome) {
+        self.lock().push(recovery);
+    }
+
+    pub fn extend(&self, recoveries: impl IntoIterator<Item = RecoveryOutcome>) {
+        self.lock().extend(recoveries);
+    }
+
+    /// The recoveries so far, left in place.
+    pub fn snapshot(&self) -> Vec<RecoveryOutcome> {
+        self.lock().clone()
+    }
+
+    /// The recoveries so far, taken out.
+    pub fn take(&self) -> Vec<RecoveryOutcome> {
+        std::mem::take(&mut *self.lock())
+    }
+}
+
 impl RecoveryOutcome {
     /// The node the query went on without: dead, or unreachable from the initiator.
     pub fn dead(&self) -> NodeId {
@@ -329,6 +359,9 @@ pub struct ChannelReport {
     /// When the channel's output was acknowledged by every receiver.
     pub finished_us: u64,
     pub error: Option<String>,
+    /// The SQLSTATE of `error`, as the node that ran the channel classified it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sqlstate: Option<String>,
     /// Bytes the channel's sorts and aggregations spilled to disk to stay within the
     /// memory limits.
     #[serde(default, skip_serializing_if = "is_zero")]

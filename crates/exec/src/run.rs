@@ -206,10 +206,14 @@ fn start_stage(
                     .expect("checked above");
                 let mut report = match result {
                     Ok(()) => writer.report(channel).unwrap_or_default(),
-                    Err(error) => ChannelReport {
-                        error: Some(error.to_string()),
-                        ..Default::default()
-                    },
+                    Err(error) => {
+                        let error = tessera_sql::error::from_datafusion(error);
+                        ChannelReport {
+                            sqlstate: Some(error.sqlstate().to_string()),
+                            error: Some(tessera_sql::error::one_message(&error)),
+                            ..Default::default()
+                        }
+                    }
                 };
                 report.stage = stage;
                 report.channel = ChannelId(channel);
@@ -288,8 +292,8 @@ impl Event {
 enum Failure {
     /// A participant's stream broke.
     Node(NodeId, String),
-    /// A channel or the answer reported an error.
-    Other(String),
+    /// A channel or the answer reported an error, with its SQLSTATE where one is known.
+    Other(String, Option<&'static str>),
     /// Whoever read the answer stopped (a client that went away): nothing to report.
     Abandoned,
 }
@@ -311,7 +315,17 @@ async fn diagnose(
     let (suspect, detail) = match failure {
         Failure::Node(at, detail) => (Some(at), detail),
         Failure::Abandoned => (None, "the answer's reader went away".to_string()),
-        Failure::Other(detail) => {
+        // The statement's own fault (a division by zero, a bad cast): no node is to blame.
+        Failure::Other(detail, Some(sqlstate))
+            if tessera_sql::SqlError::is_statement_error(sqlstate) =>
+        {
+            return ExecError::Failed {
+                query,
+                detail,
+                sqlstate: Some(sqlstate),
+            };
+        }
+        Failure::Other(detail, _) => {
             let broke = tokio::time::timeout(SUSPECT_GRACE, async {
                 while let Some(event) = incoming.recv().await {
                     if let Event::NodeFailed(at, _) = event {
@@ -327,7 +341,11 @@ async fn diagnose(
         }
     };
     let Some(suspect) = suspect else {
-        return ExecError::Failed { query, detail };
+        return ExecError::Failed {
+            query,
+            detail,
+            sqlstate: None,
+        };
     };
     if node.confirm_failed(suspect).await {
         ExecError::NodeLost {
@@ -562,16 +580,21 @@ async fn execute_here(
                     watch.answer_rows(batch.num_rows());
                     unsent = Some(batch);
                 }
-                Some(Err(error)) => break Some(Failure::Other(error.to_string())),
+                Some(Err(error)) => {
+                    let error = tessera_sql::error::from_datafusion(error);
+                    let sqlstate = error.sqlstate();
+                    break Some(Failure::Other(tessera_sql::error::one_message(&error), Some(sqlstate)));
+                }
                 None => answered = true,
             },
             event = incoming.recv(), if events_open => match event {
                 Some(Event::Report(report)) => {
                     if let Some(error) = &report.error {
+                        let sqlstate = report.sqlstate.as_deref().and_then(tessera_sql::error::known_sqlstate);
                         break Some(Failure::Other(format!(
                             "stage {} channel {} on node {} failed: {error}",
                             report.stage, report.channel, report.node
-                        )));
+                        ), sqlstate));
                     }
                     watch.channel_done(&report);
                     reports.push(report);
@@ -599,7 +622,7 @@ async fn execute_here(
                     }
                 }
                 Some(Event::NodeRefused(at, error)) => {
-                    break Some(Failure::Other(format!("node {at} refused its stages: {error}")))
+                    break Some(Failure::Other(format!("node {at} refused its stages: {error}"), None))
                 }
                 // Every node finished, so the answer's stream is about to end.
                 None => events_open = false,
@@ -633,7 +656,7 @@ async fn execute_here(
         // Whatever fails after a lineage recovery began (a rebuilt channel that did not
         // reproduce its output, a second death) is that node's loss: the query restarts.
         let failure = match (failure, recovery.lost()) {
-            (Failure::Other(detail), Some(dead)) => Failure::Node(
+            (Failure::Other(detail, _), Some(dead)) => Failure::Node(
                 dead,
                 format!("after rebuilding node {dead}'s channels: {detail}"),
             ),

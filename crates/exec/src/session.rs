@@ -149,13 +149,13 @@ fn explain_rows(
 
 /// Runs a statement that returns rows. `recoveries` describes the earlier runs of this
 /// statement that a node failure ended (`EXPLAIN ANALYZE` lists them); what lineage
-/// recovery rebuilt during this run is added to it.
+/// recovery rebuilt during this run is added to it, for a streamed answer when it ends.
 pub async fn run_query(
     node: &Arc<Exec>,
     view: &MetaView,
     ctx: &SessionContext,
     plan: LogicalPlan,
-    recoveries: &mut Vec<crate::RecoveryOutcome>,
+    recoveries: &crate::Recoveries,
 ) -> Result<StatementOutput, ExecError> {
     let in_process = |reason: &str| {
         tracing::info!(%reason, "running a statement on this node only");
@@ -192,7 +192,7 @@ pub async fn run_query(
                     recoveries.extend(outcome.recoveries.iter().cloned());
                     let mut text = describe_with_metrics(&distributed, &outcome);
                     // What was recomputed: every earlier run, lost with a node.
-                    for recovery in recoveries {
+                    for recovery in recoveries.snapshot() {
                         text.push_str(&format!("\nRecovery: {recovery}"));
                     }
                     explain_rows(schema, vec![("Plan with Metrics", text)])
@@ -217,7 +217,11 @@ pub async fn run_query(
                     Ok(StatementOutput::Streaming { schema, stream }) => {
                         Ok(StatementOutput::Streaming {
                             schema,
-                            stream: crate::answer::sent_as_it_comes(stream, outcome),
+                            stream: crate::answer::sent_as_it_comes(
+                                stream,
+                                outcome,
+                                recoveries.clone(),
+                            ),
                         })
                     }
                     Ok(whole) => {

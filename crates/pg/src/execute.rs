@@ -1,23 +1,26 @@
-//! The extended protocol's Execute, streamed. pgwire's own handling of an Execute that asks
+//! Running a statement and sending its response, for both protocols, through
+//! [`send_response`] (which sends the notices a streamed answer raised after its rows).
+//!
+//! The extended protocol's Execute, streamed: pgwire's own handling of an Execute that asks
 //! for every row (`max_rows` 0) reads the whole answer into its portal before it sends the
 //! first row, so a driver (psycopg, JDBC, tokio-postgres: they all use the extended
 //! protocol) would make the node hold every row of the answer, encoded. This sends each
 //! row as the answer produces it, as the simple protocol does. An Execute with a row
 //! limit (a cursor's fetch), or of a portal already suspended, goes to pgwire's own.
 
+use crate::respond::{send_response, Protocol};
 use crate::session::{PgSession, PgStatement};
 use futures::future::{select, Either};
-use futures::{Sink, SinkExt};
+use futures::Sink;
 use pgwire::api::portal::PortalExecutionState;
-use pgwire::api::query::{send_execution_response, send_query_response, ExtendedQueryHandler};
-use pgwire::api::results::Response;
+use pgwire::api::query::{send_ready_for_query, ExtendedQueryHandler, SimpleQueryHandler};
 use pgwire::api::store::{Entry, PortalStore};
 use pgwire::api::{
-    copy, ClientInfo, ClientPortalStore, ConnectionHandle, PgWireConnectionState, DEFAULT_NAME,
+    ClientInfo, ClientPortalStore, ConnectionHandle, PgWireConnectionState, DEFAULT_NAME,
 };
 use pgwire::error::{PgWireError, PgWireResult};
 use pgwire::messages::extendedquery::Execute;
-use pgwire::messages::response::EmptyQueryResponse;
+use pgwire::messages::simplequery::Query;
 use pgwire::messages::PgWireBackendMessage;
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -49,55 +52,23 @@ where
     client.set_state(PgWireConnectionState::QueryInProgress);
     // As pgwire does: a cancel request stops the statement while it runs. A streaming
     // answer listens again while its rows go out (see `results::cancellable`).
-    let handle = client
-        .session_extensions()
-        .get::<Arc<ConnectionHandle>>()
-        .map(|handle| Arc::clone(&*handle));
-    let response = match handle {
-        Some(handle) => {
-            let cancel = handle.start_query().await;
-            match select(session.do_query(client, portal.as_ref(), 0), cancel).await {
-                Either::Left((response, _)) => response,
-                Either::Right(_) => Err(PgWireError::QueryCanceled),
-            }
-        }
-        None => session.do_query(client, portal.as_ref(), 0).await,
+    let cancel = cancel_listener(client).await;
+    let run = ExtendedQueryHandler::do_query(session, client, portal.as_ref(), 0);
+    let response = match cancel {
+        Some(cancel) => match select(run, cancel).await {
+            Either::Left((response, _)) => response,
+            Either::Right(_) => Err(PgWireError::QueryCanceled),
+        },
+        None => run.await,
     }?;
-    match response {
-        Response::Query(rows) => send_query_response(client, rows, false).await?,
-        Response::EmptyQuery => {
-            client
-                .feed(PgWireBackendMessage::EmptyQueryResponse(
-                    EmptyQueryResponse::new(),
-                ))
-                .await?;
-        }
-        Response::Execution(tag) => send_execution_response(client, tag).await?,
-        Response::TransactionStart(tag) => {
-            send_execution_response(client, tag).await?;
-            transaction_status = transaction_status.to_in_transaction_state();
-        }
-        Response::TransactionEnd(tag) => {
-            send_execution_response(client, tag).await?;
-            transaction_status = transaction_status.to_idle_state();
-            client.portal_store().rm_portal(DEFAULT_NAME);
-        }
-        Response::Error(error) => {
-            client
-                .send(PgWireBackendMessage::ErrorResponse((*error).into()))
-                .await?;
-            transaction_status = transaction_status.to_error_state();
-        }
-        Response::CopyIn(copy_in) => {
-            client.set_state(PgWireConnectionState::CopyInProgress(true));
-            copy::send_copy_in_response(client, copy_in).await?;
-        }
-        Response::CopyOut(copy_out) => copy::send_copy_out_response(client, copy_out).await?,
-        Response::CopyBoth(copy_both) => {
-            client.set_state(PgWireConnectionState::CopyInProgress(true));
-            copy::send_copy_both_response(client, copy_both).await?;
-        }
-    }
+    send_response(
+        session,
+        client,
+        response,
+        Protocol::Extended,
+        &mut transaction_status,
+    )
+    .await?;
     // Every row went out: executing the portal again answers nothing, as in PostgreSQL.
     *portal.state().lock().await = PortalExecutionState::Finished;
     if !matches!(client.state(), PgWireConnectionState::CopyInProgress(_)) {
@@ -105,4 +76,61 @@ where
         client.set_transaction_status(transaction_status);
     }
     Ok(())
+}
+
+/// The simple protocol's Query, as pgwire's own (`_on_query`) but for how each response is
+/// sent. Its statements ran in `do_query`, each answer but the last read whole.
+pub(crate) async fn on_query<C>(
+    session: &PgSession,
+    client: &mut C,
+    query: Query,
+) -> PgWireResult<()>
+where
+    C: ClientInfo + ClientPortalStore + Sink<PgWireBackendMessage> + Unpin + Send + Sync,
+    C::PortalStore: PortalStore,
+    C::Error: Debug,
+    PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
+{
+    if !matches!(client.state(), PgWireConnectionState::ReadyForQuery) {
+        return Err(PgWireError::NotReadyForQuery);
+    }
+    let mut transaction_status = client.transaction_status();
+    client.set_state(PgWireConnectionState::QueryInProgress);
+    let cancel = cancel_listener(client).await;
+    let run = SimpleQueryHandler::do_query(session, client, &query.query);
+    let responses = match cancel {
+        Some(cancel) => match select(run, cancel).await {
+            Either::Left((responses, _)) => responses,
+            Either::Right(_) => Err(PgWireError::QueryCanceled),
+        },
+        None => run.await,
+    }?;
+    for response in responses {
+        send_response(
+            session,
+            client,
+            response,
+            Protocol::Simple,
+            &mut transaction_status,
+        )
+        .await?;
+    }
+    // A COPY FROM STDIN goes on; its end (`on_copy_done`, `on_copy_fail`) says ready.
+    if !matches!(client.state(), PgWireConnectionState::CopyInProgress(_)) {
+        client.set_state(PgWireConnectionState::ReadyForQuery);
+        client.set_transaction_status(transaction_status);
+        send_ready_for_query(client, transaction_status).await?;
+    }
+    Ok(())
+}
+
+/// A listener for the connection's cancel request, while a statement runs.
+async fn cancel_listener<C: ClientInfo>(
+    client: &C,
+) -> Option<futures::channel::oneshot::Receiver<()>> {
+    let handle = client
+        .session_extensions()
+        .get::<Arc<ConnectionHandle>>()
+        .map(|handle| Arc::clone(&*handle))?;
+    Some(handle.start_query().await)
 }

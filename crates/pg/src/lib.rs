@@ -20,6 +20,7 @@ mod auth;
 mod copy;
 mod errors;
 mod execute;
+mod respond;
 mod results;
 mod session;
 mod tls;

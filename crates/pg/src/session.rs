@@ -27,6 +27,7 @@ use pgwire::error::{ErrorInfo, PgWireError, PgWireResult};
 use pgwire::messages::copy::{CopyData, CopyDone, CopyFail};
 use pgwire::messages::extendedquery::Execute;
 use pgwire::messages::response::{NoticeResponse, TransactionStatus};
+use pgwire::messages::simplequery::Query;
 use pgwire::messages::PgWireBackendMessage;
 use pgwire::types::format::FormatOptions;
 use std::fmt::Debug;
@@ -305,7 +306,7 @@ impl PgSession {
 
     /// Sends the notices the last statement raised (a query that survived a node's death
     /// says how).
-    async fn send_notices<C>(&self, client: &mut C) -> PgWireResult<()>
+    pub(crate) async fn send_notices<C>(&self, client: &mut C) -> PgWireResult<()>
     where
         C: Sink<PgWireBackendMessage> + Unpin + Send,
         C::Error: Debug,
@@ -553,6 +554,16 @@ impl CopyHandler for PgSession {
 
 #[async_trait]
 impl SimpleQueryHandler for PgSession {
+    async fn on_query<C>(&self, client: &mut C, query: Query) -> PgWireResult<()>
+    where
+        C: ClientInfo + ClientPortalStore + Sink<PgWireBackendMessage> + Unpin + Send + Sync,
+        C::PortalStore: PortalStore,
+        C::Error: Debug,
+        PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
+    {
+        crate::execute::on_query(self, client, query).await
+    }
+
     async fn do_query<C>(&self, client: &mut C, query: &str) -> PgWireResult<Vec<Response>>
     where
         C: ClientInfo + ClientPortalStore + Sink<PgWireBackendMessage> + Unpin + Send + Sync,

@@ -6,7 +6,7 @@
 use datafusion::logical_expr::LogicalPlan;
 use datafusion::prelude::SessionContext;
 use std::sync::Arc;
-use tessera_exec::{Exec, ExecError, RecoveryOutcome};
+use tessera_exec::{Exec, ExecError, Recoveries, RecoveryOutcome};
 use tessera_meta::MetaView;
 use tessera_sql::options::RecoveryMode;
 use tessera_sql::StatementOutput;
@@ -24,7 +24,7 @@ pub async fn run_restarting(
     plan: LogicalPlan,
     view: impl Fn() -> Arc<MetaView>,
     repin: impl Fn(Arc<MetaView>),
-    recoveries: &mut Vec<RecoveryOutcome>,
+    recoveries: &Recoveries,
 ) -> Result<StatementOutput, ExecError> {
     let mode = tessera_sql::options::tessera_options(ctx.state().config()).recovery;
     let mut restarts = 0;

@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use tessera_common::{Epoch, PartitionId, PartitionRing};
 use tessera_exec::scan::{read_from, DistributedScanExec, ReadRows, ScanSpec};
-use tessera_exec::{ExecError, RecoveryOutcome};
+use tessera_exec::{ExecError, Recoveries, RecoveryOutcome};
 use tessera_sql::access::AccessStatement;
 use tessera_sql::changes::{ChangesSource, ChangesTable};
 use tessera_sql::provider::{RowSource, VersionedTable};
@@ -94,7 +94,7 @@ pub struct ClusterBackend {
     node: Arc<Node>,
     view: StatementView,
     /// How this backend's statements survived node failures, until taken.
-    recoveries: Mutex<Vec<RecoveryOutcome>>,
+    recoveries: Recoveries,
     /// The user its statements run for (`None`: the operator).
     actor: Mutex<Option<String>>,
 }
@@ -106,7 +106,7 @@ impl ClusterBackend {
                 node: node.clone(),
                 pinned: Arc::default(),
             },
-            recoveries: Mutex::default(),
+            recoveries: Recoveries::default(),
             actor: Mutex::default(),
             node,
         }
@@ -146,7 +146,7 @@ impl ClusterBackend {
 
     /// How the statements run so far survived node failures (each is also a notice).
     pub fn take_recoveries(&self) -> Vec<RecoveryOutcome> {
-        std::mem::take(&mut *self.recoveries.lock().expect("recoveries lock"))
+        self.recoveries.take()
     }
 }
 
@@ -416,27 +416,39 @@ impl Backend for ClusterBackend {
         ctx: &SessionContext,
         plan: LogicalPlan,
     ) -> tessera_sql::error::Result<StatementOutput> {
-        let mut recoveries: Vec<RecoveryOutcome> = Vec::new();
+        let statement = Recoveries::default();
         let output = tessera_recovery::restart::run_restarting(
             &self.node.exec,
             ctx,
             plan,
             || self.view(),
             |fresh| self.view.pin(fresh),
-            &mut recoveries,
+            &statement,
         )
         .await
         .map_err(ClusterError::from)?;
+        let recoveries = statement.take();
         tessera_common::metrics::metrics()
             .query_recoveries
             .inc_by(recoveries.len() as u64);
         tessera_sql::activity::note_recoveries(recoveries.iter().map(RecoveryOutcome::to_string));
         // The notices of a statement that answered; a failed one's error says it all.
-        self.recoveries
-            .lock()
-            .expect("recoveries lock")
-            .extend(recoveries);
-        Ok(output)
+        self.recoveries.extend(recoveries);
+        Ok(match output {
+            // What lineage recovery rebuilds while the answer streams (counted and listed
+            // where it happens) is a notice once the answer has ended.
+            StatementOutput::Streaming { schema, stream } => {
+                let notices = self.recoveries.clone();
+                let stream = tessera_sql::answer::on_end(stream, move |end| {
+                    // A failed answer's error says it all; a dropped one has no reader.
+                    if matches!(end, tessera_sql::answer::End::Finished) {
+                        notices.extend(statement.take());
+                    }
+                });
+                StatementOutput::Streaming { schema, stream }
+            }
+            whole => whole,
+        })
     }
 
     fn take_notices(&self) -> Vec<String> {

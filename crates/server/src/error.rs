@@ -120,9 +120,40 @@ impl From<ClusterError> for tessera_sql::SqlError {
             )) if reason.starts_with(tessera_meta::DENIED) => {
                 tessera_sql::SqlError::PermissionDenied(reason)
             }
+            ClusterError::Replication(
+                committed @ tessera_replication::ReplicationError::CommittedNotVisible { .. },
+            ) => tessera_sql::SqlError::CommittedNotVisible(committed.to_string()),
             other => tessera_sql::SqlError::Cluster(other.to_string()),
         }
     }
 }
 
 pub type Result<T, E = ClusterError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client branches on the SQLSTATE: a retry after 40001 is safe, after 08007 (the
+    /// publish committed, its visibility did not come in time) it would write twice.
+    #[test]
+    fn a_committed_but_unseen_publish_is_not_a_retryable_failure() {
+        let committed =
+            ClusterError::Replication(tessera_replication::ReplicationError::CommittedNotVisible {
+                epoch: tessera_common::Epoch(9),
+                undecided: tessera_common::Epoch(8),
+                waited: std::time::Duration::from_secs(30),
+            });
+        let error = tessera_sql::SqlError::from(committed);
+        assert_eq!(error.sqlstate(), "08007", "{error}");
+        assert!(
+            error.to_string().contains("epoch 9 is committed"),
+            "{error}"
+        );
+        let aborted = ClusterError::Replication(tessera_replication::ReplicationError::Aborted {
+            epoch: tessera_common::Epoch(9),
+            reason: "a primary was lost".into(),
+        });
+        assert_eq!(tessera_sql::SqlError::from(aborted).sqlstate(), "40001");
+    }
+}

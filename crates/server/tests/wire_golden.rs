@@ -810,6 +810,7 @@ fn samples() -> Samples {
             first_input_us: Some(20),
             finished_us: 30,
             error: None,
+            sqlstate: None,
             spilled_bytes: 0,
         }),
     );

@@ -140,9 +140,13 @@ fn finish(id: u64, state: &str, error: Option<String>) {
 /// Records that the statement the current task works for (see
 /// [`tessera_common::statement`]) survived the loss of a node, as `recoveries` say.
 pub fn note_recoveries(recoveries: impl IntoIterator<Item = String>) {
-    let Some(id) = tessera_common::statement::current() else {
-        return;
-    };
+    if let Some(id) = tessera_common::statement::current() {
+        note_recoveries_of(id, recoveries);
+    }
+}
+
+/// Records that statement `id` survived the loss of a node, as `recoveries` say.
+pub fn note_recoveries_of(id: u64, recoveries: impl IntoIterator<Item = String>) {
     if let Some(running) = ACTIVITY.lock().expect("activity lock").running.get_mut(&id) {
         running.recoveries.extend(recoveries);
     }

@@ -617,7 +617,10 @@ impl Engine {
         let batches = frame.collect().await.map_err(from_datafusion)?;
         let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
         if rows > MAX_DML_ROWS {
-            return Err(SqlError::Constraint(format!("statement writes {rows} rows, more than the limit of {MAX_DML_ROWS}; use `tessera publish` for bulk loads")));
+            return Err(SqlError::TooManyRows {
+                rows,
+                limit: MAX_DML_ROWS,
+            });
         }
         Ok(batches)
     }
@@ -919,7 +922,7 @@ impl NewKeys {
                         arrow::util::display::array_value_to_string(c, row).unwrap_or_default()
                     })
                     .collect();
-                return Err(SqlError::Constraint(format!(
+                return Err(SqlError::DuplicateKey(format!(
                     "duplicate key ({}) violates the primary key of table {:?}; use UPDATE to change an existing row",
                     values.join(", "),
                     def.name

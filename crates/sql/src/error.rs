@@ -14,11 +14,18 @@ pub enum SqlError {
     Arrow(#[from] arrow::error::ArrowError),
     #[error("not supported: {0}")]
     Unsupported(String),
+    /// A written row's key is taken (by another row of the table or of the statement).
     #[error("{0}")]
-    Constraint(String),
+    DuplicateKey(String),
+    /// A statement writes more rows than one statement may.
+    #[error("statement writes {rows} rows, more than the limit of {limit}; use `tessera publish` for bulk loads")]
+    TooManyRows { rows: usize, limit: usize },
     /// A failure of the cluster: an unreachable node, a lost leader, an aborted epoch.
     #[error("{0}")]
     Cluster(String),
+    /// A publish committed (it will not be lost) but did not become visible in time.
+    #[error("{0}")]
+    CommittedNotVisible(String),
     #[error("SQL text of {bytes} bytes exceeds the limit of {limit} bytes")]
     TooLarge { bytes: usize, limit: usize },
     /// A statement Tessera parses itself (such as `CREATE USER`) is malformed.
@@ -43,6 +50,13 @@ pub enum SqlError {
     /// The user may not do this: it lacks the role, or another participant owns the table.
     #[error("{0}")]
     PermissionDenied(String),
+    /// A query's error as the node that met it classified it (a channel that ran on
+    /// another node: its error crossed the network as text and a SQLSTATE).
+    #[error("{message}")]
+    Query {
+        sqlstate: &'static str,
+        message: String,
+    },
 }
 
 impl SqlError {
@@ -93,14 +107,11 @@ impl SqlError {
             SqlError::DataFusion(error) => datafusion_sqlstate(error),
             SqlError::Arrow(error) => arrow_sqlstate(error),
             SqlError::Unsupported(_) => "0A000",
-            SqlError::Constraint(message) if message.starts_with("duplicate key") => "23505",
-            SqlError::Constraint(message) if message.contains("more than the limit") => "54000",
-            SqlError::Constraint(_) => "23000",
+            SqlError::DuplicateKey(_) => "23505",
+            SqlError::TooManyRows { .. } => "54000",
             // Committed, but an acknowledgement also promises visibility, which did not come
             // in time: the client must look before it retries (a retry would write twice).
-            SqlError::Cluster(message) if message.contains("is committed and will not be lost") => {
-                "08007"
-            }
+            SqlError::CommittedNotVisible(_) => "08007",
             // The cluster could not run the statement now (no leader, an aborted epoch, a
             // node out of reach): the client may retry, as after a serialization failure.
             SqlError::Cluster(_) => "40001",
@@ -112,8 +123,30 @@ impl SqlError {
             SqlError::InvalidValue(_) => "22023",
             SqlError::InvalidDatetime(_) => "22007",
             SqlError::PermissionDenied(_) => "42501",
+            SqlError::Query { sqlstate, .. } => sqlstate,
         }
     }
+
+    /// Whether the statement itself is at fault (bad data, a bad reference, a refusal), so
+    /// that running it again, anywhere, fails the same way: no node's failure is to blame.
+    pub fn is_statement_error(sqlstate: &str) -> bool {
+        ["0A", "22", "23", "42", "53", "54"]
+            .iter()
+            .any(|class| sqlstate.starts_with(class))
+    }
+}
+
+/// Every SQLSTATE this layer gives, so that one received as text (from another node) is
+/// known again as the same code.
+const SQLSTATES: &[&str] = &[
+    "08007", "0A000", "22003", "22007", "22012", "22023", "22P02", "23502", "23505", "40001",
+    "42000", "42501", "42601", "42702", "42703", "42704", "42710", "42804", "42883", "42P01",
+    "42P02", "42P07", "42P16", "53200", "54000", "58030", "XX000", "XX001",
+];
+
+/// `code`, if it is a SQLSTATE this layer gives.
+pub fn known_sqlstate(code: &str) -> Option<&'static str> {
+    SQLSTATES.iter().copied().find(|known| *known == code)
 }
 
 fn storage_sqlstate(error: &StorageError) -> &'static str {
@@ -216,6 +249,29 @@ fn datafusion_message(error: &DataFusionError) -> String {
 mod tests {
     use super::one_message;
     use crate::Engine;
+
+    /// A code given here but missing from the list would reach a client as XX000 when its
+    /// error was met on another node.
+    #[test]
+    fn every_sqlstate_given_is_known_again_as_text() {
+        let source = include_str!("error.rs");
+        let given: std::collections::BTreeSet<&str> = source
+            .split("=> \"")
+            .skip(1)
+            .filter_map(|rest| rest.get(..6))
+            .filter(|code| code.ends_with('"'))
+            .map(|code| &code[..5])
+            .collect();
+        assert!(given.len() > 20, "{given:?}");
+        for code in given {
+            assert_eq!(
+                super::known_sqlstate(code),
+                Some(code),
+                "{code} is not listed"
+            );
+        }
+        assert_eq!(super::known_sqlstate("12345"), None);
+    }
 
     /// What the engine itself raises reads as one message: no category prefix, no cause
     /// repeated.
