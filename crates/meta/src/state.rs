@@ -117,10 +117,21 @@ pub struct MetaState {
     pub open: BTreeMap<Epoch, OpenEpoch>,
     /// Decided epochs above `visible`, waiting for the epochs below them.
     pub decided_above_visible: BTreeSet<Epoch>,
-    /// Aborted epochs, so a node can tell an in-doubt prepare's fate after a restart. (The
-    /// histories here are persistent collections: every applied entry publishes a copy of
-    /// the state, which must not copy every epoch ever decided.)
+    /// Aborted epochs not yet at or below `visible` (and any from before the epoch log
+    /// began), so a node can tell an in-doubt prepare's fate after a restart. Once every
+    /// epoch below one is decided, the epoch log tells: an epoch in
+    /// `aborts_derived_from..=visible` is aborted exactly when the log lacks it, so the set
+    /// stays as small as the epochs in flight. (The histories here are persistent
+    /// collections: every applied entry publishes a copy of the state, which must not
+    /// copy every epoch ever decided.)
     pub aborted: imbl::OrdSet<Epoch>,
+    /// Where the epoch log became the record of aborts (see `aborted`); zero until then.
+    /// A compaction of the epoch log must keep the record of which epochs it held.
+    #[serde(default, skip_serializing_if = "Epoch::is_zero")]
+    pub aborts_derived_from: Epoch,
+    /// How many aborted epochs left `aborted` for the epoch log's record.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub aborts_derived: u64,
     /// The logged reading orders of running queries under lineage recovery, by query.
     #[serde(default)]
     pub lineage: BTreeMap<QueryId, QueryLineage>,
@@ -173,14 +184,46 @@ impl MetaState {
         !self.cluster_id.is_empty()
     }
 
-    /// Whether `epoch` was committed (as opposed to aborted or still open).
     /// Whether the epoch's fate is known: committed or aborted.
     pub fn is_decided(&self, epoch: Epoch) -> bool {
         epoch < self.next_epoch && !self.open.contains_key(&epoch)
     }
 
+    /// Whether `epoch` was committed (as opposed to aborted or still open).
     pub fn is_committed(&self, epoch: Epoch) -> bool {
-        epoch < self.next_epoch && !self.open.contains_key(&epoch) && !self.aborted.contains(&epoch)
+        epoch < self.next_epoch && !self.open.contains_key(&epoch) && !self.is_aborted(epoch)
+    }
+
+    /// Whether `epoch` was aborted.
+    pub fn is_aborted(&self, epoch: Epoch) -> bool {
+        self.aborted.contains(&epoch) || self.is_derived_abort(epoch)
+    }
+
+    /// Whether `epoch` lies where aborts are told by the epoch log, and the log lacks it.
+    fn is_derived_abort(&self, epoch: Epoch) -> bool {
+        !self.aborts_derived_from.is_zero()
+            && epoch >= self.aborts_derived_from
+            && epoch <= self.visible
+            && !self.epoch_log.contains_key(&epoch)
+    }
+
+    /// How many epochs were ever aborted.
+    pub fn aborted_count(&self) -> u64 {
+        self.aborted.len() as u64 + self.aborts_derived
+    }
+
+    /// The newest `limit` aborted epochs, newest last, looking back over at most `scan`
+    /// epochs below the visible one for those the epoch log tells.
+    pub fn recent_aborted(&self, limit: usize, scan: u64) -> Vec<Epoch> {
+        let lowest = Epoch(self.visible.0.saturating_sub(scan)).max(self.aborts_derived_from);
+        let derived = (lowest.0..=self.visible.0)
+            .map(Epoch)
+            .filter(|&epoch| self.is_derived_abort(epoch));
+        let mut recent: Vec<Epoch> = self.aborted.iter().copied().chain(derived).collect();
+        recent.sort_unstable();
+        recent.dedup();
+        let cut = recent.len().saturating_sub(limit);
+        recent.split_off(cut)
     }
 
     pub fn live_nodes(&self) -> impl Iterator<Item = &NodeInfo> {
@@ -321,6 +364,8 @@ impl MetaState {
                 self.replication = replication;
                 self.hot_standby = hot_standby;
                 self.next_epoch = Epoch(1);
+                // The epoch log holds every commit from the first epoch on.
+                self.aborts_derived_from = Epoch(1);
                 for (id, addr) in &nodes {
                     self.nodes
                         .insert(*id, NodeInfo::joining(*id, addr.clone(), false));
@@ -591,7 +636,7 @@ impl MetaState {
                 MetaResponse::Epoch(epoch)
             }
             MetaCommand::AbortEpoch { epoch, reason } => {
-                if self.aborted.contains(&epoch) {
+                if self.is_aborted(epoch) {
                     // Its coordinator learns why, where the cluster aborted it (a hand-over).
                     let response = match self.abort_reasons.get(&epoch) {
                         Some(why) => MetaResponse::Fenced(why.clone()),
@@ -611,7 +656,7 @@ impl MetaState {
                 if let Some(epoch) = rebalance.filter(|e| !self.open.contains_key(e)) {
                     return Err(format!(
                         "the partition map of rebalance epoch {epoch} is out of date: the epoch is no longer open{}",
-                        if self.aborted.contains(&epoch) { " (it was aborted)" } else { "" }
+                        if self.is_aborted(epoch) { " (it was aborted)" } else { "" }
                     ));
                 }
                 if map.partitions.len() != self.partition_count as usize {
@@ -790,6 +835,32 @@ impl MetaState {
         while self.decided_above_visible.remove(&self.visible.next()) {
             self.visible = self.visible.next();
             self.log_visible(self.visible);
+        }
+        self.derive_aborts();
+    }
+
+    /// Drops the aborted epochs at or below `visible` from `aborted`: the epoch log tells
+    /// them from there on (every committed epoch is in it, and every epoch at or below
+    /// `visible` is decided). Deterministic, as everything applied is.
+    fn derive_aborts(&mut self) {
+        if self.aborts_derived_from.is_zero() {
+            // A state from before the epoch log (bootstrap sets this): aborts are told by
+            // the log from its first epoch on, and earlier ones stay in the set.
+            match self.epoch_log.keys().next() {
+                Some(&first) => self.aborts_derived_from = first,
+                None => return,
+            }
+        }
+        while let Some(&oldest) = self.aborted.range(self.aborts_derived_from..).next() {
+            if oldest > self.visible {
+                break;
+            }
+            debug_assert!(
+                !self.epoch_log.contains_key(&oldest),
+                "epoch {oldest} is both committed and aborted"
+            );
+            self.aborted.remove(&oldest);
+            self.aborts_derived += 1;
         }
     }
 }

@@ -57,6 +57,10 @@ pub struct TableCount {
 /// Entries of each history a status reply carries: the newest.
 pub const STATUS_HISTORY: usize = 100;
 
+/// How many epochs below the visible one a status looks through for recent aborts (which
+/// the epoch log records by the epochs it lacks).
+const ABORTS_LOOKED_BACK: u64 = 10_000;
+
 /// How long the metadata's histories are (a status reply carries only the newest
 /// [`STATUS_HISTORY`] entries of each).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,7 +74,7 @@ impl HistorySizes {
     fn of(state: &MetaState) -> HistorySizes {
         HistorySizes {
             epochs: state.epoch_log.len(),
-            aborted: state.aborted.len(),
+            aborted: state.aborted_count() as usize,
             audited: state.audit_log.len(),
         }
     }
@@ -90,9 +94,10 @@ pub(crate) fn newest_history(state: &MetaState) -> MetaState {
             .map(|(e, r)| (*e, r.clone()))
             .collect();
     }
-    if let Some(&first) = state.aborted.iter().nth(cut(state.aborted.len())) {
-        trimmed.aborted = state.aborted.range(first..).copied().collect();
-    }
+    trimmed.aborted = state
+        .recent_aborted(STATUS_HISTORY, ABORTS_LOOKED_BACK)
+        .into_iter()
+        .collect();
     trimmed.audit_log = state.audit_log.skip(cut(state.audit_log.len()));
     trimmed
 }

@@ -189,7 +189,7 @@ fn a_hand_over_aborts_the_old_owners_open_epoch_in_the_same_entry() {
     assert_eq!(response, MetaResponse::Done);
     assert_eq!(state.table_owner("t"), Some("lab_b"));
     assert_eq!(effects, vec![LocalEffect::Abort(old)]);
-    assert!(state.aborted.contains(&old));
+    assert!(state.is_aborted(old));
 
     // The old owner's commit is fenced, saying why; its retry is refused.
     match state.apply(43, commit(old)).0 {

@@ -368,9 +368,24 @@ impl Run {
             }
         }
         for &epoch in &self.model.aborted {
-            if !state.aborted.contains(&epoch) {
+            if !state.is_aborted(epoch) || state.is_committed(epoch) {
                 return Err(format!("aborted epoch {epoch} is not recorded as aborted"));
             }
+        }
+        if state.aborted_count() != self.model.aborted.len() as u64 {
+            return Err(format!(
+                "{} epochs were aborted, the state counts {}",
+                self.model.aborted.len(),
+                state.aborted_count()
+            ));
+        }
+        // The set keeps only the aborts the epoch log cannot tell yet.
+        let told_by_log = state.aborts_derived_from..=state.visible;
+        if let Some(kept) = state.aborted.iter().find(|e| told_by_log.contains(e)) {
+            return Err(format!(
+                "aborted epoch {kept} is at or below visible {} and still kept in the set",
+                state.visible
+            ));
         }
         for (&(p, node), &first) in &self.model.missed {
             let placement = &state.map.partitions[p];

@@ -267,7 +267,7 @@ fn a_restarted_coordinator_releases_what_its_earlier_process_left_open() {
     // A restart seen first through an allocation (no announcement yet) frees the lease too.
     let (response, effects) = {
         let response = allocate_as(&mut state, NodeId(1), 7, 4);
-        (response, state.aborted.contains(&next))
+        (response, state.is_aborted(next))
     };
     assert!(matches!(response, MetaResponse::Epoch(e) if e > next));
     assert!(effects, "the epoch of process 6 was aborted");
@@ -870,7 +870,7 @@ fn a_copy_of_the_state_shares_its_histories() {
         }
     }
     assert_eq!(state.epoch_log.len(), 180);
-    assert_eq!(state.aborted.len(), 20);
+    assert_eq!(state.aborted_count(), 20);
     let copy = state.clone();
     assert!(copy.epoch_log.ptr_eq(&state.epoch_log));
     assert!(copy.aborted.ptr_eq(&state.aborted));
@@ -881,4 +881,106 @@ fn a_copy_of_the_state_shares_its_histories() {
     commit_at(&mut changed, epoch, 5_000);
     assert_eq!(changed.epoch_log.len(), 181);
     assert_eq!(state.epoch_log.len(), 180);
+}
+
+/// The aborted set holds only the aborts the epoch log cannot tell yet (those above the
+/// visible epoch): it stays as small as the epochs in flight however many were aborted,
+/// and every epoch's fate reads the same.
+#[test]
+fn the_aborted_set_keeps_only_the_epochs_in_flight() {
+    let mut state = with_table(bootstrapped(3), "held");
+    let mut aborted = Vec::new();
+    // An epoch held open while later ones are aborted: their aborts wait above visible.
+    let held = open_epoch(&mut state, "held", 1);
+    for request in 0..300 {
+        let epoch = open_epoch(&mut state, "t", 100 + request);
+        if request % 3 == 0 {
+            state.apply(
+                5,
+                MetaCommand::AbortEpoch {
+                    epoch,
+                    reason: "test".into(),
+                },
+            );
+            aborted.push(epoch);
+        } else {
+            commit_at(&mut state, epoch, 1_000 + request);
+        }
+    }
+    assert!(state.visible < held);
+    assert_eq!(
+        state.aborted.len(),
+        100,
+        "above the held epoch, nothing is told yet"
+    );
+    commit_at(&mut state, held, 2_000);
+    assert_eq!(
+        state.visible.next(),
+        state.next_epoch,
+        "every epoch decided"
+    );
+    assert!(state.aborted.is_empty(), "{:?}", state.aborted);
+    assert_eq!(state.aborted_count(), 100);
+    for epoch in (1..state.next_epoch.0).map(Epoch) {
+        let was_aborted = aborted.contains(&epoch);
+        assert_eq!(state.is_aborted(epoch), was_aborted, "epoch {epoch}");
+        assert_eq!(state.is_committed(epoch), !was_aborted, "epoch {epoch}");
+    }
+    // Aborting one again still answers as for an aborted epoch.
+    let (again, _) = state.apply(
+        6,
+        MetaCommand::AbortEpoch {
+            epoch: aborted[7],
+            reason: "again".into(),
+        },
+    );
+    assert_eq!(again, MetaResponse::Done);
+    assert_eq!(
+        state.recent_aborted(5, 10_000),
+        aborted[aborted.len() - 5..].to_vec()
+    );
+}
+
+/// A state from before the epoch log recorded commits: its older epochs are committed
+/// though the log lacks them, so aborts are told by the log only from its first epoch.
+#[test]
+fn a_state_older_than_the_epoch_log_keeps_its_earlier_aborts() {
+    let mut state = bootstrapped(3);
+    for request in 0..10 {
+        let epoch = open_epoch(&mut state, "t", 100 + request);
+        if request == 4 {
+            state.apply(
+                5,
+                MetaCommand::AbortEpoch {
+                    epoch,
+                    reason: "test".into(),
+                },
+            );
+        } else {
+            commit_at(&mut state, epoch, 1_000 + request);
+        }
+    }
+    // As such a state loads: no log, the aborts all in the set.
+    let mut old = state.clone();
+    old.epoch_log = Default::default();
+    old.aborts_derived_from = Epoch::ZERO;
+    old.aborts_derived = 0;
+    old.aborted = state.aborted.clone();
+    for epoch in (1..state.next_epoch.0).map(Epoch) {
+        if state.is_aborted(epoch) {
+            old.aborted.insert(epoch);
+        }
+    }
+    let before: Vec<bool> = (1..old.next_epoch.0)
+        .map(|e| old.is_committed(Epoch(e)))
+        .collect();
+    let epoch = open_epoch(&mut old, "t", 500);
+    commit_at(&mut old, epoch, 5_000);
+    let after: Vec<bool> = (1..epoch.0).map(|e| old.is_committed(Epoch(e))).collect();
+    assert_eq!(before, after, "no older epoch changed its fate");
+    assert_eq!(
+        old.aborts_derived_from, epoch,
+        "the log tells from its first epoch"
+    );
+    assert_eq!(old.aborted_count(), 1);
 }
