@@ -54,13 +54,7 @@ where
     // answer listens again while its rows go out (see `results::cancellable`).
     let cancel = cancel_listener(client).await;
     let run = ExtendedQueryHandler::do_query(session, client, portal.as_ref(), 0);
-    let response = match cancel {
-        Some(cancel) => match select(run, cancel).await {
-            Either::Left((response, _)) => response,
-            Either::Right(_) => Err(PgWireError::QueryCanceled),
-        },
-        None => run.await,
-    }?;
+    let response = until_cancelled(cancel, run).await?;
     send_response(
         session,
         client,
@@ -98,13 +92,7 @@ where
     client.set_state(PgWireConnectionState::QueryInProgress);
     let cancel = cancel_listener(client).await;
     let run = SimpleQueryHandler::do_query(session, client, &query.query);
-    let responses = match cancel {
-        Some(cancel) => match select(run, cancel).await {
-            Either::Left((responses, _)) => responses,
-            Either::Right(_) => Err(PgWireError::QueryCanceled),
-        },
-        None => run.await,
-    }?;
+    let responses = until_cancelled(cancel, run).await?;
     for response in responses {
         send_response(
             session,
@@ -133,4 +121,19 @@ async fn cancel_listener<C: ClientInfo>(
         .get::<Arc<ConnectionHandle>>()
         .map(|handle| Arc::clone(&*handle))?;
     Some(handle.start_query().await)
+}
+
+/// `run`, or [`PgWireError::QueryCanceled`] once `cancel` fires first.
+async fn until_cancelled<T>(
+    cancel: Option<futures::channel::oneshot::Receiver<()>>,
+    run: impl std::future::Future<Output = PgWireResult<T>>,
+) -> PgWireResult<T> {
+    let Some(cancel) = cancel else {
+        return run.await;
+    };
+    futures::pin_mut!(run);
+    match select(run, cancel).await {
+        Either::Left((done, _)) => done,
+        Either::Right(_) => Err(PgWireError::QueryCanceled),
+    }
 }

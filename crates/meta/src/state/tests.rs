@@ -849,15 +849,13 @@ fn archived_epoch(
     }
 }
 
-/// Every applied entry publishes a copy of the state to its readers: the copy must share
-/// the histories (every epoch, abort and audited change ever made) rather than copy them,
-/// or each entry would cost more the longer the cluster has lived (`tessera bench meta`).
-#[test]
-fn a_copy_of_the_state_shares_its_histories() {
-    let mut state = bootstrapped(3);
-    for request in 0..200 {
-        let epoch = open_epoch(&mut state, "t", 100 + request);
-        if request % 10 == 0 {
+/// Opens `count` epochs of table `t` in turn and aborts those `aborts` picks (by request
+/// number), committing the rest; returns the aborted epochs.
+fn publish_aborting(state: &mut MetaState, count: u64, aborts: impl Fn(u64) -> bool) -> Vec<Epoch> {
+    let mut aborted = Vec::new();
+    for request in 0..count {
+        let epoch = open_epoch(state, "t", 100 + request);
+        if aborts(request) {
             state.apply(
                 5,
                 MetaCommand::AbortEpoch {
@@ -865,10 +863,21 @@ fn a_copy_of_the_state_shares_its_histories() {
                     reason: "test".into(),
                 },
             );
+            aborted.push(epoch);
         } else {
-            commit_at(&mut state, epoch, 1_000 + request);
+            commit_at(state, epoch, 1_000 + request);
         }
     }
+    aborted
+}
+
+/// Every applied entry publishes a copy of the state to its readers: the copy must share
+/// the histories (every epoch, abort and audited change ever made) rather than copy them,
+/// or each entry would cost more the longer the cluster has lived (`tessera bench meta`).
+#[test]
+fn a_copy_of_the_state_shares_its_histories() {
+    let mut state = bootstrapped(3);
+    publish_aborting(&mut state, 200, |request| request % 10 == 0);
     assert_eq!(state.epoch_log.len(), 180);
     assert_eq!(state.aborted_count(), 20);
     let copy = state.clone();
@@ -889,24 +898,9 @@ fn a_copy_of_the_state_shares_its_histories() {
 #[test]
 fn the_aborted_set_keeps_only_the_epochs_in_flight() {
     let mut state = with_table(bootstrapped(3), "held");
-    let mut aborted = Vec::new();
     // An epoch held open while later ones are aborted: their aborts wait above visible.
     let held = open_epoch(&mut state, "held", 1);
-    for request in 0..300 {
-        let epoch = open_epoch(&mut state, "t", 100 + request);
-        if request % 3 == 0 {
-            state.apply(
-                5,
-                MetaCommand::AbortEpoch {
-                    epoch,
-                    reason: "test".into(),
-                },
-            );
-            aborted.push(epoch);
-        } else {
-            commit_at(&mut state, epoch, 1_000 + request);
-        }
-    }
+    let aborted = publish_aborting(&mut state, 300, |request| request % 3 == 0);
     assert!(state.visible < held);
     assert_eq!(
         state.aborted.len(),
@@ -946,20 +940,7 @@ fn the_aborted_set_keeps_only_the_epochs_in_flight() {
 #[test]
 fn a_state_older_than_the_epoch_log_keeps_its_earlier_aborts() {
     let mut state = bootstrapped(3);
-    for request in 0..10 {
-        let epoch = open_epoch(&mut state, "t", 100 + request);
-        if request == 4 {
-            state.apply(
-                5,
-                MetaCommand::AbortEpoch {
-                    epoch,
-                    reason: "test".into(),
-                },
-            );
-        } else {
-            commit_at(&mut state, epoch, 1_000 + request);
-        }
-    }
+    publish_aborting(&mut state, 10, |request| request == 4);
     // As such a state loads: no log, the aborts all in the set.
     let mut old = state.clone();
     old.epoch_log = Default::default();
