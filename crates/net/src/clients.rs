@@ -136,7 +136,8 @@ impl Clients {
 
     /// Forgets the connection to `addr` if `result` says it broke.
     fn note<T>(&self, addr: &str, result: Result<T, CallError>) -> Result<T, CallError> {
-        if matches!(result, Err(CallError::Transport(_))) {
+        if let Err(CallError::Transport(reason)) = &result {
+            tracing::debug!(%addr, %reason, "forgetting a connection after a transport error");
             self.reset(addr);
         }
         result
