@@ -47,6 +47,9 @@ pub struct Metrics {
     pub query_recoveries: Counter,
     /// Bytes this node received from other nodes' exchange channels.
     pub exchange_bytes: Counter,
+    /// Connections to other nodes this node opened: one per peer, and one more after each
+    /// that broke (queries and heartbeats reuse them).
+    pub rpc_channels_opened: Counter,
     /// Partitions whose primary moved to this node's replica list after a failure.
     pub failovers: Counter,
     /// Partition copies (failbacks and moves) this node installed, and how long each took.
@@ -91,6 +94,7 @@ impl Metrics {
             query_seconds: seconds_buckets(),
             query_recoveries: Counter::default(),
             exchange_bytes: Counter::default(),
+            rpc_channels_opened: Counter::default(),
             failovers: Counter::default(),
             failbacks: Counter::default(),
             failback_seconds: seconds_buckets(),
@@ -160,6 +164,11 @@ impl Metrics {
                 "exchange_bytes",
                 "Bytes received over exchange channels",
                 metrics.exchange_bytes.clone(),
+            );
+            r.register(
+                "rpc_channels_opened",
+                "Connections to other nodes this node opened (a new one replaces each that broke)",
+                metrics.rpc_channels_opened.clone(),
             );
             r.register(
                 "failovers",

@@ -712,7 +712,9 @@ impl Drop for EndEverywhere {
             .map(|addr| {
                 let clients = self.node.clients.clone();
                 async move {
-                    let _: Result<(), _> = clients
+                    // The reply's type must match the server's, or every query's end
+                    // would read as a broken connection and open a new one next time.
+                    let _: Result<Result<(), tessera_net::Refusal>, _> = clients
                         .action(
                             &addr,
                             crate::wire::ACTION_QUERY_END,

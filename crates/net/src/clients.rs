@@ -107,6 +107,7 @@ impl Clients {
             .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
             .keep_alive_timeout(KEEP_ALIVE_TIMEOUT);
         let channel = endpoint.connect_lazy();
+        tessera_common::metrics::metrics().rpc_channels_opened.inc();
         channels.insert(addr.to_string(), channel.clone());
         Ok(channel)
     }
@@ -163,8 +164,12 @@ impl Clients {
                 .await
                 .ok_or_else(|| CallError::Transport(format!("empty reply to {kind}")))?
                 .map_err(CallError::from_flight)?;
-            serde_json::from_slice(&reply)
-                .map_err(|e| CallError::Transport(format!("undecodable reply to {kind}: {e}")))
+            // A reply that does not decode came over a working connection: keep it.
+            serde_json::from_slice(&reply).map_err(|e| CallError::Undecodable {
+                what: "action reply",
+                addr: addr.to_string(),
+                reason: format!("{kind}: {e}"),
+            })
         };
         let result = match tokio::time::timeout(timeout, call).await {
             Ok(result) => result,

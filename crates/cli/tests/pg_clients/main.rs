@@ -473,6 +473,25 @@ async fn drivers_get_transactions_prepared_statements_and_sqlstates() {
         shown(b.simple_query("SHOW tessera.recovery").await.unwrap()),
         "restart"
     );
+
+    // Distributed queries reuse node 1's connections to the other nodes: a query's end
+    // once read as a broken connection, and each query opened a new TCP and TLS one.
+    const OPENED: &str = "tessera_rpc_channels_opened_total";
+    let before = metric(&cluster, 1, OPENED)
+        .await
+        .expect("the metric is served");
+    for _ in 0..20 {
+        a.query_one("SELECT count(*) FROM accounts", &[])
+            .await
+            .unwrap();
+    }
+    let after = metric(&cluster, 1, OPENED).await.unwrap();
+    assert_eq!(
+        before,
+        after,
+        "20 queries opened {} connections",
+        after - before
+    );
 }
 
 /// psycopg 3, the Python driver most notebooks use (`pip install "psycopg[binary]"`;
