@@ -173,6 +173,12 @@ pub struct MetaState {
     /// Archived epochs, by table and epoch (see [`crate::archive`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub archive: BTreeMap<String, BTreeMap<Epoch, crate::archive::ArchivedEpoch>>,
+    /// `next_epoch` when a replica last lost its data outside any epoch (a node replaced,
+    /// a replica refused as corrupt): its stale mark went back to the first epoch. A
+    /// rebalance whose epoch is older planned its copies from the marks before that (a
+    /// delta where a whole copy is now needed), so its map is refused.
+    #[serde(default, skip_serializing_if = "Epoch::is_zero")]
+    pub replicas_lost_at: Epoch,
 }
 
 fn is_zero(value: &u64) -> bool {
@@ -657,6 +663,11 @@ impl MetaState {
                     return Err(format!(
                         "the partition map of rebalance epoch {epoch} is out of date: the epoch is no longer open{}",
                         if self.is_aborted(epoch) { " (it was aborted)" } else { "" }
+                    ));
+                }
+                if let Some(epoch) = rebalance.filter(|e| *e < self.replicas_lost_at) {
+                    return Err(format!(
+                        "the partition map of rebalance epoch {epoch} is out of date: a replica lost its data after the rebalance planned its copies (a node replaced or a replica found corrupt); it must be copied whole"
                     ));
                 }
                 if map.partitions.len() != self.partition_count as usize {

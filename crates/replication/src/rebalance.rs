@@ -239,12 +239,19 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
         let _ = abort(node, epoch, &error.to_string()).await;
         return Err(error);
     }
-    node.meta
+    // Refused if the map went out of date while the copies ran (a replica lost its data):
+    // the leases are released at once and the next rebalance plans again.
+    if let Err(error) = node
+        .meta
         .write(MetaCommand::SetPartitionMap {
             map: wanted,
             rebalance: Some(epoch),
         })
-        .await?;
+        .await
+    {
+        let _ = abort(node, epoch, &error.to_string()).await;
+        return Err(error.into());
+    }
     node.meta
         .write(MetaCommand::CommitEpoch {
             epoch,

@@ -57,6 +57,7 @@ impl MetaState {
         tracing::warn!(%node, %partition, %reason, "replica refused as corrupt; it is copied again whole");
         let placement = &mut self.map.partitions[partition.0 as usize];
         placement.stale.insert(node, Epoch::ZERO);
+        self.replicas_lost_at = self.next_epoch;
         self.map.version += 1;
         self.recompute_primaries();
         Ok(())
@@ -101,6 +102,7 @@ impl MetaState {
                 placement.stale.insert(id, Epoch::ZERO);
             }
         }
+        self.replicas_lost_at = self.next_epoch;
         self.map.version += 1;
         self.recompute_primaries();
         tracing::warn!(node = %id, "node replaced: its data is gone, its replicas are copied to it whole");

@@ -409,6 +409,78 @@ fn an_aborted_rebalance_cannot_switch_the_map_and_clear_newer_stale_marks() {
     );
 }
 
+#[test]
+fn a_rebalance_planned_before_a_node_was_replaced_cannot_clear_its_whole_copy() {
+    let mut state = bootstrapped(3);
+    // Node 3 misses an epoch on partition 0: a delta from it would bring node 3 back.
+    let missed = allocate(&mut state, NodeId(1));
+    state.apply(
+        4,
+        MetaCommand::CommitEpoch {
+            epoch: missed,
+            missed: vec![(PartitionId(0), NodeId(3))],
+            changes: None,
+            seal: None,
+        },
+    );
+    assert_eq!(state.map.partitions[0].stale.get(&NodeId(3)), Some(&missed));
+    // A rebalance leases every table and plans that delta: once it is copied, node 3's
+    // replica is complete.
+    let rebalance = allocate_as(&mut state, NodeId(1), 0, 8);
+    let MetaResponse::Epoch(rebalance) = rebalance else {
+        panic!("{rebalance:?}")
+    };
+    let mut computed = state.map.clone();
+    computed.partitions[0].stale.remove(&NodeId(3));
+    // Meanwhile node 3 comes back with its disk wiped: it needs every epoch again.
+    let (replaced, _) = state.apply(5, MetaCommand::ReplaceNode { id: NodeId(3) });
+    assert_eq!(replaced, MetaResponse::Done);
+    assert_eq!(
+        state.map.partitions[0].stale.get(&NodeId(3)),
+        Some(&Epoch::ZERO)
+    );
+    // The delta ends and the rebalance tries to switch to its map: refused, since the
+    // delta lacks every epoch before the one node 3 had missed.
+    let (response, _) = state.apply(
+        6,
+        MetaCommand::SetPartitionMap {
+            map: computed,
+            rebalance: Some(rebalance),
+        },
+    );
+    assert!(
+        matches!(&response, MetaResponse::Refused(r) if r.contains("lost its data")),
+        "{response:?}"
+    );
+    assert_eq!(
+        state.map.partitions[0].stale.get(&NodeId(3)),
+        Some(&Epoch::ZERO),
+        "node 3 still needs a whole copy"
+    );
+    // A rebalance planned after the replacement switches its map.
+    state.apply(
+        7,
+        MetaCommand::AbortEpoch {
+            epoch: rebalance,
+            reason: "its map was refused".into(),
+        },
+    );
+    let again = allocate_as(&mut state, NodeId(1), 0, 9);
+    let MetaResponse::Epoch(again) = again else {
+        panic!("{again:?}")
+    };
+    let mut copied = state.map.clone();
+    copied.partitions[0].stale.remove(&NodeId(3));
+    let (switched, _) = state.apply(
+        8,
+        MetaCommand::SetPartitionMap {
+            map: copied,
+            rebalance: Some(again),
+        },
+    );
+    assert_eq!(switched, MetaResponse::Done);
+}
+
 /// `command` as the leader proposes it, stamped at `at_ms`.
 fn stamped(at_ms: u64, command: MetaCommand) -> MetaCommand {
     MetaCommand::Stamped {
