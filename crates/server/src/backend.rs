@@ -561,13 +561,7 @@ fn resolve_as_of(state: &MetaState, point: &AsOf) -> tessera_sql::error::Result<
     match point {
         AsOf::Epoch(epoch) => Ok(Epoch(*epoch)),
         AsOf::Timestamp(at_ms) => {
-            let now_ms = tessera_common::time::now_ms();
-            if *at_ms > now_ms {
-                return Err(SqlError::InvalidValue(format!(
-                    "{point} is in the future (it is {} now): its epochs are not decided yet",
-                    tessera_common::time::format_ms(now_ms)
-                )));
-            }
+            tessera_sql::time_travel::refuse_future(point)?;
             state.epoch_at(*at_ms).map_err(SqlError::InvalidValue)
         }
         AsOf::Tag(name) => state.tag_epoch(name).map_err(SqlError::UndefinedObject),

@@ -86,11 +86,7 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     /// Creates or drops a tag; returns the epoch a created tag pins.
-    async fn change_tag(&self, _change: TagStatement) -> Result<Option<Epoch>> {
-        Err(SqlError::Unsupported(
-            "tags: they live in a cluster's metadata, and a local store has none".into(),
-        ))
-    }
+    async fn change_tag(&self, change: TagStatement) -> Result<Option<Epoch>>;
 
     /// Changes how much of a table's history is kept; returns its retention horizon (the
     /// oldest epoch still readable).
@@ -101,19 +97,10 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     /// Whether tag `name` exists (for `IF NOT EXISTS` and `IF EXISTS`).
-    fn tag_exists(&self, _name: &str) -> bool {
-        false
-    }
+    fn tag_exists(&self, name: &str) -> bool;
 
     /// The epoch a point in history names, as the statement sees the metadata.
-    fn resolve_as_of(&self, point: &AsOf) -> Result<Epoch> {
-        match point {
-            AsOf::Epoch(epoch) => Ok(Epoch(*epoch)),
-            other => Err(SqlError::Unsupported(format!(
-                "{other}: commit times and tags live in a cluster's metadata, and a local store has none; use AS OF EPOCH"
-            ))),
-        }
-    }
+    fn resolve_as_of(&self, point: &AsOf) -> Result<Epoch>;
 
     /// The newest epoch the statement may read.
     fn visible_epoch(&self) -> Epoch;
@@ -180,6 +167,34 @@ impl LocalBackend {
     }
 }
 
+/// The epoch a point in a local store's history names.
+pub(crate) fn resolve_local_as_of(store: &Store, point: &AsOf) -> Result<Epoch> {
+    crate::time_travel::refuse_future(point)?;
+    let resolved = match point {
+        AsOf::Epoch(epoch) => return Ok(Epoch(*epoch)),
+        AsOf::Timestamp(at_ms) => store.epoch_at(*at_ms),
+        AsOf::Tag(name) => store.tag_epoch(name),
+    };
+    resolved.map_err(history_error)
+}
+
+/// A local store's refusal of a point in its history or a tag change, as the cluster
+/// words and classifies the same refusals.
+fn history_error(error: tessera_storage::StorageError) -> SqlError {
+    use tessera_storage::history::HistoryRefusal;
+    match error {
+        tessera_storage::StorageError::History(refusal) => {
+            let message = refusal.to_string();
+            match refusal {
+                HistoryRefusal::TagExists { .. } => SqlError::DuplicateObject(message),
+                HistoryRefusal::NoSuchTag(_) => SqlError::UndefinedObject(message),
+                HistoryRefusal::OutOfRange(_) => SqlError::InvalidValue(message),
+            }
+        }
+        other => other.into(),
+    }
+}
+
 /// Runs blocking storage work off the async threads.
 async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T> + Send + 'static,
@@ -197,6 +212,28 @@ impl Backend for LocalBackend {
 
     fn ring(&self) -> PartitionRing {
         self.store.ring()
+    }
+
+    fn resolve_as_of(&self, point: &AsOf) -> Result<Epoch> {
+        resolve_local_as_of(&self.store, point)
+    }
+
+    async fn change_tag(&self, change: TagStatement) -> Result<Option<Epoch>> {
+        let store = self.store.clone();
+        blocking(move || {
+            let changed = match &change {
+                TagStatement::Create { name, epoch, .. } => {
+                    store.create_tag(name, epoch.map(Epoch)).map(Some)
+                }
+                TagStatement::Drop { name, .. } => store.drop_tag(name).map(|()| None),
+            };
+            changed.map_err(history_error)
+        })
+        .await
+    }
+
+    fn tag_exists(&self, name: &str) -> bool {
+        self.store.tag_epoch(name).is_ok()
     }
 
     fn schema_provider(&self) -> Arc<dyn SchemaProvider> {

@@ -4,7 +4,7 @@
 use crate::decoded::{DecodedComponents, DecodedScan, DecodedScanExec};
 use crate::error::SqlError;
 use crate::scan::VersionedScanExec;
-use crate::time_travel::{base_table_name, split_as_of, AsOf};
+use crate::time_travel::{base_table_name, split_as_of};
 use arrow::datatypes::{Field, Schema, SchemaRef};
 use async_trait::async_trait;
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
@@ -202,12 +202,10 @@ impl SchemaProvider for TesseraSchema {
 
     async fn table(&self, name: &str) -> Result<Option<Arc<dyn TableProvider>>> {
         let (table, epoch) = match split_as_of(name) {
-            Some((table, AsOf::Epoch(epoch))) => (table, Some(Epoch(epoch))),
-            Some((_, point)) => {
-                return Err(SqlError::Unsupported(format!(
-                    "{point}: commit times and tags live in a cluster's metadata, and a local store has none; use AS OF EPOCH"
-                ))
-                .into_datafusion())
+            Some((table, point)) => {
+                let epoch = crate::backend::resolve_local_as_of(&self.store, &point)
+                    .map_err(SqlError::into_datafusion)?;
+                (table, Some(epoch))
             }
             None => (name, None),
         };

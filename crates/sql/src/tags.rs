@@ -1,5 +1,6 @@
 //! `CREATE TAG name [AT EPOCH n]` and `DROP TAG [IF EXISTS] name`: names pinned to epochs,
-//! read with `AS OF TAG name`. Tags live in the cluster's metadata, next to the epoch log.
+//! read with `AS OF TAG name`. Tags live in the cluster's metadata, next to the epoch log,
+//! or, for a store on its own, in its checkpoint ([`tessera_storage::history`]).
 
 use crate::error::{Result, SqlError};
 use crate::statements::{syntax, Tokens};

@@ -47,6 +47,22 @@ impl AsOf {
     }
 }
 
+/// Refuses a timestamp later than now: the epochs of that time are not decided yet, and an
+/// answer for it would change as they are.
+pub fn refuse_future(point: &AsOf) -> crate::error::Result<()> {
+    let AsOf::Timestamp(at_ms) = point else {
+        return Ok(());
+    };
+    let now_ms = tessera_common::time::now_ms();
+    if *at_ms > now_ms {
+        return Err(crate::error::SqlError::InvalidValue(format!(
+            "{point} is in the future (it is {} now): its epochs are not decided yet",
+            tessera_common::time::format_ms(now_ms)
+        )));
+    }
+    Ok(())
+}
+
 impl std::fmt::Display for AsOf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

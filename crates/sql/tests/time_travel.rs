@@ -130,3 +130,125 @@ async fn every_epoch_answers_as_it_was() {
         .unwrap_err();
     assert!(err.to_string().contains("not visible yet"), "{err}");
 }
+
+/// `ms` as `AS OF TIMESTAMP` takes it (UTC, to the millisecond).
+fn timestamp(ms: u64) -> String {
+    tessera_common::time::format_ms(ms)
+        .trim_end_matches(" UTC")
+        .to_string()
+}
+
+async fn refused(engine: &Engine, sql: &str) -> String {
+    match engine.query(sql).await {
+        Ok(rows) => panic!("{sql} answered {rows:?}"),
+        Err(error) => error.to_string(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_on_its_own_travels_by_time_and_by_tag() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = StoreConfig {
+        partitions: 4,
+        ..StoreConfig::default()
+    };
+    let store = Store::open(dir.path(), config.clone()).unwrap();
+    let engine = Engine::new(store.clone());
+    engine
+        .execute("CREATE TABLE t (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .await
+        .unwrap();
+    let before_any = tessera_common::time::now_ms();
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let first = write(&engine, "INSERT INTO t VALUES (1, 10), (2, 20)").await;
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let between = tessera_common::time::now_ms();
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let second = write(&engine, "UPDATE t SET v = v + 1").await;
+    let at_first = BTreeMap::from([(1, 10), (2, 20)]);
+    let at_second = BTreeMap::from([(1, 11), (2, 21)]);
+
+    let as_of = |point: String| format!("SELECT k, v FROM t AS OF {point} ORDER BY k");
+    let by_time = as_of(format!("TIMESTAMP '{}'", timestamp(between)));
+    assert_eq!(pairs(&engine.query(&by_time).await.unwrap()), at_first);
+    let now = as_of(format!(
+        "TIMESTAMP '{}'",
+        timestamp(tessera_common::time::now_ms())
+    ));
+    assert_eq!(pairs(&engine.query(&now).await.unwrap()), at_second);
+
+    write_tag(&engine, &format!("CREATE TAG release_1 AT EPOCH {first}")).await;
+    write_tag(&engine, "CREATE TAG release_2").await;
+    assert_eq!(store.tag_epoch("release_2").unwrap(), second);
+    let by_tag = as_of("TAG release_1".into());
+    assert_eq!(pairs(&engine.query(&by_tag).await.unwrap()), at_first);
+    let changes = engine
+        .query("SELECT k FROM tessera_changes('t', 'release_1', 'release_2')")
+        .await
+        .unwrap();
+    assert_eq!(changes.iter().map(|b| b.num_rows()).sum::<usize>(), 2);
+
+    // Bad points and tag changes are refused, naming why, and change nothing.
+    let early = refused(
+        &engine,
+        &as_of(format!("TIMESTAMP '{}'", timestamp(before_any))),
+    )
+    .await;
+    assert!(early.contains("before the first epoch"), "{early}");
+    let future = refused(&engine, &as_of("TIMESTAMP '2999-01-01 00:00'".into())).await;
+    assert!(future.contains("in the future"), "{future}");
+    let unknown = refused(&engine, &as_of("TAG nope".into())).await;
+    assert!(unknown.contains("tag \"nope\" does not exist"), "{unknown}");
+    let taken = engine
+        .execute("CREATE TAG release_1 AT EPOCH 1")
+        .await
+        .unwrap_err();
+    assert_eq!(taken.sqlstate(), "42710", "{taken}");
+    assert!(taken.to_string().contains("already exists"), "{taken}");
+    assert_eq!(store.tag_epoch("release_1").unwrap(), first);
+    write_tag(&engine, "CREATE TAG IF NOT EXISTS release_1").await;
+    let ahead = engine
+        .execute(&format!("CREATE TAG later AT EPOCH {}", second.0 + 5))
+        .await
+        .unwrap_err();
+    assert!(ahead.to_string().contains("not visible yet"), "{ahead}");
+
+    // A tag writes the checkpoint; this epoch's time is only in its commit record.
+    let third = write(&engine, "DELETE FROM t WHERE k = 2").await;
+
+    // Both survive a restart: times from the log's commit records, tags from the
+    // checkpoint; and again once a checkpoint has replaced the log.
+    drop(engine);
+    drop(store);
+    for checkpointed in [false, true] {
+        let store = Store::open(dir.path(), config.clone()).unwrap();
+        let engine = Engine::new(store.clone());
+        assert_eq!(
+            pairs(&engine.query(&by_time).await.unwrap()),
+            at_first,
+            "after a restart (checkpointed: {checkpointed})"
+        );
+        assert_eq!(pairs(&engine.query(&by_tag).await.unwrap()), at_first);
+        let third_at = store.commit_time(third).expect("the third epoch's time");
+        let after_third = as_of(format!("TIMESTAMP '{}'", timestamp(third_at)));
+        assert_eq!(
+            pairs(&engine.query(&after_third).await.unwrap()),
+            BTreeMap::from([(1, 11)])
+        );
+        if !checkpointed {
+            store.checkpoint().unwrap();
+        }
+    }
+    let store = Store::open(dir.path(), config).unwrap();
+    let engine = Engine::new(store.clone());
+    write_tag(&engine, "DROP TAG release_1").await;
+    let dropped = refused(&engine, &by_tag).await;
+    assert!(dropped.contains("does not exist"), "{dropped}");
+}
+
+async fn write_tag(engine: &Engine, sql: &str) {
+    engine
+        .execute(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}

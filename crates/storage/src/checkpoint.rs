@@ -8,6 +8,7 @@
 use crate::catalog::TableDef;
 use crate::error::{Result, StorageError};
 use crate::fsio;
+use crate::history::LocalHistory;
 use crate::manifest::Manifest;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -27,6 +28,9 @@ pub struct Checkpoint {
     pub retained_from: Epoch,
     pub partition_next_lsn: Vec<Lsn>,
     pub tables: Vec<TableCheckpoint>,
+    /// Commit times and tags (a store on its own; a cluster keeps them in its metadata).
+    #[serde(default)]
+    pub history: LocalHistory,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -45,6 +49,7 @@ impl Checkpoint {
             retained_from: Epoch::ZERO,
             partition_next_lsn: vec![Lsn(1); partition_count as usize],
             tables: Vec::new(),
+            history: LocalHistory::default(),
         }
     }
 

@@ -87,6 +87,10 @@ pub enum StorageError {
     },
     #[error("a diff runs from an older epoch to a newer one, not from epoch {from} to epoch {to}")]
     BackwardDiff { from: Epoch, to: Epoch },
+    /// A point in a local store's history that does not exist, or a tag that cannot be
+    /// made (see [`crate::history`]).
+    #[error(transparent)]
+    History(#[from] crate::history::HistoryRefusal),
     #[error("component {hash} is corrupt: {path} hashes to {actual}; the file's bytes do not match its name")]
     CorruptComponent {
         hash: ComponentHash,

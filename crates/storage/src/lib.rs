@@ -15,6 +15,7 @@ pub mod digest;
 pub mod error;
 pub mod evolution;
 mod fsio;
+pub mod history;
 pub mod manifest;
 pub mod store;
 pub mod versions;

@@ -5,7 +5,7 @@
 //! ```text
 //! [payload length: u32 LE][CRC32C of payload: u32 LE][payload]
 //! payload = 0x01 table-name-len:u16 table partition:u32 lsn:u64 epoch:u64 arrow-ipc-stream   (rows)
-//!         | 0x02 epoch:u64                                                             (commit)
+//!         | 0x02 epoch:u64 [commit-time-ms:u64]                                        (commit)
 //! ```
 //!
 //! A publish appends its row frames and then its commit frame; the epoch is committed if and
@@ -49,6 +49,9 @@ pub enum WalRecord {
     },
     Commit {
         epoch: Epoch,
+        /// When the epoch committed (milliseconds since the Unix epoch); 0 in records from
+        /// before commit times were logged.
+        at_ms: u64,
     },
     /// Rows of a cluster epoch, durable but not yet decided: the metadata service commits or
     /// aborts the epoch. LSNs are assigned when the commit record is written, in log order,
@@ -62,9 +65,7 @@ pub enum WalRecord {
         batch: RecordBatch,
     },
     /// A cluster epoch's prepared rows are discarded.
-    Abort {
-        epoch: Epoch,
-    },
+    Abort { epoch: Epoch },
     /// A cluster epoch's prepared rows are committed, with the LSN each (table, partition)
     /// received, so a replay deduplicates against flushed components exactly.
     CommitPrepared {
@@ -122,9 +123,10 @@ impl WalRecord {
                 }
             }
 
-            WalRecord::Commit { epoch } => {
+            WalRecord::Commit { epoch, at_ms } => {
                 payload.push(KIND_COMMIT);
                 payload.extend_from_slice(&epoch.0.to_le_bytes());
+                payload.extend_from_slice(&at_ms.to_le_bytes());
             }
         }
         assert!(
@@ -150,8 +152,10 @@ impl WalRecord {
             ))
         };
         match payload.first() {
+            // Older commit records end after the epoch: their time is unknown.
             Some(&KIND_COMMIT) => Ok(WalRecord::Commit {
                 epoch: Epoch(u64_at(1)?),
+                at_ms: if payload.len() > 9 { u64_at(9)? } else { 0 },
             }),
             Some(&KIND_COMMIT_PREPARED) => {
                 let epoch = Epoch(u64_at(1)?);
@@ -654,13 +658,44 @@ mod tests {
     }
 
     #[test]
+    fn a_commit_record_carries_its_time_and_older_ones_decode_without() {
+        let dir = tempfile::tempdir().unwrap();
+        let at_ms = 1_795_000_000_123;
+        write_log(
+            dir.path(),
+            &[WalRecord::Commit {
+                epoch: Epoch(3),
+                at_ms,
+            }],
+        );
+        let log = recover(dir.path()).unwrap();
+        assert!(matches!(
+            &log.records[0],
+            WalRecord::Commit { epoch: Epoch(3), at_ms: t } if *t == at_ms
+        ));
+        // A commit record as earlier versions wrote it: its kind and epoch only.
+        let mut payload = vec![KIND_COMMIT];
+        payload.extend_from_slice(&4u64.to_le_bytes());
+        assert!(matches!(
+            WalRecord::decode_payload(&payload),
+            Ok(WalRecord::Commit {
+                epoch: Epoch(4),
+                at_ms: 0
+            })
+        ));
+    }
+
+    #[test]
     fn records_round_trip_through_a_segment() {
         let dir = tempfile::tempdir().unwrap();
         write_log(
             dir.path(),
             &[
                 rows(1, 1),
-                WalRecord::Commit { epoch: Epoch(1) },
+                WalRecord::Commit {
+                    epoch: Epoch(1),
+                    at_ms: 0,
+                },
                 rows(2, 2),
             ],
         );
@@ -697,16 +732,22 @@ mod tests {
             dir.path(),
             &[
                 rows(1, 1),
-                WalRecord::Commit { epoch: Epoch(1) },
+                WalRecord::Commit {
+                    epoch: Epoch(1),
+                    at_ms: 0,
+                },
                 rows(2, 2),
             ],
         );
         let full = segment_bytes(dir.path());
         let first_two = rows(1, 1).encode_frame().unwrap().len()
-            + WalRecord::Commit { epoch: Epoch(1) }
-                .encode_frame()
-                .unwrap()
-                .len();
+            + WalRecord::Commit {
+                epoch: Epoch(1),
+                at_ms: 0,
+            }
+            .encode_frame()
+            .unwrap()
+            .len();
         for cut in (first_two..full.len()).step_by(7) {
             fs::write(segment_path(dir.path(), 1), &full[..cut]).unwrap();
             let log = recover(dir.path()).unwrap();
@@ -724,7 +765,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         write_log(
             dir.path(),
-            &[rows(1, 1), WalRecord::Commit { epoch: Epoch(1) }],
+            &[
+                rows(1, 1),
+                WalRecord::Commit {
+                    epoch: Epoch(1),
+                    at_ms: 0,
+                },
+            ],
         );
         let mut bytes = segment_bytes(dir.path());
         bytes.extend_from_slice(&[0xAB; 100]);
@@ -741,7 +788,10 @@ mod tests {
             dir.path(),
             &[
                 rows(1, 1),
-                WalRecord::Commit { epoch: Epoch(1) },
+                WalRecord::Commit {
+                    epoch: Epoch(1),
+                    at_ms: 0,
+                },
                 rows(2, 2),
             ],
         );
@@ -763,7 +813,7 @@ mod tests {
         #[test]
         fn damaged_logs_yield_a_prefix_or_an_error(flips in proptest::collection::vec((0usize..4096, 1u8..=255), 0..4), cut in 0usize..4096) {
             let dir = tempfile::tempdir().unwrap();
-            let records = [rows(1, 1), WalRecord::Commit { epoch: Epoch(1) }, rows(2, 2), WalRecord::Commit { epoch: Epoch(2) }];
+            let records = [rows(1, 1), WalRecord::Commit { epoch: Epoch(1), at_ms: 0 }, rows(2, 2), WalRecord::Commit { epoch: Epoch(2), at_ms: 0 }];
             write_log(dir.path(), &records);
             let mut bytes = segment_bytes(dir.path());
             for (at, mask) in &flips {

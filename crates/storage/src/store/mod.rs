@@ -22,6 +22,7 @@ use crate::checkpoint::{Checkpoint, TableCheckpoint};
 use crate::component::{self, ComponentMeta};
 use crate::error::{Result, StorageError};
 use crate::fsio::{self, DirLock};
+use crate::history::LocalHistory;
 use crate::manifest::Manifest;
 use crate::versions;
 use crate::wal::{self, Wal, WalRecord};
@@ -33,6 +34,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use tessera_common::{ComponentHash, Epoch, Lsn, PartitionId, PartitionRing, RowOp};
 
 mod archive;
+mod history;
 mod maintenance;
 mod participant;
 mod publish;
@@ -283,6 +285,8 @@ struct State {
     /// The standby partitions the metadata asks for; `standby` also holds promoted ones
     /// until their log is replayed.
     standby_wanted: BTreeSet<PartitionId>,
+    /// When local publishes committed, and tags (see [`crate::history`]).
+    history: LocalHistory,
     /// Bytes of committed rows logged since the last checkpoint. Counted at commit, not at
     /// prepare: a checkpoint set off in the middle of a large prepare would have to re-log
     /// the whole undecided epoch, and could not have its primaries cover it yet.
@@ -413,6 +417,7 @@ impl State {
                     manifests: t.partitions.iter().map(|p| p.manifest.clone()).collect(),
                 })
                 .collect(),
+            history: self.history.clone(),
         }
     }
 

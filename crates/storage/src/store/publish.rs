@@ -62,6 +62,9 @@ impl Store {
             state.table(&p.def.name)?;
         }
         let epoch = state.allocate_epoch();
+        let at_ms = state
+            .history
+            .next_commit_time(tessera_common::time::now_ms());
         let encoded = (|| -> Result<(Vec<u8>, Vec<(String, PartitionId, MemEntry)>)> {
             let mut frames = Vec::new();
             let mut entries = Vec::new();
@@ -86,7 +89,7 @@ impl Store {
                     ));
                 }
             }
-            frames.extend(WalRecord::Commit { epoch }.encode_frame()?);
+            frames.extend(WalRecord::Commit { epoch, at_ms }.encode_frame()?);
             Ok((frames, entries))
         })();
         let (frames, entries) = match encoded {
@@ -109,6 +112,7 @@ impl Store {
                     .memtable
                     .push(entry);
             }
+            state.history.record_commit(epoch, at_ms);
         }
         state.resolve(epoch);
         durable.map(|()| epoch)
@@ -154,6 +158,10 @@ impl Store {
                 .manifest
                 .add(meta);
         }
+        let at_ms = state
+            .history
+            .next_commit_time(tessera_common::time::now_ms());
+        state.history.record_commit(epoch, at_ms);
         state.resolve(epoch);
         self.write_checkpoint(&state)?;
         drop(state);

@@ -109,10 +109,14 @@ pub(super) fn replay(
     records: Vec<WalRecord>,
     torn_bytes: u64,
 ) -> Result<(State, RecoveryReport)> {
+    let mut history = checkpoint.history;
     let committed: HashSet<Epoch> = records
         .iter()
         .filter_map(|r| match r {
-            WalRecord::Commit { epoch } => Some(*epoch),
+            WalRecord::Commit { epoch, at_ms } => {
+                history.record_commit(*epoch, *at_ms);
+                Some(*epoch)
+            }
             _ => None,
         })
         .collect();
@@ -153,6 +157,7 @@ pub(super) fn replay(
         standby: BTreeSet::new(),
         standby_wanted: BTreeSet::new(),
         logged_bytes: 0,
+        history,
     };
     let mut report = RecoveryReport {
         torn_bytes,
