@@ -4,6 +4,7 @@
 use crate::decoded::{DecodedComponents, DecodedScan, DecodedScanExec};
 use crate::error::SqlError;
 use crate::scan::VersionedScanExec;
+use crate::system;
 use crate::time_travel::{base_table_name, split_as_of};
 use arrow::datatypes::{Field, Schema, SchemaRef};
 use async_trait::async_trait;
@@ -197,10 +198,15 @@ fn conform_statistics(own: &OwnStatistics, def: &TableDef) -> Result<Statistics>
 #[async_trait]
 impl SchemaProvider for TesseraSchema {
     fn table_names(&self) -> Vec<String> {
-        self.store.table_names()
+        let mut names = self.store.table_names();
+        names.extend(LOCAL_SYSTEM_TABLES.iter().map(|name| name.to_string()));
+        names
     }
 
     async fn table(&self, name: &str) -> Result<Option<Arc<dyn TableProvider>>> {
+        if let Some(system) = local_system_table(&self.store, name) {
+            return system.map(Some).map_err(SqlError::into_datafusion);
+        }
         let (table, epoch) = match split_as_of(name) {
             Some((table, point)) => {
                 let epoch = crate::backend::resolve_local_as_of(&self.store, &point)
@@ -229,8 +235,54 @@ impl SchemaProvider for TesseraSchema {
     }
 
     fn table_exist(&self, name: &str) -> bool {
-        self.store.table_def(base_table_name(name)).is_some()
+        LOCAL_SYSTEM_TABLES.contains(&name) || self.store.table_def(base_table_name(name)).is_some()
     }
+}
+
+/// The system tables a store on its own has: its history (the others describe a
+/// cluster's participants, users and retention, which it has none of).
+const LOCAL_SYSTEM_TABLES: [&str; 2] = [system::EPOCHS_TABLE, system::TAGS_TABLE];
+
+/// `tessera_epochs` or `tessera_tags` of a store on its own, or `None` for another name.
+fn local_system_table(
+    store: &Store,
+    name: &str,
+) -> Option<crate::error::Result<Arc<dyn TableProvider>>> {
+    if !LOCAL_SYSTEM_TABLES.contains(&name) {
+        return None;
+    }
+    let history = store.history();
+    if name == system::TAGS_TABLE {
+        let rows: Vec<system::TagRow> = history
+            .tags
+            .iter()
+            .map(|(name, tag)| system::TagRow {
+                name: name.clone(),
+                epoch: tag.epoch.0,
+                created_at_ms: Some(tag.created_at_ms),
+            })
+            .collect();
+        return Some(system::tags_table(&rows));
+    }
+    let rows: Vec<system::EpochRow> = history
+        .commits
+        .iter()
+        .map(|(epoch, commit)| system::EpochRow {
+            epoch: epoch.0,
+            committed_at_ms: history.commit_time(*epoch),
+            kind: "publish",
+            // No node coordinates a store's own publishes.
+            coordinator: 0,
+            tables: commit.tables.keys().cloned().collect(),
+            rows_written: commit.tables.values().map(|r| r.written).sum(),
+            rows_deleted: commit.tables.values().map(|r| r.deleted).sum(),
+            publisher: None,
+            participant: None,
+            versions: None,
+            signature: "unsigned".to_string(),
+        })
+        .collect();
+    Some(system::epochs_table(&rows))
 }
 
 /// The primary key as DataFusion's constraint (none for an append-only table).

@@ -235,6 +235,35 @@ async fn a_store_on_its_own_travels_by_time_and_by_tag() {
             pairs(&engine.query(&after_third).await.unwrap()),
             BTreeMap::from([(1, 11)])
         );
+        // The history as tables: the third epoch's rows were counted from the log.
+        let epochs = engine
+            .query("SELECT epoch, tables, rows_written, rows_deleted FROM tessera_epochs ORDER BY epoch")
+            .await
+            .unwrap();
+        let epochs = arrow::compute::concat_batches(&epochs[0].schema(), &epochs).unwrap();
+        let numbers = |i: usize| -> Vec<i64> {
+            epochs
+                .column(i)
+                .as_primitive::<Int64Type>()
+                .values()
+                .to_vec()
+        };
+        assert_eq!(
+            numbers(0),
+            vec![first.0 as i64, second.0 as i64, third.0 as i64]
+        );
+        assert_eq!(numbers(2), vec![2, 2, 0], "rows written");
+        assert_eq!(numbers(3), vec![0, 0, 1], "rows deleted");
+        assert!(epochs
+            .column(1)
+            .as_string::<i32>()
+            .iter()
+            .all(|t| t == Some("t")));
+        let tags = engine
+            .query("SELECT name, epoch FROM tessera_tags ORDER BY name")
+            .await
+            .unwrap();
+        assert_eq!(tags.iter().map(|b| b.num_rows()).sum::<usize>(), 2);
         if !checkpointed {
             store.checkpoint().unwrap();
         }

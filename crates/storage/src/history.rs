@@ -1,10 +1,10 @@
 //! A local store's history by time and by name: when each epoch committed, and tags.
 //!
-//! A cluster keeps both in its Raft metadata; a store on its own (`tessera serve`, `tessera
-//! demo --local`, `tessera sql --data-dir`) keeps them itself. A publish's commit record in
-//! the log carries its commit time, so the time is as durable as the epoch; the checkpoint
-//! carries the times of epochs whose records it replaced, and the tags, which change
-//! rarely and are written with the checkpoint when they do.
+//! A cluster keeps both in its Raft metadata; a store on its own (`tessera sql`, `load`
+//! and `publish` on a data directory, `tessera demo --local`) keeps them itself. A publish's commit record in
+//! the log carries its commit time, so the time is as durable as the epoch, and replaying
+//! the log counts the rows each epoch wrote; the checkpoint carries every epoch's record
+//! and the tags, which change rarely and are written with the checkpoint when they do.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -30,14 +30,32 @@ pub struct LocalTag {
     pub created_at_ms: u64,
 }
 
+/// Rows one epoch wrote to one table.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TableRows {
+    pub written: u64,
+    pub deleted: u64,
+}
+
+/// One committed epoch of a local store: when, and what it changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocalCommit {
+    /// Milliseconds since the Unix epoch; 0 if not recorded (a log written before commit
+    /// times were).
+    #[serde(default)]
+    pub at_ms: u64,
+    /// The rows it wrote, by table.
+    #[serde(default)]
+    pub tables: BTreeMap<String, TableRows>,
+}
+
 /// Commit times and tags of a local store.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LocalHistory {
-    /// Milliseconds since the Unix epoch at which each epoch committed, for epochs that
-    /// recorded one (stores from before commit times were recorded have gaps). Times never
-    /// fall as epochs rise.
+    /// Every epoch committed since this store recorded its history. Times never fall as
+    /// epochs rise.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub commit_times: BTreeMap<Epoch, u64>,
+    pub commits: BTreeMap<Epoch, LocalCommit>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tags: BTreeMap<String, LocalTag>,
 }
@@ -46,27 +64,34 @@ impl LocalHistory {
     /// The time to stamp on a commit now: the clock, but never before the last commit's
     /// time, so times stay ordered as epochs are even if the clock steps back.
     pub fn next_commit_time(&self, now_ms: u64) -> u64 {
-        let last = self.commit_times.values().next_back().copied().unwrap_or(0);
+        let last = self.commits.values().map(|c| c.at_ms).max().unwrap_or(0);
         now_ms.max(last)
     }
 
-    pub fn record_commit(&mut self, epoch: Epoch, at_ms: u64) {
-        if at_ms > 0 {
-            self.commit_times.insert(epoch, at_ms);
-        }
+    pub fn record_commit(&mut self, epoch: Epoch, commit: LocalCommit) {
+        self.commits.insert(epoch, commit);
+    }
+
+    /// When `epoch` committed, if recorded.
+    pub fn commit_time(&self, epoch: Epoch) -> Option<u64> {
+        self.commits.get(&epoch).map(|c| c.at_ms).filter(|&t| t > 0)
     }
 
     /// The newest epoch committed at or before `at_ms`, among those at or below `visible`.
     pub fn epoch_at(&self, at_ms: u64, visible: Epoch) -> Result<Epoch, HistoryRefusal> {
-        let found = self
-            .commit_times
-            .range(..=visible)
+        let timed = || {
+            self.commits
+                .range(..=visible)
+                .filter(|(_, c)| c.at_ms > 0)
+                .map(|(epoch, c)| (*epoch, c.at_ms))
+        };
+        let found = timed()
             .rev()
-            .find(|(_, &t)| t <= at_ms)
-            .map(|(epoch, _)| *epoch);
+            .find(|(_, t)| *t <= at_ms)
+            .map(|(epoch, _)| epoch);
         found.ok_or_else(|| {
-            HistoryRefusal::OutOfRange(match self.commit_times.range(..=visible).next() {
-                Some((epoch, &first)) => format!(
+            HistoryRefusal::OutOfRange(match timed().next() {
+                Some((epoch, first)) => format!(
                     "timestamp {} is before the first epoch: epoch {epoch} committed at {}",
                     format_ms(at_ms),
                     format_ms(first)
@@ -129,12 +154,19 @@ impl LocalHistory {
 mod tests {
     use super::*;
 
+    fn timed(at_ms: u64) -> LocalCommit {
+        LocalCommit {
+            at_ms,
+            tables: BTreeMap::new(),
+        }
+    }
+
     #[test]
     fn a_timestamp_names_the_newest_epoch_committed_by_then() {
         let mut history = LocalHistory::default();
-        history.record_commit(Epoch(1), 1_000);
-        history.record_commit(Epoch(2), 2_000);
-        history.record_commit(Epoch(4), 4_000);
+        for (epoch, at_ms) in [(1, 1_000), (2, 2_000), (3, 0), (4, 4_000)] {
+            history.record_commit(Epoch(epoch), timed(at_ms));
+        }
         assert_eq!(history.epoch_at(2_000, Epoch(4)), Ok(Epoch(2)));
         assert_eq!(history.epoch_at(3_999, Epoch(4)), Ok(Epoch(2)));
         assert_eq!(history.epoch_at(9_999, Epoch(4)), Ok(Epoch(4)));
@@ -155,7 +187,7 @@ mod tests {
     #[test]
     fn commit_times_never_fall() {
         let mut history = LocalHistory::default();
-        history.record_commit(Epoch(1), 5_000);
+        history.record_commit(Epoch(1), timed(5_000));
         assert_eq!(
             history.next_commit_time(4_000),
             5_000,

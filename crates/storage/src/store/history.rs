@@ -1,7 +1,7 @@
 //! A local store's history by time and by name (see [`crate::history`]).
 
 use super::*;
-use crate::history::LocalTag;
+use crate::history::{LocalHistory, LocalTag};
 
 impl Store {
     /// The newest visible epoch that committed at or before `at_ms` (milliseconds since the
@@ -13,7 +13,16 @@ impl Store {
 
     /// When `epoch` committed, if this store recorded it.
     pub fn commit_time(&self, epoch: Epoch) -> Option<u64> {
-        self.state().history.commit_times.get(&epoch).copied()
+        self.state().history.commit_time(epoch)
+    }
+
+    /// Every visible committed epoch this store recorded, and its tags: what
+    /// `tessera_epochs` and `tessera_tags` show.
+    pub fn history(&self) -> LocalHistory {
+        let state = self.state();
+        let mut history = state.history.clone();
+        history.commits.retain(|epoch, _| *epoch <= state.visible);
+        history
     }
 
     /// The epoch tag `name` pins.

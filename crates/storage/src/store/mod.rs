@@ -22,7 +22,7 @@ use crate::checkpoint::{Checkpoint, TableCheckpoint};
 use crate::component::{self, ComponentMeta};
 use crate::error::{Result, StorageError};
 use crate::fsio::{self, DirLock};
-use crate::history::LocalHistory;
+use crate::history::{LocalCommit, LocalHistory, TableRows};
 use crate::manifest::Manifest;
 use crate::versions;
 use crate::wal::{self, Wal, WalRecord};

@@ -62,9 +62,7 @@ impl Store {
             state.table(&p.def.name)?;
         }
         let epoch = state.allocate_epoch();
-        let at_ms = state
-            .history
-            .next_commit_time(tessera_common::time::now_ms());
+        let commit = commit_record(&state.history, &prepared);
         let encoded = (|| -> Result<(Vec<u8>, Vec<(String, PartitionId, MemEntry)>)> {
             let mut frames = Vec::new();
             let mut entries = Vec::new();
@@ -89,7 +87,13 @@ impl Store {
                     ));
                 }
             }
-            frames.extend(WalRecord::Commit { epoch, at_ms }.encode_frame()?);
+            frames.extend(
+                WalRecord::Commit {
+                    epoch,
+                    at_ms: commit.at_ms,
+                }
+                .encode_frame()?,
+            );
             Ok((frames, entries))
         })();
         let (frames, entries) = match encoded {
@@ -112,7 +116,7 @@ impl Store {
                     .memtable
                     .push(entry);
             }
-            state.history.record_commit(epoch, at_ms);
+            state.history.record_commit(epoch, commit);
         }
         state.resolve(epoch);
         durable.map(|()| epoch)
@@ -158,10 +162,8 @@ impl Store {
                 .manifest
                 .add(meta);
         }
-        let at_ms = state
-            .history
-            .next_commit_time(tessera_common::time::now_ms());
-        state.history.record_commit(epoch, at_ms);
+        let commit = commit_record(&state.history, &prepared);
+        state.history.record_commit(epoch, commit);
         state.resolve(epoch);
         self.write_checkpoint(&state)?;
         drop(state);
@@ -237,6 +239,24 @@ impl Store {
         }
         state.memtable_bytes = 0;
         self.write_checkpoint(&state)
+    }
+}
+
+/// What the local history records of a publish of `prepared` committing now.
+fn commit_record(history: &LocalHistory, prepared: &[PreparedChanges]) -> LocalCommit {
+    let rows = |batches: &[RecordBatch]| batches.iter().map(|b| b.num_rows() as u64).sum();
+    LocalCommit {
+        at_ms: history.next_commit_time(tessera_common::time::now_ms()),
+        tables: prepared
+            .iter()
+            .map(|p| {
+                let rows = TableRows {
+                    written: rows(&p.upserts),
+                    deleted: rows(&p.deletes),
+                };
+                (p.def.name.clone(), rows)
+            })
+            .collect(),
     }
 }
 

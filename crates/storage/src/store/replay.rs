@@ -113,13 +113,27 @@ pub(super) fn replay(
     let committed: HashSet<Epoch> = records
         .iter()
         .filter_map(|r| match r {
-            WalRecord::Commit { epoch, at_ms } => {
-                history.record_commit(*epoch, *at_ms);
-                Some(*epoch)
-            }
+            WalRecord::Commit { epoch, .. } => Some(*epoch),
             _ => None,
         })
         .collect();
+    // Epochs the checkpoint has no record of are recorded from the log: their time from
+    // the commit record, their rows counted from the row records below.
+    let mut unrecorded: HashSet<Epoch> = HashSet::new();
+    for record in &records {
+        if let WalRecord::Commit { epoch, at_ms } = record {
+            if !history.commits.contains_key(epoch) {
+                unrecorded.insert(*epoch);
+                history.record_commit(
+                    *epoch,
+                    LocalCommit {
+                        at_ms: *at_ms,
+                        tables: BTreeMap::new(),
+                    },
+                );
+            }
+        }
+    }
     let mut state = State {
         tables: checkpoint
             .tables
@@ -218,6 +232,9 @@ pub(super) fn replay(
             report.skipped_uncommitted_records += 1;
             continue;
         }
+        if unrecorded.contains(&epoch) {
+            count_rows(&mut state.history, epoch, &table, &batch);
+        }
         let Some(table_state) = state.tables.get_mut(&table) else {
             continue;
         };
@@ -254,4 +271,22 @@ pub(super) fn replay(
     state.visible = Epoch(state.next_epoch.0 - 1);
     report.visible_epoch = state.visible;
     Ok((state, report))
+}
+
+/// Adds a logged row record's versions to its epoch's record in the history.
+fn count_rows(history: &mut LocalHistory, epoch: Epoch, table: &str, batch: &RecordBatch) {
+    let deleted = crate::versions::ops(batch)
+        .values()
+        .iter()
+        .filter(|&&op| op == RowOp::Delete as u8)
+        .count() as u64;
+    let rows = history
+        .commits
+        .entry(epoch)
+        .or_default()
+        .tables
+        .entry(table.to_string())
+        .or_default();
+    rows.deleted += deleted;
+    rows.written += batch.num_rows() as u64 - deleted;
 }
