@@ -123,10 +123,10 @@ impl Nemesis {
         let two_or_one = if self.rng.random_bool(0.5) { 2 } else { 1 };
         match kind {
             Kind::Wipe => {
+                // Killed here; its disk is wiped once the current metadata confirms the
+                // wipe loses nothing (`wipe_if_still_safe`).
                 let node = self.wipe_safe[self.rng.random_range(0..self.wipe_safe.len())];
                 cluster.kill9(node);
-                let data = cluster.config_path(node).parent().unwrap().join("data");
-                std::fs::remove_dir_all(&data).unwrap();
                 (vec![node], self.leader_hint == Some(node))
             }
             Kind::Kill => {
@@ -233,6 +233,42 @@ async fn wipe_safe(cluster: &LocalCluster) -> Vec<u64> {
             .collect();
     }
     Vec::new()
+}
+
+/// Wipes the killed `node`'s data directory if a linearizable read of the metadata, taken
+/// now that it is down, still finds another live, up-to-date replica of each of its
+/// partitions: the view `wipe_safe` chose it by may be behind (a replica that missed an
+/// epoch since), and wiping the only current replica is beyond what r = 3 survives (the
+/// cluster rightly refuses to take such a node back). Returns the fault injected: a wipe,
+/// or else a plain kill.
+async fn wipe_if_still_safe(cluster: &LocalCluster, node: u64) -> Kind {
+    let mut state = None;
+    for id in cluster.node_ids().into_iter().filter(|&id| id != node) {
+        let client = ClusterClient::new(cluster.addr(id));
+        if let Ok(Ok(current)) =
+            tokio::time::timeout(Duration::from_secs(10), client.current_metadata()).await
+        {
+            state = Some(current);
+            break;
+        }
+    }
+    let Some(state) = state else {
+        return Kind::Kill;
+    };
+    let alive = |n: &tessera_common::NodeId| state.nodes.get(n).is_some_and(|n| n.alive);
+    let id = tessera_common::NodeId(node);
+    let safe = state.map.partitions.iter().all(|p| {
+        !p.replicas.contains(&id)
+            || p.replicas
+                .iter()
+                .any(|r| *r != id && alive(r) && !p.stale.contains_key(r))
+    });
+    if !safe {
+        return Kind::Kill;
+    }
+    let data = cluster.config_path(node).parent().unwrap().join("data");
+    std::fs::remove_dir_all(&data).unwrap();
+    Kind::Wipe
 }
 
 /// Undoes every fault: restarts killed nodes, resumes paused ones, heals the network and
@@ -393,6 +429,10 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         };
         let started = Instant::now();
         let (nodes, leader_inside) = nemesis.apply(&mut cluster, kind);
+        let kind = match kind {
+            Kind::Wipe => wipe_if_still_safe(&cluster, nodes[0]).await,
+            kind => kind,
+        };
         let hold = Duration::from_millis(nemesis.rng.random_range(1000..4000));
         tokio::time::sleep(hold).await;
         heal(&mut cluster, kind, &nodes);

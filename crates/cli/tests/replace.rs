@@ -227,3 +227,98 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
         cluster.panics_logged()
     );
 }
+
+/// A wiped node that was the only up-to-date replica of a partition is not taken back:
+/// starting empty, it would have served that partition as current with none of its rows,
+/// and the other replicas would have been copied from it. (The metadata refused the
+/// replacement, but the refusal came back as a success; a long fault run lost every row
+/// before one epoch of nine partitions that way.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wiped_node_holding_the_only_current_rows_is_not_taken_back() {
+    let root = tempfile::tempdir().unwrap();
+    // r = 2 on five nodes, nodes 1-3 the metadata voters: nodes 4 and 5 can both fail.
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 5, 8, 2);
+    cluster.set_voters(&[1, 2, 3]);
+    cluster.set_option("failure.timeout_ms", "1500");
+    cluster.log_to_files();
+    cluster.start_all();
+    wait_formed(&cluster, 1, 5).await;
+    let client = ClusterClient::new(cluster.addr(1));
+    client
+        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT)")
+        .await
+        .unwrap();
+    insert(&client, 1, 1000).await;
+    let status = client.status().await.unwrap();
+    let shared: Vec<usize> = (status.meta.map.partitions.iter().enumerate())
+        .filter(|(_, p)| {
+            let mut replicas: Vec<u64> = p.replicas.iter().map(|r| r.0).collect();
+            replicas.sort_unstable();
+            replicas == [4, 5]
+        })
+        .map(|(i, _)| i)
+        .collect();
+    assert!(
+        !shared.is_empty(),
+        "some partition lives on nodes 4 and 5 only"
+    );
+
+    // Node 5 dies and misses a publish: node 4 alone holds every committed epoch of the
+    // partitions they share. Then node 4 dies and its disk is wiped.
+    let declared_failed = |id: u64| {
+        let client = &client;
+        async move {
+            wait_until(
+                "a node declared failed",
+                Duration::from_secs(30),
+                || async {
+                    let status = client.status().await.ok()?;
+                    status
+                        .meta
+                        .nodes
+                        .values()
+                        .any(|n| n.id.0 == id && !n.alive)
+                        .then_some(())
+                },
+            )
+            .await
+        }
+    };
+    cluster.kill9(5);
+    declared_failed(5).await;
+    insert(&client, 1001, 2000).await;
+    cluster.kill9(4);
+    declared_failed(4).await;
+    std::fs::remove_dir_all(root.path().join("node-4/data")).unwrap();
+
+    // With --replace it is refused and stops, naming why, rather than start empty.
+    cluster.start_with_args(4, &["--replace"]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let refused = loop {
+        if let Some(status) = cluster.exit_status(4) {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node 4 runs, taken back empty although it held the only current rows: {}",
+            std::fs::read_to_string(cluster.log_path(4)).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(!refused.success());
+    let log = std::fs::read_to_string(cluster.log_path(4)).unwrap();
+    assert!(
+        log.contains("refused to take this node back") && log.contains("only up-to-date replica"),
+        "{log}"
+    );
+    // The metadata still counts node 4's replicas as current: the rows are its disk's.
+    let status = client.status().await.unwrap();
+    for p in shared {
+        assert!(
+            !status.meta.map.partitions[p]
+                .stale
+                .contains_key(&tessera_server::NodeId(4)),
+            "p{p}: the refused replacement changed nothing"
+        );
+    }
+}

@@ -180,7 +180,21 @@ impl MetaClient {
         }
     }
 
-    /// Runs a command on this node if it leads.
+    /// As [`MetaClient::write_as_leader`], with the state machine's refusals as errors,
+    /// as [`MetaClient::write`] gives them: for a caller that acts on the command having
+    /// taken effect.
+    pub async fn write_checked_as_leader(&self, command: MetaCommand) -> Result<MetaResponse> {
+        match self.write_as_leader(command).await? {
+            MetaResponse::Refused(reason) => Err(MetaError::Refused(reason)),
+            MetaResponse::TableBusy(reason) => Err(MetaError::TableBusy(reason)),
+            MetaResponse::Fenced(reason) => Err(MetaError::Fenced(reason)),
+            response => Ok(response),
+        }
+    }
+
+    /// Runs a command on this node if it leads. A command the state machine refuses comes
+    /// back as `Ok(MetaResponse::Refused(..))` (a forwarded write passes it on as it is);
+    /// [`MetaClient::write_checked_as_leader`] makes it an error.
     pub async fn write_as_leader(&self, command: MetaCommand) -> Result<MetaResponse> {
         // Stamped with this leader's clock here, the one place commands enter the log.
         let command = match command {

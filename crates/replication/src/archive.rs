@@ -192,7 +192,7 @@ async fn archive_epoch(
     components.sort_by_key(|c| c.partition);
     let bytes: u64 = components.iter().map(|c| c.component.bytes).sum();
     node.meta
-        .write_as_leader(MetaCommand::RecordArchive {
+        .write_checked_as_leader(MetaCommand::RecordArchive {
             archived: ArchivedEpoch {
                 table: table.to_string(),
                 generation,
@@ -517,7 +517,7 @@ pub async fn rereplicate_fragments(node: &Arc<Replication>, lost: &BTreeSet<Node
             index,
             to: target,
         };
-        if let Err(why) = node.meta.write_as_leader(moved).await {
+        if let Err(why) = node.meta.write_checked_as_leader(moved).await {
             tracing::warn!(%why, "recording a moved fragment failed; retrying later");
             return;
         }

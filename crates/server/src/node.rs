@@ -628,7 +628,7 @@ impl Node {
                 continue;
             }
             self.meta
-                .write_as_leader(MetaCommand::Decommission { id: node.id })
+                .write_checked_as_leader(MetaCommand::Decommission { id: node.id })
                 .await?;
             let voters: BTreeSet<NodeId> =
                 metrics.membership_config.membership().voter_ids().collect();
@@ -781,10 +781,20 @@ impl Node {
                 .await
                 .map_err(ClusterError::raft)?;
         }
-        self.meta
-            .write_as_leader(MetaCommand::ReplaceNode { id })
-            .await?;
-        Ok(())
+        // Refused if it was the only up-to-date replica of a partition: then it must not
+        // start empty as though it held those rows.
+        match self
+            .meta
+            .write_checked_as_leader(MetaCommand::ReplaceNode { id })
+            .await
+        {
+            Err(tessera_meta::MetaError::Refused(reason)) => {
+                Err(ClusterError::Meta(tessera_meta::MetaError::Refused(
+                    format!("{}: {reason}", crate::startup::REPLACEMENT_REFUSED),
+                )))
+            }
+            other => other.map(|_| ()).map_err(ClusterError::from),
+        }
     }
 
     /// Asks a node to leave: refuses metadata voters, whose departure would change the

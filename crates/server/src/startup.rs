@@ -96,6 +96,10 @@ pub(crate) const REPLACING_FILE: &str = "REPLACING";
 /// A node whose data is gone asks to be taken back empty ([`crate::node::Node::replace`]).
 pub const ACTION_REPLACE_NODE: &str = "replace-node";
 
+/// Begins the refusal of a replacement by the metadata itself (the node was the only
+/// up-to-date replica of a partition): final, so the node stops asking.
+pub(crate) const REPLACEMENT_REFUSED: &str = "the metadata refused to take this node back empty";
+
 /// How long a replacement node keeps asking its peers to take it back.
 const REPLACEMENT_PATIENCE: Duration = Duration::from_secs(120);
 
@@ -120,7 +124,16 @@ pub(crate) async fn request_replacement(config: &NodeConfig, clients: &Clients) 
                     tracing::warn!(via = peer.id.0, "the cluster took this node back empty: its partitions are copied to it whole");
                     return Ok(());
                 }
-                Ok(Err(refusal)) => last = format!("node {}: {refusal:?}", peer.id),
+                Ok(Err(refusal)) => {
+                    last = format!("node {}: {refusal:?}", peer.id);
+                    if last.contains(REPLACEMENT_REFUSED) {
+                        // Starting empty would serve as current rows it no longer has.
+                        return Err(ClusterError::DataDir {
+                            dir: config.data_dir.display().to_string(),
+                            reason: last,
+                        });
+                    }
+                }
                 Err(error) => last = format!("node {}: {error}", peer.id),
             }
         }
