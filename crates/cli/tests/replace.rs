@@ -44,6 +44,25 @@ async fn insert(client: &ClusterClient, from: i64, to: i64) {
         .unwrap_or_else(|e| panic!("{sql}: {e}"));
 }
 
+/// Waits (up to a minute) for node `id` to exit with a failure; its log. Panics, saying
+/// that it `still_running` and showing its log, if it does not.
+async fn refused_to_start(cluster: &mut LocalCluster, id: u64, still_running: &str) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = cluster.exit_status(id) {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node {id} {still_running}: {}",
+            std::fs::read_to_string(cluster.log_path(id)).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(!status.success(), "node {id} exited successfully");
+    std::fs::read_to_string(cluster.log_path(id)).unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
     let root = tempfile::tempdir().unwrap();
@@ -83,20 +102,7 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
 
     // Without --replace it refuses, and says why.
     cluster.start(1);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let refused = loop {
-        if let Some(status) = cluster.exit_status(1) {
-            break status;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "node 1 still runs on its wiped data directory: {}",
-            std::fs::read_to_string(cluster.log_path(1)).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert!(!refused.success());
-    let log = std::fs::read_to_string(cluster.log_path(1)).unwrap();
+    let log = refused_to_start(&mut cluster, 1, "still runs on its wiped data directory").await;
     assert!(
         log.contains("its data is gone") && log.contains("--replace"),
         "{log}"
@@ -293,20 +299,12 @@ async fn a_wiped_node_holding_the_only_current_rows_is_not_taken_back() {
 
     // With --replace it is refused and stops, naming why, rather than start empty.
     cluster.start_with_args(4, &["--replace"]);
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let refused = loop {
-        if let Some(status) = cluster.exit_status(4) {
-            break status;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "node 4 runs, taken back empty although it held the only current rows: {}",
-            std::fs::read_to_string(cluster.log_path(4)).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert!(!refused.success());
-    let log = std::fs::read_to_string(cluster.log_path(4)).unwrap();
+    let log = refused_to_start(
+        &mut cluster,
+        4,
+        "runs, taken back empty although it held the only current rows",
+    )
+    .await;
     assert!(
         log.contains("refused to take this node back") && log.contains("only up-to-date replica"),
         "{log}"
