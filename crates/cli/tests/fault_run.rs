@@ -216,23 +216,31 @@ async fn wipe_safe(cluster: &LocalCluster) -> Vec<u64> {
             continue;
         };
         let meta = &status.meta;
-        let alive = |n: &tessera_common::NodeId| meta.nodes.get(n).is_some_and(|n| n.alive);
         return cluster
             .node_ids()
             .into_iter()
             .filter(|&n| {
                 let node = tessera_common::NodeId(n);
-                alive(&node)
-                    && meta.map.partitions.iter().all(|p| {
-                        !p.replicas.contains(&node)
-                            || p.replicas
-                                .iter()
-                                .any(|r| *r != node && alive(r) && !p.stale.contains_key(r))
-                    })
+                meta.nodes.get(&node).is_some_and(|n| n.alive) && others_hold_all_of(meta, node)
             })
             .collect();
     }
     Vec::new()
+}
+
+/// Whether every partition `node` holds has another live, up-to-date replica in `meta`:
+/// wiping `node` then loses nothing.
+fn others_hold_all_of(
+    meta: &tessera_server::meta::MetaState,
+    node: tessera_common::NodeId,
+) -> bool {
+    let alive = |n: &tessera_common::NodeId| meta.nodes.get(n).is_some_and(|n| n.alive);
+    meta.map.partitions.iter().all(|p| {
+        !p.replicas.contains(&node)
+            || p.replicas
+                .iter()
+                .any(|r| *r != node && alive(r) && !p.stale.contains_key(r))
+    })
 }
 
 /// Wipes the killed `node`'s data directory if a linearizable read of the metadata, taken
@@ -255,15 +263,7 @@ async fn wipe_if_still_safe(cluster: &LocalCluster, node: u64) -> Kind {
     let Some(state) = state else {
         return Kind::Kill;
     };
-    let alive = |n: &tessera_common::NodeId| state.nodes.get(n).is_some_and(|n| n.alive);
-    let id = tessera_common::NodeId(node);
-    let safe = state.map.partitions.iter().all(|p| {
-        !p.replicas.contains(&id)
-            || p.replicas
-                .iter()
-                .any(|r| *r != id && alive(r) && !p.stale.contains_key(r))
-    });
-    if !safe {
+    if !others_hold_all_of(&state, tessera_common::NodeId(node)) {
         return Kind::Kill;
     }
     let data = cluster.config_path(node).parent().unwrap().join("data");

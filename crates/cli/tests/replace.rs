@@ -44,6 +44,46 @@ async fn insert(client: &ClusterClient, from: i64, to: i64) {
         .unwrap_or_else(|e| panic!("{sql}: {e}"));
 }
 
+/// A cluster of `nodes` processes (8 partitions, `replication` replicas each, nodes 1-3
+/// the metadata voters, failures declared after 1.5 s) with table `kv`; a client of node
+/// `through`.
+async fn kv_cluster(
+    root: &Path,
+    nodes: usize,
+    replication: u32,
+    through: u64,
+) -> (LocalCluster, ClusterClient) {
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root, nodes, 8, replication);
+    cluster.set_option("failure.timeout_ms", "1500");
+    cluster.log_to_files();
+    cluster.start_all();
+    wait_formed(&cluster, 1, nodes).await;
+    let client = ClusterClient::new(cluster.addr(through));
+    client
+        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT)")
+        .await
+        .unwrap();
+    (cluster, client)
+}
+
+/// Waits until the metadata, as `client`'s node sees it, counts node `id` failed.
+async fn declared_failed(client: &ClusterClient, id: u64) {
+    wait_until(
+        &format!("node {id} declared failed"),
+        Duration::from_secs(30),
+        || async {
+            let status = client.status().await.ok()?;
+            status
+                .meta
+                .nodes
+                .values()
+                .any(|n| n.id.0 == id && !n.alive)
+                .then_some(())
+        },
+    )
+    .await;
+}
+
 /// Waits (up to a minute) for node `id` to exit with a failure; its log. Panics, saying
 /// that it `still_running` and showing its log, if it does not.
 async fn refused_to_start(cluster: &mut LocalCluster, id: u64, still_running: &str) -> String {
@@ -66,16 +106,7 @@ async fn refused_to_start(cluster: &mut LocalCluster, id: u64, still_running: &s
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
     let root = tempfile::tempdir().unwrap();
-    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
-    cluster.set_option("failure.timeout_ms", "1500");
-    cluster.log_to_files();
-    cluster.start_all();
-    wait_formed(&cluster, 1, 3).await;
-    let client = ClusterClient::new(cluster.addr(2));
-    client
-        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT)")
-        .await
-        .unwrap();
+    let (mut cluster, client) = kv_cluster(root.path(), 3, 3, 2).await;
     insert(&client, 1, 3000).await;
     for id in 1..=3 {
         ClusterClient::new(cluster.addr(id)).flush().await.unwrap();
@@ -83,20 +114,7 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
 
     // Node 1 dies; rows are published without it; its data directory is wiped.
     cluster.kill9(1);
-    wait_until(
-        "node 1 declared failed",
-        Duration::from_secs(30),
-        || async {
-            let status = client.status().await.ok()?;
-            status
-                .meta
-                .nodes
-                .values()
-                .any(|n| n.id.0 == 1 && !n.alive)
-                .then_some(())
-        },
-    )
-    .await;
+    declared_failed(&client, 1).await;
     insert(&client, 3001, 4000).await;
     std::fs::remove_dir_all(root.path().join("node-1/data")).unwrap();
 
@@ -157,20 +175,7 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
     // the replacement's marker and nothing else): started plainly, it finishes the
     // replacement instead of refusing.
     cluster.kill9(1);
-    wait_until(
-        "node 1 declared failed again",
-        Duration::from_secs(30),
-        || async {
-            let status = client.status().await.ok()?;
-            status
-                .meta
-                .nodes
-                .values()
-                .any(|n| n.id.0 == 1 && !n.alive)
-                .then_some(())
-        },
-    )
-    .await;
+    declared_failed(&client, 1).await;
     insert(&client, 4001, 4500).await;
     let data = root.path().join("node-1/data");
     std::fs::remove_dir_all(&data).unwrap();
@@ -243,17 +248,7 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
 async fn a_wiped_node_holding_the_only_current_rows_is_not_taken_back() {
     let root = tempfile::tempdir().unwrap();
     // r = 2 on five nodes, nodes 1-3 the metadata voters: nodes 4 and 5 can both fail.
-    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 5, 8, 2);
-    cluster.set_voters(&[1, 2, 3]);
-    cluster.set_option("failure.timeout_ms", "1500");
-    cluster.log_to_files();
-    cluster.start_all();
-    wait_formed(&cluster, 1, 5).await;
-    let client = ClusterClient::new(cluster.addr(1));
-    client
-        .sql("CREATE TABLE kv (k BIGINT PRIMARY KEY, v BIGINT)")
-        .await
-        .unwrap();
+    let (mut cluster, client) = kv_cluster(root.path(), 5, 2, 1).await;
     insert(&client, 1, 1000).await;
     let status = client.status().await.unwrap();
     let shared: Vec<usize> = (status.meta.map.partitions.iter().enumerate())
@@ -271,30 +266,11 @@ async fn a_wiped_node_holding_the_only_current_rows_is_not_taken_back() {
 
     // Node 5 dies and misses a publish: node 4 alone holds every committed epoch of the
     // partitions they share. Then node 4 dies and its disk is wiped.
-    let declared_failed = |id: u64| {
-        let client = &client;
-        async move {
-            wait_until(
-                "a node declared failed",
-                Duration::from_secs(30),
-                || async {
-                    let status = client.status().await.ok()?;
-                    status
-                        .meta
-                        .nodes
-                        .values()
-                        .any(|n| n.id.0 == id && !n.alive)
-                        .then_some(())
-                },
-            )
-            .await
-        }
-    };
     cluster.kill9(5);
-    declared_failed(5).await;
+    declared_failed(&client, 5).await;
     insert(&client, 1001, 2000).await;
     cluster.kill9(4);
-    declared_failed(4).await;
+    declared_failed(&client, 4).await;
     std::fs::remove_dir_all(root.path().join("node-4/data")).unwrap();
 
     // With --replace it is refused and stops, naming why, rather than start empty.

@@ -118,10 +118,7 @@ impl MetaClient {
         let mut last_error = MetaError::NoLeader;
         while Instant::now() < deadline {
             match self.write_once(&command).await {
-                Ok(MetaResponse::Refused(reason)) => return Err(MetaError::Refused(reason)),
-                Ok(MetaResponse::TableBusy(reason)) => return Err(MetaError::TableBusy(reason)),
-                Ok(MetaResponse::Fenced(reason)) => return Err(MetaError::Fenced(reason)),
-                Ok(response) => return Ok(response),
+                Ok(response) => return refusal_as_error(response),
                 Err(e) => last_error = e,
             }
             tokio::time::sleep(RETRY_PAUSE).await;
@@ -184,12 +181,7 @@ impl MetaClient {
     /// as [`MetaClient::write`] gives them: for a caller that acts on the command having
     /// taken effect.
     pub async fn write_checked_as_leader(&self, command: MetaCommand) -> Result<MetaResponse> {
-        match self.write_as_leader(command).await? {
-            MetaResponse::Refused(reason) => Err(MetaError::Refused(reason)),
-            MetaResponse::TableBusy(reason) => Err(MetaError::TableBusy(reason)),
-            MetaResponse::Fenced(reason) => Err(MetaError::Fenced(reason)),
-            response => Ok(response),
-        }
+        refusal_as_error(self.write_as_leader(command).await?)
     }
 
     /// Runs a command on this node if it leads. A command the state machine refuses comes
@@ -368,5 +360,15 @@ impl MetaClient {
             view.state.nodes.get(&id).is_none_or(|n| !n.alive)
         })
         .await;
+    }
+}
+
+/// The state machine's refusals of a command, as errors; what it did, as it is.
+fn refusal_as_error(response: MetaResponse) -> Result<MetaResponse> {
+    match response {
+        MetaResponse::Refused(reason) => Err(MetaError::Refused(reason)),
+        MetaResponse::TableBusy(reason) => Err(MetaError::TableBusy(reason)),
+        MetaResponse::Fenced(reason) => Err(MetaError::Fenced(reason)),
+        response => Ok(response),
     }
 }

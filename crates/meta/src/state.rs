@@ -886,6 +886,8 @@ mod access_tests;
 #[cfg(test)]
 mod model_tests;
 #[cfg(test)]
+mod placement_tests;
+#[cfg(test)]
 mod seal_tests;
 #[cfg(test)]
 mod tests;

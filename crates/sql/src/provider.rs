@@ -251,10 +251,9 @@ fn local_system_table(
     if !LOCAL_SYSTEM_TABLES.contains(&name) {
         return None;
     }
-    let history = store.history();
     if name == system::TAGS_TABLE {
-        let rows: Vec<system::TagRow> = history
-            .tags
+        let rows: Vec<system::TagRow> = store
+            .tags()
             .iter()
             .map(|(name, tag)| system::TagRow {
                 name: name.clone(),
@@ -264,6 +263,7 @@ fn local_system_table(
             .collect();
         return Some(system::tags_table(&rows));
     }
+    let history = store.history();
     let rows: Vec<system::EpochRow> = history
         .commits
         .iter()

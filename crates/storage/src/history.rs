@@ -64,7 +64,15 @@ impl LocalHistory {
     /// The time to stamp on a commit now: the clock, but never before the last commit's
     /// time, so times stay ordered as epochs are even if the clock steps back.
     pub fn next_commit_time(&self, now_ms: u64) -> u64 {
-        let last = self.commits.values().map(|c| c.at_ms).max().unwrap_or(0);
+        // Times rise with epochs, so the newest timed commit holds the latest time (epochs
+        // from before times were logged have none).
+        let last = self
+            .commits
+            .values()
+            .rev()
+            .map(|c| c.at_ms)
+            .find(|&t| t > 0)
+            .unwrap_or(0);
         now_ms.max(last)
     }
 

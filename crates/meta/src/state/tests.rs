@@ -9,7 +9,7 @@ fn ids(numbers: &[u64]) -> Vec<NodeId> {
 use arrow::datatypes::{DataType, Field, Schema};
 use tessera_common::{QueryId, StageId};
 
-fn bootstrapped(nodes: u64) -> MetaState {
+pub(super) fn bootstrapped(nodes: u64) -> MetaState {
     let mut state = MetaState::default();
     let (response, _) = state.apply(
         1,
@@ -100,14 +100,14 @@ fn lineage_is_dropped_when_its_query_ends_or_its_initiator_dies() {
     assert!(state.lineage.is_empty());
 }
 
-fn allocate(state: &mut MetaState, coordinator: NodeId) -> Epoch {
+pub(super) fn allocate(state: &mut MetaState, coordinator: NodeId) -> Epoch {
     match allocate_as(state, coordinator, 0, 7) {
         MetaResponse::Epoch(e) => e,
         other => panic!("{other:?}"),
     }
 }
 
-fn allocate_as(
+pub(super) fn allocate_as(
     state: &mut MetaState,
     coordinator: NodeId,
     incarnation: u64,
@@ -275,56 +275,6 @@ fn a_restarted_coordinator_releases_what_its_earlier_process_left_open() {
 }
 
 #[test]
-fn a_replica_that_missed_an_epoch_is_not_read() {
-    let mut state = bootstrapped(3);
-    let epoch = allocate(&mut state, NodeId(2));
-    state.apply(
-        8,
-        MetaCommand::CommitEpoch {
-            epoch,
-            missed: vec![(PartitionId(0), NodeId(1))],
-            changes: None,
-            seal: None,
-        },
-    );
-    assert_eq!(state.map.partitions[0].primary, Some(NodeId(2)));
-    state.apply(
-        9,
-        MetaCommand::SetLiveness {
-            id: NodeId(1),
-            alive: true,
-        },
-    );
-    assert_eq!(state.map.partitions[0].primary, Some(NodeId(2)));
-}
-
-#[test]
-fn the_invariant_check_names_a_stale_primary_and_a_shared_lease() {
-    let mut state = bootstrapped(3);
-    assert_eq!(state.broken_invariant(), None);
-    let mut stale = state.clone();
-    let primary = stale.map.partitions[0].primary.unwrap();
-    stale.map.partitions[0].stale.insert(primary, Epoch(4));
-    assert!(
-        stale.broken_invariant().is_some_and(
-            |broken| broken.contains("partition 0's primary") && broken.contains("stale")
-        )
-    );
-    let lease = |tables: &[&str]| OpenEpoch {
-        coordinator: NodeId(1),
-        incarnation: 0,
-        tables: tables.iter().map(|t| t.to_string()).collect(),
-        request: 0,
-        publisher: None,
-    };
-    state.open.insert(Epoch(7), lease(&["t"]));
-    state.open.insert(Epoch(8), lease(&["u", "t"]));
-    assert!(state
-        .broken_invariant()
-        .is_some_and(|broken| broken.contains("leased by open epochs 7 and 8")));
-}
-
-#[test]
 fn users_are_created_once_altered_and_dropped_only_if_they_exist() {
     use tessera_common::auth::ScramSecret;
     let mut state = bootstrapped(3);
@@ -359,126 +309,6 @@ fn users_are_created_once_altered_and_dropped_only_if_they_exist() {
     let drop_ada = MetaCommand::DropUser { name: "ada".into() };
     assert_eq!(state.apply(7, drop_ada).0, MetaResponse::Done);
     assert!(state.users.is_empty());
-}
-
-#[test]
-fn an_aborted_rebalance_cannot_switch_the_map_and_clear_newer_stale_marks() {
-    let mut state = bootstrapped(3);
-    // A rebalance leases every table and computes its map: no replica is stale yet.
-    let rebalance = allocate(&mut state, NodeId(1));
-    let computed = state.map.clone();
-    // Its coordinator is declared failed: the epoch is aborted, the leases freed.
-    state.apply(
-        4,
-        MetaCommand::AbortEpoch {
-            epoch: rebalance,
-            reason: "coordinator declared failed".into(),
-        },
-    );
-    // An epoch commits that node 3 missed on partition 0.
-    let later = allocate_as(&mut state, NodeId(2), 0, 8);
-    let MetaResponse::Epoch(later) = later else {
-        panic!("{later:?}")
-    };
-    state.apply(
-        5,
-        MetaCommand::CommitEpoch {
-            epoch: later,
-            missed: vec![(PartitionId(0), NodeId(3))],
-            changes: None,
-            seal: None,
-        },
-    );
-    assert_eq!(state.map.partitions[0].stale.get(&NodeId(3)), Some(&later));
-    // The old rebalance finishes its copies and tries to switch to its map.
-    let (response, _) = state.apply(
-        6,
-        MetaCommand::SetPartitionMap {
-            map: computed,
-            rebalance: Some(rebalance),
-        },
-    );
-    assert!(
-        matches!(&response, MetaResponse::Refused(r) if r.contains("no longer open")),
-        "{response:?}"
-    );
-    assert_eq!(
-        state.map.partitions[0].stale.get(&NodeId(3)),
-        Some(&later),
-        "node 3 still counts as missing the epoch"
-    );
-}
-
-#[test]
-fn a_rebalance_planned_before_a_node_was_replaced_cannot_clear_its_whole_copy() {
-    let mut state = bootstrapped(3);
-    // Node 3 misses an epoch on partition 0: a delta from it would bring node 3 back.
-    let missed = allocate(&mut state, NodeId(1));
-    state.apply(
-        4,
-        MetaCommand::CommitEpoch {
-            epoch: missed,
-            missed: vec![(PartitionId(0), NodeId(3))],
-            changes: None,
-            seal: None,
-        },
-    );
-    assert_eq!(state.map.partitions[0].stale.get(&NodeId(3)), Some(&missed));
-    // A rebalance leases every table and plans that delta: once it is copied, node 3's
-    // replica is complete.
-    let rebalance = allocate_as(&mut state, NodeId(1), 0, 8);
-    let MetaResponse::Epoch(rebalance) = rebalance else {
-        panic!("{rebalance:?}")
-    };
-    let mut computed = state.map.clone();
-    computed.partitions[0].stale.remove(&NodeId(3));
-    // Meanwhile node 3 comes back with its disk wiped: it needs every epoch again.
-    let (replaced, _) = state.apply(5, MetaCommand::ReplaceNode { id: NodeId(3) });
-    assert_eq!(replaced, MetaResponse::Done);
-    assert_eq!(
-        state.map.partitions[0].stale.get(&NodeId(3)),
-        Some(&Epoch::ZERO)
-    );
-    // The delta ends and the rebalance tries to switch to its map: refused, since the
-    // delta lacks every epoch before the one node 3 had missed.
-    let (response, _) = state.apply(
-        6,
-        MetaCommand::SetPartitionMap {
-            map: computed,
-            rebalance: Some(rebalance),
-        },
-    );
-    assert!(
-        matches!(&response, MetaResponse::Refused(r) if r.contains("lost its data")),
-        "{response:?}"
-    );
-    assert_eq!(
-        state.map.partitions[0].stale.get(&NodeId(3)),
-        Some(&Epoch::ZERO),
-        "node 3 still needs a whole copy"
-    );
-    // A rebalance planned after the replacement switches its map.
-    state.apply(
-        7,
-        MetaCommand::AbortEpoch {
-            epoch: rebalance,
-            reason: "its map was refused".into(),
-        },
-    );
-    let again = allocate_as(&mut state, NodeId(1), 0, 9);
-    let MetaResponse::Epoch(again) = again else {
-        panic!("{again:?}")
-    };
-    let mut copied = state.map.clone();
-    copied.partitions[0].stale.remove(&NodeId(3));
-    let (switched, _) = state.apply(
-        8,
-        MetaCommand::SetPartitionMap {
-            map: copied,
-            rebalance: Some(again),
-        },
-    );
-    assert_eq!(switched, MetaResponse::Done);
 }
 
 /// `command` as the leader proposes it, stamped at `at_ms`.

@@ -109,19 +109,14 @@ pub(super) fn replay(
     records: Vec<WalRecord>,
     torn_bytes: u64,
 ) -> Result<(State, RecoveryReport)> {
-    let mut history = checkpoint.history;
-    let committed: HashSet<Epoch> = records
-        .iter()
-        .filter_map(|r| match r {
-            WalRecord::Commit { epoch, .. } => Some(*epoch),
-            _ => None,
-        })
-        .collect();
     // Epochs the checkpoint has no record of are recorded from the log: their time from
     // the commit record, their rows counted from the row records below.
+    let mut history = checkpoint.history;
+    let mut committed: HashSet<Epoch> = HashSet::new();
     let mut unrecorded: HashSet<Epoch> = HashSet::new();
     for record in &records {
         if let WalRecord::Commit { epoch, at_ms } = record {
+            committed.insert(*epoch);
             if !history.commits.contains_key(epoch) {
                 unrecorded.insert(*epoch);
                 history.record_commit(
