@@ -47,13 +47,17 @@ async fn publish_batches(client: &ClusterClient, first_key: i64, count: usize) -
         } else {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        let ended = Instant::now();
         log.push(Publish {
             table: "kv",
             keys,
             outcome,
+            error: result.as_ref().err().map(|e| e.to_string()),
             epoch: result.ok(),
             started,
-            acknowledged: (outcome == Outcome::Acknowledged).then(Instant::now),
+            acknowledged: (outcome == Outcome::Acknowledged).then_some(ended),
+            coordinator: 1,
+            ended,
         });
     }
     log

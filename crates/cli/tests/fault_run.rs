@@ -86,10 +86,13 @@ const KINDS: [Kind; 11] = [
 #[derive(Debug)]
 struct Fault {
     kind: Kind,
+    nodes: Vec<u64>,
     /// The metadata leader was among the impaired nodes.
     leader_inside: bool,
     started: Instant,
     healed: Instant,
+    /// The heal's wall-clock time, to find it in the nodes' logs.
+    healed_at: std::time::SystemTime,
 }
 
 /// The nemesis: injects faults one at a time, each held for a while and then healed.
@@ -305,13 +308,15 @@ struct Availability {
     with_leader_inside: usize,
     longest_gap: Duration,
     longest_after_heal: Duration,
+    /// The fault (its index) after whose heal the first acknowledgement took longest.
+    slowest_heal: Option<usize>,
 }
 
 fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Availability> {
     let mut acks: Vec<Instant> = publishes.iter().filter_map(|p| p.acknowledged).collect();
     acks.sort();
     let mut by_kind: BTreeMap<Kind, Availability> = BTreeMap::new();
-    for fault in faults {
+    for (index, fault) in faults.iter().enumerate() {
         let entry = by_kind.entry(fault.kind).or_default();
         entry.injected += 1;
         entry.with_leader_inside += usize::from(fault.leader_inside);
@@ -328,12 +333,62 @@ fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Avail
         match acks.iter().find(|&&a| a > fault.healed) {
             Some(&first) => {
                 entry.longest_gap = entry.longest_gap.max(first - previous);
-                entry.longest_after_heal = entry.longest_after_heal.max(first - fault.healed);
+                if first - fault.healed >= entry.longest_after_heal {
+                    entry.longest_after_heal = first - fault.healed;
+                    entry.slowest_heal = Some(index);
+                }
             }
             None => entry.longest_gap = entry.longest_gap.max(fault.healed - previous),
         }
     }
     by_kind
+}
+
+/// For each kind, the fault whose heal waited longest for an acknowledgement, and the
+/// publishes in flight then: where to look in the nodes' logs for what held them up.
+fn print_slowest_heals(
+    faults: &[Fault],
+    by_kind: &BTreeMap<Kind, Availability>,
+    publishes: &[Publish],
+) {
+    for (kind, figures) in by_kind {
+        let Some(index) = figures.slowest_heal else {
+            continue;
+        };
+        let fault = &faults[index];
+        let until = fault.healed + figures.longest_after_heal;
+        println!(
+            "slowest heal of a {kind:?}: fault {index} on {:?}, healed at {} UTC, first acknowledgement {:.1}s after; publishes in flight:",
+            fault.nodes,
+            history::utc_time_of_day(fault.healed_at),
+            figures.longest_after_heal.as_secs_f64()
+        );
+        let signed = |at: Instant| {
+            if at >= fault.healed {
+                format!("+{:.1}s", (at - fault.healed).as_secs_f64())
+            } else {
+                format!("-{:.1}s", (fault.healed - at).as_secs_f64())
+            }
+        };
+        for publish in publishes
+            .iter()
+            .filter(|p| p.started <= until && p.ended >= fault.healed)
+        {
+            println!(
+                "  {} via node {}: from {} to {} after the heal, {:?}{}",
+                publish.table,
+                publish.coordinator,
+                signed(publish.started),
+                signed(publish.ended),
+                publish.outcome,
+                publish
+                    .error
+                    .as_deref()
+                    .map(|e| format!(": {}", e.chars().take(300).collect::<String>()))
+                    .unwrap_or_default()
+            );
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -436,7 +491,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         let hold = Duration::from_millis(nemesis.rng.random_range(1000..4000));
         tokio::time::sleep(hold).await;
         heal(&mut cluster, kind, &nodes);
-        let healed = Instant::now();
+        let (healed, healed_at) = (Instant::now(), std::time::SystemTime::now());
         println!(
             "fault {n}: {kind:?} on {nodes:?}{} for {hold:?}",
             if leader_inside {
@@ -447,9 +502,11 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         );
         faults.push(Fault {
             kind,
+            nodes: nodes.clone(),
             leader_inside,
             started,
             healed,
+            healed_at,
         });
         let settle = Duration::from_millis(nemesis.rng.random_range(300..1500));
         tokio::time::sleep(settle).await;
@@ -503,6 +560,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
             figures.longest_after_heal.as_secs_f64(),
         );
     }
+    print_slowest_heals(&faults, &by_kind, &publishes);
     for violation in &read_report.violations {
         println!("VIOLATION: {violation}");
     }

@@ -422,3 +422,81 @@ async fn reads_naming_an_unknown_partition_or_epoch_get_clear_errors() {
     let (after, _) = read(0, visible).await;
     assert!(after.is_ok(), "the node still serves: {after:?}");
 }
+
+/// A read reaches a replica chosen from the reader's metadata, which may be older than the
+/// replica's own: one that does not hold the partition (moved off it, or wiped and taken
+/// back empty, or still being copied what it missed) refuses, naming why, and the reader
+/// goes on to another replica. Before, it answered from what it had: no rows at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_asked_for_rows_it_does_not_hold_refuses_instead_of_answering_empty() {
+    use futures::TryStreamExt;
+    use tessera_server::rpc::{Clients, ScanRequest, PROTOCOL_VERSION};
+
+    let root = tempfile::tempdir().unwrap();
+    let (cluster, client) = kv_cluster_with(BINARY, root.path(), 8, 2, &[]).await;
+    client
+        .publish("kv", vec![kv_batch(0, 400)], false)
+        .await
+        .unwrap();
+    let status = client.status().await.unwrap();
+    let generation = status.meta.tables["kv"].generation;
+    let asked = tessera_common::NodeId(2);
+    let (held, not_held): (Vec<_>, Vec<_>) =
+        (0..8u32).map(tessera_common::PartitionId).partition(|p| {
+            status.meta.map.partitions[p.0 as usize]
+                .replicas
+                .contains(&asked)
+        });
+    assert!(!held.is_empty() && !not_held.is_empty(), "r=2 of 3 nodes");
+    let peer = Clients::new(cluster.cluster_id(), PROTOCOL_VERSION);
+    let read = |partitions: Vec<tessera_common::PartitionId>| {
+        let peer = &peer;
+        let addr = cluster.addr(asked.0).to_string();
+        let request = ScanRequest {
+            table: "kv".into(),
+            generation,
+            epoch: status.meta.visible,
+            partitions,
+            columns: vec![0, 1],
+            changes_since: None,
+        };
+        async move {
+            let stream = peer.get(&addr, &request).await.map_err(|e| e.to_string())?;
+            stream
+                .try_collect::<Vec<arrow::array::RecordBatch>>()
+                .await
+                .map_err(|e| e.to_string())
+        }
+    };
+    let rows = |batches: &[arrow::array::RecordBatch]| -> usize {
+        batches.iter().map(|b| b.num_rows()).sum()
+    };
+    let answered = read(held.clone()).await.expect("a replica answers");
+    assert!(rows(&answered) > 0, "its partitions have rows");
+
+    let refused = read(vec![not_held[0]])
+        .await
+        .map(|batches| rows(&batches))
+        .expect_err("a node answered for a partition it does not hold");
+    assert!(
+        refused.contains(&format!(
+            "node 2 is not a replica of partition {}",
+            not_held[0]
+        )),
+        "the refusal names the node and the partition: {refused}"
+    );
+    // The cluster's own reads go to the replicas: every row, through every node.
+    for id in cluster.node_ids() {
+        let batches = ClusterClient::new(cluster.addr(id))
+            .query("SELECT count(*) FROM kv")
+            .await
+            .unwrap();
+        let count = batches[0]
+            .column(0)
+            .as_any()
+            .downcast_ref::<Int64Array>()
+            .unwrap()
+            .value(0);
+        assert_eq!(count, 400, "through node {id}");
+    }
+}

@@ -69,6 +69,15 @@ pub enum ExecError {
         partition: tessera_common::PartitionId,
         replicas: Vec<NodeId>,
     },
+    /// This node cannot answer a read of a table's partitions at an epoch: its own
+    /// metadata says it does not hold every version up to it (any more).
+    #[error("node {node} cannot read {table:?} at epoch {epoch} here: {reason}")]
+    NotHeldHere {
+        node: NodeId,
+        table: String,
+        epoch: tessera_common::Epoch,
+        reason: String,
+    },
     /// Another node answered a read with an error.
     #[error("node {node}: {error}")]
     Refused {

@@ -292,8 +292,8 @@ impl ExecutionPlan for DistributedScanExec {
                 match read_here(&node, &spec, partitions, predicate, context).await? {
                     Some(stream) => Ok(stream),
                     None => {
-                        // Damaged here and not repairable by hash: the rows are read from
-                        // the other replicas instead.
+                        // Not held here (any more), or damaged and not repairable by hash:
+                        // the rows are read from the other replicas instead.
                         let others: Vec<NodeId> =
                             replicas.into_iter().filter(|&r| r != node.id()).collect();
                         read_remotely(&node, &spec, &storage_partitions, &others).await
@@ -337,7 +337,8 @@ impl ExecutionPlan for DistributedScanExec {
 /// Reads partitions this node holds: waits for the query's epoch, replays a cold
 /// standby's logged rows, replaces any component found damaged or missing with another
 /// replica's copy, and streams the snapshot through DataFusion's Parquet reader. `None`
-/// if a damaged component could not be replaced: the caller reads elsewhere.
+/// if this node no longer holds the partitions at the epoch, or a damaged component
+/// could not be replaced: the caller reads elsewhere.
 async fn read_here(
     node: &Arc<Exec>,
     spec: &ScanSpec,
@@ -345,7 +346,7 @@ async fn read_here(
     predicate: Option<Arc<dyn PhysicalExpr>>,
     context: Arc<TaskContext>,
 ) -> DfResult<Option<SendableRecordBatchStream>> {
-    let snapshot = replica_snapshot(
+    let snapshot = match replica_snapshot(
         node,
         &spec.def.name,
         spec.def.generation,
@@ -353,7 +354,14 @@ async fn read_here(
         &partitions,
     )
     .await
-    .map_err(|e| DataFusionError::External(Box::new(e)))?;
+    {
+        Ok(snapshot) => snapshot,
+        Err(ExecError::NotHeldHere { reason, .. }) => {
+            tracing::warn!(?partitions, %reason, "reading partitions from other replicas: not held here");
+            return Ok(None);
+        }
+        Err(e) => return Err(DataFusionError::External(Box::new(e))),
+    };
     let store = node.store.clone();
     let (table, epoch, wanted) = (spec.def.name.clone(), spec.epoch, partitions.clone());
     let snapshot = tokio::task::spawn_blocking(move || {
@@ -443,15 +451,21 @@ pub(crate) fn stream_snapshot<K: Send + Sync + 'static>(
     Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
 }
 
-/// This node's snapshot of `table` at `epoch` for reading `wanted`, once it has applied
-/// the epoch, with a cold standby's logged rows of those partitions replayed first.
-pub(crate) async fn replica_snapshot(
-    node: &Arc<Exec>,
+/// Waits until this node has applied `epoch` (and `table`'s creation), then refuses
+/// unless its metadata, from there on, says it holds every version of `partitions` up to
+/// `epoch`. Every read of this node's own rows starts here: the reader chose this replica
+/// from metadata that may be older than ours, and a replica that has since been wiped and
+/// taken back, refused as corrupt or moved off a partition must send it elsewhere rather
+/// than answer from what it has. Our view includes this process's own start (so any
+/// replacement of this node's data before it), since a replica is only asked once the
+/// process is announced.
+pub async fn wait_to_hold(
+    node: &Exec,
     table: &str,
     generation: u64,
     epoch: Epoch,
-    wanted: &[PartitionId],
-) -> Result<Arc<tessera_storage::TableSnapshot>, ExecError> {
+    partitions: &[PartitionId],
+) -> Result<(), ExecError> {
     node.meta
         .wait_to_read(table, generation, epoch, EPOCH_WAIT)
         .await
@@ -459,6 +473,39 @@ pub(crate) async fn replica_snapshot(
             what: "waiting for the query's epoch",
             reason: e.to_string(),
         })?;
+    let me = node.id();
+    let view = node.meta.view();
+    let not_held = |reason: String| ExecError::NotHeldHere {
+        node: me,
+        table: table.to_string(),
+        epoch,
+        reason,
+    };
+    let started = view.state.nodes.get(&me).map_or(0, |n| n.incarnation);
+    if started < node.replication.incarnation() {
+        return Err(not_held(
+            "its metadata does not yet show this process started (it may have been taken back empty)".into(),
+        ));
+    }
+    for &partition in partitions {
+        view.state
+            .holds_through(me, partition, epoch)
+            .map_err(not_held)?;
+    }
+    Ok(())
+}
+
+/// This node's snapshot of `table` at `epoch` for reading `wanted`, once it has applied
+/// the epoch and found it holds the partitions ([`wait_to_hold`]), with a cold standby's
+/// logged rows of those partitions replayed first.
+pub(crate) async fn replica_snapshot(
+    node: &Arc<Exec>,
+    table: &str,
+    generation: u64,
+    epoch: Epoch,
+    wanted: &[PartitionId],
+) -> Result<Arc<tessera_storage::TableSnapshot>, ExecError> {
+    wait_to_hold(node, table, generation, epoch, wanted).await?;
     let store = node.store.clone();
     let (table, wanted) = (table.to_string(), wanted.to_vec());
     tokio::task::spawn_blocking(move || {
@@ -658,13 +705,7 @@ pub async fn read_from(
         changes_since,
     } = read;
     if from == node.id() {
-        node.meta
-            .wait_to_read(&def.name, def.generation, epoch, EPOCH_WAIT)
-            .await
-            .map_err(|e| ExecError::Task {
-                what: "waiting for the query's epoch",
-                reason: e.to_string(),
-            })?;
+        wait_to_hold(node, &def.name, def.generation, epoch, partitions).await?;
         let (store, def, partitions, columns) = (
             node.store.clone(),
             def.clone(),

@@ -557,15 +557,15 @@ impl NodeService {
         scan: ScanRequest,
     ) -> Result<(arrow::datatypes::SchemaRef, Vec<RecordBatch>), Status> {
         let node = self.node.clone();
-        node.meta
-            .wait_to_read(
-                &scan.table,
-                scan.generation,
-                scan.epoch,
-                Duration::from_secs(10),
-            )
-            .await
-            .map_err(failed)?;
+        tessera_exec::scan::wait_to_hold(
+            &node.exec,
+            &scan.table,
+            scan.generation,
+            scan.epoch,
+            &scan.partitions,
+        )
+        .await
+        .map_err(failed)?;
         let def = self.local_table(&scan.table, scan.generation)?;
         let full = match scan.changes_since {
             Some(_) => tessera_storage::changes::changes_schema(&def),

@@ -40,6 +40,11 @@ pub struct Publish {
     pub started: Instant,
     /// When the acknowledgement arrived.
     pub acknowledged: Option<Instant>,
+    /// The node (1-based) the publish went through, and when and how its call ended: the
+    /// trail of a slow recovery.
+    pub coordinator: usize,
+    pub ended: Instant,
+    pub error: Option<String>,
 }
 
 impl Publish {
@@ -74,10 +79,10 @@ pub async fn publisher(
     let mut log = Vec::new();
     let mut next = first_key;
     while !stop.load(Ordering::Relaxed) {
-        let coordinator = &addrs[rng.random_range(0..addrs.len())];
+        let coordinator = rng.random_range(0..addrs.len());
         let keys = next..next + rows;
         next += rows;
-        let client = ClusterClient::new(coordinator);
+        let client = ClusterClient::new(&addrs[coordinator]);
         let started = Instant::now();
         let result = tokio::time::timeout(
             CALL_TIMEOUT * 2,
@@ -85,8 +90,14 @@ pub async fn publisher(
         )
         .await
         .ok();
+        let ended = Instant::now();
         // A publish the client gave up waiting on is in doubt, like a lost reply.
         let outcome = result.as_ref().map_or(Outcome::InDoubt, classify);
+        let error = match &result {
+            None => Some(format!("no answer in {:?}", CALL_TIMEOUT * 2)),
+            Some(Err(e)) => Some(e.to_string()),
+            Some(Ok(_)) => None,
+        };
         let epoch = result.and_then(Result::ok);
         if let Some(epoch) = epoch {
             acknowledged.lock().unwrap().push((table, epoch));
@@ -100,7 +111,10 @@ pub async fn publisher(
             outcome,
             epoch,
             started,
-            acknowledged: (outcome == Outcome::Acknowledged).then(Instant::now),
+            acknowledged: (outcome == Outcome::Acknowledged).then_some(ended),
+            coordinator: coordinator + 1,
+            ended,
+            error,
         });
     }
     log
@@ -543,7 +557,7 @@ pub async fn check_replicas(
 }
 
 /// `HH:MM:SS.mmm` in UTC, as the nodes' logs print time.
-fn utc_time_of_day(at: std::time::SystemTime) -> String {
+pub fn utc_time_of_day(at: std::time::SystemTime) -> String {
     let since = at.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     let seconds = since.as_secs() % 86_400;
     format!(

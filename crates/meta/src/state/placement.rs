@@ -24,6 +24,42 @@ impl MetaState {
         }
     }
 
+    /// Whether `node` holds every version of `partition` up to `epoch`, in this state: it is
+    /// one of the partition's replicas and missed no epoch at or below `epoch` there (a
+    /// stale mark from a later epoch does not matter to a read at `epoch`). `Err` says why
+    /// not. A read planned earlier may reach a replica that has since lost its rows (wiped
+    /// and taken back empty, refused as corrupt) or been moved off the partition: this is
+    /// what the replica checks before it answers.
+    pub fn holds_through(
+        &self,
+        node: NodeId,
+        partition: PartitionId,
+        epoch: Epoch,
+    ) -> Result<(), String> {
+        let placement = self
+            .map
+            .partitions
+            .get(partition.0 as usize)
+            .ok_or_else(|| {
+                format!(
+                    "the cluster has no partition {partition} (it has {})",
+                    self.map.partitions.len()
+                )
+            })?;
+        if !placement.replicas.contains(&node) {
+            return Err(format!(
+                "node {node} is not a replica of partition {partition} (its replicas are {:?})",
+                placement.replicas
+            ));
+        }
+        match placement.stale.get(&node) {
+            Some(since) if *since <= epoch => Err(format!(
+                "node {node} lacks the versions of partition {partition} from epoch {since} on (it is being copied them), so it cannot answer at epoch {epoch}"
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Refuses `node`'s replica of `partition` (its versions do not reproduce the signed
     /// version ids): it is marked stale from the first epoch, so it serves nothing until
     /// the rebalance copies the partition whole from a good replica, and a primary moves

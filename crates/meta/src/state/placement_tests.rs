@@ -30,6 +30,45 @@ fn a_replica_that_missed_an_epoch_is_not_read() {
 }
 
 #[test]
+fn a_replica_holds_a_partition_through_an_epoch_only_if_it_missed_none_up_to_it() {
+    // Four nodes, three replicas per partition: one node holds none of partition 0.
+    let mut state = bootstrapped(4);
+    let replicas = state.map.partitions[0].replicas.clone();
+    let (kept, missing) = (replicas[0], replicas[1]);
+    assert_eq!(state.holds_through(kept, PartitionId(0), Epoch(9)), Ok(()));
+    state.map.partitions[0].stale.insert(missing, Epoch(5));
+    // A stale mark from epoch 5 leaves every version below it in place.
+    assert_eq!(
+        state.holds_through(missing, PartitionId(0), Epoch(4)),
+        Ok(())
+    );
+    let refused = state
+        .holds_through(missing, PartitionId(0), Epoch(5))
+        .unwrap_err();
+    assert!(refused.contains("from epoch 5 on"), "{refused}");
+    // Taken back empty: nothing is held at any epoch.
+    state.map.partitions[0].stale.insert(missing, Epoch::ZERO);
+    assert!(state
+        .holds_through(missing, PartitionId(0), Epoch(1))
+        .is_err());
+    let outsider = (1..=4)
+        .map(NodeId)
+        .find(|id| !state.map.partitions[0].replicas.contains(id))
+        .expect("a node that is no replica");
+    let refused = state
+        .holds_through(outsider, PartitionId(0), Epoch(1))
+        .unwrap_err();
+    assert!(
+        refused.contains("is not a replica of partition"),
+        "{refused}"
+    );
+    let unknown = state
+        .holds_through(kept, PartitionId(99), Epoch(1))
+        .unwrap_err();
+    assert!(unknown.contains("has no partition"), "{unknown}");
+}
+
+#[test]
 fn the_invariant_check_names_a_stale_primary_and_a_shared_lease() {
     let mut state = bootstrapped(3);
     assert_eq!(state.broken_invariant(), None);
