@@ -81,16 +81,24 @@ pub fn change_digest(
             .collect::<Result<Vec<_>>>()?;
         encoded.push((converter.convert_columns(&arrays)?, ops));
     }
-    let mut order: Vec<(u32, u32)> = encoded
+    let row = |(b, i): (u32, u32)| encoded[b as usize].0.row(i as usize);
+    let op = |(b, i): (u32, u32)| encoded[b as usize].1.value(i as usize);
+    let mut order: Vec<(u128, (u32, u32))> = encoded
         .iter()
         .enumerate()
         .flat_map(|(b, (rows, _))| (0..rows.num_rows() as u32).map(move |i| (b as u32, i)))
+        .map(|at| (order_prefix(row(at).as_ref()), at))
         .collect();
-    let row = |(b, i): (u32, u32)| encoded[b as usize].0.row(i as usize);
-    let op = |(b, i): (u32, u32)| encoded[b as usize].1.value(i as usize);
     // The row encoding orders like the values, key columns included: sorting by it gives
-    // one order however the rows came.
-    order.sort_unstable_by(|&x, &y| row(x).cmp(&row(y)).then(op(x).cmp(&op(y))));
+    // one order however the rows came. Each row's first bytes are compared as a number
+    // held in the sorted vector itself, and the rows' bytes, scattered over memory, are
+    // read only where those are equal: the same order, without a cache miss per
+    // comparison (a million rows sorted several times faster).
+    order.sort_unstable_by(|&(px, x), &(py, y)| {
+        px.cmp(&py)
+            .then_with(|| row(x).cmp(&row(y)))
+            .then_with(|| op(x).cmp(&op(y)))
+    });
     let mut hasher = blake3::Hasher::new();
     hasher.update(DIGEST_DOMAIN);
     hasher.update(&(order.len() as u64).to_le_bytes());
@@ -98,7 +106,7 @@ pub fn change_digest(
     // since hashing a few bytes at a time costs more than the hashing itself. The bytes
     // hashed, and so the digest, are the same.
     let mut piece = Vec::with_capacity(HASH_PIECE_BYTES + 1024);
-    for at in order {
+    for (_, at) in order {
         let bytes = row(at);
         let bytes: &[u8] = bytes.as_ref();
         piece.push(op(at));
@@ -111,6 +119,17 @@ pub fn change_digest(
     }
     hasher.update(&piece);
     Ok(ComponentHash(*hasher.finalize().as_bytes()))
+}
+
+/// The first 16 bytes of an encoded row as a big-endian number, zero-padded: two rows
+/// whose prefixes differ compare as their prefixes do (bytes compare lexicographically, and
+/// a shorter row is a prefix of the longer where they agree), so only equal prefixes need
+/// the rows themselves compared.
+fn order_prefix(bytes: &[u8]) -> u128 {
+    let mut prefix = [0u8; 16];
+    let n = bytes.len().min(16);
+    prefix[..n].copy_from_slice(&bytes[..n]);
+    u128::from_be_bytes(prefix)
 }
 
 /// The change digest of every epoch found in one partition's row versions (stored schema),
@@ -246,6 +265,48 @@ mod tests {
         );
     }
 
+    /// Rows whose first 16 encoded bytes agree are ordered by their whole encoding: the
+    /// digest still does not depend on the order they came in.
+    #[test]
+    fn rows_sharing_a_long_prefix_still_digest_the_same_in_any_order() {
+        let schema = Schema::new(vec![
+            Field::new("name", DataType::Utf8, false),
+            Field::new("id", DataType::Int64, false),
+        ]);
+        let def = TableDef::new("t", schema, vec!["name".into()], None).unwrap();
+        let names: Vec<String> = (0..2000)
+            .map(|i| format!("a long shared prefix, then {}", (i * 7919) % 2000))
+            .collect();
+        let batch = |order: &[usize]| {
+            let rows = RecordBatch::try_new(
+                def.schema_ref(),
+                vec![
+                    Arc::new(StringArray::from_iter_values(
+                        order.iter().map(|&i| names[i].as_str()),
+                    )),
+                    Arc::new(Int64Array::from_iter_values(
+                        order.iter().map(|&i| i as i64),
+                    )),
+                ],
+            )
+            .unwrap();
+            stamp(&def, &rows, Epoch(2), RowOp::Upsert).unwrap()
+        };
+        let forward: Vec<usize> = (0..2000).collect();
+        let backward: Vec<usize> = (0..2000).rev().collect();
+        let shuffled: Vec<usize> = (0..2000).map(|i| (i * 1237) % 2000).collect();
+        let digest = change_digest(&def, Epoch(2), &[batch(&forward)]).unwrap();
+        assert_eq!(
+            change_digest(&def, Epoch(2), &[batch(&backward)]).unwrap(),
+            digest
+        );
+        let (a, b) = shuffled.split_at(700);
+        assert_eq!(
+            change_digest(&def, Epoch(2), &[batch(b), batch(a)]).unwrap(),
+            digest
+        );
+    }
+
     /// The canonical form is fixed (a changed one is a new `DIGEST_DOMAIN`): this digest
     /// was computed when the form was defined, and signed chains on disk depend on it.
     #[test]
@@ -303,5 +364,80 @@ mod tests {
         assert_ne!(one, two);
         assert_ne!(two, table_version_id("t", Epoch(2), &GENESIS, &digests));
         assert_ne!(one, table_version_id("u", Epoch(1), &GENESIS, &digests));
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use crate::versions::stamp;
+    use arrow::array::{Float64Array, Int64Array, StringArray};
+    use arrow::datatypes::{DataType, Field, Schema};
+    use std::sync::Arc;
+    use tessera_common::RowOp;
+
+    /// `cargo test --release -p tessera-storage digest_timing -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn digest_timing() {
+        let schema = Schema::new(vec![
+            Field::new("k", DataType::Int64, false),
+            Field::new("line", DataType::Int64, false),
+            Field::new("qty", DataType::Float64, false),
+            Field::new("price", DataType::Float64, false),
+            Field::new("comment", DataType::Utf8, false),
+        ]);
+        let def = TableDef::new("t", schema, vec!["k".into(), "line".into()], None).unwrap();
+        let n = 1_000_000i64;
+        let mut x: u64 = 12345;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let keys: Vec<i64> = (0..n).map(|_| (next() % 10_000_000) as i64).collect();
+        let batch = RecordBatch::try_new(
+            def.schema_ref(),
+            vec![
+                Arc::new(Int64Array::from(keys.clone())),
+                Arc::new(Int64Array::from((0..n).map(|i| i % 7).collect::<Vec<_>>())),
+                Arc::new(Float64Array::from(
+                    (0..n).map(|i| i as f64).collect::<Vec<_>>(),
+                )),
+                Arc::new(Float64Array::from(
+                    (0..n).map(|i| i as f64 * 1.5).collect::<Vec<_>>(),
+                )),
+                Arc::new(StringArray::from_iter_values(
+                    (0..n).map(|i| format!("a comment of some length, row {i}")),
+                )),
+            ],
+        )
+        .unwrap();
+        let e = Epoch(3);
+        let stamped = stamp(&def, &batch, e, RowOp::Upsert).unwrap();
+        let batches: Vec<RecordBatch> = (0..10)
+            .map(|i| stamped.slice(i * 100_000, 100_000))
+            .collect();
+        for _ in 0..3 {
+            let started = std::time::Instant::now();
+            let digest = change_digest(&def, e, &batches).unwrap();
+            println!(
+                "change_digest of {n} rows: {:?} ({digest})",
+                started.elapsed()
+            );
+        }
+        let started = std::time::Instant::now();
+        let mut bytes = 0;
+        for b in &batches {
+            let mut w = arrow::ipc::writer::StreamWriter::try_new(Vec::new(), &b.schema()).unwrap();
+            w.write(b).unwrap();
+            w.finish().unwrap();
+            bytes += w.into_inner().unwrap().len();
+        }
+        println!(
+            "IPC encoding of the same rows ({bytes} bytes): {:?}",
+            started.elapsed()
+        );
     }
 }
