@@ -360,13 +360,34 @@ async fn only_a_partitions_primary_ships_its_components() {
     );
 }
 
+/// What node `addr` answers a peer reading `partitions` of table `kv` at `epoch`: its rows,
+/// or its error.
+async fn read_as_peer(
+    peer: &tessera_server::rpc::Clients,
+    addr: &str,
+    generation: u64,
+    epoch: tessera_common::Epoch,
+    partitions: Vec<tessera_common::PartitionId>,
+) -> Result<Vec<arrow::array::RecordBatch>, String> {
+    use futures::TryStreamExt;
+    let request = tessera_server::rpc::ScanRequest {
+        table: "kv".into(),
+        generation,
+        epoch,
+        partitions,
+        columns: vec![0, 1],
+        changes_since: None,
+    };
+    let stream = peer.get(addr, &request).await.map_err(|e| e.to_string())?;
+    stream.try_collect().await.map_err(|e| e.to_string())
+}
+
 /// Bad input from peers naming what does not exist: a read of a partition the cluster
 /// does not have, or at an epoch that was never published, gets an error in bounded time
 /// that names it (an unknown partition read as empty before), and the node goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_naming_an_unknown_partition_or_epoch_get_clear_errors() {
-    use futures::TryStreamExt;
-    use tessera_server::rpc::{Clients, ScanRequest, PROTOCOL_VERSION};
+    use tessera_server::rpc::{Clients, PROTOCOL_VERSION};
 
     let root = tempfile::tempdir().unwrap();
     let (cluster, client) = kv_cluster_with(BINARY, root.path(), 8, 3, &[]).await;
@@ -378,23 +399,11 @@ async fn reads_naming_an_unknown_partition_or_epoch_get_clear_errors() {
     let generation = status.meta.tables["kv"].generation;
     let peer = Clients::new(cluster.cluster_id(), PROTOCOL_VERSION);
     let read = |partition: u32, epoch: tessera_common::Epoch| {
-        let peer = &peer;
-        let addr = cluster.addr(2).to_string();
+        let (peer, addr) = (&peer, cluster.addr(2));
         async move {
-            let request = ScanRequest {
-                table: "kv".into(),
-                generation,
-                epoch,
-                partitions: vec![tessera_common::PartitionId(partition)],
-                columns: vec![0, 1],
-                changes_since: None,
-            };
             let asked = Instant::now();
-            let result: Result<Vec<arrow::array::RecordBatch>, String> = async {
-                let stream = peer.get(&addr, &request).await.map_err(|e| e.to_string())?;
-                stream.try_collect().await.map_err(|e| e.to_string())
-            }
-            .await;
+            let partitions = vec![tessera_common::PartitionId(partition)];
+            let result = read_as_peer(peer, addr, generation, epoch, partitions).await;
             (result, asked.elapsed())
         }
     };
@@ -429,8 +438,7 @@ async fn reads_naming_an_unknown_partition_or_epoch_get_clear_errors() {
 /// goes on to another replica. Before, it answered from what it had: no rows at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_asked_for_rows_it_does_not_hold_refuses_instead_of_answering_empty() {
-    use futures::TryStreamExt;
-    use tessera_server::rpc::{Clients, ScanRequest, PROTOCOL_VERSION};
+    use tessera_server::rpc::{Clients, PROTOCOL_VERSION};
 
     let root = tempfile::tempdir().unwrap();
     let (cluster, client) = kv_cluster_with(BINARY, root.path(), 8, 2, &[]).await;
@@ -450,23 +458,8 @@ async fn a_node_asked_for_rows_it_does_not_hold_refuses_instead_of_answering_emp
     assert!(!held.is_empty() && !not_held.is_empty(), "r=2 of 3 nodes");
     let peer = Clients::new(cluster.cluster_id(), PROTOCOL_VERSION);
     let read = |partitions: Vec<tessera_common::PartitionId>| {
-        let peer = &peer;
-        let addr = cluster.addr(asked.0).to_string();
-        let request = ScanRequest {
-            table: "kv".into(),
-            generation,
-            epoch: status.meta.visible,
-            partitions,
-            columns: vec![0, 1],
-            changes_since: None,
-        };
-        async move {
-            let stream = peer.get(&addr, &request).await.map_err(|e| e.to_string())?;
-            stream
-                .try_collect::<Vec<arrow::array::RecordBatch>>()
-                .await
-                .map_err(|e| e.to_string())
-        }
+        let addr = cluster.addr(asked.0);
+        read_as_peer(&peer, addr, generation, status.meta.visible, partitions)
     };
     let rows = |batches: &[arrow::array::RecordBatch]| -> usize {
         batches.iter().map(|b| b.num_rows()).sum()
