@@ -104,7 +104,13 @@ impl FailureDetector {
         }
     }
 
-    /// What to do about each member but `me` this round, at `now`. Takes the suspicions.
+    /// What to do about each member this round, at `now`. Takes the suspicions.
+    ///
+    /// `me`, the leader running the check, is alive by doing so. It is named only when the
+    /// metadata counts it failed: another leader declared it so while it was cut off, and
+    /// it won the election back after the heal. Nobody else would revive it, and while it
+    /// is counted failed its own publishes are fenced and its rebalances refused (a fault
+    /// run saw a leader stay so for over 20 s, acknowledging nothing).
     pub fn check(&mut self, me: NodeId, members: &[Member], now: Instant) -> Vec<(NodeId, Check)> {
         let suspects = self.take_suspects();
         // A live node not heard from yet (one that just joined) starts its timeout now.
@@ -113,9 +119,11 @@ impl FailureDetector {
         }
         members
             .iter()
-            .filter(|m| m.id != me)
+            .filter(|m| m.id != me || !m.alive)
             .map(|member| {
-                let check = if member.alive && suspects.contains(&member.id) {
+                let check = if member.id == me {
+                    Check::Alive
+                } else if member.alive && suspects.contains(&member.id) {
                     Check::Probe
                 } else if self.silent(member.id, now) {
                     Check::Failed
@@ -305,6 +313,26 @@ mod tests {
             verdict(&mut detector, &failed, t + TIMEOUT, NodeId(3)),
             Check::Alive
         );
+    }
+
+    #[test]
+    fn a_leader_the_metadata_counts_failed_declares_itself_alive() {
+        let start = Instant::now();
+        let mut detector = FailureDetector::new(TIMEOUT, LOST_AFTER);
+        let counted_failed = members(&[(ME, false), (NodeId(2), true)]);
+        detector.became_leader(ME, &counted_failed, start);
+        let later = start + TIMEOUT * 4;
+        detector.heard_from(NodeId(2), later);
+        assert_eq!(
+            verdict(&mut detector, &counted_failed, later, ME),
+            Check::Alive
+        );
+        // Counted alive, it is not named at all.
+        let alive = members(&[(ME, true), (NodeId(2), true)]);
+        assert!(detector
+            .check(ME, &alive, later)
+            .iter()
+            .all(|(id, _)| *id != ME));
     }
 
     #[test]
