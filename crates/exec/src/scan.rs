@@ -474,19 +474,26 @@ pub async fn wait_to_hold(
             reason: e.to_string(),
         })?;
     let me = node.id();
-    let view = node.meta.view();
     let not_held = |reason: String| ExecError::NotHeldHere {
         node: me,
         table: table.to_string(),
         epoch,
         reason,
     };
-    let started = view.state.nodes.get(&me).map_or(0, |n| n.incarnation);
-    if started < node.replication.incarnation() {
-        return Err(not_held(
-            "its metadata does not yet show this process started (it may have been taken back empty)".into(),
-        ));
+    // A process just started announces itself within moments: wait for that, not refuse.
+    let incarnation = node.replication.incarnation();
+    let started = |view: &Arc<tessera_meta::MetaView>| {
+        view.state
+            .nodes
+            .get(&me)
+            .is_some_and(|n| n.incarnation >= incarnation)
+    };
+    if !node.meta.wait_until(EPOCH_WAIT, started).await {
+        return Err(not_held(format!(
+            "its metadata does not show this process started after {EPOCH_WAIT:?} (it may have been taken back empty)"
+        )));
     }
+    let view = node.meta.view();
     for &partition in partitions {
         view.state
             .holds_through(me, partition, epoch)
