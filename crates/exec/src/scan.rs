@@ -456,9 +456,8 @@ pub(crate) fn stream_snapshot<K: Send + Sync + 'static>(
 /// `epoch`. Every read of this node's own rows starts here: the reader chose this replica
 /// from metadata that may be older than ours, and a replica that has since been wiped and
 /// taken back, refused as corrupt or moved off a partition must send it elsewhere rather
-/// than answer from what it has. Our view includes this process's own start (so any
-/// replacement of this node's data before it), since a replica is only asked once the
-/// process is announced.
+/// than answer from what it has. It also waits (as long as for the epoch) until our view
+/// includes this process's own start, and with it any replacement of this node's data.
 pub async fn wait_to_hold(
     node: &Exec,
     table: &str,
