@@ -366,6 +366,9 @@ enum BenchKind {
         queries: Vec<usize>,
         #[arg(long, default_value_t = 3)]
         runs: usize,
+        /// Publishes timed on each cluster (in turn, each after both clusters went quiet).
+        #[arg(long, default_value_t = 9)]
+        publishes: usize,
     },
     /// TPC-H on a cluster of storage nodes alone against the same with compute-only nodes
     /// added, in turn: times, and the share of channels that ran on the compute nodes.
@@ -725,10 +728,23 @@ async fn run(cli: Cli) -> Result<()> {
             bench: BenchKind::Diff { sf, runs },
         } => commands::bench_diff::run(&cli.data_dir, cli.store.config(), *sf, *runs).await,
         Command::Bench {
-            bench: BenchKind::Security { sf, queries, runs },
+            bench:
+                BenchKind::Security {
+                    sf,
+                    queries,
+                    runs,
+                    publishes,
+                },
         } => {
-            commands::bench_security::run(&cli.data_dir, cli.store.partitions, *sf, queries, *runs)
-                .await
+            commands::bench_security::run(
+                &cli.data_dir,
+                cli.store.partitions,
+                *sf,
+                queries,
+                *runs,
+                *publishes,
+            )
+            .await
         }
         Command::Bench {
             bench:

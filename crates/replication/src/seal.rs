@@ -13,8 +13,8 @@ use std::collections::BTreeMap;
 use tessera_common::signing::{key_path, SigningKey};
 use tessera_common::{ComponentHash, Epoch, PartitionId, RowOp};
 use tessera_meta::{EpochSeal, EpochSignature, MetaState, TableChangeCount, TableVersion};
-use tessera_storage::digest::{change_digest, table_version_id};
-use tessera_storage::versions::{stamp, tombstone_rows};
+use tessera_storage::digest::{table_version_id, ChangeDigester};
+use tessera_storage::versions::tombstone_rows;
 
 /// A publish's change digests, per table and partition.
 pub(crate) type Digests = BTreeMap<String, BTreeMap<PartitionId, ComponentHash>>;
@@ -39,20 +39,15 @@ pub(crate) fn digest_routed(
             .chain(routed.deletes.keys())
             .copied()
             .collect();
+        let mut digester = ChangeDigester::new(def, epoch)?;
         for partition in partitions {
-            let mut versions = Vec::new();
             for batch in routed.upserts.get(&partition).into_iter().flatten() {
-                versions.push(stamp(def, batch, epoch, RowOp::Upsert)?);
+                digester.add(batch, RowOp::Upsert)?;
             }
             for keys in routed.deletes.get(&partition).into_iter().flatten() {
-                versions.push(stamp(
-                    def,
-                    &tombstone_rows(def, keys)?,
-                    epoch,
-                    RowOp::Delete,
-                )?);
+                digester.add(&tombstone_rows(def, keys)?, RowOp::Delete)?;
             }
-            by_table.insert(partition, change_digest(def, epoch, &versions)?);
+            by_table.insert(partition, digester.finish());
         }
     }
     Ok(digests)

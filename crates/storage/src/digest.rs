@@ -24,7 +24,7 @@ use arrow::compute::{cast, concat_batches, sort_to_indices, take_record_batch};
 use arrow::datatypes::{UInt64Type, UInt8Type};
 use arrow::row::{RowConverter, SortField};
 use std::collections::BTreeMap;
-use tessera_common::{ComponentHash, Epoch, PartitionId, EPOCH_COLUMN, OP_COLUMN};
+use tessera_common::{ComponentHash, Epoch, PartitionId, RowOp, EPOCH_COLUMN, OP_COLUMN};
 
 /// Bumped if the canonical form ever changes (old ids stay checkable by their version).
 const DIGEST_DOMAIN: &[u8] = b"tessera change digest v1";
@@ -44,31 +44,92 @@ pub fn change_digest(
     epoch: Epoch,
     versions: &[RecordBatch],
 ) -> Result<ComponentHash> {
-    let columns = def.columns_at(Some(epoch));
-    let converter = RowConverter::new(
-        columns
-            .iter()
-            .map(|(_, field)| SortField::new(field.data_type().clone()))
-            .collect(),
-    )?;
-    // Each batch's rows in the row encoding, with their operations; then one order over
-    // all of them by (encoded row, operation), without copying a row.
-    let mut encoded = Vec::with_capacity(versions.len());
-    for batch in versions.iter().filter(|b| b.num_rows() > 0) {
+    let mut digester = ChangeDigester::new(def, epoch)?;
+    for batch in versions {
+        digester.add_versions(batch)?;
+    }
+    Ok(digester.finish())
+}
+
+/// Change digests of one table's partitions at one epoch, one partition after another: the
+/// rows of a partition are added, then [`ChangeDigester::finish`] gives its digest and
+/// starts the next. The row encoder and every buffer (encoded rows, their order, the
+/// hasher's input) are kept from one partition to the next, so a publish touching many
+/// partitions allocates them once, not once per partition and batch.
+pub struct ChangeDigester {
+    epoch: Epoch,
+    /// The table's columns at `epoch`: position in the stored schema, and type then.
+    columns: Vec<(usize, arrow::datatypes::Field)>,
+    converter: RowConverter,
+    /// The rows added since the last `finish`, in the row encoding, and their operations.
+    rows: arrow::row::Rows,
+    ops: Vec<u8>,
+    /// (order prefix, row) of every added row, sorted by `finish`.
+    order: Vec<(u128, u32)>,
+    piece: Vec<u8>,
+}
+
+impl ChangeDigester {
+    pub fn new(def: &TableDef, epoch: Epoch) -> Result<ChangeDigester> {
+        let columns = def.columns_at(Some(epoch));
+        let converter = RowConverter::new(
+            columns
+                .iter()
+                .map(|(_, field)| SortField::new(field.data_type().clone()))
+                .collect(),
+        )?;
+        let rows = converter.empty_rows(0, 0);
+        Ok(ChangeDigester {
+            epoch,
+            columns,
+            converter,
+            rows,
+            ops: Vec::new(),
+            order: Vec::new(),
+            piece: Vec::with_capacity(HASH_PIECE_BYTES + 1024),
+        })
+    }
+
+    /// Adds row versions in the stored schema, all stamped with this digester's epoch.
+    pub fn add_versions(&mut self, batch: &RecordBatch) -> Result<()> {
+        if batch.num_rows() == 0 {
+            return Ok(());
+        }
         let epochs = batch
             .column_by_name(EPOCH_COLUMN)
             .expect("stored schema")
             .as_primitive::<UInt64Type>();
         assert!(
-            epochs.values().iter().all(|&e| e == epoch.0),
+            epochs.values().iter().all(|&e| e == self.epoch.0),
             "a change digest covers one epoch's versions"
         );
         let ops = batch
             .column_by_name(OP_COLUMN)
             .expect("stored schema")
-            .as_primitive::<UInt8Type>()
-            .clone();
-        let arrays = columns
+            .as_primitive::<UInt8Type>();
+        self.encode(batch)?;
+        self.ops.extend_from_slice(ops.values());
+        Ok(())
+    }
+
+    /// Adds rows with the table's columns first (the stored schema's leading columns, as
+    /// routed rows or tombstones have them), all written by `op` at this digester's epoch:
+    /// the same as adding them stamped, without building the stamped batch.
+    pub fn add(&mut self, batch: &RecordBatch, op: RowOp) -> Result<()> {
+        if batch.num_rows() == 0 {
+            return Ok(());
+        }
+        self.encode(batch)?;
+        self.ops
+            .extend(std::iter::repeat_n(op as u8, batch.num_rows()));
+        Ok(())
+    }
+
+    /// Appends `batch`'s rows, in the row encoding of the columns the table had at the
+    /// epoch (types as they were then), to the rows added so far.
+    fn encode(&mut self, batch: &RecordBatch) -> Result<()> {
+        let arrays = self
+            .columns
             .iter()
             .map(|(position, field)| {
                 let column = batch.column(*position);
@@ -79,46 +140,53 @@ pub fn change_digest(
                 }
             })
             .collect::<Result<Vec<_>>>()?;
-        encoded.push((converter.convert_columns(&arrays)?, ops));
+        self.converter.append(&mut self.rows, &arrays)?;
+        Ok(())
     }
-    let row = |(b, i): (u32, u32)| encoded[b as usize].0.row(i as usize);
-    let op = |(b, i): (u32, u32)| encoded[b as usize].1.value(i as usize);
-    let mut order: Vec<(u128, (u32, u32))> = encoded
-        .iter()
-        .enumerate()
-        .flat_map(|(b, (rows, _))| (0..rows.num_rows() as u32).map(move |i| (b as u32, i)))
-        .map(|at| (order_prefix(row(at).as_ref()), at))
-        .collect();
-    // The row encoding orders like the values, key columns included: sorting by it gives
-    // one order however the rows came. Each row's first bytes are compared as a number
-    // held in the sorted vector itself, and the rows' bytes, scattered over memory, are
-    // read only where those are equal: the same order, without a cache miss per
-    // comparison (a million rows sorted several times faster).
-    order.sort_unstable_by(|&(px, x), &(py, y)| {
-        px.cmp(&py)
-            .then_with(|| row(x).cmp(&row(y)))
-            .then_with(|| op(x).cmp(&op(y)))
-    });
-    let mut hasher = blake3::Hasher::new();
-    hasher.update(DIGEST_DOMAIN);
-    hasher.update(&(order.len() as u64).to_le_bytes());
-    // Each row is (operation, length, bytes); they are gathered into large pieces first,
-    // since hashing a few bytes at a time costs more than the hashing itself. The bytes
-    // hashed, and so the digest, are the same.
-    let mut piece = Vec::with_capacity(HASH_PIECE_BYTES + 1024);
-    for (_, at) in order {
-        let bytes = row(at);
-        let bytes: &[u8] = bytes.as_ref();
-        piece.push(op(at));
-        piece.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
-        piece.extend_from_slice(bytes);
-        if piece.len() >= HASH_PIECE_BYTES {
-            hasher.update(&piece);
-            piece.clear();
+
+    /// The digest of the rows added since the last call; the digester is then empty.
+    pub fn finish(&mut self) -> ComponentHash {
+        let (rows, ops) = (&self.rows, &self.ops);
+        assert_eq!(rows.num_rows(), ops.len(), "one operation per row");
+        self.order.clear();
+        self.order.extend(
+            (0..rows.num_rows() as u32).map(|i| (order_prefix(rows.row(i as usize).as_ref()), i)),
+        );
+        // The row encoding orders like the values, key columns included: sorting by it gives
+        // one order however the rows came. Each row's first bytes are compared as a number
+        // held in the sorted vector itself, and the rows' bytes, scattered over memory, are
+        // read only where those are equal: the same order, without a cache miss per
+        // comparison (a million rows sorted several times faster).
+        self.order.sort_unstable_by(|&(px, x), &(py, y)| {
+            px.cmp(&py)
+                .then_with(|| rows.row(x as usize).cmp(&rows.row(y as usize)))
+                .then_with(|| ops[x as usize].cmp(&ops[y as usize]))
+        });
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(DIGEST_DOMAIN);
+        hasher.update(&(self.order.len() as u64).to_le_bytes());
+        // Each row is (operation, length, bytes); they are gathered into large pieces first,
+        // since hashing a few bytes at a time costs more than the hashing itself. The bytes
+        // hashed, and so the digest, are the same.
+        let piece = &mut self.piece;
+        piece.clear();
+        for &(_, at) in &self.order {
+            let bytes = rows.row(at as usize);
+            let bytes: &[u8] = bytes.as_ref();
+            piece.push(ops[at as usize]);
+            piece.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+            piece.extend_from_slice(bytes);
+            if piece.len() >= HASH_PIECE_BYTES {
+                hasher.update(piece);
+                piece.clear();
+            }
         }
+        hasher.update(piece);
+        piece.clear();
+        self.rows.clear();
+        self.ops.clear();
+        ComponentHash(*hasher.finalize().as_bytes())
     }
-    hasher.update(&piece);
-    Ok(ComponentHash(*hasher.finalize().as_bytes()))
 }
 
 /// The first 16 bytes of an encoded row as a big-endian number, zero-padded: two rows
@@ -263,6 +331,44 @@ mod tests {
             change_digest(&def, e, &[delete]).unwrap(),
             change_digest(&def, e, &[upsert_null]).unwrap()
         );
+    }
+
+    /// A digester fed unstamped rows with their operation, partition after partition,
+    /// gives each partition the digest of its stamped versions on their own.
+    #[test]
+    fn a_digester_reused_across_partitions_digests_each_as_its_stamped_rows() {
+        let def = def();
+        let e = Epoch(5);
+        let first = rows(&def, &[1, 2, 3], &["a", "b", "c"]);
+        let second = rows(&def, &[9, 8], &["i", "h"]);
+        let deleted =
+            tombstone_rows(&def, &rows(&def, &[4], &["d"]).project(&[0]).unwrap()).unwrap();
+        let mut digester = ChangeDigester::new(&def, e).unwrap();
+        digester.add(&first, RowOp::Upsert).unwrap();
+        digester.add(&deleted, RowOp::Delete).unwrap();
+        let first_digest = digester.finish();
+        digester.add(&second, RowOp::Upsert).unwrap();
+        let second_digest = digester.finish();
+        let stamped = |batch: &RecordBatch, op| stamp(&def, batch, e, op).unwrap();
+        assert_eq!(
+            first_digest,
+            change_digest(
+                &def,
+                e,
+                &[
+                    stamped(&first, RowOp::Upsert),
+                    stamped(&deleted, RowOp::Delete)
+                ]
+            )
+            .unwrap()
+        );
+        assert_eq!(
+            second_digest,
+            change_digest(&def, e, &[stamped(&second, RowOp::Upsert)]).unwrap()
+        );
+        assert_ne!(first_digest, second_digest);
+        // Finished and fed nothing: the digest of no rows, not of the last partition's.
+        assert_eq!(digester.finish(), change_digest(&def, e, &[]).unwrap());
     }
 
     /// Rows whose first 16 encoded bytes agree are ordered by their whole encoding: the

@@ -34,3 +34,42 @@ where
     }
     Ok(Instant::now())
 }
+
+/// CPU time (user + system) the processes `pids` have used so far, from `/proc/<pid>/stat`;
+/// a process that has gone counts nothing.
+fn cpu_ticks(pids: &[u32]) -> u64 {
+    pids.iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+        .filter_map(|stat| {
+            // The command name (field 2) is parenthesised and may hold spaces: the fields
+            // counted from the last ')' are fixed. utime and stime are fields 14 and 15.
+            let after_name = &stat[stat.rfind(')')? + 1..];
+            let fields: Vec<&str> = after_name.split_whitespace().collect();
+            let utime: u64 = fields.get(11)?.parse().ok()?;
+            let stime: u64 = fields.get(12)?.parse().ok()?;
+            Some(utime + stime)
+        })
+        .sum()
+}
+
+/// Waits until the processes `pids` are quiet (together under a tenth of one core over
+/// half a second), so that the background work one measurement leaves behind (checkpoints,
+/// flushes, merges) is not charged to the next. Gives up at `timeout` and says whether
+/// they went quiet: a benchmark goes on either way, and prints how often they did not.
+pub async fn wait_quiet(pids: &[u32], timeout: Duration) -> bool {
+    const WINDOW: Duration = Duration::from_millis(500);
+    // SAFETY: sysconf has no preconditions; it reads a constant of the running kernel.
+    let ticks_per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let quiet_ticks = ticks_per_second * WINDOW.as_secs_f64() * 0.1;
+    let deadline = Instant::now() + timeout;
+    let mut before = cpu_ticks(pids);
+    while Instant::now() < deadline {
+        tokio::time::sleep(WINDOW).await;
+        let now = cpu_ticks(pids);
+        if (now.saturating_sub(before) as f64) <= quiet_ticks {
+            return true;
+        }
+        before = now;
+    }
+    false
+}
