@@ -338,12 +338,9 @@ fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Avail
             Some(&first) => {
                 entry.longest_gap = entry.longest_gap.max(first - previous);
                 if next_fault.is_none_or(|next| first <= next) {
-                    let alone = first - fault.healed;
-                    entry.longest_after_heal_alone = Some(
-                        entry
-                            .longest_after_heal_alone
-                            .map_or(alone, |d| d.max(alone)),
-                    );
+                    entry.longest_after_heal_alone = entry
+                        .longest_after_heal_alone
+                        .max(Some(first - fault.healed));
                 }
                 if first - fault.healed >= entry.longest_after_heal {
                     entry.longest_after_heal = first - fault.healed;
