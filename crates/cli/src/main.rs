@@ -356,6 +356,18 @@ enum BenchKind {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// What kept versions cost a read of the newest epoch: Q1 and Q6 after each round of
+    /// updates to a tenth of lineitem (every version kept), as ratios to the time with one
+    /// version, in the same process.
+    Versions {
+        #[arg(long, default_value_t = 0.1)]
+        sf: f64,
+        /// Rounds of updates.
+        #[arg(long, default_value_t = 20)]
+        rounds: usize,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
     /// What mutual TLS on the internal port costs: TPC-H and publish time on two 3-node
     /// clusters, one under mTLS and one plaintext, in turn.
     Security {
@@ -727,6 +739,12 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             bench: BenchKind::Diff { sf, runs },
         } => commands::bench_diff::run(&cli.data_dir, cli.store.config(), *sf, *runs).await,
+        Command::Bench {
+            bench: BenchKind::Versions { sf, rounds, runs },
+        } => {
+            commands::bench_versions::run(&cli.data_dir, cli.store.config(), *sf, *rounds, *runs)
+                .await
+        }
         Command::Bench {
             bench:
                 BenchKind::Security {

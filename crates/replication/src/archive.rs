@@ -586,6 +586,7 @@ mod tests {
                 unique_keys: true,
                 tombstones: 0,
                 layout: 0,
+                superseded_at: Default::default(),
             },
             data_fragments: 4,
             parity_fragments: 2,

@@ -576,7 +576,11 @@ impl NodeService {
         let store = node.store.clone();
         let (table, partitions) = (scan.table.clone(), scan.partitions.clone());
         let damaged = tokio::task::spawn_blocking(move || {
-            let snapshot = store.snapshot(&table, Some(scan.epoch))?;
+            // A diff reads history components too: check those it will read.
+            let snapshot = match scan.changes_since {
+                Some(_) => store.versions_snapshot(&table, Some(scan.epoch))?,
+                None => store.snapshot(&table, Some(scan.epoch))?,
+            };
             Ok::<_, tessera_storage::StorageError>(tessera_exec::scan::find_damaged(
                 &store,
                 &snapshot,

@@ -79,6 +79,7 @@ fn component() -> ComponentMeta {
         unique_keys: true,
         tombstones: 1,
         layout: 0,
+        superseded_at: Epoch::ZERO,
     }
 }
 
@@ -384,6 +385,7 @@ fn sample_archived_component() -> tessera_meta::archive::ArchivedComponent {
             unique_keys: true,
             tombstones: 0,
             layout: 0,
+            superseded_at: Epoch::ZERO,
         },
         data_fragments: 4,
         parity_fragments: 2,

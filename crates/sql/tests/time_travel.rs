@@ -281,3 +281,125 @@ async fn write_tag(engine: &Engine, sql: &str) {
         .await
         .unwrap_or_else(|e| panic!("{sql}: {e}"));
 }
+
+/// A merge splits each partition into its keys' newest versions and their history: the
+/// newest epoch reads one plain component per partition however many versions the table
+/// keeps, every older epoch and every diff still answers exactly (also after a restart),
+/// and once retention passes the history, it is dropped whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn merges_keep_the_newest_versions_apart_from_their_history() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = StoreConfig {
+        partitions: 4,
+        merge_threshold: 2,
+        ..StoreConfig::default()
+    };
+    let store = Store::open(dir.path(), config.clone()).unwrap();
+    let engine = Engine::new(store.clone());
+    engine
+        .execute("CREATE TABLE t (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
+        .await
+        .unwrap();
+    let rows: Vec<String> = (0..200).map(|k| format!("({k}, {k})")).collect();
+    let mut current: BTreeMap<i64, i64> = (0..200).map(|k| (k, k)).collect();
+    let mut model = BTreeMap::new();
+    let first = write(
+        &engine,
+        &format!("INSERT INTO t VALUES {}", rows.join(", ")),
+    )
+    .await;
+    model.insert(first, current.clone());
+    store.checkpoint().unwrap();
+    // With a threshold of 2, every second round merges (the last one too), and the third
+    // merge's history crowds the older two into one.
+    for round in 1..=8 {
+        let e = write(
+            &engine,
+            &format!("UPDATE t SET v = v + 1000 WHERE k % 7 < {round}"),
+        )
+        .await;
+        for (k, v) in current.iter_mut().filter(|(k, _)| *k % 7 < round) {
+            *v += 1000;
+        }
+        model.insert(e, current.clone());
+        store.checkpoint().unwrap();
+    }
+    let newest = *model.keys().last().unwrap();
+
+    let layout = store.table_def("t").unwrap().layout();
+    let read = store.snapshot("t", None).unwrap();
+    for partition in read.partitions.iter().filter(|p| !p.is_empty()) {
+        assert!(
+            partition.is_plain_scan(newest, layout),
+            "partition {} reads {:?} at the newest epoch",
+            partition.partition,
+            partition.components
+        );
+    }
+    let versions = store.versions_snapshot("t", None).unwrap();
+    let history: Vec<_> = versions
+        .partitions
+        .iter()
+        .flat_map(|p| &p.components)
+        .filter(|c| c.is_history())
+        .collect();
+    assert!(!history.is_empty(), "the merges kept no history");
+    assert!(history
+        .iter()
+        .all(|c| c.superseded_at <= newest && !c.read_at(newest)));
+
+    let check = |engine: Engine, model: BTreeMap<Epoch, BTreeMap<i64, i64>>| async move {
+        for (epoch, expected) in &model {
+            let sql = format!("SELECT k, v FROM t AS OF EPOCH {epoch}");
+            let answer = pairs(&engine.query(&sql).await.unwrap());
+            assert_eq!(&answer, expected, "AS OF EPOCH {epoch}");
+        }
+        // A diff between two old epochs reads the history.
+        let (from, to) = (*model.keys().nth(1).unwrap(), *model.keys().nth(3).unwrap());
+        let sql = format!("SELECT k, before_v, after_v FROM tessera_changes('t', {from}, {to})");
+        let mut changed = BTreeMap::new();
+        for batch in engine.query(&sql).await.unwrap() {
+            let columns: Vec<_> = (0..3)
+                .map(|i| batch.column(i).as_primitive::<Int64Type>().clone())
+                .collect();
+            for row in 0..batch.num_rows() {
+                let [k, before, after] = [0, 1, 2].map(|i| columns[i].value(row));
+                changed.insert(k, (before, after));
+            }
+        }
+        let expected: BTreeMap<i64, (i64, i64)> = model[&to]
+            .iter()
+            .filter(|(k, v)| model[&from][k] != **v)
+            .map(|(k, v)| (*k, (model[&from][k], *v)))
+            .collect();
+        assert_eq!(changed, expected, "changes from {from} to {to}");
+    };
+    check(Engine::new(store.clone()), model.clone()).await;
+    drop(engine);
+    drop(read);
+    drop(versions);
+    drop(store);
+    let store = Store::open(dir.path(), config).unwrap();
+    let engine = Engine::new(store.clone());
+    check(Engine::new(store.clone()), model.clone()).await;
+
+    // Keeping one epoch (a cluster's metadata hands the store its horizon): the next
+    // checkpoint drops every history component, unread.
+    let last = write(&engine, "UPDATE t SET v = v + 1 WHERE k = 0").await;
+    *current.get_mut(&0).unwrap() += 1;
+    store.set_retention_horizons(vec![("t".to_string(), last)]);
+    store.checkpoint().unwrap();
+    let versions = store.versions_snapshot("t", None).unwrap();
+    assert!(
+        versions
+            .partitions
+            .iter()
+            .flat_map(|p| &p.components)
+            .all(|c| !c.is_history()),
+        "history outlived the retention horizon"
+    );
+    let latest = pairs(&engine.query("SELECT k, v FROM t").await.unwrap());
+    assert_eq!(latest, current, "at epoch {last}");
+    let error = refused(&engine, &format!("SELECT * FROM t AS OF EPOCH {first}")).await;
+    assert!(error.contains("retain"), "{error}");
+}

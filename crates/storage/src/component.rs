@@ -38,6 +38,24 @@ pub struct ComponentMeta {
     /// ([`TableDef::layout`]); an older file is conformed when read.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub layout: u32,
+    /// Set on a merge's history component (see [`crate::store`]'s merges): every version in
+    /// it is superseded by a version at or below this epoch, so a read at this epoch or
+    /// later never needs it. Zero on every other component.
+    #[serde(default, skip_serializing_if = "Epoch::is_zero")]
+    pub superseded_at: Epoch,
+}
+
+impl ComponentMeta {
+    /// Whether this is a merge's history component: versions only reads below
+    /// `superseded_at` (and diffs, copies and checks) need.
+    pub fn is_history(&self) -> bool {
+        !self.superseded_at.is_zero()
+    }
+
+    /// Whether a read of the table at `epoch` needs this component's rows.
+    pub fn read_at(&self, epoch: Epoch) -> bool {
+        self.min_epoch <= epoch && !(self.is_history() && self.superseded_at <= epoch)
+    }
 }
 
 fn is_zero(layout: &u32) -> bool {

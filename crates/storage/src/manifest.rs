@@ -18,11 +18,23 @@ pub struct Manifest {
 }
 
 impl Manifest {
-    /// The components holding any row version visible at `epoch`.
+    /// The components holding any row version at or below `epoch`: what a diff, a copy or a
+    /// check of the versions up to `epoch` reads.
     pub fn components_at(&self, epoch: Epoch) -> Vec<ComponentMeta> {
         self.components
             .iter()
             .filter(|c| c.min_epoch <= epoch)
+            .cloned()
+            .collect()
+    }
+
+    /// The components a read of the table at `epoch` needs: those of
+    /// [`Manifest::components_at`] less the history components every version of which is
+    /// superseded at or below `epoch`.
+    pub fn components_read_at(&self, epoch: Epoch) -> Vec<ComponentMeta> {
+        self.components
+            .iter()
+            .filter(|c| c.read_at(epoch))
             .cloned()
             .collect()
     }

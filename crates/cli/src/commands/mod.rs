@@ -11,6 +11,7 @@ pub mod bench_meta;
 pub mod bench_recovery;
 pub mod bench_replication;
 pub mod bench_security;
+pub mod bench_versions;
 pub mod certs;
 pub mod cluster_status;
 pub mod demo;

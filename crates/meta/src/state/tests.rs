@@ -730,6 +730,7 @@ fn archived_epoch(
         unique_keys: true,
         tombstones: 0,
         layout: 0,
+        superseded_at: Default::default(),
     };
     crate::archive::ArchivedEpoch {
         table: table.into(),

@@ -54,6 +54,7 @@ impl Store {
             unique_keys: stats.unique_keys,
             tombstones: stats.tombstones,
             layout: def.layout(),
+            superseded_at: Epoch::ZERO,
         };
         Ok(Some((meta, bytes)))
     }

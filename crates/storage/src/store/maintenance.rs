@@ -74,62 +74,133 @@ impl Store {
         self.merge_crowded_partitions()
     }
 
+    /// Merges each partition's components once there are more than the merge threshold:
+    /// into one *current* component, each key's newest version, and one *history*
+    /// component, the versions those supersede (marked with the newest merged epoch, at or
+    /// after which no read needs them). A read at the newest epoch then scans the current
+    /// component alone, however many versions the table keeps. History components are
+    /// merged among themselves when they crowd, and dropped whole once the retention
+    /// horizon passes the epoch that superseded them.
     fn merge_crowded_partitions(&self) -> Result<()> {
-        let work = {
+        let work: Vec<MergePlan> = {
             let state = self.state();
-            let work: Vec<(TableDef, PartitionId, Vec<ComponentMeta>, Epoch)> = state
+            state
                 .all_partitions()
-                .filter(|(_, _, p)| p.manifest.components.len() > self.config.merge_threshold)
-                .map(|(t, partition, p)| {
-                    let horizon = state.horizon(&t.def.name);
-                    (
-                        t.def.clone(),
+                .filter_map(|(t, partition, p)| {
+                    MergePlan::of(
+                        &t.def,
                         partition,
-                        p.manifest.components.clone(),
-                        horizon,
+                        &p.manifest.components,
+                        state.horizon(&t.def.name),
+                        self.config.merge_threshold,
                     )
                 })
-                .collect();
-            work
+                .collect()
         };
-        for (def, partition, inputs, retained_from) in work {
-            let mut batches = Vec::new();
-            for input in &inputs {
-                batches.extend(self.read_verified_rows(&def, &input.hash)?);
+        for plan in work {
+            let key = plan.def.primary_key_indices();
+            let mut new_history = Vec::new();
+            let mut new_current = None;
+            if !plan.live.is_empty() {
+                let batches = self.read_components(&plan.def, &plan.live)?;
+                let split = versions::merge_and_split_versions(
+                    &batches,
+                    &key,
+                    plan.horizon,
+                    plan.def.append_only,
+                )?;
+                let (min_lsn, max_lsn) = lsn_range(&plan.live);
+                let superseded_at = plan
+                    .live
+                    .iter()
+                    .map(|c| c.max_epoch)
+                    .max()
+                    .expect("a merge has inputs");
+                if split.history.num_rows() > 0 {
+                    let mut meta =
+                        self.write_component(&plan.def, &[split.history], min_lsn, max_lsn)?;
+                    meta.superseded_at = superseded_at;
+                    new_history.push(meta);
+                }
+                if split.current.num_rows() > 0 {
+                    new_current = Some(self.write_component(
+                        &plan.def,
+                        &[split.current],
+                        min_lsn,
+                        max_lsn,
+                    )?);
+                }
             }
-            let merged = versions::merge_versions(
-                &batches,
-                &def.primary_key_indices(),
-                retained_from,
-                def.append_only,
-            )?;
-            let min_lsn = inputs
+            if !plan.history.is_empty() {
+                let batches = self.read_components(&plan.def, &plan.history)?;
+                // Every version here is older than its key's versions in the current and
+                // newer components, so retention may judge them among themselves.
+                let merged = versions::merge_versions(&batches, &key, plan.horizon, false)?;
+                if merged.num_rows() > 0 {
+                    let (min_lsn, max_lsn) = lsn_range(&plan.history);
+                    let mut meta = self.write_component(&plan.def, &[merged], min_lsn, max_lsn)?;
+                    meta.superseded_at = plan
+                        .history
+                        .iter()
+                        .map(|c| c.superseded_at)
+                        .max()
+                        .expect("a merge has inputs");
+                    new_history.insert(0, meta);
+                }
+            }
+            let removed: Vec<ComponentHash> = plan
+                .live
                 .iter()
-                .map(|c| c.min_lsn)
-                .min()
-                .expect("a merge has inputs");
-            let max_lsn = inputs
-                .iter()
-                .map(|c| c.max_lsn)
-                .max()
-                .expect("a merge has inputs");
-            let merged_meta = if merged.num_rows() > 0 {
-                Some(self.write_component(&def, &[merged], min_lsn, max_lsn)?)
-            } else {
-                None
-            };
+                .chain(&plan.history)
+                .chain(&plan.expired)
+                .map(|c| c.hash)
+                .collect();
             let mut state = self.state();
-            let manifest = &mut state.held_partition_mut(&def.name, partition).manifest;
-            assert_eq!(
-                manifest.components, inputs,
+            let manifest = &mut state
+                .held_partition_mut(&plan.def.name, plan.partition)
+                .manifest;
+            assert!(
+                removed
+                    .iter()
+                    .all(|h| manifest.components.iter().any(|c| c.hash == *h)),
                 "manifests change only under the exclusive gate"
             );
-            manifest.components = merged_meta.into_iter().collect();
+            let (kept_history, kept_live): (Vec<_>, Vec<_>) =
+                std::mem::take(&mut manifest.components)
+                    .into_iter()
+                    .filter(|c| !removed.contains(&c.hash))
+                    .partition(|c| c.is_history());
+            manifest.components = kept_history
+                .into_iter()
+                .chain(new_history)
+                .chain(new_current)
+                .chain(kept_live)
+                .collect();
             self.write_checkpoint(&state)?;
-            tracing::debug!(table = %def.name, %partition, inputs = inputs.len(), "merged components");
-            self.collect_garbage(inputs.iter().map(|c| c.hash).collect(), &state)?;
+            tracing::debug!(
+                table = %plan.def.name,
+                partition = %plan.partition,
+                merged = plan.live.len(),
+                history_merged = plan.history.len(),
+                history_expired = plan.expired.len(),
+                "merged components"
+            );
+            self.collect_garbage(removed, &state)?;
         }
         Ok(())
+    }
+
+    /// The row versions of `components`, each checked against its name.
+    fn read_components(
+        &self,
+        def: &TableDef,
+        components: &[ComponentMeta],
+    ) -> Result<Vec<RecordBatch>> {
+        let mut batches = Vec::new();
+        for component in components {
+            batches.extend(self.read_verified_rows(def, &component.hash)?);
+        }
+        Ok(batches)
     }
 
     /// Queues components no manifest references for deletion once no snapshot can read them.
@@ -186,4 +257,63 @@ impl Store {
         }
         Ok(())
     }
+}
+
+/// What one partition's merge does at a checkpoint.
+struct MergePlan {
+    def: TableDef,
+    partition: PartitionId,
+    /// The table's retention horizon: versions no read at or after it sees are dropped.
+    horizon: Epoch,
+    /// Every component that is not history, to merge into a current and a history
+    /// component; empty if they do not crowd.
+    live: Vec<ComponentMeta>,
+    /// History components to merge into one; empty if they do not crowd.
+    history: Vec<ComponentMeta>,
+    /// History components no retained epoch reads: dropped without reading.
+    expired: Vec<ComponentMeta>,
+}
+
+impl MergePlan {
+    /// The merge one partition's components need, if any.
+    fn of(
+        def: &TableDef,
+        partition: PartitionId,
+        components: &[ComponentMeta],
+        horizon: Epoch,
+        threshold: usize,
+    ) -> Option<MergePlan> {
+        let (history, live): (Vec<_>, Vec<_>) =
+            components.iter().cloned().partition(|c| c.is_history());
+        let (expired, history): (Vec<_>, Vec<_>) = history
+            .into_iter()
+            .partition(|c| c.superseded_at <= horizon);
+        let crowded = |components: Vec<ComponentMeta>| {
+            if components.len() > threshold {
+                components
+            } else {
+                Vec::new()
+            }
+        };
+        let plan = MergePlan {
+            def: def.clone(),
+            partition,
+            horizon,
+            live: crowded(live),
+            history: crowded(history),
+            expired,
+        };
+        let idle = plan.live.is_empty() && plan.history.is_empty() && plan.expired.is_empty();
+        (!idle).then_some(plan)
+    }
+}
+
+/// The log positions a merge's output covers: those of all its inputs.
+fn lsn_range(inputs: &[ComponentMeta]) -> (Lsn, Lsn) {
+    let min = inputs.iter().map(|c| c.min_lsn).min();
+    let max = inputs.iter().map(|c| c.max_lsn).max();
+    (
+        min.expect("a merge has inputs"),
+        max.expect("a merge has inputs"),
+    )
 }

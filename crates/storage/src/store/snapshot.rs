@@ -3,9 +3,40 @@
 
 use super::*;
 
+/// Which components a snapshot names.
+#[derive(Debug, Clone, Copy)]
+enum SnapshotScope {
+    /// Those a read of the table at the snapshot's epoch needs.
+    Read,
+    /// Every one holding a version at or below the snapshot's epoch.
+    Versions,
+}
+
 impl Store {
-    /// A consistent view of `table` at `epoch` (the visible epoch if `None`).
+    /// A consistent view of `table` at `epoch` (the visible epoch if `None`) for reading the
+    /// table as it was then: merges' history components every version of which is
+    /// superseded at or below `epoch` are left out.
     pub fn snapshot(&self, table: &str, epoch: Option<Epoch>) -> Result<Arc<TableSnapshot>> {
+        self.snapshot_of(table, epoch, SnapshotScope::Read)
+    }
+
+    /// A consistent view of `table` with every row version at or below `epoch` (the visible
+    /// epoch if `None`): what a diff, a copy to another replica or a check of the
+    /// components reads.
+    pub fn versions_snapshot(
+        &self,
+        table: &str,
+        epoch: Option<Epoch>,
+    ) -> Result<Arc<TableSnapshot>> {
+        self.snapshot_of(table, epoch, SnapshotScope::Versions)
+    }
+
+    fn snapshot_of(
+        &self,
+        table: &str,
+        epoch: Option<Epoch>,
+        scope: SnapshotScope,
+    ) -> Result<Arc<TableSnapshot>> {
         let state = self.state();
         let epoch = epoch.unwrap_or(state.visible);
         if epoch > state.visible {
@@ -31,7 +62,10 @@ impl Store {
                 Ok(PartitionSnapshot {
                     partition: PartitionId(i as u32),
                     rows_in_log: p.unapplied.iter().any(|l| l.epoch <= epoch),
-                    components: p.manifest.components_at(epoch),
+                    components: match scope {
+                        SnapshotScope::Read => p.manifest.components_read_at(epoch),
+                        SnapshotScope::Versions => p.manifest.components_at(epoch),
+                    },
                     // Rows logged under an earlier definition are read in today's.
                     memtable: p
                         .memtable
@@ -72,7 +106,7 @@ impl Store {
         }
         // Checks `from` the way a read at it is checked.
         drop(self.snapshot(table, Some(from))?);
-        self.snapshot(table, Some(to))
+        self.versions_snapshot(table, Some(to))
     }
 
     /// Sets every table's retention horizon, as the metadata computes it. A horizon never

@@ -57,7 +57,7 @@ impl Store {
         table: &str,
         partition: PartitionId,
     ) -> Result<Arc<TableSnapshot>> {
-        let snapshot = self.snapshot(table, None)?;
+        let snapshot = self.versions_snapshot(table, None)?;
         if snapshot.partitions.len() <= partition.0 as usize {
             return Err(StorageError::UnknownPartition {
                 table: table.to_string(),
