@@ -245,21 +245,30 @@ async fn verify_names_corrupt_replicas_and_forged_records_and_the_cluster_repair
         .find(|n| n.id.0 == 1)
         .unwrap()
         .incarnation;
-    let allocated = write_as_node(
-        &cluster,
-        &clients,
-        MetaCommand::As {
-            user: "ada".into(),
-            command: Box::new(MetaCommand::AllocateEpoch {
-                coordinator: tessera_common::NodeId(1),
-                incarnation,
-                tables: vec!["readings".into()],
-                request: 77,
-            }),
-        },
-    )
-    .await
-    .unwrap();
+    let allocate = MetaCommand::As {
+        user: "ada".into(),
+        command: Box::new(MetaCommand::AllocateEpoch {
+            coordinator: tessera_common::NodeId(1),
+            incarnation,
+            tables: vec!["readings".into()],
+            request: 77,
+        }),
+    };
+    // The repair just verified may still hold the table's lease for a moment (its copy
+    // is an open epoch): wait for it to end, with a deadline.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let allocated = loop {
+        match write_as_node(&cluster, &clients, allocate.clone())
+            .await
+            .unwrap()
+        {
+            MetaResponse::TableBusy(why) if std::time::Instant::now() < deadline => {
+                println!("readings busy ({why}); trying again");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            response => break response,
+        }
+    };
     let MetaResponse::Epoch(forged_epoch) = allocated else {
         panic!("expected an epoch, got {allocated:?}");
     };
