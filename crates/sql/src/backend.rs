@@ -412,6 +412,7 @@ pub fn read_local(
                 snapshot.epoch,
                 partition,
                 columns,
+                None,
             )?,
         };
         batches.extend(read);

@@ -7,8 +7,10 @@
 //! Components never change (they are named by the hash of their bytes), so a small one's
 //! decoded rows can be kept and served again for the price of a column selection.
 //!
-//! Only plain components are kept (a partition's rows at the epoch are exactly the
-//! component's: nothing to resolve), and only those at most `max_component_bytes` on disk;
+//! Plain components (a partition's rows at the epoch are exactly the component's: nothing
+//! to resolve) are read through it, and so are the components of partitions whose versions
+//! are resolved ([`crate::scan::VersionedScanExec`]); only those at most
+//! `max_component_bytes` on disk are kept;
 //! all of them together hold at most `budget_bytes` of memory, the least recently read
 //! going first. A component is decoded on its first read by a query, never while planning.
 
@@ -115,7 +117,7 @@ impl DecodedComponents {
 
     /// The rows of `component` in `def`'s stored schema: kept ones, or read from
     /// `components_dir` and kept.
-    fn rows(
+    pub(crate) fn rows(
         &self,
         components_dir: &std::path::Path,
         def: &TableDef,

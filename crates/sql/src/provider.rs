@@ -627,8 +627,8 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
         .collect::<Result<Vec<_>>>()?;
     let merged_statistics =
         Statistics::try_merge_iter(file_statistics.iter().map(|s| s.as_ref()), &stored)?;
-    let decoded = decoded.filter(|cache| plain.iter().all(|c| cache.admits(c)));
-    if let (Some(cache), false) = (decoded, plain.is_empty()) {
+    let plain_decoded = decoded.filter(|cache| plain.iter().all(|c| cache.admits(c)));
+    if let (Some(cache), false) = (plain_decoded, plain.is_empty()) {
         children.push(Arc::new(DecodedScanExec::new(DecodedScan {
             snapshot: snapshot.clone(),
             groups: group_files(plain, grouping, |c| c.bytes),
@@ -687,6 +687,7 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
             versioned,
             projection.clone(),
             dir,
+            decoded.cloned(),
         )?));
     }
     if children.is_empty() {

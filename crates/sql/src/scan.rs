@@ -6,6 +6,7 @@
 //! other partition goes through [`VersionedScanExec`], which resolves each key to its newest
 //! version at or below the epoch.
 
+use crate::decoded::DecodedComponents;
 use crate::error::SqlError;
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
@@ -23,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tessera_common::{Epoch, EPOCH_COLUMN, OP_COLUMN};
 use tessera_storage::component::read_component;
-use tessera_storage::versions::{stored_schema, visible_rows};
+use tessera_storage::versions::{stored_schema, visible_rows_over_base};
 use tessera_storage::{PartitionSnapshot, TableDef, TableSnapshot};
 
 /// The rows of one partition visible at `epoch`, restricted to `columns` of the stored
@@ -34,6 +35,7 @@ pub fn read_visible_partition(
     epoch: Epoch,
     partition: &PartitionSnapshot,
     columns: &[usize],
+    decoded: Option<&DecodedComponents>,
 ) -> Result<Option<RecordBatch>, SqlError> {
     let stored = stored_schema(def);
     let epoch_index = stored
@@ -50,14 +52,39 @@ pub fn read_visible_partition(
         .collect();
     read.sort_unstable();
     read.dedup();
+    // The largest component with one version per key, none above the epoch, goes first as
+    // the base the other versions are resolved against (a merge's current component).
+    let base = partition
+        .components
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.unique_keys && c.max_epoch <= epoch)
+        .max_by_key(|(_, c)| c.rows)
+        .map(|(i, _)| i);
+    let mut components: Vec<_> = partition.components.iter().collect();
+    if let Some(base) = base {
+        components.swap(0, base);
+    }
     let mut batches = Vec::new();
-    for component in &partition.components {
-        batches.extend(read_component(
-            components_dir,
-            def,
-            &component.hash,
-            Some(&read),
-        )?);
+    let mut base_batches = 0;
+    for (i, component) in components.into_iter().enumerate() {
+        match decoded.filter(|cache| cache.admits(component)) {
+            Some(cache) => {
+                let rows = cache.rows(components_dir, def, component)?;
+                for batch in rows.iter() {
+                    batches.push(batch.project(&read)?);
+                }
+            }
+            None => batches.extend(read_component(
+                components_dir,
+                def,
+                &component.hash,
+                Some(&read),
+            )?),
+        }
+        if i == 0 && base.is_some() {
+            base_batches = batches.len();
+        }
     }
     for batch in &partition.memtable {
         batches.push(batch.project(&read)?);
@@ -72,7 +99,9 @@ pub fn read_visible_partition(
         .into_iter()
         .map(position)
         .collect();
-    let Some(visible) = visible_rows(&batches, &key, epoch, def.append_only)? else {
+    let Some(visible) =
+        visible_rows_over_base(&batches, base_batches, &key, epoch, def.append_only)?
+    else {
         return Ok(None);
     };
     let output: Vec<usize> = columns.iter().map(|&c| position(c)).collect();
@@ -88,6 +117,8 @@ pub struct VersionedScanExec {
     projection: Vec<usize>,
     schema: SchemaRef,
     components_dir: PathBuf,
+    /// Where small components are kept decoded (`None`: always read Parquet).
+    decoded: Option<Arc<DecodedComponents>>,
     properties: Arc<PlanProperties>,
 }
 
@@ -97,6 +128,7 @@ impl VersionedScanExec {
         partitions: Vec<PartitionSnapshot>,
         projection: Vec<usize>,
         components_dir: PathBuf,
+        decoded: Option<Arc<DecodedComponents>>,
     ) -> Result<Self> {
         assert!(
             !partitions.is_empty(),
@@ -115,6 +147,7 @@ impl VersionedScanExec {
             projection,
             schema,
             components_dir,
+            decoded,
             properties,
         })
     }
@@ -153,9 +186,17 @@ impl ExecutionPlan for VersionedScanExec {
         let snapshot = self.snapshot.clone();
         let projection = self.projection.clone();
         let dir = self.components_dir.clone();
+        let decoded = self.decoded.clone();
         let read = async move {
             let batch = tokio::task::spawn_blocking(move || {
-                read_visible_partition(&dir, &snapshot.def, snapshot.epoch, &part, &projection)
+                read_visible_partition(
+                    &dir,
+                    &snapshot.def,
+                    snapshot.epoch,
+                    &part,
+                    &projection,
+                    decoded.as_deref(),
+                )
             })
             .await
             .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?

@@ -30,20 +30,36 @@ async fn write(engine: &Engine, sql: &str) -> Epoch {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_epoch_answers_as_it_was() {
+/// A store in a new directory whose partitions merge once they hold more than two
+/// components, with one table created by `create`.
+async fn store_with_table(
+    partitions: u32,
+    create: &str,
+) -> (
+    tempfile::TempDir,
+    StoreConfig,
+    std::sync::Arc<Store>,
+    Engine,
+) {
     let dir = tempfile::tempdir().unwrap();
     let config = StoreConfig {
-        partitions: 8,
+        partitions,
         merge_threshold: 2,
         ..StoreConfig::default()
     };
     let store = Store::open(dir.path(), config.clone()).unwrap();
     let engine = Engine::new(store.clone());
-    engine
-        .execute("CREATE TABLE accounts (id BIGINT, balance BIGINT NOT NULL, PRIMARY KEY (id))")
-        .await
-        .unwrap();
+    engine.execute(create).await.unwrap();
+    (dir, config, store, engine)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_epoch_answers_as_it_was() {
+    let (dir, config, store, engine) = store_with_table(
+        8,
+        "CREATE TABLE accounts (id BIGINT, balance BIGINT NOT NULL, PRIMARY KEY (id))",
+    )
+    .await;
 
     // The model: epoch -> expected contents.
     let mut model: BTreeMap<Epoch, BTreeMap<i64, i64>> = BTreeMap::new();
@@ -288,18 +304,11 @@ async fn write_tag(engine: &Engine, sql: &str) {
 /// and once retention passes the history, it is dropped whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn merges_keep_the_newest_versions_apart_from_their_history() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = StoreConfig {
-        partitions: 4,
-        merge_threshold: 2,
-        ..StoreConfig::default()
-    };
-    let store = Store::open(dir.path(), config.clone()).unwrap();
-    let engine = Engine::new(store.clone());
-    engine
-        .execute("CREATE TABLE t (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)")
-        .await
-        .unwrap();
+    let (dir, config, store, engine) = store_with_table(
+        4,
+        "CREATE TABLE t (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)",
+    )
+    .await;
     let rows: Vec<String> = (0..200).map(|k| format!("({k}, {k})")).collect();
     let mut current: BTreeMap<i64, i64> = (0..200).map(|k| (k, k)).collect();
     let mut model = BTreeMap::new();
@@ -318,7 +327,7 @@ async fn merges_keep_the_newest_versions_apart_from_their_history() {
             &format!("UPDATE t SET v = v + 1000 WHERE k % 7 < {round}"),
         )
         .await;
-        for (k, v) in current.iter_mut().filter(|(k, _)| *k % 7 < round) {
+        for (_, v) in current.iter_mut().filter(|(k, _)| *k % 7 < round) {
             *v += 1000;
         }
         model.insert(e, current.clone());

@@ -95,14 +95,7 @@ async fn prepare(
         return Ok((Epoch(from.parse()?), Epoch(to.parse()?)));
     }
     println!("loading lineitem at SF {sf} into {}", bench_dir.display());
-    load::tpch(
-        &super::target::Target::local(store.clone()),
-        sf,
-        &["lineitem".to_string()],
-        true,
-    )
-    .await?;
-    store.checkpoint()?;
+    load::lineitem_locally(store, sf).await?;
     let from = store.visible_epoch();
     println!("updating the rows whose order key is {CHANGED_REMAINDER} mod 100");
     engine

@@ -36,14 +36,7 @@ pub async fn run(
     let store = Store::open(&bench_dir, config)?;
     let engine = Engine::new(store.clone());
     println!("loading lineitem at SF {sf} into {}", bench_dir.display());
-    load::tpch(
-        &super::target::Target::local(store.clone()),
-        sf,
-        &["lineitem".to_string()],
-        true,
-    )
-    .await?;
-    store.checkpoint()?;
+    load::lineitem_locally(&store, sf).await?;
     let loaded = store.visible_epoch();
     let one_version = time_queries(&engine, None, runs).await?;
     println!(

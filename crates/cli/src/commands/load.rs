@@ -9,6 +9,18 @@ use tessera_storage::TableChanges;
 /// Rows per generated batch.
 const GENERATE_BATCH_ROWS: usize = 64 * 1024;
 
+/// Loads TPC-H lineitem alone into a local store and checkpoints it, as the benchmarks
+/// of one table's versions start.
+pub async fn lineitem_locally(
+    store: &std::sync::Arc<tessera_storage::Store>,
+    sf: f64,
+) -> Result<()> {
+    let target = super::target::Target::local(store.clone());
+    tpch(&target, sf, &["lineitem".to_string()], true).await?;
+    store.checkpoint()?;
+    Ok(())
+}
+
 /// Loads the TPC-H tables named in `only` (all eight if empty).
 pub async fn tpch(engine: &Target, sf: f64, only: &[String], report: bool) -> Result<()> {
     if !(sf > 0.0 && sf <= 1000.0) {

@@ -200,3 +200,34 @@ async fn the_budget_evicts_the_least_recently_read() {
         "the newest stays"
     );
 }
+
+/// Partitions whose versions are resolved read their small components through the cache
+/// too: after an update, each updated partition's base and change components are kept,
+/// and a second scan answers the same from memory.
+#[tokio::test]
+async fn a_versioned_scan_reads_its_small_components_decoded() {
+    let (_dir, store) = store_with_rows(1000).await;
+    let engine = Engine::new(store.clone());
+    engine
+        .execute("UPDATE t SET v = v + 1 WHERE k % 3 = 0")
+        .await
+        .unwrap();
+    store.checkpoint().unwrap();
+    let held: usize = store
+        .snapshot("t", None)
+        .unwrap()
+        .partitions
+        .iter()
+        .map(|p| p.components.len())
+        .sum();
+    let cache = Arc::new(DecodedComponents::default());
+    let expected: Vec<(i64, i64)> = (1..=1000)
+        .map(|k| (k * 10 + i64::from(k % 3 == 0), k))
+        .collect();
+    for _ in 0..2 {
+        let (shown, batches) = scan(&store, &cache, None, 2).await;
+        assert!(shown.contains("VersionedScanExec"), "{shown}");
+        assert_eq!(rows_of(&batches), expected);
+        assert_eq!(cache.usage().components, held, "every component kept");
+    }
+}
