@@ -27,10 +27,7 @@ impl Store {
                 partition,
                 partitions: snapshot.partitions.len(),
             })?;
-        let mut batches = Vec::new();
-        for component in &part.components {
-            batches.extend(self.read_verified_rows(def, &component.hash)?);
-        }
+        let mut batches = self.read_components(def, &part.components)?;
         batches.extend(part.memtable.iter().cloned());
         let batches = versions::versions_before(batches, Epoch(epoch.0 + 1))?;
         if batches.is_empty() {

@@ -190,19 +190,6 @@ impl Store {
         Ok(())
     }
 
-    /// The row versions of `components`, each checked against its name.
-    fn read_components(
-        &self,
-        def: &TableDef,
-        components: &[ComponentMeta],
-    ) -> Result<Vec<RecordBatch>> {
-        let mut batches = Vec::new();
-        for component in components {
-            batches.extend(self.read_verified_rows(def, &component.hash)?);
-        }
-        Ok(batches)
-    }
-
     /// Queues components no manifest references for deletion once no snapshot can read them.
     pub(super) fn collect_garbage(&self, dropped: Vec<ComponentHash>, state: &State) -> Result<()> {
         let referenced = state.referenced_components();
@@ -283,28 +270,33 @@ impl MergePlan {
         horizon: Epoch,
         threshold: usize,
     ) -> Option<MergePlan> {
-        let (history, live): (Vec<_>, Vec<_>) =
-            components.iter().cloned().partition(|c| c.is_history());
-        let (expired, history): (Vec<_>, Vec<_>) = history
-            .into_iter()
-            .partition(|c| c.superseded_at <= horizon);
-        let crowded = |components: Vec<ComponentMeta>| {
-            if components.len() > threshold {
-                components
+        // Decided by counting, so the many idle partitions of a checkpoint copy nothing.
+        let live = |c: &ComponentMeta| !c.is_history();
+        let kept_history = |c: &ComponentMeta| c.is_history() && c.superseded_at > horizon;
+        let expired = |c: &ComponentMeta| c.is_history() && c.superseded_at <= horizon;
+        let crowded = |kind: &dyn Fn(&ComponentMeta) -> bool| {
+            components.iter().filter(|c| kind(c)).count() > threshold
+        };
+        let (merge_live, merge_history) = (crowded(&live), crowded(&kept_history));
+        let drop_expired = components.iter().any(expired);
+        if !(merge_live || merge_history || drop_expired) {
+            return None;
+        }
+        let those = |wanted: bool, kind: &dyn Fn(&ComponentMeta) -> bool| -> Vec<ComponentMeta> {
+            if wanted {
+                components.iter().filter(|c| kind(c)).cloned().collect()
             } else {
                 Vec::new()
             }
         };
-        let plan = MergePlan {
+        Some(MergePlan {
             def: def.clone(),
             partition,
             horizon,
-            live: crowded(live),
-            history: crowded(history),
-            expired,
-        };
-        let idle = plan.live.is_empty() && plan.history.is_empty() && plan.expired.is_empty();
-        (!idle).then_some(plan)
+            live: those(merge_live, &live),
+            history: those(merge_history, &kept_history),
+            expired: those(drop_expired, &expired),
+        })
     }
 }
 

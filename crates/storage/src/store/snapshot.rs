@@ -148,6 +148,19 @@ impl Store {
         component::read_component(&self.components_dir, def, hash, None)
     }
 
+    /// The row versions of `components`, each checked against its name first.
+    pub(super) fn read_components(
+        &self,
+        def: &TableDef,
+        components: &[ComponentMeta],
+    ) -> Result<Vec<RecordBatch>> {
+        let mut batches = Vec::new();
+        for component in components {
+            batches.extend(self.read_verified_rows(def, &component.hash)?);
+        }
+        Ok(batches)
+    }
+
     /// The change digest of every epoch this node holds of one partition of `table`, from
     /// its components (each hashed again now) and memory, with the table's
     /// retention horizon: epochs at or below it may have been merged away, so their
