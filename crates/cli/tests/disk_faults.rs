@@ -203,11 +203,26 @@ async fn damaged_and_missing_components_are_fetched_from_a_replica_by_hash() {
     common::flush_everywhere(&cluster).await;
 
     const DAMAGED: u64 = 3;
-    let elsewhere: std::collections::BTreeSet<std::ffi::OsString> = [1, 2]
-        .iter()
-        .flat_map(|id| component_files(&root.path().join(format!("node-{id}"))))
-        .filter_map(|f| f.file_name().map(|n| n.to_os_string()))
-        .collect();
+    // Standbys pull a primary's flushed components after it announces them, in the
+    // background: wait until node 3 holds some that another replica holds too.
+    let shares = |elsewhere: &std::collections::BTreeSet<std::ffi::OsString>| {
+        component_files(&root.path().join(format!("node-{DAMAGED}")))
+            .iter()
+            .filter(|f| elsewhere.contains(f.file_name().unwrap()))
+            .count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let elsewhere = loop {
+        let elsewhere: std::collections::BTreeSet<std::ffi::OsString> = [1, 2]
+            .iter()
+            .flat_map(|id| component_files(&root.path().join(format!("node-{id}"))))
+            .filter_map(|f| f.file_name().map(|n| n.to_os_string()))
+            .collect();
+        if shares(&elsewhere) >= 2 || Instant::now() > deadline {
+            break elsewhere;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     cluster.kill9(DAMAGED);
     let mut files = component_files(&root.path().join(format!("node-{DAMAGED}")));
     // Damage shared components first, so the deleted one is shared (repairable) too.
