@@ -18,11 +18,13 @@ use crate::component::{read_component, read_component_rows, ComponentMeta};
 use crate::error::{Result, StorageError};
 use crate::store::PartitionSnapshot;
 use crate::versions::{epochs, key_columns as columns, key_converter, ops, stored_schema};
-use arrow::array::{new_null_array, Array, ArrayRef, RecordBatch, StringArray};
+use arrow::array::{
+    new_null_array, Array, ArrayRef, AsArray, Int64Array, RecordBatch, StringArray,
+};
 use arrow::compute::{concat_batches, interleave};
-use arrow::datatypes::{DataType, Field, Schema, SchemaRef, UInt64Type};
+use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef, UInt64Type};
 use arrow::row::{RowConverter, Rows, SortField};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::path::Path;
 use std::sync::Arc;
@@ -162,12 +164,30 @@ pub fn partition_changes(
                 .expect("a key column")
         })
         .collect();
+    let first_key_values = FirstKeyValues::of(recent.column(key[0]));
     for component in older_only {
         let key_batches = read_component(components_dir, def, &component.hash, Some(&file_order))?;
         let mut selected = arrow::array::BooleanBuilder::with_capacity(component.rows as usize);
         for batch in &key_batches {
-            let keys = converter.convert_columns(&columns(batch, &projected_key))?;
-            selected.extend(keys.iter().map(|row| Some(changed.contains_key(&row))));
+            let key_columns = columns(batch, &projected_key);
+            let candidates = first_key_values
+                .as_ref()
+                .and_then(|values| values.may_match(&key_columns[0]));
+            let Some(candidates) = candidates else {
+                let keys = converter.convert_columns(&key_columns)?;
+                selected.extend(keys.iter().map(|row| Some(changed.contains_key(&row))));
+                continue;
+            };
+            // Only the candidates' keys are encoded and looked up.
+            let narrowed = key_columns
+                .iter()
+                .map(|c| arrow::compute::filter(c, &candidates))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let keys = converter.convert_columns(&narrowed)?;
+            let mut hits = keys.iter().map(|row| changed.contains_key(&row));
+            selected.extend(candidates.iter().map(|candidate| {
+                Some(candidate == Some(true) && hits.next().expect("a key per candidate"))
+            }));
         }
         let selected = selected.finish();
         if selected.true_count() > 0 {
@@ -181,6 +201,45 @@ pub fn partition_changes(
     }
     let older = concat_batches(&schema, &older)?;
     diff(def, &converter, (&recent, &recent_keys), &older, from)
+}
+
+/// The distinct values of the first key column among the changed keys, when that column
+/// holds integers: a row of an older component whose first key value is not among them
+/// holds no changed key, and is ruled out without encoding its whole key. (Most rows of a
+/// diff's older components are ruled out so, and the encoding and lookup of every row's
+/// key cost more than reading the key columns.)
+struct FirstKeyValues(HashSet<i64, BuildHasherDefault<KeyHasher>>);
+
+impl FirstKeyValues {
+    fn of(changed: &ArrayRef) -> Option<Self> {
+        let values = as_i64(changed)?;
+        Some(Self(values.iter().flatten().collect()))
+    }
+
+    /// Which rows of `column` (the first key column of an older component) may hold a
+    /// changed key; `None` if the column is not one this filter reads.
+    fn may_match(&self, column: &ArrayRef) -> Option<arrow::array::BooleanArray> {
+        let values = as_i64(column)?;
+        // A NULL is never ruled out here: the exact lookup decides it.
+        Some(
+            values
+                .iter()
+                .map(|v| Some(v.is_none_or(|v| self.0.contains(&v))))
+                .collect(),
+        )
+    }
+}
+
+/// An integer column (or a date, stored as one) widened to `i64`, losslessly.
+fn as_i64(column: &ArrayRef) -> Option<Int64Array> {
+    use DataType::*;
+    match column.data_type() {
+        Int8 | Int16 | Int32 | Int64 | UInt8 | UInt16 | UInt32 | Date32 | Date64 => {
+            let widened = arrow::compute::cast(column, &Int64).ok()?;
+            Some(widened.as_primitive::<Int64Type>().clone())
+        }
+        _ => None,
+    }
 }
 
 /// Appends the part of `batch` stamped in the range to `recent`, the rest to `older`.

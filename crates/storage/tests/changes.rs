@@ -6,6 +6,7 @@ use arrow::array::{Array, AsArray};
 use arrow::datatypes::{DataType, Field, Int64Type, Schema};
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use tessera_common::Epoch;
 use tessera_storage::changes::partition_changes;
 use tessera_storage::{Store, StoreConfig, TableChanges, TableDef};
@@ -204,6 +205,100 @@ fn a_key_declared_out_of_column_order_finds_its_rows_before() {
         [(20, 2, 200, 222)],
         "the row before, found by its two-column key"
     );
+}
+
+/// Keys that share their first column's value with a changed key (an integer, which the
+/// diff rules rows out by first), or whose first column is text (which it does not): only
+/// the changed key's row before is taken, whatever its first column.
+#[test]
+fn keys_sharing_a_first_column_value_with_a_changed_key_are_not_changes() {
+    use arrow::array::{Int32Array, StringArray};
+    for first in [DataType::Int32, DataType::Utf8] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(
+            dir.path(),
+            StoreConfig {
+                partitions: 1,
+                ..StoreConfig::default()
+            },
+        )
+        .unwrap();
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("g", first.clone(), false),
+            Field::new("name", DataType::Utf8, false),
+            Field::new("v", DataType::Int64, false),
+        ]));
+        let def = TableDef::new(
+            "t",
+            schema.as_ref().clone(),
+            vec!["g".into(), "name".into()],
+            None,
+        )
+        .unwrap();
+        store.create_table(def.clone()).unwrap();
+        let rows = |g: Vec<i32>, names: Vec<&str>, v: Vec<i64>| {
+            let g: arrow::array::ArrayRef = match first {
+                DataType::Int32 => Arc::new(Int32Array::from(g)),
+                _ => Arc::new(StringArray::from_iter_values(
+                    g.iter().map(|g| g.to_string()),
+                )),
+            };
+            let columns: Vec<arrow::array::ArrayRef> = vec![
+                g,
+                Arc::new(StringArray::from(names)),
+                Arc::new(arrow::array::Int64Array::from(v)),
+            ];
+            arrow::array::RecordBatch::try_new(schema.clone(), columns).unwrap()
+        };
+        let publish = |batch| {
+            store
+                .publish(vec![TableChanges {
+                    table: "t".into(),
+                    upserts: vec![batch],
+                    deletes: vec![],
+                }])
+                .unwrap()
+        };
+        let from = publish(rows(
+            vec![1, 1, 1, 2],
+            vec!["a", "b", "c", "b"],
+            vec![10, 20, 30, 40],
+        ));
+        store.checkpoint().unwrap();
+        let to = publish(rows(vec![1, 3], vec!["b", "b"], vec![21, 50]));
+        let snapshot = store.changes_snapshot("t", from, to).unwrap();
+        let changes = partition_changes(
+            store.components_dir(),
+            &def,
+            &snapshot.partitions[0],
+            from,
+            to,
+        )
+        .unwrap()
+        .expect("changes");
+        let kinds = changes.column(0).as_string::<i32>();
+        let names = changes.column(2).as_string::<i32>();
+        let before = changes.column(3).as_primitive::<Int64Type>();
+        let after = changes.column(4).as_primitive::<Int64Type>();
+        let found: Vec<(String, String, Option<i64>, i64)> = (0..changes.num_rows())
+            .map(|i| {
+                (
+                    kinds.value(i).to_string(),
+                    names.value(i).to_string(),
+                    (!before.is_null(i)).then(|| before.value(i)),
+                    after.value(i),
+                )
+            })
+            .collect();
+        assert_eq!(
+            found,
+            [
+                ("update".to_string(), "b".to_string(), Some(20), 21),
+                ("insert".to_string(), "b".to_string(), None, 50),
+            ],
+            "first key column {first}"
+        );
+    }
 }
 
 /// The live rows at `epoch`.
