@@ -155,6 +155,12 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
         copied.whole_copies > 0 && copied.delta_copies == 0,
         "{copied:?}"
     );
+    // Its components came before the rebalance took every table's lease; nothing was
+    // flushed since, so the leased copy fetched none (only the in-memory versions).
+    assert!(
+        copied.prefetched_components > 0 && copied.leased_components == 0,
+        "components fetched under the lease: {copied:?}"
+    );
     println!("node 1 copied back: {copied:?}");
     for id in 1..=3 {
         let via = ClusterClient::new(cluster.addr(id));

@@ -5,7 +5,10 @@
 //! switches the map in one Raft entry.
 //!
 //! While partitions move, the leader holds the ownership lease of every table (an open
-//! epoch), so no publish can land between the copy and the switch; publishes wait.
+//! epoch), so no publish can land between the copy and the switch; publishes wait. To keep
+//! that wait short, each new replica first fetches the components its copies will need
+//! without any lease ([`prefetch_components`]); the leased copy then fetches only what
+//! changed since, and the source's in-memory versions.
 //!
 //! A replica that missed epochs while it was down is brought back the same way, but with
 //! delta recovery: it fetches from the primary only the versions from the first epoch it
@@ -15,6 +18,7 @@
 use crate::error::{ReplicationError, Result};
 use crate::wire::{
     CopyRequest, ExportRequest, PartitionMove, VersionsRequest, ACTION_COPY_PARTITIONS,
+    ACTION_PREFETCH_COMPONENTS,
 };
 use crate::NodeId;
 use crate::Replication;
@@ -43,6 +47,13 @@ pub struct TransferCounts {
     pub delta_copies: u64,
     /// Row versions those deltas fetched: only the epochs the replica missed.
     pub delta_versions: u64,
+    /// Components fetched for whole copies before the rebalance took every table's lease.
+    #[serde(default)]
+    pub prefetched_components: u64,
+    /// Components whole copies fetched while the rebalance held every table's lease: those
+    /// the sources wrote after the prefetch (or all, when the prefetch failed).
+    #[serde(default)]
+    pub leased_components: u64,
 }
 
 /// The running counters behind [`TransferCounts`].
@@ -52,6 +63,8 @@ pub struct TransferCounters {
     whole_rows: AtomicU64,
     delta_copies: AtomicU64,
     delta_versions: AtomicU64,
+    prefetched_components: AtomicU64,
+    leased_components: AtomicU64,
 }
 
 impl TransferCounters {
@@ -61,12 +74,21 @@ impl TransferCounters {
             whole_rows: self.whole_rows.load(Ordering::Relaxed),
             delta_copies: self.delta_copies.load(Ordering::Relaxed),
             delta_versions: self.delta_versions.load(Ordering::Relaxed),
+            prefetched_components: self.prefetched_components.load(Ordering::Relaxed),
+            leased_components: self.leased_components.load(Ordering::Relaxed),
         }
     }
 
-    fn whole(&self, rows: u64) {
+    fn whole(&self, rows: u64, fetched_components: u64) {
         self.whole_copies.fetch_add(1, Ordering::Relaxed);
         self.whole_rows.fetch_add(rows, Ordering::Relaxed);
+        self.leased_components
+            .fetch_add(fetched_components, Ordering::Relaxed);
+    }
+
+    fn prefetched(&self, components: u64) {
+        self.prefetched_components
+            .fetch_add(components, Ordering::Relaxed);
     }
 
     fn delta(&self, versions: u64) {
@@ -121,6 +143,7 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
     let Some(mut wanted) = wanted_map(&state, lost) else {
         return Ok(());
     };
+    prefetch(node, &state, &wanted).await;
     let tables: Vec<String> = state.tables.keys().cloned().collect();
     let epoch = crate::publish::allocate_epoch(node, tables, None).await?;
     // Copies may take long: heartbeats keep the epoch from timing out while they run.
@@ -145,50 +168,13 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
         .values()
         .map(|d| (d.name.clone(), d.generation))
         .collect();
-    let mut copies: BTreeMap<NodeId, Vec<PartitionMove>> = BTreeMap::new();
-    for (i, (target, current)) in wanted
-        .partitions
-        .iter_mut()
-        .zip(&state.map.partitions)
-        .enumerate()
-    {
-        let partition = PartitionId(i as u32);
-        for replica in &target.replicas {
-            if !state.nodes.get(replica).is_some_and(|n| n.alive) {
-                continue; // a dead stale replica stays stale until it returns
-            }
-            let since = match current.stale.get(replica) {
-                Some(first_missed)
-                    if current.replicas.contains(replica) && node.settings.delta_recovery =>
-                {
-                    *first_missed
-                }
-                None if current.replicas.contains(replica) => continue,
-                _ => Epoch::ZERO,
-            };
-            let Some(source) = current.primary else {
-                let _ = abort(node, epoch, "a partition has no readable replica").await;
-                return Err(ReplicationError::NoReadableReplica { partition });
-            };
-            copies.entry(*replica).or_default().push(PartitionMove {
-                partition,
-                source,
-                since,
-            });
+    let copies = match plan_copies(&state, &mut wanted, node.settings.delta_recovery) {
+        Ok(copies) => copies,
+        Err(partition) => {
+            let _ = abort(node, epoch, "a partition has no readable replica").await;
+            return Err(ReplicationError::NoReadableReplica { partition });
         }
-        // Replicas kept from the current map keep their staleness; copies are complete.
-        target.stale = current
-            .stale
-            .iter()
-            .map(|(id, since)| (*id, *since))
-            .filter(|(id, _)| {
-                target.replicas.contains(id)
-                    && copies
-                        .get(id)
-                        .is_none_or(|m| !m.iter().any(|m| m.partition == partition))
-            })
-            .collect();
-    }
+    };
     let moved: usize = copies.values().map(Vec::len).sum();
     let leased_at = std::time::Instant::now();
     tracing::info!(%epoch, moved, "rebalancing partitions");
@@ -202,37 +188,14 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
             if target == node.id() {
                 return copy_partitions(node, request).await;
             }
-            let addr = node.meta.require_addr(target)?;
-            let copy = node.clients.action(
-                &addr,
+            ask_target(
+                node,
+                target,
                 ACTION_COPY_PARTITIONS,
                 request,
-                Duration::from_secs(3600),
-            );
-            // The rebalance's epoch leases every table: a target that stops answering
-            // (killed, paused, cut off) must not hold every publish for the copy's hour.
-            // Once the failure detector declares it failed, the rebalance gives up and
-            // is tried again without it.
-            let target_failed = node.meta.wait_until_failed(target, Duration::from_secs(3600));
-            let reply: std::result::Result<std::result::Result<(), Refusal>, CallError> = tokio::select! {
-                reply = copy => reply,
-                () = target_failed => Err(CallError::Transport(format!(
-                    "node {target} was declared failed while copying"
-                ))),
-            };
-            match reply {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(refusal)) => Err(ReplicationError::Refused {
-                    node: target,
-                    what: "a partition copy",
-                    reason: format!("{refusal:?}"),
-                }),
-                Err(e) => Err(ReplicationError::Unreachable {
-                    node: target,
-                    addr,
-                    reason: e.to_string(),
-                }),
-            }
+                "a partition copy",
+            )
+            .await
         }
     });
     if let Err(error) = futures::future::try_join_all(sends).await {
@@ -262,6 +225,139 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
         .await?;
     tracing::info!(%epoch, moved, elapsed_ms = leased_at.elapsed().as_millis() as u64, "partition map switched");
     Ok(())
+}
+
+/// The copies that turn `state`'s map into `wanted`: per target node, the partitions it
+/// copies and from where (a returning stale replica by delta, when `delta_recovery`).
+/// Sets each wanted partition's stale replicas: those kept from the current map keep their
+/// staleness, copies are complete. `Err` names a partition with no readable replica.
+fn plan_copies(
+    state: &MetaState,
+    wanted: &mut PartitionMap,
+    delta_recovery: bool,
+) -> std::result::Result<BTreeMap<NodeId, Vec<PartitionMove>>, PartitionId> {
+    let mut copies: BTreeMap<NodeId, Vec<PartitionMove>> = BTreeMap::new();
+    for (i, (target, current)) in wanted
+        .partitions
+        .iter_mut()
+        .zip(&state.map.partitions)
+        .enumerate()
+    {
+        let partition = PartitionId(i as u32);
+        for replica in &target.replicas {
+            if !state.nodes.get(replica).is_some_and(|n| n.alive) {
+                continue; // a dead stale replica stays stale until it returns
+            }
+            let since = match current.stale.get(replica) {
+                Some(first_missed) if current.replicas.contains(replica) && delta_recovery => {
+                    *first_missed
+                }
+                None if current.replicas.contains(replica) => continue,
+                _ => Epoch::ZERO,
+            };
+            let source = current.primary.ok_or(partition)?;
+            copies.entry(*replica).or_default().push(PartitionMove {
+                partition,
+                source,
+                since,
+            });
+        }
+        target.stale = current
+            .stale
+            .iter()
+            .map(|(id, since)| (*id, *since))
+            .filter(|(id, _)| {
+                target.replicas.contains(id)
+                    && copies
+                        .get(id)
+                        .is_none_or(|m| !m.iter().any(|m| m.partition == partition))
+            })
+            .collect();
+    }
+    Ok(copies)
+}
+
+/// How long the leader waits for a target's prefetch: it holds no lease, but the next
+/// rebalance waits for it.
+const PREFETCH_PATIENCE: Duration = Duration::from_secs(600);
+
+/// Before a rebalance takes every table's lease, has each target fetch the components its
+/// whole copies will need, so the leased copy fetches only what the sources wrote since.
+/// Best effort: a target that fails or refuses (an older node) copies everything under
+/// the lease, as before.
+async fn prefetch(node: &Arc<Replication>, state: &MetaState, wanted: &PartitionMap) {
+    let Ok(copies) = plan_copies(state, &mut wanted.clone(), node.settings.delta_recovery) else {
+        return;
+    };
+    let tables: Vec<(String, u64)> = state
+        .tables
+        .values()
+        .map(|d| (d.name.clone(), d.generation))
+        .collect();
+    let sends = copies.into_iter().map(|(target, moves)| {
+        let request = CopyRequest {
+            moves,
+            tables: tables.clone(),
+            epoch: None,
+        };
+        async move {
+            let prefetched = if target == node.id() {
+                prefetch_components(node, request).await
+            } else {
+                ask_target(
+                    node,
+                    target,
+                    ACTION_PREFETCH_COMPONENTS,
+                    request,
+                    "a component prefetch",
+                )
+                .await
+            };
+            if let Err(error) = prefetched {
+                tracing::info!(target = target.0, %error, "a prefetch failed; the leased copy fetches what it lacks");
+            }
+        }
+    });
+    futures::future::join_all(sends).await;
+}
+
+/// Asks `target` to run `action` (a copy or a prefetch), giving up once the failure
+/// detector declares the target failed: the rebalance's epoch leases every table, and a
+/// target that stops answering (killed, paused, cut off) must not hold every publish for
+/// the call's hour. The rebalance is then tried again without it.
+async fn ask_target(
+    node: &Arc<Replication>,
+    target: NodeId,
+    action: &str,
+    request: CopyRequest,
+    what: &'static str,
+) -> Result<()> {
+    let addr = node.meta.require_addr(target)?;
+    let patience = match action {
+        ACTION_PREFETCH_COMPONENTS => PREFETCH_PATIENCE,
+        _ => Duration::from_secs(3600),
+    };
+    let call = node.clients.action(&addr, action, request, patience);
+    let target_failed = node.meta.wait_until_failed(target, patience);
+    let reply: std::result::Result<std::result::Result<(), Refusal>, CallError> = tokio::select! {
+        reply = call => reply,
+        () = target_failed => Err(CallError::Transport(format!(
+            "node {target} was declared failed during {what}"
+        ))),
+    };
+    match reply {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(refusal)) => Err(ReplicationError::Refused {
+            node: target,
+            what,
+            reason: format!("{refusal:?}"),
+        }),
+        Err(e) => Err(ReplicationError::Unreachable {
+            node: target,
+            addr,
+            reason: e.to_string(),
+        }),
+    }
 }
 
 async fn abort(
@@ -322,10 +418,7 @@ async fn copy_partitions_now(node: &Arc<Replication>, request: CopyRequest) -> R
         );
         let copy = async {
             for (table, generation) in &request.tables {
-                // A delta needs every version since the replica left; merges keep those
-                // only above the table's retention horizon.
-                let delta_possible = moved.since > view.state.retention_horizon(table);
-                if moved.since == Epoch::ZERO || !delta_possible {
+                if copies_whole(moved, &view.state, table) {
                     copy_whole(node, moved, table, *generation, request.epoch).await?;
                 } else {
                     copy_delta(node, moved, table, *generation, request.epoch).await?;
@@ -344,6 +437,53 @@ async fn copy_partitions_now(node: &Arc<Replication>, request: CopyRequest) -> R
             .count(),
         elapsed_ms = started.elapsed().as_millis() as u64,
         "partitions copied"
+    );
+    Ok(())
+}
+
+/// Whether `moved` copies `table` whole: a new replica does, and so does a returning one
+/// whose delta is gone (a delta needs every version since the replica left; merges keep
+/// those only above the table's retention horizon).
+fn copies_whole(moved: &PartitionMove, state: &MetaState, table: &str) -> bool {
+    moved.since == Epoch::ZERO || moved.since <= state.retention_horizon(table)
+}
+
+/// Fetches, by hash, the components the whole copies of `request` need and this node lacks,
+/// and keeps them without installing anything: the leased copy that follows finds them
+/// here. (What no copy installs in the end is deleted when the node next starts.)
+pub async fn prefetch_components(node: &Arc<Replication>, request: CopyRequest) -> Result<()> {
+    let state = node.meta.view().state.clone();
+    let mut prefetched = 0;
+    for moved in &request.moves {
+        for (table, generation) in &request.tables {
+            if !copies_whole(moved, &state, table) {
+                continue;
+            }
+            let addr = node.meta.require_addr(moved.source)?;
+            let request = ExportRequest {
+                table: table.clone(),
+                generation: *generation,
+                partition: moved.partition,
+            };
+            let (components, _in_memory) = crate::wire::export(&node.clients, &addr, &request)
+                .await
+                .map_err(|e| copy_error(moved.source, e))?;
+            let fetched = fetch_missing_components(node, &addr, &components)
+                .await
+                .map_err(|e| copy_error(moved.source, e))?;
+            let count = fetched.len() as u64;
+            node.on_store("keeping prefetched components", move |store| {
+                store.keep_fetched_components(&components, &fetched)
+            })
+            .await?;
+            node.transfers.prefetched(count);
+            prefetched += count;
+        }
+    }
+    tracing::info!(
+        partitions = request.moves.len(),
+        components = prefetched,
+        "prefetched components for a rebalance"
     );
     Ok(())
 }
@@ -378,12 +518,13 @@ async fn copy_whole(
         .map_err(|e| copy_error(moved.source, e))?;
     let rows = components.iter().map(|c| c.rows).sum::<u64>()
         + memtable.iter().map(|b| b.num_rows() as u64).sum::<u64>();
+    let fetched_components = fetched.len() as u64;
     let (owned, partition) = (table.to_string(), moved.partition);
     node.on_store("installing a copied partition", move |store| {
         store.install_partition_components(&owned, partition, components, fetched, memtable, fence)
     })
     .await?;
-    node.transfers.whole(rows);
+    node.transfers.whole(rows, fetched_components);
     tracing::info!(%table, partition = moved.partition.0, source = moved.source.0, rows, "copied a whole partition");
     Ok(())
 }

@@ -218,6 +218,9 @@ pub struct PartitionMove {
 }
 
 pub const ACTION_COPY_PARTITIONS: &str = "copy-partitions";
+/// The metadata leader asks a new replica, before a rebalance takes every table's lease,
+/// to fetch the components its copies will need ([`CopyRequest`], without an epoch).
+pub const ACTION_PREFETCH_COMPONENTS: &str = "prefetch-components";
 
 /// A standby asks a primary to checkpoint (flush) now, before it truncates its own log.
 pub const ACTION_FLUSH: &str = "flush";

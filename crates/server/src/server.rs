@@ -357,6 +357,13 @@ impl NodeService {
                 };
                 reply(&result)
             }
+            ACTION_PREFETCH_COMPONENTS => {
+                let request: CopyRequest = self.open(&caller, body)?;
+                let result = crate::rebalance::prefetch_components(&node.replication, request)
+                    .await
+                    .map_err(|e| Refusal::Failed(e.to_string()));
+                reply(&result)
+            }
             ACTION_CURRENT_METADATA => {
                 self.open_from_client::<()>(&caller, body)?;
                 let view = node

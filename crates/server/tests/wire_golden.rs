@@ -586,6 +586,18 @@ fn samples() -> Samples {
             epoch: Some(Epoch(9)),
         },
     );
+    s.request(
+        ACTION_PREFETCH_COMPONENTS,
+        CopyRequest {
+            moves: vec![PartitionMove {
+                partition: PartitionId(1),
+                source: NodeId(2),
+                since: Epoch(0),
+            }],
+            tables: vec![("kv".into(), 7)],
+            epoch: None,
+        },
+    );
 
     // `do_get` tickets.
     s.tagged(
@@ -853,6 +865,8 @@ fn samples() -> Samples {
                 whole_rows: 100,
                 delta_copies: 2,
                 delta_versions: 30,
+                prefetched_components: 4,
+                leased_components: 1,
             },
             insecure: true,
             last_scrub: Some(tessera_server::scrub::ScrubReport {
@@ -941,6 +955,7 @@ fn every_action_has_a_sample() {
         ACTION_SHIPPED_MANIFEST,
         ACTION_COMPONENTS_READY,
         ACTION_COPY_PARTITIONS,
+        ACTION_PREFETCH_COMPONENTS,
         tessera_server::verify::ACTION_PARTITION_DIGESTS,
         tessera_server::verify::ACTION_VERIFY,
         tessera_server::scrub::ACTION_SCRUB,

@@ -94,6 +94,17 @@ impl Store {
         Ok(())
     }
 
+    /// Writes the `fetched` bytes of some of `components` (each checked against its name
+    /// first) without installing them anywhere: a copy that follows finds them here. The
+    /// others must be here already.
+    pub fn keep_fetched_components(
+        &self,
+        components: &[ComponentMeta],
+        fetched: &HashMap<ComponentHash, Vec<u8>>,
+    ) -> Result<()> {
+        self.store_fetched_components(components, fetched)
+    }
+
     /// True if this node holds a component under `hash` whose bytes hash to it: a copy
     /// need not fetch it again.
     pub fn has_component(&self, hash: &ComponentHash) -> bool {
