@@ -459,18 +459,8 @@ pub async fn prefetch_components(node: &Arc<Replication>, request: CopyRequest) 
             if !copies_whole(moved, &state, table) {
                 continue;
             }
-            let addr = node.meta.require_addr(moved.source)?;
-            let request = ExportRequest {
-                table: table.clone(),
-                generation: *generation,
-                partition: moved.partition,
-            };
-            let (components, _in_memory) = crate::wire::export(&node.clients, &addr, &request)
-                .await
-                .map_err(|e| copy_error(moved.source, e))?;
-            let fetched = fetch_missing_components(node, &addr, &components)
-                .await
-                .map_err(|e| copy_error(moved.source, e))?;
+            let (components, _in_memory, fetched) =
+                export_and_fetch(node, moved, table, *generation).await?;
             let count = fetched.len() as u64;
             node.on_store("keeping prefetched components", move |store| {
                 store.keep_fetched_components(&components, &fetched)
@@ -504,18 +494,7 @@ async fn copy_whole(
     generation: u64,
     fence: Option<Epoch>,
 ) -> Result<()> {
-    let addr = node.meta.require_addr(moved.source)?;
-    let request = ExportRequest {
-        table: table.to_string(),
-        generation,
-        partition: moved.partition,
-    };
-    let (components, memtable) = crate::wire::export(&node.clients, &addr, &request)
-        .await
-        .map_err(|e| copy_error(moved.source, e))?;
-    let fetched = fetch_missing_components(node, &addr, &components)
-        .await
-        .map_err(|e| copy_error(moved.source, e))?;
+    let (components, memtable, fetched) = export_and_fetch(node, moved, table, generation).await?;
     let rows = components.iter().map(|c| c.rows).sum::<u64>()
         + memtable.iter().map(|b| b.num_rows() as u64).sum::<u64>();
     let fetched_components = fetched.len() as u64;
@@ -527,6 +506,33 @@ async fn copy_whole(
     node.transfers.whole(rows, fetched_components);
     tracing::info!(%table, partition = moved.partition.0, source = moved.source.0, rows, "copied a whole partition");
     Ok(())
+}
+
+/// A partition's export from `moved.source` (its components and in-memory versions) and
+/// the bytes of the components this node lacks.
+async fn export_and_fetch(
+    node: &Arc<Replication>,
+    moved: &PartitionMove,
+    table: &str,
+    generation: u64,
+) -> Result<(
+    Vec<ComponentMeta>,
+    Vec<arrow::array::RecordBatch>,
+    HashMap<ComponentHash, Vec<u8>>,
+)> {
+    let addr = node.meta.require_addr(moved.source)?;
+    let request = ExportRequest {
+        table: table.to_string(),
+        generation,
+        partition: moved.partition,
+    };
+    let (components, in_memory) = crate::wire::export(&node.clients, &addr, &request)
+        .await
+        .map_err(|e| copy_error(moved.source, e))?;
+    let fetched = fetch_missing_components(node, &addr, &components)
+        .await
+        .map_err(|e| copy_error(moved.source, e))?;
+    Ok((components, in_memory, fetched))
 }
 
 /// The bytes of those of `components` this node lacks, fetched by hash from `addr` (the
