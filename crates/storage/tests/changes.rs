@@ -151,14 +151,7 @@ fn every_diff_equals_the_models_through_flushes_and_merges() {
 #[test]
 fn a_key_declared_out_of_column_order_finds_its_rows_before() {
     let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(
-        dir.path(),
-        StoreConfig {
-            partitions: 2,
-            ..StoreConfig::default()
-        },
-    )
-    .unwrap();
+    let store = common::store_with_partitions(dir.path(), 2);
     let def = TableDef::new(
         "t",
         Schema::new(vec![
@@ -215,14 +208,7 @@ fn keys_sharing_a_first_column_value_with_a_changed_key_are_not_changes() {
     use arrow::array::{Int32Array, StringArray};
     for first in [DataType::Int32, DataType::Utf8] {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(
-            dir.path(),
-            StoreConfig {
-                partitions: 1,
-                ..StoreConfig::default()
-            },
-        )
-        .unwrap();
+        let store = common::store_with_partitions(dir.path(), 1);
         let schema = Arc::new(Schema::new(vec![
             Field::new("g", first.clone(), false),
             Field::new("name", DataType::Utf8, false),

@@ -5,7 +5,7 @@ use arrow::array::{Int64Array, RecordBatch};
 use arrow::datatypes::{DataType, Field, Schema};
 use std::sync::Arc;
 use tessera_common::Epoch;
-use tessera_storage::{Store, TableDef};
+use tessera_storage::{Store, StoreConfig, TableDef};
 
 /// A batch of BIGINT columns named `names`, NOT NULL.
 pub fn int64_batch(columns: Vec<Vec<i64>>, names: &[&str]) -> RecordBatch {
@@ -67,4 +67,16 @@ pub fn live_rows(store: &Store, table: &str, epoch: Epoch) -> Vec<RecordBatch> {
         );
     }
     live
+}
+
+/// A store under `dir` with `partitions` partitions and otherwise default settings.
+pub fn store_with_partitions(dir: &std::path::Path, partitions: u32) -> Arc<Store> {
+    Store::open(
+        dir,
+        StoreConfig {
+            partitions,
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap()
 }
