@@ -194,6 +194,7 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
                 ACTION_COPY_PARTITIONS,
                 request,
                 "a partition copy",
+                COPY_PATIENCE,
             )
             .await
         }
@@ -277,6 +278,10 @@ fn plan_copies(
     Ok(copies)
 }
 
+/// How long the leader waits for a target's leased copy (unless the target is declared
+/// failed first).
+const COPY_PATIENCE: Duration = Duration::from_secs(3600);
+
 /// How long the leader waits for a target's prefetch: it holds no lease, but the next
 /// rebalance waits for it.
 const PREFETCH_PATIENCE: Duration = Duration::from_secs(600);
@@ -310,6 +315,7 @@ async fn prefetch(node: &Arc<Replication>, state: &MetaState, wanted: &Partition
                     ACTION_PREFETCH_COMPONENTS,
                     request,
                     "a component prefetch",
+                    PREFETCH_PATIENCE,
                 )
                 .await
             };
@@ -331,12 +337,9 @@ async fn ask_target(
     action: &str,
     request: CopyRequest,
     what: &'static str,
+    patience: Duration,
 ) -> Result<()> {
     let addr = node.meta.require_addr(target)?;
-    let patience = match action {
-        ACTION_PREFETCH_COMPONENTS => PREFETCH_PATIENCE,
-        _ => Duration::from_secs(3600),
-    };
     let call = node.clients.action(&addr, action, request, patience);
     let target_failed = node.meta.wait_until_failed(target, patience);
     let reply: std::result::Result<std::result::Result<(), Refusal>, CallError> = tokio::select! {

@@ -370,3 +370,29 @@ fn appended_rows(def: &TableDef, recent: &RecordBatch) -> Result<RecordBatch> {
     }
     Ok(RecordBatch::try_new(changes_schema(def), output)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_key_filter_rules_out_only_values_no_changed_key_has() {
+        let changed: ArrayRef = Arc::new(arrow::array::Int32Array::from(vec![3, 7, 7]));
+        let values = FirstKeyValues::of(&changed).expect("an integer column");
+        let older: ArrayRef = Arc::new(arrow::array::Int32Array::from(vec![
+            Some(1),
+            Some(3),
+            None,
+            Some(7),
+            Some(8),
+        ]));
+        let candidates = values.may_match(&older).expect("an integer column");
+        let kept: Vec<bool> = candidates.iter().map(|c| c == Some(true)).collect();
+        assert_eq!(kept, [false, true, true, true, false]);
+        let text: ArrayRef = Arc::new(StringArray::from(vec!["3"]));
+        assert!(
+            FirstKeyValues::of(&text).is_none(),
+            "text keys take the full lookup"
+        );
+    }
+}
