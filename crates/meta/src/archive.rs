@@ -45,6 +45,11 @@ pub struct ArchivedEpoch {
     pub epoch: Epoch,
     /// The partitions that had rows then.
     pub components: Vec<ArchivedComponent>,
+    /// The first publish after `epoch` that changed the table, recorded when the epoch log
+    /// is compacted past `epoch` (the log then no longer tells); `None` while the log does,
+    /// or if none had by then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_change: Option<Epoch>,
 }
 
 /// What `tessera status` says of the archive.
@@ -103,12 +108,37 @@ impl MetaState {
         if archived.generation != generation {
             return None;
         }
-        let changed_since = at < epoch
+        // Below where the log was compacted, the archive record tells the next change.
+        let changed_since = archived.next_change.is_some_and(|change| change <= epoch)
+            || self.publishes_to(table, at.next().max(self.history_compacted_below), epoch);
+        (!changed_since).then_some(archived)
+    }
+
+    /// Whether a publish in `from..=to` changed `table`, as the epoch log tells.
+    fn publishes_to(&self, table: &str, from: Epoch, to: Epoch) -> bool {
+        from <= to
             && self
                 .epoch_log
-                .range(at.next()..=epoch)
-                .any(|(_, r)| r.kind == EpochKind::Publish && r.tables.iter().any(|t| t == table));
-        (!changed_since).then_some(archived)
+                .range(from..=to)
+                .any(|(_, r)| r.kind == EpochKind::Publish && r.tables.iter().any(|t| t == table))
+    }
+
+    /// Before the epoch log lets its records below `point` go: each archived epoch below
+    /// it learns the first publish after it that changed its table, if the log has one.
+    pub(crate) fn note_archived_next_changes(&mut self, point: Epoch) {
+        let log = &self.epoch_log;
+        for (table, archived) in &mut self.archive {
+            for (at, archived) in archived.range_mut(..point) {
+                if archived.next_change.is_none() {
+                    archived.next_change = log
+                        .range(at.next()..)
+                        .find(|(_, r)| {
+                            r.kind == EpochKind::Publish && r.tables.iter().any(|t| t == table)
+                        })
+                        .map(|(epoch, _)| *epoch);
+                }
+            }
+        }
     }
 
     /// Where a read of `table` at `epoch` finds its rows: the replicas (`None`), or the
@@ -176,6 +206,11 @@ impl MetaState {
             .tables
             .get(&archived.table)
             .ok_or_else(|| format!("table {:?} does not exist", archived.table))?;
+        if archived.next_change.is_some() {
+            return Err(
+                "an archive record names no next change: the metadata records it when the epoch log is compacted".into(),
+            );
+        }
         if def.generation != archived.generation {
             return Err(format!(
                 "table {:?} was dropped and created again since this archive was made",

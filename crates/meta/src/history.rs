@@ -87,6 +87,11 @@ impl MetaState {
                 .range(..=self.visible)
                 .find(|(_, r)| r.visible_at_ms > 0);
             match first {
+                Some((epoch, record)) if !self.history_compacted_below.is_zero() => format!(
+                    "timestamp {} is before the oldest epoch the log still holds: epoch {epoch} became visible at {}, and no table retains its history before it",
+                    format_ms(at_ms),
+                    format_ms(record.visible_at_ms)
+                ),
                 Some((epoch, record)) => format!(
                     "timestamp {} is before the first epoch: epoch {epoch} became visible at {}",
                     format_ms(at_ms),

@@ -19,6 +19,7 @@ pub mod archive;
 pub mod client;
 pub mod error;
 pub mod history;
+pub mod history_compaction;
 pub mod log_store;
 pub mod network;
 pub mod retention;

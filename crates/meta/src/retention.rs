@@ -151,6 +151,12 @@ impl MetaState {
 
     /// Refuses a tag at `epoch` if some table's versions there may be merged away.
     pub(crate) fn check_taggable(&self, epoch: Epoch) -> Result<(), String> {
+        if epoch < self.history_compacted_below {
+            return Err(format!(
+                "cannot tag epoch {epoch}: no table retains its history below epoch {}",
+                self.history_compacted_below
+            ));
+        }
         for table in self.retention.keys() {
             self.check_retained(table, epoch)
                 .map_err(|why| format!("cannot tag epoch {epoch}: {why}"))?;

@@ -126,7 +126,8 @@ pub struct MetaState {
     /// copy every epoch ever decided.)
     pub aborted: imbl::OrdSet<Epoch>,
     /// Where the epoch log became the record of aborts (see `aborted`); zero until then.
-    /// A compaction of the epoch log must keep the record of which epochs it held.
+    /// A compaction of the epoch log moves it up to where the log then begins, and puts
+    /// the aborts below it back in `aborted` (see [`crate::history_compaction`]).
     #[serde(default, skip_serializing_if = "Epoch::is_zero")]
     pub aborts_derived_from: Epoch,
     /// How many aborted epochs left `aborted` for the epoch log's record.
@@ -179,6 +180,14 @@ pub struct MetaState {
     /// delta where a whole copy is now needed), so its map is refused.
     #[serde(default, skip_serializing_if = "Epoch::is_zero")]
     pub replicas_lost_at: Epoch,
+    /// Every epoch below it has left the epoch log: no table retains its history there
+    /// (see [`crate::history_compaction`]). Zero while the log is whole.
+    #[serde(default, skip_serializing_if = "Epoch::is_zero")]
+    pub history_compacted_below: Epoch,
+    /// Each table's version id at `history_compacted_below`: where its hash chain resumes
+    /// in the epoch log.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub history_heads: BTreeMap<String, ComponentHash>,
 }
 
 fn is_zero(value: &u64) -> bool {
@@ -249,6 +258,9 @@ impl MetaState {
             "invariant: the visible epoch never moves back ({visible_before} became {})",
             self.visible
         );
+        if !matches!(applied.0, MetaResponse::Refused(_)) {
+            self.compact_history_on_interval(visible_before);
+        }
         debug_assert_eq!(self.broken_invariant(), None);
         // Only the log's tail changes: from the epoch visible before (whose time the next
         // visible one is compared with) on, so the check stays cheap as history grows.
@@ -489,6 +501,7 @@ impl MetaState {
                 self.archive.remove(&name);
                 self.owners.remove(&name);
                 self.table_heads.remove(&name);
+                self.history_heads.remove(&name);
                 self.audit(
                     by,
                     AuditEvent::DropTable {
@@ -883,6 +896,8 @@ mod placement;
 
 #[cfg(test)]
 mod access_tests;
+#[cfg(test)]
+mod compaction_tests;
 #[cfg(test)]
 mod model_tests;
 #[cfg(test)]

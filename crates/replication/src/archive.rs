@@ -198,6 +198,7 @@ async fn archive_epoch(
                 generation,
                 epoch,
                 components,
+                next_change: None,
             },
         })
         .await
@@ -603,6 +604,7 @@ mod tests {
             generation: 1,
             epoch: Epoch(1),
             components: vec![component],
+            next_change: None,
         };
         state
             .archive

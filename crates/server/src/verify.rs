@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::{ComponentHash, Epoch, NodeId, PartitionId};
-use tessera_storage::digest::{table_version_id, GENESIS};
+use tessera_storage::digest::table_version_id;
 
 /// A node's change digests of the partitions it holds ([`DigestsRequest`]).
 pub const ACTION_PARTITION_DIGESTS: &str = "partition-digests";
@@ -248,8 +248,9 @@ async fn verify_table(
 ) -> TableVerdict {
     let sealed = sealed_epochs(state, table);
     let wanted = |epoch: Epoch| request.epoch.is_none_or(|e| e == epoch);
-    // The chain and the signatures, from the metadata alone.
-    let mut previous = GENESIS;
+    // The chain and the signatures, from the metadata alone: from the genesis id, or from
+    // where a compaction of the epoch log left the table's chain.
+    let mut previous = state.history_head(table);
     let mut signed = 0;
     for (epoch, record, link) in &sealed {
         if link.previous != previous {

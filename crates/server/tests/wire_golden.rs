@@ -405,6 +405,7 @@ fn sample_archived_epoch() -> tessera_meta::archive::ArchivedEpoch {
         generation: 7,
         epoch: Epoch(9),
         components: vec![sample_archived_component()],
+        next_change: None,
     }
 }
 

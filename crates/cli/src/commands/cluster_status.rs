@@ -162,6 +162,12 @@ pub async fn run(addr: &str) -> Result<()> {
             );
         }
     }
+    if !meta.history_compacted_below.is_zero() {
+        println!(
+            "epoch log:      {} committed epochs kept, from epoch {} (no table retains its history below it)",
+            status.history.epochs, meta.history_compacted_below
+        );
+    }
     Ok(())
 }
 

@@ -39,7 +39,7 @@ pub(super) fn keyed_table(name: &str) -> TableDef {
 }
 
 /// `state` with a table `name` keyed by a BIGINT `k`.
-fn with_table(mut state: MetaState, name: &str) -> MetaState {
+pub(super) fn with_table(mut state: MetaState, name: &str) -> MetaState {
     state.apply(
         2,
         MetaCommand::CreateTable {
@@ -312,14 +312,14 @@ fn users_are_created_once_altered_and_dropped_only_if_they_exist() {
 }
 
 /// `command` as the leader proposes it, stamped at `at_ms`.
-fn stamped(at_ms: u64, command: MetaCommand) -> MetaCommand {
+pub(super) fn stamped(at_ms: u64, command: MetaCommand) -> MetaCommand {
     MetaCommand::Stamped {
         at_ms,
         command: Box::new(command),
     }
 }
 
-fn open_epoch(state: &mut MetaState, table: &str, request: u64) -> Epoch {
+pub(super) fn open_epoch(state: &mut MetaState, table: &str, request: u64) -> Epoch {
     let command = MetaCommand::AllocateEpoch {
         coordinator: NodeId(1),
         incarnation: 0,
@@ -332,7 +332,7 @@ fn open_epoch(state: &mut MetaState, table: &str, request: u64) -> Epoch {
     }
 }
 
-fn commit_at(state: &mut MetaState, epoch: Epoch, at_ms: u64) {
+pub(super) fn commit_at(state: &mut MetaState, epoch: Epoch, at_ms: u64) {
     let commit = MetaCommand::CommitEpoch {
         epoch,
         missed: vec![],
@@ -465,13 +465,17 @@ fn tags_pin_committed_visible_epochs_once_each() {
         .contains("does not exist"));
 }
 
-fn publish(state: &mut MetaState, table: &str, request: u64, at_ms: u64) -> Epoch {
+pub(super) fn publish(state: &mut MetaState, table: &str, request: u64, at_ms: u64) -> Epoch {
     let epoch = open_epoch(state, table, request);
     commit_at(state, epoch, at_ms);
     epoch
 }
 
-fn set_retention(state: &mut MetaState, table: &str, retention: crate::Retention) -> MetaResponse {
+pub(super) fn set_retention(
+    state: &mut MetaState,
+    table: &str,
+    retention: crate::Retention,
+) -> MetaResponse {
     state
         .apply(
             20,
@@ -712,7 +716,7 @@ fn a_tag_pins_the_horizon_until_the_archive_holds_its_epoch() {
 
 /// An archive record of `table` at `epoch`: one component in partition 0, its fragments on
 /// nodes 1..=k+m.
-fn archived_epoch(
+pub(super) fn archived_epoch(
     state: &MetaState,
     table: &str,
     epoch: Epoch,
@@ -749,12 +753,17 @@ fn archived_epoch(
                 })
                 .collect(),
         }],
+        next_change: None,
     }
 }
 
 /// Opens `count` epochs of table `t` in turn and aborts those `aborts` picks (by request
 /// number), committing the rest; returns the aborted epochs.
-fn publish_aborting(state: &mut MetaState, count: u64, aborts: impl Fn(u64) -> bool) -> Vec<Epoch> {
+pub(super) fn publish_aborting(
+    state: &mut MetaState,
+    count: u64,
+    aborts: impl Fn(u64) -> bool,
+) -> Vec<Epoch> {
     let mut aborted = Vec::new();
     for request in 0..count {
         let epoch = open_epoch(state, "t", 100 + request);
