@@ -1,6 +1,7 @@
 //! Disk faults under real node processes, injected by the file layer every durable write
 //! goes through (`tessera_common::disk`, rules in `TESSERA_DISK_FAULTS`): an fsync that
-//! fails (the node must stop acknowledging at once: fsyncgate), and a crash in the middle
+//! fails (the node must stop acknowledging at once: fsyncgate), one that hangs (the node
+//! stops itself rather than hold every publish it is a replica of), and a crash in the middle
 //! of a write that also loses everything not yet fsynced (a power cut). In every case the
 //! cluster goes on, the node comes back, and no acknowledged publish is lost.
 
@@ -84,11 +85,19 @@ async fn wait_for_exit(cluster: &mut LocalCluster) -> (std::process::ExitStatus,
 /// checks every replica. Returns node 2's exit status and its whole log, the restart's
 /// included.
 async fn run_with_disk_fault(rule: &str) -> (std::process::ExitStatus, String) {
+    run_with_disk_fault_and(rule, &[]).await
+}
+
+/// [`run_with_disk_fault`] with node settings (`section.key`, value) on every node.
+async fn run_with_disk_fault_and(
+    rule: &str,
+    options: &[(&str, &str)],
+) -> (std::process::ExitStatus, String) {
     let root = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
     cluster.log_to_files();
     cluster.set_node_env(FAULTY, tessera_common::disk::FAULTS_VAR, rule);
-    let (mut cluster, client) = common::start_kv(cluster, &[]).await;
+    let (mut cluster, client) = common::start_kv(cluster, options).await;
 
     let mut publishes = Vec::new();
     let mut died = None;
@@ -142,6 +151,26 @@ async fn a_failed_raft_log_fsync_stops_the_node_and_loses_no_acknowledged_publis
     assert!(
         log.contains("injected disk fault: fsync") && log.contains("raft-log"),
         "the node names the failed file; log:\n{log}"
+    );
+}
+
+/// Node 2's disk stops answering: an fsync of its log hangs. The process still answers
+/// heartbeats, so nothing would fail it over, and every publish it is a replica of would
+/// wait on it (until the metadata aborts the epoch, minutes later, and the next one waits
+/// again). Instead it stops itself once the fsync has hung for `failure.disk_stall_ms`, the
+/// others fail it over and go on, and back on a healthy disk it holds every acknowledged
+/// publish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_log_fsync_stops_the_node_and_loses_no_acknowledged_publish() {
+    let (status, log) = run_with_disk_fault_and(
+        "fsync-stalls:.wal:after=12",
+        &[("failure.disk_stall_ms", "5000")],
+    )
+    .await;
+    assert_eq!(status.code(), Some(74), "exit status EX_IOERR; log:\n{log}");
+    assert!(
+        log.contains("injected disk fault: an fsync of") && log.contains("the disk stalled"),
+        "the node says why it stopped; log:\n{log}"
     );
 }
 

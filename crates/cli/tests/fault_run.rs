@@ -62,13 +62,15 @@ enum Kind {
     SlowLinks,
     ResetLinks,
     FsyncFails,
+    /// An fsync of the node's log hangs: it stops itself after `failure.disk_stall_ms`.
+    FsyncStalls,
     TornWrite,
     /// A node's data directory is deleted while it is down (a wiped or replaced disk); it
     /// comes back with `--replace`.
     Wipe,
 }
 
-const KINDS: [Kind; 11] = [
+const KINDS: [Kind; 12] = [
     Kind::Kill,
     Kind::Pause,
     Kind::Isolate,
@@ -78,9 +80,14 @@ const KINDS: [Kind; 11] = [
     Kind::SlowLinks,
     Kind::ResetLinks,
     Kind::FsyncFails,
+    Kind::FsyncStalls,
     Kind::TornWrite,
     Kind::Wipe,
 ];
+
+/// How long a node's fsync may hang before it stops itself: shorter than most faults last,
+/// so a stall strikes within its fault.
+const DISK_STALL_MS: &str = "2000";
 
 /// One injected fault and when it was healed.
 #[derive(Debug)]
@@ -189,12 +196,13 @@ impl Nemesis {
                 }
                 (nodes, leader)
             }
-            Kind::FsyncFails | Kind::TornWrite => {
+            Kind::FsyncFails | Kind::FsyncStalls | Kind::TornWrite => {
                 // Restarted on a disk that fails a little later: it dies by itself.
                 let (nodes, leader) = self.pick(1);
                 let after = self.rng.random_range(5..60);
                 let rule = match kind {
                     Kind::FsyncFails => format!("fsync-fails:.wal:after={after}"),
+                    Kind::FsyncStalls => format!("fsync-stalls:.wal:after={after}"),
                     _ => format!("crash:.wal:after={after}:lose-unsynced"),
                 };
                 cluster.set_node_env(nodes[0], tessera_common::disk::FAULTS_VAR, &rule);
@@ -288,7 +296,7 @@ fn heal(cluster: &mut LocalCluster, fault: Kind, nodes: &[u64]) {
             .links()
             .for_each(|(_, link)| link.set(LinkFaults::default())),
         Kind::ResetLinks => {}
-        Kind::FsyncFails | Kind::TornWrite => {
+        Kind::FsyncFails | Kind::FsyncStalls | Kind::TornWrite => {
             // Back on a healthy disk, whether or not the fault struck yet.
             for &n in nodes {
                 cluster.clear_node_env(n);
@@ -429,6 +437,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         Links::Proxied { seed },
     );
     cluster.set_voters(&(1..=voters).collect::<Vec<_>>());
+    cluster.set_option("failure.disk_stall_ms", DISK_STALL_MS);
     cluster.log_to_files();
     cluster.start_all();
     common::wait_formed(&cluster, 1, NODES as usize).await;

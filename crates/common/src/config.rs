@@ -38,6 +38,7 @@
 //! timeout_ms = 1500
 //! rereplicate_after_ms = 300000
 //! open_epoch_timeout_ms = 300000
+//! disk_stall_ms = 20000    # an fsync this slow stops the node (a stalled disk)
 //!
 //! [mtls]                   # mutual TLS on the internal port (`tessera certs` makes these)
 //! ca = "certs/ca.pem"
@@ -258,6 +259,10 @@ pub struct FailureSettings {
     /// so a coordinator that cannot commit (or is stalled) never holds its tables' lease
     /// for ever. A publish that takes longer fails as aborted, and may be retried.
     pub open_epoch_timeout_ms: u64,
+    /// A node whose fsync has not returned after this long stops itself (exit status 74,
+    /// as for a failed fsync): a stalled disk would otherwise hold every publish it is a
+    /// replica of while the node still answers heartbeats. The cluster fails it over.
+    pub disk_stall_ms: u64,
 }
 
 impl Default for FailureSettings {
@@ -267,6 +272,7 @@ impl Default for FailureSettings {
             timeout_ms: 1500,
             rereplicate_after_ms: 5 * 60 * 1000,
             open_epoch_timeout_ms: 5 * 60 * 1000,
+            disk_stall_ms: 20_000,
         }
     }
 }
@@ -465,6 +471,10 @@ impl NodeConfig {
         Duration::from_millis(self.failure.open_epoch_timeout_ms)
     }
 
+    pub fn disk_stall(&self) -> Duration {
+        Duration::from_millis(self.failure.disk_stall_ms)
+    }
+
     fn validate(&self) -> Result<(), String> {
         if self.cluster_id.trim().is_empty() {
             return Err("cluster_id is empty".into());
@@ -553,6 +563,9 @@ impl NodeConfig {
                 "failure.open_epoch_timeout_ms ({}) must exceed failure.heartbeat_ms ({})",
                 failure.open_epoch_timeout_ms, failure.heartbeat_ms
             ));
+        }
+        if failure.disk_stall_ms == 0 {
+            return Err("failure.disk_stall_ms must be positive".into());
         }
         if failure.rereplicate_after_ms <= failure.timeout_ms {
             return Err(format!(

@@ -9,6 +9,8 @@
 //! - `fsync-fails:wal:after=20`: the 21st and later fsyncs of matching files fail with
 //!   EIO (the kernel may have dropped the dirty pages: the write is not on disk, and a
 //!   retried fsync would lie);
+//! - `fsync-stalls:wal:after=20`: the 21st fsync of a matching file never returns (a
+//!   disk that stopped answering); see [`stalled_sync`];
 //! - `read-eio:components`: reads of matching files fail with EIO;
 //! - `crash:wal:after=40`: the 41st write to a matching file writes all but its last byte,
 //!   then the process dies (a torn write: the write's last frame is cut);
@@ -32,8 +34,12 @@ pub const FAULTS_VAR: &str = "TESSERA_DISK_FAULTS";
 #[derive(Debug, Clone, PartialEq)]
 enum Kind {
     FsyncFails,
+    /// The fsync never returns: a disk that stopped answering.
+    FsyncStalls,
     ReadEio,
-    Crash { lose_unsynced: bool },
+    Crash {
+        lose_unsynced: bool,
+    },
 }
 
 #[derive(Debug)]
@@ -82,11 +88,12 @@ fn parse(text: &str) -> Result<Vec<Rule>, String> {
         }
         let kind = match kind {
             "fsync-fails" => Kind::FsyncFails,
+            "fsync-stalls" => Kind::FsyncStalls,
             "read-eio" => Kind::ReadEio,
             "crash" => Kind::Crash { lose_unsynced },
             other => {
                 return Err(format!(
-                    "unknown disk fault {other:?} (fsync-fails, read-eio or crash)"
+                    "unknown disk fault {other:?} (fsync-fails, fsync-stalls, read-eio or crash)"
                 ))
             }
         };
@@ -208,22 +215,78 @@ fn synced(file: &File, path: &Path, result: io::Result<()>) -> io::Result<()> {
     result
 }
 
-/// `file.sync_all()`, or an injected EIO.
+/// `file.sync_all()`, or an injected EIO or stall.
 pub fn sync_all(file: &File, path: &Path) -> io::Result<()> {
+    fsync(file, path, File::sync_all)
+}
+
+/// `file.sync_data()`, or an injected EIO or stall.
+pub fn sync_data(file: &File, path: &Path) -> io::Result<()> {
+    fsync(file, path, File::sync_data)
+}
+
+fn fsync(file: &File, path: &Path, sync: fn(&File) -> io::Result<()>) -> io::Result<()> {
+    let _in_flight = SyncInFlight::start(path);
+    if rule_firing(path, |k| *k == Kind::FsyncStalls).is_some() {
+        eprintln!("injected disk fault: an fsync of {} stalls", path.display());
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
     let result = match rule_firing(path, |k| *k == Kind::FsyncFails) {
         Some(_) => Err(injected("fsync", path)),
-        None => file.sync_all(),
+        None => sync(file),
     };
     synced(file, path, result)
 }
 
-/// `file.sync_data()`, or an injected EIO.
-pub fn sync_data(file: &File, path: &Path) -> io::Result<()> {
-    let result = match rule_firing(path, |k| *k == Kind::FsyncFails) {
-        Some(_) => Err(injected("fsync", path)),
-        None => file.sync_data(),
-    };
-    synced(file, path, result)
+/// The fsyncs running now, by a sequence number (so the first is the oldest): when each
+/// started, and its file.
+static SYNCS_IN_FLIGHT: Mutex<std::collections::BTreeMap<u64, (std::time::Instant, PathBuf)>> =
+    Mutex::new(std::collections::BTreeMap::new());
+static NEXT_SYNC: AtomicU64 = AtomicU64::new(0);
+
+/// One fsync in [`SYNCS_IN_FLIGHT`] while it runs.
+struct SyncInFlight(u64);
+
+impl SyncInFlight {
+    fn start(path: &Path) -> SyncInFlight {
+        let id = NEXT_SYNC.fetch_add(1, Ordering::Relaxed);
+        SYNCS_IN_FLIGHT
+            .lock()
+            .expect("syncs in flight lock")
+            .insert(id, (std::time::Instant::now(), path.to_path_buf()));
+        SyncInFlight(id)
+    }
+}
+
+impl Drop for SyncInFlight {
+    fn drop(&mut self) {
+        SYNCS_IN_FLIGHT
+            .lock()
+            .expect("syncs in flight lock")
+            .remove(&self.0);
+    }
+}
+
+/// Why the disk counts as stalled, if an fsync has been running longer than `limit`.
+///
+/// A disk that stops answering does not fail its fsyncs: they hang, and with them every
+/// write waiting on the log, while the process still answers heartbeats, so the cluster
+/// never fails the node over and every publish it is a replica of waits. A node checks
+/// this and stops itself instead (`failure.disk_stall_ms`).
+pub fn stalled_sync(limit: std::time::Duration) -> Option<String> {
+    let in_flight = SYNCS_IN_FLIGHT.lock().expect("syncs in flight lock");
+    let (_, (started, path)) = in_flight.first_key_value()?;
+    let running = started.elapsed();
+    (running > limit).then(|| {
+        format!(
+            "an fsync of {} has not returned after {:.1} s (failure.disk_stall_ms = {}): the disk stalled",
+            path.display(),
+            running.as_secs_f64(),
+            limit.as_millis()
+        )
+    })
 }
 
 /// Fsyncs a directory (after creating, renaming or removing a file in it).
@@ -292,6 +355,19 @@ mod tests {
             let error = parse(bad).unwrap_err();
             assert!(error.contains(named), "{bad}: {error}");
         }
+    }
+
+    #[test]
+    fn an_fsync_running_past_the_limit_is_a_stalled_disk() {
+        let limit = std::time::Duration::from_millis(50);
+        assert_eq!(stalled_sync(limit), None);
+        let slow = SyncInFlight::start(Path::new("/data/wal/7.wal"));
+        assert_eq!(stalled_sync(limit), None, "not yet past the limit");
+        std::thread::sleep(limit * 2);
+        let stalled = stalled_sync(limit).expect("past the limit");
+        assert!(stalled.contains("/data/wal/7.wal"), "{stalled}");
+        drop(slow);
+        assert_eq!(stalled_sync(limit), None, "it returned");
     }
 
     #[test]

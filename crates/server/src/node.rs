@@ -289,11 +289,14 @@ impl Node {
     }
 
     /// Why this node's disk can no longer be trusted, if it cannot: an fsync failed (of its
-    /// log, a component, a checkpoint or the metadata log), or a write to its log did.
-    /// After that it must acknowledge nothing more (fsyncgate): the process should stop,
-    /// and a restart recovers from what is durable.
+    /// log, a component, a checkpoint or the metadata log), or a write to its log did, or
+    /// an fsync has hung past `failure.disk_stall_ms`. After that it must acknowledge
+    /// nothing more (fsyncgate): the process should stop, and a restart recovers from
+    /// what is durable.
     pub fn disk_failure(&self) -> Option<String> {
-        tessera_common::disk::fatal_error().or_else(|| self.store.poisoned_by())
+        tessera_common::disk::fatal_error()
+            .or_else(|| self.store.poisoned_by())
+            .or_else(|| tessera_common::disk::stalled_sync(self.config.disk_stall()))
     }
 
     /// Stops taking part in the metadata group (a clean stop; the store needs nothing).
