@@ -321,6 +321,10 @@ enum BenchKind {
         /// (e.g. '256MB'), checking its answer and counting the bytes spilled.
         #[arg(long, requires = "nodes")]
         memory_limit: Option<String>,
+        /// Without --nodes: also run at this smaller scale factor first, and print how each
+        /// query's time grew from it on both engines (e.g. --sf 10 --growth-from 1).
+        #[arg(long, conflicts_with = "nodes")]
+        growth_from: Option<f64>,
     },
     /// Surviving a node failure mid-query: lineage's overhead against none, and restart
     /// against lineage with a node SIGKILLed at 50% of each query's no-failure time.
@@ -693,6 +697,7 @@ async fn run(cli: Cli) -> Result<()> {
                     runs,
                     nodes,
                     memory_limit,
+                    growth_from,
                 },
         } => match nodes {
             Some(nodes) => {
@@ -708,7 +713,15 @@ async fn run(cli: Cli) -> Result<()> {
                 .await
             }
             None => {
-                commands::bench::tpch(&cli.data_dir, cli.store.config(), *sf, queries, *runs).await
+                commands::bench::tpch(
+                    &cli.data_dir,
+                    cli.store.config(),
+                    *sf,
+                    queries,
+                    *runs,
+                    *growth_from,
+                )
+                .await
             }
         },
         Command::Bench {

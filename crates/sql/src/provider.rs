@@ -649,6 +649,10 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
         // or pruned by row-group statistics; the page index would cost a read per file
         // per query for little pruning.
         options.global.enable_page_index = false;
+        // Components are written without bloom filters: looking for them costs a predicate
+        // evaluation per row group per query (about 0.1 ms each, 6 ms of a Q6 at SF 1)
+        // and can prune nothing.
+        options.global.bloom_filter_on_read = false;
         let mut source = ParquetSource::new(stored.clone())
             .with_table_parquet_options(options)
             .with_parquet_file_reader_factory(Arc::new(CachedParquetFileReaderFactory::new(

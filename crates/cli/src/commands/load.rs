@@ -1,4 +1,6 @@
-//! `tessera load tpch`: generate TPC-H in-process and publish each table as one epoch.
+//! `tessera load tpch`: generate TPC-H in-process and publish each table as one epoch (a
+//! table larger than [`LOAD_CHUNK_BYTES`], as one epoch per chunk: lineitem at SF 10 is
+//! about 10 GB of Arrow, more than one publish may hold).
 
 use super::target::Target;
 use anyhow::{bail, Result};
@@ -8,6 +10,11 @@ use tessera_storage::TableChanges;
 
 /// Rows per generated batch.
 const GENERATE_BATCH_ROWS: usize = 64 * 1024;
+
+/// Arrow bytes of generated rows published as one epoch, at most: every SF 1 table fits
+/// in one (lineitem is about 1 GB), and a chunk stays well below a store's largest
+/// publish (`store.max_publish_bytes`, 8 GiB) and this machine's memory.
+const LOAD_CHUNK_BYTES: usize = 2 << 30;
 
 /// Loads TPC-H lineitem alone into a local store and checkpoints it, as the benchmarks
 /// of one table's versions start.
@@ -59,27 +66,38 @@ pub async fn tpch(engine: &Target, sf: f64, only: &[String], report: bool) -> Re
         );
         progress.set_message(table.name);
         let mut batches = Vec::new();
+        let mut chunk_bytes = 0;
         let mut rows = 0u64;
-        for batch in table.generate(sf, GENERATE_BATCH_ROWS) {
+        let mut epochs = Vec::new();
+        let mut generated = table.generate(sf, GENERATE_BATCH_ROWS).peekable();
+        while let Some(batch) = generated.next() {
             let batch = batch?;
             rows += batch.num_rows() as u64;
             progress.inc(batch.num_rows() as u64);
+            chunk_bytes += batch.get_array_memory_size();
             batches.push(batch);
+            if chunk_bytes >= LOAD_CHUNK_BYTES || generated.peek().is_none() {
+                progress.set_message(format!("{} (publishing)", table.name));
+                let chunk = TableChanges {
+                    table: table.name.into(),
+                    upserts: std::mem::take(&mut batches),
+                    deletes: vec![],
+                };
+                epochs.push(engine.publish(chunk).await?);
+                progress.set_message(table.name);
+                chunk_bytes = 0;
+            }
         }
-        progress.set_message(format!("{} (publishing)", table.name));
-        let epoch = engine
-            .publish(TableChanges {
-                table: table.name.into(),
-                upserts: batches,
-                deletes: vec![],
-            })
-            .await?;
         progress.finish_and_clear();
         if report {
-            println!(
-                "loaded {:>10} rows into {:<9} as epoch {epoch}",
-                rows, table.name
-            );
+            let epochs = match (epochs.first(), epochs.last()) {
+                (Some(first), Some(last)) if first != last => {
+                    format!("epochs {first}..={last}")
+                }
+                (Some(only), _) => format!("epoch {only}"),
+                _ => "no epoch (no rows)".to_string(),
+            };
+            println!("loaded {rows:>10} rows into {:<9} as {epochs}", table.name);
         }
     }
     if report {
