@@ -100,6 +100,10 @@ struct Fault {
     healed: Instant,
     /// The heal's wall-clock time, to find it in the nodes' logs.
     healed_at: std::time::SystemTime,
+    /// It began on a recovered cluster: every node alive, no replica stale. Only such a
+    /// fault's no-ack window measures the fault alone (the next one often begins before
+    /// the last one's aftermath is over).
+    on_recovered: bool,
 }
 
 /// The nemesis: injects faults one at a time, each held for a while and then healed.
@@ -216,7 +220,8 @@ impl Nemesis {
 
 /// The live nodes whose every partition has another live, up-to-date replica, as the first
 /// node that answers sees them (none if none answers).
-async fn wipe_safe(cluster: &LocalCluster) -> Vec<u64> {
+/// Also whether the cluster has recovered: every node alive, no replica stale.
+async fn wipe_safe(cluster: &LocalCluster) -> (Vec<u64>, bool) {
     for id in cluster.node_ids() {
         let Ok(Ok(status)) = tokio::time::timeout(
             Duration::from_secs(2),
@@ -227,7 +232,7 @@ async fn wipe_safe(cluster: &LocalCluster) -> Vec<u64> {
             continue;
         };
         let meta = &status.meta;
-        return cluster
+        let safe = cluster
             .node_ids()
             .into_iter()
             .filter(|&n| {
@@ -235,8 +240,11 @@ async fn wipe_safe(cluster: &LocalCluster) -> Vec<u64> {
                 meta.nodes.get(&node).is_some_and(|n| n.alive) && others_hold_all_of(meta, node)
             })
             .collect();
+        let recovered = meta.nodes.values().all(|n| n.alive)
+            && meta.map.partitions.iter().all(|p| p.stale.is_empty());
+        return (safe, recovered);
     }
-    Vec::new()
+    (Vec::new(), false)
 }
 
 /// Whether every partition `node` holds has another live, up-to-date replica in `meta`:
@@ -315,6 +323,8 @@ struct Availability {
     injected: usize,
     with_leader_inside: usize,
     longest_gap: Duration,
+    /// The same over the faults that began on a recovered cluster (see `Fault`).
+    longest_gap_on_recovered: Option<Duration>,
     longest_after_heal: Duration,
     /// The same, over the heals whose first acknowledgement came before the next fault
     /// began: the others measure two faults, not one heal.
@@ -332,19 +342,25 @@ fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Avail
         entry.injected += 1;
         entry.with_leader_inside += usize::from(fault.leader_inside);
         let mut previous = fault.started;
+        let mut gap = Duration::ZERO;
         for &ack in acks
             .iter()
             .filter(|&&a| a > fault.started && a <= fault.healed)
         {
-            entry.longest_gap = entry.longest_gap.max(ack - previous);
+            gap = gap.max(ack - previous);
             previous = ack;
         }
         // The window still open at the heal lasts until the next acknowledgement (or the
         // heal, if none came at all).
         let next_fault = faults.get(index + 1).map(|next| next.started);
-        match acks.iter().find(|&&a| a > fault.healed) {
+        let first_after_heal = acks.iter().find(|&&a| a > fault.healed);
+        gap = gap.max(first_after_heal.map_or(fault.healed, |first| *first) - previous);
+        entry.longest_gap = entry.longest_gap.max(gap);
+        if fault.on_recovered {
+            entry.longest_gap_on_recovered = entry.longest_gap_on_recovered.max(Some(gap));
+        }
+        match first_after_heal {
             Some(&first) => {
-                entry.longest_gap = entry.longest_gap.max(first - previous);
                 if next_fault.is_none_or(|next| first <= next) {
                     entry.longest_after_heal_alone = entry
                         .longest_after_heal_alone
@@ -355,7 +371,7 @@ fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Avail
                     entry.slowest_heal = Some(index);
                 }
             }
-            None => entry.longest_gap = entry.longest_gap.max(fault.healed - previous),
+            None => {}
         }
     }
     by_kind
@@ -495,7 +511,8 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         .await
         .ok()
         .flatten();
-        nemesis.wipe_safe = wipe_safe(&cluster).await;
+        let on_recovered;
+        (nemesis.wipe_safe, on_recovered) = wipe_safe(&cluster).await;
         let kind = match KINDS[nemesis.rng.random_range(0..KINDS.len())] {
             Kind::Wipe if nemesis.wipe_safe.is_empty() => Kind::Kill,
             kind => kind,
@@ -525,6 +542,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
             started,
             healed,
             healed_at,
+            on_recovered,
         });
         let settle = Duration::from_millis(nemesis.rng.random_range(300..1500));
         tokio::time::sleep(settle).await;
@@ -565,26 +583,27 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         panics.len(),
     );
     println!(
-        "{:<14} {:>8} {:>14} {:>22} {:>22} {:>28}",
+        "{:<14} {:>8} {:>14} {:>22} {:>26} {:>22} {:>28}",
         "fault",
         "injected",
         "leader inside",
         "longest no-ack window",
+        "... from a recovered cluster",
         "first ack after heal",
         "... before the next fault"
     );
+    let seconds =
+        |d: Option<Duration>| d.map_or("none".to_string(), |d| format!("{:.1}s", d.as_secs_f64()));
     for (kind, figures) in &by_kind {
-        let alone = figures
-            .longest_after_heal_alone
-            .map_or("none".to_string(), |d| format!("{:.1}s", d.as_secs_f64()));
         println!(
-            "{:<14} {:>8} {:>14} {:>21.1}s {:>21.1}s {:>28}",
+            "{:<14} {:>8} {:>14} {:>21.1}s {:>26} {:>21.1}s {:>28}",
             format!("{kind:?}"),
             figures.injected,
             figures.with_leader_inside,
             figures.longest_gap.as_secs_f64(),
+            seconds(figures.longest_gap_on_recovered),
             figures.longest_after_heal.as_secs_f64(),
-            alone,
+            seconds(figures.longest_after_heal_alone),
         );
     }
     print_slowest_heals(&faults, &by_kind, &publishes);
