@@ -8,7 +8,6 @@
 //! record is written only after every fragment is durable on its node, so the horizon
 //! never passes an epoch that nothing can rebuild.
 
-use crate::history::EpochKind;
 use crate::state::MetaState;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -120,7 +119,7 @@ impl MetaState {
             && self
                 .epoch_log
                 .range(from..=to)
-                .any(|(_, r)| r.kind == EpochKind::Publish && r.tables.iter().any(|t| t == table))
+                .any(|(_, r)| r.changed(table))
     }
 
     /// Before the epoch log lets its records below `point` go: each archived epoch below
@@ -132,9 +131,7 @@ impl MetaState {
                 if archived.next_change.is_none() {
                     archived.next_change = log
                         .range(at.next()..)
-                        .find(|(_, r)| {
-                            r.kind == EpochKind::Publish && r.tables.iter().any(|t| t == table)
-                        })
+                        .find(|(_, r)| r.changed(table))
                         .map(|(epoch, _)| *epoch);
                 }
             }
@@ -170,9 +167,7 @@ impl MetaState {
             epochs.extend(
                 self.epoch_log
                     .range(retention.floor.next()..wanted)
-                    .filter(|(_, r)| {
-                        r.kind == EpochKind::Publish && r.tables.iter().any(|t| t == table)
-                    })
+                    .filter(|(_, r)| r.changed(table))
                     .map(|(epoch, _)| *epoch),
             );
         }

@@ -61,6 +61,14 @@ pub struct EpochRecord {
     pub seal: Option<crate::seal::EpochSeal>,
 }
 
+impl EpochRecord {
+    /// Whether this epoch published rows to `table` (a placement change moves data, and
+    /// changes none).
+    pub fn changed(&self, table: &str) -> bool {
+        self.kind == EpochKind::Publish && self.tables.iter().any(|t| t == table)
+    }
+}
+
 /// A name pinned to a committed epoch.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct TagRecord {

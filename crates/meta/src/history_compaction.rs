@@ -83,14 +83,15 @@ impl MetaState {
             self.aborts_derived_from = point;
         }
         self.note_archived_next_changes(point);
-        for (_, record) in self.epoch_log.range(..point) {
+        let mut gone = Vec::new();
+        for (epoch, record) in self.epoch_log.range(..point) {
             for link in record.seal.iter().flat_map(|seal| &seal.versions) {
                 if self.tables.contains_key(&link.table) {
                     self.history_heads.insert(link.table.clone(), link.version);
                 }
             }
+            gone.push(*epoch);
         }
-        let gone: Vec<Epoch> = self.epoch_log.range(..point).map(|(e, _)| *e).collect();
         for epoch in gone {
             self.epoch_log.remove(&epoch);
         }

@@ -11,7 +11,6 @@
 //! setting starts from the horizon the old one had reached (its *floor*), so retaining more
 //! keeps more from now on but never claims history already given up.
 
-use crate::history::EpochKind;
 use crate::state::MetaState;
 use serde::{Deserialize, Serialize};
 use tessera_common::Epoch;
@@ -178,9 +177,7 @@ impl MetaState {
             self.epoch_log
                 .range(..=self.visible)
                 .rev()
-                .filter(|(_, r)| {
-                    r.kind == EpochKind::Publish && r.tables.iter().any(|t| t == table)
-                })
+                .filter(|(_, r)| r.changed(table))
                 .nth(n.saturating_sub(1) as usize)
                 .map_or(Epoch::ZERO, |(epoch, _)| *epoch)
         });
