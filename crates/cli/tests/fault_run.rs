@@ -10,7 +10,9 @@
 //! a few seconds. The history is checked
 //! (`common::history`): no acknowledged publish lost, no aborted one seen, no stale,
 //! phantom or backwards read, `AS OF` answers stable, replicas equal, no panic in any
-//! node's log; and each fault's availability is measured.
+//! node's log; and each fault's availability is measured: the cluster acknowledges
+//! publishes within 30 s of every heal, and, over a fault that began on a recovered
+//! cluster, the majority side within the fault's detection + 5 s.
 //!
 //! The default run is short (CI). The long run is a command:
 //! `TESSERA_FAULTS=1000 TESSERA_FAULTS_VOTERS=5 cargo faults` (an alias in
@@ -43,6 +45,29 @@ const TABLES: [&str; 2] = ["kv_a", "kv_b"];
 
 /// After a fault is healed, the whole cluster acknowledges publishes again within this.
 const HEALED_LIVENESS: Duration = Duration::from_secs(30);
+
+/// The majority side acknowledges publishes again within the fault's detection and this.
+const MAJORITY_LIVENESS_MARGIN: Duration = Duration::from_secs(5);
+
+/// How long the cluster may take to notice a fault of `kind`: a new metadata leader's
+/// election (when the old one is impaired) and then the failure timeout, after which the
+/// impaired node's partitions fail over; a stalled disk first waits out its stall limit
+/// (`failure.disk_stall_ms`), after which its node stops itself.
+fn detection(kind: Kind) -> Duration {
+    let failure = tessera_server::config::FailureSettings::default();
+    let election = Duration::from_millis(tessera_server::node::ELECTION_TIMEOUT_MAX_MS);
+    let noticed = election + Duration::from_millis(failure.timeout_ms);
+    match kind {
+        Kind::FsyncStalls => noticed + Duration::from_millis(DISK_STALL_MS.parse().unwrap()),
+        _ => noticed,
+    }
+}
+
+/// The bound on the majority side: a no-ack window over a fault that began on a
+/// recovered cluster lasts at most its detection + 5 s.
+fn majority_bound(kind: Kind) -> Duration {
+    detection(kind) + MAJORITY_LIVENESS_MARGIN
+}
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -583,12 +608,13 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         panics.len(),
     );
     println!(
-        "{:<14} {:>8} {:>14} {:>22} {:>26} {:>22} {:>28}",
+        "{:<14} {:>8} {:>14} {:>22} {:>28} {:>6} {:>22} {:>26}",
         "fault",
         "injected",
         "leader inside",
         "longest no-ack window",
         "... from a recovered cluster",
+        "bound",
         "first ack after heal",
         "... before the next fault"
     );
@@ -596,12 +622,13 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         |d: Option<Duration>| d.map_or("none".to_string(), |d| format!("{:.1}s", d.as_secs_f64()));
     for (kind, figures) in &by_kind {
         println!(
-            "{:<14} {:>8} {:>14} {:>21.1}s {:>26} {:>21.1}s {:>28}",
+            "{:<14} {:>8} {:>14} {:>21.1}s {:>28} {:>5.1}s {:>21.1}s {:>26}",
             format!("{kind:?}"),
             figures.injected,
             figures.with_leader_inside,
             figures.longest_gap.as_secs_f64(),
             seconds(figures.longest_gap_on_recovered),
+            majority_bound(*kind).as_secs_f64(),
             figures.longest_after_heal.as_secs_f64(),
             seconds(figures.longest_after_heal_alone),
         );
@@ -629,6 +656,15 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
             "after a {kind:?} was healed, no publish was acknowledged for {:?} (seed {seed})",
             figures.longest_after_heal
         );
+        if let Some(window) = figures.longest_gap_on_recovered {
+            assert!(
+                window <= majority_bound(*kind),
+                "a {kind:?} on a recovered cluster left the majority side without an acknowledged publish for {window:?}, past its bound of {:?} (detection {:?} + {:?}) (seed {seed})",
+                majority_bound(*kind),
+                detection(*kind),
+                MAJORITY_LIVENESS_MARGIN
+            );
+        }
     }
     if !keep {
         drop(cluster);

@@ -192,6 +192,20 @@ impl Replication {
             .is_none_or(|n| !n.alive)
     }
 
+    /// Resolves once this node's metadata counts `id` failed (at once if it does already).
+    /// A call still waiting on `id` races this and gives up when it resolves: the cluster
+    /// has failed `id`'s partitions over by then, so waiting out the connection's own
+    /// timeout (keep-alive pings, seconds more on a silent network) only delays the retry.
+    pub async fn declared_failed(&self, id: NodeId) {
+        let failed =
+            |view: &Arc<tessera_meta::MetaView>| view.state.nodes.get(&id).is_none_or(|n| !n.alive);
+        while !self
+            .meta
+            .wait_until(Duration::from_secs(3600), failed)
+            .await
+        {}
+    }
+
     /// Resolves when some node becomes suspect.
     pub async fn suspicion(&self) {
         self.suspected.notified().await

@@ -147,10 +147,20 @@ fn start_shipping(
         let node = node.clone();
         let replica = forward.node;
         let task = tokio::spawn(async move {
-            match node.meta.addr_of(replica) {
-                Some(addr) => prepare(&node.clients, &addr, &onward, receiver).await,
-                None => Err(CallError::Transport(format!(
-                    "node {replica} has no address"
+            let call = async {
+                match node.meta.addr_of(replica) {
+                    Some(addr) => prepare(&node.clients, &addr, &onward, receiver).await,
+                    None => Err(CallError::Transport(format!(
+                        "node {replica} has no address"
+                    ))),
+                }
+            };
+            // A replica the cluster declares failed mid-stream missed the epoch (it is
+            // marked stale and catches up), whether or not its connection has noticed.
+            tokio::select! {
+                reply = call => reply,
+                () = node.declared_failed(replica) => Err(CallError::Transport(format!(
+                    "node {replica} was declared failed while logging the rows"
                 ))),
             }
         });

@@ -290,9 +290,7 @@ async fn publish_committed(
                 reason,
             }) if attempt <= RETRIES => {
                 tracing::warn!(node = lost.0, %epoch, %reason, attempt, "a primary was lost mid-publish; retrying once the metadata has a new one");
-                node.meta
-                    .wait_until_failed(lost, node.settings.failure_timeout * 2)
-                    .await;
+                wait_for_new_primary(node, lost, &routed).await;
             }
             Err(ReplicationError::CommitRefused { epoch, reason }) if attempt <= RETRIES => {
                 // Aborted; the next attempt routes by a fresh view, to a complete replica.
@@ -301,6 +299,27 @@ async fn publish_committed(
             done => return done,
         }
     }
+}
+
+/// Waits (up to twice the failure timeout) until `lost` is no primary of a partition the
+/// publish touches: the metadata declared it failed, or had already failed its partitions
+/// over and then seen it return (a healed partition), so a retry at once goes to the new
+/// primaries instead of waiting for a verdict on a node that is alive again.
+async fn wait_for_new_primary(node: &Replication, lost: NodeId, routed: &BTreeMap<String, Routed>) {
+    let touched: BTreeSet<PartitionId> = routed
+        .values()
+        .flat_map(|r| r.upserts.keys().chain(r.deletes.keys()))
+        .copied()
+        .collect();
+    node.meta
+        .wait_until(node.settings.failure_timeout * 2, |view| {
+            let failed = view.state.nodes.get(&lost).is_none_or(|n| !n.alive);
+            failed
+                || touched.iter().all(|partition| {
+                    view.state.map.partitions[partition.0 as usize].primary != Some(lost)
+                })
+        })
+        .await;
 }
 
 /// One attempt at publishing routed rows: an epoch, prepares on every live replica, commit.
@@ -547,19 +566,29 @@ async fn prepare_everywhere(
                 partitions: partitions.clone(),
             })
             .collect();
-        let result = match node.meta.addr_of(shipment.primary) {
-            Some(addr) => {
-                crate::wire::prepare(
-                    &node.clients,
-                    &addr,
-                    &shipment.request,
-                    futures::stream::iter(std::mem::take(&mut shipment.batches)),
-                )
-                .await
+        let primary = shipment.primary;
+        let call = async {
+            match node.meta.addr_of(primary) {
+                Some(addr) => {
+                    crate::wire::prepare(
+                        &node.clients,
+                        &addr,
+                        &shipment.request,
+                        futures::stream::iter(std::mem::take(&mut shipment.batches)),
+                    )
+                    .await
+                }
+                None => Err(CallError::Transport(format!(
+                    "node {primary} has no address"
+                ))),
             }
-            None => Err(CallError::Transport(format!(
-                "node {} has no address",
-                shipment.primary
+        };
+        // A primary declared failed mid-prepare is lost, whether or not its connection
+        // has noticed: its partitions have new primaries to retry with.
+        let result = tokio::select! {
+            reply = call => reply,
+            () = node.declared_failed(primary) => Err(CallError::Transport(format!(
+                "node {primary} was declared failed while logging the rows"
             ))),
         };
         (shipment.primary, shipment.replicas, result)

@@ -29,6 +29,12 @@ use crate::startup::{
 };
 pub use crate::startup::{ACTION_REPLACE_NODE, DATA_FORMAT_VERSION, KEYS_DIR};
 
+/// The longest a metadata follower waits without hearing from a leader before it stands
+/// for election (the shortest is half of it). A lost leader is replaced within about
+/// this, well inside the failure timeout, so the new leader's failure detection starts
+/// soon after the old one's stopped.
+pub const ELECTION_TIMEOUT_MAX_MS: u64 = 600;
+
 pub struct Node {
     pub config: NodeConfig,
     pub store: Arc<Store>,
@@ -159,8 +165,8 @@ impl Node {
             cluster_name: config.cluster_id.clone(),
             // Elections finish well inside the 2 s failure-detection budget.
             heartbeat_interval: 100,
-            election_timeout_min: 300,
-            election_timeout_max: 600,
+            election_timeout_min: ELECTION_TIMEOUT_MAX_MS / 2,
+            election_timeout_max: ELECTION_TIMEOUT_MAX_MS,
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(1000),
             max_in_snapshot_log_to_keep: 200,
             ..Default::default()
