@@ -21,6 +21,7 @@ pub mod params;
 pub mod provider;
 pub mod retention;
 pub mod scan;
+pub mod snapshot_scan;
 pub mod statements;
 pub mod system;
 pub mod tags;

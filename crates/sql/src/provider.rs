@@ -1,41 +1,30 @@
 //! Tessera's catalog as DataFusion sees it: a schema provider whose tables are read from
 //! the store, optionally pinned to an epoch (`t@42`).
 
-use crate::decoded::{DecodedComponents, DecodedScan, DecodedScanExec};
+use crate::decoded::DecodedComponents;
 use crate::error::SqlError;
-use crate::scan::VersionedScanExec;
+pub use crate::snapshot_scan::{plan_snapshot_scan, FileGrouping, SnapshotScan};
 use crate::system;
 use crate::time_travel::{base_table_name, split_as_of};
 use arrow::datatypes::{Field, Schema, SchemaRef};
 use async_trait::async_trait;
 use datafusion::catalog::{SchemaProvider, Session, TableProvider};
-use datafusion::common::config::TableParquetOptions;
 use datafusion::common::{Constraint, Constraints, DFSchema, Result, Statistics};
-use datafusion::datasource::listing::PartitionedFile;
 use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
-use datafusion::datasource::physical_plan::parquet::CachedParquetFileReaderFactory;
-use datafusion::datasource::physical_plan::{FileGroup, FileScanConfigBuilder, ParquetSource};
-use datafusion::datasource::source::DataSourceExec;
-use datafusion::execution::object_store::ObjectStoreUrl;
-use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::logical_expr::utils::conjunction;
 use datafusion::logical_expr::{cast, lit, Expr, TableProviderFilterPushDown, TableType};
 use datafusion::physical_expr::expressions::{CastExpr, Column as PhysicalColumn};
 use datafusion::physical_expr::PhysicalExpr;
-use datafusion::physical_plan::empty::EmptyExec;
 use datafusion::physical_plan::projection::{ProjectionExec, ProjectionExpr};
-use datafusion::physical_plan::union::UnionExec;
 use datafusion::physical_plan::ExecutionPlan;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tessera_common::ComponentHash;
 use tessera_common::Epoch;
-use tessera_common::PartitionId;
 use tessera_storage::component::component_path;
 use tessera_storage::evolution::{ColumnChange, FileLayout};
 use tessera_storage::versions::{stored_schema, stored_user_schema};
-use tessera_storage::{PartitionSnapshot, TableSnapshot};
 use tessera_storage::{Store, TableDef};
 
 /// Where a scan finds the component files a snapshot names, and how it checks one against
@@ -544,197 +533,4 @@ impl RowSource for LocalRows {
             parquet: state.table_options().parquet.clone(),
         })
     }
-}
-
-/// How plain components are grouped into output partitions.
-#[derive(Debug, Clone, Copy)]
-pub enum FileGrouping {
-    /// One output partition per storage partition.
-    PerStoragePartition,
-    /// Packed into at most this many groups of about equal bytes.
-    Packed(usize),
-}
-
-/// What to read of a table snapshot, and how.
-pub struct SnapshotScan<'a> {
-    /// Where the snapshot's component files are.
-    pub store: &'a dyn ComponentFiles,
-    pub snapshot: &'a Arc<TableSnapshot>,
-    /// The storage partitions to read (every one if `None`).
-    pub partitions: Option<&'a [PartitionId]>,
-    /// User column indices to return.
-    pub projection: Vec<usize>,
-    /// A predicate over the stored schema, used to prune plain components' row groups
-    /// (never to drop rows: the plan above still filters).
-    pub predicate: Option<Arc<dyn PhysicalExpr>>,
-    pub limit: Option<usize>,
-    pub grouping: FileGrouping,
-    pub statistics: &'a ComponentStatistics,
-    /// Where small plain components are kept decoded (`None`: always read Parquet).
-    pub decoded: Option<&'a Arc<DecodedComponents>>,
-    pub runtime: &'a Arc<RuntimeEnv>,
-    pub parquet: TableParquetOptions,
-}
-
-/// The physical plan that reads `scan`'s partitions of a snapshot: partitions that are a
-/// single duplicate-free component go to DataFusion's Parquet scan (projection, pruning by
-/// the predicate, the runtime's footer cache), or, when every such component is small, to
-/// the decoded cache ([`DecodedScanExec`]); the rest through [`VersionedScanExec`]. Every
-/// component read is verified against its hash first.
-pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPlan>> {
-    let SnapshotScan {
-        store,
-        snapshot,
-        partitions,
-        projection,
-        predicate,
-        limit,
-        grouping,
-        statistics,
-        decoded,
-        runtime,
-        parquet,
-    } = scan;
-    let epoch = snapshot.epoch;
-    let def = &snapshot.def;
-    let stored = stored_schema(def);
-    let wanted = |p: &PartitionSnapshot| partitions.is_none_or(|only| only.contains(&p.partition));
-    let mut plain = Vec::new();
-    let mut versioned = Vec::new();
-    for partition in snapshot
-        .partitions
-        .iter()
-        .filter(|p| !p.is_empty() && wanted(p))
-    {
-        for component in &partition.components {
-            store
-                .verify(&component.hash)
-                .map_err(SqlError::to_datafusion)?;
-        }
-        if partition.is_plain_scan(epoch, def.layout()) {
-            plain.push(partition.components[0].clone());
-        } else {
-            versioned.push(partition.clone());
-        }
-    }
-    let mut children: Vec<Arc<dyn ExecutionPlan>> = Vec::new();
-    // A table is read decoded only if all of its plain components are small: mixing the
-    // two readers would double the scan's output partitions.
-    // Every component's statistics, merged once for whichever reader takes them.
-    let file_statistics = plain
-        .iter()
-        .map(|c| statistics.get(store, &c.hash, &snapshot.def))
-        .collect::<Result<Vec<_>>>()?;
-    let merged_statistics =
-        Statistics::try_merge_iter(file_statistics.iter().map(|s| s.as_ref()), &stored)?;
-    let plain_decoded = decoded.filter(|cache| plain.iter().all(|c| cache.admits(c)));
-    if let (Some(cache), false) = (plain_decoded, plain.is_empty()) {
-        children.push(Arc::new(DecodedScanExec::new(DecodedScan {
-            snapshot: snapshot.clone(),
-            groups: group_files(plain, grouping, |c| c.bytes),
-            components_dir: store.dir().to_path_buf(),
-            cache: cache.clone(),
-            projection: projection.clone(),
-            limit,
-            statistics: merged_statistics,
-        })?));
-    } else if !plain.is_empty() {
-        // The same reader settings as DataFusion's own Parquet tables: the session's
-        // Parquet options and the runtime's footer cache (components never change, so a
-        // cached footer is always valid).
-        let object_store = runtime.object_store(ObjectStoreUrl::local_filesystem())?;
-        let footer_cache = runtime.cache_manager.get_file_metadata_cache();
-        let mut options = parquet;
-        // Components are written with one row group per ~128k rows and are read whole
-        // or pruned by row-group statistics; the page index would cost a read per file
-        // per query for little pruning.
-        options.global.enable_page_index = false;
-        // Components are written without bloom filters: looking for them costs a predicate
-        // evaluation per row group per query (about 0.1 ms each, 6 ms of a Q6 at SF 1)
-        // and can prune nothing.
-        options.global.bloom_filter_on_read = false;
-        let mut source = ParquetSource::new(stored.clone())
-            .with_table_parquet_options(options)
-            .with_parquet_file_reader_factory(Arc::new(CachedParquetFileReaderFactory::new(
-                object_store,
-                footer_cache,
-            )));
-        if let Some(predicate) = predicate {
-            source = source.with_predicate(predicate);
-        }
-        let files = plain
-            .iter()
-            .zip(file_statistics)
-            .map(|(component, stats)| {
-                let path = component_path(store.dir(), &component.hash);
-                let location = path.to_string_lossy().trim_start_matches('/').to_string();
-                PartitionedFile::new(location, component.bytes).with_statistics(stats)
-            })
-            .collect();
-        let groups = group_files(files, grouping, |f| f.object_meta.size)
-            .into_iter()
-            .map(FileGroup::new)
-            .collect();
-        let config =
-            FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source))
-                .with_file_groups(groups)
-                .with_statistics(merged_statistics)
-                .with_projection_indices(Some(projection.clone()))?
-                .with_limit(limit)
-                .build();
-        children.push(DataSourceExec::from_data_source(config));
-    }
-    if !versioned.is_empty() {
-        let dir = store.dir().to_path_buf();
-        children.push(Arc::new(VersionedScanExec::new(
-            snapshot.clone(),
-            versioned,
-            projection.clone(),
-            dir,
-            decoded.cloned(),
-        )?));
-    }
-    if children.is_empty() {
-        return Ok(Arc::new(EmptyExec::new(Arc::new(
-            stored.project(&projection)?,
-        ))));
-    }
-    UnionExec::try_new(children)
-}
-
-/// Lays files out as `grouping` says: one group each, or packed by bytes.
-fn group_files<F: Clone>(
-    files: Vec<F>,
-    grouping: FileGrouping,
-    bytes: impl Fn(&F) -> u64,
-) -> Vec<Vec<F>> {
-    match grouping {
-        FileGrouping::PerStoragePartition => files.into_iter().map(|f| vec![f]).collect(),
-        FileGrouping::Packed(groups) => pack_by_bytes(files, groups, bytes),
-    }
-}
-
-/// Packs files into at most `groups` groups of about equal bytes (largest first, each into
-/// the lightest group), keeping every file whole.
-fn pack_by_bytes<F: Clone>(
-    mut files: Vec<F>,
-    groups: usize,
-    bytes: impl Fn(&F) -> u64,
-) -> Vec<Vec<F>> {
-    let groups = groups.clamp(1, files.len().max(1));
-    files.sort_by_key(|f| std::cmp::Reverse(bytes(f)));
-    let mut packed: Vec<(u64, Vec<F>)> = vec![(0, Vec::new()); groups];
-    for file in files {
-        let lightest = packed
-            .iter_mut()
-            .min_by_key(|(held, _)| *held)
-            .expect("at least one group");
-        lightest.0 += bytes(&file);
-        lightest.1.push(file);
-    }
-    packed
-        .into_iter()
-        .filter(|(_, f)| !f.is_empty())
-        .map(|(_, f)| f)
-        .collect()
 }

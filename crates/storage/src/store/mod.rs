@@ -174,19 +174,33 @@ impl PartitionSnapshot {
     }
 
     /// True if the partition's rows at `epoch` are exactly its single component's rows, so
-    /// a reader may scan the Parquet file directly without resolving versions: a file
-    /// written under the table's current definition (`layout`), since a plain reader
-    /// matches columns by name and would not conform an older one.
+    /// a reader may scan the Parquet file directly without resolving versions.
     pub fn is_plain_scan(&self, epoch: Epoch, layout: u32) -> bool {
-        match (self.components.as_slice(), self.memtable.is_empty()) {
-            ([only], true) => {
-                only.unique_keys
-                    && only.tombstones == 0
-                    && only.max_epoch <= epoch
-                    && only.layout == layout
-            }
-            _ => false,
-        }
+        self.plain_components(epoch, layout)
+            .is_some_and(|components| components.len() == 1)
+    }
+
+    /// The partition's components, if each one's rows at `epoch` are all of its rows, as
+    /// written: no memtable, and every component duplicate-free, without tombstones, every
+    /// version at or below `epoch`, and written under the table's
+    /// current definition (`layout`; a plain reader matches columns by name and would not
+    /// conform an older file). Such components read as plain Parquet when no key occurs in
+    /// two of them: one component, an append-only table (no keys to resolve), or key
+    /// ranges that do not overlap, which the reader proves from their statistics. Beside
+    /// others, a merge's history component never counts: its rows are older versions of
+    /// keys the others hold (or deleted), which only version resolution sorts out.
+    pub fn plain_components(&self, epoch: Epoch, layout: u32) -> Option<&[ComponentMeta]> {
+        let plain = |c: &ComponentMeta| {
+            c.unique_keys
+                && c.tombstones == 0
+                && c.max_epoch <= epoch
+                && c.layout == layout
+                && (self.components.len() == 1 || !c.is_history())
+        };
+        (self.memtable.is_empty()
+            && !self.components.is_empty()
+            && self.components.iter().all(plain))
+        .then_some(self.components.as_slice())
     }
 
     pub fn estimated_rows(&self) -> u64 {
