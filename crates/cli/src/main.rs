@@ -325,6 +325,10 @@ enum BenchKind {
         /// query's time grew from it on both engines (e.g. --sf 10 --growth-from 1).
         #[arg(long, conflicts_with = "nodes")]
         growth_from: Option<f64>,
+        /// Without --nodes: load each table as this many publishes of consecutive rows and
+        /// leave them unmerged, as a table appended to over time is read before its merges.
+        #[arg(long, conflicts_with = "nodes")]
+        publishes_per_table: Option<usize>,
     },
     /// Surviving a node failure mid-query: lineage's overhead against none, and restart
     /// against lineage with a node SIGKILLed at 50% of each query's no-failure time.
@@ -698,6 +702,7 @@ async fn run(cli: Cli) -> Result<()> {
                     nodes,
                     memory_limit,
                     growth_from,
+                    publishes_per_table,
                 },
         } => match nodes {
             Some(nodes) => {
@@ -720,6 +725,7 @@ async fn run(cli: Cli) -> Result<()> {
                     queries,
                     *runs,
                     *growth_from,
+                    *publishes_per_table,
                 )
                 .await
             }

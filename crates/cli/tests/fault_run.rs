@@ -350,6 +350,8 @@ struct Availability {
     longest_gap: Duration,
     /// The same over the faults that began on a recovered cluster (see `Fault`).
     longest_gap_on_recovered: Option<Duration>,
+    /// Where that longest window was: the fault (its index), and the window's start and end.
+    widest_on_recovered: Option<(usize, Instant, Instant)>,
     longest_after_heal: Duration,
     /// The same, over the heals whose first acknowledgement came before the next fault
     /// began: the others measure two faults, not one heal.
@@ -367,22 +369,32 @@ fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Avail
         entry.injected += 1;
         entry.with_leader_inside += usize::from(fault.leader_inside);
         let mut previous = fault.started;
-        let mut gap = Duration::ZERO;
+        let mut window = (Duration::ZERO, fault.started, fault.started);
+        let mut widen = |from: Instant, to: Instant| {
+            if to - from > window.0 {
+                window = (to - from, from, to);
+            }
+        };
         for &ack in acks
             .iter()
             .filter(|&&a| a > fault.started && a <= fault.healed)
         {
-            gap = gap.max(ack - previous);
+            widen(previous, ack);
             previous = ack;
         }
         // The window still open at the heal lasts until the next acknowledgement (or the
         // heal, if none came at all).
         let next_fault = faults.get(index + 1).map(|next| next.started);
         let first_after_heal = acks.iter().find(|&&a| a > fault.healed);
-        gap = gap.max(first_after_heal.map_or(fault.healed, |first| *first) - previous);
+        widen(
+            previous,
+            first_after_heal.map_or(fault.healed, |first| *first),
+        );
+        let (gap, from, to) = window;
         entry.longest_gap = entry.longest_gap.max(gap);
-        if fault.on_recovered {
-            entry.longest_gap_on_recovered = entry.longest_gap_on_recovered.max(Some(gap));
+        if fault.on_recovered && Some(gap) > entry.longest_gap_on_recovered {
+            entry.longest_gap_on_recovered = Some(gap);
+            entry.widest_on_recovered = Some((index, from, to));
         }
         match first_after_heal {
             Some(&first) => {
@@ -400,6 +412,58 @@ fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Avail
         }
     }
     by_kind
+}
+
+/// For each kind, the longest window without an acknowledgement over a fault that began
+/// on a recovered cluster (the one the majority-side bound is about), and the publishes
+/// in flight across it.
+fn print_widest_windows(
+    faults: &[Fault],
+    by_kind: &BTreeMap<Kind, Availability>,
+    publishes: &[Publish],
+) {
+    for (kind, figures) in by_kind {
+        let Some((index, from, to)) = figures.widest_on_recovered else {
+            continue;
+        };
+        let fault = &faults[index];
+        let utc = |at: Instant| {
+            let wall = if at >= fault.healed {
+                fault.healed_at + (at - fault.healed)
+            } else {
+                fault.healed_at - (fault.healed - at)
+            };
+            history::utc_time_of_day(wall)
+        };
+        println!(
+            "longest window from a recovered cluster, {kind:?}: fault {index} on {:?}{}, injected at {} UTC, healed at {} UTC; no acknowledgement from {} to {} UTC ({:.1}s); publishes across it:",
+            fault.nodes,
+            if fault.leader_inside { " (leader inside)" } else { "" },
+            utc(fault.started),
+            utc(fault.healed),
+            utc(from),
+            utc(to),
+            (to - from).as_secs_f64()
+        );
+        for publish in publishes
+            .iter()
+            .filter(|p| p.started <= to && p.ended >= from)
+        {
+            println!(
+                "  {} via node {}: {} to {} UTC, {:?}{}",
+                publish.table,
+                publish.coordinator,
+                utc(publish.started),
+                utc(publish.ended),
+                publish.outcome,
+                publish
+                    .error
+                    .as_deref()
+                    .map(|e| format!(": {}", e.chars().take(300).collect::<String>()))
+                    .unwrap_or_default()
+            );
+        }
+    }
 }
 
 /// For each kind, the fault whose heal waited longest for an acknowledgement, and the
@@ -634,6 +698,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         );
     }
     print_slowest_heals(&faults, &by_kind, &publishes);
+    print_widest_windows(&faults, &by_kind, &publishes);
     for violation in &read_report.violations {
         println!("VIOLATION: {violation}");
     }

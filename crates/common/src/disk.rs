@@ -317,6 +317,7 @@ fn check_read(path: &Path) -> io::Result<()> {
 /// Writes `bytes` to `path` so that after a crash the file holds either its old content or
 /// all of `bytes`: write a temporary file, fsync it, rename it over, fsync the directory.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let _turn = writing(path);
     let tmp = path.with_extension("tmp");
     {
         let mut file = File::create(&tmp)?;
@@ -325,6 +326,24 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
     }
     std::fs::rename(&tmp, path)?;
     sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+/// Takes this process's turn at writing `path` through a temporary file beside it; held
+/// until the file is in place. Two writers of one path at once (the same component kept
+/// by a rebalance's prefetch and installed by the copy that follows it) would share the
+/// temporary file: one truncates what the other wrote, renames a torn file into place,
+/// and the other's rename finds nothing (`ENOENT`), which poisoned the store of a node
+/// being refilled after a wiped disk. Paths are striped over a few locks, so writers of
+/// different files seldom wait on each other.
+pub fn writing(path: &Path) -> std::sync::MutexGuard<'static, ()> {
+    use std::hash::{Hash, Hasher};
+    const STRIPES: usize = 64;
+    static TURNS: [Mutex<()>; STRIPES] = [const { Mutex::new(()) }; STRIPES];
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    path.hash(&mut hasher);
+    TURNS[(hasher.finish() % STRIPES as u64) as usize]
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]

@@ -100,6 +100,8 @@ pub fn encode_parquet(batches: &[RecordBatch]) -> Result<Vec<u8>> {
 pub fn write_component(dir: &Path, bytes: &[u8]) -> Result<ComponentHash> {
     let hash = ComponentHash::of_bytes(bytes);
     let path = component_path(dir, &hash);
+    // Writers of the same bytes take turns: they would share the temporary file.
+    let _turn = disk::writing(&path);
     if path.exists() {
         return Ok(hash);
     }
@@ -216,4 +218,39 @@ fn read_component_with(
     }
     let reader = builder.with_batch_size(8192).build().map_err(parquet_err)?;
     reader.map(|batch| layout.assemble(def, &batch?)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two writers of the same component at once (a prefetch keeping fetched bytes while
+    /// a copy installs them, or two flushes of equal rows) both succeed and leave it
+    /// whole; they shared one temporary file before, and one of them failed with ENOENT.
+    #[test]
+    fn concurrent_writers_of_one_component_both_succeed() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes: Vec<u8> = (0..(4u32 << 20))
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+            .collect();
+        let hash = ComponentHash::of_bytes(&bytes);
+        for _ in 0..20 {
+            let _ = fs::remove_file(component_path(dir.path(), &hash));
+            std::thread::scope(|scope| {
+                let writers: Vec<_> = (0..4)
+                    .map(|i| {
+                        let (dir, bytes) = (dir.path(), &bytes);
+                        scope.spawn(move || match i % 2 {
+                            0 => replace_component(dir, &hash, bytes),
+                            _ => write_component(dir, bytes).map(|_| ()),
+                        })
+                    })
+                    .collect();
+                for writer in writers {
+                    writer.join().unwrap().expect("every writer succeeds");
+                }
+            });
+            verify_component(dir.path(), &hash).expect("the component is whole");
+        }
+    }
 }

@@ -23,16 +23,27 @@ pub async fn tpch(
     queries: &[usize],
     runs: usize,
     growth_from: Option<f64>,
+    publishes: Option<usize>,
 ) -> Result<()> {
     let queries = chosen_queries(queries, runs)?;
+    if publishes == Some(0) {
+        bail!("--publishes-per-table must be at least 1");
+    }
     let smaller = match growth_from {
         Some(from) if from >= sf => bail!("--growth-from {from} must be below --sf {sf}"),
-        Some(from) => Some(measure(data_dir, config.clone(), from, &queries, runs).await?),
+        Some(from) => {
+            Some(measure(data_dir, config.clone(), from, &queries, runs, publishes).await?)
+        }
         None => None,
     };
-    let timings = measure(data_dir, config, sf, &queries, runs).await?;
+    let timings = measure(data_dir, config, sf, &queries, runs, publishes).await?;
     println!();
     println!("TPC-H SF {sf}: median of {runs} run(s); ratio = Tessera / DataFusion");
+    if let Some(publishes) = publishes {
+        println!(
+            "each table loaded as up to {publishes} publishes of consecutive rows, not merged"
+        );
+    }
     print!(
         "{:>5} {:>13} {:>15} {:>7}",
         "query", "tessera (ms)", "datafusion (ms)", "ratio"
@@ -105,19 +116,26 @@ async fn measure(
     sf: f64,
     queries: &[usize],
     runs: usize,
+    publishes: Option<usize>,
 ) -> Result<Vec<QueryTiming>> {
-    let bench_dir = data_dir.join(format!("bench-tpch-sf{sf}"));
+    let bench_dir = match publishes {
+        None => data_dir.join(format!("bench-tpch-sf{sf}")),
+        Some(n) => data_dir.join(format!("bench-tpch-sf{sf}-{n}-publishes")),
+    };
     // A table loaded as several epochs (lineitem from SF 10 on) is merged to one component
     // per partition once loaded, as a store's merges leave a table that stopped changing:
-    // the queries then read what an SF 1 table is read as.
+    // the queries then read what an SF 1 table is read as. Asked to load each table as
+    // several publishes, the bench keeps them apart, as a table appended to over time
+    // holds them until its merges.
     let config = StoreConfig {
-        merge_threshold: 1,
+        merge_threshold: publishes.unwrap_or(1),
         ..config
     };
     let store = Store::open(&bench_dir.join("tessera"), config)?;
     if store.table_names().is_empty() {
         println!("loading TPC-H SF {sf} into {}", bench_dir.display());
-        load::tpch(&super::target::Target::local(store.clone()), sf, &[], true).await?;
+        let target = super::target::Target::local(store.clone());
+        load::tpch_in_publishes(&target, sf, &[], true, publishes).await?;
         store.checkpoint()?;
     }
     let baseline = baseline_context(&bench_dir.join("datafusion"), sf).await?;

@@ -33,6 +33,18 @@ pub async fn lineitem_locally(
 
 /// Loads the TPC-H tables named in `only` (all eight if empty).
 pub async fn tpch(engine: &Target, sf: f64, only: &[String], report: bool) -> Result<()> {
+    tpch_in_publishes(engine, sf, only, report, None).await
+}
+
+/// [`tpch`], each table published as about `publishes` epochs of consecutive rows if given
+/// (as a table appended to over time holds them), else in as few as its size allows.
+pub async fn tpch_in_publishes(
+    engine: &Target,
+    sf: f64,
+    only: &[String],
+    report: bool,
+    publishes: Option<usize>,
+) -> Result<()> {
     if !(sf > 0.0 && sf <= 1000.0) {
         bail!("scale factor must be in (0, 1000], got {sf}");
     }
@@ -73,13 +85,20 @@ pub async fn tpch(engine: &Target, sf: f64, only: &[String], report: bool) -> Re
         let mut rows = 0u64;
         let mut epochs = Vec::new();
         let mut generated = table.generate(sf, GENERATE_BATCH_ROWS).peekable();
+        // Where the next publish ends when a number of publishes is asked for.
+        let cut = |published: usize| {
+            publishes.map(|n| table.estimated_rows(sf) * (published as u64 + 1) / n.max(1) as u64)
+        };
         while let Some(batch) = generated.next() {
             let batch = batch?;
             rows += batch.num_rows() as u64;
             progress.inc(batch.num_rows() as u64);
             chunk_bytes += batch.get_array_memory_size();
             batches.push(batch);
-            if chunk_bytes >= LOAD_CHUNK_BYTES || generated.peek().is_none() {
+            if chunk_bytes >= LOAD_CHUNK_BYTES
+                || cut(epochs.len()).is_some_and(|cut| rows >= cut)
+                || generated.peek().is_none()
+            {
                 progress.set_message(format!("{} (publishing)", table.name));
                 let chunk = TableChanges {
                     table: table.name.into(),
