@@ -56,11 +56,11 @@ pub struct SnapshotScan<'a> {
     pub parquet: TableParquetOptions,
 }
 
-/// The physical plan that reads `scan`'s partitions of a snapshot: partitions that are a
-/// single duplicate-free component go to DataFusion's Parquet scan (projection, pruning by
-/// the predicate, the runtime's footer cache), or, when every such component is small, to
-/// the decoded cache ([`DecodedScanExec`]); the rest through [`VersionedScanExec`]. Every
-/// component read is verified against its hash first.
+/// The physical plan that reads `scan`'s partitions of a snapshot: partitions whose
+/// components can be read as written ([`read_as_written`]) go to DataFusion's Parquet scan
+/// (projection, pruning by the predicate, the runtime's footer cache), or, when every such
+/// component is small, to the decoded cache ([`DecodedScanExec`]); the rest through
+/// [`VersionedScanExec`]. Every component read is verified against its hash first.
 pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPlan>> {
     let SnapshotScan {
         store,
