@@ -565,6 +565,44 @@ fn print_slowest_heals(
     }
 }
 
+/// Prints the availability figures per fault kind, and where the longest windows were.
+fn print_availability(
+    faults: &[Fault],
+    by_kind: &BTreeMap<Kind, Availability>,
+    publishes: &[Publish],
+) {
+    println!(
+        "{:<14} {:>8} {:>14} {:>22} {:>28} {:>24} {:>6} {:>22} {:>26}",
+        "fault",
+        "injected",
+        "leader inside",
+        "longest no-ack window",
+        "... from a recovered cluster",
+        "... while held past bound",
+        "bound",
+        "first ack after heal",
+        "... before the next fault"
+    );
+    let seconds =
+        |d: Option<Duration>| d.map_or("none".to_string(), |d| format!("{:.1}s", d.as_secs_f64()));
+    for (kind, figures) in by_kind {
+        println!(
+            "{:<14} {:>8} {:>14} {:>21.1}s {:>28} {:>24} {:>6} {:>21.1}s {:>26}",
+            format!("{kind:?}"),
+            figures.injected,
+            figures.with_leader_inside,
+            figures.longest_gap.as_secs_f64(),
+            seconds(figures.longest_gap_on_recovered),
+            seconds(figures.longest_while_held),
+            seconds(majority_bound(*kind)),
+            figures.longest_after_heal.as_secs_f64(),
+            seconds(figures.longest_after_heal_alone),
+        );
+    }
+    print_slowest_heals(faults, by_kind, publishes);
+    print_widest_windows(faults, by_kind, publishes);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_seeded_fault_run_keeps_every_guarantee() {
     let faults_wanted: usize = env_or("TESSERA_FAULTS", 10);
@@ -711,10 +749,13 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
     }
     let run_took = run_started.elapsed();
 
+    // Availability needs only the history: printed first, so a cluster that does not
+    // recover still reports it.
+    let by_kind = availability(&faults, &publishes);
+    print_availability(&faults, &by_kind, &publishes);
     let status = history::wait_recovered(&cluster, 1, &publishes, Duration::from_secs(120)).await;
     let report = history::check_replicas(&cluster, &status, &TABLES, &publishes).await;
     let read_report = history::check_reads(&publishes, &reads);
-    let by_kind = availability(&faults, &publishes);
     let panics = cluster.panics_logged();
 
     let count = |outcome| report.by_outcome.get(&outcome).copied().unwrap_or(0);
@@ -733,36 +774,6 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         read_report.violations.len(),
         panics.len(),
     );
-    println!(
-        "{:<14} {:>8} {:>14} {:>22} {:>28} {:>24} {:>6} {:>22} {:>26}",
-        "fault",
-        "injected",
-        "leader inside",
-        "longest no-ack window",
-        "... from a recovered cluster",
-        "... while held past bound",
-        "bound",
-        "first ack after heal",
-        "... before the next fault"
-    );
-    let seconds =
-        |d: Option<Duration>| d.map_or("none".to_string(), |d| format!("{:.1}s", d.as_secs_f64()));
-    for (kind, figures) in &by_kind {
-        println!(
-            "{:<14} {:>8} {:>14} {:>21.1}s {:>28} {:>24} {:>6} {:>21.1}s {:>26}",
-            format!("{kind:?}"),
-            figures.injected,
-            figures.with_leader_inside,
-            figures.longest_gap.as_secs_f64(),
-            seconds(figures.longest_gap_on_recovered),
-            seconds(figures.longest_while_held),
-            seconds(majority_bound(*kind)),
-            figures.longest_after_heal.as_secs_f64(),
-            seconds(figures.longest_after_heal_alone),
-        );
-    }
-    print_slowest_heals(&faults, &by_kind, &publishes);
-    print_widest_windows(&faults, &by_kind, &publishes);
     for violation in &read_report.violations {
         println!("VIOLATION: {violation}");
     }
