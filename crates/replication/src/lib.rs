@@ -203,7 +203,11 @@ impl Replication {
             .meta
             .wait_until(Duration::from_secs(3600), failed)
             .await
-        {}
+        {
+            // Not failed after an hour, or the metadata stopped answering at once (this
+            // node is shutting down): never a busy loop on the runtime's threads.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
     }
 
     /// Resolves when some node becomes suspect.
