@@ -508,14 +508,19 @@ fn print_widest_windows(
                 utc(publish.started),
                 utc(publish.ended),
                 publish.outcome,
-                publish
-                    .error
-                    .as_deref()
-                    .map(|e| format!(": {}", e.chars().take(300).collect::<String>()))
-                    .unwrap_or_default()
+                error_suffix(publish)
             );
         }
     }
+}
+
+/// A failed publish's error, shortened, after a colon (empty for one that succeeded).
+fn error_suffix(publish: &Publish) -> String {
+    publish
+        .error
+        .as_deref()
+        .map(|e| format!(": {}", e.chars().take(300).collect::<String>()))
+        .unwrap_or_default()
 }
 
 /// For each kind, the fault whose heal waited longest for an acknowledgement, and the
@@ -555,11 +560,7 @@ fn print_slowest_heals(
                 signed(publish.started),
                 signed(publish.ended),
                 publish.outcome,
-                publish
-                    .error
-                    .as_deref()
-                    .map(|e| format!(": {}", e.chars().take(300).collect::<String>()))
-                    .unwrap_or_default()
+                error_suffix(publish)
             );
         }
     }

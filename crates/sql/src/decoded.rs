@@ -371,4 +371,4 @@ impl Iterator for GroupReader {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

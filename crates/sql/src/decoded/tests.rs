@@ -73,7 +73,7 @@ async fn scan_columns(
 }
 
 /// Every (v, k) row of the batches, sorted by k.
-fn rows_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
+pub(crate) fn rows_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
     let column = |b: &RecordBatch, i: usize| {
         b.column(i)
             .as_any()

@@ -1,6 +1,6 @@
 use super::*;
+use crate::decoded::tests::rows_of;
 use crate::Engine;
-use arrow::array::{Int64Array, RecordBatch};
 use datafusion::physical_plan::{collect, displayable};
 use datafusion::prelude::SessionContext;
 use tessera_storage::{Store, StoreConfig};
@@ -54,27 +54,6 @@ async fn scan(store: &Arc<Store>) -> (String, usize, Vec<(i64, i64)>) {
     let outputs = plan.properties().output_partitioning().partition_count();
     let batches = collect(plan, ctx.task_ctx()).await.unwrap();
     (shown, outputs, rows_of(&batches))
-}
-
-fn rows_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
-    let column = |b: &RecordBatch, i: usize| {
-        b.column(i)
-            .as_any()
-            .downcast_ref::<Int64Array>()
-            .expect("BIGINT column")
-            .clone()
-    };
-    let mut rows: Vec<(i64, i64)> = batches
-        .iter()
-        .flat_map(|b| {
-            let (v, k) = (column(b, 0), column(b, 1));
-            (0..b.num_rows())
-                .map(|i| (v.value(i), k.value(i)))
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    rows.sort_by_key(|&(_, k)| k);
-    rows
 }
 
 fn components_per_partition(store: &Store) -> Vec<usize> {
