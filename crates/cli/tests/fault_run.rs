@@ -55,38 +55,35 @@ const MAJORITY_LIVENESS_MARGIN: Duration = Duration::from_secs(5);
 /// impaired node's partitions fail over; a stalled disk first waits out its stall limit
 /// (`failure.disk_stall_ms`), after which its node stops itself.
 ///
-/// Slow links have none: nothing detects them yet. A metadata leader whose round trips
-/// exceed the Raft heartbeat interval (100 ms: openraft times each AppendEntries out at
-/// it) commits nothing while its followers, still hearing it, elect no other, so the
-/// cluster acknowledges nothing until the links recover. The run reports that window
-/// and does not bound it; it is a known gap.
-fn detection(kind: Kind) -> Option<Duration> {
+/// A metadata leader behind slow links (round trips longer than the Raft heartbeat
+/// interval: openraft times each AppendEntries out at it) commits nothing while its
+/// followers, still hearing it late, elect no other: it first has to notice that no
+/// majority acknowledges it and step down (`tessera_meta::quorum_check`).
+fn detection(kind: Kind) -> Duration {
     let failure = tessera_server::config::FailureSettings::default();
     let election = Duration::from_millis(tessera_server::node::ELECTION_TIMEOUT_MAX_MS);
     let noticed = election + Duration::from_millis(failure.timeout_ms);
     match kind {
-        Kind::SlowLinks => None,
-        Kind::FsyncStalls => Some(noticed + Duration::from_millis(DISK_STALL_MS.parse().unwrap())),
-        _ => Some(noticed),
+        Kind::SlowLinks => {
+            tessera_server::meta::quorum_check::QuorumPolicy::for_election_timeout(election)
+                .step_down_after
+                + noticed
+        }
+        Kind::FsyncStalls => noticed + Duration::from_millis(DISK_STALL_MS.parse().unwrap()),
+        _ => noticed,
     }
 }
 
 /// The bound on the majority side: while a fault that began on a recovered
 /// cluster lasts, no window without an acknowledged publish is longer than its detection
 /// + 5 s.
-fn majority_bound(kind: Kind) -> Option<Duration> {
-    detection(kind).map(|detected| detected + MAJORITY_LIVENESS_MARGIN)
+fn majority_bound(kind: Kind) -> Duration {
+    detection(kind) + MAJORITY_LIVENESS_MARGIN
 }
 
-/// How long a fault held past its bound is held: 2 s past it (for slow links, which have
-/// none, as long as the others, so their window is reported alike).
+/// How long a fault held past its bound is held: 2 s past it.
 fn held_past_bound_for(kind: Kind) -> Duration {
-    let longest = KINDS
-        .iter()
-        .filter_map(|&k| majority_bound(k))
-        .max()
-        .expect("bounded kinds");
-    majority_bound(kind).unwrap_or(longest) + Duration::from_secs(2)
+    majority_bound(kind) + Duration::from_secs(2)
 }
 
 /// The share of faults held past their majority bound (and a little more), so the bound is
@@ -595,7 +592,7 @@ fn print_availability(
             figures.longest_gap.as_secs_f64(),
             seconds(figures.longest_gap_on_recovered),
             seconds(figures.longest_while_held),
-            seconds(majority_bound(*kind)),
+            seconds(Some(majority_bound(*kind))),
             figures.longest_after_heal.as_secs_f64(),
             seconds(figures.longest_after_heal_alone),
         );
@@ -797,7 +794,8 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
             "after a {kind:?} was healed, no publish was acknowledged for {:?} (seed {seed})",
             figures.longest_after_heal
         );
-        if let (Some(window), Some(bound)) = (figures.longest_while_held, majority_bound(*kind)) {
+        if let Some(window) = figures.longest_while_held {
+            let bound = majority_bound(*kind);
             assert!(
                 window <= bound,
                 "while a {kind:?} begun on a recovered cluster was on, the majority side went without an acknowledged publish for {window:?}, past its bound of {bound:?} (detection {:?} + {:?}) (seed {seed})",

@@ -158,6 +158,54 @@ async fn an_isolated_leader_never_answers_stale_and_the_majority_goes_on() {
     assert_eq!(answer, expected(acknowledged), "every acknowledged row");
 }
 
+/// The metadata leader's links turn slow: 150 ms each way, so each round trip takes three
+/// heartbeat intervals and openraft times every AppendEntries out. Its followers still
+/// hear it (late), so neither campaigns; unless it steps down, the cluster commits nothing
+/// for as long as the links stay slow. It must step down (no majority acknowledged it),
+/// the other two elect a leader between them and acknowledge publishes within the bound
+/// the fault run asserts; once the links recover, the old leader answers with every row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_metadata_leader_behind_slow_links_steps_down_and_the_others_go_on() {
+    let root = tempfile::tempdir().unwrap();
+    let (cluster, _, old_leader, others) =
+        kv_lab(root.path(), Links::Proxied { seed: 16 }, 100).await;
+    let writer = ClusterClient::new(cluster.addr(others[0]));
+    let slow = LinkFaults {
+        delay: Duration::from_millis(150),
+        ..LinkFaults::default()
+    };
+    for (&(from, to), link) in cluster.links() {
+        if from == old_leader.0 || to == old_leader.0 {
+            link.set(slow.clone());
+        }
+    }
+    let took = publish_until_acknowledged(&writer, 100, 200, SLOW_LEADER_BOUND).await;
+    eprintln!("the others acknowledged a publish {took:?} after the leader's links turned slow");
+    let new_leader = leader(&writer).await;
+    assert_ne!(
+        new_leader, old_leader,
+        "the leader behind slow links should have stepped down"
+    );
+    publish_until_acknowledged(&writer, 200, 300, SLOW_LEADER_BOUND).await;
+
+    for (_, link) in cluster.links() {
+        link.set(LinkFaults::default());
+    }
+    let through_old = ClusterClient::new(cluster.addr(old_leader.0));
+    let answer = wait_until(
+        "the old leader to answer after its links recovered",
+        Duration::from_secs(30),
+        || async { count_and_sum(&through_old).await.ok() },
+    )
+    .await;
+    assert_eq!(answer, expected(300), "every acknowledged row");
+}
+
+/// How soon the nodes around a leader behind slow links acknowledge publishes again: its
+/// step-down (three election timeouts without a majority's acknowledgement), an election,
+/// the failure timeout, and the fault run's 5 s margin.
+const SLOW_LEADER_BOUND: Duration = Duration::from_millis(3 * 600 + 600 + 1500 + 5000);
+
 /// A partial partition: two nodes that are not the metadata leader cannot reach each
 /// other, both still reach the leader, so it keeps counting both alive. A query through one
 /// of them over partitions whose primary is the other must still answer exactly, reading

@@ -7,6 +7,7 @@
 //! - [`log_store`], [`state_machine`]: Raft's durable log and the applied state with its
 //!   snapshots; applying an entry hands the local store its [`LocalEffect`]s.
 //! - [`network`]: Raft messages between nodes, as Flight actions.
+//! - [`quorum_check`]: a leader no majority acknowledges steps down.
 //! - [`client`]: writes through the leader wherever it is, linearizable catch-up, waits on
 //!   the applied state.
 //!
@@ -22,6 +23,7 @@ pub mod history;
 pub mod history_compaction;
 pub mod log_store;
 pub mod network;
+pub mod quorum_check;
 pub mod retention;
 pub mod seal;
 pub mod state;

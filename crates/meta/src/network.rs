@@ -1,5 +1,6 @@
 //! Raft messages between nodes, carried as Flight actions.
 
+use crate::quorum_check::StepDown;
 use crate::wire::{ACTION_RAFT_APPEND, ACTION_RAFT_SNAPSHOT, ACTION_RAFT_VOTE};
 use crate::NodeId;
 use crate::TypeConfig;
@@ -23,10 +24,13 @@ const RPC_TIMEOUT_FLOOR: std::time::Duration = std::time::Duration::from_millis(
 #[derive(Clone)]
 pub struct Network {
     pub clients: Arc<Clients>,
+    /// Set while this node steps down as leader: it then sends no AppendEntries.
+    pub step_down: Arc<StepDown>,
 }
 
 pub struct Connection {
     clients: Arc<Clients>,
+    step_down: Arc<StepDown>,
     target: NodeId,
     addr: String,
 }
@@ -37,6 +41,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> Connection {
         Connection {
             clients: self.clients.clone(),
+            step_down: self.step_down.clone(),
             target,
             addr: node.addr.clone(),
         }
@@ -84,6 +89,15 @@ impl RaftNetwork<TypeConfig> for Connection {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        if self.step_down.is_active() {
+            // Silence, so the followers' leases run out and they elect another leader.
+            return Err(RPCError::Unreachable(Unreachable::new(&AnyError::error(
+                format!(
+                    "not sent to node {}: this node is stepping down as metadata leader",
+                    self.target
+                ),
+            ))));
+        }
         self.call(ACTION_RAFT_APPEND, rpc, &option).await
     }
 

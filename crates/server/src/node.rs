@@ -5,6 +5,7 @@ use crate::error::{ClusterError, Result};
 use crate::failover::{Check, FailureDetector, Member};
 use crate::meta::log_store::LogStore;
 use crate::meta::network::Network;
+use crate::meta::quorum_check::{self, QuorumPolicy, StepDown};
 use crate::meta::state_machine::StateMachine;
 use crate::meta::MetaClient;
 use crate::meta::{MetaCommand, Raft};
@@ -172,8 +173,10 @@ impl Node {
             ..Default::default()
         };
         let raft_config = Arc::new(raft_config.validate().map_err(ClusterError::raft)?);
+        let step_down = Arc::new(StepDown::default());
         let network = Network {
             clients: clients.clone(),
+            step_down: step_down.clone(),
         };
         let raft = Raft::new(
             config.node_id,
@@ -184,6 +187,11 @@ impl Node {
         )
         .await
         .map_err(ClusterError::raft)?;
+        tokio::spawn(quorum_check::watch(
+            raft.clone(),
+            step_down,
+            QuorumPolicy::for_election_timeout(Duration::from_millis(ELECTION_TIMEOUT_MAX_MS)),
+        ));
 
         let peers = config
             .peers
