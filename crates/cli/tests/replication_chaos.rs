@@ -74,7 +74,7 @@ async fn acknowledged_epochs_survive_random_kills() {
     let acknowledged = history::AcknowledgedEpochs::default();
     let addrs = cluster.addrs();
     let publishers = history::spawn_publishers(
-        &TABLES,
+        &TABLES.map(|table| (table, history::Through::AnyNode)),
         ROWS_PER_PUBLISH,
         &addrs,
         &stop,

@@ -65,12 +65,24 @@ pub fn classify(result: &Result<Epoch, ClusterError>) -> Outcome {
 /// Acknowledged epochs so far, per table, for readers to ask `AS OF`.
 pub type AcknowledgedEpochs = Arc<Mutex<Vec<(&'static str, Epoch)>>>;
 
-/// Publishes batches of `rows` fresh keys into `table` through random nodes until `stop`.
+/// Which node a publisher's calls go through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Through {
+    /// A random node for each publish: every node coordinates every table's publishes.
+    AnyNode,
+    /// Always this node (an index into the addresses), as a client that knows one node:
+    /// while faults last, some publishers are always on the side that can still commit.
+    Node(usize),
+}
+
+/// Publishes batches of `rows` fresh keys into `table` through `through` until `stop`.
+#[allow(clippy::too_many_arguments)]
 pub async fn publisher(
     table: &'static str,
     first_key: i64,
     rows: i64,
     addrs: Vec<String>,
+    through: Through,
     stop: Arc<AtomicBool>,
     seed: u64,
     acknowledged: AcknowledgedEpochs,
@@ -79,7 +91,10 @@ pub async fn publisher(
     let mut log = Vec::new();
     let mut next = first_key;
     while !stop.load(Ordering::Relaxed) {
-        let coordinator = rng.random_range(0..addrs.len());
+        let coordinator = match through {
+            Through::AnyNode => rng.random_range(0..addrs.len()),
+            Through::Node(node) => node,
+        };
         let keys = next..next + rows;
         next += rows;
         let client = ClusterClient::new(&addrs[coordinator]);
@@ -102,8 +117,13 @@ pub async fn publisher(
         if let Some(epoch) = epoch {
             acknowledged.lock().unwrap().push((table, epoch));
         } else {
-            // Give a dead coordinator's failure time to be noticed.
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            // Give a dead coordinator's failure time to be noticed (a publisher that only
+            // knows that one node waits longer: it would only be refused again).
+            let pause = match through {
+                Through::AnyNode => Duration::from_millis(100),
+                Through::Node(_) => Duration::from_millis(250),
+            };
+            tokio::time::sleep(pause).await;
         }
         log.push(Publish {
             table,
@@ -120,10 +140,10 @@ pub async fn publisher(
     log
 }
 
-/// Starts one [`publisher`] per table through `addrs`, each on its own key range (table
-/// `i` from `i * 10⁹`) and seed (`seed + i`).
+/// Starts one [`publisher`] per table through `addrs` (the nodes each goes through
+/// alongside), each on its own key range (table `i` from `i * 10⁹`) and seed (`seed + i`).
 pub fn spawn_publishers(
-    tables: &[&'static str],
+    tables: &[(&'static str, Through)],
     rows: i64,
     addrs: &[String],
     stop: &Arc<AtomicBool>,
@@ -133,12 +153,13 @@ pub fn spawn_publishers(
     tables
         .iter()
         .enumerate()
-        .map(|(i, &table)| {
+        .map(|(i, &(table, through))| {
             tokio::spawn(publisher(
                 table,
                 i as i64 * 1_000_000_000,
                 rows,
                 addrs.to_vec(),
+                through,
                 stop.clone(),
                 seed + i as u64,
                 acknowledged.clone(),
