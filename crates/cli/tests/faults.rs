@@ -93,6 +93,83 @@ async fn a_node_cut_off_from_the_majority_refuses_reads_instead_of_answering_sta
     assert!(catalog.tables.contains_key("kv"));
 }
 
+/// A metadata leader whose followers are both paused can commit nothing. A metadata write
+/// forwarded to it (as a node that is not the leader forwards its own) gets, within a
+/// deadline, an error that says its entry did not commit, instead of the leader waiting
+/// for ever on its own log; a statement through it is refused in time as well. Once the
+/// followers are back, the statement succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_from_the_majority_refuses_writes_within_a_deadline() {
+    use tessera_server::meta::wire::ACTION_META_WRITE;
+    use tessera_server::meta::{MetaCommand, MetaResponse};
+    use tessera_server::rpc::{Clients, Refusal, PROTOCOL_VERSION};
+
+    let root = tempfile::tempdir().unwrap();
+    let (cluster, client) = kv_cluster_with(BINARY, root.path(), 8, 3, &[]).await;
+    let leader = wait_until("a leader", Duration::from_secs(30), || async {
+        client.status().await.ok()?.leader
+    })
+    .await;
+    let peer = Clients::new(cluster.cluster_id(), PROTOCOL_VERSION);
+    // What the leader's own failure detector writes; harmless to write again.
+    let write = || {
+        peer.action::<_, Result<MetaResponse, Refusal>>(
+            cluster.addr(leader.0),
+            ACTION_META_WRITE,
+            MetaCommand::SetLiveness {
+                id: leader,
+                alive: true,
+            },
+            Duration::from_secs(60),
+        )
+    };
+    assert!(matches!(write().await, Ok(Ok(_))), "the cluster is whole");
+
+    let followers: Vec<u64> = cluster
+        .node_ids()
+        .into_iter()
+        .filter(|&id| id != leader.0)
+        .collect();
+    followers.iter().for_each(|&id| cluster.pause(id));
+    let asked = Instant::now();
+    let refused = match write().await {
+        Ok(Err(refusal)) => format!("{refusal:?}"),
+        other => panic!("a leader without a majority must refuse the write, got {other:?}"),
+    };
+    let waited = asked.elapsed();
+    eprintln!("the forwarded write was refused after {waited:?}: {refused}");
+    assert!(
+        refused.contains("committed no entry"),
+        "the refusal says why: {refused}"
+    );
+    assert!(
+        waited < Duration::from_secs(20),
+        "the write waited {waited:?}: it must have a deadline"
+    );
+    let through_leader = ClusterClient::new(cluster.addr(leader.0));
+    let create = "CREATE TABLE kv2 (k BIGINT PRIMARY KEY, v BIGINT)";
+    let asked = Instant::now();
+    tokio::time::timeout(Duration::from_secs(60), through_leader.sql(create))
+        .await
+        .expect("a statement must give up by itself, well within a minute")
+        .expect_err("a leader without a majority cannot create a table");
+    assert!(asked.elapsed() < Duration::from_secs(40));
+
+    followers.iter().for_each(|&id| cluster.resume(id));
+    wait_until(
+        "the table to be created once the majority is back",
+        Duration::from_secs(60),
+        || async {
+            match through_leader.sql(create).await {
+                Ok(_) => Some(()),
+                Err(e) if e.to_string().contains("already exists") => Some(()),
+                Err(_) => None,
+            }
+        },
+    )
+    .await;
+}
+
 /// A coordinator stalled mid-publish (paused, but not yet declared failed) must not hold its
 /// tables' lease for ever: the metadata leader aborts an epoch left open past
 /// `failure.open_epoch_timeout_ms`, other writers go on at once, and none of the stalled

@@ -14,6 +14,8 @@ use tokio::sync::watch;
 const WRITE_PATIENCE: Duration = Duration::from_secs(15);
 /// How long one forwarded write may take at the leader.
 const FORWARDED_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a leader waits for its own entry to commit.
+const LEADER_COMMIT_PATIENCE: Duration = FORWARDED_WRITE_TIMEOUT;
 /// Pause between attempts while no leader answers.
 const RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// How long a read index from the leader may take.
@@ -196,9 +198,21 @@ impl MetaClient {
                 command: Box::new(command),
             },
         };
-        match self.inner.raft.client_write(command).await {
-            Ok(response) => Ok(response.data),
-            Err(e) => Err(MetaError::raft(e)),
+        // A leader that cannot reach a majority commits nothing until it steps down or the
+        // partition heals; its callers (the duty loop among them) must not wait on it
+        // forever. An entry given up on may still commit later: callers retry idempotently.
+        match tokio::time::timeout(
+            LEADER_COMMIT_PATIENCE,
+            self.inner.raft.client_write(command),
+        )
+        .await
+        {
+            Ok(Ok(response)) => Ok(response.data),
+            Ok(Err(e)) => Err(MetaError::raft(e)),
+            Err(_) => Err(MetaError::Raft(format!(
+                "this leader committed no entry within {LEADER_COMMIT_PATIENCE:?} (no majority \
+                 answers it); the entry may still commit"
+            ))),
         }
     }
 

@@ -83,21 +83,31 @@ impl Connection {
     }
 }
 
+impl Connection {
+    /// While this node steps down as leader it sends nothing that renews its followers'
+    /// lease (entries, heartbeats, snapshots), so that they elect another leader.
+    fn refuse_while_stepping_down<E: std::error::Error>(
+        &self,
+    ) -> Result<(), RPCError<NodeId, BasicNode, E>> {
+        if !self.step_down.is_active() {
+            return Ok(());
+        }
+        Err(RPCError::Unreachable(Unreachable::new(&AnyError::error(
+            format!(
+                "not sent to node {}: this node is stepping down as metadata leader",
+                self.target
+            ),
+        ))))
+    }
+}
+
 impl RaftNetwork<TypeConfig> for Connection {
     async fn append_entries(
         &mut self,
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
-        if self.step_down.is_active() {
-            // Silence, so the followers' leases run out and they elect another leader.
-            return Err(RPCError::Unreachable(Unreachable::new(&AnyError::error(
-                format!(
-                    "not sent to node {}: this node is stepping down as metadata leader",
-                    self.target
-                ),
-            ))));
-        }
+        self.refuse_while_stepping_down()?;
         self.call(ACTION_RAFT_APPEND, rpc, &option).await
     }
 
@@ -109,6 +119,7 @@ impl RaftNetwork<TypeConfig> for Connection {
         InstallSnapshotResponse<NodeId>,
         RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
     > {
+        self.refuse_while_stepping_down()?;
         self.call(ACTION_RAFT_SNAPSHOT, rpc, &option).await
     }
 

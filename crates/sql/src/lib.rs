@@ -15,6 +15,7 @@ pub mod changes;
 pub mod decoded;
 pub mod engine;
 pub mod error;
+pub mod key_bounds;
 pub mod options;
 pub mod own_writes;
 pub mod params;

@@ -3,6 +3,7 @@
 
 use crate::decoded::DecodedComponents;
 use crate::error::SqlError;
+use crate::key_bounds::KeyBounds;
 pub use crate::snapshot_scan::{plan_snapshot_scan, FileGrouping, SnapshotScan};
 use crate::system;
 use crate::time_travel::{base_table_name, split_as_of};
@@ -90,6 +91,8 @@ impl TesseraSchema {
 #[derive(Debug, Default)]
 pub struct ComponentStatistics {
     by_hash: Mutex<HashMap<ComponentHash, Arc<OwnStatistics>>>,
+    /// Whole-key bounds, per component and table layout (see [`KeyBounds`]).
+    key_bounds: Mutex<HashMap<(ComponentHash, u32), Option<Arc<KeyBounds>>>>,
 }
 
 /// A component's columns as written and their statistics.
@@ -127,6 +130,25 @@ impl ComponentStatistics {
             }
         };
         conform_statistics(&own, def).map(Arc::new)
+    }
+
+    /// A component's smallest and largest key under `def` (read once per component).
+    pub fn key_bounds(
+        &self,
+        store: &dyn ComponentFiles,
+        hash: &ComponentHash,
+        def: &TableDef,
+    ) -> Result<Option<Arc<KeyBounds>>> {
+        let id = (*hash, def.layout());
+        if let Some(known) = self.key_bounds.lock().expect("key bounds lock").get(&id) {
+            return Ok(known.clone());
+        }
+        let bounds = KeyBounds::read(store, hash, def)?.map(Arc::new);
+        self.key_bounds
+            .lock()
+            .expect("key bounds lock")
+            .insert(id, bounds.clone());
+        Ok(bounds)
     }
 
     /// A component's statistics over its own columns, from its Parquet footer.

@@ -9,7 +9,7 @@ use crate::provider::{ComponentFiles, ComponentStatistics};
 use crate::scan::VersionedScanExec;
 use datafusion::common::config::TableParquetOptions;
 use datafusion::common::stats::Precision;
-use datafusion::common::{Result, Statistics};
+use datafusion::common::{Result, ScalarValue, Statistics};
 use datafusion::datasource::listing::PartitionedFile;
 use datafusion::datasource::physical_plan::parquet::CachedParquetFileReaderFactory;
 use datafusion::datasource::physical_plan::{FileGroup, FileScanConfigBuilder, ParquetSource};
@@ -20,6 +20,7 @@ use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::empty::EmptyExec;
 use datafusion::physical_plan::union::UnionExec;
 use datafusion::physical_plan::ExecutionPlan;
+use std::cmp::Ordering;
 use std::sync::Arc;
 use tessera_common::PartitionId;
 use tessera_storage::component::{component_path, ComponentMeta};
@@ -222,27 +223,29 @@ fn read_as_written<'p>(
     if components.len() == 1 || def.append_only {
         return Ok(Some(components));
     }
-    let key_ranges = components
+    let Some(ranges) = components
         .iter()
         .map(|c| {
             let stats = statistics.get(store, &c.hash, def)?;
             Ok(first_key_range(&stats, def))
         })
-        .collect::<Result<Option<Vec<_>>>>()?;
-    Ok(key_ranges
-        .is_some_and(|ranges| ranges_disjoint(ranges))
-        .then_some(components))
+        .collect::<Result<Option<Vec<_>>>>()?
+    else {
+        return Ok(None);
+    };
+    let whole_keys_apart = |a: usize, b: usize| -> Result<bool> {
+        let bounds = |i: usize| statistics.key_bounds(store, &components[i].hash, def);
+        Ok(match (bounds(a)?, bounds(b)?) {
+            (Some(a), Some(b)) => a.all_before(&b),
+            _ => false,
+        })
+    };
+    Ok(keys_apart(ranges, whole_keys_apart)?.then_some(components))
 }
 
 /// The exact smallest and largest value of the key's first column in a component (none if
 /// its statistics do not know them exactly).
-fn first_key_range(
-    stats: &Statistics,
-    def: &TableDef,
-) -> Option<(
-    datafusion::common::ScalarValue,
-    datafusion::common::ScalarValue,
-)> {
+fn first_key_range(stats: &Statistics, def: &TableDef) -> Option<(ScalarValue, ScalarValue)> {
     let first = *def.primary_key_indices().first()?;
     let column = stats.column_statistics.get(first)?;
     match (&column.min_value, &column.max_value) {
@@ -253,27 +256,39 @@ fn first_key_range(
     }
 }
 
-/// Whether the ranges, ordered by their smallest values, each end strictly before the next
-/// begins: then no value of the key's first column, so no key, is in two of them (keys
-/// that share a first column's value across two components, as an order's lines split
-/// between two loads, are not proven apart, and are resolved as versions).
-fn ranges_disjoint(
-    mut ranges: Vec<(
-        datafusion::common::ScalarValue,
-        datafusion::common::ScalarValue,
-    )>,
-) -> bool {
+/// Whether no key is in two of the components whose first key column spans `ranges`
+/// (one per component, in order). Ordered by their smallest values, each range must end
+/// before the next begins; where one ends on the value the next begins with (an order's
+/// lines split between two loads), `whole_keys_apart(a, b)` decides from the components'
+/// whole keys whether every key of `a` is below every key of `b`. A chain of such steps
+/// orders every component's keys before the next one's, so no key repeats.
+fn keys_apart(
+    ranges: Vec<(ScalarValue, ScalarValue)>,
+    mut whole_keys_apart: impl FnMut(usize, usize) -> Result<bool>,
+) -> Result<bool> {
     let mut comparable = true;
-    ranges.sort_by(|a, b| {
-        a.0.partial_cmp(&b.0).unwrap_or_else(|| {
-            comparable = false;
-            std::cmp::Ordering::Equal
-        })
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (a, b) = (&ranges[a], &ranges[b]);
+        a.0.partial_cmp(&b.0)
+            .and_then(|by_min| Some(by_min.then(a.1.partial_cmp(&b.1)?)))
+            .unwrap_or_else(|| {
+                comparable = false;
+                Ordering::Equal
+            })
     });
-    comparable
-        && ranges
-            .windows(2)
-            .all(|pair| pair[0].1.partial_cmp(&pair[1].0) == Some(std::cmp::Ordering::Less))
+    if !comparable {
+        return Ok(false);
+    }
+    for pair in order.windows(2) {
+        let (a, b) = (pair[0], pair[1]);
+        match ranges[a].1.partial_cmp(&ranges[b].0) {
+            Some(Ordering::Less) => {}
+            Some(Ordering::Equal) if whole_keys_apart(a, b)? => {}
+            _ => return Ok(false),
+        }
+    }
+    Ok(true)
 }
 
 /// Packs files into at most `groups` groups of about equal bytes (largest first, each into

@@ -160,3 +160,106 @@ async fn an_append_only_table_reads_every_load_as_written() {
         .collect();
     assert_eq!(rows, expected, "both loads' rows, duplicates and all");
 }
+
+const LINES: &str =
+    "CREATE TABLE t (o BIGINT, l BIGINT, v BIGINT, PRIMARY KEY (o, l)) PARTITION BY (o)";
+
+/// Order lines `(o, l, v = 10 o + l)`, as a query: orders `orders` with lines 1..=4 each,
+/// and the lines `split_lines` of order `split`.
+fn lines(orders: (i64, i64), split: i64, split_lines: (i64, i64)) -> String {
+    format!(
+        "INSERT INTO t SELECT o, l, o * 10 + l \
+         FROM (SELECT value AS o FROM generate_series({}, {})) \
+         CROSS JOIN (SELECT value AS l FROM generate_series(1, 4)) \
+         UNION ALL SELECT {split}, value, {split} * 10 + value FROM generate_series({}, {})",
+        orders.0, orders.1, split_lines.0, split_lines.1
+    )
+}
+
+/// Loads `publishes` into a store of 8 partitions partitioned by the order, each
+/// checkpointed into components of its own.
+async fn loaded_lines(publishes: &[String]) -> (tempfile::TempDir, Arc<Store>, Engine) {
+    let (dir, store, engine) = loaded(LINES, &[]).await;
+    for publish in publishes {
+        engine.execute(publish).await.unwrap();
+        store.checkpoint().unwrap();
+    }
+    (dir, store, engine)
+}
+
+/// The partition snapshot holding order `o`'s lines.
+fn partition_of(store: &Store, o: i64) -> PartitionSnapshot {
+    let snapshot = store.snapshot("t", None).unwrap();
+    let partition = tessera_common::partition_key_hashes(&[(
+        "o",
+        &(Arc::new(arrow::array::Int64Array::from(vec![o])) as arrow::array::ArrayRef),
+    )])
+    .map(|hashes| store.ring().partition_of(hashes[0]))
+    .unwrap();
+    snapshot
+        .partitions
+        .iter()
+        .find(|p| p.partition == partition)
+        .expect("the order's partition")
+        .clone()
+}
+
+#[tokio::test]
+async fn an_order_split_between_two_loads_is_read_as_written_unless_a_line_repeats() {
+    // Order 101's lines 1-2 in the first load and 3-4 in the second: its partition's two
+    // components both have 101 as an end of their order range, yet share no key.
+    let (_dir, store, engine) =
+        loaded_lines(&[lines((1, 100), 101, (1, 2)), lines((102, 200), 101, (3, 4))]).await;
+    let split = partition_of(&store, 101);
+    assert_eq!(split.components.len(), 2, "one component per load");
+    let def = store.table_def("t").unwrap();
+    let statistics = ComponentStatistics::default();
+    let epoch = store.visible_epoch();
+    assert!(
+        read_as_written(&split, epoch, &def, store.as_ref(), &statistics)
+            .unwrap()
+            .is_some(),
+        "the split order's lines are apart as whole keys"
+    );
+    let answer = engine
+        .query("SELECT count(*), sum(v) FROM t")
+        .await
+        .unwrap();
+    let expected_sum: i64 = (1..=200)
+        .flat_map(|o| (1..=4).map(move |l| o * 10 + l))
+        .sum();
+    assert_eq!(
+        crate::decoded::tests::rows_of(&answer),
+        vec![(800, expected_sum)]
+    );
+
+    // An update writes line 4 of order 101 again, so its component's keys touch the
+    // second load's at (101, 4) itself: resolved as versions, the line read once.
+    engine
+        .execute("UPDATE t SET v = -1 WHERE o = 101 AND l = 4")
+        .await
+        .unwrap();
+    store.checkpoint().unwrap();
+    let split = partition_of(&store, 101);
+    assert_eq!(split.components.len(), 3);
+    assert!(
+        read_as_written(
+            &split,
+            store.visible_epoch(),
+            &def,
+            store.as_ref(),
+            &statistics
+        )
+        .unwrap()
+        .is_none(),
+        "a repeated key must be resolved as versions"
+    );
+    let answer = engine
+        .query("SELECT count(*), sum(v) FROM t")
+        .await
+        .unwrap();
+    assert_eq!(
+        crate::decoded::tests::rows_of(&answer),
+        vec![(800, expected_sum - 1014 - 1)]
+    );
+}
