@@ -174,6 +174,54 @@ async fn a_stalled_log_fsync_stops_the_node_and_loses_no_acknowledged_publish() 
     );
 }
 
+/// Node 2 is paused (SIGSTOP, as a stopped VM or a long stall freezes a process) for
+/// longer than `failure.disk_stall_ms`, several times, while publishes keep its log's
+/// fsyncs busy (each one slowed to 200 ms, so the pause lands inside one). The time it
+/// was frozen is not the disk's: once resumed, it must neither take the fsync it was in
+/// for a stalled disk nor stop itself, and every acknowledged publish is on every replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_node_does_not_take_its_own_pause_for_a_stalled_disk() {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 8, 3);
+    cluster.log_to_files();
+    cluster.set_node_env(
+        FAULTY,
+        tessera_common::disk::FAULTS_VAR,
+        "fsync-slow:.wal:ms=200",
+    );
+    let (cluster, client) = common::start_kv(cluster, &[("failure.disk_stall_ms", "1500")]).await;
+    let mut cluster = cluster;
+    let mut publishes = publish_batches(&client, 0, 3).await;
+    for round in 0..4 {
+        let publishing = {
+            let client = ClusterClient::new(cluster.addr(1));
+            let first_key = 1_000_000 * (round + 1);
+            tokio::spawn(async move { publish_batches(&client, first_key, 3).await })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        cluster.pause(FAULTY);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        cluster.resume(FAULTY);
+        publishes.extend(publishing.await.unwrap());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let log = std::fs::read_to_string(cluster.log_path(FAULTY)).unwrap_or_default();
+        assert_eq!(
+            cluster.exit_status(FAULTY),
+            None,
+            "node {FAULTY} stopped itself after pause {round}; log:\n{log}"
+        );
+    }
+    let log = std::fs::read_to_string(cluster.log_path(FAULTY)).unwrap_or_default();
+    assert!(
+        log.contains("this process was frozen"),
+        "the node noticed its pauses; log:\n{log}"
+    );
+    assert!(!log.contains("the disk stalled"), "log:\n{log}");
+    let status = history::wait_recovered(&cluster, 1, &publishes, Duration::from_secs(120)).await;
+    history::check_replicas(&cluster, &status, &["kv"], &publishes).await;
+    assert!(cluster.panics_logged().is_empty());
+}
+
 /// Node 2 crashes in the middle of a write to its log, and everything it had not fsynced is
 /// lost (a power cut): its log ends in half a frame. On restart it cuts the torn tail,
 /// recovers what is durable, and catches up; every acknowledged publish is on every replica.

@@ -11,6 +11,8 @@
 //!   retried fsync would lie);
 //! - `fsync-stalls:wal:after=20`: the 21st fsync of a matching file never returns (a
 //!   disk that stopped answering); see [`stalled_sync`];
+//! - `fsync-slow:wal:ms=300`: every fsync of a matching file takes 300 ms more (a slow or
+//!   overloaded disk);
 //! - `read-eio:components`: reads of matching files fail with EIO;
 //! - `crash:wal:after=40`: the 41st write to a matching file writes all but its last byte,
 //!   then the process dies (a torn write: the write's last frame is cut);
@@ -36,6 +38,8 @@ enum Kind {
     FsyncFails,
     /// The fsync never returns: a disk that stopped answering.
     FsyncStalls,
+    /// The fsync takes this much longer: a slow disk.
+    FsyncSlow(std::time::Duration),
     ReadEio,
     Crash {
         lose_unsynced: bool,
@@ -75,12 +79,18 @@ fn parse(text: &str) -> Result<Vec<Rule>, String> {
             .to_string();
         let mut after = 0;
         let mut lose_unsynced = false;
+        let mut slow_ms = None;
         for option in parts {
             match option.split_once('=') {
                 Some(("after", n)) => {
                     after = n
                         .parse()
                         .map_err(|_| format!("disk fault {spec:?}: after={n} is not a count"))?
+                }
+                Some(("ms", n)) => {
+                    slow_ms = Some(n.parse().map_err(|_| {
+                        format!("disk fault {spec:?}: ms={n} is not a number of milliseconds")
+                    })?)
                 }
                 None if option == "lose-unsynced" => lose_unsynced = true,
                 _ => return Err(format!("disk fault {spec:?}: unknown option {option:?}")),
@@ -89,11 +99,14 @@ fn parse(text: &str) -> Result<Vec<Rule>, String> {
         let kind = match kind {
             "fsync-fails" => Kind::FsyncFails,
             "fsync-stalls" => Kind::FsyncStalls,
+            "fsync-slow" => Kind::FsyncSlow(std::time::Duration::from_millis(slow_ms.ok_or_else(
+                || format!("disk fault {spec:?} says how much slower with ms=N"),
+            )?)),
             "read-eio" => Kind::ReadEio,
             "crash" => Kind::Crash { lose_unsynced },
             other => {
                 return Err(format!(
-                    "unknown disk fault {other:?} (fsync-fails, fsync-stalls, read-eio or crash)"
+                    "unknown disk fault {other:?} (fsync-fails, fsync-stalls, fsync-slow, read-eio or crash)"
                 ))
             }
         };
@@ -233,6 +246,18 @@ fn fsync(file: &File, path: &Path, sync: fn(&File) -> io::Result<()>) -> io::Res
             std::thread::sleep(std::time::Duration::from_secs(3600));
         }
     }
+    if let Some(Rule {
+        kind: Kind::FsyncSlow(delay),
+        ..
+    }) = rule_firing(path, |k| matches!(k, Kind::FsyncSlow(_)))
+    {
+        // In steps, so that a process frozen in the middle of a slow fsync still has some
+        // of it left to wait when it resumes, as with a deep device queue.
+        let step = std::time::Duration::from_millis(10);
+        for _ in 0..delay.as_millis().div_ceil(step.as_millis()) {
+            std::thread::sleep(step);
+        }
+    }
     let result = match rule_firing(path, |k| *k == Kind::FsyncFails) {
         Some(_) => Err(injected("fsync", path)),
         None => sync(file),
@@ -287,6 +312,23 @@ pub fn stalled_sync(limit: std::time::Duration) -> Option<String> {
             limit.as_millis()
         )
     })
+}
+
+/// Restarts the clock of every fsync in flight: the process itself was just frozen (a
+/// SIGSTOP, a paused VM, a stop-the-world stall) for so long that the time its fsyncs
+/// were seen running says nothing of the disk. The watcher that calls [`stalled_sync`]
+/// calls this when its own ticks were held back; without it, a node resumed after a pause
+/// longer than `failure.disk_stall_ms` took any fsync it was in for a stalled disk and
+/// stopped itself.
+pub fn credit_frozen_time() {
+    let now = std::time::Instant::now();
+    for (started, _) in SYNCS_IN_FLIGHT
+        .lock()
+        .expect("syncs in flight lock")
+        .values_mut()
+    {
+        *started = now;
+    }
 }
 
 /// Fsyncs a directory (after creating, renaming or removing a file in it).
@@ -387,6 +429,22 @@ mod tests {
         assert!(stalled.contains("/data/wal/7.wal"), "{stalled}");
         drop(slow);
         assert_eq!(stalled_sync(limit), None, "it returned");
+    }
+
+    #[test]
+    fn time_the_process_was_frozen_is_not_counted_against_the_disk() {
+        let limit = std::time::Duration::from_millis(50);
+        let _slow = SyncInFlight::start(Path::new("/data/wal/8.wal"));
+        std::thread::sleep(limit * 2);
+        assert!(stalled_sync(limit).is_some(), "past the limit");
+        // The watcher noticed it had been frozen meanwhile: the clock starts again.
+        credit_frozen_time();
+        assert_eq!(stalled_sync(limit), None);
+        std::thread::sleep(limit * 2);
+        assert!(
+            stalled_sync(limit).is_some(),
+            "still hanging after the credit"
+        );
     }
 
     #[test]

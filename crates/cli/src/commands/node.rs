@@ -55,11 +55,31 @@ pub async fn run(config_path: &Path, overrides: &[String], replace: bool) -> Res
 /// The exit status of a node stopped by a disk failure (EX_IOERR).
 pub const DISK_FAILURE_EXIT: i32 = 74;
 
+/// How often the disk watcher looks.
+const DISK_CHECK_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// A gap between the watcher's looks longer than this means the whole process was frozen
+/// (SIGSTOP, a paused VM), not that the disk was slow.
+const FROZEN_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Resolves with the reason once the node's disk has failed.
 async fn disk_failure(node: &Node) -> String {
-    let mut ticker = tokio::time::interval(std::time::Duration::from_millis(50));
+    let mut ticker = tokio::time::interval(DISK_CHECK_EVERY);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_look = std::time::Instant::now();
     loop {
         ticker.tick().await;
+        let gap = last_look.elapsed();
+        last_look = std::time::Instant::now();
+        if gap > FROZEN_AFTER {
+            // Fsyncs were seen running across the freeze; only what follows counts.
+            tracing::warn!(
+                frozen_ms = gap.as_millis() as u64,
+                "this process was frozen; fsyncs in flight are timed again from now"
+            );
+            tessera_common::disk::credit_frozen_time();
+            continue;
+        }
         if let Some(reason) = node.disk_failure() {
             return reason;
         }
