@@ -716,6 +716,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         wipe_safe: Vec::new(),
     };
     let mut faults = Vec::new();
+    let mut stopped_by_themselves: Vec<(usize, u64, String)> = Vec::new();
     let run_started = Instant::now();
     for n in 0..faults_wanted {
         nemesis.leader_hint = tokio::time::timeout(Duration::from_secs(2), async {
@@ -776,6 +777,18 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         });
         let settle = Duration::from_millis(nemesis.rng.random_range(300..1500));
         tokio::time::sleep(settle).await;
+        // Every fault is healed by now, so a node whose process has ended stopped by
+        // itself: a finding. It is restarted, as its supervisor would, so that one such
+        // exit does not stall the rest of the run.
+        for id in cluster.node_ids() {
+            if let Some(status) = cluster.exit_status(id) {
+                println!(
+                    "node {id} stopped by itself after fault {n} ({status}); restarted, as its supervisor would"
+                );
+                stopped_by_themselves.push((n, id, status.to_string()));
+                cluster.start(id);
+            }
+        }
     }
     // Let the last fault's aftermath show in the history before stopping.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -801,7 +814,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
 
     let count = |outcome| report.by_outcome.get(&outcome).copied().unwrap_or(0);
     println!(
-        "fault run: {} faults in {run_took:?}, {} voters; {} publishes: {} acknowledged, {} aborted, {} in doubt ({} of them committed); {} reads: {} answered and checked, {} refused or failed; {} violations; {} panics",
+        "fault run: {} faults in {run_took:?}, {} voters; {} publishes: {} acknowledged, {} aborted, {} in doubt ({} of them committed); {} reads: {} answered and checked, {} refused or failed; {} violations; {} panics; {} nodes stopped by themselves",
         faults.len(),
         voters,
         publishes.len(),
@@ -814,6 +827,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         read_report.refused,
         read_report.violations.len(),
         panics.len(),
+        stopped_by_themselves.len(),
     );
     for violation in &read_report.violations {
         println!("VIOLATION: {violation}");
@@ -831,6 +845,10 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         "read violations (seed {seed})"
     );
     assert!(panics.is_empty(), "a node panicked (seed {seed})");
+    assert!(
+        stopped_by_themselves.is_empty(),
+        "nodes stopped by themselves with every fault healed (fault, node, status): {stopped_by_themselves:?} (seed {seed}); their logs say why"
+    );
     for (kind, figures) in &by_kind {
         assert!(
             figures.longest_after_heal <= HEALED_LIVENESS,
