@@ -13,6 +13,7 @@ use datafusion::common::Result;
 use std::cmp::Ordering;
 use tessera_common::ComponentHash;
 use tessera_storage::component::read_component;
+use tessera_storage::versions::KeyProjection;
 use tessera_storage::TableDef;
 
 /// A component's smallest and largest key, in the table's key order, as Arrow rows (which
@@ -39,17 +40,10 @@ impl KeyBounds {
         }
         store.verify(hash).map_err(SqlError::to_datafusion)?;
         // Read in file (ascending) order, then taken in key order.
-        let mut file_order = key.clone();
-        file_order.sort_unstable();
-        let positions: Vec<usize> = key
-            .iter()
-            .map(|k| {
-                file_order
-                    .iter()
-                    .position(|c| c == k)
-                    .expect("a key column")
-            })
-            .collect();
+        let KeyProjection {
+            file_order,
+            in_projected: positions,
+        } = KeyProjection::of(&key);
         let batches = read_component(store.dir(), def, hash, Some(&file_order))
             .map_err(SqlError::to_datafusion)?;
         let Some(first) = batches.first() else {

@@ -17,7 +17,9 @@ use crate::catalog::TableDef;
 use crate::component::{read_component, read_component_rows, ComponentMeta};
 use crate::error::{Result, StorageError};
 use crate::store::PartitionSnapshot;
-use crate::versions::{epochs, key_columns as columns, key_converter, ops, stored_schema};
+use crate::versions::{
+    epochs, key_columns as columns, key_converter, ops, stored_schema, KeyProjection,
+};
 use arrow::array::{
     new_null_array, Array, ArrayRef, AsArray, Int64Array, RecordBatch, StringArray,
 };
@@ -152,18 +154,10 @@ pub fn partition_changes(
     let changed: KeyMap<'_, ()> = recent_keys.iter().map(|row| (row, ())).collect();
     // The rows before come from components that cannot hold a change: their key columns
     // are read first, and then only the rows of changed keys, whole.
-    let mut file_order = key.clone();
-    file_order.sort_unstable();
-    // Where each key column lands in a batch projected to the key columns (file order).
-    let projected_key: Vec<usize> = key
-        .iter()
-        .map(|k| {
-            file_order
-                .iter()
-                .position(|c| c == k)
-                .expect("a key column")
-        })
-        .collect();
+    let KeyProjection {
+        file_order,
+        in_projected: projected_key,
+    } = KeyProjection::of(&key);
     let first_key_values = FirstKeyValues::of(recent.column(key[0]));
     for component in older_only {
         let key_batches = read_component(components_dir, def, &component.hash, Some(&file_order))?;

@@ -172,6 +172,35 @@ pub(crate) fn key_converter(schema: &Schema, key: &[usize]) -> Result<RowConvert
     Ok(RowConverter::new(fields)?)
 }
 
+/// How to read only a table's key columns from a component: the columns to ask the reader
+/// for (ascending, as files store them) and, for each key column in key order, where it
+/// lands in a batch so projected.
+#[derive(Debug, Clone)]
+pub struct KeyProjection {
+    pub file_order: Vec<usize>,
+    pub in_projected: Vec<usize>,
+}
+
+impl KeyProjection {
+    pub fn of(key: &[usize]) -> KeyProjection {
+        let mut file_order = key.to_vec();
+        file_order.sort_unstable();
+        let in_projected = key
+            .iter()
+            .map(|k| {
+                file_order
+                    .iter()
+                    .position(|c| c == k)
+                    .expect("a key column")
+            })
+            .collect();
+        KeyProjection {
+            file_order,
+            in_projected,
+        }
+    }
+}
+
 pub(crate) fn key_columns(batch: &RecordBatch, key: &[usize]) -> Vec<ArrayRef> {
     key.iter().map(|&i| batch.column(i).clone()).collect()
 }
