@@ -829,6 +829,11 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         panics.len(),
         stopped_by_themselves.len(),
     );
+    let mut refusals: Vec<_> = read_report.refusals_by_reason.iter().collect();
+    refusals.sort_by_key(|(_, &count)| std::cmp::Reverse(count));
+    for (reason, count) in refusals.iter().take(8) {
+        println!("reads refused {count} times: {reason}");
+    }
     for violation in &read_report.violations {
         println!("VIOLATION: {violation}");
     }

@@ -244,8 +244,24 @@ pub async fn reader(
 pub struct ReadReport {
     pub answered: usize,
     pub refused: usize,
+    /// How many reads were refused for each reason (its start, numbers blanked out).
+    pub refusals_by_reason: BTreeMap<String, usize>,
     /// Each violation, described.
     pub violations: Vec<String>,
+}
+
+/// A refusal's reason with its numbers (nodes, epochs, times) blanked out and cut short,
+/// so refusals of one kind count together.
+fn reason_kind(reason: &str) -> String {
+    let mut kind = String::new();
+    for c in reason.chars() {
+        match c {
+            '0'..='9' if kind.ends_with('#') => {}
+            '0'..='9' => kind.push('#'),
+            c => kind.push(c),
+        }
+    }
+    kind.chars().take(90).collect()
 }
 
 /// Checks every answered read against the publishes (each publish's keys are fresh, and
@@ -260,9 +276,16 @@ pub fn check_reads(publishes: &[Publish], reads: &[Read]) -> ReadReport {
     let mut as_of_answers: BTreeMap<(&str, Epoch), BTreeSet<i64>> = BTreeMap::new();
     let mut current: Vec<(&Read, i64)> = Vec::new();
     for read in reads {
-        let Ok(count) = read.answer else {
-            report.refused += 1;
-            continue;
+        let count = match &read.answer {
+            Ok(count) => *count,
+            Err(reason) => {
+                report.refused += 1;
+                *report
+                    .refusals_by_reason
+                    .entry(reason_kind(reason))
+                    .or_default() += 1;
+                continue;
+            }
         };
         report.answered += 1;
         let of_table = publishes.iter().filter(|p| p.table == read.table);
