@@ -292,19 +292,21 @@ impl Nemesis {
 }
 
 /// The live nodes whose every partition has another live, up-to-date replica, as the first
-/// node that answers sees them (none if none answers).
+/// node that answers with a current view of the metadata sees them (none if none answers).
 /// Also whether the cluster has recovered: every node alive, no replica stale.
 async fn wipe_safe(cluster: &LocalCluster) -> (Vec<u64>, bool) {
     for id in cluster.node_ids() {
-        let Ok(Ok(status)) = tokio::time::timeout(
+        // A current view (a node's own status may lag: one just taken back empty shows
+        // the replicas it is about to be copied as fresh).
+        let Ok(Ok(meta)) = tokio::time::timeout(
             Duration::from_secs(2),
-            ClusterClient::new(cluster.addr(id)).status(),
+            ClusterClient::new(cluster.addr(id)).current_metadata(),
         )
         .await
         else {
             continue;
         };
-        let meta = &status.meta;
+        let meta = &meta;
         let safe = cluster
             .node_ids()
             .into_iter()

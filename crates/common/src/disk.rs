@@ -418,8 +418,14 @@ mod tests {
         }
     }
 
+    /// The fsyncs in flight are one per process: tests that start or credit them take turns.
+    static SYNCS_IN_FLIGHT_TESTS: Mutex<()> = Mutex::new(());
+
     #[test]
     fn an_fsync_running_past_the_limit_is_a_stalled_disk() {
+        let _turn = SYNCS_IN_FLIGHT_TESTS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let limit = std::time::Duration::from_millis(50);
         assert_eq!(stalled_sync(limit), None);
         let slow = SyncInFlight::start(Path::new("/data/wal/7.wal"));
@@ -433,6 +439,9 @@ mod tests {
 
     #[test]
     fn time_the_process_was_frozen_is_not_counted_against_the_disk() {
+        let _turn = SYNCS_IN_FLIGHT_TESTS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let limit = std::time::Duration::from_millis(50);
         let _slow = SyncInFlight::start(Path::new("/data/wal/8.wal"));
         std::thread::sleep(limit * 2);

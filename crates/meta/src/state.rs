@@ -634,6 +634,21 @@ impl MetaState {
                     if let Some(placement) = self.map.partitions.get_mut(partition.0 as usize) {
                         let first_missed = placement.stale.entry(node).or_insert(epoch);
                         *first_missed = (*first_missed).min(epoch);
+                        let fresh: Vec<NodeId> = placement
+                            .replicas
+                            .iter()
+                            .filter(|r| !placement.stale.contains_key(r))
+                            .copied()
+                            .collect();
+                        // Where a partition's copies went stale, and how few fresh ones it
+                        // has left: the trail of a partition that later cannot take writes.
+                        tracing::info!(
+                            %epoch,
+                            partition = partition.0,
+                            %node,
+                            ?fresh,
+                            "a replica missed a committed epoch and is stale until it catches up"
+                        );
                     }
                 }
                 let publish = changes.is_some();
