@@ -52,6 +52,10 @@ pub struct Metrics {
     pub rpc_channels_opened: Counter,
     /// Partitions whose primary moved to this node's replica list after a failure.
     pub failovers: Counter,
+    /// Times this node stepped down as metadata leader because no majority acknowledged it.
+    pub raft_step_downs: Counter,
+    /// Times the disk watcher found this process had been frozen (SIGSTOP, a paused VM).
+    pub process_freezes: Counter,
     /// Partition copies (failbacks and moves) this node installed, and how long each took.
     pub failbacks: Counter,
     pub failback_seconds: Histogram,
@@ -96,6 +100,8 @@ impl Metrics {
             exchange_bytes: Counter::default(),
             rpc_channels_opened: Counter::default(),
             failovers: Counter::default(),
+            raft_step_downs: Counter::default(),
+            process_freezes: Counter::default(),
             failbacks: Counter::default(),
             failback_seconds: seconds_buckets(),
             scrubbed_bytes: Counter::default(),
@@ -204,6 +210,16 @@ impl Metrics {
                 "failback_seconds",
                 "Partition copy duration",
                 metrics.failback_seconds.clone(),
+            );
+            r.register(
+                "raft_step_downs",
+                "Times this node stepped down as metadata leader: no majority acknowledged it",
+                metrics.raft_step_downs.clone(),
+            );
+            r.register(
+                "process_freezes",
+                "Times this process was found frozen (SIGSTOP, a paused VM) by its disk watcher",
+                metrics.process_freezes.clone(),
             );
             r.register("raft_term", "Current Raft term", metrics.raft_term.clone());
             r.register(

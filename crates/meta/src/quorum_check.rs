@@ -169,6 +169,7 @@ pub async fn watch(raft: Raft, step_down: Arc<StepDown>, policy: QuorumPolicy) {
                     policy.step_down_after
                 );
                 step_down.set(true);
+                tessera_common::metrics::metrics().raft_step_downs.inc();
             }
             Decision::SteppedDown => {
                 tracing::info!(term, "stepped down as metadata leader; another node leads");

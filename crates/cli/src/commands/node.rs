@@ -78,6 +78,7 @@ async fn disk_failure(node: &Node) -> String {
                 "this process was frozen; fsyncs in flight are timed again from now"
             );
             tessera_common::disk::credit_frozen_time();
+            tessera_common::metrics::metrics().process_freezes.inc();
             continue;
         }
         if let Some(reason) = node.disk_failure() {
