@@ -632,8 +632,12 @@ impl MetaState {
                 }
                 for (partition, node) in missed {
                     if let Some(placement) = self.map.partitions.get_mut(partition.0 as usize) {
+                        let newly_stale = !placement.stale.contains_key(&node);
                         let first_missed = placement.stale.entry(node).or_insert(epoch);
                         *first_missed = (*first_missed).min(epoch);
+                        if !newly_stale {
+                            continue;
+                        }
                         let fresh: Vec<NodeId> = placement
                             .replicas
                             .iter()
