@@ -179,14 +179,14 @@ async fn a_metadata_leader_behind_slow_links_steps_down_and_the_others_go_on() {
             link.set(slow.clone());
         }
     }
-    let took = publish_until_acknowledged(&writer, 100, 200, SLOW_LEADER_BOUND).await;
+    let took = publish_until_acknowledged(&writer, 100, 200, slow_leader_bound()).await;
     eprintln!("the others acknowledged a publish {took:?} after the leader's links turned slow");
     let new_leader = leader(&writer).await;
     assert_ne!(
         new_leader, old_leader,
         "the leader behind slow links should have stepped down"
     );
-    publish_until_acknowledged(&writer, 200, 300, SLOW_LEADER_BOUND).await;
+    publish_until_acknowledged(&writer, 200, 300, slow_leader_bound()).await;
 
     for (_, link) in cluster.links() {
         link.set(LinkFaults::default());
@@ -202,9 +202,17 @@ async fn a_metadata_leader_behind_slow_links_steps_down_and_the_others_go_on() {
 }
 
 /// How soon the nodes around a leader behind slow links acknowledge publishes again: its
-/// step-down (three election timeouts without a majority's acknowledgement), an election,
-/// the failure timeout, and the fault run's 5 s margin.
-const SLOW_LEADER_BOUND: Duration = Duration::from_millis(3 * 600 + 600 + 1500 + 5000);
+/// step-down (no majority's acknowledgement for a while), an election, the failure
+/// timeout, and the fault run's 5 s margin.
+fn slow_leader_bound() -> Duration {
+    let election = Duration::from_millis(tessera_server::node::ELECTION_TIMEOUT_MAX_MS);
+    let step_down =
+        tessera_server::meta::quorum_check::QuorumPolicy::for_election_timeout(election)
+            .step_down_after;
+    let failure =
+        Duration::from_millis(tessera_server::config::FailureSettings::default().timeout_ms);
+    step_down + election + failure + Duration::from_secs(5)
+}
 
 /// A partial partition: two nodes that are not the metadata leader cannot reach each
 /// other, both still reach the leader, so it keeps counting both alive. A query through one
