@@ -178,8 +178,9 @@ struct Fault {
     /// fault's no-ack window measures the fault alone (the next one often begins before
     /// the last one's aftermath is over).
     on_recovered: bool,
-    /// It was held past its majority bound, with a majority of the voters unimpaired: the
-    /// majority side had to acknowledge publishes again before its heal.
+    /// It was held past its majority bound, with a majority of the voters unimpaired and
+    /// enough replicas of every partition outside it (`copies_left_outside`): the majority
+    /// side had to acknowledge publishes again before its heal.
     held_past_bound: bool,
 }
 
@@ -187,9 +188,12 @@ struct Fault {
 struct Nemesis {
     rng: StdRng,
     leader_hint: Option<u64>,
-    /// Nodes whose every partition has another up-to-date replica: wiping one loses
-    /// nothing acknowledged (the fault model keeps within what r = 3 survives).
-    wipe_safe: Vec<u64>,
+    /// A node was wiped and the cluster has not been seen recovered since (its copies
+    /// may still be under way). The fault model loses one disk at a time: with every
+    /// acknowledged epoch on at least two replicas (`replicas.min_copies`), any one
+    /// node's disk can go, whatever replicas are stale; two unrecovered wipes could take
+    /// both copies, which is beyond what the setting promises.
+    wipe_unrecovered: bool,
 }
 
 impl Nemesis {
@@ -214,11 +218,13 @@ impl Nemesis {
         let two_or_one = if self.rng.random_bool(0.5) { 2 } else { 1 };
         match kind {
             Kind::Wipe => {
-                // Killed here; its disk is wiped once the current metadata confirms the
-                // wipe loses nothing (`wipe_if_still_safe`).
-                let node = self.wipe_safe[self.rng.random_range(0..self.wipe_safe.len())];
-                cluster.kill9(node);
-                (vec![node], self.leader_hint == Some(node))
+                // Any node, stale replicas or not: an acknowledged epoch is on two disks.
+                let (nodes, leader) = self.pick(1);
+                cluster.kill9(nodes[0]);
+                let data = cluster.config_path(nodes[0]).parent().unwrap().join("data");
+                std::fs::remove_dir_all(&data).unwrap();
+                self.wipe_unrecovered = true;
+                (nodes, leader)
             }
             Kind::Kill => {
                 let (nodes, leader) = self.pick(two_or_one);
@@ -295,10 +301,10 @@ impl Nemesis {
     }
 }
 
-/// The live nodes whose every partition has another live, up-to-date replica, as the first
-/// node that answers with a current view of the metadata sees them (none if none answers).
-/// Also whether the cluster has recovered: every node alive, no replica stale.
-async fn wipe_safe(cluster: &LocalCluster) -> (Vec<u64>, bool) {
+/// What the first node that answers with a current view of the metadata shows: whether
+/// the cluster has recovered (every node alive, no replica stale), and its partition map
+/// (`None` if no node answers).
+async fn look(cluster: &LocalCluster) -> (bool, Option<tessera_server::meta::PartitionMap>) {
     for id in cluster.node_ids() {
         // A current view (a node's own status may lag: one just taken back empty shows
         // the replicas it is about to be copied as fresh).
@@ -310,63 +316,29 @@ async fn wipe_safe(cluster: &LocalCluster) -> (Vec<u64>, bool) {
         else {
             continue;
         };
-        let meta = &meta;
-        let safe = cluster
-            .node_ids()
-            .into_iter()
-            .filter(|&n| {
-                let node = tessera_common::NodeId(n);
-                meta.nodes.get(&node).is_some_and(|n| n.alive) && others_hold_all_of(meta, node)
-            })
-            .collect();
         let recovered = meta.nodes.values().all(|n| n.alive)
             && meta.map.partitions.iter().all(|p| p.stale.is_empty());
-        return (safe, recovered);
+        return (recovered, Some(meta.map));
     }
-    (Vec::new(), false)
+    (false, None)
 }
 
-/// Whether every partition `node` holds has another live, up-to-date replica in `meta`:
-/// wiping `node` then loses nothing.
-fn others_hold_all_of(
-    meta: &tessera_server::meta::MetaState,
-    node: tessera_common::NodeId,
+/// Whether every partition of `map` keeps at least `min_copies` replicas outside
+/// `impaired`: only then can the side without them acknowledge every publish (each one
+/// touches every partition), so only then is that side held to the majority bound. With
+/// r = 3 and two copies needed, two impaired replicas of one partition leave it no
+/// majority of its own: its publishes wait for one of them, as they must.
+fn copies_left_outside(
+    map: &tessera_server::meta::PartitionMap,
+    impaired: &[u64],
+    min_copies: u32,
 ) -> bool {
-    let alive = |n: &tessera_common::NodeId| meta.nodes.get(n).is_some_and(|n| n.alive);
-    meta.map.partitions.iter().all(|p| {
-        !p.replicas.contains(&node)
-            || p.replicas
-                .iter()
-                .any(|r| *r != node && alive(r) && !p.stale.contains_key(r))
+    map.partitions.iter().all(|p| {
+        let outside = (p.replicas.iter())
+            .filter(|r| !impaired.contains(&r.0))
+            .count();
+        outside >= tessera_server::meta::copies_needed(Some(min_copies), p.replicas.len())
     })
-}
-
-/// Wipes the killed `node`'s data directory if a linearizable read of the metadata, taken
-/// now that it is down, still finds another live, up-to-date replica of each of its
-/// partitions: the view `wipe_safe` chose it by may be behind (a replica that missed an
-/// epoch since), and wiping the only current replica is beyond what r = 3 survives (the
-/// cluster rightly refuses to take such a node back). Returns the fault injected: a wipe,
-/// or else a plain kill.
-async fn wipe_if_still_safe(cluster: &LocalCluster, node: u64) -> Kind {
-    let mut state = None;
-    for id in cluster.node_ids().into_iter().filter(|&id| id != node) {
-        let client = ClusterClient::new(cluster.addr(id));
-        if let Ok(Ok(current)) =
-            tokio::time::timeout(Duration::from_secs(10), client.current_metadata()).await
-        {
-            state = Some(current);
-            break;
-        }
-    }
-    let Some(state) = state else {
-        return Kind::Kill;
-    };
-    if !others_hold_all_of(&state, tessera_common::NodeId(node)) {
-        return Kind::Kill;
-    }
-    let data = cluster.config_path(node).parent().unwrap().join("data");
-    std::fs::remove_dir_all(&data).unwrap();
-    Kind::Wipe
 }
 
 /// Undoes every fault: restarts killed nodes, resumes paused ones, heals the network and
@@ -680,6 +652,13 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
     );
     cluster.set_voters(&(1..=voters).collect::<Vec<_>>());
     cluster.set_option("failure.disk_stall_ms", DISK_STALL_MS);
+    // TESSERA_FAULTS_MIN_COPIES=1 acknowledges publishes with a single current copy: to
+    // see the run find what that loses when a disk goes.
+    let min_copies: u32 = env_or(
+        "TESSERA_FAULTS_MIN_COPIES",
+        tessera_server::config::ReplicaSettings::default().min_copies,
+    );
+    cluster.set_option("replicas.min_copies", &min_copies.to_string());
     cluster.log_to_files();
     cluster.start_all();
     common::wait_formed(&cluster, 1, NODES as usize).await;
@@ -719,7 +698,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
     let mut nemesis = Nemesis {
         rng: StdRng::seed_from_u64(seed ^ 0xfa017),
         leader_hint: None,
-        wipe_safe: Vec::new(),
+        wipe_unrecovered: false,
     };
     let mut faults = Vec::new();
     let mut stopped_by_themselves: Vec<(usize, u64, String)> = Vec::new();
@@ -743,9 +722,9 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         // is over, so wait for that (a while at most) first.
         let wants_held_past_bound = nemesis.rng.random_bool(HELD_PAST_BOUND_SHARE);
         let waiting_since = Instant::now();
-        let mut on_recovered;
+        let (mut on_recovered, mut map);
         loop {
-            (nemesis.wipe_safe, on_recovered) = wipe_safe(&cluster).await;
+            (on_recovered, map) = look(&cluster).await;
             if on_recovered
                 || !wants_held_past_bound
                 || waiting_since.elapsed() > RECOVERY_WAIT_BEFORE_HELD
@@ -754,20 +733,21 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
+        nemesis.wipe_unrecovered &= !on_recovered;
         let kind = match KINDS[nemesis.rng.random_range(0..KINDS.len())] {
-            Kind::Wipe if nemesis.wipe_safe.is_empty() => Kind::Kill,
+            Kind::Wipe if nemesis.wipe_unrecovered => Kind::Kill,
             kind => kind,
         };
         let started = Instant::now();
         let (nodes, leader_inside) = nemesis.apply(&mut cluster, kind);
-        let kind = match kind {
-            Kind::Wipe => wipe_if_still_safe(&cluster, nodes[0]).await,
-            kind => kind,
-        };
         // A fault held past its bound tests it only if a majority of the voters is not
-        // impaired (with 3 voters, two impaired ones leave no metadata quorum).
-        let majority_unimpaired =
-            nodes.iter().filter(|&&n| n <= voters).count() * 2 < voters as usize;
+        // impaired (with 3 voters, two impaired ones leave no metadata quorum), and every
+        // partition keeps enough replicas outside it to take writes.
+        let majority_unimpaired = nodes.iter().filter(|&&n| n <= voters).count() * 2
+            < voters as usize
+            && map
+                .as_ref()
+                .is_some_and(|map| copies_left_outside(&map, &nodes, min_copies));
         let held_past_bound = majority_unimpaired && wants_held_past_bound;
         let hold = if held_past_bound {
             held_past_bound_for(kind)

@@ -45,16 +45,20 @@ async fn insert(client: &ClusterClient, from: i64, to: i64) {
 }
 
 /// A cluster of `nodes` processes (8 partitions, `replication` replicas each, nodes 1-3
-/// the metadata voters, failures declared after 1.5 s) with table `kv`; a client of node
-/// `through`.
+/// the metadata voters, failures declared after 1.5 s, and `options`) with table `kv`; a
+/// client of node `through`.
 async fn kv_cluster(
     root: &Path,
     nodes: usize,
     replication: u32,
     through: u64,
+    options: &[(&str, &str)],
 ) -> (LocalCluster, ClusterClient) {
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root, nodes, 8, replication);
     cluster.set_option("failure.timeout_ms", "1500");
+    for (key, value) in options {
+        cluster.set_option(key, value);
+    }
     cluster.log_to_files();
     cluster.start_all();
     wait_formed(&cluster, 1, nodes).await;
@@ -106,7 +110,7 @@ async fn refused_to_start(cluster: &mut LocalCluster, id: u64, still_running: &s
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
     let root = tempfile::tempdir().unwrap();
-    let (mut cluster, client) = kv_cluster(root.path(), 3, 3, 2).await;
+    let (mut cluster, client) = kv_cluster(root.path(), 3, 3, 2, &[]).await;
     insert(&client, 1, 3000).await;
     for id in 1..=3 {
         ClusterClient::new(cluster.addr(id)).flush().await.unwrap();
@@ -254,21 +258,12 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
 async fn a_wiped_node_holding_the_only_current_rows_is_not_taken_back() {
     let root = tempfile::tempdir().unwrap();
     // r = 2 on five nodes, nodes 1-3 the metadata voters: nodes 4 and 5 can both fail.
-    let (mut cluster, client) = kv_cluster(root.path(), 5, 2, 1).await;
+    // Publishes acknowledged with a single current copy (the cluster refuses them unless
+    // told otherwise: see the next test) set up the hazard.
+    let (mut cluster, client) =
+        kv_cluster(root.path(), 5, 2, 1, &[("replicas.min_copies", "1")]).await;
     insert(&client, 1, 1000).await;
-    let status = client.status().await.unwrap();
-    let shared: Vec<usize> = (status.meta.map.partitions.iter().enumerate())
-        .filter(|(_, p)| {
-            let mut replicas: Vec<u64> = p.replicas.iter().map(|r| r.0).collect();
-            replicas.sort_unstable();
-            replicas == [4, 5]
-        })
-        .map(|(i, _)| i)
-        .collect();
-    assert!(
-        !shared.is_empty(),
-        "some partition lives on nodes 4 and 5 only"
-    );
+    let shared = partitions_on_4_and_5_only(&client).await;
 
     // Node 5 dies and misses a publish: node 4 alone holds every committed epoch of the
     // partitions they share. Then node 4 dies and its disk is wiped.
@@ -301,4 +296,66 @@ async fn a_wiped_node_holding_the_only_current_rows_is_not_taken_back() {
             "p{p}: the refused replacement changed nothing"
         );
     }
+}
+
+/// The partitions of an r = 2 cluster of five whose replicas are nodes 4 and 5 (some are).
+async fn partitions_on_4_and_5_only(client: &ClusterClient) -> Vec<usize> {
+    let status = client.status().await.unwrap();
+    let shared: Vec<usize> = (status.meta.map.partitions.iter().enumerate())
+        .filter(|(_, p)| {
+            let mut replicas: Vec<u64> = p.replicas.iter().map(|r| r.0).collect();
+            replicas.sort_unstable();
+            replicas == [4, 5]
+        })
+        .map(|(i, _)| i)
+        .collect();
+    assert!(
+        !shared.is_empty(),
+        "some partition lives on nodes 4 and 5 only"
+    );
+    shared
+}
+
+/// The guard against the hazard above: by default (`replicas.min_copies = 2`) a publish is
+/// acknowledged only once two replicas of every partition it touches hold every committed
+/// epoch, so no single lost disk holds the only copy of an acknowledged row. With node 5
+/// down, the partitions it shares with node 4 have one live replica: a publish touching
+/// them is refused, naming the partition and the setting, and leaves no row; once node 5
+/// is back the same publish is acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_a_single_replica_would_hold_is_refused_until_a_second_returns() {
+    let root = tempfile::tempdir().unwrap();
+    let (mut cluster, client) = kv_cluster(root.path(), 5, 2, 1, &[]).await;
+    insert(&client, 1, 1000).await;
+    let shared = partitions_on_4_and_5_only(&client).await;
+
+    cluster.kill9(5);
+    declared_failed(&client, 5).await;
+    let sql = "INSERT INTO kv SELECT value, value * 2 FROM generate_series(1001, 2000)";
+    let refused = client
+        .sql(sql)
+        .await
+        .expect_err("a publish acknowledged with one current copy of some partitions")
+        .to_string();
+    assert!(
+        refused.contains("too few live replicas holding every committed epoch")
+            && refused.contains("replicas.min_copies")
+            && shared.iter().any(|p| refused.contains(&format!("p{p} "))),
+        "the refusal names a partition on nodes 4 and 5 and the setting: {refused}"
+    );
+    assert_eq!(
+        count(&client).await.unwrap(),
+        1000,
+        "the refused publish left no row"
+    );
+
+    cluster.start(5);
+    wait_formed(&cluster, 1, 5).await;
+    insert(&client, 1001, 2000).await;
+    assert_eq!(count(&client).await.unwrap(), 2000);
+    assert!(
+        cluster.panics_logged().is_empty(),
+        "{:?}",
+        cluster.panics_logged()
+    );
 }

@@ -298,6 +298,7 @@ async fn verify_names_corrupt_replicas_and_forged_records_and_the_cluster_repair
                 versions: versions.clone(),
                 signature: Some(signature),
             }),
+            min_copies: None,
         };
         let response = write_as_node(&cluster, &clients, forged).await.unwrap();
         let MetaResponse::Refused(reason) = response else {

@@ -32,6 +32,7 @@
 //! hot_standby = false
 //! delta_recovery = true
 //! version_ids = true       # seal publishes with version ids (false: benchmark baselines)
+//! min_copies = 2           # current replicas a publish needs per partition (1: risk losing it)
 //!
 //! [failure]                # failure detection and re-replication
 //! heartbeat_ms = 200
@@ -231,6 +232,13 @@ pub struct ReplicaSettings {
     /// the tables' chains stop, `tessera verify` has nothing to check their epochs
     /// against, and a participant that signs refuses such publishes.
     pub version_ids: bool,
+    /// A publish is acknowledged only once this many replicas of every partition it
+    /// touches hold every committed epoch (at most the partition's replica count): with 2
+    /// (the default) losing any one disk loses no acknowledged publish, and a partition
+    /// with fewer current replicas alive takes no writes until another returns or catches
+    /// up. 1 acknowledges with a single current copy: more writes while replicas are down,
+    /// at the risk of losing them with that one disk. Give every node the same value.
+    pub min_copies: u32,
 }
 
 impl Default for ReplicaSettings {
@@ -239,6 +247,7 @@ impl Default for ReplicaSettings {
             hot_standby: false,
             delta_recovery: true,
             version_ids: true,
+            min_copies: 2,
         }
     }
 }

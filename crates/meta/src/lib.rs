@@ -39,8 +39,8 @@ pub use history::{EpochKind, EpochRecord, TableChangeCount, TagRecord};
 pub use retention::{Retention, TableRetention};
 pub use seal::{EpochSeal, EpochSignature, SignatureStatus, TableVersion};
 pub use state::{
-    InboxLineage, LineageEntry, LocalEffect, MetaCommand, MetaResponse, MetaState, NodeInfo,
-    OpenEpoch, PartitionMap, Placement, QueryLineage,
+    copies_needed, InboxLineage, LineageEntry, LocalEffect, MetaCommand, MetaResponse, MetaState,
+    NodeInfo, OpenEpoch, PartitionMap, Placement, QueryLineage,
 };
 pub use state_machine::MetaView;
 use std::io::Cursor;

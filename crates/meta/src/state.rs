@@ -190,6 +190,12 @@ pub struct MetaState {
     pub history_heads: BTreeMap<String, ComponentHash>,
 }
 
+/// How many of a partition's `replicas` must hold every committed epoch after a commit
+/// that asks for `min_copies`: one when it names none, never more than there are.
+pub fn copies_needed(min_copies: Option<u32>, replicas: usize) -> usize {
+    (min_copies.unwrap_or(1).max(1) as usize).min(replicas.max(1))
+}
+
 fn is_zero(value: &u64) -> bool {
     *value == 0
 }
@@ -582,6 +588,7 @@ impl MetaState {
                 missed,
                 changes,
                 seal,
+                min_copies,
             } => {
                 if self.is_committed(epoch) {
                     // A retried commit whose first reply was lost.
@@ -601,9 +608,11 @@ impl MetaState {
                 }
                 // Stale marks are per partition, across tables: epochs of two tables in
                 // flight at once may each miss a different replica. A commit that would
-                // leave a partition with no replica holding every committed epoch is
-                // refused (the coordinator aborts and publishes again), or the partition
-                // would have no primary and nothing to copy from.
+                // leave a touched partition with fewer replicas holding every committed
+                // epoch than the publish asks for (`min_copies`, at most its replica
+                // count, at least one) is refused: the coordinator aborts and publishes
+                // again. With none the partition would have no primary and nothing to
+                // copy from; with one, losing that one disk loses an acknowledged epoch.
                 let mut marked: BTreeMap<usize, BTreeSet<NodeId>> = BTreeMap::new();
                 for (partition, node) in &missed {
                     marked
@@ -615,14 +624,20 @@ impl MetaState {
                     let Some(placement) = self.map.partitions.get(p) else {
                         continue;
                     };
-                    let fresh_left = placement
+                    let needed = copies_needed(min_copies, placement.replicas.len());
+                    let complete_after: Vec<NodeId> = placement
                         .replicas
                         .iter()
-                        .any(|r| !placement.stale.contains_key(r) && !nodes.contains(r));
-                    if !fresh_left {
+                        .filter(|r| !placement.stale.contains_key(r) && !nodes.contains(r))
+                        .copied()
+                        .collect();
+                    if complete_after.len() < needed {
                         return Err(format!(
-                            "committing epoch {epoch} would leave partition p{p} with no replica holding every committed epoch (replicas {:?}, stale since {:?}, missing this one {:?}); abort it and publish again",
-                            placement.replicas, placement.stale, nodes
+                            "committing epoch {epoch} would leave partition p{p} with {} of its replicas holding every committed epoch ({complete_after:?}; replicas {:?}, stale since {:?}, missing this one {:?}), and it needs {needed} (replicas.min_copies); abort it and publish again once enough replicas are back",
+                            complete_after.len(),
+                            placement.replicas,
+                            placement.stale,
+                            nodes
                         ));
                     }
                 }

@@ -34,10 +34,12 @@ pub enum ReplicationError {
         epoch: Epoch,
         reason: String,
     },
-    #[error("partition {partition} has no live, up-to-date replica (replicas {replicas:?}); it cannot take writes until one returns")]
-    NoWritableReplica {
+    #[error("partition {partition} has too few live replicas holding every committed epoch ({current:?} of {replicas:?}); a publish needs {needed} (replicas.min_copies), so it takes no writes until another replica returns or catches up")]
+    TooFewCopies {
         partition: tessera_common::PartitionId,
         replicas: Vec<NodeId>,
+        current: Vec<NodeId>,
+        needed: usize,
     },
     #[error("partition {partition} has no readable replica to copy from")]
     NoReadableReplica {

@@ -51,6 +51,9 @@ pub struct Settings {
     pub keys_dir: std::path::PathBuf,
     /// Seal publishes with version ids and signatures (see `ReplicaSettings::version_ids`).
     pub version_ids: bool,
+    /// The fewest replicas of a touched partition that must hold every committed epoch
+    /// for a publish to be acknowledged (`ReplicaSettings::min_copies`).
+    pub min_copies: u32,
 }
 
 /// This node's part in the replication protocols.

@@ -292,6 +292,11 @@ async fn publish_committed(
                 tracing::warn!(node = lost.0, %epoch, %reason, attempt, "a primary was lost mid-publish; retrying once the metadata has a new one");
                 wait_for_new_primary(node, lost, &routed).await;
             }
+            Err(ReplicationError::TooFewCopies { partition, .. })
+                if attempt <= RETRIES && wait_for_copies(node, &routed).await =>
+            {
+                tracing::warn!(%partition, attempt, "a partition had too few current replicas; publishing again now that it has enough");
+            }
             Err(ReplicationError::CommitRefused { epoch, reason }) if attempt <= RETRIES => {
                 // Aborted; the next attempt routes by a fresh view, to a complete replica.
                 tracing::warn!(%epoch, %reason, attempt, "a commit was refused; publishing again");
@@ -306,11 +311,7 @@ async fn publish_committed(
 /// over and then seen it return (a healed partition), so a retry at once goes to the new
 /// primaries instead of waiting for a verdict on a node that is alive again.
 async fn wait_for_new_primary(node: &Replication, lost: NodeId, routed: &BTreeMap<String, Routed>) {
-    let touched: BTreeSet<PartitionId> = routed
-        .values()
-        .flat_map(|r| r.upserts.keys().chain(r.deletes.keys()))
-        .copied()
-        .collect();
+    let touched = touched_partitions(routed);
     node.meta
         .wait_until(node.settings.failure_timeout * 2, |view| {
             let failed = view.state.nodes.get(&lost).is_none_or(|n| !n.alive);
@@ -320,6 +321,33 @@ async fn wait_for_new_primary(node: &Replication, lost: NodeId, routed: &BTreeMa
                 })
         })
         .await;
+}
+
+/// The partitions a publish writes rows to or deletes rows from.
+fn touched_partitions(routed: &BTreeMap<String, Routed>) -> BTreeSet<PartitionId> {
+    routed
+        .values()
+        .flat_map(|r| r.upserts.keys().chain(r.deletes.keys()))
+        .copied()
+        .collect()
+}
+
+/// How long a publish waits for a partition it touches to have enough current replicas
+/// (`replicas.min_copies`) again: a replica catching up after a restart takes seconds; a
+/// partition with replicas down for longer refuses the publish, naming them.
+const COPIES_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Waits (up to [`COPIES_PATIENCE`]) until this node's metadata shows every partition the
+/// publish touches with enough live replicas holding every committed epoch; false if not.
+async fn wait_for_copies(node: &Replication, routed: &BTreeMap<String, Routed>) -> bool {
+    let touched = touched_partitions(routed);
+    node.meta
+        .wait_until(COPIES_PATIENCE, |view| {
+            touched
+                .iter()
+                .all(|&p| writable_replicas(&view.state, p, node.settings.min_copies).is_ok())
+        })
+        .await
 }
 
 /// One attempt at publishing routed rows: an epoch, prepares on every live replica, commit.
@@ -395,6 +423,7 @@ async fn publish_epoch(
                 missed,
                 changes: Some(changes),
                 seal,
+                min_copies: Some(node.settings.min_copies),
             })
             .await
         {
@@ -492,18 +521,47 @@ pub async fn allocate_epoch(
 /// to the partition's primary, which ships them on to the other replicas (log shipping).
 /// Returns the (partition, replica) pairs that did not log them (dead, stale or unreachable
 /// replicas); fails with [`ReplicationError::PrimaryLost`] if a primary died before answering.
+fn is_live(state: &MetaState, id: &NodeId) -> bool {
+    state
+        .nodes
+        .get(id)
+        .is_some_and(|n| n.alive && !n.decommissioned)
+}
+
+/// The replicas of `partition` a publish logs its rows on: the live ones holding every
+/// committed epoch. Refused when they are fewer than `min_copies` (at most the replica
+/// count): acknowledged with fewer, an epoch could be lost with one disk.
+fn writable_replicas(
+    state: &MetaState,
+    partition: PartitionId,
+    min_copies: u32,
+) -> Result<Vec<NodeId>> {
+    let placement = &state.map.partitions[partition.0 as usize];
+    let current: Vec<NodeId> = placement
+        .replicas
+        .iter()
+        .copied()
+        .filter(|id| is_live(state, id) && !placement.stale.contains_key(id))
+        .collect();
+    let needed = tessera_meta::copies_needed(Some(min_copies), placement.replicas.len());
+    if current.len() < needed {
+        return Err(ReplicationError::TooFewCopies {
+            partition,
+            replicas: placement.replicas.clone(),
+            current,
+            needed,
+        });
+    }
+    Ok(current)
+}
+
 async fn prepare_everywhere(
     node: &Arc<Replication>,
     state: &MetaState,
     epoch: Epoch,
     routed: &BTreeMap<String, Routed>,
 ) -> Result<Vec<(PartitionId, NodeId)>> {
-    let live = |id: &NodeId| {
-        state
-            .nodes
-            .get(id)
-            .is_some_and(|n| n.alive && !n.decommissioned)
-    };
+    let live = |id: &NodeId| is_live(state, id);
     let mut shipments: BTreeMap<(NodeId, String, bool), Shipment> = BTreeMap::new();
     let mut touched: BTreeSet<PartitionId> = BTreeSet::new();
     for (table, routed) in routed {
@@ -511,18 +569,7 @@ async fn prepare_everywhere(
             for (&partition, batches) in by_partition {
                 touched.insert(partition);
                 let placement = &state.map.partitions[partition.0 as usize];
-                let mut targets: Vec<NodeId> = placement
-                    .replicas
-                    .iter()
-                    .copied()
-                    .filter(|id| live(id) && !placement.stale.contains_key(id))
-                    .collect();
-                if targets.is_empty() {
-                    return Err(ReplicationError::NoWritableReplica {
-                        partition,
-                        replicas: placement.replicas.clone(),
-                    });
-                }
+                let mut targets = writable_replicas(state, partition, node.settings.min_copies)?;
                 if let Some(i) = targets.iter().position(|id| Some(*id) == placement.primary) {
                     targets[..=i].rotate_right(1);
                 }

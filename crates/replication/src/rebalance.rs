@@ -222,6 +222,7 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
             missed: vec![],
             changes: None,
             seal: None,
+            min_copies: None,
         })
         .await?;
     tracing::info!(%epoch, moved, elapsed_ms = leased_at.elapsed().as_millis() as u64, "partition map switched");

@@ -211,6 +211,7 @@ impl Node {
                 open_epoch_timeout: config.open_epoch_timeout(),
                 keys_dir: config.data_dir.join(KEYS_DIR),
                 version_ids: config.replicas.version_ids,
+                min_copies: config.replicas.min_copies,
             },
         ));
         let lineage = tessera_recovery::WriteAheadLineage::start(

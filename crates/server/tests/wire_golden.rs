@@ -145,6 +145,7 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                 missed: vec![(PartitionId(3), NodeId(2))],
                 changes: None,
                 seal: None,
+                min_copies: None,
             },
         ),
         (
@@ -208,6 +209,7 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                         signature: "22".repeat(64),
                     }),
                 }),
+                min_copies: None,
             },
         ),
         (

@@ -156,6 +156,7 @@ impl History {
                 }],
                 signature: None,
             }),
+            min_copies: Some(2),
         })?;
         ensure!(
             committed == MetaResponse::Epoch(epoch),

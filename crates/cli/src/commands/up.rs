@@ -141,6 +141,7 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
                 hot_standby: options.hot_standby,
                 delta_recovery: options.delta_recovery,
                 version_ids: options.version_ids,
+                ..Default::default()
             },
             failure: Default::default(),
             exec: Default::default(),

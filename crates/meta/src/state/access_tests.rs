@@ -93,6 +93,7 @@ pub(super) fn commit(epoch: Epoch) -> MetaCommand {
         missed: vec![],
         changes: Some(vec![]),
         seal: None,
+        min_copies: None,
     }
 }
 

@@ -64,6 +64,12 @@ pub enum MetaCommand {
         /// A publish's version ids and signature (see [`crate::seal`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         seal: Option<crate::seal::EpochSeal>,
+        /// The fewest replicas of each touched partition that must hold every committed
+        /// epoch once this one commits (the coordinator's `replicas.min_copies`); `None`
+        /// (entries logged before the setting existed, and epochs that move no rows)
+        /// asks for one. See [`copies_needed`](crate::state::copies_needed).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        min_copies: Option<u32>,
     },
     AbortEpoch {
         epoch: Epoch,

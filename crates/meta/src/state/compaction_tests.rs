@@ -164,6 +164,7 @@ fn a_tables_chain_resumes_at_the_compaction_point() {
                 }],
                 signature: None,
             }),
+            min_copies: None,
         };
         assert_eq!(state.apply(4, commit).0, MetaResponse::Epoch(epoch));
         versions.insert(epoch, version);

@@ -11,7 +11,8 @@
 //! - every committed epoch's missed replicas are marked stale from at most that epoch,
 //!   until a map change clears the mark (a replica that caught up);
 //! - every partition keeps a replica that is not stale (a commit that would mark the last
-//!   one is refused), so it always has a complete copy to serve and copy from;
+//!   one is refused), so it always has a complete copy to serve and copy from; a commit
+//!   that would leave fewer complete replicas than it asks for (`min_copies`) is refused;
 //! - a partition has a primary whenever one of its replicas is live and fresh, and it is
 //!   the first such;
 //! - every open epoch's coordinator is alive, in the incarnation that opened it;
@@ -111,23 +112,27 @@ impl Run {
                     missed.push((PartitionId(p as u32), node));
                 }
                 let was_open = self.state.open.contains_key(&epoch);
-                let leaves_none_fresh = missed.iter().any(|(p, node)| {
+                let min_copies = [None, Some(1), Some(2), Some(3)][self.rng.random_range(0..4)];
+                let leaves_too_few = missed.iter().any(|(p, node)| {
                     let placement = &self.state.map.partitions[p.0 as usize];
-                    placement
+                    let complete_after = placement
                         .replicas
                         .iter()
-                        .all(|r| r == node || placement.stale.contains_key(r))
+                        .filter(|r| *r != node && !placement.stale.contains_key(r))
+                        .count();
+                    complete_after < super::copies_needed(min_copies, placement.replicas.len())
                 });
                 let response = self.apply(MetaCommand::CommitEpoch {
                     epoch,
                     missed: missed.clone(),
                     changes: None,
                     seal: None,
+                    min_copies,
                 });
-                if was_open && leaves_none_fresh {
+                if was_open && leaves_too_few {
                     assert!(
                         matches!(response, MetaResponse::Refused(_)),
-                        "a commit leaving a partition without a complete replica must be refused, got {response:?}"
+                        "a commit leaving a partition with fewer complete replicas than {min_copies:?} must be refused, got {response:?}"
                     );
                     assert!(
                         self.state.open.contains_key(&epoch),

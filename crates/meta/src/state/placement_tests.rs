@@ -16,6 +16,7 @@ fn a_replica_that_missed_an_epoch_is_not_read() {
             missed: vec![(PartitionId(0), NodeId(1))],
             changes: None,
             seal: None,
+            min_copies: None,
         },
     );
     assert_eq!(state.map.partitions[0].primary, Some(NodeId(2)));
@@ -120,6 +121,7 @@ fn an_aborted_rebalance_cannot_switch_the_map_and_clear_newer_stale_marks() {
             missed: vec![(PartitionId(0), NodeId(3))],
             changes: None,
             seal: None,
+            min_copies: None,
         },
     );
     assert_eq!(state.map.partitions[0].stale.get(&NodeId(3)), Some(&later));
@@ -154,6 +156,7 @@ fn a_rebalance_planned_before_a_node_was_replaced_cannot_clear_its_whole_copy() 
             missed: vec![(PartitionId(0), NodeId(3))],
             changes: None,
             seal: None,
+            min_copies: None,
         },
     );
     assert_eq!(state.map.partitions[0].stale.get(&NodeId(3)), Some(&missed));

@@ -53,6 +53,7 @@ fn commit_sealed(epoch: Epoch, seal: EpochSeal) -> MetaCommand {
         missed: vec![],
         changes: Some(vec![]),
         seal: Some(seal),
+        min_copies: None,
     }
 }
 
@@ -164,6 +165,7 @@ fn the_operator_may_not_publish_unsigned_to_a_signing_owners_table() {
         missed: vec![],
         changes: Some(vec![]),
         seal: None,
+        min_copies: None,
     };
     refused(state.apply(23, bare).0);
     assert!(state.open.contains_key(&epoch));

@@ -137,6 +137,7 @@ fn retried_allocations_and_commits_are_idempotent() {
         missed: vec![],
         changes: None,
         seal: None,
+        min_copies: None,
     };
     assert_eq!(state.apply(5, commit.clone()).0, MetaResponse::Epoch(first));
     assert_eq!(state.apply(6, commit).0, MetaResponse::Epoch(first));
@@ -149,6 +150,49 @@ fn retried_allocations_and_commits_are_idempotent() {
     );
     assert!(matches!(abort.0, MetaResponse::Refused(ref r) if r.contains("already committed")));
     assert!(state.is_committed(first));
+}
+
+#[test]
+fn a_commit_leaves_as_many_complete_replicas_as_it_asks_for() {
+    let mut state = bootstrapped(3);
+    let p = PartitionId(0);
+    let [first, second, third] = state.map.partitions[0].replicas[..] else {
+        panic!("r = 3 on three nodes")
+    };
+    let commit = |epoch, missed: &[NodeId], min_copies| MetaCommand::CommitEpoch {
+        epoch,
+        missed: missed.iter().map(|&node| (p, node)).collect(),
+        changes: None,
+        seal: None,
+        min_copies,
+    };
+    // One replica missing leaves two complete ones: enough for two copies.
+    let epoch = allocate(&mut state, NodeId(1));
+    let response = state.apply(3, commit(epoch, &[third], Some(2))).0;
+    assert_eq!(response, MetaResponse::Epoch(epoch));
+    // A second one missing the next epoch would leave one: refused when it asks for two,
+    // the epoch still open and the replica not marked.
+    let epoch = allocate(&mut state, NodeId(1));
+    let refused = state.apply(4, commit(epoch, &[second, third], Some(2))).0;
+    let MetaResponse::Refused(reason) = refused else {
+        panic!("a commit leaving one complete replica of two asked for: {refused:?}")
+    };
+    assert!(
+        reason.contains(&format!("[{first}]")) && reason.contains("needs 2"),
+        "{reason}"
+    );
+    assert!(state.open.contains_key(&epoch));
+    assert!(!state.map.partitions[0].stale.contains_key(&second));
+    // Asked for one (or, as entries logged before the setting, for none), it commits.
+    for min_copies in [Some(1), None] {
+        let response = state
+            .apply(5, commit(epoch, &[second, third], min_copies))
+            .0;
+        assert_eq!(response, MetaResponse::Epoch(epoch), "{min_copies:?}");
+    }
+    // Never more than a partition has: a single-replica partition needs its one.
+    assert_eq!(copies_needed(Some(2), 1), 1);
+    assert_eq!(copies_needed(Some(0), 3), 1);
 }
 
 #[test]
@@ -196,6 +240,7 @@ fn visible_epoch_waits_for_every_earlier_epoch() {
             missed: vec![],
             changes: None,
             seal: None,
+            min_copies: None,
         },
     );
     assert_eq!(state.visible, second);
@@ -342,6 +387,7 @@ pub(super) fn commit_at(state: &mut MetaState, epoch: Epoch, at_ms: u64) {
             deletes: 1,
         }]),
         seal: None,
+        min_copies: None,
     };
     assert_eq!(
         state.apply(4, stamped(at_ms, commit)).0,
