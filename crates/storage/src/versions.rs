@@ -400,7 +400,7 @@ pub fn merge_versions(
     if append_only {
         return Ok(batch);
     }
-    let kept: Vec<u32> = kept_versions(&batch, key, retain_from)?
+    let kept: Vec<u32> = kept_versions(&batch, key, retain_from, true)?
         .into_iter()
         .map(|(i, _)| i)
         .collect();
@@ -419,11 +419,16 @@ pub struct SplitVersions {
 
 /// Merges row versions as [`merge_versions`] does, and splits each key's newest version
 /// from its older ones. Every row of an append-only table is current.
+///
+/// `drop_tombstones` false keeps a key's newest tombstone at or below the horizon: another
+/// component (a history component a read at or after the horizon still opens) may hold an
+/// older version of the key, which the tombstone must go on hiding.
 pub fn merge_and_split_versions(
     batches: &[RecordBatch],
     key: &[usize],
     retain_from: Epoch,
     append_only: bool,
+    drop_tombstones: bool,
 ) -> Result<SplitVersions> {
     let first = batches.first().expect("a merge has inputs");
     let batch = concat_batches(&first.schema(), batches)?;
@@ -434,9 +439,10 @@ pub fn merge_and_split_versions(
             history,
         });
     }
-    let (current, history): (Vec<_>, Vec<_>) = kept_versions(&batch, key, retain_from)?
-        .into_iter()
-        .partition(|&(_, newest)| newest);
+    let (current, history): (Vec<_>, Vec<_>) =
+        kept_versions(&batch, key, retain_from, drop_tombstones)?
+            .into_iter()
+            .partition(|&(_, newest)| newest);
     let take = |rows: Vec<(u32, bool)>| {
         let indices = UInt32Array::from(rows.into_iter().map(|(i, _)| i).collect::<Vec<_>>());
         take_record_batch(&batch, &indices)
@@ -453,6 +459,7 @@ fn kept_versions(
     batch: &RecordBatch,
     key: &[usize],
     retain_from: Epoch,
+    drop_tombstones: bool,
 ) -> Result<Vec<(u32, bool)>> {
     let epochs = epochs(batch);
     let ops = ops(batch);
@@ -472,10 +479,11 @@ fn kept_versions(
             .filter(|&&n| rows.row(n as usize) == rows.row(i as usize));
         let superseded_before_retention =
             next_same_key.is_some_and(|&n| epochs.value(n as usize) <= retain_from.0);
-        // Every version above the horizon; at or below it, only a key's newest live one.
-        let newest_live_at_horizon =
-            !superseded_before_retention && ops.value(i as usize) == RowOp::Upsert as u8;
-        if version > retain_from.0 || newest_live_at_horizon {
+        // Every version above the horizon; at or below it, only a key's newest live one
+        // (or its newest tombstone, where older versions may live on outside the merge).
+        let newest_at_horizon = !superseded_before_retention
+            && (ops.value(i as usize) == RowOp::Upsert as u8 || !drop_tombstones);
+        if version > retain_from.0 || newest_at_horizon {
             keep.push((i, next_same_key.is_none()));
         }
     }
@@ -665,7 +673,7 @@ mod tests {
         ) {
             prop_assume!(!rows.is_empty());
             let newest = rows.iter().map(|r| r.2).max().unwrap();
-            let split = merge_and_split_versions(&[versions(&rows)], &[0], Epoch(retain_from), false).unwrap();
+            let split = merge_and_split_versions(&[versions(&rows)], &[0], Epoch(retain_from), false, true).unwrap();
             for epoch in retain_from..11 {
                 let both = [split.current.clone(), split.history.clone()];
                 // What a read needs: history only below the epoch that superseded it.
@@ -690,7 +698,7 @@ mod tests {
             // The base: what a merge of the versions up to `merged_at` keeps current.
             let base = match before.is_empty() {
                 true => versions(&[]),
-                false => merge_and_split_versions(&[versions(&before)], &[0], Epoch(0), false).unwrap().current,
+                false => merge_and_split_versions(&[versions(&before)], &[0], Epoch(0), false, true).unwrap().current,
             };
             for epoch in merged_at..11 {
                 let got = visible_rows_over_base(&[base.clone(), versions(&after)], 1, &[0], Epoch(epoch), false).unwrap();

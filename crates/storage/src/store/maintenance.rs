@@ -108,6 +108,7 @@ impl Store {
                     &key,
                     plan.horizon,
                     plan.def.append_only,
+                    plan.tombstones_droppable,
                 )?;
                 let (min_lsn, max_lsn) = lsn_range(&plan.live);
                 let superseded_at = plan
@@ -259,6 +260,13 @@ struct MergePlan {
     history: Vec<ComponentMeta>,
     /// History components no retained epoch reads: dropped without reading.
     expired: Vec<ComponentMeta>,
+    /// No history component that a read at or after the horizon opens outlives the merge:
+    /// a tombstone at or below the horizon hides nothing any more and may go. Otherwise
+    /// such a component may hold an older version of its key, which dropping the tombstone
+    /// would bring back for reads between the horizon and that component's
+    /// `superseded_at` (found by the versioned model test: deleted keys seen again `AS OF`
+    /// an epoch above the horizon).
+    tombstones_droppable: bool,
 }
 
 impl MergePlan {
@@ -296,6 +304,7 @@ impl MergePlan {
             live: those(merge_live, &live),
             history: those(merge_history, &kept_history),
             expired: those(drop_expired, &expired),
+            tombstones_droppable: !components.iter().any(kept_history),
         })
     }
 }
