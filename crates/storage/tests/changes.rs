@@ -92,8 +92,14 @@ fn publish_kv(
 /// A store of table `kv` over 4 partitions that merges as soon as a partition has more
 /// than 2 components.
 fn merging_store(dir: &std::path::Path) -> std::sync::Arc<Store> {
+    merging_store_of(dir, 4)
+}
+
+/// A store of table `kv` over `partitions` partitions that merges as soon as a partition
+/// has more than 2 components.
+fn merging_store_of(dir: &std::path::Path, partitions: u32) -> std::sync::Arc<Store> {
     let config = StoreConfig {
-        partitions: 4,
+        partitions,
         merge_threshold: 2,
         ..StoreConfig::default()
     };
@@ -389,13 +395,7 @@ fn merges_drop_only_versions_below_the_retention_horizon() {
 #[test]
 fn a_merge_under_retention_never_brings_a_deleted_key_back() {
     let dir = tempfile::tempdir().unwrap();
-    let config = StoreConfig {
-        partitions: 1,
-        merge_threshold: 2,
-        ..StoreConfig::default()
-    };
-    let store = Store::open(dir.path(), config).unwrap();
-    store.create_table(def()).unwrap();
+    let store = merging_store_of(dir.path(), 1);
     let mut rows = Rows::new();
     let mut history: Vec<(Epoch, Rows)> = Vec::new();
     let mut step = |upserts: Vec<(i64, i64)>, deletes: Vec<i64>, rows: &mut Rows| {
