@@ -334,7 +334,9 @@ fn copies_left_outside(
     min_copies: u32,
 ) -> bool {
     map.partitions.iter().all(|p| {
-        let outside = (p.replicas.iter())
+        let outside = p
+            .replicas
+            .iter()
             .filter(|r| !impaired.contains(&r.0))
             .count();
         outside >= tessera_server::meta::copies_needed(Some(min_copies), p.replicas.len())

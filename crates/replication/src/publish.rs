@@ -517,10 +517,7 @@ pub async fn allocate_epoch(
     }
 }
 
-/// Has every live, up-to-date replica of each touched partition log its rows: the rows go
-/// to the partition's primary, which ships them on to the other replicas (log shipping).
-/// Returns the (partition, replica) pairs that did not log them (dead, stale or unreachable
-/// replicas); fails with [`ReplicationError::PrimaryLost`] if a primary died before answering.
+/// Whether node `id` is a live member of the cluster that still holds data.
 fn is_live(state: &MetaState, id: &NodeId) -> bool {
     state
         .nodes
@@ -555,13 +552,16 @@ fn writable_replicas(
     Ok(current)
 }
 
+/// Has every live, up-to-date replica of each touched partition log its rows: the rows go
+/// to the partition's primary, which ships them on to the other replicas (log shipping).
+/// Returns the (partition, replica) pairs that did not log them (dead, stale or unreachable
+/// replicas); fails with [`ReplicationError::PrimaryLost`] if a primary died before answering.
 async fn prepare_everywhere(
     node: &Arc<Replication>,
     state: &MetaState,
     epoch: Epoch,
     routed: &BTreeMap<String, Routed>,
 ) -> Result<Vec<(PartitionId, NodeId)>> {
-    let live = |id: &NodeId| is_live(state, id);
     let mut shipments: BTreeMap<(NodeId, String, bool), Shipment> = BTreeMap::new();
     let mut touched: BTreeSet<PartitionId> = BTreeSet::new();
     for (table, routed) in routed {
@@ -673,7 +673,7 @@ async fn prepare_everywhere(
     for partition in touched {
         let placement = &state.map.partitions[partition.0 as usize];
         for id in &placement.replicas {
-            if !live(id) || placement.stale.contains_key(id) {
+            if !is_live(state, id) || placement.stale.contains_key(id) {
                 missed.insert((partition, *id));
             }
         }
