@@ -138,12 +138,62 @@ pub fn wanted_map(state: &MetaState, lost: &BTreeSet<NodeId>) -> Option<Partitio
 }
 
 /// Moves partitions to match [`wanted_map`]; run by the metadata leader.
+///
+/// Returning replicas that missed only some epochs catch up first, in a leased epoch of
+/// their own, when the plan also copies partitions whole (onto a wiped or new node): the
+/// deltas take a moment, the whole copies as long as the data takes to move, and until a
+/// stale replica is current again its partitions may lack the copies a publish needs
+/// (`replicas.min_copies`). The whole copies follow in the next rebalance.
 pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Result<()> {
     let state = node.meta.view().state.clone();
-    let Some(mut wanted) = wanted_map(&state, lost) else {
+    let Some(wanted) = wanted_map(&state, lost) else {
         return Ok(());
     };
+    if catches_up_first(&state, &wanted, node.settings.delta_recovery) {
+        return switch_map(node, state.map.clone(), Copies::CatchUpsOnly).await;
+    }
     prefetch(node, &state, &wanted).await;
+    switch_map(node, wanted, Copies::All).await
+}
+
+/// Which of a plan's copies one leased rebalance epoch makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Copies {
+    All,
+    /// Only returning replicas' deltas; replicas to be copied whole stay stale.
+    CatchUpsOnly,
+}
+
+/// Whether the copies from `state`'s map to `wanted` mix deltas with whole copies, so the
+/// deltas go first (see [`rebalance`]).
+fn catches_up_first(state: &MetaState, wanted: &PartitionMap, delta_recovery: bool) -> bool {
+    let Ok(copies) = plan_copies(state, &mut wanted.clone(), delta_recovery, Copies::All) else {
+        return false;
+    };
+    let (catch_ups, whole): (Vec<&PartitionMove>, Vec<&PartitionMove>) = copies
+        .values()
+        .flatten()
+        .partition(|moved| is_catch_up(moved, state));
+    !catch_ups.is_empty() && !whole.is_empty()
+}
+
+/// Whether `moved` fetches only the epochs a returning replica missed, of every table.
+fn is_catch_up(moved: &PartitionMove, state: &MetaState) -> bool {
+    moved.since > Epoch::ZERO
+        && state
+            .tables
+            .keys()
+            .all(|table| !copies_whole(moved, state, table))
+}
+
+/// Takes every table's lease in a new epoch, makes the `which` copies that turn the map
+/// into `wanted`, and switches the map to it in the same epoch.
+async fn switch_map(
+    node: &Arc<Replication>,
+    mut wanted: PartitionMap,
+    which: Copies,
+) -> Result<()> {
+    let state = node.meta.view().state.clone();
     let tables: Vec<String> = state.tables.keys().cloned().collect();
     let epoch = crate::publish::allocate_epoch(node, tables, None).await?;
     // Copies may take long: heartbeats keep the epoch from timing out while they run.
@@ -168,7 +218,7 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
         .values()
         .map(|d| (d.name.clone(), d.generation))
         .collect();
-    let copies = match plan_copies(&state, &mut wanted, node.settings.delta_recovery) {
+    let copies = match plan_copies(&state, &mut wanted, node.settings.delta_recovery, which) {
         Ok(copies) => copies,
         Err(partition) => {
             let _ = abort(node, epoch, "a partition has no readable replica").await;
@@ -177,7 +227,7 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
     };
     let moved: usize = copies.values().map(Vec::len).sum();
     let leased_at = std::time::Instant::now();
-    tracing::info!(%epoch, moved, "rebalancing partitions");
+    tracing::info!(%epoch, moved, ?which, "rebalancing partitions");
     let sends = copies.into_iter().map(|(target, moves)| {
         let request = CopyRequest {
             moves,
@@ -237,6 +287,7 @@ fn plan_copies(
     state: &MetaState,
     wanted: &mut PartitionMap,
     delta_recovery: bool,
+    which: Copies,
 ) -> std::result::Result<BTreeMap<NodeId, Vec<PartitionMove>>, PartitionId> {
     let mut copies: BTreeMap<NodeId, Vec<PartitionMove>> = BTreeMap::new();
     for (i, (target, current)) in wanted
@@ -258,11 +309,15 @@ fn plan_copies(
                 _ => Epoch::ZERO,
             };
             let source = current.primary.ok_or(partition)?;
-            copies.entry(*replica).or_default().push(PartitionMove {
+            let moved = PartitionMove {
                 partition,
                 source,
                 since,
-            });
+            };
+            if which == Copies::CatchUpsOnly && !is_catch_up(&moved, state) {
+                continue; // stays stale until the whole copies' rebalance
+            }
+            copies.entry(*replica).or_default().push(moved);
         }
         target.stale = current
             .stale
@@ -292,7 +347,8 @@ const PREFETCH_PATIENCE: Duration = Duration::from_secs(600);
 /// Best effort: a target that fails or refuses (an older node) copies everything under
 /// the lease, as before.
 async fn prefetch(node: &Arc<Replication>, state: &MetaState, wanted: &PartitionMap) {
-    let Ok(copies) = plan_copies(state, &mut wanted.clone(), node.settings.delta_recovery) else {
+    let delta_recovery = node.settings.delta_recovery;
+    let Ok(copies) = plan_copies(state, &mut wanted.clone(), delta_recovery, Copies::All) else {
         return;
     };
     let tables: Vec<(String, u64)> = state
@@ -589,4 +645,86 @@ async fn copy_delta(
     node.transfers.delta(fetched);
     tracing::info!(%table, partition = moved.partition.0, source = moved.source.0, since = %moved.since, rows = fetched, "copied a partition's missed versions");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::datatypes::{DataType, Field, Schema};
+    use tessera_storage::TableDef;
+
+    /// Three live nodes, r = 3, one table, and a map where node 1 came back wiped (stale
+    /// from the first epoch) and node 2 missed epochs from 7 on.
+    fn wiped_and_stale() -> MetaState {
+        let mut state = MetaState::default();
+        state.apply(
+            1,
+            MetaCommand::Bootstrap {
+                cluster_id: "c".into(),
+                partition_count: 4,
+                replication: 3,
+                hot_standby: false,
+                nodes: (1..=3)
+                    .map(|id| (NodeId(id), format!("127.0.0.1:{id}")))
+                    .collect(),
+            },
+        );
+        let schema = Schema::new(vec![Field::new("k", DataType::Int64, false)]);
+        let def = TableDef::new("t", schema, vec!["k".into()], None).unwrap();
+        state.apply(2, MetaCommand::CreateTable { def });
+        for placement in &mut state.map.partitions {
+            placement.stale.insert(NodeId(1), Epoch::ZERO);
+            placement.stale.insert(NodeId(2), Epoch(7));
+        }
+        state
+    }
+
+    fn moves_by_target(copies: &BTreeMap<NodeId, Vec<PartitionMove>>) -> BTreeMap<u64, Vec<u64>> {
+        copies
+            .iter()
+            .map(|(id, moves)| (id.0, moves.iter().map(|m| m.since.0).collect()))
+            .collect()
+    }
+
+    #[test]
+    fn returning_replicas_catch_up_before_a_wiped_node_is_copied_whole() {
+        let state = wiped_and_stale();
+        let wanted = wanted_map(&state, &BTreeSet::new()).expect("stale replicas are back");
+        assert!(catches_up_first(&state, &wanted, true));
+        // The first rebalance fetches node 2's missed epochs only; node 1 stays stale.
+        let mut first = state.map.clone();
+        let copies = plan_copies(&state, &mut first, true, Copies::CatchUpsOnly).unwrap();
+        assert_eq!(moves_by_target(&copies), BTreeMap::from([(2, vec![7; 4])]));
+        for placement in &first.partitions {
+            assert_eq!(
+                placement.stale,
+                BTreeMap::from([(NodeId(1), Epoch::ZERO)]),
+                "only the wiped node stays stale"
+            );
+        }
+        // The next one copies node 1 whole, and nothing else.
+        let mut caught_up = state.clone();
+        caught_up.map = first;
+        let wanted = wanted_map(&caught_up, &BTreeSet::new()).expect("node 1 is still stale");
+        assert!(!catches_up_first(&caught_up, &wanted, true));
+        let mut second = wanted.clone();
+        let copies = plan_copies(&caught_up, &mut second, true, Copies::All).unwrap();
+        assert_eq!(moves_by_target(&copies), BTreeMap::from([(1, vec![0; 4])]));
+        assert!(second.partitions.iter().all(|p| p.stale.is_empty()));
+    }
+
+    #[test]
+    fn without_delta_recovery_or_without_whole_copies_one_rebalance_does_everything() {
+        let state = wiped_and_stale();
+        let wanted = wanted_map(&state, &BTreeSet::new()).unwrap();
+        // Without deltas every copy is whole: nothing to put first.
+        assert!(!catches_up_first(&state, &wanted, false));
+        // Only deltas: no whole copy to wait behind.
+        let mut only_stale = state.clone();
+        for placement in &mut only_stale.map.partitions {
+            placement.stale.remove(&NodeId(1));
+        }
+        let wanted = wanted_map(&only_stale, &BTreeSet::new()).unwrap();
+        assert!(!catches_up_first(&only_stale, &wanted, true));
+    }
 }
