@@ -274,6 +274,10 @@ async fn publish_committed(
         .await
         .map_err(ReplicationError::task("routing the rows"))??;
     let routed = Arc::new(routed);
+    // Waiting here, before an epoch is taken, spares the cluster an epoch allocated only to
+    // be aborted when a touched partition lacks copies (a replica catching up). If the
+    // wait runs out, the attempt below is refused, naming the partition.
+    let copies_patience_left = wait_for_copies(node, &routed).await;
     let mut attempt = 0;
     loop {
         attempt += 1;
@@ -293,7 +297,9 @@ async fn publish_committed(
                 wait_for_new_primary(node, lost, &routed).await;
             }
             Err(ReplicationError::TooFewCopies { partition, .. })
-                if attempt <= RETRIES && wait_for_copies(node, &routed).await =>
+                if attempt <= RETRIES
+                    && copies_patience_left
+                    && wait_for_copies(node, &routed).await =>
             {
                 tracing::warn!(%partition, attempt, "a partition had too few current replicas; publishing again now that it has enough");
             }
