@@ -35,6 +35,9 @@ use tessera_meta::MetaClient;
 use tessera_net::Clients;
 use tessera_storage::Store;
 
+/// How often a call raced against [`Replication::warn_while_waiting`] is reported unanswered.
+const STILL_WAITING_WARNING: Duration = Duration::from_secs(30);
+
 /// The settings the replication protocols follow (from `node.toml`).
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -210,6 +213,23 @@ impl Replication {
             // Not failed after an hour, or the metadata stopped answering at once (this
             // node is shutting down): never a busy loop on the runtime's threads.
             tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+
+    /// Never resolves; while a call to `peer` for `epoch` is raced against it, warns every
+    /// [`STILL_WAITING_WARNING`] that the call is still unanswered. A prepare is cut short
+    /// only when its peer is declared failed: one that a live peer never answers holds its
+    /// epoch (and the tables' lease) open, and this is where the logs say so.
+    pub async fn warn_while_waiting(&self, what: &'static str, peer: NodeId, epoch: Epoch) {
+        let started = std::time::Instant::now();
+        loop {
+            tokio::time::sleep(STILL_WAITING_WARNING).await;
+            tracing::warn!(
+                %epoch,
+                peer = peer.0,
+                waited_s = started.elapsed().as_secs(),
+                "{what}: no answer yet from a node the cluster counts alive"
+            );
         }
     }
 

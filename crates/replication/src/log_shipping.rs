@@ -162,6 +162,7 @@ fn start_shipping(
                 () = node.declared_failed(replica) => Err(CallError::Transport(format!(
                     "node {replica} was declared failed while logging the rows"
                 ))),
+                () = node.warn_while_waiting("a forwarded prepare", replica, onward.epoch) => unreachable!(),
             }
         });
         shipping.push((replica, task));

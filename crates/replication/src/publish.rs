@@ -643,6 +643,7 @@ async fn prepare_everywhere(
             () = node.declared_failed(primary) => Err(CallError::Transport(format!(
                 "node {primary} was declared failed while logging the rows"
             ))),
+            () = node.warn_while_waiting("a prepare", primary, epoch) => unreachable!(),
         };
         (shipment.primary, shipment.replicas, result)
     });
