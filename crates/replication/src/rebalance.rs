@@ -170,11 +170,9 @@ fn catches_up_first(state: &MetaState, wanted: &PartitionMap, delta_recovery: bo
     let Ok(copies) = plan_copies(state, &mut wanted.clone(), delta_recovery, Copies::All) else {
         return false;
     };
-    let (catch_ups, whole): (Vec<&PartitionMove>, Vec<&PartitionMove>) = copies
-        .values()
-        .flatten()
-        .partition(|moved| is_catch_up(moved, state));
-    !catch_ups.is_empty() && !whole.is_empty()
+    let mut moves = copies.values().flatten();
+    let catch_up = |moved: &&PartitionMove| is_catch_up(moved, state);
+    moves.clone().any(|m| catch_up(&m)) && moves.any(|m| !catch_up(&m))
 }
 
 /// Whether `moved` fetches only the epochs a returning replica missed, of every table.
