@@ -174,6 +174,80 @@ async fn a_stalled_log_fsync_stops_the_node_and_loses_no_acknowledged_publish() 
     );
 }
 
+/// Node 2's disk stops answering, but it is configured to wait two minutes before it takes
+/// that for a stalled disk and stops itself. Meanwhile it still answers heartbeats, so the
+/// cluster counts it alive. Its primary forwards each publish's rows to it and gets no
+/// progress. After `failure.progress_timeout_ms` (2 s here) the primary gives up on it: node 2
+/// misses the epoch, is marked stale, and publishes go on without it. Without that deadline
+/// every publish waits until node 2 stops itself, so nothing is acknowledged for two
+/// minutes. Back on a healthy disk, node 2 catches up and holds every acknowledged publish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_disk_hangs_misses_publishes_instead_of_holding_them() {
+    let root = tempfile::tempdir().unwrap();
+    // One partition, so that which node is its primary is known: the first replica.
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 1, 3);
+    cluster.log_to_files();
+    cluster.set_node_env(
+        FAULTY,
+        tessera_common::disk::FAULTS_VAR,
+        "fsync-stalls:.wal:after=12",
+    );
+    let options = [
+        ("failure.disk_stall_ms", "120000"),
+        ("failure.progress_timeout_ms", "2000"),
+    ];
+    let (mut cluster, client) = common::start_kv(cluster, &options).await;
+    let meta = client.current_metadata().await.unwrap();
+    let primary = meta.map.partitions[0].primary;
+    assert_ne!(
+        primary,
+        Some(tessera_common::NodeId(FAULTY)),
+        "node {FAULTY} must be a forwarded-to replica"
+    );
+
+    // About ten seconds of publishes, most after the disk hangs: several rebalances try to
+    // catch node 2 up meanwhile, each given up when its copy stalls.
+    let publishes = publish_batches(&client, 0, 100).await;
+    let mut acknowledged: Vec<Instant> = publishes.iter().filter_map(|p| p.acknowledged).collect();
+    acknowledged.insert(0, publishes[0].started);
+    let longest_wait = acknowledged
+        .windows(2)
+        .map(|pair| pair[1] - pair[0])
+        .max()
+        .unwrap();
+    assert!(
+        longest_wait < Duration::from_secs(10),
+        "no publish was acknowledged for {longest_wait:?} while node {FAULTY}'s disk hung"
+    );
+    assert_eq!(
+        cluster.exit_status(FAULTY),
+        None,
+        "node {FAULTY} stopped itself: its disk stall, not the prepare deadline, let publishes go on"
+    );
+    let meta = client.current_metadata().await.unwrap();
+    assert!(
+        meta.map.partitions[0]
+            .stale
+            .contains_key(&tessera_common::NodeId(FAULTY)),
+        "node {FAULTY} is marked as having missed epochs: {:?}",
+        meta.map.partitions[0]
+    );
+    let primary_log = std::fs::read_to_string(cluster.log_path(primary.unwrap().0)).unwrap();
+    assert!(
+        primary_log.contains("made no progress"),
+        "the primary says why it gave up on node {FAULTY}"
+    );
+
+    // Back on a healthy disk, it catches up.
+    cluster.clear_node_env(FAULTY);
+    cluster.kill9(FAULTY);
+    cluster.start(FAULTY);
+    let status = history::wait_recovered(&cluster, 1, &publishes, Duration::from_secs(120)).await;
+    let report = history::check_replicas(&cluster, &status, &["kv"], &publishes).await;
+    assert!(report.by_outcome[&Outcome::Acknowledged] >= 100);
+    assert!(cluster.panics_logged().is_empty());
+}
+
 /// Node 2 is paused (SIGSTOP, as a stopped VM or a long stall freezes a process) for
 /// longer than `failure.disk_stall_ms`, several times, while publishes keep its log's
 /// fsyncs busy (each one slowed to 200 ms, so the pause lands inside one). The time it

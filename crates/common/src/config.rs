@@ -40,6 +40,7 @@
 //! rereplicate_after_ms = 300000
 //! open_epoch_timeout_ms = 300000
 //! disk_stall_ms = 20000    # an fsync this slow stops the node (a stalled disk)
+//! progress_timeout_ms = 15000 # a replica stuck this long on a publish's rows or a copy is given up
 //!
 //! [mtls]                   # mutual TLS on the internal port (`tessera certs` makes these)
 //! ca = "certs/ca.pem"
@@ -272,6 +273,14 @@ pub struct FailureSettings {
     /// as for a failed fsync): a stalled disk would otherwise hold every publish it is a
     /// replica of while the node still answers heartbeats. The cluster fails it over.
     pub disk_stall_ms: u64,
+    /// A node that makes no progress for this long on a publish's rows or on a partition
+    /// copy, while the cluster counts it alive (its disk or its handling hangs), is given
+    /// up on: a primary forwarding rows reports it unreachable (it misses the epoch, is
+    /// marked stale and catches up later); a coordinator waiting on a primary waits twice
+    /// this long, then retries the publish; a copy into it under a rebalance's lease stops,
+    /// so the lease is released, and is tried again later. Without it, one such node holds
+    /// an epoch, and its tables' lease, open until it stops itself or is declared failed.
+    pub progress_timeout_ms: u64,
 }
 
 impl Default for FailureSettings {
@@ -282,6 +291,7 @@ impl Default for FailureSettings {
             rereplicate_after_ms: 5 * 60 * 1000,
             open_epoch_timeout_ms: 5 * 60 * 1000,
             disk_stall_ms: 20_000,
+            progress_timeout_ms: 15_000,
         }
     }
 }
@@ -484,6 +494,10 @@ impl NodeConfig {
         Duration::from_millis(self.failure.disk_stall_ms)
     }
 
+    pub fn progress_timeout(&self) -> Duration {
+        Duration::from_millis(self.failure.progress_timeout_ms)
+    }
+
     fn validate(&self) -> Result<(), String> {
         if self.cluster_id.trim().is_empty() {
             return Err("cluster_id is empty".into());
@@ -575,6 +589,12 @@ impl NodeConfig {
         }
         if failure.disk_stall_ms == 0 {
             return Err("failure.disk_stall_ms must be positive".into());
+        }
+        if failure.progress_timeout_ms <= failure.heartbeat_ms {
+            return Err(format!(
+                "failure.progress_timeout_ms ({}) must exceed failure.heartbeat_ms ({})",
+                failure.progress_timeout_ms, failure.heartbeat_ms
+            ));
         }
         if failure.rereplicate_after_ms <= failure.timeout_ms {
             return Err(format!(

@@ -61,6 +61,10 @@ pub enum ReplicationError {
     /// Copying a partition from another replica failed.
     #[error("copy from node {from}: {reason}")]
     Copy { from: NodeId, reason: String },
+    /// A partition copy into this node that fetched and installed nothing for
+    /// `failure.progress_timeout_ms` (a hung disk, a source that stopped sending).
+    #[error("the partition copy into node {node} made no progress for {stalled_s:.1} s (failure.progress_timeout_ms): given up, so the rebalance releases every table's lease; it is tried again later")]
+    CopyStalled { node: NodeId, stalled_s: f64 },
     /// A prepare stream that is not what log shipping sends.
     #[error("malformed prepare stream: {0}")]
     BadPrepare(String),

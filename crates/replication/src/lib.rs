@@ -20,6 +20,7 @@ pub mod publish;
 pub mod rebalance;
 pub mod seal;
 pub mod shipping;
+pub mod stall;
 pub mod wire;
 
 pub use error::{ReplicationError, Result};
@@ -35,9 +36,6 @@ use tessera_meta::MetaClient;
 use tessera_net::Clients;
 use tessera_storage::Store;
 
-/// How often a call raced against [`Replication::warn_while_waiting`] is reported unanswered.
-const STILL_WAITING_WARNING: Duration = Duration::from_secs(30);
-
 /// The settings the replication protocols follow (from `node.toml`).
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -49,6 +47,9 @@ pub struct Settings {
     pub delta_recovery: bool,
     /// The metadata leader aborts an epoch open this long.
     pub open_epoch_timeout: Duration,
+    /// A forwarded prepare whose replica makes no progress this long is given up (the
+    /// replica missed the epoch); a coordinator gives its primary twice as long.
+    pub progress_timeout: Duration,
     /// Where this node keeps the secret signing keys of the participants it publishes for
     /// (see [`seal`]).
     pub keys_dir: std::path::PathBuf,
@@ -216,20 +217,48 @@ impl Replication {
         }
     }
 
-    /// Never resolves; while a call to `peer` for `epoch` is raced against it, warns every
-    /// [`STILL_WAITING_WARNING`] that the call is still unanswered. A prepare is cut short
-    /// only when its peer is declared failed: one that a live peer never answers holds its
-    /// epoch (and the tables' lease) open, and this is where the logs say so.
-    pub async fn warn_while_waiting(&self, what: &'static str, peer: NodeId, epoch: Epoch) {
-        let started = std::time::Instant::now();
-        loop {
-            tokio::time::sleep(STILL_WAITING_WARNING).await;
-            tracing::warn!(
-                %epoch,
-                peer = peer.0,
-                waited_s = started.elapsed().as_secs(),
-                "{what}: no answer yet from a node the cluster counts alive"
-            );
+    /// Sends `request`'s prepare stream to `peer` and waits for its reply, giving up (with a
+    /// transport error, as for a lost connection) when the cluster declares `peer` failed or
+    /// when `peer` makes no progress for `stall_limit` (see [`stall`]): either way the
+    /// cluster goes on without it, rather than hold the epoch and its tables' lease open.
+    pub async fn prepare_within_deadlines(
+        &self,
+        what: &'static str,
+        peer: NodeId,
+        request: &wire::PrepareRequest,
+        batches: impl futures::Stream<Item = arrow::array::RecordBatch> + Send + Unpin + 'static,
+        stall_limit: Duration,
+    ) -> std::result::Result<wire::PrepareReply, tessera_net::CallError> {
+        use tessera_net::CallError;
+        let progress = stall::Progress::new();
+        let call = async {
+            match self.meta.addr_of(peer) {
+                Some(addr) => {
+                    wire::prepare(&self.clients, &addr, request, progress.watch(batches)).await
+                }
+                None => Err(CallError::Transport(format!("node {peer} has no address"))),
+            }
+        };
+        tokio::select! {
+            reply = call => reply,
+            // Declared failed: its partitions are failed over, whether or not the
+            // connection has noticed yet.
+            () = self.declared_failed(peer) => Err(CallError::Transport(format!(
+                "node {peer} was declared failed while logging the rows"
+            ))),
+            stalled = progress.stalled(stall_limit) => {
+                tracing::warn!(
+                    epoch = %request.epoch,
+                    peer = peer.0,
+                    stalled_s = stalled.as_secs_f64(),
+                    "{what}: a node the cluster counts alive made no progress; giving up on it"
+                );
+                Err(CallError::Transport(format!(
+                    "node {peer} made no progress on {what} of epoch {} for {:.1} s (failure.progress_timeout_ms)",
+                    request.epoch,
+                    stalled.as_secs_f64()
+                )))
+            }
         }
     }
 

@@ -4,7 +4,7 @@
 //! only once those have logged them too, naming the ones it could not reach.
 
 use crate::error::{ReplicationError, Result};
-use crate::wire::{prepare, PrepareReply, PrepareRequest, PARTITION_COLUMN};
+use crate::wire::{PrepareReply, PrepareRequest, PARTITION_COLUMN};
 use crate::{NodeId, Replication};
 use arrow::array::{Array, RecordBatch, UInt32Array};
 use futures::{SinkExt, Stream, TryStreamExt};
@@ -146,24 +146,12 @@ fn start_shipping(
         };
         let node = node.clone();
         let replica = forward.node;
+        // A replica that fails or stalls mid-stream missed the epoch: it is reported
+        // unreachable, marked stale, and catches up.
         let task = tokio::spawn(async move {
-            let call = async {
-                match node.meta.addr_of(replica) {
-                    Some(addr) => prepare(&node.clients, &addr, &onward, receiver).await,
-                    None => Err(CallError::Transport(format!(
-                        "node {replica} has no address"
-                    ))),
-                }
-            };
-            // A replica the cluster declares failed mid-stream missed the epoch (it is
-            // marked stale and catches up), whether or not its connection has noticed.
-            tokio::select! {
-                reply = call => reply,
-                () = node.declared_failed(replica) => Err(CallError::Transport(format!(
-                    "node {replica} was declared failed while logging the rows"
-                ))),
-                () = node.warn_while_waiting("a forwarded prepare", replica, onward.epoch) => unreachable!(),
-            }
+            let limit = node.settings.progress_timeout;
+            node.prepare_within_deadlines("a forwarded prepare", replica, &onward, receiver, limit)
+                .await
         });
         shipping.push((replica, task));
     }

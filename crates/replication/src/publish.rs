@@ -15,7 +15,6 @@ use std::sync::Arc;
 use tessera_common::{Epoch, PartitionId, PartitionRing};
 use tessera_meta::{MetaCommand, MetaResponse, MetaState, LINEARIZABLE_READ_PATIENCE};
 use tessera_meta::{MetaError, TableChangeCount};
-use tessera_net::CallError;
 use tessera_storage::{versions, StorageError, TableChanges, TableDef};
 
 /// One table's rows routed to partitions: upserts (table columns) and deletes (key columns).
@@ -620,31 +619,18 @@ async fn prepare_everywhere(
             })
             .collect();
         let primary = shipment.primary;
-        let call = async {
-            match node.meta.addr_of(primary) {
-                Some(addr) => {
-                    crate::wire::prepare(
-                        &node.clients,
-                        &addr,
-                        &shipment.request,
-                        futures::stream::iter(std::mem::take(&mut shipment.batches)),
-                    )
-                    .await
-                }
-                None => Err(CallError::Transport(format!(
-                    "node {primary} has no address"
-                ))),
-            }
-        };
-        // A primary declared failed mid-prepare is lost, whether or not its connection
-        // has noticed: its partitions have new primaries to retry with.
-        let result = tokio::select! {
-            reply = call => reply,
-            () = node.declared_failed(primary) => Err(CallError::Transport(format!(
-                "node {primary} was declared failed while logging the rows"
-            ))),
-            () = node.warn_while_waiting("a prepare", primary, epoch) => unreachable!(),
-        };
+        let batches = futures::stream::iter(std::mem::take(&mut shipment.batches));
+        // The primary's own forwards give up after one `progress_timeout`; it then answers,
+        // naming the replicas it gave up on, so the coordinator waits twice as long.
+        let result = node
+            .prepare_within_deadlines(
+                "a prepare",
+                primary,
+                &shipment.request,
+                batches,
+                node.settings.progress_timeout * 2,
+            )
+            .await;
         (shipment.primary, shipment.replicas, result)
     });
     let results = futures::future::join_all(sends).await;

@@ -16,6 +16,7 @@
 //! map still lists it as stale from the same epoch, and the next attempt redoes the delta.
 
 use crate::error::{ReplicationError, Result};
+use crate::stall::Progress;
 use crate::wire::{
     CopyRequest, ExportRequest, PartitionMove, VersionsRequest, ACTION_COPY_PARTITIONS,
     ACTION_PREFETCH_COMPONENTS,
@@ -433,11 +434,30 @@ async fn abort(
 }
 
 /// Copies the named partitions of every table from their sources into this node's store.
+///
+/// Gives up once it has fetched and installed nothing for `failure.progress_timeout_ms`
+/// (see [`crate::stall`]): the rebalance waiting on it holds every table's lease, and a
+/// node whose disk hangs would otherwise hold it until it stops itself. An install still
+/// running on a blocking thread then is refused by its fence if anything newer has been
+/// installed by the time it gets to run.
 pub async fn copy_partitions(node: &Arc<Replication>, request: CopyRequest) -> Result<()> {
-    // One copy into this node at a time, in the order they arrive (see `copying`).
-    let _one_at_a_time = node.copying.lock().await;
+    // Waiting on an earlier copy that is stuck is no progress either.
+    let progress = Progress::new();
+    let copy = async {
+        // One copy into this node at a time, in the order they arrive (see `copying`).
+        let _one_at_a_time = node.copying.lock().await;
+        progress.advanced();
+        copy_partitions_now(node, request, &progress).await
+    };
     let started = std::time::Instant::now();
-    let copied = copy_partitions_now(node, request).await;
+    let copied = tokio::select! {
+        copied = copy => copied,
+        stalled = progress.stalled(node.settings.progress_timeout) => {
+            let error = ReplicationError::CopyStalled { node: node.id(), stalled_s: stalled.as_secs_f64() };
+            tracing::warn!(%error, "giving up a partition copy");
+            Err(error)
+        }
+    };
     if copied.is_ok() {
         let metrics = tessera_common::metrics::metrics();
         metrics.failbacks.inc();
@@ -446,7 +466,11 @@ pub async fn copy_partitions(node: &Arc<Replication>, request: CopyRequest) -> R
     copied
 }
 
-async fn copy_partitions_now(node: &Arc<Replication>, request: CopyRequest) -> Result<()> {
+async fn copy_partitions_now(
+    node: &Arc<Replication>,
+    request: CopyRequest,
+    progress: &Progress,
+) -> Result<()> {
     // The tables must exist here first: wait for the metadata that created them.
     let view = node
         .meta
@@ -477,10 +501,11 @@ async fn copy_partitions_now(node: &Arc<Replication>, request: CopyRequest) -> R
         let copy = async {
             for (table, generation) in &request.tables {
                 if copies_whole(moved, &view.state, table) {
-                    copy_whole(node, moved, table, *generation, request.epoch).await?;
+                    copy_whole(node, moved, table, *generation, request.epoch, progress).await?;
                 } else {
-                    copy_delta(node, moved, table, *generation, request.epoch).await?;
+                    copy_delta(node, moved, table, *generation, request.epoch, progress).await?;
                 }
+                progress.advanced();
             }
             Ok::<(), ReplicationError>(())
         };
@@ -518,7 +543,7 @@ pub async fn prefetch_components(node: &Arc<Replication>, request: CopyRequest) 
                 continue;
             }
             let (components, _in_memory, fetched) =
-                export_and_fetch(node, moved, table, *generation).await?;
+                export_and_fetch(node, moved, table, *generation, None).await?;
             let count = fetched.len() as u64;
             node.on_store("keeping prefetched components", move |store| {
                 store.keep_fetched_components(&components, &fetched)
@@ -551,8 +576,10 @@ async fn copy_whole(
     table: &str,
     generation: u64,
     fence: Option<Epoch>,
+    progress: &Progress,
 ) -> Result<()> {
-    let (components, memtable, fetched) = export_and_fetch(node, moved, table, generation).await?;
+    let (components, memtable, fetched) =
+        export_and_fetch(node, moved, table, generation, Some(progress)).await?;
     let rows = components.iter().map(|c| c.rows).sum::<u64>()
         + memtable.iter().map(|b| b.num_rows() as u64).sum::<u64>();
     let fetched_components = fetched.len() as u64;
@@ -573,6 +600,7 @@ async fn export_and_fetch(
     moved: &PartitionMove,
     table: &str,
     generation: u64,
+    progress: Option<&Progress>,
 ) -> Result<(
     Vec<ComponentMeta>,
     Vec<arrow::array::RecordBatch>,
@@ -587,7 +615,8 @@ async fn export_and_fetch(
     let (components, in_memory) = crate::wire::export(&node.clients, &addr, &request)
         .await
         .map_err(|e| copy_error(moved.source, e))?;
-    let fetched = fetch_missing_components(node, &addr, &components)
+    progress.inspect(|p| p.advanced());
+    let fetched = fetch_missing_components(node, &addr, &components, progress)
         .await
         .map_err(|e| copy_error(moved.source, e))?;
     Ok((components, in_memory, fetched))
@@ -599,6 +628,7 @@ pub(crate) async fn fetch_missing_components(
     node: &Replication,
     addr: &str,
     components: &[ComponentMeta],
+    progress: Option<&Progress>,
 ) -> std::result::Result<HashMap<ComponentHash, Vec<u8>>, CallError> {
     let mut fetched = HashMap::new();
     for component in components {
@@ -607,6 +637,7 @@ pub(crate) async fn fetch_missing_components(
         }
         let bytes = crate::wire::component(&node.clients, addr, component.hash).await?;
         fetched.insert(component.hash, bytes);
+        progress.inspect(|p| p.advanced());
     }
     Ok(fetched)
 }
@@ -618,6 +649,7 @@ async fn copy_delta(
     table: &str,
     generation: u64,
     fence: Option<Epoch>,
+    progress: &Progress,
 ) -> Result<()> {
     let addr = node.meta.require_addr(moved.source)?;
     let request = VersionsRequest {
@@ -631,6 +663,7 @@ async fn copy_delta(
         .get(&addr, &request)
         .await
         .map_err(|e| copy_error(moved.source, e))?
+        .inspect_ok(|_| progress.advanced())
         .try_collect::<Vec<_>>()
         .await
         .map_err(|e| copy_error(moved.source, e))?;

@@ -163,12 +163,13 @@ pub async fn pull_from_primaries(
             FLUSH_PATIENCE,
         )
         .await?;
-        let fetched = crate::rebalance::fetch_missing_components(node, &addr, &shipped.components)
-            .await
-            .map_err(|e| ReplicationError::Copy {
-                from: primary,
-                reason: format!("a shipped component: {e}"),
-            })?;
+        let fetched =
+            crate::rebalance::fetch_missing_components(node, &addr, &shipped.components, None)
+                .await
+                .map_err(|e| ReplicationError::Copy {
+                    from: primary,
+                    reason: format!("a shipped component: {e}"),
+                })?;
         let (table_name, covered) = (table.clone(), shipped.covered);
         let changed = node
             .on_store("installing shipped components", move |store| {

@@ -36,6 +36,10 @@ pub use crate::startup::{ACTION_REPLACE_NODE, DATA_FORMAT_VERSION, KEYS_DIR};
 /// soon after the old one's stopped.
 pub const ELECTION_TIMEOUT_MAX_MS: u64 = 600;
 
+/// The shortest and longest wait after a failed rebalance before the next is planned.
+const REBALANCE_BACKOFF: Duration = Duration::from_secs(1);
+const REBALANCE_BACKOFF_MAX: Duration = Duration::from_secs(60);
+
 pub struct Node {
     pub config: NodeConfig,
     pub store: Arc<Store>,
@@ -209,6 +213,7 @@ impl Node {
                 rereplicate_after: config.rereplicate_after(),
                 delta_recovery: config.replicas.delta_recovery,
                 open_epoch_timeout: config.open_epoch_timeout(),
+                progress_timeout: config.progress_timeout(),
                 keys_dir: config.data_dir.join(KEYS_DIR),
                 version_ids: config.replicas.version_ids,
                 min_copies: config.replicas.min_copies,
@@ -624,10 +629,16 @@ impl Node {
         {
             let node = self.clone();
             tokio::spawn(async move {
+                let started = Instant::now();
                 if let Err(error) = crate::rebalance::rebalance(&node.replication, &lost).await {
-                    tracing::warn!(%error, "rebalance failed; retrying in a second");
-                    // Each attempt leases every table; back off so publishes get through.
-                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    // Each attempt leases every table; back off so publishes get through, as
+                    // long as the failed attempt took (a copy into a node that stalls holds
+                    // the leases until it is given up), so they get at least half the time.
+                    let backoff = started
+                        .elapsed()
+                        .clamp(REBALANCE_BACKOFF, REBALANCE_BACKOFF_MAX);
+                    tracing::warn!(%error, backoff_s = backoff.as_secs_f64(), "rebalance failed; retrying after the backoff");
+                    tokio::time::sleep(backoff).await;
                 }
                 node.rebalancing.store(false, Ordering::SeqCst);
             });
