@@ -19,6 +19,16 @@ const FAULTY: u64 = 2;
 /// Publishes `count` batches of fresh kv keys through node 1 (each retried once it is
 /// refused, under fresh keys), recording each attempt's outcome.
 async fn publish_batches(client: &ClusterClient, first_key: i64, count: usize) -> Vec<Publish> {
+    publish_batches_via(client, 1, first_key, count).await
+}
+
+/// [`publish_batches`] through `client`, which is node `coordinator`'s.
+async fn publish_batches_via(
+    client: &ClusterClient,
+    coordinator: u64,
+    first_key: i64,
+    count: usize,
+) -> Vec<Publish> {
     let mut log = Vec::new();
     let mut next = first_key;
     let mut acknowledged = 0;
@@ -57,7 +67,7 @@ async fn publish_batches(client: &ClusterClient, first_key: i64, count: usize) -
             epoch: result.ok(),
             started,
             acknowledged: (outcome == Outcome::Acknowledged).then_some(ended),
-            coordinator: 1,
+            coordinator: coordinator as usize,
             ended,
         });
     }
@@ -183,12 +193,55 @@ async fn a_stalled_log_fsync_stops_the_node_and_loses_no_acknowledged_publish() 
 /// minutes. Back on a healthy disk, node 2 catches up and holds every acknowledged publish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_whose_disk_hangs_misses_publishes_instead_of_holding_them() {
+    let log = run_with_hung_disk(2, 1).await;
+    assert!(
+        log.primary
+            .contains("made no progress on a forwarded prepare"),
+        "the primary says why it gave up on node 2"
+    );
+}
+
+/// The same when the node whose disk hangs is the partition's primary (node 1), with
+/// publishes coordinated by node 2: after twice `failure.progress_timeout_ms` without
+/// progress the coordinator publishes again without node 1, through another current
+/// replica; node 1 misses the epoch, so it is no longer primary. Without that, every
+/// attempt goes to node 1 again (alive, so no new primary comes) and stalls in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_whose_disk_hangs_is_published_around() {
+    let log = run_with_hung_disk(1, 2).await;
+    assert!(
+        log.coordinator
+            .contains("a primary made no progress; publishing again without it"),
+        "the coordinator says why it left node 1 out"
+    );
+}
+
+/// The logs of [`run_with_hung_disk`]'s nodes of interest.
+struct HungDiskLogs {
+    /// The partition's primary as the run began.
+    primary: String,
+    /// The node the publishes went through.
+    coordinator: String,
+}
+
+/// On a 3-node cluster with one partition (so its primary is known: node 1, its first
+/// replica), makes `faulty`'s log fsyncs hang after a few publishes, publishes 100 batches
+/// through node `via`, and checks that publishes went on (no wait for an acknowledgement
+/// past 10 s) with `faulty` still running and marked stale. Then brings `faulty` back on a
+/// healthy disk and checks every replica.
+///
+/// `faulty` is no metadata voter, so never the metadata leader: a leader applies each
+/// commit to its own store before it answers, so one whose disk hangs holds every
+/// metadata write until it stops itself (`failure.disk_stall_ms`), a wait these deadlines
+/// do not shorten.
+async fn run_with_hung_disk(faulty: u64, via: u64) -> HungDiskLogs {
     let root = tempfile::tempdir().unwrap();
-    // One partition, so that which node is its primary is known: the first replica.
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 1, 3);
+    let voters: Vec<u64> = (1..=3).filter(|&id| id != faulty).collect();
+    cluster.set_voters(&voters);
     cluster.log_to_files();
     cluster.set_node_env(
-        FAULTY,
+        faulty,
         tessera_common::disk::FAULTS_VAR,
         "fsync-stalls:.wal:after=12",
     );
@@ -196,18 +249,19 @@ async fn a_replica_whose_disk_hangs_misses_publishes_instead_of_holding_them() {
         ("failure.disk_stall_ms", "120000"),
         ("failure.progress_timeout_ms", "2000"),
     ];
-    let (mut cluster, client) = common::start_kv(cluster, &options).await;
-    let meta = client.current_metadata().await.unwrap();
-    let primary = meta.map.partitions[0].primary;
-    assert_ne!(
+    let (mut cluster, _) = common::start_kv(cluster, &options).await;
+    let client = ClusterClient::new(cluster.addr(via));
+    let partition = |meta: &tessera_server::meta::MetaState| meta.map.partitions[0].clone();
+    let primary = partition(&client.current_metadata().await.unwrap()).primary;
+    assert_eq!(
         primary,
-        Some(tessera_common::NodeId(FAULTY)),
-        "node {FAULTY} must be a forwarded-to replica"
+        Some(tessera_common::NodeId(1)),
+        "the first replica leads"
     );
 
     // About ten seconds of publishes, most after the disk hangs: several rebalances try to
-    // catch node 2 up meanwhile, each given up when its copy stalls.
-    let publishes = publish_batches(&client, 0, 100).await;
+    // catch the faulty node up meanwhile, each given up when its copy stalls.
+    let publishes = publish_batches_via(&client, via, 0, 100).await;
     let mut acknowledged: Vec<Instant> = publishes.iter().filter_map(|p| p.acknowledged).collect();
     acknowledged.insert(0, publishes[0].started);
     let longest_wait = acknowledged
@@ -217,35 +271,35 @@ async fn a_replica_whose_disk_hangs_misses_publishes_instead_of_holding_them() {
         .unwrap();
     assert!(
         longest_wait < Duration::from_secs(10),
-        "no publish was acknowledged for {longest_wait:?} while node {FAULTY}'s disk hung"
+        "no publish was acknowledged for {longest_wait:?} while node {faulty}'s disk hung"
     );
     assert_eq!(
-        cluster.exit_status(FAULTY),
+        cluster.exit_status(faulty),
         None,
-        "node {FAULTY} stopped itself: its disk stall, not the prepare deadline, let publishes go on"
+        "node {faulty} stopped itself: its disk stall, not the progress deadline, let publishes go on"
     );
-    let meta = client.current_metadata().await.unwrap();
+    let placement = partition(&client.current_metadata().await.unwrap());
     assert!(
-        meta.map.partitions[0]
+        placement
             .stale
-            .contains_key(&tessera_common::NodeId(FAULTY)),
-        "node {FAULTY} is marked as having missed epochs: {:?}",
-        meta.map.partitions[0]
+            .contains_key(&tessera_common::NodeId(faulty)),
+        "node {faulty} is marked as having missed epochs: {placement:?}"
     );
-    let primary_log = std::fs::read_to_string(cluster.log_path(primary.unwrap().0)).unwrap();
-    assert!(
-        primary_log.contains("made no progress"),
-        "the primary says why it gave up on node {FAULTY}"
-    );
+    let read_log = |id: u64| std::fs::read_to_string(cluster.log_path(id)).unwrap();
+    let logs = HungDiskLogs {
+        primary: read_log(primary.unwrap().0),
+        coordinator: read_log(via),
+    };
 
     // Back on a healthy disk, it catches up.
-    cluster.clear_node_env(FAULTY);
-    cluster.kill9(FAULTY);
-    cluster.start(FAULTY);
-    let status = history::wait_recovered(&cluster, 1, &publishes, Duration::from_secs(120)).await;
+    cluster.clear_node_env(faulty);
+    cluster.kill9(faulty);
+    cluster.start(faulty);
+    let status = history::wait_recovered(&cluster, via, &publishes, Duration::from_secs(120)).await;
     let report = history::check_replicas(&cluster, &status, &["kv"], &publishes).await;
     assert!(report.by_outcome[&Outcome::Acknowledged] >= 100);
     assert!(cluster.panics_logged().is_empty());
+    logs
 }
 
 /// Node 2 is paused (SIGSTOP, as a stopped VM or a long stall freezes a process) for

@@ -75,6 +75,9 @@ pub enum CallError {
     },
 }
 
+/// How tonic begins the message of a status it made from an HTTP/2 error.
+const H2_ERROR: &str = "h2 protocol error";
+
 fn describe(refusal: &Refusal) -> String {
     match refusal {
         Refusal::Failed(reason) => reason.clone(),
@@ -99,6 +102,11 @@ impl CallError {
             | tonic::Code::DeadlineExceeded
             | tonic::Code::Cancelled
             | tonic::Code::Unknown => CallError::Transport(status.to_string()),
+            // The peer's connection reset or went away mid-call (its process died): tonic
+            // reports the HTTP/2 error as a status, though the peer answered nothing.
+            tonic::Code::Internal if status.message().starts_with(H2_ERROR) => {
+                CallError::Transport(status.to_string())
+            }
             _ => CallError::Refused(Refusal::from_status(&status)),
         }
     }
@@ -106,5 +114,20 @@ impl CallError {
     /// The node may be down (as opposed to having answered).
     pub fn is_transport(&self) -> bool {
         matches!(self, CallError::Transport(_))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stream_reset_by_a_dying_peer_is_a_transport_error_not_a_refusal() {
+        // What tonic reports when the peer's process died mid-stream.
+        let reset = tonic::Status::internal("h2 protocol error: http2 error");
+        assert!(CallError::from_status(reset).is_transport());
+        // A peer that answered with an internal error refused.
+        let refused = tonic::Status::internal("epoch 7 was already decided");
+        assert!(!CallError::from_status(refused).is_transport());
     }
 }

@@ -34,6 +34,14 @@ pub enum ReplicationError {
         epoch: Epoch,
         reason: String,
     },
+    /// A primary the cluster counts alive made no progress logging an epoch's rows (a hung
+    /// disk): the publish goes again without it, which then misses the epoch.
+    #[error("epoch {epoch} aborted: node {node}, a primary logging its rows, made no progress: {reason}")]
+    PrimaryStalled {
+        node: NodeId,
+        epoch: Epoch,
+        reason: String,
+    },
     #[error("partition {partition} has too few live replicas holding every committed epoch ({current:?} of {replicas:?}); a publish needs {needed} (replicas.min_copies), so it takes no writes until another replica returns or catches up")]
     TooFewCopies {
         partition: tessera_common::PartitionId,
@@ -93,3 +101,28 @@ impl ReplicationError {
 }
 
 pub type Result<T, E = ReplicationError> = std::result::Result<T, E>;
+
+/// Why a prepare call to another node brought back no reply.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareFailed {
+    #[error(transparent)]
+    Call(#[from] tessera_net::CallError),
+    /// The node, alive to the cluster, made no progress for `failure.progress_timeout_ms`.
+    #[error("node {peer} made no progress on {what} of epoch {epoch} for {stalled_s:.1} s (failure.progress_timeout_ms)")]
+    Stalled {
+        peer: NodeId,
+        what: &'static str,
+        epoch: Epoch,
+        stalled_s: f64,
+    },
+}
+
+impl PrepareFailed {
+    /// Whether the node is to be counted unreachable (rather than having refused).
+    pub fn is_transport(&self) -> bool {
+        match self {
+            PrepareFailed::Call(error) => error.is_transport(),
+            PrepareFailed::Stalled { .. } => true,
+        }
+    }
+}

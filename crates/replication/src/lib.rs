@@ -23,7 +23,7 @@ pub mod shipping;
 pub mod stall;
 pub mod wire;
 
-pub use error::{ReplicationError, Result};
+pub use error::{PrepareFailed, ReplicationError, Result};
 pub use tessera_common::NodeId;
 
 use failover::FailureDetector;
@@ -228,7 +228,7 @@ impl Replication {
         request: &wire::PrepareRequest,
         batches: impl futures::Stream<Item = arrow::array::RecordBatch> + Send + Unpin + 'static,
         stall_limit: Duration,
-    ) -> std::result::Result<wire::PrepareReply, tessera_net::CallError> {
+    ) -> std::result::Result<wire::PrepareReply, PrepareFailed> {
         use tessera_net::CallError;
         let progress = stall::Progress::new();
         let call = async {
@@ -240,12 +240,12 @@ impl Replication {
             }
         };
         tokio::select! {
-            reply = call => reply,
+            reply = call => Ok(reply?),
             // Declared failed: its partitions are failed over, whether or not the
             // connection has noticed yet.
             () = self.declared_failed(peer) => Err(CallError::Transport(format!(
                 "node {peer} was declared failed while logging the rows"
-            ))),
+            )).into()),
             stalled = progress.stalled(stall_limit) => {
                 tracing::warn!(
                     epoch = %request.epoch,
@@ -253,11 +253,12 @@ impl Replication {
                     stalled_s = stalled.as_secs_f64(),
                     "{what}: a node the cluster counts alive made no progress; giving up on it"
                 );
-                Err(CallError::Transport(format!(
-                    "node {peer} made no progress on {what} of epoch {} for {:.1} s (failure.progress_timeout_ms)",
-                    request.epoch,
-                    stalled.as_secs_f64()
-                )))
+                Err(PrepareFailed::Stalled {
+                    peer,
+                    what,
+                    epoch: request.epoch,
+                    stalled_s: stalled.as_secs_f64(),
+                })
             }
         }
     }

@@ -3,7 +3,7 @@
 //! also ships them on to the replicas named in the request while they arrive, and answers
 //! only once those have logged them too, naming the ones it could not reach.
 
-use crate::error::{ReplicationError, Result};
+use crate::error::{PrepareFailed, ReplicationError, Result};
 use crate::wire::{PrepareReply, PrepareRequest, PARTITION_COLUMN};
 use crate::{NodeId, Replication};
 use arrow::array::{Array, RecordBatch, UInt32Array};
@@ -11,7 +11,6 @@ use futures::{SinkExt, Stream, TryStreamExt};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_common::PartitionId;
-use tessera_net::CallError;
 use tessera_storage::{PartitionChanges, StorageError};
 
 /// Rows a replica collects before logging them (bounds its memory per publish stream).
@@ -28,7 +27,7 @@ type Outlet = (
 /// A replica and the task shipping rows to it.
 type Shipping = (
     NodeId,
-    tokio::task::JoinHandle<std::result::Result<PrepareReply, CallError>>,
+    tokio::task::JoinHandle<std::result::Result<PrepareReply, PrepareFailed>>,
 );
 
 /// Logs the rows of one prepare stream durably, shipping them on to `request.forward`.

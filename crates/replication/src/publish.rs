@@ -4,7 +4,7 @@
 //! epoch whose coordinator dies before the commit is aborted by the metadata leader, and
 //! its prepared rows are discarded everywhere.
 
-use crate::error::{ReplicationError, Result};
+use crate::error::{PrepareFailed, ReplicationError, Result};
 use crate::wire::{Forward, PrepareRequest, PARTITION_COLUMN};
 use crate::NodeId;
 use crate::Replication;
@@ -277,10 +277,12 @@ async fn publish_committed(
     // be aborted when a touched partition lacks copies (a replica catching up). If the
     // wait runs out, the attempt below is refused, naming the partition.
     let copies_patience_left = wait_for_copies(node, &routed).await;
+    // Primaries that stalled on an earlier attempt: the next ones leave them out.
+    let mut stalled_primaries: BTreeSet<NodeId> = BTreeSet::new();
     let mut attempt = 0;
     loop {
         attempt += 1;
-        match publish_routed(node, &routed, publisher).await {
+        match publish_routed(node, &routed, publisher, &stalled_primaries).await {
             Err(ReplicationError::Meta(MetaError::Fenced(reason))) if attempt <= RETRIES => {
                 tracing::warn!(%reason, attempt, "publish fenced; retrying once this node is alive again");
                 node.meta
@@ -294,6 +296,17 @@ async fn publish_committed(
             }) if attempt <= RETRIES => {
                 tracing::warn!(node = lost.0, %epoch, %reason, attempt, "a primary was lost mid-publish; retrying once the metadata has a new one");
                 wait_for_new_primary(node, lost, &routed).await;
+            }
+            Err(ReplicationError::PrimaryStalled {
+                node: stalled,
+                epoch,
+                reason,
+            }) if attempt <= RETRIES => {
+                // Alive to the cluster, so no new primary is coming: the next attempt goes
+                // to another current replica, and this one misses the epoch (it is marked
+                // stale, so no longer primary, and catches up once it makes progress).
+                tracing::warn!(node = stalled.0, %epoch, %reason, attempt, "a primary made no progress; publishing again without it");
+                stalled_primaries.insert(stalled);
             }
             Err(ReplicationError::TooFewCopies { partition, .. })
                 if attempt <= RETRIES
@@ -348,9 +361,10 @@ async fn wait_for_copies(node: &Replication, routed: &BTreeMap<String, Routed>) 
     let touched = touched_partitions(routed);
     node.meta
         .wait_until(COPIES_PATIENCE, |view| {
-            touched
-                .iter()
-                .all(|&p| writable_replicas(&view.state, p, node.settings.min_copies).is_ok())
+            touched.iter().all(|&p| {
+                writable_replicas(&view.state, p, node.settings.min_copies, &BTreeSet::new())
+                    .is_ok()
+            })
         })
         .await
 }
@@ -360,13 +374,14 @@ async fn publish_routed(
     node: &Arc<Replication>,
     routed: &Arc<BTreeMap<String, Routed>>,
     publisher: Option<&str>,
+    left_out: &BTreeSet<NodeId>,
 ) -> Result<Epoch> {
     let started = std::time::Instant::now();
     let tables: Vec<String> = routed.keys().cloned().collect();
     let epoch = allocate_epoch(node, tables.clone(), publisher).await?;
     let span = tracing::info_span!("publish", %epoch, ?tables);
-    tracing::Instrument::instrument(publish_epoch(node, routed, epoch, publisher, started), span)
-        .await
+    let publishing = publish_epoch(node, routed, epoch, publisher, left_out, started);
+    tracing::Instrument::instrument(publishing, span).await
 }
 
 /// Prepares an allocated epoch's rows on every live replica, then commits it (or aborts it).
@@ -375,6 +390,7 @@ async fn publish_epoch(
     routed: &Arc<BTreeMap<String, Routed>>,
     epoch: Epoch,
     publisher: Option<&str>,
+    left_out: &BTreeSet<NodeId>,
     started: std::time::Instant,
 ) -> Result<Epoch> {
     // The placement is read only now, under the lease: a partition move or a refresh of a
@@ -400,7 +416,7 @@ async fn publish_epoch(
             })
         };
         let (missed, digests) = futures::join!(
-            prepare_everywhere(node, &view.state, epoch, routed),
+            prepare_everywhere(node, &view.state, epoch, routed, left_out),
             digests
         );
         let digests = digests.map_err(ReplicationError::task("hashing the rows"))??;
@@ -472,7 +488,8 @@ async fn publish_epoch(
                 }
             }
             Err(match error {
-                lost @ ReplicationError::PrimaryLost { .. } => lost,
+                lost @ (ReplicationError::PrimaryLost { .. }
+                | ReplicationError::PrimaryStalled { .. }) => lost,
                 refused @ ReplicationError::CommitRefused { .. } => refused,
                 _ => ReplicationError::Aborted { epoch, reason },
             })
@@ -531,12 +548,14 @@ fn is_live(state: &MetaState, id: &NodeId) -> bool {
 }
 
 /// The replicas of `partition` a publish logs its rows on: the live ones holding every
-/// committed epoch. Refused when they are fewer than `min_copies` (at most the replica
-/// count): acknowledged with fewer, an epoch could be lost with one disk.
+/// committed epoch, but those `left_out`. Refused when they are fewer than `min_copies`
+/// (at most the replica count): acknowledged with fewer, an epoch could be lost with one
+/// disk.
 fn writable_replicas(
     state: &MetaState,
     partition: PartitionId,
     min_copies: u32,
+    left_out: &BTreeSet<NodeId>,
 ) -> Result<Vec<NodeId>> {
     let placement = &state.map.partitions[partition.0 as usize];
     let current: Vec<NodeId> = placement
@@ -544,6 +563,7 @@ fn writable_replicas(
         .iter()
         .copied()
         .filter(|id| is_live(state, id) && !placement.stale.contains_key(id))
+        .filter(|id| !left_out.contains(id))
         .collect();
     let needed = tessera_meta::copies_needed(Some(min_copies), placement.replicas.len());
     if current.len() < needed {
@@ -566,6 +586,7 @@ async fn prepare_everywhere(
     state: &MetaState,
     epoch: Epoch,
     routed: &BTreeMap<String, Routed>,
+    left_out: &BTreeSet<NodeId>,
 ) -> Result<Vec<(PartitionId, NodeId)>> {
     let mut shipments: BTreeMap<(NodeId, String, bool), Shipment> = BTreeMap::new();
     let mut touched: BTreeSet<PartitionId> = BTreeSet::new();
@@ -574,7 +595,8 @@ async fn prepare_everywhere(
             for (&partition, batches) in by_partition {
                 touched.insert(partition);
                 let placement = &state.map.partitions[partition.0 as usize];
-                let mut targets = writable_replicas(state, partition, node.settings.min_copies)?;
+                let min_copies = node.settings.min_copies;
+                let mut targets = writable_replicas(state, partition, min_copies, left_out)?;
                 if let Some(i) = targets.iter().position(|id| Some(*id) == placement.primary) {
                     targets[..=i].rotate_right(1);
                 }
@@ -643,6 +665,13 @@ async fn prepare_everywhere(
                     failed.extend(partitions.map(|p| (*p, replica)));
                 }
             }
+            Err(error @ PrepareFailed::Stalled { .. }) => {
+                return Err(ReplicationError::PrimaryStalled {
+                    node: primary,
+                    epoch,
+                    reason: error.to_string(),
+                });
+            }
             Err(error) if error.is_transport() => {
                 node.suspect(primary);
                 return Err(ReplicationError::PrimaryLost {
@@ -666,7 +695,7 @@ async fn prepare_everywhere(
     for partition in touched {
         let placement = &state.map.partitions[partition.0 as usize];
         for id in &placement.replicas {
-            if !is_live(state, id) || placement.stale.contains_key(id) {
+            if !is_live(state, id) || placement.stale.contains_key(id) || left_out.contains(id) {
                 missed.insert((partition, *id));
             }
         }

@@ -849,6 +849,7 @@ impl FlightService for NodeService {
                 let epoch = publish.await.map_err(|error| match error {
                     tessera_replication::ReplicationError::Aborted { epoch, .. }
                     | tessera_replication::ReplicationError::PrimaryLost { epoch, .. }
+                    | tessera_replication::ReplicationError::PrimaryStalled { epoch, .. }
                     | tessera_replication::ReplicationError::CommitRefused { epoch, .. } => {
                         Refusal::Aborted {
                             epoch,
