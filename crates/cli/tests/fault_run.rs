@@ -815,7 +815,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         });
         let settle = Duration::from_millis(nemesis.rng.random_range(300..1500));
         tokio::time::sleep(settle).await;
-        if faults.last().is_some_and(|fault: &Fault| fault.quiet) {
+        if quiet {
             wait_for_an_acknowledgement(&acknowledged, acknowledged_at_heal).await;
         }
         // Every fault is healed by now, so a node whose process has ended stopped by

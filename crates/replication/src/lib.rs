@@ -48,7 +48,8 @@ pub struct Settings {
     /// The metadata leader aborts an epoch open this long.
     pub open_epoch_timeout: Duration,
     /// A forwarded prepare whose replica makes no progress this long is given up (the
-    /// replica missed the epoch); a coordinator gives its primary twice as long.
+    /// replica missed the epoch); a coordinator gives its primary twice as long; a leased
+    /// partition copy that fetches and installs nothing this long gives up (`failure.progress_timeout_ms`).
     pub progress_timeout: Duration,
     /// Where this node keeps the secret signing keys of the participants it publishes for
     /// (see [`seal`]).
@@ -217,10 +218,11 @@ impl Replication {
         }
     }
 
-    /// Sends `request`'s prepare stream to `peer` and waits for its reply, giving up (with a
-    /// transport error, as for a lost connection) when the cluster declares `peer` failed or
-    /// when `peer` makes no progress for `stall_limit` (see [`stall`]): either way the
-    /// cluster goes on without it, rather than hold the epoch and its tables' lease open.
+    /// Sends `request`'s prepare stream to `peer` and waits for its reply, giving up when
+    /// the cluster declares `peer` failed (a transport error, as for a lost connection) or
+    /// when `peer` makes no progress for `stall_limit` ([`PrepareFailed::Stalled`], see
+    /// [`stall`]): either way the cluster goes on without it, rather than hold the epoch and
+    /// its tables' lease open.
     pub async fn prepare_within_deadlines(
         &self,
         what: &'static str,

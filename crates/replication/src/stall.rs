@@ -122,14 +122,21 @@ mod tests {
         let mut stream = progress.watch(futures::stream::iter([1, 2, 3]));
         assert_eq!(stream.next().await, Some(1));
         let started = Instant::now();
-        let stalled = progress.stalled(LIMIT).await;
+        let stalled = noticed(&progress).await;
         assert!(stalled >= LIMIT && started.elapsed() < LIMIT * 3);
 
         // Takes every batch, then never answers.
         let progress = Progress::new();
         let stream = progress.watch(futures::stream::iter([1, 2, 3]));
         assert_eq!(stream.collect::<Vec<_>>().await, [1, 2, 3]);
-        assert!(progress.stalled(LIMIT).await >= LIMIT);
+        assert!(noticed(&progress).await >= LIMIT);
+    }
+
+    /// The stall `progress` reports, failing the test rather than hanging if none is.
+    async fn noticed(progress: &Progress) -> Duration {
+        tokio::time::timeout(LIMIT * 5, progress.stalled(LIMIT))
+            .await
+            .expect("a stall is noticed")
     }
 
     #[tokio::test]
