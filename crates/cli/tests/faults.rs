@@ -318,6 +318,65 @@ async fn a_publish_longer_than_the_open_epoch_timeout_is_renewed_not_aborted() {
     assert_eq!(count(&coordinator).await, Ok(2_000_000));
 }
 
+/// A publisher that goes away mid-publish (its process dies, its call is cancelled) ends
+/// the call on the coordinating node, which is alive and well and no longer works on the
+/// epoch. The metadata leader sees that in the coordinator's next heartbeat and aborts the
+/// epoch at once, instead of holding the table's lease, and every later epoch's
+/// visibility, until the open-epoch timeout (five minutes by default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_epoch_its_live_coordinator_gives_up_is_aborted_at_once() {
+    let root = tempfile::tempdir().unwrap();
+    let (cluster, client) = kv_cluster_with(BINARY, root.path(), 8, 3, &[]).await;
+    let coordinator = ClusterClient::new(cluster.addr(3));
+    // Two million rows: prepared on every replica for a second or more in a debug build.
+    let batches = (0..40)
+        .map(|i| kv_batch(i * 50_000, (i + 1) * 50_000))
+        .collect();
+    let publishing = tokio::spawn(async move { coordinator.publish("kv", batches, false).await });
+    let open = wait_until(
+        "the publish to open an epoch",
+        Duration::from_secs(60),
+        || async {
+            let meta = client.current_metadata().await.ok()?;
+            meta.open.keys().next().copied()
+        },
+    )
+    .await;
+    publishing.abort();
+    let gone = Instant::now();
+    let decided = wait_until(
+        "the epoch its publisher left to be decided",
+        Duration::from_secs(20),
+        || async {
+            let meta = client.current_metadata().await.ok()?;
+            (!meta.open.contains_key(&open)).then_some(meta)
+        },
+    )
+    .await;
+    let waited = gone.elapsed();
+    assert!(
+        decided.is_aborted(open),
+        "epoch {open} committed: the cancelled call went on, so the test proves nothing"
+    );
+    let reason = &decided.abort_reasons[&open];
+    assert!(
+        reason.contains("no longer working on it"),
+        "the leader says why it aborted epoch {open}: {reason}"
+    );
+    assert!(
+        waited < Duration::from_secs(3),
+        "epoch {open} was decided {waited:?} after its publisher went away"
+    );
+    // The lease is free: another node publishes to the table at once, and nothing of the
+    // aborted epoch is seen.
+    let other = ClusterClient::new(cluster.addr(2));
+    other
+        .publish("kv", vec![kv_batch(-10, 0)], false)
+        .await
+        .expect("a publish after the abort");
+    assert_eq!(count(&other).await, Ok(10));
+}
+
 /// Bad input from peers: garbage on the RPC port, and a request for the spool of a query
 /// that never ran there, get an error in bounded time, naming the problem, and the node
 /// goes on serving.

@@ -219,6 +219,8 @@ async fn only_holders_of_the_clusters_certificates_join_or_call() {
     let heartbeat = tessera_server::meta::wire::Heartbeat {
         node_id: NodeId(2),
         working_on: vec![],
+        allocating: vec![],
+        applied_index: 0,
     };
     let error = refusal_of(
         &forger,

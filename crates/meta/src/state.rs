@@ -97,6 +97,11 @@ pub struct OpenEpoch {
     /// The user publishing, if a user asked for it (see [`crate::access`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub publisher: Option<String>,
+    /// The metadata log index of the allocation (0 in states written before it was kept):
+    /// a coordinator that has applied it and no longer lists the epoch gave it up (see
+    /// [`crate::wire::Heartbeat`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub allocated_at: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
@@ -163,8 +168,9 @@ pub struct MetaState {
     /// Who changed membership, rights or ownership, and every publish, in order.
     #[serde(default, skip_serializing_if = "imbl::Vector::is_empty")]
     pub audit_log: imbl::Vector<AuditRecord>,
-    /// Why recent epochs were aborted, where a coordinator needs to be told more than
-    /// "aborted" (a hand-over).
+    /// Why the newest aborted epochs were aborted (see `note_abort`): a coordinator that
+    /// asks to commit or abort one later is told (a hand-over, the leader taking it for
+    /// given up or left open too long).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub abort_reasons: BTreeMap<Epoch, String>,
     /// Each published table's current version id: the head of its hash chain (see
@@ -579,6 +585,7 @@ impl MetaState {
                         tables,
                         request,
                         publisher: by.map(str::to_string),
+                        allocated_at: index,
                     },
                 );
                 MetaResponse::Epoch(epoch)
@@ -690,10 +697,12 @@ impl MetaState {
             }
             MetaCommand::AbortEpoch { epoch, reason } => {
                 if self.is_aborted(epoch) {
-                    // Its coordinator learns why, where the cluster aborted it (a hand-over).
+                    // Its coordinator learns why, where the cluster aborted it for another
+                    // reason (a hand-over, the leader taking it for given up); a retried
+                    // abort, its first reply lost, names the same reason and is done.
                     let response = match self.abort_reasons.get(&epoch) {
-                        Some(why) => MetaResponse::Fenced(why.clone()),
-                        None => MetaResponse::Done,
+                        Some(why) if *why != reason => MetaResponse::Fenced(why.clone()),
+                        _ => MetaResponse::Done,
                     };
                     return Ok((response, vec![]));
                 }
@@ -701,6 +710,9 @@ impl MetaState {
                     return Err(format!("epoch {epoch} is already committed"));
                 }
                 tracing::info!(%epoch, %reason, "epoch aborted");
+                // A coordinator that asks to commit it later is told why (the leader
+                // aborted an epoch it took for given up, or left open too long).
+                self.note_abort(epoch, reason);
                 self.decide(epoch, false);
                 effects.push(LocalEffect::Abort(epoch));
                 MetaResponse::Done

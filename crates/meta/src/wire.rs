@@ -21,4 +21,19 @@ pub struct Heartbeat {
     /// not listed, and times out.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub working_on: Vec<tessera_common::Epoch>,
+    /// The requests of the epoch allocations this node has sent and not yet heard back
+    /// from (`MetaCommand::AllocateEpoch::request`): the epoch each opens is being worked
+    /// on before the node knows its number.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allocating: Vec<u64>,
+    /// The metadata log index this node had applied when it listed the two above (read
+    /// before them). An open epoch of this node allocated at or below it, listed in
+    /// neither, is one the node has given up on: the leader aborts it at once. Zero (a
+    /// node that does not say) proves nothing.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub applied_index: u64,
+}
+
+fn is_zero(index: &u64) -> bool {
+    *index == 0
 }

@@ -19,6 +19,10 @@ pub enum ReplicationError {
     Aborted { epoch: Epoch, reason: String },
     #[error("epoch {epoch} could not commit: {reason}")]
     CommitRefused { epoch: Epoch, reason: String },
+    /// The commit could not be confirmed either way, twice: the metadata leader was out of
+    /// reach. The epoch was given up, so it is visible only if the commit got through.
+    #[error("the commit of epoch {epoch} was not confirmed ({reason}): it is visible only if it got through; if not, the metadata leader aborts it on this node's next heartbeat, and the rows may be published again")]
+    CommitUnknown { epoch: Epoch, reason: String },
     /// The publish needs a signature this node cannot make (see [`crate::seal`]).
     #[error("{0}")]
     Unsignable(String),

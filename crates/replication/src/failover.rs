@@ -12,6 +12,8 @@ use crate::NodeId;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 use tessera_common::Epoch;
+use tessera_meta::wire::Heartbeat;
+use tessera_meta::OpenEpoch;
 
 /// What the leader should do about one node this round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +53,9 @@ pub struct FailureDetector {
     open_epoch_timeout: Duration,
     /// On the leader: since when each open epoch has been open, as this leader saw it.
     open_since: BTreeMap<Epoch, Instant>,
+    /// On the leader: open epochs whose coordinator, alive, said it no longer works on
+    /// them (see [`given_up`]), with that coordinator: to abort at once.
+    given_up: BTreeMap<Epoch, NodeId>,
 }
 
 impl FailureDetector {
@@ -67,6 +72,7 @@ impl FailureDetector {
             failed_since: HashMap::new(),
             open_epoch_timeout: Duration::MAX,
             open_since: BTreeMap::new(),
+            given_up: BTreeMap::new(),
         }
     }
 
@@ -98,6 +104,7 @@ impl FailureDetector {
     pub fn became_leader(&mut self, me: NodeId, members: &[Member], now: Instant) {
         self.failed_since.clear();
         self.open_since.clear();
+        self.given_up.clear();
         for member in members.iter().filter(|m| m.id != me && m.alive) {
             self.last_seen.insert(member.id, now);
             self.suspects.insert(member.id);
@@ -177,6 +184,23 @@ impl FailureDetector {
         }
     }
 
+    /// A heartbeat from a coordinator, against the metadata's open epochs as this leader
+    /// has applied them: what it has given up on is noted, to abort.
+    pub fn gave_up(&mut self, heartbeat: &Heartbeat, open: &BTreeMap<Epoch, OpenEpoch>) {
+        for epoch in given_up(heartbeat, open) {
+            self.given_up.insert(epoch, heartbeat.node_id);
+        }
+    }
+
+    /// The epochs of `open` (the metadata's open epochs) whose live coordinator gave them
+    /// up, with that coordinator; taken.
+    pub fn take_given_up(&mut self, open: &BTreeSet<Epoch>) -> Vec<(Epoch, NodeId)> {
+        std::mem::take(&mut self.given_up)
+            .into_iter()
+            .filter(|(epoch, _)| open.contains(epoch))
+            .collect()
+    }
+
     /// The epochs of `open` (the metadata's open epochs) that have been open for the open
     /// epoch timeout at `now`, as this leader saw them: to abort. A new leader waits the
     /// full time again, from its first look.
@@ -191,6 +215,30 @@ impl FailureDetector {
             .map(|(epoch, _)| *epoch)
             .collect()
     }
+}
+
+/// The open epochs of `heartbeat`'s sender that it has given up on: it had applied their
+/// allocation when it built the heartbeat, and listed them neither as worked on nor as an
+/// allocation awaiting its answer. A coordinator lists an allocation's request from before
+/// sending it until the epoch it opened is worked on, and works on that until the epoch is
+/// decided or it gives up (its commit or abort failed, its task ended), so a heartbeat
+/// built after the allocation applied there and listing neither says it has given up,
+/// however late the heartbeat arrives. Nothing is judged from a heartbeat without an
+/// applied index, or an epoch without an allocation index (written by an older version).
+pub fn given_up(heartbeat: &Heartbeat, open: &BTreeMap<Epoch, OpenEpoch>) -> Vec<Epoch> {
+    if heartbeat.applied_index == 0 {
+        return Vec::new();
+    }
+    open.iter()
+        .filter(|(epoch, o)| {
+            o.coordinator == heartbeat.node_id
+                && o.allocated_at != 0
+                && o.allocated_at <= heartbeat.applied_index
+                && !heartbeat.working_on.contains(epoch)
+                && !heartbeat.allocating.contains(&o.request)
+        })
+        .map(|(epoch, _)| *epoch)
+        .collect()
 }
 
 #[cfg(test)]
@@ -220,6 +268,55 @@ mod tests {
             .find(|(node, _)| *node == id)
             .map(|(_, check)| check)
             .unwrap()
+    }
+
+    #[test]
+    fn a_coordinator_gives_up_an_epoch_only_by_not_listing_it_after_applying_its_allocation() {
+        let open_epoch = |coordinator, request, allocated_at| OpenEpoch {
+            coordinator: NodeId(coordinator),
+            incarnation: 1,
+            tables: vec![format!("t{request}")],
+            request,
+            publisher: None,
+            allocated_at,
+        };
+        // Node 2 opened epoch 5 (request 50, log index 40) and epoch 6 (request 60, index 44);
+        // node 3 opened epoch 7 (index 41).
+        let open = BTreeMap::from([
+            (Epoch(5), open_epoch(2, 50, 40)),
+            (Epoch(6), open_epoch(2, 60, 44)),
+            (Epoch(7), open_epoch(3, 70, 41)),
+        ]);
+        let heartbeat = |applied_index, working_on: &[u64], allocating: &[u64]| Heartbeat {
+            node_id: NodeId(2),
+            working_on: working_on.iter().map(|e| Epoch(*e)).collect(),
+            allocating: allocating.to_vec(),
+            applied_index,
+        };
+        // Built before node 2 applied either allocation: it may not know of them yet.
+        assert!(given_up(&heartbeat(39, &[], &[]), &open).is_empty());
+        // Applied epoch 5's allocation and lists nothing: gave it up. Epoch 6's allocation
+        // is beyond what it had applied; epoch 7 is another coordinator's.
+        assert_eq!(given_up(&heartbeat(42, &[], &[]), &open), vec![Epoch(5)]);
+        // Listed as worked on, or its allocation still awaiting an answer: not given up.
+        assert!(given_up(&heartbeat(44, &[5], &[60]), &open).is_empty());
+        assert_eq!(given_up(&heartbeat(44, &[6], &[]), &open), vec![Epoch(5)]);
+        // A node that does not say what it applied proves nothing.
+        assert!(given_up(&heartbeat(0, &[], &[]), &open).is_empty());
+        // Nor does an epoch whose allocation index was not kept.
+        let old = BTreeMap::from([(Epoch(5), open_epoch(2, 50, 0))]);
+        assert!(given_up(&heartbeat(100, &[], &[]), &old).is_empty());
+
+        // The leader aborts what was given up and is still open, once.
+        let mut detector = FailureDetector::new(TIMEOUT, LOST_AFTER);
+        detector.gave_up(&heartbeat(44, &[], &[]), &open);
+        assert_eq!(
+            detector.take_given_up(&BTreeSet::from([Epoch(6), Epoch(7)])),
+            vec![(Epoch(6), NodeId(2))]
+        );
+        assert!(detector
+            .take_given_up(&BTreeSet::from([Epoch(6)]))
+            .is_empty());
     }
 
     #[test]

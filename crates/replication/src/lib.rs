@@ -80,8 +80,8 @@ pub struct Replication {
     suspected: tokio::sync::Notify,
     /// The components last announced to standbys, per (table, partition) this node leads.
     shipped: Mutex<HashMap<(String, PartitionId), Vec<ComponentHash>>>,
-    /// The open epochs this node is coordinating now, with how many tasks work on each.
-    working_on: Mutex<BTreeMap<Epoch, usize>>,
+    /// The epochs this node is coordinating now, and the allocations it awaits.
+    coordinating: Mutex<Coordinating>,
     /// Held by a partition copy into this node from start to install. A copy whose
     /// rebalance gave up on it (its caller timed out, and the epoch holding the leases was
     /// aborted) still runs here; a later copy must not install before it, or the older
@@ -90,22 +90,73 @@ pub struct Replication {
     pub copying: tokio::sync::Mutex<()>,
 }
 
+/// What this node's heartbeats list as coordinated by it (see
+/// [`tessera_meta::wire::Heartbeat`]): each under one lock, so an allocation turns into
+/// its epoch without a moment in which a heartbeat would list neither.
+#[derive(Debug, Default)]
+struct Coordinating {
+    /// The open epochs, with how many tasks work on each.
+    epochs: BTreeMap<Epoch, usize>,
+    /// The requests of allocations sent and not yet answered, with how many tasks await each.
+    allocating: BTreeMap<u64, usize>,
+}
+
+fn count_up<K: Ord>(counts: &mut BTreeMap<K, usize>, key: K) {
+    *counts.entry(key).or_default() += 1;
+}
+
+fn count_down<K: Ord>(counts: &mut BTreeMap<K, usize>, key: &K) {
+    if let Some(count) = counts.get_mut(key) {
+        *count -= 1;
+        if *count == 0 {
+            counts.remove(key);
+        }
+    }
+}
+
 /// Marks an epoch as being worked on by this node until dropped (its heartbeats renew the
-/// epoch's open-epoch timeout meanwhile).
+/// epoch's open-epoch timeout meanwhile; once none lists it, the leader aborts it if open).
 pub struct WorkingOn<'a> {
     node: &'a Replication,
     epoch: Epoch,
 }
 
+impl WorkingOn<'_> {
+    pub fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+}
+
 impl Drop for WorkingOn<'_> {
     fn drop(&mut self) {
-        let mut working = self.node.working_on.lock().expect("working-on lock");
-        if let Some(count) = working.get_mut(&self.epoch) {
-            *count -= 1;
-            if *count == 0 {
-                working.remove(&self.epoch);
-            }
+        count_down(&mut self.node.coordinating().epochs, &self.epoch);
+    }
+}
+
+/// Marks an epoch allocation as awaited by this node, from before it is sent until dropped
+/// or turned into the epoch it opened ([`Allocating::opened`]).
+pub struct Allocating<'a> {
+    node: &'a Replication,
+    request: u64,
+}
+
+impl<'a> Allocating<'a> {
+    /// The allocation opened `epoch`: worked on from now, in the same step.
+    pub fn opened(self, epoch: Epoch) -> WorkingOn<'a> {
+        let node = self.node;
+        {
+            let mut coordinating = node.coordinating();
+            count_up(&mut coordinating.epochs, epoch);
+            count_down(&mut coordinating.allocating, &self.request);
         }
+        std::mem::forget(self);
+        WorkingOn { node, epoch }
+    }
+}
+
+impl Drop for Allocating<'_> {
+    fn drop(&mut self) {
+        count_down(&mut self.node.coordinating().allocating, &self.request);
     }
 }
 
@@ -139,30 +190,41 @@ impl Replication {
             transfers: TransferCounters::default(),
             suspected: tokio::sync::Notify::new(),
             shipped: Mutex::new(HashMap::new()),
-            working_on: Mutex::default(),
+            coordinating: Mutex::default(),
             copying: tokio::sync::Mutex::new(()),
         }
     }
 
+    fn coordinating(&self) -> std::sync::MutexGuard<'_, Coordinating> {
+        self.coordinating.lock().expect("coordinating lock")
+    }
+
     /// This node coordinates `epoch` until the guard is dropped.
     pub fn work_on(&self, epoch: Epoch) -> WorkingOn<'_> {
-        *self
-            .working_on
-            .lock()
-            .expect("working-on lock")
-            .entry(epoch)
-            .or_default() += 1;
+        count_up(&mut self.coordinating().epochs, epoch);
         WorkingOn { node: self, epoch }
     }
 
-    /// The open epochs this node is coordinating now (its heartbeats list them).
-    pub fn working_on(&self) -> Vec<Epoch> {
-        self.working_on
-            .lock()
-            .expect("working-on lock")
-            .keys()
-            .copied()
-            .collect()
+    /// This node awaits the allocation sent as `request` until the guard is dropped.
+    pub fn allocating(&self, request: u64) -> Allocating<'_> {
+        count_up(&mut self.coordinating().allocating, request);
+        Allocating {
+            node: self,
+            request,
+        }
+    }
+
+    /// What this node's heartbeat says it coordinates: the open epochs it works on and the
+    /// allocations it awaits, with the metadata index it had applied before looking (see
+    /// [`tessera_meta::wire::Heartbeat::applied_index`]).
+    pub fn coordinated(&self) -> (Vec<Epoch>, Vec<u64>, u64) {
+        let applied_index = self.meta.view().applied_index;
+        let coordinating = self.coordinating();
+        (
+            coordinating.epochs.keys().copied().collect(),
+            coordinating.allocating.keys().copied().collect(),
+            applied_index,
+        )
     }
 
     pub fn id(&self) -> NodeId {

@@ -7,7 +7,7 @@
 use crate::error::{PrepareFailed, ReplicationError, Result};
 use crate::wire::{Forward, PrepareRequest, PARTITION_COLUMN};
 use crate::NodeId;
-use crate::Replication;
+use crate::{Replication, WorkingOn};
 use arrow::array::{ArrayRef, RecordBatch, UInt32Array};
 use arrow::datatypes::{DataType, Field, Schema};
 use std::collections::{BTreeMap, BTreeSet};
@@ -378,9 +378,9 @@ async fn publish_routed(
 ) -> Result<Epoch> {
     let started = std::time::Instant::now();
     let tables: Vec<String> = routed.keys().cloned().collect();
-    let epoch = allocate_epoch(node, tables.clone(), publisher).await?;
-    let span = tracing::info_span!("publish", %epoch, ?tables);
-    let publishing = publish_epoch(node, routed, epoch, publisher, left_out, started);
+    let working = allocate_epoch(node, tables.clone(), publisher).await?;
+    let span = tracing::info_span!("publish", epoch = %working.epoch(), ?tables);
+    let publishing = publish_epoch(node, routed, working, publisher, left_out, started);
     tracing::Instrument::instrument(publishing, span).await
 }
 
@@ -388,7 +388,7 @@ async fn publish_routed(
 async fn publish_epoch(
     node: &Arc<Replication>,
     routed: &Arc<BTreeMap<String, Routed>>,
-    epoch: Epoch,
+    working: WorkingOn<'_>,
     publisher: Option<&str>,
     left_out: &BTreeSet<NodeId>,
     started: std::time::Instant,
@@ -397,8 +397,8 @@ async fn publish_epoch(
     // stale replica (which leases every table) has finished before it and cannot start
     // until this epoch is decided, so the replicas and their staleness hold until the commit.
     let allocated_at = started.elapsed();
-    // Until this returns, committed or aborted, heartbeats keep the epoch from timing out.
-    let _working = node.work_on(epoch);
+    // Until it is dropped, committed or aborted or given up, heartbeats list the epoch.
+    let epoch = working.epoch();
     let prepared = async {
         let view = node
             .meta
@@ -437,29 +437,27 @@ async fn publish_epoch(
     let prepared = async {
         let (missed, changes, seal) = prepared.await?;
         let prepared_at = started.elapsed();
-        match node
-            .meta
-            .write(MetaCommand::CommitEpoch {
-                epoch,
-                missed,
-                changes: Some(changes),
-                seal,
-                min_copies: Some(node.settings.min_copies),
-            })
-            .await
-        {
+        let commit = MetaCommand::CommitEpoch {
+            epoch,
+            missed,
+            changes: Some(changes),
+            seal,
+            min_copies: Some(node.settings.min_copies),
+        };
+        match node.meta.write(commit.clone()).await {
             // The metadata refused the commit for good (it would leave a partition with no
-            // complete replica): the epoch is aborted below. Any other failure leaves the
-            // outcome unknown, and is returned as it is.
-            Err(tessera_meta::MetaError::Refused(reason)) => {
+            // complete replica): the epoch is aborted below.
+            Err(MetaError::Refused(reason)) => {
                 Err(ReplicationError::CommitRefused { epoch, reason })
             }
-            other => Ok((other, prepared_at)),
+            other => Ok((other, commit, prepared_at)),
         }
     };
     match prepared.await {
-        Ok((committed, prepared_at)) => {
-            committed?;
+        Ok((committed, commit, prepared_at)) => {
+            if let Err(error) = committed {
+                resolve_commit(node, working, commit, error).await?;
+            }
             tracing::info!(
                 %epoch,
                 allocated_ms = allocated_at.as_millis() as u64,
@@ -484,7 +482,7 @@ async fn publish_epoch(
                 // of its tables): that, not the replicas' refusals it caused, is the story.
                 Err(MetaError::Fenced(why)) => reason = why,
                 Err(abort_error) => {
-                    tracing::warn!(%epoch, %abort_error, "could not abort epoch; the leader aborts it when this node is declared failed")
+                    tracing::warn!(%epoch, %abort_error, "could not abort epoch; the leader aborts it once this node's heartbeat no longer lists it")
                 }
             }
             Err(match error {
@@ -497,18 +495,50 @@ async fn publish_epoch(
     }
 }
 
+/// A commit whose write failed without a verdict (`error`: the metadata was unreachable,
+/// or its leader changed, for longer than a write's patience): it may have committed, or
+/// may yet. The epoch is given up, so the leader aborts it on this node's next heartbeat
+/// unless it committed, and the commit is sent again (a commit is idempotent): Raft orders
+/// the two, and its answer is the outcome. An epoch left open instead would hold its
+/// tables' lease, and keep every later epoch invisible, until the open-epoch timeout (a
+/// fault run saw one held 94 s).
+async fn resolve_commit(
+    node: &Arc<Replication>,
+    working: WorkingOn<'_>,
+    commit: MetaCommand,
+    error: MetaError,
+) -> Result<()> {
+    let epoch = working.epoch();
+    tracing::warn!(%epoch, %error, "the commit's outcome is unknown; giving the epoch up and asking the metadata");
+    drop(working);
+    match node.meta.write(commit).await {
+        Ok(_) => Ok(()),
+        // Aborted meanwhile, by the leader: the caller publishes again.
+        Err(fenced @ MetaError::Fenced(_)) => Err(fenced.into()),
+        Err(MetaError::Refused(reason)) => Err(ReplicationError::CommitRefused { epoch, reason }),
+        Err(again) => Err(ReplicationError::CommitUnknown {
+            epoch,
+            reason: format!("{error}; asked again: {again}"),
+        }),
+    }
+}
+
 /// How long a publish waits for another writer of its tables (or a partition move) to finish.
 const LEASE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Takes an epoch and the ownership lease of `tables`, waiting while another writer holds
 /// one of them; for `publisher`, if a user (see [`publish`]).
-pub async fn allocate_epoch(
-    node: &Arc<Replication>,
+pub async fn allocate_epoch<'a>(
+    node: &'a Arc<Replication>,
     tables: Vec<String>,
     publisher: Option<&str>,
-) -> Result<Epoch> {
+) -> Result<WorkingOn<'a>> {
     let deadline = std::time::Instant::now() + LEASE_PATIENCE;
     let request: u64 = rand::random();
+    // Listed by heartbeats from before it is sent: the leader then knows the epoch it opens
+    // is being worked on before this node knows its number. Dropped on an error, the epoch
+    // (if it opened after all) is given up, and the leader aborts it.
+    let allocating = node.allocating(request);
     loop {
         let command = MetaCommand::AllocateEpoch {
             coordinator: node.id(),
@@ -524,7 +554,7 @@ pub async fn allocate_epoch(
             None => command,
         };
         match node.meta.write(command).await {
-            Ok(MetaResponse::Epoch(epoch)) => return Ok(epoch),
+            Ok(MetaResponse::Epoch(epoch)) => return Ok(allocating.opened(epoch)),
             Ok(other) => {
                 return Err(ReplicationError::Meta(MetaError::Raft(format!(
                     "unexpected reply {other:?} to an epoch allocation"

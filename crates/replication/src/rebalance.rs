@@ -194,9 +194,10 @@ async fn switch_map(
 ) -> Result<()> {
     let state = node.meta.view().state.clone();
     let tables: Vec<String> = state.tables.keys().cloned().collect();
-    let epoch = crate::publish::allocate_epoch(node, tables, None).await?;
-    // Copies may take long: heartbeats keep the epoch from timing out while they run.
-    let _working = node.work_on(epoch);
+    // Copies may take long: heartbeats keep the epoch from timing out while they run, and
+    // once this returns without deciding it, the leader aborts it.
+    let working = crate::publish::allocate_epoch(node, tables, None).await?;
+    let epoch = working.epoch();
     // Every epoch before ours is decided (we hold every table's lease): copy as of then.
     let state = match node
         .meta

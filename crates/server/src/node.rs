@@ -391,6 +391,7 @@ impl Node {
         let mut detector = self.detector();
         detector.heard_from(heartbeat.node_id, now);
         detector.renew_epochs(&heartbeat.working_on, now);
+        detector.gave_up(heartbeat, &self.meta.view().state.open);
     }
 
     /// Reports a dropped connection to `node`: the leader checks it at once.
@@ -419,9 +420,12 @@ impl Node {
                 _ = ticker.tick() => {}
                 _ = self.replication.suspicion() => {}
             }
+            let (working_on, allocating, applied_index) = self.replication.coordinated();
             let heartbeat = Heartbeat {
                 node_id: self.id(),
-                working_on: self.replication.working_on(),
+                working_on,
+                allocating,
+                applied_index,
             };
             match self.meta.leader() {
                 Some(leader) if leader == self.id() => self.heard_from(&heartbeat),
@@ -598,8 +602,22 @@ impl Node {
                 }
             }
         }
-        // Epochs left open too long, whoever coordinates them.
+        // Epochs whose coordinator, alive, gave them up (its commit or abort failed, its
+        // task ended): aborted now, not after the open-epoch timeout.
         let open: BTreeSet<Epoch> = state.open.keys().copied().collect();
+        let given_up = self.detector().take_given_up(&open);
+        for (epoch, coordinator) in given_up {
+            tracing::warn!(%epoch, %coordinator, "aborting an epoch its coordinator gave up on");
+            self.meta
+                .write_as_leader(MetaCommand::AbortEpoch {
+                    epoch,
+                    reason: format!(
+                        "its coordinator, node {coordinator}, is alive but no longer working on it (its commit or abort failed, or its task ended)"
+                    ),
+                })
+                .await?;
+        }
+        // Epochs left open too long, whoever coordinates them.
         let overdue = self.detector().overdue_epochs(&open, Instant::now());
         for epoch in overdue {
             let timeout = self.config.open_epoch_timeout();

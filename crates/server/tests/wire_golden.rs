@@ -482,6 +482,8 @@ fn samples() -> Samples {
             Heartbeat {
                 node_id: NodeId(2),
                 working_on: vec![],
+                allocating: vec![],
+                applied_index: 0,
             },
             vec![3u64],
         ),
@@ -492,6 +494,20 @@ fn samples() -> Samples {
             Heartbeat {
                 node_id: NodeId(2),
                 working_on: vec![Epoch(4)],
+                allocating: vec![],
+                applied_index: 0,
+            },
+            Vec::<u64>::new(),
+        ),
+    );
+    s.request(
+        &format!("{ACTION_HEARTBEAT} allocating"),
+        (
+            Heartbeat {
+                node_id: NodeId(2),
+                working_on: vec![Epoch(4)],
+                allocating: vec![0xa110c],
+                applied_index: 57,
             },
             Vec::<u64>::new(),
         ),

@@ -87,6 +87,7 @@ fn the_invariant_check_names_a_stale_primary_and_a_shared_lease() {
         tables: tables.iter().map(|t| t.to_string()).collect(),
         request: 0,
         publisher: None,
+        allocated_at: 0,
     };
     state.open.insert(Epoch(7), lease(&["t"]));
     state.open.insert(Epoch(8), lease(&["u", "t"]));

@@ -878,15 +878,25 @@ fn the_aborted_set_keeps_only_the_epochs_in_flight() {
         assert_eq!(state.is_aborted(epoch), was_aborted, "epoch {epoch}");
         assert_eq!(state.is_committed(epoch), !was_aborted, "epoch {epoch}");
     }
-    // Aborting one again still answers as for an aborted epoch.
-    let (again, _) = state.apply(
-        6,
-        MetaCommand::AbortEpoch {
-            epoch: aborted[7],
-            reason: "again".into(),
-        },
+    // Aborting one again for the same reason (a retry) is done; for another, it names the
+    // first reason.
+    let abort_again = |state: &mut MetaState, reason: &str| {
+        state
+            .apply(
+                6,
+                MetaCommand::AbortEpoch {
+                    epoch: aborted[7],
+                    reason: reason.into(),
+                },
+            )
+            .0
+    };
+    let first_reason = state.abort_reasons[&aborted[7]].clone();
+    assert_eq!(abort_again(&mut state, &first_reason), MetaResponse::Done);
+    assert_eq!(
+        abort_again(&mut state, "another"),
+        MetaResponse::Fenced(first_reason)
     );
-    assert_eq!(again, MetaResponse::Done);
     assert_eq!(
         state.recent_aborted(5, 10_000),
         aborted[aborted.len() - 5..].to_vec()
