@@ -364,7 +364,7 @@ async fn an_epoch_its_live_coordinator_gives_up_is_aborted_at_once() {
         "the leader says why it aborted epoch {open}: {reason}"
     );
     assert!(
-        waited < Duration::from_secs(3),
+        waited < Duration::from_secs(5),
         "epoch {open} was decided {waited:?} after its publisher went away"
     );
     // The lease is free: another node publishes to the table at once, and nothing of the

@@ -455,8 +455,12 @@ async fn publish_epoch(
     };
     match prepared.await {
         Ok((committed, commit, prepared_at)) => {
-            if let Err(error) = committed {
-                resolve_commit(node, working, commit, error).await?;
+            match committed {
+                Ok(_) => {}
+                // Aborted by the cluster (this node declared failed, or the epoch given
+                // up): the caller publishes again.
+                Err(fenced @ MetaError::Fenced(_)) => return Err(fenced.into()),
+                Err(unknown) => resolve_commit(node, working, commit, unknown).await?,
             }
             tracing::info!(
                 %epoch,
