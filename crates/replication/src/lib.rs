@@ -199,12 +199,6 @@ impl Replication {
         self.coordinating.lock().expect("coordinating lock")
     }
 
-    /// This node coordinates `epoch` until the guard is dropped.
-    pub fn work_on(&self, epoch: Epoch) -> WorkingOn<'_> {
-        count_up(&mut self.coordinating().epochs, epoch);
-        WorkingOn { node: self, epoch }
-    }
-
     /// This node awaits the allocation sent as `request` until the guard is dropped.
     pub fn allocating(&self, request: u64) -> Allocating<'_> {
         count_up(&mut self.coordinating().allocating, request);
@@ -214,17 +208,18 @@ impl Replication {
         }
     }
 
-    /// What this node's heartbeat says it coordinates: the open epochs it works on and the
-    /// allocations it awaits, with the metadata index it had applied before looking (see
+    /// This node's heartbeat: the open epochs it works on and the allocations it awaits,
+    /// with the metadata index it had applied before looking (see
     /// [`tessera_meta::wire::Heartbeat::applied_index`]).
-    pub fn coordinated(&self) -> (Vec<Epoch>, Vec<u64>, u64) {
+    pub fn heartbeat(&self) -> tessera_meta::wire::Heartbeat {
         let applied_index = self.meta.view().applied_index;
         let coordinating = self.coordinating();
-        (
-            coordinating.epochs.keys().copied().collect(),
-            coordinating.allocating.keys().copied().collect(),
+        tessera_meta::wire::Heartbeat {
+            node_id: self.id,
+            working_on: coordinating.epochs.keys().copied().collect(),
+            allocating: coordinating.allocating.keys().copied().collect(),
             applied_index,
-        )
+        }
     }
 
     pub fn id(&self) -> NodeId {

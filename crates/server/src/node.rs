@@ -420,13 +420,7 @@ impl Node {
                 _ = ticker.tick() => {}
                 _ = self.replication.suspicion() => {}
             }
-            let (working_on, allocating, applied_index) = self.replication.coordinated();
-            let heartbeat = Heartbeat {
-                node_id: self.id(),
-                working_on,
-                allocating,
-                applied_index,
-            };
+            let heartbeat = self.replication.heartbeat();
             match self.meta.leader() {
                 Some(leader) if leader == self.id() => self.heard_from(&heartbeat),
                 Some(leader) => {
@@ -603,32 +597,31 @@ impl Node {
             }
         }
         // Epochs whose coordinator, alive, gave them up (its commit or abort failed, its
-        // task ended): aborted now, not after the open-epoch timeout.
+        // task ended): aborted now, not after the open-epoch timeout. Then epochs left open
+        // too long, whoever coordinates them.
         let open: BTreeSet<Epoch> = state.open.keys().copied().collect();
-        let given_up = self.detector().take_given_up(&open);
-        for (epoch, coordinator) in given_up {
-            tracing::warn!(%epoch, %coordinator, "aborting an epoch its coordinator gave up on");
-            self.meta
-                .write_as_leader(MetaCommand::AbortEpoch {
-                    epoch,
-                    reason: format!(
-                        "its coordinator, node {coordinator}, is alive but no longer working on it (its commit or abort failed, or its task ended)"
-                    ),
-                })
-                .await?;
-        }
-        // Epochs left open too long, whoever coordinates them.
+        let timeout = self.config.open_epoch_timeout();
+        let mut to_abort: Vec<(Epoch, String)> = self
+            .detector()
+            .take_given_up(&open)
+            .into_iter()
+            .map(|(epoch, coordinator)| (epoch, format!(
+                "its coordinator, node {coordinator}, is alive but no longer working on it (its commit or abort failed, or its task ended)"
+            )))
+            .collect();
         let overdue = self.detector().overdue_epochs(&open, Instant::now());
-        for epoch in overdue {
-            let timeout = self.config.open_epoch_timeout();
-            tracing::warn!(%epoch, ?timeout, "aborting an epoch left open too long");
+        to_abort.extend(overdue.into_iter().map(|epoch| {
+            (
+                epoch,
+                format!(
+                    "it was open for {timeout:?} without its coordinator committing or aborting it"
+                ),
+            )
+        }));
+        for (epoch, reason) in to_abort {
+            tracing::warn!(%epoch, %reason, "aborting an open epoch");
             self.meta
-                .write_as_leader(MetaCommand::AbortEpoch {
-                    epoch,
-                    reason: format!(
-                        "it was open for {timeout:?} without its coordinator committing or aborting it"
-                    ),
-                })
+                .write_as_leader(MetaCommand::AbortEpoch { epoch, reason })
                 .await?;
         }
         Ok(())
