@@ -3,7 +3,8 @@
 //!
 //! Appends are fsynced before openraft is told they are durable. A torn tail (a crash in
 //! the middle of an append) is cut off at start. Truncation and purging rewrite the file
-//! atomically; both are rare (conflict resolution, after a snapshot).
+//! atomically; both are rare (conflict resolution, after a snapshot). Purging waits until a
+//! snapshot covering the purged entries is on disk (see `state_machine`).
 
 use crate::NodeId;
 use crate::TypeConfig;
@@ -41,7 +42,15 @@ struct Inner {
 #[derive(Clone)]
 pub struct LogStore {
     inner: Arc<Mutex<Inner>>,
+    /// The last log index the state machine's snapshot on disk covers, if purges are bound
+    /// to it ([`LogStore::purge_only_behind`]).
+    snapshot_on_disk: Option<tokio::sync::watch::Receiver<Option<u64>>>,
 }
+
+/// How long a purge waits for the snapshot covering it to be written. Installing a
+/// snapshot takes well under a second; past this the disk is failing, and the purge fails
+/// (the node stops, keeping its log) rather than leave a log the snapshot does not cover.
+const SNAPSHOT_ON_DISK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(60);
 
 fn io_error(e: impl std::fmt::Display) -> StorageError<NodeId> {
     StorageIOError::write_logs(AnyError::error(e.to_string())).into()
@@ -125,7 +134,40 @@ impl LogStore {
                 entries,
                 meta,
             })),
+            snapshot_on_disk: None,
         })
+    }
+
+    /// Binds purges to the snapshot on disk: entries are purged only once the last index a
+    /// snapshot on disk covers (`snapshot_on_disk`, the state machine's) reaches them.
+    pub fn purge_only_behind(
+        mut self,
+        snapshot_on_disk: tokio::sync::watch::Receiver<Option<u64>>,
+    ) -> LogStore {
+        self.snapshot_on_disk = Some(snapshot_on_disk);
+        self
+    }
+
+    /// Waits until a snapshot covering `index` is on disk, if purges are bound to one.
+    async fn snapshot_covers(&self, index: u64) -> Result<(), StorageError<NodeId>> {
+        let Some(on_disk) = &self.snapshot_on_disk else {
+            return Ok(());
+        };
+        let mut waiting = on_disk.clone();
+        let covered = waiting.wait_for(|last| last.is_some_and(|last| last >= index));
+        let outcome = tokio::time::timeout(SNAPSHOT_ON_DISK_PATIENCE, covered)
+            .await
+            .map(|covered| covered.map(|_| ()));
+        match outcome {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(io_error(format!(
+                "cannot purge the metadata log through index {index}: the state machine is gone"
+            ))),
+            Err(_) => Err(io_error(format!(
+                "cannot purge the metadata log through index {index}: no snapshot covering it was written within {SNAPSHOT_ON_DISK_PATIENCE:?} (the newest on disk covers {:?}); the log is kept",
+                *on_disk.borrow()
+            ))),
+        }
     }
 
     fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -250,6 +292,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+        self.snapshot_covers(log_id.index).await?;
         let mut inner = self.inner();
         inner.meta.last_purged = Some(log_id);
         inner.save_meta().map_err(io_error)?;
@@ -324,5 +367,66 @@ mod tests {
             store.read_vote().await.unwrap(),
             Some(Vote::new(2, NodeId(1)))
         );
+    }
+
+    async fn indices_on_disk(dir: &Path) -> Vec<u64> {
+        LogStore::open(dir)
+            .unwrap()
+            .try_get_log_entries(0..)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| e.log_id.index)
+            .collect()
+    }
+
+    /// A follower given a snapshot by the leader purges the log it covers while its state
+    /// machine is still writing it: the purge waits until the snapshot is on disk, so a
+    /// crash before that finds the log the old snapshot needs.
+    #[tokio::test]
+    async fn a_purge_waits_until_a_snapshot_covering_it_is_on_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        write_entries(dir.path(), 1..11);
+        let (on_disk, snapshot_on_disk) = tokio::sync::watch::channel(Some(3));
+        let mut store = LogStore::open(dir.path())
+            .unwrap()
+            .purge_only_behind(snapshot_on_disk);
+        let purge = tokio::spawn(async move { store.purge(entry(8).log_id).await });
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert!(!purge.is_finished(), "the purge waits for the snapshot");
+        assert_eq!(
+            indices_on_disk(dir.path()).await,
+            (1..11).collect::<Vec<_>>(),
+            "a crash now finds every entry"
+        );
+        on_disk.send_replace(Some(5));
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert!(
+            !purge.is_finished(),
+            "a snapshot through 5 does not cover 8"
+        );
+        on_disk.send_replace(Some(8));
+        purge.await.unwrap().unwrap();
+        assert_eq!(indices_on_disk(dir.path()).await, vec![9, 10]);
+    }
+
+    /// A purge the snapshot on disk already covers goes ahead at once (a leader purges
+    /// behind the snapshots it built itself).
+    #[tokio::test]
+    async fn a_purge_behind_the_snapshot_on_disk_goes_ahead() {
+        let dir = tempfile::tempdir().unwrap();
+        write_entries(dir.path(), 1..11);
+        let (_on_disk, snapshot_on_disk) = tokio::sync::watch::channel(Some(9));
+        let mut store = LogStore::open(dir.path())
+            .unwrap()
+            .purge_only_behind(snapshot_on_disk);
+        tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            store.purge(entry(6).log_id),
+        )
+        .await
+        .expect("no wait")
+        .unwrap();
+        assert_eq!(indices_on_disk(dir.path()).await, vec![7, 8, 9, 10]);
     }
 }

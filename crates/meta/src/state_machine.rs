@@ -5,6 +5,12 @@
 //! The state lives in memory and in snapshots; entries after the last snapshot are applied
 //! again at start (the log store keeps the committed index), and every local effect is
 //! idempotent, so a replay changes nothing that was already done.
+//!
+//! The snapshot on disk only moves forward ([`SnapshotFile`]), and the log store purges
+//! entries only once a snapshot covering them is on disk: openraft 0.9 hands a snapshot
+//! received from the leader to this state machine's task and purges the log it covers
+//! without waiting for the install, so a crash in between would leave a node with an old
+//! snapshot and no log after it, unable to start.
 
 use crate::state::{LocalEffect, MetaResponse, MetaState};
 use crate::NodeId;
@@ -41,7 +47,7 @@ struct StoredSnapshot {
 pub struct StateMachine {
     /// This node, whose cold-standby partitions the metadata decides.
     node_id: NodeId,
-    dir: PathBuf,
+    snapshot_file: SnapshotFile,
     state: MetaState,
     last_applied: Option<LogId<NodeId>>,
     membership: StoredMembership<NodeId, BasicNode>,
@@ -86,7 +92,7 @@ impl StateMachine {
         }));
         let machine = StateMachine {
             node_id,
-            dir: dir.to_path_buf(),
+            snapshot_file: SnapshotFile::new(dir, last_applied),
             state,
             last_applied,
             membership,
@@ -97,6 +103,12 @@ impl StateMachine {
             .reconcile_store()
             .map_err(|e| std::io::Error::other(e.to_string()))?;
         Ok((machine, receiver))
+    }
+
+    /// The index of the newest snapshot on disk, as it moves: what the log store may purge
+    /// through (see the module's comment).
+    pub fn snapshot_on_disk(&self) -> watch::Receiver<Option<u64>> {
+        self.snapshot_file.on_disk.subscribe()
     }
 
     fn publish_view(&self) {
@@ -245,7 +257,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
         SnapshotBuilder {
-            dir: self.dir.clone(),
+            snapshot_file: self.snapshot_file.clone(),
             state: self.state.clone(),
             last_applied: self.last_applied,
             membership: self.membership.clone(),
@@ -265,7 +277,9 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     ) -> Result<(), StorageError<NodeId>> {
         let stored: StoredSnapshot =
             serde_json::from_slice(snapshot.get_ref()).map_err(sm_error)?;
-        write_snapshot_file(&self.dir, snapshot.get_ref()).map_err(sm_error)?;
+        self.snapshot_file
+            .write(meta.last_log_id, snapshot.get_ref())
+            .map_err(sm_error)?;
         self.state = stored.state;
         self.last_applied = meta.last_log_id;
         self.membership = meta.last_membership.clone();
@@ -277,7 +291,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     async fn get_current_snapshot(
         &mut self,
     ) -> Result<Option<Snapshot<TypeConfig>>, StorageError<NodeId>> {
-        match tessera_common::disk::read(&self.dir.join(SNAPSHOT_FILE)) {
+        match tessera_common::disk::read(&self.snapshot_file.path()) {
             Ok(bytes) => {
                 let stored: StoredSnapshot = serde_json::from_slice(&bytes).map_err(sm_error)?;
                 Ok(Some(Snapshot {
@@ -291,12 +305,47 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     }
 }
 
-fn write_snapshot_file(dir: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    tessera_common::disk::write_atomically(&dir.join(SNAPSHOT_FILE), bytes)
+/// The snapshot file, which only moves forward: a snapshot built from an older state
+/// (openraft builds them on a task of their own) never replaces a newer one installed from
+/// the leader meanwhile, whose entries the log may already have purged.
+#[derive(Clone)]
+struct SnapshotFile {
+    dir: PathBuf,
+    /// Held while the file is compared and written.
+    writing: Arc<std::sync::Mutex<()>>,
+    /// The last log index the file on disk covers.
+    on_disk: Arc<watch::Sender<Option<u64>>>,
+}
+
+impl SnapshotFile {
+    fn new(dir: &Path, on_disk: Option<LogId<NodeId>>) -> SnapshotFile {
+        SnapshotFile {
+            dir: dir.to_path_buf(),
+            writing: Arc::default(),
+            on_disk: Arc::new(watch::channel(on_disk.map(|l| l.index)).0),
+        }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.join(SNAPSHOT_FILE)
+    }
+
+    /// Writes the snapshot through `last` (its bytes), durably, unless one at least as new
+    /// is on disk already.
+    fn write(&self, last: Option<LogId<NodeId>>, bytes: &[u8]) -> std::io::Result<()> {
+        let _writing = self.writing.lock().expect("snapshot file lock");
+        let last = last.map(|l| l.index);
+        if *self.on_disk.borrow() >= last {
+            return Ok(());
+        }
+        tessera_common::disk::write_atomically(&self.path(), bytes)?;
+        self.on_disk.send_replace(last);
+        Ok(())
+    }
 }
 
 pub struct SnapshotBuilder {
-    dir: PathBuf,
+    snapshot_file: SnapshotFile,
     state: MetaState,
     last_applied: Option<LogId<NodeId>>,
     membership: StoredMembership<NodeId, BasicNode>,
@@ -318,10 +367,39 @@ impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
             state: self.state.clone(),
         };
         let bytes = serde_json::to_vec(&stored).map_err(sm_error)?;
-        write_snapshot_file(&self.dir, &bytes).map_err(sm_error)?;
+        self.snapshot_file
+            .write(self.last_applied, &bytes)
+            .map_err(sm_error)?;
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(bytes)),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use openraft::CommittedLeaderId;
+
+    fn log_id(index: u64) -> Option<LogId<NodeId>> {
+        Some(LogId::new(CommittedLeaderId::new(1, NodeId(1)), index))
+    }
+
+    /// openraft builds snapshots on a task of its own: one built from an older state and
+    /// finished after a newer one was installed from the leader must not replace it.
+    #[test]
+    fn the_snapshot_file_only_moves_forward() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = SnapshotFile::new(dir.path(), None);
+        let on_disk = file.on_disk.subscribe();
+        file.write(log_id(10), b"installed through 10").unwrap();
+        assert_eq!(*on_disk.borrow(), Some(10));
+        file.write(log_id(7), b"built through 7").unwrap();
+        assert_eq!(std::fs::read(file.path()).unwrap(), b"installed through 10");
+        assert_eq!(*on_disk.borrow(), Some(10));
+        file.write(log_id(12), b"built through 12").unwrap();
+        assert_eq!(std::fs::read(file.path()).unwrap(), b"built through 12");
+        assert_eq!(*on_disk.borrow(), Some(12));
     }
 }

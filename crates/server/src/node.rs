@@ -163,9 +163,11 @@ impl Node {
             dir: raft_dir.display().to_string(),
             reason: e.to_string(),
         };
-        let log_store = LogStore::open(&raft_dir).map_err(data_error)?;
         let (state_machine, meta) =
             StateMachine::open(config.node_id, &raft_dir, store.clone()).map_err(data_error)?;
+        let log_store = LogStore::open(&raft_dir)
+            .map_err(data_error)?
+            .purge_only_behind(state_machine.snapshot_on_disk());
         let raft_config = openraft::Config {
             cluster_name: config.cluster_id.clone(),
             // Elections finish well inside the 2 s failure-detection budget.
