@@ -297,6 +297,7 @@ async fn verify_names_corrupt_replicas_and_forged_records_and_the_cluster_repair
             seal: Some(EpochSeal {
                 versions: versions.clone(),
                 signature: Some(signature),
+                digest_format: tessera_storage::digest::DigestFormat::CURRENT,
             }),
             min_copies: None,
         };

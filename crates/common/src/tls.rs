@@ -17,14 +17,13 @@ pub fn tls_acceptor(cert_pem: &[u8], key_pem: &[u8]) -> Result<TlsAcceptor, Stri
     }
     let key = PrivateKeyDer::from_pem_slice(key_pem)
         .map_err(|e| format!("the key file holds no PEM private key: {e}"))?;
-    let config = tokio_rustls::rustls::ServerConfig::builder_with_provider(Arc::new(
-        tokio_rustls::rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| format!("TLS versions: {e}"))?
-    .with_no_client_auth()
-    .with_single_cert(chain, key)
-    .map_err(|e| format!("the certificate and key do not make a TLS identity: {e}"))?;
+    let config =
+        tokio_rustls::rustls::ServerConfig::builder_with_provider(Arc::new(ring_provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS versions: {e}"))?
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .map_err(|e| format!("the certificate and key do not make a TLS identity: {e}"))?;
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
@@ -203,5 +202,43 @@ impl MutualTls {
 /// Makes ring rustls's process-wide crypto provider, once, before any TLS configuration is
 /// built (a second call does nothing).
 pub fn install_ring_provider() {
-    let _ = tokio_rustls::rustls::crypto::ring::default_provider().install_default();
+    let _ = ring_provider().install_default();
+}
+
+/// ring's provider, with AES-128-GCM preferred over ring's default first choice, AES-256-GCM:
+/// every replicated row crosses several TLS hops, and the 128-bit key takes 10 AES rounds
+/// to the other's 14 (both are TLS 1.3 suites, AES-128-GCM the one every TLS 1.3 peer
+/// must offer). A peer that offers only the others still gets them.
+pub fn ring_provider() -> tokio_rustls::rustls::crypto::CryptoProvider {
+    use tokio_rustls::rustls::CipherSuite;
+    let mut provider = tokio_rustls::rustls::crypto::ring::default_provider();
+    provider
+        .cipher_suites
+        .sort_by_key(|suite| suite.suite() != CipherSuite::TLS13_AES_128_GCM_SHA256);
+    provider
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_rustls::rustls::CipherSuite;
+
+    #[test]
+    fn aes_128_gcm_is_preferred_and_every_other_suite_still_offered() {
+        let ours: Vec<CipherSuite> = super::ring_provider()
+            .cipher_suites
+            .iter()
+            .map(|s| s.suite())
+            .collect();
+        let ring: Vec<CipherSuite> = tokio_rustls::rustls::crypto::ring::default_provider()
+            .cipher_suites
+            .iter()
+            .map(|s| s.suite())
+            .collect();
+        assert_eq!(ours[0], CipherSuite::TLS13_AES_128_GCM_SHA256);
+        assert_ne!(ring[0], ours[0], "ring's own first choice is another suite");
+        let (mut sorted_ours, mut sorted_ring) = (ours.clone(), ring.clone());
+        sorted_ours.sort_by_key(|s| u16::from(*s));
+        sorted_ring.sort_by_key(|s| u16::from(*s));
+        assert_eq!(sorted_ours, sorted_ring);
+    }
 }

@@ -16,7 +16,7 @@ use crate::history::{EpochRecord, TableChangeCount};
 use crate::state::MetaState;
 use serde::{Deserialize, Serialize};
 use tessera_common::{ComponentHash, Epoch};
-use tessera_storage::digest::GENESIS;
+use tessera_storage::digest::{DigestFormat, GENESIS};
 
 /// One table's link in its version chain.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -44,16 +44,31 @@ pub struct EpochSeal {
     pub versions: Vec<TableVersion>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signature: Option<EpochSignature>,
+    /// The form its change digests were made in; seals from before the form was recorded
+    /// used the first one.
+    #[serde(default = "first_format", skip_serializing_if = "is_first_format")]
+    pub digest_format: DigestFormat,
+}
+
+fn first_format() -> DigestFormat {
+    DigestFormat::Rows
+}
+
+fn is_first_format(format: &DigestFormat) -> bool {
+    *format == DigestFormat::Rows
 }
 
 /// The bytes a participant signs for an epoch: everything its record says about the
-/// publish (not the commit time, which the metadata assigns later).
+/// publish (not the commit time, which the metadata assigns later). The digest format is
+/// signed too (where it is not the first, so older signatures still check): a record whose
+/// format was changed is then a forged record, not a replica that hashes wrongly.
 pub fn signed_message(
     cluster_id: &str,
     epoch: Epoch,
     publisher: Option<&str>,
     participant: Option<&str>,
     versions: &[TableVersion],
+    digest_format: DigestFormat,
     changes: &[TableChangeCount],
 ) -> Vec<u8> {
     #[derive(Serialize)]
@@ -64,6 +79,8 @@ pub fn signed_message(
         publisher: Option<&'a str>,
         participant: Option<&'a str>,
         versions: &'a [TableVersion],
+        #[serde(skip_serializing_if = "is_first_format")]
+        digest_format: DigestFormat,
         changes: &'a [TableChangeCount],
     }
     serde_json::to_vec(&Signed {
@@ -73,6 +90,7 @@ pub fn signed_message(
         publisher,
         participant,
         versions,
+        digest_format,
         changes,
     })
     .expect("a record always serializes")
@@ -204,6 +222,7 @@ impl MetaState {
                     publisher,
                     Some(participant),
                     &seal.versions,
+                    seal.digest_format,
                     changes,
                 );
                 self.check_signature(participant, &message, signature)
@@ -254,12 +273,17 @@ impl MetaState {
             ),
             (Some(participant), Some(signature)) => {
                 let versions = record.seal.as_ref().map_or(&[][..], |s| &s.versions);
+                let format = record
+                    .seal
+                    .as_ref()
+                    .map_or(DigestFormat::Rows, |s| s.digest_format);
                 let message = signed_message(
                     &self.cluster_id,
                     epoch,
                     record.publisher.as_deref(),
                     Some(participant),
                     versions,
+                    format,
                     &record.changes,
                 );
                 match self.check_signature(participant, &message, signature) {

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use tessera_common::signing::{key_path, SigningKey};
 use tessera_common::{ComponentHash, Epoch, PartitionId, RowOp};
 use tessera_meta::{EpochSeal, EpochSignature, MetaState, TableChangeCount, TableVersion};
-use tessera_storage::digest::{table_version_id, ChangeDigester};
+use tessera_storage::digest::{table_version_id, ChangeDigester, DigestFormat};
 use tessera_storage::versions::tombstone_rows;
 
 /// A publish's change digests, per table and partition.
@@ -39,7 +39,7 @@ pub(crate) fn digest_routed(
             .chain(routed.deletes.keys())
             .copied()
             .collect();
-        let mut digester = ChangeDigester::new(def, epoch)?;
+        let mut digester = ChangeDigester::new(def, epoch, DigestFormat::CURRENT)?;
         for partition in partitions {
             for batch in routed.upserts.get(&partition).into_iter().flatten() {
                 digester.add(batch, RowOp::Upsert)?;
@@ -139,6 +139,7 @@ pub(crate) fn seal(
                 publisher,
                 Some(participant),
                 &versions,
+                DigestFormat::CURRENT,
                 changes,
             );
             Some(EpochSignature {
@@ -151,5 +152,6 @@ pub(crate) fn seal(
     Ok(EpochSeal {
         versions,
         signature,
+        digest_format: DigestFormat::CURRENT,
     })
 }

@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::{ComponentHash, Epoch, NodeId, PartitionId};
-use tessera_storage::digest::table_version_id;
+use tessera_storage::digest::{table_version_id, DigestFormat};
 
 /// A node's change digests of the partitions it holds ([`DigestsRequest`]).
 pub const ACTION_PARTITION_DIGESTS: &str = "partition-digests";
@@ -43,6 +43,10 @@ pub struct DigestsRequest {
     /// visible epoch the check reads), so a replica that is merely behind is not taken
     /// for a corrupt one.
     pub through: Epoch,
+    /// The sealed epochs whose change digests are in a format other than the first, and
+    /// which (every other epoch is hashed in the first).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub formats: BTreeMap<Epoch, DigestFormat>,
 }
 
 /// How long a replica waits to apply the epochs a check reads.
@@ -54,6 +58,10 @@ pub struct PartitionDigests {
     pub partition: PartitionId,
     pub horizon: Epoch,
     pub digests: Result<Vec<(Epoch, ComponentHash)>, Unreadable>,
+    /// The digests are in the formats the request named. A node from before formats were
+    /// named hashes every epoch in the first.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub formats_followed: bool,
 }
 
 /// Why a replica could not hash a partition.
@@ -139,28 +147,35 @@ pub async fn local_digests(node: &Arc<Node>, request: DigestsRequest) -> Vec<Par
                 partition,
                 horizon: Epoch::ZERO,
                 digests: Err(behind.clone()),
+                formats_followed: true,
             })
             .collect();
     }
     let store = node.store.clone();
     let work = move || {
+        let format_of = |epoch| {
+            request
+                .formats
+                .get(&epoch)
+                .copied()
+                .unwrap_or(DigestFormat::Rows)
+        };
         request
             .partitions
             .iter()
-            .map(
-                |&partition| match store.partition_digests(&request.table, partition) {
-                    Ok((horizon, digests)) => PartitionDigests {
-                        partition,
-                        horizon,
-                        digests: Ok(digests.into_iter().collect()),
-                    },
-                    Err(error) => PartitionDigests {
-                        partition,
-                        horizon: Epoch::ZERO,
-                        digests: Err(unreadable(error)),
-                    },
-                },
-            )
+            .map(|&partition| {
+                let (horizon, digests) =
+                    match store.partition_digests(&request.table, partition, &format_of) {
+                        Ok((horizon, digests)) => (horizon, Ok(digests.into_iter().collect())),
+                        Err(error) => (Epoch::ZERO, Err(unreadable(error))),
+                    };
+                PartitionDigests {
+                    partition,
+                    horizon,
+                    digests,
+                    formats_followed: true,
+                }
+            })
             .collect()
     };
     tokio::task::spawn_blocking(work)
@@ -284,8 +299,14 @@ async fn verify_table(
         .unwrap_or(Epoch::ZERO);
     let mut voters: BTreeMap<PartitionId, BTreeMap<NodeId, BTreeMap<Epoch, ComponentHash>>> =
         BTreeMap::new();
+    let formats = digest_formats(&sealed);
     for ((replica, partition), digests) in &replicas {
         match &digests.digests {
+            Ok(_) if !digests.formats_followed && !formats.is_empty() => {
+                report.skipped.push(format!(
+                    "table {table}: node {replica}'s replica of partition {partition} (the node runs an older version, which hashes every epoch in the first digest format)"
+                ))
+            }
             Ok(digests) => {
                 voters
                     .entry(*partition)
@@ -433,6 +454,19 @@ fn describe(answer: &Option<ComponentHash>) -> String {
     }
 }
 
+/// The digest format of each of `sealed` that is not the first.
+fn digest_formats(
+    sealed: &[(Epoch, &EpochRecord, &crate::meta::TableVersion)],
+) -> BTreeMap<Epoch, DigestFormat> {
+    sealed
+        .iter()
+        .filter_map(|(epoch, record, _)| {
+            let format = record.seal.as_ref()?.digest_format;
+            (format != DigestFormat::Rows).then_some((*epoch, format))
+        })
+        .collect()
+}
+
 /// Every up-to-date replica's digests of `table`, by (node, partition). Replicas of nodes
 /// that are down or do not answer are listed in the report as skipped.
 async fn gather_digests(
@@ -441,6 +475,7 @@ async fn gather_digests(
     table: &str,
     report: &mut VerifyReport,
 ) -> BTreeMap<(NodeId, PartitionId), PartitionDigests> {
+    let formats = digest_formats(&sealed_epochs(state, table));
     let mut by_node: BTreeMap<NodeId, Vec<PartitionId>> = BTreeMap::new();
     for (p, placement) in state.map.partitions.iter().enumerate() {
         for replica in &placement.replicas {
@@ -452,11 +487,13 @@ async fn gather_digests(
             }
         }
     }
+    let formats = &formats;
     let calls = by_node.into_iter().map(|(replica, partitions)| async move {
         let request = DigestsRequest {
             table: table.to_string(),
             partitions,
             through: state.visible,
+            formats: formats.clone(),
         };
         let answer: Result<Vec<PartitionDigests>, String> = if replica == node.id() {
             Ok(local_digests(node, request).await)

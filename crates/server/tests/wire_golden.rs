@@ -208,6 +208,30 @@ fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                         key: "11".repeat(32),
                         signature: "22".repeat(64),
                     }),
+                    // Seals made before the format was recorded, as old logs hold them.
+                    digest_format: tessera_storage::digest::DigestFormat::Rows,
+                }),
+                min_copies: None,
+            },
+        ),
+        (
+            "commit-epoch-of-a-publish-in-columns",
+            MetaCommand::CommitEpoch {
+                epoch: Epoch(2),
+                missed: vec![],
+                changes: Some(vec![TableChangeCount {
+                    table: "kv".into(),
+                    upserts: 3,
+                    deletes: 0,
+                }]),
+                seal: Some(tessera_meta::EpochSeal {
+                    versions: vec![tessera_meta::TableVersion {
+                        table: "kv".into(),
+                        previous: tessera_common::ComponentHash([0xab; 32]),
+                        version: tessera_common::ComponentHash([0xcd; 32]),
+                    }],
+                    signature: None,
+                    digest_format: tessera_storage::digest::DigestFormat::Columns,
                 }),
                 min_copies: None,
             },
@@ -529,6 +553,19 @@ fn samples() -> Samples {
             table: "kv".into(),
             partitions: vec![PartitionId(3)],
             through: Epoch(9),
+            formats: BTreeMap::new(),
+        },
+    );
+    s.request(
+        &format!(
+            "{} formats",
+            tessera_server::verify::ACTION_PARTITION_DIGESTS
+        ),
+        tessera_server::verify::DigestsRequest {
+            table: "kv".into(),
+            partitions: vec![PartitionId(3)],
+            through: Epoch(9),
+            formats: BTreeMap::from([(Epoch(8), tessera_storage::digest::DigestFormat::Columns)]),
         },
     );
     s.request(

@@ -5,36 +5,91 @@
 //! is therefore built from content, not layout:
 //!
 //! - the **change digest** of one partition at one epoch hashes the row versions that epoch
-//!   wrote there, in a canonical form: each row as Arrow's row encoding of the columns the
-//!   table had at that epoch (types as they were then, so later widenings and added
-//!   columns do not change it), with its operation, sorted; how the rows were batched,
-//!   flushed or merged does not matter;
+//!   wrote there, in a canonical form (a [`DigestFormat`]): the columns the table had at
+//!   that epoch (types as they were then, so later widenings and added columns do not
+//!   change it), with each row's operation, in a canonical order; how the rows were
+//!   batched, flushed or merged does not matter;
 //! - the **table version id** at an epoch chains the previous version id with that epoch's
 //!   change digests, per partition it touched. Each table's version ids form a hash chain
 //!   (Pond's stream of versions): one changed row anywhere in its history changes every
 //!   later id.
 //!
 //! The publish coordinator computes the digests from the rows it routes; `tessera verify`
-//! recomputes them from the components and memory each replica holds.
+//! recomputes them from the components and memory each replica holds, in the format the
+//! epoch's seal records.
 
 use crate::catalog::TableDef;
 use crate::error::Result;
-use arrow::array::{Array, AsArray, RecordBatch};
-use arrow::compute::{cast, concat_batches, sort_to_indices, take_record_batch};
-use arrow::datatypes::{UInt64Type, UInt8Type};
-use arrow::row::{RowConverter, SortField};
+use arrow::array::{Array, ArrayRef, AsArray, RecordBatch};
+use arrow::compute::{cast, concat_batches, interleave, sort_to_indices, take_record_batch};
+use arrow::datatypes::{DataType, UInt64Type, UInt8Type};
+use arrow::row::{RowConverter, Rows, SortField};
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use tessera_common::{ComponentHash, Epoch, PartitionId, RowOp, EPOCH_COLUMN, OP_COLUMN};
 
-/// Bumped if the canonical form ever changes (old ids stay checkable by their version).
-const DIGEST_DOMAIN: &[u8] = b"tessera change digest v1";
 const VERSION_DOMAIN: &[u8] = b"tessera table version v1";
 
-/// Bytes of encoded rows gathered before each call to the hasher.
+/// Bytes gathered before each call to the hasher: hashing a few bytes at a time costs
+/// more than the hashing itself. The bytes hashed, and so the digest, are the same.
 const HASH_PIECE_BYTES: usize = 64 * 1024;
+
+// Fixed-width values are hashed as their bytes in memory, which are little-endian here.
+const _: () = assert!(
+    cfg!(target_endian = "little"),
+    "change digests hash fixed-width values as little-endian bytes"
+);
 
 /// The version id a table has before its first publish.
 pub const GENESIS: ComponentHash = ComponentHash([0; 32]);
+
+/// How a change digest turns one epoch's rows of one partition into the bytes it hashes.
+/// Each epoch's seal records the format its version ids were made in, so epochs sealed in
+/// an older one stay checkable. Both are fixed: a changed form is a new format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "u8", into = "u8")]
+pub enum DigestFormat {
+    /// Every row as Arrow's row encoding of all its columns, with its operation, sorted by
+    /// that encoding. The encoding is about twice the data's size, and making and hashing
+    /// it was most of a publish's sealing cost.
+    Rows = 1,
+    /// The rows sorted by their primary key (all columns for an append-only table) and
+    /// operation; then the operations, then each column's values, in that order. Keys are
+    /// unique within one epoch's partition (a publish repeating one is refused), so the
+    /// key alone orders them; ties (possible only in damaged data) fall back to the whole row.
+    Columns = 2,
+}
+
+impl DigestFormat {
+    /// The format new epochs are sealed in.
+    pub const CURRENT: DigestFormat = DigestFormat::Columns;
+
+    fn domain(self) -> &'static [u8] {
+        match self {
+            DigestFormat::Rows => b"tessera change digest v1",
+            DigestFormat::Columns => b"tessera change digest v2",
+        }
+    }
+}
+
+impl TryFrom<u8> for DigestFormat {
+    type Error = String;
+    fn try_from(value: u8) -> std::result::Result<Self, String> {
+        match value {
+            1 => Ok(DigestFormat::Rows),
+            2 => Ok(DigestFormat::Columns),
+            other => Err(format!(
+                "unknown change digest format {other} (this node knows 1 and 2)"
+            )),
+        }
+    }
+}
+
+impl From<DigestFormat> for u8 {
+    fn from(format: DigestFormat) -> u8 {
+        format as u8
+    }
+}
 
 /// The change digest of the row versions `epoch` wrote to one partition of `def`.
 /// `versions` are in the stored schema (the table's columns, then the epoch and operation
@@ -42,9 +97,10 @@ pub const GENESIS: ComponentHash = ComponentHash([0; 32]);
 pub fn change_digest(
     def: &TableDef,
     epoch: Epoch,
+    format: DigestFormat,
     versions: &[RecordBatch],
 ) -> Result<ComponentHash> {
-    let mut digester = ChangeDigester::new(def, epoch)?;
+    let mut digester = ChangeDigester::new(def, epoch, format)?;
     for batch in versions {
         digester.add_versions(batch)?;
     }
@@ -53,38 +109,63 @@ pub fn change_digest(
 
 /// Change digests of one table's partitions at one epoch, one partition after another: the
 /// rows of a partition are added, then [`ChangeDigester::finish`] gives its digest and
-/// starts the next. The row encoder and every buffer (encoded rows, their order, the
-/// hasher's input) are kept from one partition to the next, so a publish touching many
-/// partitions allocates them once, not once per partition and batch.
+/// starts the next. The row encoders and every buffer are kept from one partition to the
+/// next, so a publish touching many partitions allocates them once, not once per partition.
 pub struct ChangeDigester {
     epoch: Epoch,
+    format: DigestFormat,
     /// The table's columns at `epoch`: position in the stored schema, and type then.
     columns: Vec<(usize, arrow::datatypes::Field)>,
+    /// Which of `columns` order the rows: all of them ([`DigestFormat::Rows`], or a table
+    /// without a primary key), or the key's.
+    order_columns: Vec<usize>,
+    /// Encodes `order_columns` in Arrow's row format, which orders like the values.
     converter: RowConverter,
-    /// The rows added since the last `finish`, in the row encoding, and their operations.
-    rows: arrow::row::Rows,
+    /// The rows added since the last `finish`, encoded by `converter`, and their operations.
+    rows: Rows,
     ops: Vec<u8>,
+    /// The added rows' columns (`columns`, cast to their types at `epoch`), batch by batch,
+    /// and where each added row is: (batch, row). Kept only for [`DigestFormat::Columns`].
+    batches: Vec<Vec<ArrayRef>>,
+    locations: Vec<(usize, usize)>,
     /// (order prefix, row) of every added row, sorted by `finish`.
     order: Vec<(u128, u32)>,
     piece: Vec<u8>,
 }
 
 impl ChangeDigester {
-    pub fn new(def: &TableDef, epoch: Epoch) -> Result<ChangeDigester> {
+    pub fn new(def: &TableDef, epoch: Epoch, format: DigestFormat) -> Result<ChangeDigester> {
         let columns = def.columns_at(Some(epoch));
-        let converter = RowConverter::new(
-            columns
+        let key = def.primary_key_indices();
+        let order_columns: Vec<usize> = match format {
+            DigestFormat::Columns if !key.is_empty() => key
                 .iter()
-                .map(|(_, field)| SortField::new(field.data_type().clone()))
+                .map(|position| {
+                    columns
+                        .iter()
+                        .position(|(p, _)| p == position)
+                        .expect("a primary key column exists at every epoch")
+                })
+                .collect(),
+            _ => (0..columns.len()).collect(),
+        };
+        let converter = RowConverter::new(
+            order_columns
+                .iter()
+                .map(|&c| SortField::new(columns[c].1.data_type().clone()))
                 .collect(),
         )?;
         let rows = converter.empty_rows(0, 0);
         Ok(ChangeDigester {
             epoch,
+            format,
             columns,
+            order_columns,
             converter,
             rows,
             ops: Vec::new(),
+            batches: Vec::new(),
+            locations: Vec::new(),
             order: Vec::new(),
             piece: Vec::with_capacity(HASH_PIECE_BYTES + 1024),
         })
@@ -107,7 +188,7 @@ impl ChangeDigester {
             .column_by_name(OP_COLUMN)
             .expect("stored schema")
             .as_primitive::<UInt8Type>();
-        self.encode(batch)?;
+        self.append(batch)?;
         self.ops.extend_from_slice(ops.values());
         Ok(())
     }
@@ -119,15 +200,15 @@ impl ChangeDigester {
         if batch.num_rows() == 0 {
             return Ok(());
         }
-        self.encode(batch)?;
+        self.append(batch)?;
         self.ops
             .extend(std::iter::repeat_n(op as u8, batch.num_rows()));
         Ok(())
     }
 
-    /// Appends `batch`'s rows, in the row encoding of the columns the table had at the
-    /// epoch (types as they were then), to the rows added so far.
-    fn encode(&mut self, batch: &RecordBatch) -> Result<()> {
+    /// Appends `batch`'s rows: their columns as the table had them at the epoch (types as
+    /// they were then), and the encoding of the columns that order them.
+    fn append(&mut self, batch: &RecordBatch) -> Result<()> {
         let arrays = self
             .columns
             .iter()
@@ -140,52 +221,285 @@ impl ChangeDigester {
                 }
             })
             .collect::<Result<Vec<_>>>()?;
-        self.converter.append(&mut self.rows, &arrays)?;
+        let ordering: Vec<ArrayRef> = self
+            .order_columns
+            .iter()
+            .map(|&c| arrays[c].clone())
+            .collect();
+        self.converter.append(&mut self.rows, &ordering)?;
+        if self.format == DigestFormat::Columns {
+            let at = self.batches.len();
+            self.locations
+                .extend((0..batch.num_rows()).map(|row| (at, row)));
+            self.batches.push(arrays);
+        }
         Ok(())
     }
 
     /// The digest of the rows added since the last call; the digester is then empty.
     pub fn finish(&mut self) -> ComponentHash {
+        assert_eq!(
+            self.rows.num_rows(),
+            self.ops.len(),
+            "one operation per row"
+        );
+        self.sort();
+        let mut out = HashInput::new(self.format, self.order.len(), &mut self.piece);
+        match self.format {
+            DigestFormat::Rows => {
+                // Each row is (operation, length, bytes).
+                for &(_, at) in &self.order {
+                    let bytes = self.rows.row(at as usize).data();
+                    out.push(&[self.ops[at as usize]]);
+                    out.push(&(bytes.len() as u32).to_le_bytes());
+                    out.push(bytes);
+                }
+            }
+            DigestFormat::Columns => {
+                let ops: Vec<u8> = self
+                    .order
+                    .iter()
+                    .map(|&(_, at)| self.ops[at as usize])
+                    .collect();
+                out.push(&ops);
+                let sorted: Vec<(usize, usize)> = self
+                    .order
+                    .iter()
+                    .map(|&(_, at)| self.locations[at as usize])
+                    .collect();
+                // Rows often come in key order already (one batch, in order): then each
+                // column is hashed as it is, without gathering it.
+                let in_order = self.batches.len() == 1
+                    && sorted.iter().enumerate().all(|(i, &(_, row))| row == i);
+                for (c, (_, field)) in self.columns.iter().enumerate() {
+                    let column = if in_order {
+                        self.batches[0][c].clone()
+                    } else if self.batches.is_empty() {
+                        arrow::array::new_empty_array(field.data_type())
+                    } else {
+                        // The column's values in canonical order, as one array, hashed a
+                        // buffer at a time.
+                        let arrays: Vec<&dyn Array> =
+                            self.batches.iter().map(|batch| batch[c].as_ref()).collect();
+                        interleave(&arrays, &sorted)
+                            .expect("the batches' columns have one type, their type at the epoch")
+                    };
+                    hash_column(&column, &mut out);
+                }
+            }
+        }
+        let digest = out.finish();
+        self.rows.clear();
+        self.ops.clear();
+        self.batches.clear();
+        self.locations.clear();
+        digest
+    }
+
+    /// Sorts the added rows into the canonical order: by the encoding of their ordering
+    /// columns, then operation, then (only where those tie) the whole row.
+    fn sort(&mut self) {
         let (rows, ops) = (&self.rows, &self.ops);
-        assert_eq!(rows.num_rows(), ops.len(), "one operation per row");
         self.order.clear();
         self.order.extend(
             (0..rows.num_rows() as u32).map(|i| (order_prefix(rows.row(i as usize).as_ref()), i)),
         );
-        // The row encoding orders like the values, key columns included: sorting by it gives
-        // one order however the rows came. Each row's first bytes are compared as a number
-        // held in the sorted vector itself, and the rows' bytes, scattered over memory, are
-        // read only where those are equal: the same order, without a cache miss per
-        // comparison (a million rows sorted several times faster).
-        self.order.sort_unstable_by(|&(px, x), &(py, y)| {
+        // The row encoding orders like the values: sorting by it gives one order however the
+        // rows came. Each row's first bytes are compared as a number held in the sorted
+        // vector itself, and the rows' bytes, scattered over memory, are read only where
+        // those are equal: the same order, without a cache miss per comparison.
+        let by_order_columns = |&(px, x): &(u128, u32), &(py, y): &(u128, u32)| {
             px.cmp(&py)
                 .then_with(|| rows.row(x as usize).cmp(&rows.row(y as usize)))
                 .then_with(|| ops[x as usize].cmp(&ops[y as usize]))
-        });
-        let mut hasher = blake3::Hasher::new();
-        hasher.update(DIGEST_DOMAIN);
-        hasher.update(&(self.order.len() as u64).to_le_bytes());
-        // Each row is (operation, length, bytes); they are gathered into large pieces first,
-        // since hashing a few bytes at a time costs more than the hashing itself. The bytes
-        // hashed, and so the digest, are the same.
-        let piece = &mut self.piece;
-        piece.clear();
-        for &(_, at) in &self.order {
-            let bytes = rows.row(at as usize);
-            let bytes: &[u8] = bytes.as_ref();
-            piece.push(ops[at as usize]);
-            piece.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
-            piece.extend_from_slice(bytes);
-            if piece.len() >= HASH_PIECE_BYTES {
-                hasher.update(piece);
-                piece.clear();
-            }
+        };
+        self.order.sort_unstable_by(by_order_columns);
+        let whole_row = self.order_columns.len() == self.columns.len();
+        let ties = self
+            .order
+            .windows(2)
+            .any(|w| by_order_columns(&w[0], &w[1]).is_eq());
+        if ties && !whole_row {
+            let whole = self.whole_rows();
+            self.order.sort_unstable_by(|a, b| {
+                by_order_columns(a, b)
+                    .then_with(|| whole.row(a.1 as usize).cmp(&whole.row(b.1 as usize)))
+            });
         }
-        hasher.update(piece);
+    }
+
+    /// Every added row, all its columns, in the row encoding (added order).
+    fn whole_rows(&self) -> Rows {
+        let converter = RowConverter::new(
+            self.columns
+                .iter()
+                .map(|(_, field)| SortField::new(field.data_type().clone()))
+                .collect(),
+        )
+        .expect("the columns' types were encodable when the rows were added");
+        let mut whole = converter.empty_rows(0, 0);
+        for batch in &self.batches {
+            converter
+                .append(&mut whole, batch)
+                .expect("the columns' types were encodable when the rows were added");
+        }
+        whole
+    }
+}
+
+/// The bytes a digest hashes, gathered into large pieces before each call to the hasher.
+struct HashInput<'a> {
+    hasher: blake3::Hasher,
+    piece: &'a mut Vec<u8>,
+}
+
+impl<'a> HashInput<'a> {
+    fn new(format: DigestFormat, rows: usize, piece: &'a mut Vec<u8>) -> HashInput<'a> {
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(format.domain());
+        hasher.update(&(rows as u64).to_le_bytes());
         piece.clear();
-        self.rows.clear();
-        self.ops.clear();
-        ComponentHash(*hasher.finalize().as_bytes())
+        HashInput { hasher, piece }
+    }
+
+    fn push(&mut self, bytes: &[u8]) {
+        if bytes.len() >= HASH_PIECE_BYTES {
+            // Large enough to hash as it is (the hasher's input is one stream, so where it
+            // was cut does not change the digest).
+            self.hasher.update(self.piece);
+            self.piece.clear();
+            self.hasher.update(bytes);
+            return;
+        }
+        self.piece.extend_from_slice(bytes);
+        if self.piece.len() >= HASH_PIECE_BYTES {
+            self.hasher.update(self.piece);
+            self.piece.clear();
+        }
+    }
+
+    fn finish(mut self) -> ComponentHash {
+        self.hasher.update(self.piece);
+        self.piece.clear();
+        ComponentHash(*self.hasher.finalize().as_bytes())
+    }
+}
+
+/// Hashes one column's values, in canonical order, in [`DigestFormat::Columns`]' form:
+/// whether any value is null (and if so, one validity byte per row), then the values:
+/// fixed-width ones as their little-endian bytes (zeros where null), booleans as a byte
+/// each, and variable-width ones (strings, binaries, and any other type as its row
+/// encoding) as every value's length (4 bytes, little-endian; 0 where null), then every
+/// value's bytes.
+fn hash_column(column: &ArrayRef, out: &mut HashInput<'_>) {
+    let nulls = column.logical_nulls().filter(|n| n.null_count() > 0);
+    out.push(&[nulls.is_some() as u8]);
+    if let Some(nulls) = &nulls {
+        let valid: Vec<u8> = nulls.iter().map(u8::from).collect();
+        out.push(&valid);
+    }
+    let is_valid = |row: usize| nulls.as_ref().is_none_or(|n| n.is_valid(row));
+    let data_type = column.data_type();
+    if let Some(width) = data_type.primitive_width() {
+        let data = column.to_data();
+        let start = data.offset() * width;
+        let values = &data.buffers()[0].as_slice()[start..start + column.len() * width];
+        if nulls.is_none() {
+            out.push(values);
+        } else {
+            let mut values = values.to_vec();
+            for (row, value) in values.chunks_exact_mut(width).enumerate() {
+                if !is_valid(row) {
+                    value.fill(0);
+                }
+            }
+            out.push(&values);
+        }
+        return;
+    }
+    match data_type {
+        DataType::Boolean => {
+            let values = column.as_boolean();
+            let bytes: Vec<u8> = (0..column.len())
+                .map(|row| (is_valid(row) && values.value(row)) as u8)
+                .collect();
+            out.push(&bytes);
+        }
+        DataType::Utf8 => {
+            let strings = column.as_string::<i32>();
+            hash_offset_values(out, strings.value_offsets(), strings.values(), &nulls)
+        }
+        DataType::LargeUtf8 => {
+            let strings = column.as_string::<i64>();
+            hash_offset_values(out, strings.value_offsets(), strings.values(), &nulls)
+        }
+        DataType::Utf8View => hash_values(out, column.len(), is_valid, |row| {
+            column.as_string_view().value(row).as_bytes()
+        }),
+        DataType::Binary => {
+            let binaries = column.as_binary::<i32>();
+            hash_offset_values(out, binaries.value_offsets(), binaries.values(), &nulls)
+        }
+        DataType::LargeBinary => {
+            let binaries = column.as_binary::<i64>();
+            hash_offset_values(out, binaries.value_offsets(), binaries.values(), &nulls)
+        }
+        DataType::BinaryView => hash_values(out, column.len(), is_valid, |row| {
+            column.as_binary_view().value(row)
+        }),
+        DataType::FixedSizeBinary(_) => hash_values(out, column.len(), is_valid, |row| {
+            column.as_fixed_size_binary().value(row)
+        }),
+        other => {
+            // Nested and rare types: the row encoding of this column alone.
+            let encoded = RowConverter::new(vec![SortField::new(other.clone())])
+                .and_then(|converter| converter.convert_columns(std::slice::from_ref(column)))
+                .expect("the column's type was encodable when its rows were added");
+            hash_values(out, column.len(), |_| true, |row| encoded.row(row).data());
+        }
+    }
+}
+
+/// [`hash_values`] of an array of offsets into one buffer of values, a buffer at a time
+/// where no value is null.
+fn hash_offset_values<O: arrow::array::OffsetSizeTrait>(
+    out: &mut HashInput<'_>,
+    offsets: &[O],
+    values: &[u8],
+    nulls: &Option<arrow::buffer::NullBuffer>,
+) {
+    let rows = offsets.len() - 1;
+    let is_valid = |row: usize| nulls.as_ref().is_none_or(|n| n.is_valid(row));
+    let bounds = |row: usize| (offsets[row].as_usize(), offsets[row + 1].as_usize());
+    if nulls.is_some() {
+        return hash_values(out, rows, is_valid, |row| {
+            let (start, end) = bounds(row);
+            &values[start..end]
+        });
+    }
+    let lengths: Vec<u8> = offsets
+        .windows(2)
+        .flat_map(|w| ((w[1].as_usize() - w[0].as_usize()) as u32).to_le_bytes())
+        .collect();
+    out.push(&lengths);
+    out.push(&values[offsets[0].as_usize()..offsets[rows].as_usize()]);
+}
+
+/// Hashes the lengths (4 bytes each, little-endian; 0 where not valid) of `rows` values,
+/// then their bytes, as `value` reads them.
+fn hash_values<'a>(
+    out: &mut HashInput<'_>,
+    rows: usize,
+    is_valid: impl Fn(usize) -> bool,
+    value: impl Fn(usize) -> &'a [u8],
+) {
+    let value = |row: usize| if is_valid(row) { value(row) } else { &[][..] };
+    let lengths: Vec<u8> = (0..rows)
+        .flat_map(|row| (value(row).len() as u32).to_le_bytes())
+        .collect();
+    out.push(&lengths);
+    for row in 0..rows {
+        out.push(value(row));
     }
 }
 
@@ -201,10 +515,11 @@ fn order_prefix(bytes: &[u8]) -> u128 {
 }
 
 /// The change digest of every epoch found in one partition's row versions (stored schema),
-/// by epoch.
+/// by epoch, each in the format `format_of` gives for its epoch.
 pub fn digests_by_epoch(
     def: &TableDef,
     versions: &[RecordBatch],
+    format_of: impl Fn(Epoch) -> DigestFormat,
 ) -> Result<BTreeMap<Epoch, ComponentHash>> {
     let versions: Vec<&RecordBatch> = versions.iter().filter(|b| b.num_rows() > 0).collect();
     let Some(first) = versions.first() else {
@@ -230,7 +545,11 @@ pub fn digests_by_epoch(
             .find(|&i| epochs.value(i) != epoch)
             .unwrap_or(sorted.num_rows());
         let slice = sorted.slice(start, end - start);
-        digests.insert(Epoch(epoch), change_digest(def, Epoch(epoch), &[slice])?);
+        let epoch = Epoch(epoch);
+        digests.insert(
+            epoch,
+            change_digest(def, epoch, format_of(epoch), &[slice])?,
+        );
         start = end;
     }
     Ok(digests)
@@ -259,291 +578,4 @@ pub fn table_version_id(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::versions::{stamp, tombstone_rows};
-    use arrow::array::{Int64Array, StringArray};
-    use arrow::datatypes::{DataType, Field, Schema};
-    use std::sync::Arc;
-    use tessera_common::RowOp;
-
-    fn def() -> TableDef {
-        let schema = Schema::new(vec![
-            Field::new("id", DataType::Int64, false),
-            Field::new("name", DataType::Utf8, true),
-        ]);
-        TableDef::new("t", schema, vec!["id".into()], None).unwrap()
-    }
-
-    fn rows(def: &TableDef, ids: &[i64], names: &[&str]) -> RecordBatch {
-        RecordBatch::try_new(
-            def.schema_ref(),
-            vec![
-                Arc::new(Int64Array::from(ids.to_vec())),
-                Arc::new(StringArray::from(names.to_vec())),
-            ],
-        )
-        .unwrap()
-    }
-
-    #[test]
-    fn a_digest_ignores_batching_and_order_but_not_content() {
-        let def = def();
-        let e = Epoch(3);
-        let whole = stamp(
-            &def,
-            &rows(&def, &[1, 2, 3], &["a", "b", "c"]),
-            e,
-            RowOp::Upsert,
-        )
-        .unwrap();
-        let split = [
-            stamp(&def, &rows(&def, &[3], &["c"]), e, RowOp::Upsert).unwrap(),
-            stamp(&def, &rows(&def, &[2, 1], &["b", "a"]), e, RowOp::Upsert).unwrap(),
-        ];
-        let digest = change_digest(&def, e, &[whole]).unwrap();
-        assert_eq!(change_digest(&def, e, &split).unwrap(), digest);
-        let changed = stamp(
-            &def,
-            &rows(&def, &[1, 2, 3], &["a", "b", "C"]),
-            e,
-            RowOp::Upsert,
-        )
-        .unwrap();
-        assert_ne!(change_digest(&def, e, &[changed]).unwrap(), digest);
-        // A delete of a key is not an upsert of it.
-        let keys = rows(&def, &[1], &["a"]).project(&[0]).unwrap();
-        let delete = stamp(
-            &def,
-            &tombstone_rows(&def, &keys).unwrap(),
-            e,
-            RowOp::Delete,
-        )
-        .unwrap();
-        let upsert_null = stamp(
-            &def,
-            &tombstone_rows(&def, &keys).unwrap(),
-            e,
-            RowOp::Upsert,
-        )
-        .unwrap();
-        assert_ne!(
-            change_digest(&def, e, &[delete]).unwrap(),
-            change_digest(&def, e, &[upsert_null]).unwrap()
-        );
-    }
-
-    /// A digester fed unstamped rows with their operation, partition after partition,
-    /// gives each partition the digest of its stamped versions on their own.
-    #[test]
-    fn a_digester_reused_across_partitions_digests_each_as_its_stamped_rows() {
-        let def = def();
-        let e = Epoch(5);
-        let first = rows(&def, &[1, 2, 3], &["a", "b", "c"]);
-        let second = rows(&def, &[9, 8], &["i", "h"]);
-        let deleted =
-            tombstone_rows(&def, &rows(&def, &[4], &["d"]).project(&[0]).unwrap()).unwrap();
-        let mut digester = ChangeDigester::new(&def, e).unwrap();
-        digester.add(&first, RowOp::Upsert).unwrap();
-        digester.add(&deleted, RowOp::Delete).unwrap();
-        let first_digest = digester.finish();
-        digester.add(&second, RowOp::Upsert).unwrap();
-        let second_digest = digester.finish();
-        let stamped = |batch: &RecordBatch, op| stamp(&def, batch, e, op).unwrap();
-        assert_eq!(
-            first_digest,
-            change_digest(
-                &def,
-                e,
-                &[
-                    stamped(&first, RowOp::Upsert),
-                    stamped(&deleted, RowOp::Delete)
-                ]
-            )
-            .unwrap()
-        );
-        assert_eq!(
-            second_digest,
-            change_digest(&def, e, &[stamped(&second, RowOp::Upsert)]).unwrap()
-        );
-        assert_ne!(first_digest, second_digest);
-        // Finished and fed nothing: the digest of no rows, not of the last partition's.
-        assert_eq!(digester.finish(), change_digest(&def, e, &[]).unwrap());
-    }
-
-    /// Rows whose first 16 encoded bytes agree are ordered by their whole encoding: the
-    /// digest still does not depend on the order they came in.
-    #[test]
-    fn rows_sharing_a_long_prefix_still_digest_the_same_in_any_order() {
-        let schema = Schema::new(vec![
-            Field::new("name", DataType::Utf8, false),
-            Field::new("id", DataType::Int64, false),
-        ]);
-        let def = TableDef::new("t", schema, vec!["name".into()], None).unwrap();
-        let names: Vec<String> = (0..2000)
-            .map(|i| format!("a long shared prefix, then {}", (i * 7919) % 2000))
-            .collect();
-        let batch = |order: &[usize]| {
-            let rows = RecordBatch::try_new(
-                def.schema_ref(),
-                vec![
-                    Arc::new(StringArray::from_iter_values(
-                        order.iter().map(|&i| names[i].as_str()),
-                    )),
-                    Arc::new(Int64Array::from_iter_values(
-                        order.iter().map(|&i| i as i64),
-                    )),
-                ],
-            )
-            .unwrap();
-            stamp(&def, &rows, Epoch(2), RowOp::Upsert).unwrap()
-        };
-        let forward: Vec<usize> = (0..2000).collect();
-        let backward: Vec<usize> = (0..2000).rev().collect();
-        let shuffled: Vec<usize> = (0..2000).map(|i| (i * 1237) % 2000).collect();
-        let digest = change_digest(&def, Epoch(2), &[batch(&forward)]).unwrap();
-        assert_eq!(
-            change_digest(&def, Epoch(2), &[batch(&backward)]).unwrap(),
-            digest
-        );
-        let (a, b) = shuffled.split_at(700);
-        assert_eq!(
-            change_digest(&def, Epoch(2), &[batch(b), batch(a)]).unwrap(),
-            digest
-        );
-    }
-
-    /// The canonical form is fixed (a changed one is a new `DIGEST_DOMAIN`): this digest
-    /// was computed when the form was defined, and signed chains on disk depend on it.
-    #[test]
-    fn the_canonical_form_is_pinned() {
-        let def = def();
-        let e = Epoch(7);
-        let ids: Vec<i64> = (0..5000).rev().collect();
-        let names: Vec<String> = ids.iter().map(|i| format!("name-{i}")).collect();
-        let names: Vec<&str> = names.iter().map(String::as_str).collect();
-        let upserts = stamp(&def, &rows(&def, &ids, &names), e, RowOp::Upsert).unwrap();
-        let keys = rows(&def, &[9001], &["x"]).project(&[0]).unwrap();
-        let delete = stamp(
-            &def,
-            &tombstone_rows(&def, &keys).unwrap(),
-            e,
-            RowOp::Delete,
-        )
-        .unwrap();
-        let digest = change_digest(&def, e, &[upserts, delete]).unwrap();
-        assert_eq!(
-            digest.to_hex(),
-            "141077b9530a30b19536e92bb04aab7c0a3228debbfc4961a50234daaa3be49e"
-        );
-    }
-
-    #[test]
-    fn digests_by_epoch_match_each_epoch_on_its_own() {
-        let def = def();
-        let first = stamp(
-            &def,
-            &rows(&def, &[1, 2], &["a", "b"]),
-            Epoch(1),
-            RowOp::Upsert,
-        )
-        .unwrap();
-        let second = stamp(&def, &rows(&def, &[2], &["B"]), Epoch(2), RowOp::Upsert).unwrap();
-        let mixed = concat_batches(&first.schema(), [&second, &first]).unwrap();
-        let digests = digests_by_epoch(&def, &[mixed]).unwrap();
-        assert_eq!(digests.len(), 2);
-        assert_eq!(
-            digests[&Epoch(1)],
-            change_digest(&def, Epoch(1), &[first]).unwrap()
-        );
-        assert_eq!(
-            digests[&Epoch(2)],
-            change_digest(&def, Epoch(2), &[second]).unwrap()
-        );
-    }
-
-    #[test]
-    fn a_version_id_chains_its_predecessor() {
-        let digests = BTreeMap::from([(PartitionId(4), ComponentHash([7; 32]))]);
-        let one = table_version_id("t", Epoch(1), &GENESIS, &digests);
-        let two = table_version_id("t", Epoch(2), &one, &digests);
-        assert_ne!(one, two);
-        assert_ne!(two, table_version_id("t", Epoch(2), &GENESIS, &digests));
-        assert_ne!(one, table_version_id("u", Epoch(1), &GENESIS, &digests));
-    }
-}
-
-#[cfg(test)]
-mod timing {
-    use super::*;
-    use crate::versions::stamp;
-    use arrow::array::{Float64Array, Int64Array, StringArray};
-    use arrow::datatypes::{DataType, Field, Schema};
-    use std::sync::Arc;
-    use tessera_common::RowOp;
-
-    /// `cargo test --release -p tessera-storage digest_timing -- --ignored --nocapture`
-    #[test]
-    #[ignore]
-    fn digest_timing() {
-        let schema = Schema::new(vec![
-            Field::new("k", DataType::Int64, false),
-            Field::new("line", DataType::Int64, false),
-            Field::new("qty", DataType::Float64, false),
-            Field::new("price", DataType::Float64, false),
-            Field::new("comment", DataType::Utf8, false),
-        ]);
-        let def = TableDef::new("t", schema, vec!["k".into(), "line".into()], None).unwrap();
-        let n = 1_000_000i64;
-        let mut x: u64 = 12345;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
-        let keys: Vec<i64> = (0..n).map(|_| (next() % 10_000_000) as i64).collect();
-        let batch = RecordBatch::try_new(
-            def.schema_ref(),
-            vec![
-                Arc::new(Int64Array::from(keys.clone())),
-                Arc::new(Int64Array::from((0..n).map(|i| i % 7).collect::<Vec<_>>())),
-                Arc::new(Float64Array::from(
-                    (0..n).map(|i| i as f64).collect::<Vec<_>>(),
-                )),
-                Arc::new(Float64Array::from(
-                    (0..n).map(|i| i as f64 * 1.5).collect::<Vec<_>>(),
-                )),
-                Arc::new(StringArray::from_iter_values(
-                    (0..n).map(|i| format!("a comment of some length, row {i}")),
-                )),
-            ],
-        )
-        .unwrap();
-        let e = Epoch(3);
-        let stamped = stamp(&def, &batch, e, RowOp::Upsert).unwrap();
-        let batches: Vec<RecordBatch> = (0..10)
-            .map(|i| stamped.slice(i * 100_000, 100_000))
-            .collect();
-        for _ in 0..3 {
-            let started = std::time::Instant::now();
-            let digest = change_digest(&def, e, &batches).unwrap();
-            println!(
-                "change_digest of {n} rows: {:?} ({digest})",
-                started.elapsed()
-            );
-        }
-        let started = std::time::Instant::now();
-        let mut bytes = 0;
-        for b in &batches {
-            let mut w = arrow::ipc::writer::StreamWriter::try_new(Vec::new(), &b.schema()).unwrap();
-            w.write(b).unwrap();
-            w.finish().unwrap();
-            bytes += w.into_inner().unwrap().len();
-        }
-        println!(
-            "IPC encoding of the same rows ({bytes} bytes): {:?}",
-            started.elapsed()
-        );
-    }
-}
+mod tests;

@@ -9,7 +9,7 @@ use arrow::datatypes::{DataType, Field};
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
 use tessera_common::{ComponentHash, Epoch, PartitionId, RowOp};
-use tessera_storage::digest::change_digest;
+use tessera_storage::digest::{change_digest, DigestFormat};
 use tessera_storage::evolution::AlterColumn;
 use tessera_storage::versions::{conform_to_schema, split_by_partition, stamp, tombstone_rows};
 use tessera_storage::{Store, StoreConfig, TableChanges};
@@ -42,6 +42,7 @@ fn content(versions: &[RecordBatch]) -> Vec<String> {
 /// the publish coordinator does (from the rows routed, before the store sees them).
 fn publish(
     store: &Store,
+    format: DigestFormat,
     upserts: RecordBatch,
     deletes: RecordBatch,
     expected: &mut Digests,
@@ -72,15 +73,18 @@ fn publish(
         .unwrap();
     assert_eq!(published, epoch);
     for (p, versions) in by_partition {
-        expected.insert((p, epoch), change_digest(&def, epoch, &versions).unwrap());
+        expected.insert(
+            (p, epoch),
+            change_digest(&def, epoch, format, &versions).unwrap(),
+        );
         contents.insert((p, epoch), content(&versions));
     }
 }
 
-fn recomputed(store: &Store) -> Digests {
+fn recomputed(store: &Store, format: DigestFormat) -> Digests {
     let mut digests = Digests::new();
     for p in store.ring().partitions() {
-        let (horizon, by_epoch) = store.partition_digests("kv", p).unwrap();
+        let (horizon, by_epoch) = store.partition_digests("kv", p, |_| format).unwrap();
         assert_eq!(horizon, Epoch::ZERO);
         for (epoch, digest) in by_epoch {
             digests.insert((p, epoch), digest);
@@ -90,7 +94,16 @@ fn recomputed(store: &Store) -> Digests {
 }
 
 #[test]
-fn digests_survive_flushes_merges_and_an_added_column() {
+fn digests_in_rows_survive_flushes_merges_and_an_added_column() {
+    digests_survive_flushes_merges_and_an_added_column(DigestFormat::Rows);
+}
+
+#[test]
+fn digests_in_columns_survive_flushes_merges_and_an_added_column() {
+    digests_survive_flushes_merges_and_an_added_column(DigestFormat::Columns);
+}
+
+fn digests_survive_flushes_merges_and_an_added_column(format: DigestFormat) {
     let dir = tempfile::tempdir().unwrap();
     let config = StoreConfig {
         partitions: 4,
@@ -125,6 +138,7 @@ fn digests_survive_flushes_merges_and_an_added_column() {
         };
         publish(
             &store,
+            format,
             upserts,
             batch(vec![deletes], &["k"]),
             &mut expected,
@@ -169,12 +183,12 @@ fn digests_survive_flushes_merges_and_an_added_column() {
         distinct_contents.len(),
         "one change set per digest"
     );
-    assert_eq!(recomputed(&store), expected, "before a restart");
+    assert_eq!(recomputed(&store, format), expected, "before a restart");
     store.checkpoint().unwrap();
     drop(store);
     let store = Store::open(dir.path(), StoreConfig::default()).unwrap();
     assert_eq!(
-        recomputed(&store),
+        recomputed(&store, format),
         expected,
         "after a checkpoint, merges and a restart"
     );

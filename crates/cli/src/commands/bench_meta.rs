@@ -155,6 +155,7 @@ impl History {
                     version,
                 }],
                 signature: None,
+                digest_format: tessera_storage::digest::DigestFormat::CURRENT,
             }),
             min_copies: Some(2),
         })?;

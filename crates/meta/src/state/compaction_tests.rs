@@ -163,6 +163,7 @@ fn a_tables_chain_resumes_at_the_compaction_point() {
                     version,
                 }],
                 signature: None,
+                digest_format: tessera_storage::digest::DigestFormat::CURRENT,
             }),
             min_copies: None,
         };

@@ -6,7 +6,7 @@ use super::access_tests::{allocate, by, consortium, epoch_of, refused};
 use super::*;
 use crate::seal::{signed_message, EpochSeal, EpochSignature, SignatureStatus, TableVersion};
 use tessera_common::signing::SigningKey;
-use tessera_storage::digest::GENESIS;
+use tessera_storage::digest::{DigestFormat, GENESIS};
 
 fn version(byte: u8) -> ComponentHash {
     ComponentHash([byte; 32])
@@ -34,6 +34,7 @@ fn seal(
             Some(user),
             participant.as_deref(),
             &versions,
+            DigestFormat::CURRENT,
             &[],
         );
         EpochSignature {
@@ -44,6 +45,7 @@ fn seal(
     EpochSeal {
         versions,
         signature,
+        digest_format: DigestFormat::CURRENT,
     }
 }
 
@@ -154,6 +156,7 @@ fn the_operator_may_not_publish_unsigned_to_a_signing_owners_table() {
             version: version(1),
         }],
         signature: None,
+        digest_format: DigestFormat::CURRENT,
     };
     let reason = refused(state.apply(22, commit_sealed(epoch, unsigned)).0);
     assert!(

@@ -162,19 +162,20 @@ impl Store {
     }
 
     /// The change digest of every epoch this node holds of one partition of `table`, from
-    /// its components (each hashed again now) and memory, with the table's
-    /// retention horizon: epochs at or below it may have been merged away, so their
-    /// digests are not reproducible (see [`crate::digest`]).
+    /// its components (each hashed again now) and memory, each in the format `format_of`
+    /// gives for its epoch, with the table's retention horizon: epochs at or below it may
+    /// have been merged away, so their digests are not reproducible (see [`crate::digest`]).
     pub fn partition_digests(
         &self,
         table: &str,
         partition: PartitionId,
+        format_of: impl Fn(Epoch) -> crate::digest::DigestFormat,
     ) -> Result<(Epoch, BTreeMap<Epoch, ComponentHash>)> {
         let def = self
             .table_def(table)
             .ok_or_else(|| StorageError::UnknownTable(table.to_string()))?;
         let versions = self.read_partition_versions(table, partition, Epoch::ZERO, true)?;
-        let digests = crate::digest::digests_by_epoch(&def, &versions)?;
+        let digests = crate::digest::digests_by_epoch(&def, &versions, format_of)?;
         Ok((self.retention_horizon(table), digests))
     }
 
