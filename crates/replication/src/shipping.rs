@@ -143,13 +143,8 @@ pub async fn pull_from_primaries(
     let mut installed = 0;
     for (table, generation, partition) in partitions {
         let view = node.meta.view();
-        let current = view
-            .state
-            .tables
-            .get(&table)
-            .is_some_and(|def| def.generation == generation);
-        let primary = view.state.map.partitions[partition.0 as usize].primary;
-        let Some(primary) = primary.filter(|p| current && *p != node.id()) else {
+        let Some(primary) = primary_to_pull(&view.state, &table, generation, partition, node.id())
+        else {
             continue;
         };
         let addr = node.meta.require_addr(primary)?;
@@ -188,6 +183,25 @@ pub async fn pull_from_primaries(
     Ok(installed)
 }
 
+/// The primary to pull a partition's components from, as this node's metadata knows it:
+/// none if the table is gone or replaced, the partition unknown (a wiped node taken back is
+/// told of checkpoints before its metadata has caught up; the next one retries), or this
+/// node is the primary itself.
+fn primary_to_pull(
+    state: &tessera_meta::MetaState,
+    table: &str,
+    generation: u64,
+    partition: PartitionId,
+    me: NodeId,
+) -> Option<NodeId> {
+    let current = state
+        .tables
+        .get(table)
+        .is_some_and(|def| def.generation == generation);
+    let placement = state.map.partitions.get(partition.0 as usize)?;
+    placement.primary.filter(|p| current && *p != me)
+}
+
 /// One node-to-node action whose reply may be a refusal.
 async fn call<Req: serde::Serialize, Resp: serde::de::DeserializeOwned>(
     node: &Replication,
@@ -211,4 +225,21 @@ async fn call<Req: serde::Serialize, Resp: serde::de::DeserializeOwned>(
         what: kind,
         reason: format!("{refusal:?}"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wiped node taken back hears of a checkpoint before its metadata knows any
+    /// partition: there is nothing to pull yet (it once panicked indexing the empty map).
+    #[test]
+    fn a_partition_the_metadata_does_not_know_yet_is_not_pulled() {
+        let empty = tessera_meta::MetaState::default();
+        assert!(empty.map.partitions.is_empty());
+        assert_eq!(
+            primary_to_pull(&empty, "kv", 1, PartitionId(0), NodeId(3)),
+            None
+        );
+    }
 }
