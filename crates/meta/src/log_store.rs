@@ -155,12 +155,13 @@ impl LogStore {
         };
         let mut waiting = on_disk.clone();
         let covered = waiting.wait_for(|last| last.is_some_and(|last| last >= index));
+        // Whether the snapshot came in time, and if so whether the state machine still lives.
         let outcome = tokio::time::timeout(SNAPSHOT_ON_DISK_PATIENCE, covered)
             .await
-            .map(|covered| covered.map(|_| ()));
+            .map(|covered| covered.is_ok());
         match outcome {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(_)) => Err(io_error(format!(
+            Ok(true) => Ok(()),
+            Ok(false) => Err(io_error(format!(
                 "cannot purge the metadata log through index {index}: the state machine is gone"
             ))),
             Err(_) => Err(io_error(format!(
@@ -410,23 +411,27 @@ mod tests {
         assert_eq!(indices_on_disk(dir.path()).await, vec![9, 10]);
     }
 
-    /// A purge the snapshot on disk already covers goes ahead at once (a leader purges
-    /// behind the snapshots it built itself).
+    /// A purge the snapshot on disk covers, up to its last index, goes ahead at once (a
+    /// leader purges behind the snapshots it built itself); one index past it waits.
     #[tokio::test]
-    async fn a_purge_behind_the_snapshot_on_disk_goes_ahead() {
+    async fn a_purge_goes_ahead_exactly_as_far_as_the_snapshot_on_disk() {
         let dir = tempfile::tempdir().unwrap();
         write_entries(dir.path(), 1..11);
-        let (_on_disk, snapshot_on_disk) = tokio::sync::watch::channel(Some(9));
+        let (_on_disk, snapshot_on_disk) = tokio::sync::watch::channel(Some(6));
         let mut store = LogStore::open(dir.path())
             .unwrap()
             .purge_only_behind(snapshot_on_disk);
-        tokio::time::timeout(
-            std::time::Duration::from_secs(5),
-            store.purge(entry(6).log_id),
-        )
-        .await
-        .expect("no wait")
-        .unwrap();
+        let patience = std::time::Duration::from_millis(300);
+        tokio::time::timeout(patience, store.purge(entry(6).log_id))
+            .await
+            .expect("the snapshot through 6 covers a purge through 6")
+            .unwrap();
+        assert_eq!(indices_on_disk(dir.path()).await, vec![7, 8, 9, 10]);
+        let past = tokio::time::timeout(patience, store.purge(entry(7).log_id)).await;
+        assert!(
+            past.is_err(),
+            "a purge through 7 waits for a snapshot through 7"
+        );
         assert_eq!(indices_on_disk(dir.path()).await, vec![7, 8, 9, 10]);
     }
 }

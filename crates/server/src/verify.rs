@@ -290,8 +290,9 @@ async fn verify_table(
             state.table_head(table)
         ));
     }
-    // The data, from every up-to-date replica.
-    let replicas = gather_digests(node, state, table, report).await;
+    // The data, from every up-to-date replica, each epoch hashed in its seal's format.
+    let formats = digest_formats(&sealed);
+    let replicas = gather_digests(node, state, table, &formats, report).await;
     let horizon = replicas
         .values()
         .map(|r| r.horizon)
@@ -299,7 +300,6 @@ async fn verify_table(
         .unwrap_or(Epoch::ZERO);
     let mut voters: BTreeMap<PartitionId, BTreeMap<NodeId, BTreeMap<Epoch, ComponentHash>>> =
         BTreeMap::new();
-    let formats = digest_formats(&sealed);
     for ((replica, partition), digests) in &replicas {
         match &digests.digests {
             Ok(_) if !digests.formats_followed && !formats.is_empty() => {
@@ -473,9 +473,9 @@ async fn gather_digests(
     node: &Arc<Node>,
     state: &MetaState,
     table: &str,
+    formats: &BTreeMap<Epoch, DigestFormat>,
     report: &mut VerifyReport,
 ) -> BTreeMap<(NodeId, PartitionId), PartitionDigests> {
-    let formats = digest_formats(&sealed_epochs(state, table));
     let mut by_node: BTreeMap<NodeId, Vec<PartitionId>> = BTreeMap::new();
     for (p, placement) in state.map.partitions.iter().enumerate() {
         for replica in &placement.replicas {
@@ -487,7 +487,6 @@ async fn gather_digests(
             }
         }
     }
-    let formats = &formats;
     let calls = by_node.into_iter().map(|(replica, partitions)| async move {
         let request = DigestsRequest {
             table: table.to_string(),

@@ -149,12 +149,7 @@ impl ChangeDigester {
                 .collect(),
             _ => (0..columns.len()).collect(),
         };
-        let converter = RowConverter::new(
-            order_columns
-                .iter()
-                .map(|&c| SortField::new(columns[c].1.data_type().clone()))
-                .collect(),
-        )?;
+        let converter = row_converter(order_columns.iter().map(|&c| &columns[c].1))?;
         let rows = converter.empty_rows(0, 0);
         Ok(ChangeDigester {
             epoch,
@@ -330,13 +325,8 @@ impl ChangeDigester {
 
     /// Every added row, all its columns, in the row encoding (added order).
     fn whole_rows(&self) -> Rows {
-        let converter = RowConverter::new(
-            self.columns
-                .iter()
-                .map(|(_, field)| SortField::new(field.data_type().clone()))
-                .collect(),
-        )
-        .expect("the columns' types were encodable when the rows were added");
+        let converter = row_converter(self.columns.iter().map(|(_, field)| field))
+            .expect("the columns' types were encodable when the rows were added");
         let mut whole = converter.empty_rows(0, 0);
         for batch in &self.batches {
             converter
@@ -345,6 +335,16 @@ impl ChangeDigester {
         }
         whole
     }
+}
+
+/// A row encoder of `fields`' types, in order.
+fn row_converter<'a>(
+    fields: impl Iterator<Item = &'a arrow::datatypes::Field>,
+) -> Result<RowConverter> {
+    let sort_fields = fields
+        .map(|field| SortField::new(field.data_type().clone()))
+        .collect();
+    Ok(RowConverter::new(sort_fields)?)
 }
 
 /// The bytes a digest hashes, gathered into large pieces before each call to the hasher.
