@@ -20,7 +20,8 @@
 //!
 //! The default run is short (CI). The long run is a command:
 //! `TESSERA_FAULTS=1000 TESSERA_FAULTS_VOTERS=5 cargo faults` (an alias in
-//! `.cargo/config.toml`); `TESSERA_FAULTS_SEED` replays a run's schedule.
+//! `.cargo/config.toml`); `TESSERA_FAULTS_SEED` replays a run's schedule, and
+//! `TESSERA_FAULTS_KINDS=SlowLinks` (comma-separated) injects only the kinds it names.
 
 mod common;
 
@@ -168,6 +169,25 @@ const KINDS: [Kind; 12] = [
     Kind::Wipe,
 ];
 
+/// The kinds this run injects: all of them, or those `TESSERA_FAULTS_KINDS` names
+/// (comma-separated, as printed, e.g. `SlowLinks,Kill`) to hammer one.
+fn kinds_wanted() -> Vec<Kind> {
+    let Ok(names) = std::env::var("TESSERA_FAULTS_KINDS") else {
+        return KINDS.to_vec();
+    };
+    names
+        .split(',')
+        .map(|name| {
+            *KINDS
+                .iter()
+                .find(|kind| format!("{kind:?}").eq_ignore_ascii_case(name.trim()))
+                .unwrap_or_else(|| {
+                    panic!("TESSERA_FAULTS_KINDS: no fault kind {name:?}; the kinds are {KINDS:?}")
+                })
+        })
+        .collect()
+}
+
 /// How long a node's fsync may hang before it stops itself: shorter than most faults last,
 /// so a stall strikes within its fault.
 const DISK_STALL_MS: &str = "2000";
@@ -206,6 +226,9 @@ struct Nemesis {
     /// node's disk can go, whatever replicas are stale; two unrecovered wipes could take
     /// both copies, which is beyond what the setting promises.
     wipe_unrecovered: bool,
+    /// What the last fault did beyond its kind and nodes (a slow link's figures), printed
+    /// with it.
+    detail: Option<String>,
 }
 
 impl Nemesis {
@@ -284,6 +307,13 @@ impl Nemesis {
                         link.set(faults.clone());
                     }
                 }
+                self.detail = Some(format!(
+                    ": delay {:?} + up to {:?}, stalls of {:?}, {} KiB/s",
+                    faults.delay,
+                    faults.jitter,
+                    faults.stall,
+                    faults.bytes_per_second.unwrap_or_default() >> 10
+                ));
                 (nodes, leader)
             }
             Kind::ResetLinks => {
@@ -661,9 +691,12 @@ fn print_availability(
 async fn a_seeded_fault_run_keeps_every_guarantee() {
     let faults_wanted: usize = env_or("TESSERA_FAULTS", 10);
     let voters: u64 = env_or("TESSERA_FAULTS_VOTERS", 3);
+    let kinds = kinds_wanted();
+    // TESSERA_FAULTS_HELD_SHARE=1 holds every fault past its bound: to hunt a missed bound.
+    let held_share: f64 = env_or("TESSERA_FAULTS_HELD_SHARE", HELD_PAST_BOUND_SHARE);
     // The default suite replays one schedule; long runs pick their own seeds.
     let seed: u64 = env_or("TESSERA_FAULTS_SEED", 15);
-    println!("fault run: seed {seed} (TESSERA_FAULTS_SEED reruns it), {faults_wanted} faults, {voters} voters");
+    println!("fault run: seed {seed} (TESSERA_FAULTS_SEED reruns it), {faults_wanted} faults of {kinds:?}, {voters} voters");
 
     let root = tempfile::Builder::new()
         .prefix("tessera-fault-run-")
@@ -734,6 +767,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         rng: StdRng::seed_from_u64(seed ^ 0xfa017),
         leader_hint: None,
         wipe_unrecovered: false,
+        detail: None,
     };
     let mut faults = Vec::new();
     let mut stopped_by_themselves: Vec<(usize, u64, String)> = Vec::new();
@@ -755,7 +789,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         // A fault to be held past its bound tests the bound only if it begins on a
         // recovered cluster; the next fault often comes before the last one's aftermath
         // is over, so wait for that (a while at most) first.
-        let wants_held_past_bound = nemesis.rng.random_bool(HELD_PAST_BOUND_SHARE);
+        let wants_held_past_bound = nemesis.rng.random_bool(held_share);
         let waiting_since = Instant::now();
         let (mut on_recovered, mut map);
         loop {
@@ -769,7 +803,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
         nemesis.wipe_unrecovered &= !on_recovered;
-        let kind = match KINDS[nemesis.rng.random_range(0..KINDS.len())] {
+        let kind = match kinds[nemesis.rng.random_range(0..kinds.len())] {
             Kind::Wipe if nemesis.wipe_unrecovered => Kind::Kill,
             kind => kind,
         };
@@ -795,12 +829,13 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         let acknowledged_at_heal = acknowledged.lock().unwrap().len();
         let quiet = nemesis.rng.random_bool(QUIET_HEAL_SHARE);
         println!(
-            "fault {n}: {kind:?} on {nodes:?}{} for {hold:?}",
+            "fault {n}: {kind:?} on {nodes:?}{} for {hold:?}{}",
             if leader_inside {
                 " (leader inside)"
             } else {
                 ""
-            }
+            },
+            nemesis.detail.take().unwrap_or_default()
         );
         faults.push(Fault {
             kind,

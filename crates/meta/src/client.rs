@@ -160,23 +160,20 @@ impl MetaClient {
         Err(MetaError::NoPeerAnswered(refusals.join("; ")))
     }
 
+    /// Forwards a write to `leader`. Given up as soon as this node hears of another leader:
+    /// the old one's entry may then never be answered (see [`unless_leadership_moves`]).
     async fn write_at(&self, leader: NodeId, command: &MetaCommand) -> Result<MetaResponse> {
         let addr = self.require_addr(leader)?;
-        let reply: std::result::Result<std::result::Result<MetaResponse, Refusal>, CallError> =
-            self.inner
+        let forwarded = async {
+            let reply: std::result::Result<std::result::Result<_, Refusal>, CallError> = self
+                .inner
                 .clients
                 .action(&addr, ACTION_META_WRITE, command, FORWARDED_WRITE_TIMEOUT)
                 .await;
-        match reply {
-            Ok(Ok(response)) => Ok(response),
-            Ok(Err(Refusal::NotLeader { leader })) => Err(MetaError::NotLeader(leader)),
-            Ok(Err(refusal)) => Err(MetaError::Raft(format!("{refusal:?}"))),
-            Err(e) => Err(MetaError::Unreachable {
-                node: leader,
-                addr,
-                reason: e.to_string(),
-            }),
-        }
+            forwarded_reply(leader, &addr, reply)
+        };
+        let another_leads = |m: &Metrics| m.current_leader.is_some_and(|now| now != leader);
+        unless_leadership_moves(forwarded, self.inner.raft.metrics(), another_leads, leader).await
     }
 
     /// As [`MetaClient::write_as_leader`], with the state machine's refusals as errors,
@@ -201,19 +198,28 @@ impl MetaClient {
         // A leader that cannot reach a majority commits nothing until it steps down or the
         // partition heals; its callers (the duty loop among them) must not wait on it
         // forever. An entry given up on may still commit later: callers retry idempotently.
-        match tokio::time::timeout(
-            LEADER_COMMIT_PATIENCE,
-            self.inner.raft.client_write(command),
-        )
-        .await
-        {
-            Ok(Ok(response)) => Ok(response.data),
-            Ok(Err(e)) => Err(MetaError::raft(e)),
-            Err(_) => Err(MetaError::Raft(format!(
-                "this leader committed no entry within {LEADER_COMMIT_PATIENCE:?} (no majority \
-                 answers it); the entry may still commit"
-            ))),
-        }
+        //
+        // A leader deposed meanwhile gives up at once: openraft answers an entry only once
+        // it is committed or overwritten, and a deposed leader whose links are slow may hear
+        // of neither for a long time (its successor cannot complete a round trip to it).
+        let (id, term) = (self.id(), self.inner.raft.metrics().borrow().current_term);
+        let committed = async {
+            match tokio::time::timeout(
+                LEADER_COMMIT_PATIENCE,
+                self.inner.raft.client_write(command),
+            )
+            .await
+            {
+                Ok(Ok(response)) => Ok(response.data),
+                Ok(Err(e)) => Err(MetaError::raft(e)),
+                Err(_) => Err(MetaError::Raft(format!(
+                    "this leader committed no entry within {LEADER_COMMIT_PATIENCE:?} (no \
+                     majority answers it); the entry may still commit"
+                ))),
+            }
+        };
+        let deposed = |m: &Metrics| m.state != ServerState::Leader || m.current_term != term;
+        unless_leadership_moves(committed, self.inner.raft.metrics(), deposed, id).await
     }
 
     /// What a leader answers to a read-index request: its commit index, once it has
@@ -377,6 +383,60 @@ impl MetaClient {
     }
 }
 
+/// A forwarded write's reply, as the write's outcome.
+fn forwarded_reply(
+    leader: NodeId,
+    addr: &str,
+    reply: std::result::Result<std::result::Result<MetaResponse, Refusal>, CallError>,
+) -> Result<MetaResponse> {
+    match reply {
+        Ok(Ok(response)) => Ok(response),
+        Ok(Err(Refusal::NotLeader { leader })) => Err(MetaError::NotLeader(leader)),
+        Ok(Err(refusal)) => Err(MetaError::Raft(format!("{refusal:?}"))),
+        Err(e) => Err(MetaError::Unreachable {
+            node: leader,
+            addr: addr.to_string(),
+            reason: e.to_string(),
+        }),
+    }
+}
+
+type Metrics = openraft::RaftMetrics<NodeId, openraft::BasicNode>;
+
+/// Runs `write`, a write waiting on node `leader`, unless the metrics show first that the
+/// lead has moved (`moved`): then it is given up with [`MetaError::LeaderChanged`], for the
+/// caller to retry at the new leader.
+///
+/// Why: an entry a leader logged is answered only once it commits or is overwritten. A
+/// leader whose links turned slow with writes in flight cannot commit them, and after its
+/// successor's election it may hear neither (a round trip to it takes longer than Raft's
+/// one-heartbeat timeout), so the writes would wait out their whole timeout on a node that
+/// no longer leads (fault run 4702: publishes stalled 10 s).
+async fn unless_leadership_moves<T>(
+    write: impl std::future::Future<Output = Result<T>>,
+    mut metrics: watch::Receiver<Metrics>,
+    moved: impl FnMut(&Metrics) -> bool,
+    leader: NodeId,
+) -> Result<T> {
+    let lost = async {
+        // Mapped at once: the metrics guard must not be held across an await.
+        let now = metrics.wait_for(moved).await.map(|m| m.current_leader);
+        match now {
+            Ok(now) => MetaError::LeaderChanged { was: leader, now },
+            // Raft has shut down: the write's own outcome decides.
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        biased;
+        result = write => result,
+        lost = lost => {
+            tracing::info!(%lost, "gave up a metadata write waiting on a former leader; retrying at the new one");
+            Err(lost)
+        }
+    }
+}
+
 /// The state machine's refusals of a command, as errors; what it did, as it is.
 fn refusal_as_error(response: MetaResponse) -> Result<MetaResponse> {
     match response {
@@ -384,5 +444,71 @@ fn refusal_as_error(response: MetaResponse) -> Result<MetaResponse> {
         MetaResponse::TableBusy(reason) => Err(MetaError::TableBusy(reason)),
         MetaResponse::Fenced(reason) => Err(MetaError::Fenced(reason)),
         response => Ok(response),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metrics(leader: Option<u64>) -> Metrics {
+        let mut m = Metrics::new_initial(NodeId(2));
+        m.current_leader = leader.map(NodeId);
+        m
+    }
+
+    fn another_than(leader: u64) -> impl FnMut(&Metrics) -> bool {
+        move |m: &Metrics| m.current_leader.is_some_and(|now| now != NodeId(leader))
+    }
+
+    #[tokio::test]
+    async fn a_write_waiting_on_a_former_leader_is_given_up_once_another_leads() {
+        let (tx, rx) = watch::channel(metrics(Some(1)));
+        let never_answered = std::future::pending::<Result<()>>();
+        let waiting = tokio::spawn(unless_leadership_moves(
+            never_answered,
+            rx,
+            another_than(1),
+            NodeId(1),
+        ));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // An election without a winner yet, then the same leader again: keep waiting.
+        tx.send_replace(metrics(None));
+        tx.send_replace(metrics(Some(1)));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "still led by node 1: the write waits");
+        tx.send_replace(metrics(Some(3)));
+        let outcome = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("given up once node 3 leads")
+            .unwrap();
+        assert!(
+            matches!(
+                outcome,
+                Err(MetaError::LeaderChanged {
+                    was: NodeId(1),
+                    now: Some(NodeId(3))
+                })
+            ),
+            "{outcome:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_write_answered_before_the_lead_moves_keeps_its_answer() {
+        let (tx, rx) = watch::channel(metrics(Some(1)));
+        let answered = async { Ok(7) };
+        let outcome = unless_leadership_moves(answered, rx, another_than(1), NodeId(1)).await;
+        assert_eq!(outcome.unwrap(), 7);
+        // Once Raft has stopped (no more metrics), only the write's own outcome counts.
+        drop(tx);
+        let (tx, rx) = watch::channel(metrics(Some(1)));
+        drop(tx);
+        let slow = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            Ok(8)
+        };
+        let outcome = unless_leadership_moves(slow, rx, another_than(1), NodeId(1)).await;
+        assert_eq!(outcome.unwrap(), 8);
     }
 }

@@ -21,6 +21,12 @@ pub enum MetaError {
     NotCurrent { node: NodeId, reason: String },
     #[error("this node does not lead the metadata group (leader: {0:?})")]
     NotLeader(Option<NodeId>),
+    /// A write was waiting on a leader that has since lost its lead (another node was
+    /// elected, or this node was deposed): it is retried at the new one. The entry the old
+    /// leader logged commits only if that node leads again with it, so callers retry
+    /// idempotently, as after any write whose outcome is unknown.
+    #[error("node {was} stopped leading the metadata group before the write was answered (leader now: {now:?})")]
+    LeaderChanged { was: NodeId, now: Option<NodeId> },
     /// The metadata knows no address for a node (it never joined, or was retired).
     #[error("node {node} has no known address in the metadata or the configuration")]
     NoAddress { node: NodeId },
