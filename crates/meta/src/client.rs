@@ -476,7 +476,10 @@ mod tests {
         tx.send_replace(metrics(None));
         tx.send_replace(metrics(Some(1)));
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(!waiting.is_finished(), "still led by node 1: the write waits");
+        assert!(
+            !waiting.is_finished(),
+            "still led by node 1: the write waits"
+        );
         tx.send_replace(metrics(Some(3)));
         let outcome = tokio::time::timeout(Duration::from_secs(5), waiting)
             .await
