@@ -508,19 +508,16 @@ fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Avail
             let waited = first_after_heal.map_or(QUIET_WAIT, |first| *first - fault.healed);
             entry.longest_after_quiet_heal = entry.longest_after_quiet_heal.max(Some(waited));
         }
-        match first_after_heal {
-            Some(&first) => {
-                if next_fault.is_none_or(|next| first <= next) {
-                    entry.longest_after_heal_alone = entry
-                        .longest_after_heal_alone
-                        .max(Some(first - fault.healed));
-                }
-                if first - fault.healed >= entry.longest_after_heal {
-                    entry.longest_after_heal = first - fault.healed;
-                    entry.slowest_heal = Some(index);
-                }
+        if let Some(&first) = first_after_heal {
+            if next_fault.is_none_or(|next| first <= next) {
+                entry.longest_after_heal_alone = entry
+                    .longest_after_heal_alone
+                    .max(Some(first - fault.healed));
             }
-            None => {}
+            if first - fault.healed >= entry.longest_after_heal {
+                entry.longest_after_heal = first - fault.healed;
+                entry.slowest_heal = Some(index);
+            }
         }
     }
     by_kind
@@ -816,7 +813,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
             < voters as usize
             && map
                 .as_ref()
-                .is_some_and(|map| copies_left_outside(&map, &nodes, min_copies));
+                .is_some_and(|map| copies_left_outside(map, &nodes, min_copies));
         let held_past_bound = majority_unimpaired && wants_held_past_bound;
         let hold = if held_past_bound {
             held_past_bound_for(kind)
