@@ -202,7 +202,8 @@ impl MetaClient {
         // A leader deposed meanwhile gives up at once: openraft answers an entry only once
         // it is committed or overwritten, and a deposed leader whose links are slow may hear
         // of neither for a long time (its successor cannot complete a round trip to it).
-        let (id, term) = (self.id(), self.inner.raft.metrics().borrow().current_term);
+        let metrics = self.inner.raft.metrics();
+        let term = metrics.borrow().current_term;
         let committed = async {
             match tokio::time::timeout(
                 LEADER_COMMIT_PATIENCE,
@@ -219,7 +220,7 @@ impl MetaClient {
             }
         };
         let deposed = |m: &Metrics| m.state != ServerState::Leader || m.current_term != term;
-        unless_leadership_moves(committed, self.inner.raft.metrics(), deposed, id).await
+        unless_leadership_moves(committed, metrics, deposed, self.id()).await
     }
 
     /// What a leader answers to a read-index request: its commit index, once it has
