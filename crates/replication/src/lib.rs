@@ -13,6 +13,7 @@
 //! [`rebalance::copy_partitions`], [`shipping`]'s checkpoint and pull, [`failover`], [`wire`].
 
 pub mod archive;
+pub mod catch_up;
 pub mod error;
 pub mod failover;
 pub mod log_shipping;
@@ -88,6 +89,8 @@ pub struct Replication {
     /// copy's versions would replace the newer ones (found by the long fault run, seed
     /// 2605: a replica marked fresh lacked four acknowledged epochs).
     pub copying: tokio::sync::Mutex<()>,
+    /// How far this node's stale partitions got before a rebalance's lease.
+    caught_up: catch_up::CaughtUp,
 }
 
 /// What this node's heartbeats list as coordinated by it (see
@@ -192,6 +195,7 @@ impl Replication {
             shipped: Mutex::new(HashMap::new()),
             coordinating: Mutex::default(),
             copying: tokio::sync::Mutex::new(()),
+            caught_up: catch_up::CaughtUp::default(),
         }
     }
 

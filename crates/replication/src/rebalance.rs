@@ -14,6 +14,8 @@
 //! delta recovery: it fetches from the primary only the versions from the first epoch it
 //! missed, and keeps everything older (DESIGN §6, failback). If it fails again midway, the
 //! map still lists it as stale from the same epoch, and the next attempt redoes the delta.
+//! It too fetches most of its delta before the lease ([`crate::catch_up`]): the leased copy
+//! fetches only the epochs published since.
 
 use crate::error::{ReplicationError, Result};
 use crate::stall::Progress;
@@ -46,8 +48,13 @@ pub struct TransferCounts {
     pub whole_rows: u64,
     /// Partitions (of one table each) refreshed by delta, as a returning replica.
     pub delta_copies: u64,
-    /// Row versions those deltas fetched: only the epochs the replica missed.
+    /// Row versions those deltas fetched: only the epochs the replica missed, before the
+    /// rebalance took every table's lease and under it.
     pub delta_versions: u64,
+    /// Of `delta_versions`, those fetched while the rebalance held every table's lease: the
+    /// epochs published after the replica caught up before it (all, when that failed).
+    #[serde(default)]
+    pub leased_delta_versions: u64,
     /// Components fetched for whole copies before the rebalance took every table's lease.
     #[serde(default)]
     pub prefetched_components: u64,
@@ -64,6 +71,7 @@ pub struct TransferCounters {
     whole_rows: AtomicU64,
     delta_copies: AtomicU64,
     delta_versions: AtomicU64,
+    leased_delta_versions: AtomicU64,
     prefetched_components: AtomicU64,
     leased_components: AtomicU64,
 }
@@ -75,6 +83,7 @@ impl TransferCounters {
             whole_rows: self.whole_rows.load(Ordering::Relaxed),
             delta_copies: self.delta_copies.load(Ordering::Relaxed),
             delta_versions: self.delta_versions.load(Ordering::Relaxed),
+            leased_delta_versions: self.leased_delta_versions.load(Ordering::Relaxed),
             prefetched_components: self.prefetched_components.load(Ordering::Relaxed),
             leased_components: self.leased_components.load(Ordering::Relaxed),
         }
@@ -94,6 +103,12 @@ impl TransferCounters {
 
     fn delta(&self, versions: u64) {
         self.delta_copies.fetch_add(1, Ordering::Relaxed);
+        self.delta_versions.fetch_add(versions, Ordering::Relaxed);
+        self.leased_delta_versions
+            .fetch_add(versions, Ordering::Relaxed);
+    }
+
+    pub(crate) fn caught_up_before_lease(&self, versions: u64) {
         self.delta_versions.fetch_add(versions, Ordering::Relaxed);
     }
 }
@@ -151,9 +166,10 @@ pub async fn rebalance(node: &Arc<Replication>, lost: &BTreeSet<NodeId>) -> Resu
         return Ok(());
     };
     if catches_up_first(&state, &wanted, node.settings.delta_recovery) {
+        fetch_before_lease_everywhere(node, &state, &state.map, Copies::CatchUpsOnly).await;
         return switch_map(node, state.map.clone(), Copies::CatchUpsOnly).await;
     }
-    prefetch(node, &state, &wanted).await;
+    fetch_before_lease_everywhere(node, &state, &wanted, Copies::All).await;
     switch_map(node, wanted, Copies::All).await
 }
 
@@ -338,17 +354,23 @@ fn plan_copies(
 /// failed first).
 const COPY_PATIENCE: Duration = Duration::from_secs(3600);
 
-/// How long the leader waits for a target's prefetch: it holds no lease, but the next
-/// rebalance waits for it.
+/// How long the leader waits for a target's fetch before the lease: it holds no lease, but
+/// the next rebalance waits for it.
 const PREFETCH_PATIENCE: Duration = Duration::from_secs(600);
 
-/// Before a rebalance takes every table's lease, has each target fetch the components its
-/// whole copies will need, so the leased copy fetches only what the sources wrote since.
-/// Best effort: a target that fails or refuses (an older node) copies everything under
-/// the lease, as before.
-async fn prefetch(node: &Arc<Replication>, state: &MetaState, wanted: &PartitionMap) {
+/// Before a rebalance takes every table's lease, has each target fetch what its `which`
+/// copies will need: the components of its whole copies, and its deltas up to the epochs
+/// decided now. The leased copies then fetch only what the sources wrote since. Best
+/// effort: a target that fails or refuses (an older node) copies everything under the
+/// lease, as before.
+async fn fetch_before_lease_everywhere(
+    node: &Arc<Replication>,
+    state: &MetaState,
+    wanted: &PartitionMap,
+    which: Copies,
+) {
     let delta_recovery = node.settings.delta_recovery;
-    let Ok(copies) = plan_copies(state, &mut wanted.clone(), delta_recovery, Copies::All) else {
+    let Ok(copies) = plan_copies(state, &mut wanted.clone(), delta_recovery, which) else {
         return;
     };
     let tables: Vec<(String, u64)> = state
@@ -363,21 +385,21 @@ async fn prefetch(node: &Arc<Replication>, state: &MetaState, wanted: &Partition
             epoch: None,
         };
         async move {
-            let prefetched = if target == node.id() {
-                prefetch_components(node, request).await
+            let fetched = if target == node.id() {
+                fetch_before_lease(node, request).await
             } else {
                 ask_target(
                     node,
                     target,
                     ACTION_PREFETCH_COMPONENTS,
                     request,
-                    "a component prefetch",
+                    "a fetch before the lease",
                     PREFETCH_PATIENCE,
                 )
                 .await
             };
-            if let Err(error) = prefetched {
-                tracing::info!(target = target.0, %error, "a prefetch failed; the leased copy fetches what it lacks");
+            if let Err(error) = fetched {
+                tracing::info!(target = target.0, %error, "a fetch before the lease failed; the leased copy fetches what it lacks");
             }
         }
     });
@@ -528,14 +550,23 @@ async fn copy_partitions_now(
 /// Whether `moved` copies `table` whole: a new replica does, and so does a returning one
 /// whose delta is gone (a delta needs every version since the replica left; merges keep
 /// those only above the table's retention horizon).
-fn copies_whole(moved: &PartitionMove, state: &MetaState, table: &str) -> bool {
+pub(crate) fn copies_whole(moved: &PartitionMove, state: &MetaState, table: &str) -> bool {
     moved.since == Epoch::ZERO || moved.since <= state.retention_horizon(table)
+}
+
+/// What a target does before a rebalance takes every table's lease: it prefetches the
+/// components of its whole copies, then fetches its deltas up to the epochs decided now
+/// ([`crate::catch_up`]).
+pub async fn fetch_before_lease(node: &Arc<Replication>, request: CopyRequest) -> Result<()> {
+    prefetch_components(node, &request).await?;
+    crate::catch_up::catch_up_before_lease(node, &request).await?;
+    Ok(())
 }
 
 /// Fetches, by hash, the components the whole copies of `request` need and this node lacks,
 /// and keeps them without installing anything: the leased copy that follows finds them
 /// here. (What no copy installs in the end is deleted when the node next starts.)
-pub async fn prefetch_components(node: &Arc<Replication>, request: CopyRequest) -> Result<()> {
+async fn prefetch_components(node: &Arc<Replication>, request: &CopyRequest) -> Result<()> {
     let state = node.meta.view().state.clone();
     let mut prefetched = 0;
     for moved in &request.moves {
@@ -643,7 +674,8 @@ pub(crate) async fn fetch_missing_components(
     Ok(fetched)
 }
 
-/// A returning replica fetches only the versions from the first epoch it missed.
+/// A returning replica fetches only the versions from the first epoch it missed, or from
+/// past those it fetched before the lease.
 async fn copy_delta(
     node: &Arc<Replication>,
     moved: &PartitionMove,
@@ -652,31 +684,58 @@ async fn copy_delta(
     fence: Option<Epoch>,
     progress: &Progress,
 ) -> Result<()> {
+    let stale = crate::catch_up::StalePartition {
+        table: table.to_string(),
+        generation,
+        partition: moved.partition,
+        since: moved.since,
+    };
+    let since = node.caught_up.leased_since(&stale);
+    let fetched =
+        fetch_and_install_delta(node, moved, table, generation, since, fence, Some(progress))
+            .await?;
+    node.caught_up.forget(&stale);
+    node.transfers.delta(fetched);
+    tracing::info!(%table, partition = moved.partition.0, source = moved.source.0, missed_since = %moved.since, %since, rows = fetched, "copied a partition's missed versions");
+    Ok(())
+}
+
+/// Fetches from `moved.source` the versions of one partition of `table` from `since` on,
+/// and installs them in place of this node's own from then on. Returns how many it fetched.
+pub(crate) async fn fetch_and_install_delta(
+    node: &Arc<Replication>,
+    moved: &PartitionMove,
+    table: &str,
+    generation: u64,
+    since: Epoch,
+    fence: Option<Epoch>,
+    progress: Option<&Progress>,
+) -> Result<u64> {
     let addr = node.meta.require_addr(moved.source)?;
     let request = VersionsRequest {
         table: table.to_string(),
         generation,
         partition: moved.partition,
-        since: moved.since,
+        since,
     };
     let versions = node
         .clients
         .get(&addr, &request)
         .await
         .map_err(|e| copy_error(moved.source, e))?
-        .inspect_ok(|_| progress.advanced())
+        .inspect_ok(|_| {
+            progress.inspect(|p| p.advanced());
+        })
         .try_collect::<Vec<_>>()
         .await
         .map_err(|e| copy_error(moved.source, e))?;
     let fetched = versions.iter().map(|b| b.num_rows() as u64).sum();
-    let (owned, partition, since) = (table.to_string(), moved.partition, moved.since);
+    let (owned, partition) = (table.to_string(), moved.partition);
     node.on_store("installing a partition's missed versions", move |store| {
         store.install_partition_since(&owned, partition, since, versions, fence)
     })
     .await?;
-    node.transfers.delta(fetched);
-    tracing::info!(%table, partition = moved.partition.0, source = moved.source.0, since = %moved.since, rows = fetched, "copied a partition's missed versions");
-    Ok(())
+    Ok(fetched)
 }
 
 #[cfg(test)]

@@ -218,8 +218,10 @@ pub struct PartitionMove {
 }
 
 pub const ACTION_COPY_PARTITIONS: &str = "copy-partitions";
-/// The metadata leader asks a new replica, before a rebalance takes every table's lease,
-/// to fetch the components its copies will need ([`CopyRequest`], without an epoch).
+/// The metadata leader asks each target, before a rebalance takes every table's lease, to
+/// fetch what its copies will need ([`CopyRequest`], without an epoch): the components of
+/// its whole copies, and its deltas up to the epochs decided then. (The name is from when
+/// it fetched only components.)
 pub const ACTION_PREFETCH_COMPONENTS: &str = "prefetch-components";
 
 /// A standby asks a primary to checkpoint (flush) now, before it truncates its own log.

@@ -359,7 +359,7 @@ impl NodeService {
             }
             ACTION_PREFETCH_COMPONENTS => {
                 let request: CopyRequest = self.open(&caller, body)?;
-                let result = crate::rebalance::prefetch_components(&node.replication, request)
+                let result = crate::rebalance::fetch_before_lease(&node.replication, request)
                     .await
                     .map_err(|e| Refusal::Failed(e.to_string()));
                 reply(&result)

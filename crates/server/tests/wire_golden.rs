@@ -611,6 +611,7 @@ fn samples() -> Samples {
                 whole_rows: 100,
                 delta_copies: 2,
                 delta_versions: 30,
+                leased_delta_versions: 5,
                 prefetched_components: 4,
                 leased_components: 1,
             },

@@ -395,6 +395,12 @@ async fn tpch_answers_stay_exact_through_failover_and_delta_failback() {
         transfers.delta_versions, live_rows,
         "node 3 fetched exactly the versions of the epoch it missed: {transfers:?}"
     );
+    // It fetched them before the rebalance took every table's lease: nothing was published
+    // since, so the leased copy fetched no version, and publishes waited on nothing slow.
+    assert_eq!(
+        transfers.leased_delta_versions, 0,
+        "versions fetched while every table's lease was held: {transfers:?}"
+    );
 }
 
 /// Rows node `id` holds of `kv`, and how many of them are in its log only.

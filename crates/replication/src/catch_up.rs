@@ -1,0 +1,137 @@
+//! A returning replica's delta, fetched before the rebalance takes every table's lease.
+//!
+//! Delta failback (DESIGN §6) refreshes a stale replica inside a leased epoch: every table's
+//! lease is held from the first fetch to the map switch, so no publish anywhere lands while
+//! the replica downloads what it missed. Over a slow link, or after a long absence, that is
+//! long. So before the lease, the replica fetches its delta up to an epoch `T` below which
+//! everything is decided, installs it, and remembers `T` ([`CaughtUp`]); the leased copy then
+//! fetches only the versions from `T + 1` on: those published since.
+//!
+//! Why the unleased part is safe:
+//! - Every epoch at or below `T` (the metadata's visible epoch, read linearizably here) is
+//!   committed or aborted, and the source reads the metadata linearizably after this node
+//!   did, so it has applied all of them: its versions at or below `T` are complete and final.
+//! - The partition stays marked stale until the leased copy ends, so no publish sends it
+//!   rows and no query reads it in between, and only a copy into this node can clear the
+//!   mark. Copies into this node take [`Replication::copying`] one at a time, and this one
+//!   checks the mark (stale from the same epoch) under it.
+//! - What it installs from `T + 1` on may be older than the source's latest; the leased
+//!   copy replaces every version from `T + 1` on with the source's, as of the lease.
+//! - The record lives in memory: after a restart the leased copy fetches the whole delta.
+
+use crate::error::Result;
+use crate::rebalance::{copies_whole, fetch_and_install_delta};
+use crate::wire::CopyRequest;
+use crate::Replication;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tessera_common::{Epoch, NodeId, PartitionId};
+use tessera_meta::{MetaState, LINEARIZABLE_READ_PATIENCE};
+
+/// One stale partition of one table (of one generation), stale from `since`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct StalePartition {
+    pub table: String,
+    pub generation: u64,
+    pub partition: PartitionId,
+    pub since: Epoch,
+}
+
+impl StalePartition {
+    /// Whether `state` still marks this partition stale on `node` from the same epoch: the
+    /// same absence, with nothing copied into it since.
+    fn still_stale(&self, state: &MetaState, node: NodeId) -> bool {
+        state
+            .tables
+            .get(&self.table)
+            .is_some_and(|d| d.generation == self.generation)
+            && state
+                .map
+                .partitions
+                .get(self.partition.0 as usize)
+                .and_then(|p| p.stale.get(&node))
+                == Some(&self.since)
+    }
+}
+
+/// Per stale partition, the epoch through which this node already holds every version,
+/// fetched before a rebalance's lease.
+#[derive(Debug, Default)]
+pub struct CaughtUp(Mutex<HashMap<StalePartition, Epoch>>);
+
+impl CaughtUp {
+    /// The first epoch a leased delta of `partition` must fetch: its first missed epoch, or
+    /// past what was fetched before the lease.
+    pub(crate) fn leased_since(&self, partition: &StalePartition) -> Epoch {
+        let through = self.records().get(partition).copied();
+        match through {
+            Some(through) if through >= partition.since => Epoch(through.0 + 1),
+            _ => partition.since,
+        }
+    }
+
+    /// Drops the record of `partition`: its leased copy ended, so it is current.
+    pub(crate) fn forget(&self, partition: &StalePartition) {
+        self.records().remove(partition);
+    }
+
+    fn record(&self, partition: StalePartition, through: Epoch) {
+        self.records().insert(partition, through);
+    }
+
+    /// Keeps only the records of partitions `state` still marks stale on `node`.
+    fn prune(&self, state: &MetaState, node: NodeId) {
+        self.records().retain(|p, _| p.still_stale(state, node));
+    }
+
+    fn records(&self) -> std::sync::MutexGuard<'_, HashMap<StalePartition, Epoch>> {
+        self.0.lock().expect("caught-up lock")
+    }
+}
+
+/// Fetches and installs, for each delta move of `request`, the missed versions up to the
+/// metadata's visible epoch, and records how far it got. Returns the versions fetched.
+pub(crate) async fn catch_up_before_lease(
+    node: &Arc<Replication>,
+    request: &CopyRequest,
+) -> Result<u64> {
+    let _one_at_a_time = node.copying.lock().await;
+    let view = node
+        .meta
+        .read_linearizable(LINEARIZABLE_READ_PATIENCE)
+        .await?;
+    let state = &view.state;
+    let decided_through = state.visible;
+    node.caught_up.prune(state, node.id());
+    let mut fetched = 0;
+    for moved in &request.moves {
+        for (table, generation) in &request.tables {
+            let stale = StalePartition {
+                table: table.clone(),
+                generation: *generation,
+                partition: moved.partition,
+                since: moved.since,
+            };
+            let wanted = moved.since > Epoch::ZERO
+                && decided_through >= moved.since
+                && !copies_whole(moved, state, table)
+                && stale.still_stale(state, node.id())
+                && node.caught_up.leased_since(&stale) <= decided_through;
+            if !wanted {
+                continue;
+            }
+            let since = node.caught_up.leased_since(&stale);
+            fetched +=
+                fetch_and_install_delta(node, moved, table, *generation, since, None, None).await?;
+            node.caught_up.record(stale, decided_through);
+        }
+    }
+    node.transfers.caught_up_before_lease(fetched);
+    tracing::info!(
+        partitions = request.moves.len(),
+        versions = fetched,
+        through = %decided_through,
+        "fetched missed versions before a rebalance's lease"
+    );
+    Ok(fetched)
+}
