@@ -193,7 +193,7 @@ async fn a_stalled_log_fsync_stops_the_node_and_loses_no_acknowledged_publish() 
 /// minutes. Back on a healthy disk, node 2 catches up and holds every acknowledged publish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_whose_disk_hangs_misses_publishes_instead_of_holding_them() {
-    let log = run_with_hung_disk(2, 1).await;
+    let log = run_with_hung_disk(2, 1, Voter::No).await;
     assert!(
         log.primary
             .contains("made no progress on a forwarded prepare"),
@@ -208,12 +208,37 @@ async fn a_replica_whose_disk_hangs_misses_publishes_instead_of_holding_them() {
 /// attempt goes to node 1 again (alive, so no new primary comes) and stalls in turn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_whose_disk_hangs_is_published_around() {
-    let log = run_with_hung_disk(1, 2).await;
+    let log = run_with_hung_disk(1, 2, Voter::No).await;
     assert!(
         log.coordinator
             .contains("a primary made no progress; publishing again without it"),
         "the coordinator says why it left node 1 out"
     );
+}
+
+/// The same when the node whose disk hangs is also the metadata leader (node 1, which
+/// bootstraps the group). A leader applies each committed entry to its own store before it
+/// answers the write, so every metadata write (every epoch allocation and commit) waits on
+/// its hung log. It steps down once an fsync has hung for three election timeouts, and the
+/// others elect a leader and go on; without that, nothing would be acknowledged until it
+/// stopped itself (`failure.disk_stall_ms`, two minutes here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_metadata_leader_whose_disk_hangs_steps_down() {
+    let log = run_with_hung_disk(1, 2, Voter::Leader).await;
+    assert!(
+        log.primary
+            .contains("stepping down so that metadata writes go on at another"),
+        "node 1 says why it stepped down"
+    );
+}
+
+/// Whether [`run_with_hung_disk`]'s faulty node is a metadata voter.
+#[derive(PartialEq)]
+enum Voter {
+    /// It is not, so never the metadata leader.
+    No,
+    /// It is, and leads when its disk hangs.
+    Leader,
 }
 
 /// The logs of [`run_with_hung_disk`]'s nodes of interest.
@@ -230,14 +255,14 @@ struct HungDiskLogs {
 /// past 10 s) with `faulty` still running and marked stale. Then brings `faulty` back on a
 /// healthy disk and checks every replica.
 ///
-/// `faulty` is no metadata voter, so never the metadata leader: a leader applies each
-/// commit to its own store before it answers, so one whose disk hangs holds every
-/// metadata write until it stops itself (`failure.disk_stall_ms`), a wait these deadlines
-/// do not shorten.
-async fn run_with_hung_disk(faulty: u64, via: u64) -> HungDiskLogs {
+/// With `Voter::No`, `faulty` is no metadata voter, so never the metadata leader; with
+/// `Voter::Leader` it is checked to lead before the publishes begin.
+async fn run_with_hung_disk(faulty: u64, via: u64, voter: Voter) -> HungDiskLogs {
     let root = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 1, 3);
-    let voters: Vec<u64> = (1..=3).filter(|&id| id != faulty).collect();
+    let voters: Vec<u64> = (1..=3)
+        .filter(|&id| id != faulty || voter == Voter::Leader)
+        .collect();
     cluster.set_voters(&voters);
     cluster.log_to_files();
     cluster.set_node_env(
@@ -258,6 +283,14 @@ async fn run_with_hung_disk(faulty: u64, via: u64) -> HungDiskLogs {
         Some(tessera_common::NodeId(1)),
         "the first replica leads"
     );
+    if voter == Voter::Leader {
+        let leader = client.status().await.unwrap().leader;
+        assert_eq!(
+            leader,
+            Some(tessera_common::NodeId(faulty)),
+            "the test needs node {faulty} to lead the metadata group"
+        );
+    }
 
     // About ten seconds of publishes, most after the disk hangs: several rebalances try to
     // catch the faulty node up meanwhile, each given up when its copy stalls.

@@ -301,9 +301,7 @@ impl Drop for SyncInFlight {
 /// never fails the node over and every publish it is a replica of waits. A node checks
 /// this and stops itself instead (`failure.disk_stall_ms`).
 pub fn stalled_sync(limit: std::time::Duration) -> Option<String> {
-    let in_flight = SYNCS_IN_FLIGHT.lock().expect("syncs in flight lock");
-    let (_, (started, path)) = in_flight.first_key_value()?;
-    let running = started.elapsed();
+    let (running, path) = oldest_sync_in_flight()?;
     (running > limit).then(|| {
         format!(
             "an fsync of {} has not returned after {:.1} s (failure.disk_stall_ms = {}): the disk stalled",
@@ -312,6 +310,14 @@ pub fn stalled_sync(limit: std::time::Duration) -> Option<String> {
             limit.as_millis()
         )
     })
+}
+
+/// The fsync of this process that has been running longest now, if any: for how long, and
+/// its file. A metadata leader steps down when it is long (`tessera_meta::quorum_check`).
+pub fn oldest_sync_in_flight() -> Option<(std::time::Duration, PathBuf)> {
+    let in_flight = SYNCS_IN_FLIGHT.lock().expect("syncs in flight lock");
+    let (_, (started, path)) = in_flight.first_key_value()?;
+    Some((started.elapsed(), path.clone()))
 }
 
 /// Restarts the clock of every fsync in flight: the process itself was just frozen (a

@@ -20,7 +20,8 @@
 //! - The record lives in memory: after a restart the leased copy fetches the whole delta.
 
 use crate::error::Result;
-use crate::rebalance::{copies_whole, fetch_and_install_delta};
+use crate::rebalance::{copies_whole, copy_into_this_node, fetch_and_install_delta};
+use crate::stall::Progress;
 use crate::wire::CopyRequest;
 use crate::Replication;
 use std::collections::HashMap;
@@ -91,11 +92,22 @@ impl CaughtUp {
 
 /// Fetches and installs, for each delta move of `request`, the missed versions up to the
 /// metadata's visible epoch, and records how far it got. Returns the versions fetched.
+/// Given up, like a leased copy, once it makes no progress for a while.
 pub(crate) async fn catch_up_before_lease(
     node: &Arc<Replication>,
     request: &CopyRequest,
 ) -> Result<u64> {
-    let _one_at_a_time = node.copying.lock().await;
+    copy_into_this_node(node, "a catch-up before the lease", |progress| async move {
+        catch_up_now(node, request, &progress).await
+    })
+    .await
+}
+
+async fn catch_up_now(
+    node: &Arc<Replication>,
+    request: &CopyRequest,
+    progress: &Progress,
+) -> Result<u64> {
     let view = node
         .meta
         .read_linearizable(LINEARIZABLE_READ_PATIENCE)
@@ -121,8 +133,17 @@ pub(crate) async fn catch_up_before_lease(
                 continue;
             }
             let since = node.caught_up.leased_since(&stale);
-            fetched +=
-                fetch_and_install_delta(node, moved, table, *generation, since, None, None).await?;
+            fetched += fetch_and_install_delta(
+                node,
+                moved,
+                table,
+                *generation,
+                since,
+                None,
+                Some(progress),
+            )
+            .await?;
+            progress.advanced();
             node.caught_up.record(stale, decided_through);
         }
     }

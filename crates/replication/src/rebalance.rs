@@ -464,29 +464,46 @@ async fn abort(
 /// running on a blocking thread then is refused by its fence if anything newer has been
 /// installed by the time it gets to run.
 pub async fn copy_partitions(node: &Arc<Replication>, request: CopyRequest) -> Result<()> {
-    // Waiting on an earlier copy that is stuck is no progress either.
-    let progress = Progress::new();
-    let copy = async {
-        // One copy into this node at a time, in the order they arrive (see `copying`).
-        let _one_at_a_time = node.copying.lock().await;
-        progress.advanced();
-        copy_partitions_now(node, request, &progress).await
-    };
     let started = std::time::Instant::now();
-    let copied = tokio::select! {
-        copied = copy => copied,
-        stalled = progress.stalled(node.settings.progress_timeout) => {
-            let error = ReplicationError::CopyStalled { node: node.id(), stalled_s: stalled.as_secs_f64() };
-            tracing::warn!(%error, "giving up a partition copy");
-            Err(error)
-        }
-    };
+    let copied = copy_into_this_node(node, "a partition copy", |progress| async move {
+        copy_partitions_now(node, request, &progress).await
+    })
+    .await;
     if copied.is_ok() {
         let metrics = tessera_common::metrics::metrics();
         metrics.failbacks.inc();
         tessera_common::metrics::observe_seconds(&metrics.failback_seconds, started.elapsed());
     }
     copied
+}
+
+/// Runs `copy` (which reports its progress) once the copies into this node before it are
+/// done: one at a time, in the order they arrive (see [`Replication::copying`]). Gives it
+/// up once it has made no progress for `failure.progress_timeout_ms`; waiting on an
+/// earlier copy that is stuck is no progress either.
+pub(crate) async fn copy_into_this_node<T, F, Fut>(
+    node: &Arc<Replication>,
+    what: &'static str,
+    copy: F,
+) -> Result<T>
+where
+    F: FnOnce(Progress) -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let progress = Progress::new();
+    let one_at_a_time = async {
+        let _one_at_a_time = node.copying.lock().await;
+        progress.advanced();
+        copy(progress.clone()).await
+    };
+    tokio::select! {
+        copied = one_at_a_time => copied,
+        stalled = progress.stalled(node.settings.progress_timeout) => {
+            let error = ReplicationError::CopyStalled { node: node.id(), stalled_s: stalled.as_secs_f64() };
+            tracing::warn!(%error, what, "giving up");
+            Err(error)
+        }
+    }
 }
 
 async fn copy_partitions_now(
@@ -558,9 +575,10 @@ pub(crate) fn copies_whole(moved: &PartitionMove, state: &MetaState, table: &str
 /// components of its whole copies, then fetches its deltas up to the epochs decided now
 /// ([`crate::catch_up`]).
 pub async fn fetch_before_lease(node: &Arc<Replication>, request: CopyRequest) -> Result<()> {
-    prefetch_components(node, &request).await?;
-    crate::catch_up::catch_up_before_lease(node, &request).await?;
-    Ok(())
+    // Either one failing leaves more to the leased copy, not the other undone.
+    let prefetched = prefetch_components(node, &request).await;
+    let caught_up = crate::catch_up::catch_up_before_lease(node, &request).await;
+    prefetched.and(caught_up.map(|_| ()))
 }
 
 /// Fetches, by hash, the components the whole copies of `request` need and this node lacks,
