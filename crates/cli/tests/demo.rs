@@ -246,6 +246,10 @@ fn the_demo_tells_the_whole_story_and_leaves_nothing_running() {
             && !catch_up.contains("whole"),
         "the returning node should fetch the one updated row by delta: {catch_up}"
     );
+    assert!(
+        catch_up.contains("0 of them while publishes waited"),
+        "nothing was published while it caught up, so it fetched it all before the lease: {catch_up}"
+    );
     // Time travel: the update's before and after.
     let diff = table_after(&seen, "SELECT change, n_nationkey");
     assert_eq!(diff.len(), 2, "header and one change: {diff:?}");

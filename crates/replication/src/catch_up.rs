@@ -22,7 +22,7 @@
 use crate::error::Result;
 use crate::rebalance::{copies_whole, copy_into_this_node, fetch_and_install_delta};
 use crate::stall::Progress;
-use crate::wire::CopyRequest;
+use crate::wire::{CopyRequest, PartitionMove};
 use crate::Replication;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -53,6 +53,36 @@ impl StalePartition {
                 .and_then(|p| p.stale.get(&node))
                 == Some(&self.since)
     }
+}
+
+/// Whether this node (`me`) fetches `stale`'s versions from `since` on from `moved.source`
+/// before the lease, by `state` (read linearizably just now; every epoch at or below its
+/// visible one is decided).
+///
+/// The source must be a current replica in `state`, not just the primary the leader planned
+/// with: a replica that missed an epoch at or below the visible one is marked stale by that
+/// epoch's commit, and would serve a delta without it, which this node would then count as
+/// held (fault run 4902: a primary planned with missed epochs while the plan travelled; the
+/// replica it was catching up lacked them for good).
+fn worth_fetching(
+    state: &MetaState,
+    me: NodeId,
+    moved: &PartitionMove,
+    stale: &StalePartition,
+    since: Epoch,
+) -> bool {
+    let source_current = state
+        .map
+        .partitions
+        .get(moved.partition.0 as usize)
+        .is_some_and(|p| {
+            p.replicas.contains(&moved.source) && !p.stale.contains_key(&moved.source)
+        });
+    moved.since > Epoch::ZERO
+        && since <= state.visible
+        && source_current
+        && !copies_whole(moved, state, &stale.table)
+        && stale.still_stale(state, me)
 }
 
 /// Per stale partition, the epoch through which this node already holds every version,
@@ -124,15 +154,10 @@ async fn catch_up_now(
                 partition: moved.partition,
                 since: moved.since,
             };
-            let wanted = moved.since > Epoch::ZERO
-                && decided_through >= moved.since
-                && !copies_whole(moved, state, table)
-                && stale.still_stale(state, node.id())
-                && node.caught_up.leased_since(&stale) <= decided_through;
-            if !wanted {
+            let since = node.caught_up.leased_since(&stale);
+            if !worth_fetching(state, node.id(), moved, &stale, since) {
                 continue;
             }
-            let since = node.caught_up.leased_since(&stale);
             fetched += fetch_and_install_delta(
                 node,
                 moved,
@@ -155,4 +180,124 @@ async fn catch_up_now(
         "fetched missed versions before a rebalance's lease"
     );
     Ok(fetched)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::datatypes::{DataType, Field, Schema};
+    use tessera_meta::MetaCommand;
+    use tessera_storage::TableDef;
+
+    /// Three nodes, r = 3, one table, node 1 stale on every partition from epoch 5, and
+    /// every epoch through 9 decided.
+    fn node_1_stale() -> MetaState {
+        let mut state = MetaState::default();
+        state.apply(
+            1,
+            MetaCommand::Bootstrap {
+                cluster_id: "c".into(),
+                partition_count: 2,
+                replication: 3,
+                hot_standby: false,
+                nodes: (1..=3)
+                    .map(|id| (NodeId(id), format!("127.0.0.1:{id}")))
+                    .collect(),
+            },
+        );
+        let schema = Schema::new(vec![Field::new("k", DataType::Int64, false)]);
+        let def = TableDef::new("t", schema, vec!["k".into()], None).unwrap();
+        state.apply(2, MetaCommand::CreateTable { def });
+        for placement in &mut state.map.partitions {
+            placement.stale.insert(NodeId(1), Epoch(5));
+        }
+        state.visible = Epoch(9);
+        state
+    }
+
+    fn stale_partition(state: &MetaState) -> StalePartition {
+        StalePartition {
+            table: "t".into(),
+            generation: state.tables["t"].generation,
+            partition: PartitionId(0),
+            since: Epoch(5),
+        }
+    }
+
+    const FROM_NODE_2: PartitionMove = PartitionMove {
+        partition: PartitionId(0),
+        source: NodeId(2),
+        since: Epoch(5),
+    };
+
+    #[test]
+    fn a_stale_replica_fetches_before_the_lease_from_a_current_one() {
+        let state = node_1_stale();
+        let stale = stale_partition(&state);
+        assert!(worth_fetching(
+            &state,
+            NodeId(1),
+            &FROM_NODE_2,
+            &stale,
+            Epoch(5)
+        ));
+        assert!(worth_fetching(
+            &state,
+            NodeId(1),
+            &FROM_NODE_2,
+            &stale,
+            Epoch(9)
+        ));
+        assert!(
+            !worth_fetching(&state, NodeId(1), &FROM_NODE_2, &stale, Epoch(10)),
+            "it already holds every decided epoch"
+        );
+    }
+
+    #[test]
+    fn nothing_is_fetched_from_a_source_that_missed_epochs_since_the_plan() {
+        let mut state = node_1_stale();
+        let stale = stale_partition(&state);
+        state.map.partitions[0].stale.insert(NodeId(2), Epoch(8));
+        assert!(!worth_fetching(
+            &state,
+            NodeId(1),
+            &FROM_NODE_2,
+            &stale,
+            Epoch(5)
+        ));
+        let from_node_3 = PartitionMove {
+            source: NodeId(3),
+            ..FROM_NODE_2
+        };
+        assert!(worth_fetching(
+            &state,
+            NodeId(1),
+            &from_node_3,
+            &stale,
+            Epoch(5)
+        ));
+    }
+
+    #[test]
+    fn nothing_is_fetched_once_the_partition_is_current_or_stale_from_another_epoch() {
+        let mut state = node_1_stale();
+        let stale = stale_partition(&state);
+        state.map.partitions[0].stale.insert(NodeId(1), Epoch(7));
+        assert!(!worth_fetching(
+            &state,
+            NodeId(1),
+            &FROM_NODE_2,
+            &stale,
+            Epoch(5)
+        ));
+        state.map.partitions[0].stale.remove(&NodeId(1));
+        assert!(!worth_fetching(
+            &state,
+            NodeId(1),
+            &FROM_NODE_2,
+            &stale,
+            Epoch(5)
+        ));
+    }
 }

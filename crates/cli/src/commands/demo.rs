@@ -375,8 +375,8 @@ fn catch_up_summary(status: &NodeStatus) -> String {
     let held: u64 = status.tables.iter().map(|t| t.rows).sum();
     let t = status.transfers;
     let mut text = format!(
-        "it fetched only what it missed, {} row version(s) by delta (over {} table partition(s)), not the {held} rows it holds",
-        t.delta_versions, t.delta_copies
+        "it fetched only what it missed, {} row version(s) by delta (over {} table partition(s)), not the {held} rows it holds; {} of them while publishes waited on its catch-up",
+        t.delta_versions, t.delta_copies, t.leased_delta_versions
     );
     if t.whole_copies > 0 {
         text.push_str(&format!(
