@@ -185,29 +185,11 @@ async fn catch_up_now(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arrow::datatypes::{DataType, Field, Schema};
-    use tessera_meta::MetaCommand;
-    use tessera_storage::TableDef;
 
     /// Three nodes, r = 3, one table, node 1 stale on every partition from epoch 5, and
     /// every epoch through 9 decided.
     fn node_1_stale() -> MetaState {
-        let mut state = MetaState::default();
-        state.apply(
-            1,
-            MetaCommand::Bootstrap {
-                cluster_id: "c".into(),
-                partition_count: 2,
-                replication: 3,
-                hot_standby: false,
-                nodes: (1..=3)
-                    .map(|id| (NodeId(id), format!("127.0.0.1:{id}")))
-                    .collect(),
-            },
-        );
-        let schema = Schema::new(vec![Field::new("k", DataType::Int64, false)]);
-        let def = TableDef::new("t", schema, vec!["k".into()], None).unwrap();
-        state.apply(2, MetaCommand::CreateTable { def });
+        let mut state = crate::rebalance::tests::three_nodes_one_table(2);
         for placement in &mut state.map.partitions {
             placement.stale.insert(NodeId(1), Epoch(5));
         }
@@ -215,89 +197,47 @@ mod tests {
         state
     }
 
-    fn stale_partition(state: &MetaState) -> StalePartition {
-        StalePartition {
+    /// Whether node 1 fetches partition 0's versions from `since` on from `source`.
+    fn fetches(state: &MetaState, source: u64, since: u64) -> bool {
+        let stale = StalePartition {
             table: "t".into(),
             generation: state.tables["t"].generation,
             partition: PartitionId(0),
             since: Epoch(5),
-        }
+        };
+        let moved = PartitionMove {
+            partition: PartitionId(0),
+            source: NodeId(source),
+            since: Epoch(5),
+        };
+        worth_fetching(state, NodeId(1), &moved, &stale, Epoch(since))
     }
-
-    const FROM_NODE_2: PartitionMove = PartitionMove {
-        partition: PartitionId(0),
-        source: NodeId(2),
-        since: Epoch(5),
-    };
 
     #[test]
     fn a_stale_replica_fetches_before_the_lease_from_a_current_one() {
         let state = node_1_stale();
-        let stale = stale_partition(&state);
-        assert!(worth_fetching(
-            &state,
-            NodeId(1),
-            &FROM_NODE_2,
-            &stale,
-            Epoch(5)
-        ));
-        assert!(worth_fetching(
-            &state,
-            NodeId(1),
-            &FROM_NODE_2,
-            &stale,
-            Epoch(9)
-        ));
-        assert!(
-            !worth_fetching(&state, NodeId(1), &FROM_NODE_2, &stale, Epoch(10)),
-            "it already holds every decided epoch"
-        );
+        assert!(fetches(&state, 2, 5));
+        assert!(fetches(&state, 2, 9), "epochs 6 to 9 fetched already");
+        assert!(!fetches(&state, 2, 10), "it holds every decided epoch");
     }
 
     #[test]
     fn nothing_is_fetched_from_a_source_that_missed_epochs_since_the_plan() {
         let mut state = node_1_stale();
-        let stale = stale_partition(&state);
         state.map.partitions[0].stale.insert(NodeId(2), Epoch(8));
-        assert!(!worth_fetching(
-            &state,
-            NodeId(1),
-            &FROM_NODE_2,
-            &stale,
-            Epoch(5)
-        ));
-        let from_node_3 = PartitionMove {
-            source: NodeId(3),
-            ..FROM_NODE_2
-        };
-        assert!(worth_fetching(
-            &state,
-            NodeId(1),
-            &from_node_3,
-            &stale,
-            Epoch(5)
-        ));
+        assert!(!fetches(&state, 2, 5));
+        assert!(fetches(&state, 3, 5), "node 3 is current");
     }
 
     #[test]
     fn nothing_is_fetched_once_the_partition_is_current_or_stale_from_another_epoch() {
         let mut state = node_1_stale();
-        let stale = stale_partition(&state);
         state.map.partitions[0].stale.insert(NodeId(1), Epoch(7));
-        assert!(!worth_fetching(
-            &state,
-            NodeId(1),
-            &FROM_NODE_2,
-            &stale,
-            Epoch(5)
-        ));
+        assert!(
+            !fetches(&state, 2, 5),
+            "a later absence: its first missed epoch is 7"
+        );
         state.map.partitions[0].stale.remove(&NodeId(1));
-        assert!(!worth_fetching(
-            &state,
-            NodeId(1),
-            &FROM_NODE_2,
-            &stale,
-            Epoch(5)
-        ));
+        assert!(!fetches(&state, 2, 5), "a copy made it current");
     }
 }

@@ -757,20 +757,20 @@ pub(crate) async fn fetch_and_install_delta(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use arrow::datatypes::{DataType, Field, Schema};
     use tessera_storage::TableDef;
 
-    /// Three live nodes, r = 3, one table, and a map where node 1 came back wiped (stale
-    /// from the first epoch) and node 2 missed epochs from 7 on.
-    fn wiped_and_stale() -> MetaState {
+    /// Three live nodes, r = 3, `partitions` partitions and one table `t`, every replica
+    /// current.
+    pub(crate) fn three_nodes_one_table(partitions: u32) -> MetaState {
         let mut state = MetaState::default();
         state.apply(
             1,
             MetaCommand::Bootstrap {
                 cluster_id: "c".into(),
-                partition_count: 4,
+                partition_count: partitions,
                 replication: 3,
                 hot_standby: false,
                 nodes: (1..=3)
@@ -781,6 +781,13 @@ mod tests {
         let schema = Schema::new(vec![Field::new("k", DataType::Int64, false)]);
         let def = TableDef::new("t", schema, vec!["k".into()], None).unwrap();
         state.apply(2, MetaCommand::CreateTable { def });
+        state
+    }
+
+    /// [`three_nodes_one_table`] with 4 partitions, and a map where node 1 came back wiped
+    /// (stale from the first epoch) and node 2 missed epochs from 7 on.
+    fn wiped_and_stale() -> MetaState {
+        let mut state = three_nodes_one_table(4);
         for placement in &mut state.map.partitions {
             placement.stale.insert(NodeId(1), Epoch::ZERO);
             placement.stale.insert(NodeId(2), Epoch(7));
