@@ -517,11 +517,11 @@ async fn copy_partitions_now(
         .read_linearizable(LINEARIZABLE_READ_PATIENCE)
         .await?;
     for (table, generation) in &request.tables {
-        if !view
+        if view
             .state
             .tables
             .get(table)
-            .is_some_and(|d| d.generation == *generation)
+            .is_none_or(|d| d.generation != *generation)
         {
             return Err(ReplicationError::UnknownTable {
                 table: table.clone(),

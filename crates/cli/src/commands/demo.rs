@@ -214,7 +214,7 @@ async fn story(cluster: &mut LocalCluster, options: &DemoOptions) -> Result<()> 
     );
     for sql in [
         format!("SELECT n_name, n_comment FROM nation AS OF EPOCH {before} WHERE n_nationkey = 0"),
-        format!("SELECT n_name, n_comment FROM nation WHERE n_nationkey = 0"),
+        "SELECT n_name, n_comment FROM nation WHERE n_nationkey = 0".to_string(),
         format!(
             "SELECT change, n_nationkey, before_n_comment, after_n_comment FROM tessera_changes('nation', {before}, {after})"
         ),
