@@ -91,7 +91,7 @@ enum Why {
 }
 
 /// What the watchdog sees of this node on one look.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 struct Seen {
     /// This node leads a group of more than one voter.
     leading: bool,

@@ -39,6 +39,16 @@ pub(crate) struct StalePartition {
 }
 
 impl StalePartition {
+    /// The partition `moved` refreshes, of `table` in `generation`.
+    pub(crate) fn of(moved: &PartitionMove, table: &str, generation: u64) -> StalePartition {
+        StalePartition {
+            table: table.to_string(),
+            generation,
+            partition: moved.partition,
+            since: moved.since,
+        }
+    }
+
     /// Whether `state` still marks this partition stale on `node` from the same epoch: the
     /// same absence, with nothing copied into it since.
     fn still_stale(&self, state: &MetaState, node: NodeId) -> bool {
@@ -78,8 +88,9 @@ fn worth_fetching(
         .is_some_and(|p| {
             p.replicas.contains(&moved.source) && !p.stale.contains_key(&moved.source)
         });
-    moved.since > Epoch::ZERO
-        && since <= state.visible
+    // A whole copy (a first missed epoch of zero, or one below the retention horizon) has
+    // no delta to fetch.
+    since <= state.visible
         && source_current
         && !copies_whole(moved, state, &stale.table)
         && stale.still_stale(state, me)
@@ -148,12 +159,7 @@ async fn catch_up_now(
     let mut fetched = 0;
     for moved in &request.moves {
         for (table, generation) in &request.tables {
-            let stale = StalePartition {
-                table: table.clone(),
-                generation: *generation,
-                partition: moved.partition,
-                since: moved.since,
-            };
+            let stale = StalePartition::of(moved, table, *generation);
             let since = node.caught_up.leased_since(&stale);
             if !worth_fetching(state, node.id(), moved, &stale, since) {
                 continue;
@@ -199,17 +205,12 @@ mod tests {
 
     /// Whether node 1 fetches partition 0's versions from `since` on from `source`.
     fn fetches(state: &MetaState, source: u64, since: u64) -> bool {
-        let stale = StalePartition {
-            table: "t".into(),
-            generation: state.tables["t"].generation,
-            partition: PartitionId(0),
-            since: Epoch(5),
-        };
         let moved = PartitionMove {
             partition: PartitionId(0),
             source: NodeId(source),
             since: Epoch(5),
         };
+        let stale = StalePartition::of(&moved, "t", state.tables["t"].generation);
         worth_fetching(state, NodeId(1), &moved, &stale, Epoch(since))
     }
 

@@ -702,12 +702,7 @@ async fn copy_delta(
     fence: Option<Epoch>,
     progress: &Progress,
 ) -> Result<()> {
-    let stale = crate::catch_up::StalePartition {
-        table: table.to_string(),
-        generation,
-        partition: moved.partition,
-        since: moved.since,
-    };
+    let stale = crate::catch_up::StalePartition::of(moved, table, generation);
     let since = node.caught_up.leased_since(&stale);
     let fetched =
         fetch_and_install_delta(node, moved, table, generation, since, fence, Some(progress))
