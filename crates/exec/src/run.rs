@@ -272,6 +272,12 @@ enum Event {
     NodeFailed(NodeId, String),
     /// The node answered, but refused or failed the request.
     NodeRefused(NodeId, String),
+    /// The node's `RunStages` stream broke after all its channels had ended. Nothing the
+    /// query needs is lost with it under lineage recovery, but a producer elsewhere may
+    /// still have been sending to it (a consumer may end before reading all its input, as
+    /// a join with an empty build side does), and fails: the node's loss is then that
+    /// failure's cause.
+    FinishedNodeFailed(NodeId),
 }
 
 impl Event {
@@ -310,6 +316,7 @@ async fn diagnose(
     node: &Arc<Exec>,
     query: QueryId,
     failure: Failure,
+    finished_and_failed: Option<NodeId>,
     incoming: &mut mpsc::Receiver<Event>,
 ) -> ExecError {
     let (suspect, detail) = match failure {
@@ -326,10 +333,18 @@ async fn diagnose(
             };
         }
         Failure::Other(detail, _) => {
+            // A participant whose channels all ended may have died while a producer still
+            // sent to it: a stream breaking mid-work is the likelier cause, so it is waited
+            // for first, but such a node is the cause when none breaks.
+            let mut finished_and_failed = finished_and_failed;
             let broke = tokio::time::timeout(SUSPECT_GRACE, async {
                 while let Some(event) = incoming.recv().await {
-                    if let Event::NodeFailed(at, _) = event {
-                        return Some(at);
+                    match event {
+                        Event::NodeFailed(at, _) => return Some(at),
+                        Event::FinishedNodeFailed(at) => {
+                            finished_and_failed.get_or_insert(at);
+                        }
+                        _ => {}
                     }
                 }
                 None
@@ -337,7 +352,14 @@ async fn diagnose(
             .await
             .ok()
             .flatten();
-            (broke, detail)
+            if let (None, Some(node)) = (broke, finished_and_failed) {
+                tracing::warn!(
+                    node = node.0,
+                    %query,
+                    "a node lost after all its channels ended is taken as the failure's cause"
+                );
+            }
+            (broke.or(finished_and_failed), detail)
         }
     };
     let Some(suspect) = suspect else {
@@ -445,10 +467,17 @@ fn call_run_stages(node: &Arc<Exec>, at: NodeId, request: RunRequest, events: mp
         let done = matches!(event, Event::NodeDone(_));
         let _ = events.send(event).await;
         if done {
-            // Under lineage recovery the node holds on to the query (its spools) while
-            // this stream is open, until the query ends. A failure now takes nothing the
-            // query still needs: every consumer of its channels acknowledged their output.
-            while stream.next().await.is_some() {}
+            // The node holds on to the query (under lineage recovery, its spools) while
+            // this stream is open, until the query ends.
+            while let Some(item) = stream.next().await {
+                if let Err(error) = item {
+                    if error.is_transport() {
+                        node.suspect(at);
+                        let _ = events.send(Event::FinishedNodeFailed(at)).await;
+                    }
+                    break;
+                }
+            }
         }
     });
 }
@@ -569,6 +598,8 @@ async fn execute_here(
     let mut reports = Vec::new();
     let mut answered = false;
     let mut events_open = true;
+    // The first participant lost after all its channels had ended.
+    let mut finished_and_failed: Option<NodeId> = None;
     let failure = loop {
         tokio::select! {
             permit = sink.reserve(), if unsent.is_some() => match permit {
@@ -624,6 +655,10 @@ async fn execute_here(
                 Some(Event::NodeRefused(at, error)) => {
                     break Some(Failure::Other(format!("node {at} refused its stages: {error}"), None))
                 }
+                // Nothing is lost yet; a failure that follows may be this loss's doing.
+                Some(Event::FinishedNodeFailed(at)) => {
+                    finished_and_failed.get_or_insert(at);
+                }
                 // Every node finished, so the answer's stream is about to end.
                 None => events_open = false,
             },
@@ -645,6 +680,7 @@ async fn execute_here(
                         }
                     }
                     Event::NodeFailed(..) | Event::NodeRefused(..) => break,
+                    Event::FinishedNodeFailed(_) => {}
                 }
             }
         })
@@ -662,7 +698,14 @@ async fn execute_here(
             ),
             (failure, _) => failure,
         };
-        return Err(diagnose(node, plan.query, failure, &mut incoming).await);
+        return Err(diagnose(
+            node,
+            plan.query,
+            failure,
+            finished_and_failed,
+            &mut incoming,
+        )
+        .await);
     }
     reports.sort_by_key(|r| (r.stage, r.channel));
     Ok(QueryOutcome {

@@ -464,16 +464,17 @@ impl NodeService {
     ) -> Result<Response<BoxStream<'static, Result<FlightData, Status>>>, Status> {
         use tessera_exec::run::StagesEvent;
         let query = run.query;
-        let lineage = run.lineage;
         let reports = tessera_exec::run::run_stages(&self.node.exec, run).map_err(failed)?;
         let guard = EndQueryOnDrop {
             node: self.node.clone(),
             query,
         };
         let node = self.node.clone();
-        // Each channel's report as it ends, then word that all have. Under lineage recovery
-        // the stream then stays open until the query ends, so this node keeps its spools
-        // for consumers rebuilt after another node dies.
+        // Each channel's report as it ends, then word that all have. The stream then stays
+        // open until the query ends: under lineage recovery this node keeps its spools for
+        // consumers rebuilt after another node dies; in every mode the initiator learns of
+        // this node's death after its channels ended (a producer still sending to it then
+        // fails, and the query must be diagnosed as this node's loss).
         let events = futures::stream::unfold(reports, |mut reports| async move {
             let report = reports.recv().await?;
             Some((StagesEvent::Report(report), reports))
@@ -481,9 +482,7 @@ impl NodeService {
         .chain(futures::stream::once(async { StagesEvent::AllDone }))
         .chain(
             futures::stream::once(async move {
-                if lineage {
-                    node.exec.queries().wait_ended(query).await;
-                }
+                node.exec.queries().wait_ended(query).await;
                 drop(guard);
             })
             .filter_map(|()| async { None }),
