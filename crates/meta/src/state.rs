@@ -10,6 +10,7 @@ use crate::access::{Action, AuditEvent, AuditRecord, ParticipantRecord, Role, St
 use crate::history::{EpochRecord, TableChangeCount, TagRecord};
 use crate::NodeId;
 pub use commands::{LocalEffect, MetaCommand, MetaResponse};
+pub use lease_queue::LeaseClaim;
 pub use lineage::{InboxLineage, LineageEntry, QueryLineage};
 pub use members::NodeInfo;
 use serde::{Deserialize, Serialize};
@@ -194,6 +195,9 @@ pub struct MetaState {
     /// in the epoch log.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub history_heads: BTreeMap<String, ComponentHash>,
+    /// Tables that allocations refused for a lease wait for, in turn (see [`lease_queue`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub lease_claims: BTreeMap<String, LeaseClaim>,
 }
 
 /// How many of a partition's `replicas` must hold every committed epoch after a commit
@@ -562,19 +566,27 @@ impl MetaState {
                 if incarnation > member.incarnation {
                     self.enter_incarnation(coordinator, incarnation, &mut effects);
                 }
-                for table in &tables {
-                    if let Some((epoch, open)) =
-                        self.open.iter().find(|(_, o)| o.tables.contains(table))
-                    {
-                        return Ok((
-                            MetaResponse::TableBusy(format!(
-                                "table {table:?} is owned by node {} while it publishes epoch {epoch}; one writer at a time",
-                                open.coordinator
-                            )),
-                            effects,
-                        ));
-                    }
+                // Refused, the allocation claims its tables, so that it gets them in turn
+                // (see [`lease_queue`]).
+                let busy = tables.iter().find_map(|table| {
+                    let (epoch, open) = self.open.iter().find(|(_, o)| o.tables.contains(table))?;
+                    Some(format!(
+                        "table {table:?} is owned by node {} while it publishes epoch {epoch}; one writer at a time",
+                        open.coordinator
+                    ))
+                });
+                let busy = busy.or_else(|| {
+                    let (table, claim) = self.claimed_before(&tables, coordinator, request)?;
+                    Some(format!(
+                        "table {table:?} is claimed by a publish of node {} that has waited longer for it; leases are given in turn",
+                        claim.coordinator
+                    ))
+                });
+                if let Some(reason) = busy {
+                    self.claim(&tables, coordinator, request, index);
+                    return Ok((MetaResponse::TableBusy(reason), effects));
                 }
+                self.release_claims(coordinator, request);
                 let epoch = self.next_epoch;
                 self.next_epoch = epoch.next();
                 self.open.insert(
@@ -936,6 +948,7 @@ impl MetaState {
 }
 
 mod commands;
+mod lease_queue;
 mod lineage;
 mod members;
 mod placement;

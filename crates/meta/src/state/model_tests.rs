@@ -53,8 +53,14 @@ struct Run {
     state: MetaState,
     model: Model,
     index: u64,
+    /// The leader's clock, which stamps every command as the metadata client does: it
+    /// moves on by up to [`MAX_STEP_MS`] per command.
+    clock_ms: u64,
     nodes: u64,
 }
+
+/// The most the leader's clock moves on between two commands.
+const MAX_STEP_MS: u64 = 400;
 
 impl Run {
     fn new(seed: u64) -> Run {
@@ -63,6 +69,7 @@ impl Run {
             state: MetaState::default(),
             model: Model::default(),
             index: 0,
+            clock_ms: 1,
             nodes: 5,
         };
         run.apply(MetaCommand::Bootstrap {
@@ -80,7 +87,12 @@ impl Run {
 
     fn apply(&mut self, command: MetaCommand) -> MetaResponse {
         self.index += 1;
-        self.state.apply(self.index, command).0
+        self.clock_ms += self.rng.random_range(0..=MAX_STEP_MS);
+        let stamped = MetaCommand::Stamped {
+            at_ms: self.clock_ms,
+            command: Box::new(command),
+        };
+        self.state.apply(self.index, stamped).0
     }
 
     fn node(&mut self) -> NodeId {
