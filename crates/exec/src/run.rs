@@ -441,6 +441,7 @@ pub fn encode(node: &Arc<Exec>, plan: &DistributedPlan) -> DfResult<Work> {
 /// Starts a `RunStages` call to `at`; its reports and its end become events.
 fn call_run_stages(node: &Arc<Exec>, at: NodeId, request: RunRequest, events: mpsc::Sender<Event>) {
     let node = node.clone();
+    let query = request.query;
     tokio::spawn(async move {
         let Some(addr) = node.meta.addr_of(at) else {
             let _ = events
@@ -468,14 +469,25 @@ fn call_run_stages(node: &Arc<Exec>, at: NodeId, request: RunRequest, events: mp
         let _ = events.send(event).await;
         if done {
             // The node holds on to the query (under lineage recovery, its spools) while
-            // this stream is open, until the query ends.
-            while let Some(item) = stream.next().await {
-                if let Err(error) = item {
-                    if error.is_transport() {
-                        node.suspect(at);
-                        let _ = events.send(Event::FinishedNodeFailed(at)).await;
-                    }
-                    break;
+            // this stream is open, until the query ends. It ends there when told so, or
+            // when the query ends here and this side drops the stream (should the word
+            // not reach it).
+            let ended_here = node.queries.wait_ended(query);
+            tokio::pin!(ended_here);
+            loop {
+                tokio::select! {
+                    item = stream.next() => match item {
+                        Some(Ok(_)) => {}
+                        Some(Err(error)) => {
+                            if error.is_transport() {
+                                node.suspect(at);
+                                let _ = events.send(Event::FinishedNodeFailed(at)).await;
+                            }
+                            break;
+                        }
+                        None => break,
+                    },
+                    () = &mut ended_here => break,
                 }
             }
         }
