@@ -11,7 +11,11 @@
 //!
 //! Every claim has a way to end: its claimant's allocation succeeds (its claims go), the
 //! claimant stops retrying (a claim not renewed by a retry within [`CLAIM_TTL_MS`] of the
-//! metadata's clock lapses), or the claimant's node is no longer a live member.
+//! metadata's clock lapses), or the claimant's node is no longer a live member. And a
+//! claim holds others back for at most [`CLAIM_PRIORITY_MS`]: a claimant waiting on an
+//! epoch that stays open (its coordinator hung, until the epoch times out) would otherwise
+//! stop publishes to every table it claimed, where without claims only the tables of that
+//! epoch wait. After that it retries as one among others.
 
 use super::MetaState;
 use crate::NodeId;
@@ -21,6 +25,10 @@ use serde::{Deserialize, Serialize};
 /// claimant retrying. Coordinators retry every 100 ms while they wait for a lease.
 pub const CLAIM_TTL_MS: u64 = 2_000;
 
+/// How long after its first claim a claimant holds others back. Publishes take well under
+/// a second when nothing fails, so a claimant gets its tables long before this.
+pub const CLAIM_PRIORITY_MS: u64 = 10_000;
+
 /// One waiting allocation's hold on a table.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct LeaseClaim {
@@ -28,6 +36,9 @@ pub struct LeaseClaim {
     pub request: u64,
     /// The log index at which the claimant first claimed: older claimants go first.
     pub since: u64,
+    /// The metadata clock at the claimant's first claim: after [`CLAIM_PRIORITY_MS`] more,
+    /// its claims hold nobody back.
+    pub claimed_ms: u64,
     /// The metadata clock at the claimant's latest retry.
     pub renewed_ms: u64,
 }
@@ -67,10 +78,12 @@ impl MetaState {
             .filter(|c| c.is_of(coordinator, request))
             .map(|c| c.since)
             .min();
+        let now = self.clock_ms;
         tables.iter().find_map(|table| {
             let claim = self.lease_claims.get(table)?;
-            let first =
-                !claim.is_of(coordinator, request) && own_since.is_none_or(|own| claim.since < own);
+            let first = !claim.is_of(coordinator, request)
+                && own_since.is_none_or(|own| claim.since < own)
+                && now < claim.claimed_ms.saturating_add(CLAIM_PRIORITY_MS);
             first.then(|| (table.clone(), claim.clone()))
         })
     }
@@ -85,13 +98,13 @@ impl MetaState {
         index: u64,
     ) {
         let now = self.clock_ms;
-        let since = self
+        let (since, claimed_ms) = self
             .lease_claims
             .values()
             .filter(|c| c.is_of(coordinator, request))
-            .map(|c| c.since)
+            .map(|c| (c.since, c.claimed_ms))
             .min()
-            .unwrap_or(index);
+            .unwrap_or((index, now));
         for claim in self.lease_claims.values_mut() {
             if claim.is_of(coordinator, request) {
                 claim.renewed_ms = now;
@@ -104,6 +117,7 @@ impl MetaState {
                     coordinator,
                     request,
                     since,
+                    claimed_ms,
                     renewed_ms: now,
                 });
         }
@@ -244,6 +258,26 @@ mod tests {
         let second = epoch(log.allocate(2, 1, &["a", "b"]));
         log.commit(second);
         epoch(log.allocate(3, 1, &["b", "c"]));
+    }
+
+    #[test]
+    fn a_claimant_holds_others_back_only_for_a_while() {
+        let mut log = Log::new();
+        // A's epoch stays open (its coordinator hangs) while node 4 waits for a and b.
+        epoch(log.allocate(1, 1, &["a"]));
+        assert!(is_busy(&log.allocate(4, 9, &["a", "b"]), "one writer"));
+        let mut waited_ms = 100;
+        while waited_ms + 1_000 < CLAIM_PRIORITY_MS {
+            assert!(is_busy(&log.allocate(2, 1, &["b"]), "in turn"));
+            assert!(is_busy(
+                &log.allocate_after(900, 4, 9, &["a", "b"]),
+                "one writer"
+            ));
+            waited_ms += 1_000;
+        }
+        // Node 4 still retries, but b is no longer held back for it.
+        log.allocate_after(1_000, 4, 9, &["a", "b"]);
+        epoch(log.allocate(2, 1, &["b"]));
     }
 
     #[test]
