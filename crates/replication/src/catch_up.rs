@@ -69,11 +69,17 @@ impl StalePartition {
 /// before the lease, by `state` (read linearizably just now; every epoch at or below its
 /// visible one is decided).
 ///
-/// The source must be a current replica in `state`, not just the primary the leader planned
-/// with: a replica that missed an epoch at or below the visible one is marked stale by that
-/// epoch's commit, and would serve a delta without it, which this node would then count as
-/// held (fault run 4902: a primary planned with missed epochs while the plan travelled; the
-/// replica it was catching up lacked them for good).
+/// The source must be the partition's primary in `state`, not just the primary the leader
+/// planned with, as the leased copy's source is:
+/// - a replica that missed an epoch at or below the visible one is marked stale by that
+///   epoch's commit, and would serve a delta without it, which this node would then count
+///   as held (fault run 4902: a primary planned with missed epochs while the plan
+///   travelled; the replica it was catching up lacked them for good);
+/// - a current replica that is not the primary may be a cold standby, which keeps the rows
+///   of epochs committed since it stopped being primary in its log, not in its store, so
+///   its delta lacks them too (fault run 5001: the planned primary had handed the
+///   partition back to its returning owner; kv_a p7 on node 4 lacked epochs 36022 and
+///   36028 for good).
 fn worth_fetching(
     state: &MetaState,
     me: NodeId,
@@ -81,17 +87,19 @@ fn worth_fetching(
     stale: &StalePartition,
     since: Epoch,
 ) -> bool {
-    let source_current = state
+    let source_is_primary = state
         .map
         .partitions
         .get(moved.partition.0 as usize)
         .is_some_and(|p| {
-            p.replicas.contains(&moved.source) && !p.stale.contains_key(&moved.source)
+            p.primary == Some(moved.source)
+                && p.replicas.contains(&moved.source)
+                && !p.stale.contains_key(&moved.source)
         });
     // A whole copy (a first missed epoch of zero, or one below the retention horizon) has
     // no delta to fetch.
     since <= state.visible
-        && source_current
+        && source_is_primary
         && !copies_whole(moved, state, &stale.table)
         && stale.still_stale(state, me)
 }
@@ -192,12 +200,13 @@ async fn catch_up_now(
 mod tests {
     use super::*;
 
-    /// Three nodes, r = 3, one table, node 1 stale on every partition from epoch 5, and
-    /// every epoch through 9 decided.
+    /// Three nodes, r = 3, one table, node 1 stale on every partition from epoch 5 (node 2
+    /// its primary), and every epoch through 9 decided.
     fn node_1_stale() -> MetaState {
         let mut state = crate::rebalance::tests::three_nodes_one_table(2);
         for placement in &mut state.map.partitions {
             placement.stale.insert(NodeId(1), Epoch(5));
+            placement.primary = Some(NodeId(2));
         }
         state.visible = Epoch(9);
         state
@@ -226,8 +235,19 @@ mod tests {
     fn nothing_is_fetched_from_a_source_that_missed_epochs_since_the_plan() {
         let mut state = node_1_stale();
         state.map.partitions[0].stale.insert(NodeId(2), Epoch(8));
+        state.map.partitions[0].primary = Some(NodeId(3));
         assert!(!fetches(&state, 2, 5));
-        assert!(fetches(&state, 3, 5), "node 3 is current");
+        assert!(fetches(&state, 3, 5), "node 3 is the primary now");
+    }
+
+    #[test]
+    fn nothing_is_fetched_from_a_current_replica_that_is_not_the_primary() {
+        // Node 2 was the primary the leader planned with; node 3 is primary now, and node 2
+        // a cold standby: the epochs committed since are in its log, not its store.
+        let mut state = node_1_stale();
+        state.map.partitions[0].primary = Some(NodeId(3));
+        assert!(!fetches(&state, 2, 5));
+        assert!(fetches(&state, 3, 5));
     }
 
     #[test]

@@ -571,6 +571,30 @@ pub(crate) fn copies_whole(moved: &PartitionMove, state: &MetaState, table: &str
     moved.since == Epoch::ZERO || moved.since <= state.retention_horizon(table)
 }
 
+/// Refuses unless, by `state` (read linearizably), node `me`'s process `incarnation` may
+/// serve `partition`'s versions to a copy: the metadata has heard from this process (a
+/// node wiped and restarted is marked replaced when it announces itself; before that it
+/// would serve a delta without what it lost, and the copy would count it held: fault run
+/// 5001, kv_a p7 copied to node 4 from a just-wiped node 3 lacked epochs 36022 and 36028
+/// for good), and `me` is a current replica of the partition.
+pub fn may_serve_a_copy(
+    state: &MetaState,
+    me: NodeId,
+    incarnation: u64,
+    partition: PartitionId,
+) -> std::result::Result<(), String> {
+    let announced = state
+        .nodes
+        .get(&me)
+        .is_some_and(|n| n.incarnation >= incarnation);
+    if !announced {
+        return Err(format!(
+            "node {me} cannot serve partition {partition} to a copy yet: the metadata has not heard from this process since it started (its data may have been lost)"
+        ));
+    }
+    state.holds_through(me, partition, state.visible)
+}
+
 /// What a target does before a rebalance takes every table's lease: it prefetches the
 /// components of its whole copies, then fetches its deltas up to the epochs decided now
 /// ([`crate::catch_up`]).
@@ -837,5 +861,26 @@ pub(crate) mod tests {
         }
         let wanted = wanted_map(&only_stale, &BTreeSet::new()).unwrap();
         assert!(!catches_up_first(&only_stale, &wanted, true));
+    }
+
+    #[test]
+    fn only_an_announced_current_replica_serves_a_copy() {
+        let mut state = three_nodes_one_table(2);
+        state.visible = Epoch(9);
+        state.nodes.get_mut(&NodeId(2)).unwrap().incarnation = 4;
+        let p0 = PartitionId(0);
+        assert_eq!(may_serve_a_copy(&state, NodeId(2), 4, p0), Ok(()));
+        // Node 2 restarted (process 5, perhaps with its data wiped): until the metadata
+        // has heard from this process, it serves nothing to a copy.
+        let refused = may_serve_a_copy(&state, NodeId(2), 5, p0).unwrap_err();
+        assert!(
+            refused.contains("has not heard from this process"),
+            "{refused}"
+        );
+        // Heard from, and found to have lost its data: stale from the first epoch.
+        state.nodes.get_mut(&NodeId(2)).unwrap().incarnation = 5;
+        state.map.partitions[0].stale.insert(NodeId(2), Epoch::ZERO);
+        let refused = may_serve_a_copy(&state, NodeId(2), 5, p0).unwrap_err();
+        assert!(refused.contains("lacks the versions"), "{refused}");
     }
 }

@@ -686,10 +686,14 @@ impl FlightService for NodeService {
                 let versions: VersionsRequest = request.decode().map_err(decode_error)?;
                 // A failback source must hold every epoch committed in Raft, or the
                 // returning replica would be marked fresh without some of them.
-                self.node
+                let view = self
+                    .node
                     .meta
                     .read_linearizable(crate::meta::LINEARIZABLE_READ_PATIENCE)
                     .await
+                    .map_err(failed)?;
+                self.node
+                    .holds_for_a_copy(&view.state, versions.partition)
                     .map_err(failed)?;
                 let def = self.local_table(&versions.table, versions.generation)?;
                 let store = self.node.store.clone();
