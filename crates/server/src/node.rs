@@ -340,21 +340,6 @@ impl Node {
         self.replication.incarnation()
     }
 
-    /// Refuses unless, by `state` (read linearizably), this process may serve `partition`'s
-    /// versions to a copy (see [`tessera_replication::rebalance::may_serve_a_copy`]).
-    pub fn holds_for_a_copy(
-        &self,
-        state: &tessera_meta::MetaState,
-        partition: tessera_common::PartitionId,
-    ) -> Result<(), String> {
-        tessera_replication::rebalance::may_serve_a_copy(
-            state,
-            self.id(),
-            self.incarnation(),
-            partition,
-        )
-    }
-
     /// Makes `id` suspect and waits for the metadata leader's verdict; see
     /// [`Replication::confirm_failed`].
     pub async fn confirm_failed(&self, id: NodeId) -> bool {

@@ -692,9 +692,13 @@ impl FlightService for NodeService {
                     .read_linearizable(crate::meta::LINEARIZABLE_READ_PATIENCE)
                     .await
                     .map_err(failed)?;
-                self.node
-                    .holds_for_a_copy(&view.state, versions.partition)
-                    .map_err(failed)?;
+                tessera_replication::rebalance::may_serve_a_copy(
+                    &view.state,
+                    self.node.id(),
+                    self.node.incarnation(),
+                    versions.partition,
+                )
+                .map_err(failed)?;
                 let def = self.local_table(&versions.table, versions.generation)?;
                 let store = self.node.store.clone();
                 let batches = tokio::task::spawn_blocking(move || {

@@ -50,6 +50,16 @@ impl LeaseClaim {
 }
 
 impl MetaState {
+    /// When the allocation (`coordinator`, `request`) first claimed (log index, clock), if
+    /// it holds a claim.
+    fn first_claim_of(&self, coordinator: NodeId, request: u64) -> Option<(u64, u64)> {
+        self.lease_claims
+            .values()
+            .filter(|c| c.is_of(coordinator, request))
+            .map(|c| (c.since, c.claimed_ms))
+            .min()
+    }
+
     /// Drops the claims that have lapsed: not renewed within [`CLAIM_TTL_MS`], or made by a
     /// node that is no longer a live member.
     fn drop_lapsed_claims(&mut self) {
@@ -73,11 +83,8 @@ impl MetaState {
     ) -> Option<(String, LeaseClaim)> {
         self.drop_lapsed_claims();
         let own_since = self
-            .lease_claims
-            .values()
-            .filter(|c| c.is_of(coordinator, request))
-            .map(|c| c.since)
-            .min();
+            .first_claim_of(coordinator, request)
+            .map(|(since, _)| since);
         let now = self.clock_ms;
         tables.iter().find_map(|table| {
             let claim = self.lease_claims.get(table)?;
@@ -99,11 +106,7 @@ impl MetaState {
     ) {
         let now = self.clock_ms;
         let (since, claimed_ms) = self
-            .lease_claims
-            .values()
-            .filter(|c| c.is_of(coordinator, request))
-            .map(|c| (c.since, c.claimed_ms))
-            .min()
+            .first_claim_of(coordinator, request)
             .unwrap_or((index, now));
         for claim in self.lease_claims.values_mut() {
             if claim.is_of(coordinator, request) {
