@@ -13,6 +13,7 @@ pub mod hex;
 pub mod ids;
 pub mod metrics;
 pub mod partitioning;
+pub mod short_hash;
 pub mod signing;
 pub mod statement;
 pub mod time;

@@ -25,6 +25,7 @@
 //! `[i * 2^64 / P, (i + 1) * 2^64 / P)`.
 
 use crate::ids::PartitionId;
+use crate::short_hash::{self, ShortInputs};
 use arrow::array::{
     Array, ArrayRef, AsArray, BinaryArray, BinaryViewArray, BooleanArray, LargeBinaryArray,
     LargeStringArray, StringArray, StringViewArray,
@@ -82,22 +83,36 @@ pub fn partition_key_hashes(
     key_columns: &[(&str, &ArrayRef)],
 ) -> Result<Vec<u64>, PartitioningError> {
     let rows = key_columns.first().map(|(_, a)| a.len()).unwrap_or(0);
-    for (name, column) in key_columns {
-        check_key_type(name, column.data_type())?;
-    }
+    let columns = key_columns
+        .iter()
+        .map(|(name, column)| KeyColumn::of(name, column))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut encoding = Vec::with_capacity(64);
     let mut hashes = Vec::with_capacity(rows);
+    // Encodings of one block are hashed 16 at a time; a longer one (a long string key)
+    // alone, once the short ones before it are hashed, so the hashes stay in row order.
+    let mut short = ShortInputs::default();
     for row in 0..rows {
         encoding.clear();
-        for (_, column) in key_columns {
-            encode_value(column, row, &mut encoding);
+        for column in &columns {
+            column.encode(row, &mut encoding);
         }
-        let digest = blake3::hash(&encoding);
-        let first8: [u8; 8] = digest.as_bytes()[..8]
-            .try_into()
-            .expect("BLAKE3 has 32 bytes");
-        hashes.push(u64::from_le_bytes(first8));
+        if encoding.len() <= short_hash::MAX_LEN {
+            short.push(&encoding);
+            if short.is_full() {
+                short.hash_into(&mut hashes);
+            }
+        } else {
+            short.hash_into(&mut hashes);
+            let digest = blake3::hash(&encoding);
+            let first8: [u8; 8] = digest.as_bytes()[..8]
+                .try_into()
+                .expect("BLAKE3 has 32 bytes");
+            hashes.push(u64::from_le_bytes(first8));
+        }
     }
+    short.hash_into(&mut hashes);
+    debug_assert_eq!(hashes.len(), rows);
     Ok(hashes)
 }
 
@@ -129,119 +144,155 @@ fn check_key_type(column: &str, data_type: &DataType) -> Result<(), Partitioning
     }
 }
 
-fn encode_bytes(tag: u8, bytes: &[u8], out: &mut Vec<u8>) {
-    out.push(tag);
-    out.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
-    out.extend_from_slice(bytes);
+/// A key column, its type looked at once rather than for every row.
+enum KeyColumn<'a> {
+    Signed(Box<dyn Fn(usize) -> i64 + 'a>, &'a dyn Array),
+    Unsigned(Box<dyn Fn(usize) -> u64 + 'a>, &'a dyn Array),
+    Bytes(u8, Box<dyn Fn(usize) -> &'a [u8] + 'a>, &'a dyn Array),
+    Date32(&'a arrow::array::Date32Array),
+    Date64(&'a arrow::array::Date64Array),
+    Decimal128(i8, &'a arrow::array::Decimal128Array),
+    Boolean(&'a BooleanArray),
 }
 
-fn encode_value(column: &ArrayRef, row: usize, out: &mut Vec<u8>) {
-    use DataType::*;
-    if column.is_null(row) {
-        out.push(0x00);
-        return;
+impl<'a> KeyColumn<'a> {
+    fn of(name: &str, column: &'a ArrayRef) -> Result<KeyColumn<'a>, PartitioningError> {
+        use DataType::*;
+        check_key_type(name, column.data_type())?;
+        let array: &'a dyn Array = column.as_ref();
+        fn signed<'a, T: arrow::datatypes::ArrowPrimitiveType>(
+            array: &'a dyn Array,
+        ) -> Box<dyn Fn(usize) -> i64 + 'a>
+        where
+            T::Native: Into<i64>,
+        {
+            let values = array.as_primitive::<T>().values();
+            Box::new(move |row| values[row].into())
+        }
+        fn unsigned<'a, T: arrow::datatypes::ArrowPrimitiveType>(
+            array: &'a dyn Array,
+        ) -> Box<dyn Fn(usize) -> u64 + 'a>
+        where
+            T::Native: Into<u64>,
+        {
+            let values = array.as_primitive::<T>().values();
+            Box::new(move |row| values[row].into())
+        }
+        fn bytes<'a, A: 'a>(
+            array: &'a dyn Array,
+            value: fn(&'a A, usize) -> &'a [u8],
+        ) -> Box<dyn Fn(usize) -> &'a [u8] + 'a>
+        where
+            A: Array + 'static,
+        {
+            let typed = array.as_any().downcast_ref::<A>().expect("checked type");
+            Box::new(move |row| value(typed, row))
+        }
+        Ok(match column.data_type() {
+            Int8 => KeyColumn::Signed(signed::<Int8Type>(array), array),
+            Int16 => KeyColumn::Signed(signed::<Int16Type>(array), array),
+            Int32 => KeyColumn::Signed(signed::<Int32Type>(array), array),
+            Int64 => KeyColumn::Signed(signed::<Int64Type>(array), array),
+            UInt8 => KeyColumn::Unsigned(unsigned::<UInt8Type>(array), array),
+            UInt16 => KeyColumn::Unsigned(unsigned::<UInt16Type>(array), array),
+            UInt32 => KeyColumn::Unsigned(unsigned::<UInt32Type>(array), array),
+            UInt64 => KeyColumn::Unsigned(unsigned::<UInt64Type>(array), array),
+            Utf8 => KeyColumn::Bytes(
+                0x03,
+                bytes::<StringArray>(array, |a, row| a.value(row).as_bytes()),
+                array,
+            ),
+            LargeUtf8 => KeyColumn::Bytes(
+                0x03,
+                bytes::<LargeStringArray>(array, |a, row| a.value(row).as_bytes()),
+                array,
+            ),
+            Utf8View => KeyColumn::Bytes(
+                0x03,
+                bytes::<StringViewArray>(array, |a, row| a.value(row).as_bytes()),
+                array,
+            ),
+            Binary => KeyColumn::Bytes(
+                0x08,
+                bytes::<BinaryArray>(array, |a, row| a.value(row)),
+                array,
+            ),
+            LargeBinary => KeyColumn::Bytes(
+                0x08,
+                bytes::<LargeBinaryArray>(array, |a, row| a.value(row)),
+                array,
+            ),
+            BinaryView => KeyColumn::Bytes(
+                0x08,
+                bytes::<BinaryViewArray>(array, |a, row| a.value(row)),
+                array,
+            ),
+            Date32 => KeyColumn::Date32(column.as_primitive::<Date32Type>()),
+            Date64 => KeyColumn::Date64(column.as_primitive::<Date64Type>()),
+            Decimal128(_, scale) => {
+                KeyColumn::Decimal128(*scale, column.as_primitive::<Decimal128Type>())
+            }
+            Boolean => KeyColumn::Boolean(
+                column
+                    .as_any()
+                    .downcast_ref::<BooleanArray>()
+                    .expect("Boolean"),
+            ),
+            other => unreachable!("key type {other} was checked"),
+        })
     }
-    let signed = |value: i64, out: &mut Vec<u8>| {
-        out.push(0x01);
-        out.extend_from_slice(&value.to_be_bytes());
-    };
-    let unsigned = |value: u64, out: &mut Vec<u8>| {
-        out.push(0x02);
-        out.extend_from_slice(&value.to_be_bytes());
-    };
-    match column.data_type() {
-        Int8 => signed(column.as_primitive::<Int8Type>().value(row) as i64, out),
-        Int16 => signed(column.as_primitive::<Int16Type>().value(row) as i64, out),
-        Int32 => signed(column.as_primitive::<Int32Type>().value(row) as i64, out),
-        Int64 => signed(column.as_primitive::<Int64Type>().value(row), out),
-        UInt8 => unsigned(column.as_primitive::<UInt8Type>().value(row) as u64, out),
-        UInt16 => unsigned(column.as_primitive::<UInt16Type>().value(row) as u64, out),
-        UInt32 => unsigned(column.as_primitive::<UInt32Type>().value(row) as u64, out),
-        UInt64 => unsigned(column.as_primitive::<UInt64Type>().value(row), out),
-        Utf8 => encode_bytes(
-            0x03,
-            column
-                .as_any()
-                .downcast_ref::<StringArray>()
-                .expect("Utf8")
-                .value(row)
-                .as_bytes(),
-            out,
-        ),
-        LargeUtf8 => encode_bytes(
-            0x03,
-            column
-                .as_any()
-                .downcast_ref::<LargeStringArray>()
-                .expect("LargeUtf8")
-                .value(row)
-                .as_bytes(),
-            out,
-        ),
-        Utf8View => encode_bytes(
-            0x03,
-            column
-                .as_any()
-                .downcast_ref::<StringViewArray>()
-                .expect("Utf8View")
-                .value(row)
-                .as_bytes(),
-            out,
-        ),
-        Date32 => {
-            out.push(0x04);
-            out.extend_from_slice(&column.as_primitive::<Date32Type>().value(row).to_be_bytes());
+
+    fn array(&self) -> &dyn Array {
+        match self {
+            KeyColumn::Signed(_, array)
+            | KeyColumn::Unsigned(_, array)
+            | KeyColumn::Bytes(_, _, array) => *array,
+            KeyColumn::Date32(array) => *array,
+            KeyColumn::Date64(array) => *array,
+            KeyColumn::Decimal128(_, array) => *array,
+            KeyColumn::Boolean(array) => *array,
         }
-        Date64 => {
-            out.push(0x05);
-            out.extend_from_slice(&column.as_primitive::<Date64Type>().value(row).to_be_bytes());
+    }
+
+    /// Appends the canonical encoding of this column's value in `row` (module docs).
+    fn encode(&self, row: usize, out: &mut Vec<u8>) {
+        if self.array().is_null(row) {
+            out.push(0x00);
+            return;
         }
-        Decimal128(_, scale) => {
-            out.push(0x06);
-            out.push(*scale as u8);
-            out.extend_from_slice(
-                &column
-                    .as_primitive::<Decimal128Type>()
-                    .value(row)
-                    .to_be_bytes(),
-            );
+        match self {
+            KeyColumn::Signed(value, _) => {
+                out.push(0x01);
+                out.extend_from_slice(&value(row).to_be_bytes());
+            }
+            KeyColumn::Unsigned(value, _) => {
+                out.push(0x02);
+                out.extend_from_slice(&value(row).to_be_bytes());
+            }
+            KeyColumn::Bytes(tag, value, _) => {
+                let bytes = value(row);
+                out.push(*tag);
+                out.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
+                out.extend_from_slice(bytes);
+            }
+            KeyColumn::Date32(array) => {
+                out.push(0x04);
+                out.extend_from_slice(&array.value(row).to_be_bytes());
+            }
+            KeyColumn::Date64(array) => {
+                out.push(0x05);
+                out.extend_from_slice(&array.value(row).to_be_bytes());
+            }
+            KeyColumn::Decimal128(scale, array) => {
+                out.push(0x06);
+                out.push(*scale as u8);
+                out.extend_from_slice(&array.value(row).to_be_bytes());
+            }
+            KeyColumn::Boolean(array) => {
+                out.push(0x07);
+                out.push(array.value(row) as u8);
+            }
         }
-        Boolean => {
-            out.push(0x07);
-            let array = column
-                .as_any()
-                .downcast_ref::<BooleanArray>()
-                .expect("Boolean");
-            out.push(array.value(row) as u8);
-        }
-        Binary => encode_bytes(
-            0x08,
-            column
-                .as_any()
-                .downcast_ref::<BinaryArray>()
-                .expect("Binary")
-                .value(row),
-            out,
-        ),
-        LargeBinary => encode_bytes(
-            0x08,
-            column
-                .as_any()
-                .downcast_ref::<LargeBinaryArray>()
-                .expect("LargeBinary")
-                .value(row),
-            out,
-        ),
-        BinaryView => encode_bytes(
-            0x08,
-            column
-                .as_any()
-                .downcast_ref::<BinaryViewArray>()
-                .expect("BinaryView")
-                .value(row),
-            out,
-        ),
-        other => unreachable!("key type {other} was checked before encoding"),
     }
 }
 
@@ -317,6 +368,36 @@ mod tests {
             let (lo, hi) = if a <= b { (a, b) } else { (b, a) };
             prop_assert!(ring.partition_of(lo) <= ring.partition_of(hi));
             prop_assert!(ring.partition_of(hi).0 < p);
+        }
+
+        #[test]
+        fn batched_hashes_equal_one_blake3_per_row(
+            keys in proptest::collection::vec((any::<i64>(), "[a-z]{0,80}", any::<bool>()), 0..60)
+        ) {
+            // Encodings of up to 64 bytes are hashed 16 at a time, longer ones alone, in
+            // any order: each row's hash is still BLAKE3 of its own encoding.
+            let ints: ArrayRef = Arc::new(Int64Array::from(
+                keys.iter().map(|(i, _, null)| (!null).then_some(*i)).collect::<Vec<_>>(),
+            ));
+            let strings: ArrayRef = Arc::new(StringArray::from(
+                keys.iter().map(|(_, s, _)| s.as_str()).collect::<Vec<_>>(),
+            ));
+            let hashes = partition_key_hashes(&[("i", &ints), ("s", &strings)]).unwrap();
+            prop_assert_eq!(hashes.len(), keys.len());
+            for ((i, s, null), hash) in keys.iter().zip(hashes) {
+                let mut encoding = Vec::new();
+                if *null {
+                    encoding.push(0x00);
+                } else {
+                    encoding.push(0x01);
+                    encoding.extend_from_slice(&i.to_be_bytes());
+                }
+                encoding.push(0x03);
+                encoding.extend_from_slice(&(s.len() as u32).to_be_bytes());
+                encoding.extend_from_slice(s.as_bytes());
+                let digest = blake3::hash(&encoding);
+                prop_assert_eq!(hash, u64::from_le_bytes(digest.as_bytes()[..8].try_into().unwrap()));
+            }
         }
 
         #[test]
