@@ -132,6 +132,27 @@ async fn joins_and_aggregations_on_the_partition_key_run_where_the_partitions_ar
         assert_exact(&client, &oracle, hints, on_key).await;
     }
 
+    // One day's orders are few enough to collect and send to every node, as DataFusion
+    // plans them; but both sides are partitioned alike on the key, so the join runs where
+    // the partitions are and neither side moves.
+    let small_side = "SELECT count(*) AS n, sum(l_quantity) AS q FROM orders JOIN lineitem \
+                      ON o_orderkey = l_orderkey WHERE o_orderdate = DATE '1995-03-15'";
+    let plan = explain(&client, &[], small_side).await;
+    assert!(!plan.contains(", broadcast"), "{plan}");
+    let scans = stages(&plan)
+        .into_iter()
+        .find(|s| s.contains("table=lineitem"))
+        .unwrap();
+    assert!(
+        scans.contains("table=orders") && scans.contains("HashJoinExec"),
+        "{plan}"
+    );
+    let apart_plan = explain(&client, &[APART], small_side).await;
+    assert!(apart_plan.contains(", broadcast"), "{apart_plan}");
+    for hints in [&[][..], &[APART]] {
+        assert_exact(&client, &oracle, hints, small_side).await;
+    }
+
     // An aggregation on the key needs no exchange below the answer.
     let by_key = "SELECT l_orderkey, sum(l_quantity) AS q FROM lineitem \
                   GROUP BY l_orderkey HAVING sum(l_quantity) > 250 ORDER BY l_orderkey";

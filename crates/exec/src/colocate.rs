@@ -27,6 +27,7 @@ use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::{DataFusionError, Result as DfResult};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::{Distribution, PhysicalExpr};
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::execution_plan::replace_children_if_necessary;
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
@@ -159,12 +160,15 @@ impl Side {
 pub fn colocate(plan: Arc<dyn ExecutionPlan>) -> DfResult<Arc<dyn ExecutionPlan>> {
     plan.transform_up(|node| {
         if let Some(join) = node.downcast_ref::<HashJoinExec>() {
-            if join.mode == PartitionMode::Partitioned {
-                return Ok(match colocate_join(join)? {
-                    Some(rewritten) => Transformed::yes(rewritten),
-                    None => Transformed::no(node),
-                });
-            }
+            let rewritten = match join.mode {
+                PartitionMode::Partitioned => colocate_join(join)?,
+                PartitionMode::CollectLeft => join_in_place(join)?,
+                PartitionMode::Auto => None,
+            };
+            return Ok(match rewritten {
+                Some(rewritten) => Transformed::yes(rewritten),
+                None => Transformed::no(node),
+            });
         }
         if node.is::<InterleaveExec>() {
             return rehash_storage_inputs(node);
@@ -199,6 +203,42 @@ fn colocate_join(join: &HashJoinExec) -> DfResult<Option<Arc<dyn ExecutionPlan>>
     let rewritten = join
         .builder()
         .with_new_children(children)?
+        .recompute_properties()
+        .build_exec()?;
+    Ok(Some(rewritten))
+}
+
+/// A join planned to collect its (small) build side whole, whose two sides are both
+/// partitioned by the storage on their join keys, alike: joined partition by partition
+/// instead, where the rows are. Collecting would send every build row to every node and
+/// make each probe wait for the slowest node's rows; partition `k` of each side already
+/// holds the same keys. `None` if the sides are not so partitioned, or the join must see
+/// its build side whole (a null-aware anti join, for `NOT IN`).
+fn join_in_place(join: &HashJoinExec) -> DfResult<Option<Arc<dyn ExecutionPlan>>> {
+    if join.null_aware {
+        return Ok(None);
+    }
+    let Some(collect) = join.left().downcast_ref::<CoalescePartitionsExec>() else {
+        return Ok(None);
+    };
+    let (left_keys, right_keys): (Vec<_>, Vec<_>) = join.on().iter().cloned().unzip();
+    let left = Side::of(collect.input(), &left_keys);
+    let right = Side::of(join.right(), &right_keys);
+    let (Some(left_layout), Some(right_layout)) = (&left.aligned, &right.aligned) else {
+        return Ok(None);
+    };
+    // `Side::of` looks through a DataFusion repartition; a collected build side has none
+    // above its storage partitioning, and a probe side with one is left as planned.
+    if left_layout != right_layout
+        || !Arc::ptr_eq(&left.input, collect.input())
+        || !Arc::ptr_eq(&right.input, join.right())
+    {
+        return Ok(None);
+    }
+    let rewritten = join
+        .builder()
+        .with_partition_mode(PartitionMode::Partitioned)
+        .with_new_children(vec![left.input, right.input])?
         .recompute_properties()
         .build_exec()?;
     Ok(Some(rewritten))

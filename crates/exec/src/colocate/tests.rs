@@ -195,3 +195,64 @@ fn repartitions_over_two_alike_storage_inputs_are_removed() {
         assert!(child.is::<StorageRepartitionExec>(), "{}", child.name());
     }
 }
+
+fn collect_left_join(
+    left: Arc<dyn ExecutionPlan>,
+    right: Arc<dyn ExecutionPlan>,
+    join_type: JoinType,
+    null_aware: bool,
+) -> Arc<dyn ExecutionPlan> {
+    Arc::new(
+        HashJoinExec::try_new(
+            Arc::new(CoalescePartitionsExec::new(left)),
+            right,
+            vec![(column("a"), column("b"))],
+            None,
+            &join_type,
+            None,
+            PartitionMode::CollectLeft,
+            NullEquality::NullEqualsNothing,
+            null_aware,
+        )
+        .unwrap(),
+    )
+}
+
+#[test]
+fn a_collected_build_side_partitioned_like_the_probe_side_is_joined_in_place() {
+    let fixed = colocate(collect_left_join(
+        storage_side("a"),
+        storage_side("b"),
+        JoinType::Inner,
+        false,
+    ))
+    .unwrap();
+    check(&fixed).unwrap();
+    let join = fixed.downcast_ref::<HashJoinExec>().unwrap();
+    assert_eq!(join.mode, PartitionMode::Partitioned);
+    for child in fixed.children() {
+        assert!(child.is::<StorageRepartitionExec>(), "{}", child.name());
+    }
+    // A probe side partitioned otherwise, or a NOT IN join (which must see its build side
+    // whole), still collects.
+    let unchanged = [
+        collect_left_join(
+            storage_side("a"),
+            datafusion_side("b", 2),
+            JoinType::Inner,
+            false,
+        ),
+        collect_left_join(
+            storage_side("a"),
+            storage_side("b"),
+            JoinType::LeftAnti,
+            true,
+        ),
+    ];
+    for plan in unchanged {
+        let same = colocate(plan).unwrap();
+        let join = same.downcast_ref::<HashJoinExec>().unwrap();
+        assert_eq!(join.mode, PartitionMode::CollectLeft);
+        assert!(same.children()[0].is::<CoalescePartitionsExec>());
+    }
+}
