@@ -178,13 +178,10 @@ impl<'a> KeyColumn<'a> {
             let values = array.as_primitive::<T>().values();
             Box::new(move |row| values[row].into())
         }
-        fn bytes<'a, A: 'a>(
+        fn bytes<'a, A: Array + 'static>(
             array: &'a dyn Array,
             value: fn(&'a A, usize) -> &'a [u8],
-        ) -> Box<dyn Fn(usize) -> &'a [u8] + 'a>
-        where
-            A: Array + 'static,
-        {
+        ) -> Box<dyn Fn(usize) -> &'a [u8] + 'a> {
             let typed = array.as_any().downcast_ref::<A>().expect("checked type");
             Box::new(move |row| value(typed, row))
         }
