@@ -243,7 +243,7 @@ mod tests {
     }
 
     #[test]
-    fn many_inputs_of_mixed_lengths_hash_as_blake3_does_also_on_the_portable_path() {
+    fn many_inputs_of_mixed_lengths_hash_as_blake3_does_on_every_path() {
         // A reused lane must not keep the bytes of a longer input before it.
         let mut seed = 0x9E3779B97F4A7C15u64;
         let mut next = || {
@@ -268,6 +268,13 @@ mod tests {
             let portable = hash_lanes_portable(&lanes.message, &lanes.lens);
             for (input, hash) in group.iter().zip(portable) {
                 assert_eq!(hash, reference(input));
+            }
+            // Each vector path this processor has, not only the widest that is chosen.
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the processor was just found to support AVX2.
+                let avx2 = unsafe { hash_lanes_avx2(&lanes.message, &lanes.lens) };
+                assert_eq!(avx2, portable);
             }
         }
     }
