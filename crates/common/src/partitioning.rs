@@ -89,7 +89,7 @@ pub fn partition_key_hashes(
         .collect::<Result<Vec<_>, _>>()?;
     let mut hashes = Vec::with_capacity(rows);
     if let [column] = columns.as_slice() {
-        if let Some(()) = hash_integer_key(column, rows, &mut hashes) {
+        if hash_integer_key(column, rows, &mut hashes) {
             return Ok(hashes);
         }
     }
@@ -122,12 +122,12 @@ pub fn partition_key_hashes(
 }
 
 /// The hashes of a one-column integer key, its encodings put straight into the hashing
-/// lanes; `None` (nothing done) for any other key.
-fn hash_integer_key(column: &KeyColumn<'_>, rows: usize, hashes: &mut Vec<u64>) -> Option<()> {
+/// lanes; false (nothing done) for any other key.
+fn hash_integer_key(column: &KeyColumn<'_>, rows: usize, hashes: &mut Vec<u64>) -> bool {
     let (tag, value): (u8, Box<dyn Fn(usize) -> [u8; 8] + '_>) = match column {
         KeyColumn::Signed(value, _) => (0x01, Box::new(|row| value(row).to_be_bytes())),
         KeyColumn::Unsigned(value, _) => (0x02, Box::new(|row| value(row).to_be_bytes())),
-        _ => return None,
+        _ => return false,
     };
     let nulls = column.array().logical_nulls();
     let mut short = ShortInputs::default();
@@ -142,7 +142,7 @@ fn hash_integer_key(column: &KeyColumn<'_>, rows: usize, hashes: &mut Vec<u64>) 
         }
     }
     short.hash_into(hashes);
-    Some(())
+    true
 }
 
 fn check_key_type(column: &str, data_type: &DataType) -> Result<(), PartitioningError> {
