@@ -84,6 +84,17 @@ impl std::fmt::Debug for StatementOutput {
     }
 }
 
+/// A setting's value as `SET` would take it back, if it has one.
+fn setting_value(config: &SessionConfig, name: &str) -> Option<String> {
+    let name = name.to_ascii_lowercase();
+    config
+        .options()
+        .entries()
+        .into_iter()
+        .find(|entry| entry.key == name)
+        .and_then(|entry| entry.value)
+}
+
 pub struct Engine {
     backend: Arc<dyn Backend>,
     ctx: SessionContext,
@@ -111,6 +122,7 @@ impl Engine {
             .with_information_schema(true)
             .with_default_catalog_and_schema("tessera", "public");
         let ctx = SessionContext::new_with_config(config);
+        ctx.add_optimizer_rule(Arc::new(crate::semi_join_pushdown::PushSemiJoins));
         let catalog = MemoryCatalogProvider::new();
         catalog
             .register_schema("public", backend.schema_provider())
@@ -179,8 +191,13 @@ impl Engine {
         if hints.is_empty() {
             return self.execute_statements(sql).await;
         }
-        // The hints hold for this request only: the session's settings come back after.
+        // The hints hold for this request only: the settings they name come back after
+        // (and only those: a `SET` among the statements stays, as it would without hints).
         let saved = self.ctx.state().config().clone();
+        let hinted: Vec<(String, Option<String>)> = hints
+            .iter()
+            .map(|(name, _)| (name.clone(), setting_value(&saved, name)))
+            .collect();
         for (name, value) in &hints {
             let set = self
                 .ctx
@@ -195,7 +212,18 @@ impl Engine {
             }
         }
         let result = self.execute_statements(sql).await;
-        *self.ctx.state_ref().write().config_mut() = saved;
+        let state = self.ctx.state_ref();
+        let mut state = state.write();
+        let restored = hinted.iter().all(|(name, value)| {
+            value
+                .as_ref()
+                .is_some_and(|value| state.config_mut().options_mut().set(name, value).is_ok())
+        });
+        if !restored {
+            // A setting without a value to write back (an unset optional one): the whole
+            // session's settings as they were.
+            *state.config_mut() = saved;
+        }
         result
     }
 

@@ -22,6 +22,7 @@ pub mod params;
 pub mod provider;
 pub mod retention;
 pub mod scan;
+pub mod semi_join_pushdown;
 pub mod snapshot_scan;
 pub mod statements;
 pub mod system;

@@ -2,7 +2,8 @@
 //! configuration: `SET tessera.recovery = 'restart'` for the session, or a hint at the
 //! head of one request, `/*+ SET tessera.recovery = restart */ SELECT ...`, for that
 //! request only. The settings: `tessera.recovery`, `tessera.scans_on_compute`,
-//! `tessera.colocate`, `tessera.query_memory_limit` and `tessera.answer_buffer`.
+//! `tessera.colocate`, `tessera.push_semi_joins`, `tessera.query_memory_limit` and
+//! `tessera.answer_buffer`.
 
 use crate::error::{Result, SqlError};
 use datafusion::common::config::{
@@ -66,6 +67,9 @@ pub struct TesseraOptions {
     /// Joins and aggregations on a table's partition key run where its partitions are
     /// (scans declare their storage partitioning), moving neither side.
     pub colocate: bool,
+    /// Semi and anti joins (`IN`, `EXISTS`) run below the inner joins whose rows they filter
+    /// (see [`crate::semi_join_pushdown`]).
+    pub push_semi_joins: bool,
     /// Set by the cluster's planner, never by a user: the plan is about to be cut into
     /// stages, whose exchanges can hash as the storage does. A plan run in one process
     /// (DataFusion's own repartitions) must not see scans declare storage partitioning.
@@ -84,6 +88,7 @@ impl Default for TesseraOptions {
             recovery: RecoveryMode::default(),
             scans_on_compute: false,
             colocate: true,
+            push_semi_joins: true,
             planning_for_cluster: false,
             query_memory_limit: None,
             answer_buffer: Some(crate::answer::DEFAULT_ANSWER_BUFFER_BYTES),
@@ -105,6 +110,9 @@ const SCANS_ON_COMPUTE_KEY: &str = "scans_on_compute";
 const COLOCATE_KEY: &str = "colocate";
 const COLOCATE_DOC: &str =
     "true (the default): joins and aggregations on a table's partition key run where its partitions are, moving neither side (the other side, if not partitioned alike, is hashed as the storage hashes); false: every such join hashes both sides across the nodes";
+const PUSH_SEMI_JOINS_KEY: &str = "push_semi_joins";
+const PUSH_SEMI_JOINS_DOC: &str =
+    "true (the default): IN and EXISTS subqueries (semi and anti joins) filter the rows of the table they test before that table is joined to others, rather than after; false: they run where the query wrote them, above the joins";
 const QUERY_MEMORY_LIMIT_KEY: &str = "query_memory_limit";
 const QUERY_MEMORY_LIMIT_DOC: &str =
     "the most memory one query may hold on each node, as bytes or with a unit ('512MB', '2GB'); sorts and aggregations spill to disk past it, and a query that cannot (a join's build side) fails naming the limit. none (the default): the node's whole pool ([exec] memory_limit_bytes)";
@@ -188,6 +196,10 @@ impl ExtensionOptions for TesseraOptions {
                 self.colocate = parse_flag(key, value)?;
                 Ok(())
             }
+            PUSH_SEMI_JOINS_KEY => {
+                self.push_semi_joins = parse_flag(key, value)?;
+                Ok(())
+            }
             QUERY_MEMORY_LIMIT_KEY => {
                 self.query_memory_limit = parse_size(key, value)?;
                 Ok(())
@@ -197,7 +209,7 @@ impl ExtensionOptions for TesseraOptions {
                 Ok(())
             }
             other => Err(DataFusionError::Configuration(format!(
-                "unknown setting tessera.{other}; the tessera settings are: tessera.{RECOVERY_KEY}, tessera.{SCANS_ON_COMPUTE_KEY}, tessera.{COLOCATE_KEY}, tessera.{QUERY_MEMORY_LIMIT_KEY}, tessera.{ANSWER_BUFFER_KEY}"
+                "unknown setting tessera.{other}; the tessera settings are: tessera.{RECOVERY_KEY}, tessera.{SCANS_ON_COMPUTE_KEY}, tessera.{COLOCATE_KEY}, tessera.{PUSH_SEMI_JOINS_KEY}, tessera.{QUERY_MEMORY_LIMIT_KEY}, tessera.{ANSWER_BUFFER_KEY}"
             ))),
         }
     }
@@ -218,6 +230,11 @@ impl ExtensionOptions for TesseraOptions {
                 key: format!("tessera.{COLOCATE_KEY}"),
                 value: Some(self.colocate.to_string()),
                 description: COLOCATE_DOC,
+            },
+            ConfigEntry {
+                key: format!("tessera.{PUSH_SEMI_JOINS_KEY}"),
+                value: Some(self.push_semi_joins.to_string()),
+                description: PUSH_SEMI_JOINS_DOC,
             },
             ConfigEntry {
                 key: format!("tessera.{QUERY_MEMORY_LIMIT_KEY}"),
@@ -311,6 +328,44 @@ pub fn split_hints(sql: &str) -> Result<(Vec<(String, String)>, &str)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    async fn setting(engine: &crate::Engine, name: &str) -> String {
+        let outputs = engine.execute(&format!("SHOW {name}")).await.unwrap();
+        let Some(crate::StatementOutput::Rows { batches, .. }) = outputs.into_iter().last() else {
+            panic!("SHOW {name} answered no rows");
+        };
+        let values = batches[0].column(1).as_any();
+        let values = values
+            .downcast_ref::<arrow::array::StringArray>()
+            .expect("SHOW answers text");
+        values.value(0).to_string()
+    }
+
+    #[tokio::test]
+    async fn a_set_outlasts_its_request_and_a_hint_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            tessera_storage::Store::open(dir.path(), tessera_storage::StoreConfig::default())
+                .unwrap();
+        let engine = crate::Engine::new(store);
+        // `execute` reads every answer whole by a hint of its own; the SET must still stay.
+        engine
+            .execute("SET tessera.recovery = 'restart'")
+            .await
+            .unwrap();
+        assert_eq!(setting(&engine, "tessera.recovery").await, "restart");
+        engine
+            .execute("/*+ SET tessera.recovery = none */ SELECT 1")
+            .await
+            .unwrap();
+        assert_eq!(setting(&engine, "tessera.recovery").await, "restart");
+        engine
+            .execute("/*+ SET tessera.recovery = none */ SET tessera.colocate = false")
+            .await
+            .unwrap();
+        assert_eq!(setting(&engine, "tessera.recovery").await, "restart");
+        assert_eq!(setting(&engine, "tessera.colocate").await, "false");
+    }
 
     #[test]
     fn recovery_modes_parse_and_bad_ones_are_named() {
