@@ -163,8 +163,13 @@ pub async fn run_query(
     match &plan {
         LogicalPlan::Explain(explain) if reads_tables(&explain.plan) => {
             let schema: SchemaRef = Arc::new(explain.schema.as_arrow().clone());
-            let logical = ctx
-                .state()
+            // Optimized as `prepare` will optimize it: under the cluster's settings.
+            let mut state = ctx.state();
+            configure(
+                state.config_mut().options_mut(),
+                exchange_buckets(node, view),
+            );
+            let logical = state
                 .optimize(&explain.plan)
                 .map_err(sql_error)?
                 .display_indent()
