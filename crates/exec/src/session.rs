@@ -13,6 +13,7 @@ use arrow::datatypes::SchemaRef;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::TreeNode;
 use datafusion::error::DataFusionError;
+use datafusion::execution::SessionState;
 use datafusion::logical_expr::LogicalPlan;
 use datafusion::prelude::SessionContext;
 use std::sync::Arc;
@@ -52,6 +53,16 @@ fn configure(options: &mut ConfigOptions, buckets: usize) {
     }
 }
 
+/// The session's state with the settings of a plan cut into stages over the cluster.
+fn cluster_state(node: &Exec, view: &MetaView, ctx: &SessionContext) -> SessionState {
+    let mut state = ctx.state();
+    configure(
+        state.config_mut().options_mut(),
+        exchange_buckets(node, view),
+    );
+    state
+}
+
 /// True if the plan reads a Tessera table (anything else, such as `information_schema`,
 /// runs where it is asked).
 fn reads_tables(plan: &LogicalPlan) -> bool {
@@ -86,9 +97,8 @@ pub async fn prepare(
     ctx: &SessionContext,
     plan: &LogicalPlan,
 ) -> Result<Prepared, ExecError> {
-    let mut state = ctx.state();
     let buckets = exchange_buckets(node, view);
-    configure(state.config_mut().options_mut(), buckets);
+    let state = cluster_state(node, view, ctx);
     let physical = state.create_physical_plan(plan).await.map_err(sql_error)?;
     let schema = physical.schema();
     let started_at_us = now_us();
@@ -164,12 +174,7 @@ pub async fn run_query(
         LogicalPlan::Explain(explain) if reads_tables(&explain.plan) => {
             let schema: SchemaRef = Arc::new(explain.schema.as_arrow().clone());
             // Optimized as `prepare` will optimize it: under the cluster's settings.
-            let mut state = ctx.state();
-            configure(
-                state.config_mut().options_mut(),
-                exchange_buckets(node, view),
-            );
-            let logical = state
+            let logical = cluster_state(node, view, ctx)
                 .optimize(&explain.plan)
                 .map_err(sql_error)?
                 .display_indent()

@@ -78,30 +78,20 @@ fn push_one_level(semi: &Join) -> Result<Option<LogicalPlan>> {
     };
     match semi.left.as_ref() {
         LogicalPlan::Projection(projection) if passes_on(projection, &tested) => {
-            let below = with_left(semi, projection.input.clone())?;
+            let below = with_inputs(semi, projection.input.clone(), semi.right.clone())?;
             let projection = Projection::try_new(projection.expr.clone(), Arc::new(below))?;
             Ok(Some(LogicalPlan::Projection(projection)))
         }
         LogicalPlan::Join(inner) if inner.join_type == JoinType::Inner => {
             let (mut left, mut right) = (inner.left.clone(), inner.right.clone());
             if holds_all(left.schema(), &tested) {
-                left = Arc::new(with_left(semi, left)?);
+                left = Arc::new(with_inputs(semi, left, semi.right.clone())?);
             } else if holds_all(right.schema(), &tested) {
-                right = Arc::new(with_left(semi, right)?);
+                right = Arc::new(with_inputs(semi, right, semi.right.clone())?);
             } else {
                 return Ok(None);
             }
-            let inner = Join::try_new(
-                left,
-                right,
-                inner.on.clone(),
-                inner.filter.clone(),
-                inner.join_type,
-                inner.join_constraint,
-                inner.null_equality,
-                inner.null_aware,
-            )?;
-            Ok(Some(LogicalPlan::Join(inner)))
+            Ok(Some(with_inputs(inner, left, right)?))
         }
         _ => Ok(None),
     }
@@ -144,17 +134,22 @@ fn passes_on(projection: &Projection, tested: &HashSet<Column>) -> bool {
     })
 }
 
-/// `semi` with `left` as its left input (its schema is then `left`'s).
-fn with_left(semi: &Join, left: Arc<LogicalPlan>) -> Result<LogicalPlan> {
+/// `join` over other inputs, its conditions unchanged (its schema is computed again: a
+/// semi join's is then its new left input's).
+fn with_inputs(
+    join: &Join,
+    left: Arc<LogicalPlan>,
+    right: Arc<LogicalPlan>,
+) -> Result<LogicalPlan> {
     Ok(LogicalPlan::Join(Join::try_new(
         left,
-        semi.right.clone(),
-        semi.on.clone(),
-        semi.filter.clone(),
-        semi.join_type,
-        semi.join_constraint,
-        semi.null_equality,
-        semi.null_aware,
+        right,
+        join.on.clone(),
+        join.filter.clone(),
+        join.join_type,
+        join.join_constraint,
+        join.null_equality,
+        join.null_aware,
     )?))
 }
 

@@ -79,23 +79,25 @@ fn is_semi_or_anti(join_type: JoinType) -> bool {
     matches!(join_type, JoinType::LeftSemi | JoinType::LeftAnti)
 }
 
+/// The answer to `sql` and, for each semi join of its plan, whether a join is below it.
+async fn run(engine: &Engine, sql: &str) -> (String, Vec<bool>) {
+    (
+        answer(engine, sql).await,
+        semi_joins_above_joins(&optimized(engine, sql).await),
+    )
+}
+
 /// Runs `sql` with the rule and without it: the two answers, and the plans' semi joins.
 async fn with_and_without(
     engine: &Engine,
     sql: &str,
 ) -> ((String, Vec<bool>), (String, Vec<bool>)) {
-    let pushed = (
-        answer(engine, sql).await,
-        semi_joins_above_joins(&optimized(engine, sql).await),
-    );
+    let pushed = run(engine, sql).await;
     engine
         .execute("SET tessera.push_semi_joins = false")
         .await
         .unwrap();
-    let kept = (
-        answer(engine, sql).await,
-        semi_joins_above_joins(&optimized(engine, sql).await),
-    );
+    let kept = run(engine, sql).await;
     engine
         .execute("SET tessera.push_semi_joins = true")
         .await
