@@ -204,6 +204,31 @@ async fn joins_and_aggregations_on_the_partition_key_run_where_the_partitions_ar
     assert!(!plan.contains("Storage-hash"), "{plan}");
     assert_exact(&client, &oracle, &[NO_BROADCAST], off_key).await;
 
+    // A small build side that is itself a join or an aggregate is not broadcast: the
+    // join is made partitioned, on the join key, for the cluster. DataFusion had planned
+    // the aggregation above it on lineitem's own partitioning (by order key), which the
+    // join no longer keeps: lineitem is hashed again on the order key before grouping,
+    // and no order's lines are split between groups.
+    let regrouped = "SELECT l_orderkey, sum(l_quantity) AS q FROM lineitem \
+                     JOIN (SELECT c_custkey FROM customer WHERE c_mktsegment = 'BUILDING' \
+                           GROUP BY c_custkey) ON l_suppkey = c_custkey \
+                     GROUP BY l_orderkey ORDER BY q DESC, l_orderkey LIMIT 20";
+    let plan = explain(&client, &[], regrouped).await;
+    assert!(plan.contains("mode=Hash([l_orderkey@0])"), "{plan}");
+    assert_exact(&client, &oracle, &[], regrouped).await;
+
+    // Q18's `IN` (the orders whose lines sum past 300) runs on orders before orders is
+    // joined to customer and lineitem: both sides of that semi join are partitioned by
+    // order key, so it runs where they are, and few orders travel to the customers
+    // (which are not broadcast, as at SF 1 they are too many to be).
+    let q18 = tessera_tpch::query(18);
+    let kept_above = "tessera.push_semi_joins = false";
+    let pushed = bytes_exchanged(&client, &[NO_BROADCAST], q18).await;
+    let kept = bytes_exchanged(&client, &[NO_BROADCAST, kept_above], q18).await;
+    println!("Q18 bytes exchanged: semi join pushed {pushed}, kept above the joins {kept}");
+    assert!(pushed * 2 < kept, "pushed {pushed}, kept {kept}");
+    assert_exact(&client, &oracle, &[NO_BROADCAST, kept_above], q18).await;
+
     // Every TPC-H query that reads only these tables is exact co-located.
     for q in [3, 4, 12, 13, 18, 22] {
         assert_exact(&client, &oracle, &[NO_BROADCAST], tessera_tpch::query(q)).await;

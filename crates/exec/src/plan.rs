@@ -28,7 +28,7 @@ use crate::NodeId;
 use crate::{QueryId, StageId};
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::common::{DataFusionError, JoinType, Result as DfResult};
-use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_expr::{Distribution, OrderingRequirements, PhysicalExpr};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::execution_plan::replace_children_if_necessary;
 use datafusion::physical_plan::filter::FilterExec;
@@ -376,13 +376,14 @@ fn adapt_joins_for_distribution(
     buckets: usize,
 ) -> DfResult<Arc<dyn ExecutionPlan>> {
     plan.transform_up(|node| {
-        if let Some(join) = node.downcast_ref::<HashJoinExec>() {
+        let node = restore_input_distributions(node, buckets)?;
+        if let Some(join) = node.data.downcast_ref::<HashJoinExec>() {
             let shared_bitmap = emits_build_side_at_end(join.join_type())
                 && join.right().output_partitioning().partition_count() > 1;
             let keep = join.mode != PartitionMode::CollectLeft
                 || (!shared_bitmap && (join.null_aware || cheap_to_broadcast(join.left())));
             if keep {
-                return Ok(Transformed::no(node));
+                return Ok(node);
             }
             let (left, right) = (join.left().clone(), join.right().clone());
             let children = if join.null_aware {
@@ -416,21 +417,89 @@ fn adapt_joins_for_distribution(
                 .build_exec()?;
             return Ok(Transformed::yes(rewritten));
         }
-        if let Some(join) = node.downcast_ref::<NestedLoopJoinExec>() {
-            let children = node.children();
+        if let Some(join) = node.data.downcast_ref::<NestedLoopJoinExec>() {
+            let children = node.data.children();
             if emits_build_side_at_end(join.join_type())
                 && children[1].output_partitioning().partition_count() > 1
             {
                 let children = vec![children[0].clone(), single_partition(children[1].clone())];
                 return Ok(Transformed::yes(replace_children_if_necessary(
-                    node.clone(),
+                    node.data.clone(),
                     children,
                 )?));
             }
         }
-        Ok(Transformed::no(node))
+        Ok(node)
     })
     .map(|t| t.data)
+}
+
+/// `node` with what it needs of its inputs' partitioning put back where an input below it
+/// was rewritten. A collected join made partitioned is partitioned on its join keys, no
+/// longer as its probe side was; the plan above may have relied on the probe side's
+/// partitioning (an aggregation DataFusion planned `SinglePartitioned` over a scan
+/// partitioned on the grouping key, with the join in between): that input is hashed
+/// again on the keys the node needs, or gathered if it needs one partition. An ordering
+/// the node requires and no longer gets is refused, never run unsorted.
+fn restore_input_distributions(
+    node: Arc<dyn ExecutionPlan>,
+    buckets: usize,
+) -> DfResult<Transformed<Arc<dyn ExecutionPlan>>> {
+    let requirements = node.input_distribution_requirements();
+    let children = node.children();
+    // A subset of the keys keeps equal keys together for one input; inputs paired
+    // partition by partition must be partitioned on all their keys alike.
+    let allow_subset = children.len() == 1;
+    let mut changed = false;
+    let mut restored = Vec::with_capacity(children.len());
+    for (index, child) in children.iter().enumerate() {
+        let required = requirements
+            .child_distribution(index)
+            .cloned()
+            .unwrap_or(Distribution::UnspecifiedDistribution);
+        let satisfied = child
+            .output_partitioning()
+            .satisfaction(&required, child.equivalence_properties(), allow_subset)
+            .is_satisfied();
+        let child = (*child).clone();
+        restored.push(match required {
+            _ if satisfied => child,
+            Distribution::SinglePartition => {
+                changed = true;
+                Arc::new(CoalescePartitionsExec::new(child)) as Arc<dyn ExecutionPlan>
+            }
+            Distribution::KeyPartitioned(keys) | Distribution::HashPartitioned(keys) => {
+                changed = true;
+                Arc::new(RepartitionExec::try_new(
+                    child,
+                    Partitioning::Hash(keys, buckets),
+                )?)
+            }
+            Distribution::UnspecifiedDistribution => child,
+        });
+    }
+    if !changed {
+        return Ok(Transformed::no(node));
+    }
+    let node = replace_children_if_necessary(node, restored)?;
+    for (child, ordering) in node.children().iter().zip(node.required_input_ordering()) {
+        let Some(OrderingRequirements::Hard(alternatives)) = ordering else {
+            continue;
+        };
+        let mut kept = false;
+        for alternative in alternatives {
+            kept |= child
+                .equivalence_properties()
+                .ordering_satisfy_requirement(alternative)?;
+        }
+        if !kept {
+            return Err(DataFusionError::Internal(format!(
+                "{} needs its input sorted, and the input was repartitioned for distribution",
+                node.name()
+            )));
+        }
+    }
+    Ok(Transformed::yes(node))
 }
 
 /// How a query is cut and placed, from its session's settings.

@@ -112,7 +112,7 @@ const COLOCATE_DOC: &str =
     "true (the default): joins and aggregations on a table's partition key run where its partitions are, moving neither side (the other side, if not partitioned alike, is hashed as the storage hashes); false: every such join hashes both sides across the nodes";
 const PUSH_SEMI_JOINS_KEY: &str = "push_semi_joins";
 const PUSH_SEMI_JOINS_DOC: &str =
-    "true (the default): IN and EXISTS subqueries (semi and anti joins) filter the rows of the table they test before that table is joined to others, rather than after (in plans run in one process; not yet in a cluster's); false: they run where the query wrote them, above the joins";
+    "true (the default): IN and EXISTS subqueries (semi and anti joins) filter the rows of the table they test before that table is joined to others, rather than after; false: they run where the query wrote them, above the joins";
 const QUERY_MEMORY_LIMIT_KEY: &str = "query_memory_limit";
 const QUERY_MEMORY_LIMIT_DOC: &str =
     "the most memory one query may hold on each node, as bytes or with a unit ('512MB', '2GB'); sorts and aggregations spill to disk past it, and a query that cannot (a join's build side) fails naming the limit. none (the default): the node's whole pool ([exec] memory_limit_bytes)";

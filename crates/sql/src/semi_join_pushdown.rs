@@ -15,8 +15,6 @@
 //! orders no longer travel to the customers' partitions and back, and the semi join
 //! itself runs where both of its sides already are (both are partitioned by order key).
 //!
-//! For now only plans run in one process use it (see [`PushSemiJoins::rewrite`]).
-//!
 //! Only inner joins are passed through (an outer join's padded rows are not rows of its
 //! input), and projections that pass the tested columns on unchanged.
 
@@ -28,7 +26,7 @@ use datafusion::optimizer::{ApplyOrder, OptimizerConfig, OptimizerRule};
 use std::collections::HashSet;
 use std::sync::Arc;
 
-/// The rule (on unless `tessera.push_semi_joins` is false; off for cluster plans).
+/// The rule (on unless `tessera.push_semi_joins` is false).
 #[derive(Debug, Default)]
 pub struct PushSemiJoins;
 
@@ -49,11 +47,7 @@ impl OptimizerRule for PushSemiJoins {
         config: &dyn OptimizerConfig,
     ) -> Result<Transformed<LogicalPlan>> {
         let options = tessera_options_of(&config.options());
-        // Not yet for a plan cut into stages across nodes: there, a semi join moved onto
-        // a storage-partitioned input (TPC-H Q2 and Q11) came out with extra rows, so the
-        // cluster's join rewrites (`exec/src/plan.rs`, `exec/src/colocate.rs`) mishandle
-        // that shape; until they are fixed, cluster plans keep DataFusion's own order.
-        if !options.push_semi_joins || options.planning_for_cluster {
+        if !options.push_semi_joins {
             return Ok(Transformed::no(plan));
         }
         let join = match plan {
