@@ -14,27 +14,25 @@ use crate::time_travel::rewrite_as_of;
 use crate::transaction::Transaction;
 use crate::users::{UserChange, UserStatement};
 use arrow::array::RecordBatch;
-use arrow::compute::concat_batches;
 use arrow::datatypes::{DataType, SchemaRef};
-use arrow::row::{RowConverter, SortField};
 use datafusion::catalog::{CatalogProvider, MemoryCatalogProvider};
 use datafusion::common::Constraint;
 use datafusion::common::ParamValues;
-use datafusion::logical_expr::{DdlStatement, DmlStatement, LogicalPlan, WriteOp};
+use datafusion::logical_expr::{DdlStatement, LogicalPlan};
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion::sql::parser::{DFParser, Statement as DFStatement};
 use datafusion::sql::sqlparser::ast::{AlterTable, Expr as SqlExpr, Statement as SqlStatement};
 use datafusion::sql::sqlparser::dialect::GenericDialect;
-use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
-use tessera_common::{Epoch, PartitionId};
-use tessera_storage::versions::{split_by_partition, stored_user_schema};
-use tessera_storage::{Store, TableChanges, TableDef};
+use tessera_common::Epoch;
+use tessera_storage::{Store, TableDef};
 
 /// The longest SQL text accepted.
 pub const MAX_SQL_BYTES: usize = 16 << 20;
 /// The most rows one INSERT, UPDATE or DELETE may write.
 pub const MAX_DML_ROWS: usize = 50_000_000;
+
+mod writes;
 
 /// Whether a caller reads answers whole or as they come.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -635,131 +633,6 @@ impl Engine {
             }
         }
     }
-
-    async fn collect(&self, plan: LogicalPlan) -> Result<Vec<RecordBatch>> {
-        let frame = self
-            .ctx
-            .execute_logical_plan(plan)
-            .await
-            .map_err(from_datafusion)?;
-        let batches = frame.collect().await.map_err(from_datafusion)?;
-        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
-        if rows > MAX_DML_ROWS {
-            return Err(SqlError::TooManyRows {
-                rows,
-                limit: MAX_DML_ROWS,
-            });
-        }
-        Ok(batches)
-    }
-
-    async fn execute_dml(&self, dml: DmlStatement) -> Result<StatementOutput> {
-        let table = dml.table_name.table().to_string();
-        let def = self.backend.table_def(&table).ok_or_else(|| {
-            SqlError::Storage(tessera_storage::StorageError::UnknownTable(table.clone()))
-        })?;
-        if matches!(dml.op, WriteOp::Update) {
-            reject_key_updates(&def, &dml.input)?;
-        }
-        let batches = self.collect(dml.input.as_ref().clone()).await?;
-        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
-        match dml.op {
-            WriteOp::Insert(_) | WriteOp::Ctas => {
-                let (rows, epoch) = self.insert(&table, batches).await?;
-                Ok(done(&format!("INSERT {rows}"), epoch))
-            }
-            WriteOp::Update => {
-                let epoch = self
-                    .publish(
-                        TableChanges {
-                            table,
-                            upserts: batches,
-                            deletes: vec![],
-                        },
-                        rows,
-                    )
-                    .await?;
-                Ok(done(&format!("UPDATE {rows}"), epoch))
-            }
-            WriteOp::Delete => {
-                if def.append_only {
-                    return Err(
-                        tessera_storage::StorageError::delete_from_append_only(&table).into(),
-                    );
-                }
-                let key = def.primary_key_indices();
-                let keys = batches
-                    .iter()
-                    .map(|b| b.project(&key))
-                    .collect::<std::result::Result<Vec<_>, _>>()?;
-                let epoch = self
-                    .publish(
-                        TableChanges {
-                            table,
-                            upserts: vec![],
-                            deletes: keys,
-                        },
-                        rows,
-                    )
-                    .await?;
-                Ok(done(&format!("DELETE {rows}"), epoch))
-            }
-            other => Err(SqlError::Unsupported(format!("{other} statements"))),
-        }
-    }
-
-    /// Publishes one statement's changes, or inside a transaction keeps them for COMMIT.
-    async fn publish(&self, changes: TableChanges, rows: usize) -> Result<Option<Epoch>> {
-        // At the statement, as PostgreSQL checks privileges, not at a later COMMIT.
-        self.backend.check_publish(&changes.table)?;
-        if rows == 0 {
-            return Ok(None);
-        }
-        if let Some(open) = self.transaction.lock().expect("transaction lock").as_mut() {
-            open.record(changes);
-            return Ok(None);
-        }
-        Ok(Some(self.backend.publish(vec![changes]).await?))
-    }
-
-    /// INSERT: publishes new rows, refusing keys that already exist at the visible epoch.
-    async fn insert(
-        &self,
-        table: &str,
-        batches: Vec<RecordBatch>,
-    ) -> Result<(usize, Option<Epoch>)> {
-        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
-        if rows == 0 {
-            return Ok((0, None));
-        }
-        let def = self.backend.table_def(table).ok_or_else(|| {
-            SqlError::Storage(tessera_storage::StorageError::UnknownTable(
-                table.to_string(),
-            ))
-        })?;
-        if !def.append_only {
-            // Inside a transaction, a key it wrote is live or not as the transaction left
-            // it (a key it deleted may be inserted again), whatever its start epoch holds.
-            let (written, live) = match self.transaction.lock().expect("transaction lock").as_ref()
-            {
-                Some(open) => (open.written_keys(&def)?, open.live_keys(&def)?),
-                None => (Vec::new(), Vec::new()),
-            };
-            reject_existing_keys(self.backend.as_ref(), &def, &batches, &written).await?;
-            reject_keys_among(&def, &batches, &live)?;
-        }
-        let epoch = self
-            .publish(
-                TableChanges {
-                    table: table.to_string(),
-                    upserts: batches,
-                    deletes: vec![],
-                },
-                rows,
-            )
-            .await?;
-        Ok((rows, epoch))
-    }
 }
 
 /// A statement that opens or ends a transaction.
@@ -845,28 +718,6 @@ fn done(tag: &str, epoch: Option<Epoch>) -> StatementOutput {
     }
 }
 
-/// UPDATE changes rows in place, so it may not change a key: DataFusion plans UPDATE as a
-/// projection in which every column not assigned is a plain reference to itself.
-fn reject_key_updates(def: &TableDef, input: &LogicalPlan) -> Result<()> {
-    let LogicalPlan::Projection(projection) = input else {
-        return Err(SqlError::Unsupported("this form of UPDATE".into()));
-    };
-    for (expr, field) in projection.expr.iter().zip(projection.schema.fields()) {
-        if !def.primary_key.iter().any(|k| k == field.name()) {
-            continue;
-        }
-        let unchanged = matches!(expr.clone().unalias(), datafusion::logical_expr::Expr::Column(c) if c.name == *field.name());
-        if !unchanged {
-            return Err(SqlError::Unsupported(format!(
-                "UPDATE of primary key column {:?} of table {:?}; DELETE the row and INSERT it with the new key instead",
-                field.name(),
-                def.name
-            )));
-        }
-    }
-    Ok(())
-}
-
 /// `PARTITION BY (a, b)` or `PARTITION BY a` in CREATE TABLE: the partition key columns.
 fn partition_columns(expr: &SqlExpr) -> Result<Vec<String>> {
     let column = |e: &SqlExpr| match e {
@@ -884,116 +735,4 @@ fn partition_columns(expr: &SqlExpr) -> Result<Vec<String>> {
         SqlExpr::Tuple(items) => items.iter().map(column).collect(),
         single => Ok(vec![column(single)?]),
     }
-}
-
-/// The primary-key columns of `new_rows`, as comparable rows.
-struct NewKeys {
-    converter: RowConverter,
-    rows: arrow::row::Rows,
-    /// `new_rows` in the table's stored column order.
-    conformed: RecordBatch,
-}
-
-impl NewKeys {
-    fn of(def: &TableDef, new_rows: &[RecordBatch]) -> Result<NewKeys> {
-        let schema = stored_user_schema(def);
-        let conformed: Vec<RecordBatch> = new_rows
-            .iter()
-            .map(|b| tessera_storage::versions::conform_to_schema(def, b))
-            .collect::<std::result::Result<_, _>>()?;
-        let conformed = concat_batches(&schema, &conformed)?;
-        let key = def.primary_key_indices();
-        let fields: Vec<SortField> = key
-            .iter()
-            .map(|&i| SortField::new(schema.field(i).data_type().clone()))
-            .collect();
-        let converter = RowConverter::new(fields)?;
-        let rows = converter.convert_columns(
-            &key.iter()
-                .map(|&i| conformed.column(i).clone())
-                .collect::<Vec<_>>(),
-        )?;
-        Ok(NewKeys {
-            converter,
-            rows,
-            conformed,
-        })
-    }
-
-    /// Fails naming the first key of `existing` (batches of key columns) that is new too,
-    /// leaving out the keys in `superseded` (batches of key columns).
-    fn reject_among(
-        &self,
-        def: &TableDef,
-        existing: &[RecordBatch],
-        superseded: &[RecordBatch],
-    ) -> Result<()> {
-        let superseded: Vec<arrow::row::Rows> = superseded
-            .iter()
-            .map(|b| self.converter.convert_columns(b.columns()))
-            .collect::<std::result::Result<_, _>>()?;
-        let mut wanted: HashSet<_> = self.rows.iter().collect();
-        for rows in &superseded {
-            for row in rows.iter() {
-                wanted.remove(&row);
-            }
-        }
-        for batch in existing {
-            let existing_keys = self.converter.convert_columns(batch.columns())?;
-            if let Some(row) =
-                (0..batch.num_rows()).find(|&i| wanted.contains(&existing_keys.row(i)))
-            {
-                let values: Vec<String> = batch
-                    .columns()
-                    .iter()
-                    .map(|c| {
-                        arrow::util::display::array_value_to_string(c, row).unwrap_or_default()
-                    })
-                    .collect();
-                return Err(SqlError::DuplicateKey(format!(
-                    "duplicate key ({}) violates the primary key of table {:?}; use UPDATE to change an existing row",
-                    values.join(", "),
-                    def.name
-                )));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Fails if any key in `new_rows` already has a live row at the visible epoch, but for
-/// the keys in `superseded` (batches of key columns), whose rows there do not count.
-async fn reject_existing_keys(
-    backend: &dyn Backend,
-    def: &TableDef,
-    new_rows: &[RecordBatch],
-    superseded: &[RecordBatch],
-) -> Result<()> {
-    let new_keys = NewKeys::of(def, new_rows)?;
-    let stamped_placeholder = tessera_storage::versions::stamp(
-        def,
-        &new_keys.conformed,
-        Epoch::ZERO,
-        tessera_common::RowOp::Upsert,
-    )?;
-    let touched: Vec<PartitionId> = split_by_partition(def, &backend.ring(), &stamped_placeholder)?
-        .into_iter()
-        .map(|(p, _)| p)
-        .collect();
-    let existing = backend
-        .read_partitions(def, touched, def.primary_key_indices())
-        .await?;
-    new_keys.reject_among(def, &existing, superseded)
-}
-
-/// Fails if any key in `new_rows` is among `existing` (batches of key columns).
-fn reject_keys_among(
-    def: &TableDef,
-    new_rows: &[RecordBatch],
-    existing: &[RecordBatch],
-) -> Result<()> {
-    if existing.is_empty() {
-        return Ok(());
-    }
-    NewKeys::of(def, new_rows)?.reject_among(def, existing, &[])
 }
