@@ -441,6 +441,7 @@ fn adapt_joins_for_distribution(
 /// partitioned on the grouping key, with the join in between): that input is hashed
 /// again on the keys the node needs, or gathered if it needs one partition. An ordering
 /// the node requires and no longer gets is refused, never run unsorted.
+#[allow(deprecated)] // `HashPartitioned` is matched alongside its new name.
 fn restore_input_distributions(
     node: Arc<dyn ExecutionPlan>,
     buckets: usize,

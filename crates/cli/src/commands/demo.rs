@@ -74,13 +74,7 @@ pub async fn run(root: &Path, options: DemoOptions) -> Result<()> {
 async fn story(cluster: &mut LocalCluster, options: &DemoOptions) -> Result<()> {
     heading(1, "start the cluster");
     let started = Instant::now();
-    cluster.wait_formed(Duration::from_secs(60)).await?;
-    let leader = cluster
-        .client(0)
-        .status()
-        .await?
-        .leader
-        .context("formed without a leader")?;
+    let leader = cluster.wait_formed(Duration::from_secs(60)).await?;
     println!(
         "{NODES} nodes up in {:.1} s; node {leader} leads the metadata (Raft), and any node answers SQL",
         started.elapsed().as_secs_f64()

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tessera_common::tls::MutualTls;
-use tessera_server::{ClusterClient, NodeConfig};
+use tessera_server::{ClusterClient, NodeConfig, NodeId};
 
 /// Where the nodes' own output (their logs) goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -152,18 +152,21 @@ impl LocalCluster {
     }
 
     /// Waits until every node answers, knows the leader and sees them all alive; fails
-    /// at once if a node exits.
-    pub async fn wait_formed(&mut self, timeout: Duration) -> Result<()> {
+    /// at once if a node exits. Returns the leader the first node knew then (a later
+    /// status may name none for a moment, during an election).
+    pub async fn wait_formed(&mut self, timeout: Duration) -> Result<NodeId> {
         let clients: Vec<ClusterClient> = (0..self.addrs.len()).map(|i| self.client(i)).collect();
         let deadline = Instant::now() + timeout;
-        while !formed(&clients).await {
+        loop {
+            if let Some(leader) = formed(&clients).await {
+                return Ok(leader);
+            }
             self.check_running()?;
             if Instant::now() > deadline {
                 bail!("the cluster did not form within {timeout:?}");
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        Ok(())
     }
 
     /// Stops every node with SIGTERM, then SIGKILL after a grace period.
@@ -200,16 +203,18 @@ impl Drop for LocalCluster {
 }
 
 /// True when every node answers, knows a leader, and sees all of them alive.
-pub async fn formed(clients: &[ClusterClient]) -> bool {
+pub async fn formed(clients: &[ClusterClient]) -> Option<NodeId> {
+    let mut first_leader = None;
     for client in clients {
         match client.status().await {
-            Ok(status)
-                if status.leader.is_some() && status.meta.live_nodes().count() == clients.len() => {
+            Ok(status) if status.meta.live_nodes().count() == clients.len() => {
+                let leader = status.leader?;
+                first_leader.get_or_insert(leader);
             }
-            _ => return false,
+            _ => return None,
         }
     }
-    true
+    first_leader
 }
 
 /// The first of `n` consecutive free ports on 127.0.0.1.

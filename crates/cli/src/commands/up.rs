@@ -165,7 +165,10 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
 pub async fn run(root: &Path, options: UpOptions) -> Result<()> {
     let started = Instant::now();
     let mut cluster = LocalCluster::start(root, &options, NodeOutput::Inherit)?;
-    let result = cluster.wait_formed(Duration::from_secs(60)).await;
+    let result = cluster
+        .wait_formed(Duration::from_secs(60))
+        .await
+        .map(|_leader| ());
     match result {
         Ok(()) => {
             println!(
