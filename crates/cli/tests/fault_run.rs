@@ -446,6 +446,8 @@ struct Availability {
     /// The longest wait for the first acknowledgement after a quiet heal (`Fault::quiet`);
     /// a quiet heal with none at all counts as the whole wait.
     longest_after_quiet_heal: Option<Duration>,
+    /// The fault (its index) after whose quiet heal that wait was.
+    slowest_quiet_heal: Option<usize>,
 }
 
 fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Availability> {
@@ -506,7 +508,10 @@ fn availability(faults: &[Fault], publishes: &[Publish]) -> BTreeMap<Kind, Avail
         }
         if fault.quiet {
             let waited = first_after_heal.map_or(QUIET_WAIT, |first| *first - fault.healed);
-            entry.longest_after_quiet_heal = entry.longest_after_quiet_heal.max(Some(waited));
+            if Some(waited) > entry.longest_after_quiet_heal {
+                entry.longest_after_quiet_heal = Some(waited);
+                entry.slowest_quiet_heal = Some(index);
+            }
         }
         if let Some(&first) = first_after_heal {
             if next_fault.is_none_or(|next| first <= next) {
@@ -928,10 +933,14 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         "nodes stopped by themselves with every fault healed (fault, node, status): {stopped_by_themselves:?} (seed {seed}); their logs say why"
     );
     for (kind, figures) in &by_kind {
-        if let Some(waited) = figures.longest_after_quiet_heal {
+        if let (Some(waited), Some(index)) =
+            (figures.longest_after_quiet_heal, figures.slowest_quiet_heal)
+        {
             assert!(
                 waited <= HEALED_LIVENESS,
-                "after a {kind:?} was healed (and nothing injected after it), no publish was acknowledged for {waited:?} (seed {seed})"
+                "after a {kind:?} (fault {index} on {:?}) was healed at {} UTC, and nothing injected after it, no publish was acknowledged for {waited:?} (seed {seed})",
+                faults[index].nodes,
+                history::utc_time_of_day(faults[index].healed_at),
             );
         }
         if let Some(window) = figures.longest_while_held {

@@ -146,12 +146,18 @@ async fn not_in_and_not_exists_are_pushed_with_their_null_rules() {
 }
 
 #[tokio::test]
-async fn a_test_of_both_join_inputs_or_of_an_outer_joins_padding_stays_on_top() {
+async fn a_test_of_both_join_inputs_of_an_outer_joins_padding_or_below_a_filtering_join_stays_on_top(
+) {
     let (_dir, engine) = shop().await;
     for sql in [
         // The correlated filter reads a customer and an order column.
         "SELECT c_name, o_orderkey FROM customer JOIN orders ON c_custkey = o_custkey
             WHERE EXISTS (SELECT 1 FROM lineitem WHERE l_orderkey = o_orderkey AND l_quantity > c_custkey % 5)
+            ORDER BY o_orderkey",
+        // The customers are filtered: the join keeps only their orders, and the semi
+        // join tests those rather than every order (as in TPC-H Q21).
+        "SELECT c_name, o_orderkey FROM customer JOIN orders ON c_custkey = o_custkey
+            WHERE c_name LIKE 'c1%' AND o_orderkey IN (SELECT l_orderkey FROM lineitem WHERE l_quantity = 3)
             ORDER BY o_orderkey",
         // Below a left join, the orders' side is padded with NULLs.
         "SELECT c_name, o_orderkey FROM customer LEFT JOIN orders ON c_custkey = o_custkey AND o_price > 200
