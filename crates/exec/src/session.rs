@@ -97,8 +97,9 @@ pub async fn prepare(
     ctx: &SessionContext,
     plan: &LogicalPlan,
 ) -> Result<Prepared, ExecError> {
-    let buckets = exchange_buckets(node, view);
     let state = cluster_state(node, view, ctx);
+    // The buckets the cluster's settings planned for (`configure`), not counted again.
+    let buckets = state.config().options().execution.target_partitions;
     let physical = state.create_physical_plan(plan).await.map_err(sql_error)?;
     let schema = physical.schema();
     let started_at_us = now_us();
