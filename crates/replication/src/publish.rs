@@ -611,6 +611,15 @@ fn writable_replicas(
     Ok(current)
 }
 
+/// The first partition that takes no publishes until another replica returns or catches
+/// up: fewer of its live replicas hold every committed epoch than a publish needs
+/// (`min_copies`). While there is one, only a rebalance lets publishes to it through.
+pub fn partition_refusing_publishes(state: &MetaState, min_copies: u32) -> Option<PartitionId> {
+    (0..state.map.partitions.len() as u32)
+        .map(PartitionId)
+        .find(|&p| writable_replicas(state, p, min_copies, &BTreeSet::new()).is_err())
+}
+
 /// Has every live, up-to-date replica of each touched partition log its rows: the rows go
 /// to the partition's primary, which ships them on to the other replicas (log shipping).
 /// Returns the (partition, replica) pairs that did not log them (dead, stale or unreachable

@@ -864,6 +864,30 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_partition_with_too_few_current_replicas_refuses_publishes() {
+        use crate::publish::partition_refusing_publishes;
+        let mut state = three_nodes_one_table(4);
+        assert_eq!(partition_refusing_publishes(&state, 2), None);
+        // p2 keeps one current replica: node 1 is stale there, node 3 dead.
+        state.map.partitions[2].stale.insert(NodeId(1), Epoch(7));
+        assert_eq!(partition_refusing_publishes(&state, 2), None, "two current");
+        state.nodes.get_mut(&NodeId(3)).unwrap().alive = false;
+        assert_eq!(
+            partition_refusing_publishes(&state, 2),
+            Some(PartitionId(2))
+        );
+        // One copy is all a publish asks for with `min_copies = 1`.
+        assert_eq!(partition_refusing_publishes(&state, 1), None);
+        // Stale everywhere on p0 (a wiped node and a returning one) refuses even one copy.
+        state.map.partitions[0].stale.insert(NodeId(1), Epoch::ZERO);
+        state.map.partitions[0].stale.insert(NodeId(2), Epoch(3));
+        assert_eq!(
+            partition_refusing_publishes(&state, 1),
+            Some(PartitionId(0))
+        );
+    }
+
+    #[test]
     fn only_an_announced_current_replica_serves_a_copy() {
         let mut state = three_nodes_one_table(2);
         state.visible = Epoch(9);

@@ -651,7 +651,7 @@ impl Node {
                         .elapsed()
                         .clamp(REBALANCE_BACKOFF, REBALANCE_BACKOFF_MAX);
                     tracing::warn!(%error, backoff_s = backoff.as_secs_f64(), "rebalance failed; retrying after the backoff");
-                    tokio::time::sleep(backoff).await;
+                    node.back_off_rebalance(backoff).await;
                 }
                 node.rebalancing.store(false, Ordering::SeqCst);
             });
@@ -687,6 +687,31 @@ impl Node {
             tracing::info!(node = node.id.0, "node decommissioned");
         }
         Ok(())
+    }
+
+    /// Waits out a failed rebalance's `backoff` (at least [`REBALANCE_BACKOFF`]), which
+    /// leaves publishes the time the attempt held their leases. Cut short once a partition
+    /// takes no publishes until a replica catches up: then no publish gains from the wait,
+    /// and only the next rebalance lets any through (fault run 5301: a 33 s backoff after
+    /// a rebalance failed on a wiped node kept every table's writes refused 30 s past the
+    /// heal, the cluster whole again).
+    async fn back_off_rebalance(&self, backoff: Duration) {
+        let until = Instant::now() + backoff;
+        loop {
+            let now = Instant::now();
+            if now >= until {
+                return;
+            }
+            tokio::time::sleep(REBALANCE_BACKOFF.min(until - now)).await;
+            let state = self.meta.view().state.clone();
+            if let Some(partition) = tessera_replication::publish::partition_refusing_publishes(
+                &state,
+                self.config.replicas.min_copies,
+            ) {
+                tracing::info!(%partition, "rebalance backoff cut short: a partition takes no publishes until a replica catches up");
+                return;
+            }
+        }
     }
 
     /// A configured voter that is only a learner (it came back as a replacement, its log
