@@ -16,7 +16,9 @@ use common::{load_tpch_tables, plan_text, reported, wait_formed};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 const SF: f64 = 0.05;
-const TABLES: [&str; 3] = ["orders", "lineitem", "customer"];
+const TABLES: [&str; 6] = [
+    "orders", "lineitem", "customer", "nation", "supplier", "partsupp",
+];
 /// Hash joins partitioned even when one side is small enough to broadcast.
 const NO_BROADCAST: &str = "datafusion.optimizer.hash_join_single_partition_threshold = 0, \
      datafusion.optimizer.hash_join_single_partition_threshold_rows = 0";
@@ -204,18 +206,38 @@ async fn joins_and_aggregations_on_the_partition_key_run_where_the_partitions_ar
     assert!(!plan.contains("Storage-hash"), "{plan}");
     assert_exact(&client, &oracle, &[NO_BROADCAST], off_key).await;
 
-    // A small build side that is itself a join or an aggregate is not broadcast: the
-    // join is made partitioned, on the join key, for the cluster. DataFusion had planned
-    // the aggregation above it on lineitem's own partitioning (by order key), which the
-    // join no longer keeps: lineitem is hashed again on the order key before grouping,
-    // and no order's lines are split between groups.
+    // A small build side that is itself an inner join, whose rows nothing bounds, is not
+    // broadcast: the join is made partitioned, on the join key, for the cluster.
+    // DataFusion had planned the aggregation above it on lineitem's own partitioning (by
+    // order key), which the join no longer keeps: lineitem is hashed again on the order
+    // key before grouping, and no order's lines are split between groups.
     let regrouped = "SELECT l_orderkey, sum(l_quantity) AS q FROM lineitem \
-                     JOIN (SELECT c_custkey FROM customer WHERE c_mktsegment = 'BUILDING' \
-                           GROUP BY c_custkey) ON l_suppkey = c_custkey \
+                     JOIN (SELECT c_custkey, n_name FROM customer JOIN nation \
+                           ON c_nationkey = n_nationkey \
+                           WHERE c_mktsegment = 'BUILDING' AND n_regionkey = 1 \
+                           GROUP BY c_custkey, n_name) ON l_suppkey = c_custkey \
                      GROUP BY l_orderkey ORDER BY q DESC, l_orderkey LIMIT 20";
     let plan = explain(&client, &[], regrouped).await;
     assert!(plan.contains("mode=Hash([l_orderkey@0])"), "{plan}");
     assert_exact(&client, &oracle, &[], regrouped).await;
+
+    // Q11's suppliers of one nation, a semi join of supplier, are at most supplier's rows:
+    // few enough to broadcast, though derived. Each node joins its own partsupp
+    // partitions to them and groups them by part key where they are; partsupp does not
+    // move, as it does when the joins are hashed.
+    let q11 = tessera_tpch::query(11);
+    let plan = explain(&client, &[], q11).await;
+    assert!(plan.contains(", broadcast"), "{plan}");
+    let broadcast = bytes_exchanged(&client, &[], q11).await;
+    let hashed = bytes_exchanged(&client, &[NO_BROADCAST], q11).await;
+    println!("Q11 bytes exchanged: suppliers broadcast {broadcast}, joins hashed {hashed}");
+    assert!(
+        broadcast * 5 < hashed,
+        "broadcast {broadcast}, hashed {hashed}"
+    );
+    for hints in [&[][..], &[NO_BROADCAST]] {
+        assert_exact(&client, &oracle, hints, q11).await;
+    }
 
     // Q18's `IN` (the orders whose lines sum past 300) runs on orders before orders is
     // joined to customer and lineitem: both sides of that semi join are partitioned by

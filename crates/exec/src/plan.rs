@@ -29,14 +29,17 @@ use crate::{QueryId, StageId};
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::common::{DataFusionError, JoinType, Result as DfResult};
 use datafusion::physical_expr::{Distribution, OrderingRequirements, PhysicalExpr};
+use datafusion::physical_plan::aggregates::AggregateExec;
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::execution_plan::replace_children_if_necessary;
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::{
     CrossJoinExec, HashJoinExec, NestedLoopJoinExec, PartitionMode,
 };
+use datafusion::physical_plan::limit::{GlobalLimitExec, LocalLimitExec};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
 use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
 use datafusion::physical_plan::union::UnionExec;
@@ -344,9 +347,11 @@ fn single_partition(plan: Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
 /// DataFusion's own threshold for collecting a build side).
 const BROADCAST_MAX_ROWS: usize = 128 * 1024;
 
-/// True if `build` is a table read (filtered and projected) estimated small enough to send
-/// whole to every node. Estimates past a join or an aggregate have no column statistics
-/// behind them here, and a wrong guess broadcasts millions of rows: those are hashed.
+/// True if `build` is small enough to send whole to every node: a table read (filtered
+/// and projected) estimated so, or a side derived from table reads whose shape bounds its
+/// rows so ([`row_bound`]). Estimates past a join or an aggregate have no column
+/// statistics behind them here, and a wrong guess broadcasts millions of rows: a derived
+/// side without such a bound is hashed.
 fn cheap_to_broadcast(build: &Arc<dyn ExecutionPlan>) -> bool {
     let derived = build
         .exists(|node| {
@@ -356,11 +361,54 @@ fn cheap_to_broadcast(build: &Arc<dyn ExecutionPlan>) -> bool {
                 || node.is::<CoalescePartitionsExec>()))
         })
         .unwrap_or(true);
+    if derived {
+        return row_bound(build).is_some_and(|rows| rows <= BROADCAST_MAX_ROWS);
+    }
     let rows = StatisticsContext::default()
         .compute(build.as_ref(), &StatisticsArgs::new())
         .ok()
         .and_then(|s| s.num_rows.get_value().copied());
-    !derived && rows.is_some_and(|rows| rows <= BROADCAST_MAX_ROWS)
+    rows.is_some_and(|rows| rows <= BROADCAST_MAX_ROWS)
+}
+
+/// The most rows `plan` can yield as its shape bounds them, from the row counts of the
+/// tables it reads: filters, projections, exchanges, sorts and aggregations never add
+/// rows, a limit caps them, and a semi, anti or mark join yields at most its preserved
+/// side's rows (TPC-H Q11's and Q2's suppliers of one nation or region, a semi join of
+/// supplier, are at most supplier's rows). `None` past anything else: an inner or outer
+/// join can multiply rows.
+fn row_bound(plan: &Arc<dyn ExecutionPlan>) -> Option<usize> {
+    if plan.is::<DistributedScanExec>() {
+        let statistics = StatisticsContext::default()
+            .compute(plan.as_ref(), &StatisticsArgs::new())
+            .ok()?;
+        return statistics.num_rows.get_value().copied();
+    }
+    if let Some(join) = plan.downcast_ref::<HashJoinExec>() {
+        return match join.join_type() {
+            JoinType::LeftSemi | JoinType::LeftAnti | JoinType::LeftMark => row_bound(join.left()),
+            JoinType::RightSemi | JoinType::RightAnti | JoinType::RightMark => {
+                row_bound(join.right())
+            }
+            _ => None,
+        };
+    }
+    let keeps_or_drops_rows = plan.is::<FilterExec>()
+        || plan.is::<ProjectionExec>()
+        || plan.is::<CoalescePartitionsExec>()
+        || plan.is::<RepartitionExec>()
+        || plan.is::<StorageRepartitionExec>()
+        || plan.is::<SortExec>()
+        || plan.is::<SortPreservingMergeExec>()
+        || plan.is::<GlobalLimitExec>()
+        || plan.is::<LocalLimitExec>();
+    let bound = match plan.children()[..] {
+        [child] if keeps_or_drops_rows => row_bound(child)?,
+        // One row per group, and one with no groups even over no rows.
+        [child] if plan.is::<AggregateExec>() => row_bound(child)?.max(1),
+        _ => return None,
+    };
+    Some(plan.fetch().map_or(bound, |fetch| fetch.min(bound)))
 }
 
 /// Rewrites joins for execution across nodes.
