@@ -16,8 +16,8 @@ use common::{load_tpch_tables, plan_text, reported, wait_formed};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 const SF: f64 = 0.05;
-const TABLES: [&str; 6] = [
-    "orders", "lineitem", "customer", "nation", "supplier", "partsupp",
+const TABLES: [&str; 8] = [
+    "orders", "lineitem", "customer", "nation", "region", "supplier", "part", "partsupp",
 ];
 /// Hash joins partitioned even when one side is small enough to broadcast.
 const NO_BROADCAST: &str = "datafusion.optimizer.hash_join_single_partition_threshold = 0, \
@@ -237,6 +237,19 @@ async fn joins_and_aggregations_on_the_partition_key_run_where_the_partitions_ar
     );
     for hints in [&[][..], &[NO_BROADCAST]] {
         assert_exact(&client, &oracle, hints, q11).await;
+    }
+
+    // Q2 pairs each part of one size and type with the cheapest supply cost of that part,
+    // on the part key and the cost: both sides are partitioned by the part key alone
+    // (part joined to partsupp where they are; the cheapest cost grouped by part key where
+    // partsupp is), a part of the join keys, the same part on both sides. The join runs
+    // where they are, and only the small tables move, broadcast.
+    let q2 = tessera_tpch::query(2);
+    let plan = explain(&client, &[], q2).await;
+    assert!(!plan.contains("; Hash exchange"), "{plan}");
+    assert!(!plan.contains("Storage-hash"), "{plan}");
+    for hints in [&[][..], &[APART]] {
+        assert_exact(&client, &oracle, hints, q2).await;
     }
 
     // Q18's `IN` (the orders whose lines sum past 300) runs on orders before orders is

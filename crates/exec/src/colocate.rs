@@ -154,6 +154,33 @@ impl Side {
     }
 }
 
+/// If `input` is partitioned by the storage on some of the join `keys` (TPC-H Q2's parts
+/// of one size and the cheapest supply cost per part, joined on the part key and the
+/// cost, are both partitioned on the part key alone): its layout, and the positions among
+/// `keys` of the columns it is partitioned on, in the partition key's order.
+fn storage_key_positions(
+    input: &Arc<dyn ExecutionPlan>,
+    keys: &[Arc<dyn PhysicalExpr>],
+) -> Option<(StorageLayout, Vec<usize>)> {
+    let Origin::Storage(layout) = origin(input) else {
+        return None;
+    };
+    let Partitioning::Hash(exprs, _) = input.output_partitioning() else {
+        return None;
+    };
+    let equivalence = input.equivalence_properties().eq_group();
+    let normalized = |expr: &Arc<dyn PhysicalExpr>| equivalence.normalize_expr(expr.clone());
+    let keys: Vec<_> = keys.iter().map(normalized).collect();
+    let positions = exprs
+        .iter()
+        .map(|expr| {
+            let expr = normalized(expr);
+            keys.iter().position(|key| key.eq(&expr))
+        })
+        .collect::<Option<Vec<usize>>>()?;
+    Some((layout, positions))
+}
+
 /// Makes every partitioned join whose one side is partitioned by the storage on its keys
 /// pair partitions that hold the same keys, moving as little as it can (see the module
 /// documentation).
@@ -198,7 +225,16 @@ fn colocate_join(join: &HashJoinExec) -> DfResult<Option<Arc<dyn ExecutionPlan>>
             let left = storage_hashed(left.input, left_keys, layout)?;
             vec![left, right.input]
         }
-        (None, None) => return Ok(None),
+        (None, None) => {
+            // Partitioned on a part of the keys, the same part on both sides: equal keys
+            // still sit in partitions of the same group on both.
+            let left_part = storage_key_positions(&left.input, &left_keys);
+            let right_part = storage_key_positions(&right.input, &right_keys);
+            match (left_part, right_part) {
+                (Some(l), Some(r)) if l == r => vec![left.input, right.input],
+                _ => return Ok(None),
+            }
+        }
     };
     let rewritten = join
         .builder()
