@@ -35,6 +35,7 @@ pub mod codec;
 pub mod colocate;
 pub mod error;
 pub mod exchange;
+pub mod existence;
 pub mod explain;
 pub mod hooks;
 pub mod memory;

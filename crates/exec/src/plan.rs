@@ -22,6 +22,7 @@
 
 use crate::colocate::{check as check_colocation, colocate, StorageRepartitionExec};
 use crate::exchange::{ExchangeMode, ExchangeReadExec, ExchangeWriteExec, ReadSpec, WriteSpec};
+use crate::existence::deduplicate_existence_sides;
 use crate::scan::DistributedScanExec;
 use crate::Exec;
 use crate::NodeId;
@@ -581,6 +582,7 @@ pub fn distribute(
     let initiator = node.id();
     let plan = adapt_joins_for_distribution(plan, buckets)?;
     let plan = colocate(plan)?;
+    let plan = deduplicate_existence_sides(plan)?;
     check_colocation(&plan)?;
     let plan = single_partition(plan);
     let mut cutter = Cutter {
