@@ -373,8 +373,8 @@ fn cheap_to_broadcast(build: &Arc<dyn ExecutionPlan>) -> bool {
 }
 
 /// The most rows `plan` can yield as its shape bounds them, from the row counts of the
-/// tables it reads: filters, projections, exchanges, sorts and aggregations never add
-/// rows, a limit caps them, and a semi, anti or mark join yields at most its preserved
+/// tables it reads: filters, projections, exchanges, sorts and aggregations (but for
+/// grouping sets, a row per set) never add rows, a limit caps them, and a semi, anti or mark join yields at most its preserved
 /// side's rows (TPC-H Q11's and Q2's suppliers of one nation or region, a semi join of
 /// supplier, are at most supplier's rows). `None` past anything else: an inner or outer
 /// join can multiply rows.
@@ -405,8 +405,12 @@ fn row_bound(plan: &Arc<dyn ExecutionPlan>) -> Option<usize> {
         || plan.is::<LocalLimitExec>();
     let bound = match plan.children()[..] {
         [child] if keeps_or_drops_rows => row_bound(child)?,
-        // One row per group, and one with no groups even over no rows.
-        [child] if plan.is::<AggregateExec>() => row_bound(child)?.max(1),
+        // One row per group and grouping set, and one with no groups even over no rows.
+        [child] => {
+            let aggregate = plan.downcast_ref::<AggregateExec>()?;
+            let sets = aggregate.group_expr().groups().len().max(1);
+            row_bound(child)?.max(1).checked_mul(sets)?
+        }
         _ => return None,
     };
     Some(plan.fetch().map_or(bound, |fetch| fetch.min(bound)))
