@@ -167,3 +167,133 @@ fn hashed_input(
     }
     None
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Int64Array, RecordBatch};
+    use arrow::datatypes::{DataType, Field, Schema};
+    use datafusion::common::NullEquality;
+    use datafusion::datasource::memory::MemorySourceConfig;
+    use datafusion::physical_plan::{collect, displayable};
+    use datafusion::prelude::SessionContext;
+
+    /// Two partitions of one `Int64` column `name`, with `values` in each.
+    fn source(name: &str, values: &[Vec<Option<i64>>]) -> Arc<dyn ExecutionPlan> {
+        let schema = Arc::new(Schema::new(vec![Field::new(name, DataType::Int64, true)]));
+        let partitions: Vec<Vec<RecordBatch>> = values
+            .iter()
+            .map(|v| {
+                let column = Arc::new(Int64Array::from(v.clone()));
+                vec![RecordBatch::try_new(schema.clone(), vec![column]).unwrap()]
+            })
+            .collect();
+        MemorySourceConfig::try_new_exec(&partitions, schema, None).unwrap()
+    }
+
+    fn hashed(input: Arc<dyn ExecutionPlan>, name: &str) -> Arc<dyn ExecutionPlan> {
+        let key: Arc<dyn PhysicalExpr> = Arc::new(Column::new(name, 0));
+        Arc::new(RepartitionExec::try_new(input, Partitioning::Hash(vec![key], 3)).unwrap())
+    }
+
+    async fn sorted_rows(plan: Arc<dyn ExecutionPlan>) -> Vec<Option<i64>> {
+        let batches = collect(plan, SessionContext::new().task_ctx())
+            .await
+            .unwrap();
+        let mut rows: Vec<Option<i64>> = batches
+            .iter()
+            .flat_map(|b| {
+                let column = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+                column.iter().collect::<Vec<_>>()
+            })
+            .collect();
+        rows.sort();
+        rows
+    }
+
+    #[tokio::test]
+    async fn semi_and_anti_joins_answer_alike_with_their_existence_side_deduplicated() {
+        let wanted = vec![
+            vec![Some(1), Some(2), Some(3)],
+            vec![Some(4), None, Some(6)],
+        ];
+        // Many repeats of few keys, a NULL among them, spread over both partitions.
+        let existing = vec![
+            vec![Some(2), Some(2), Some(4), None, Some(2), Some(9)],
+            vec![Some(4), Some(4), Some(2), Some(9), None],
+        ];
+        for join_type in [
+            JoinType::LeftSemi,
+            JoinType::LeftAnti,
+            JoinType::RightSemi,
+            JoinType::RightAnti,
+        ] {
+            // A plan instance runs once: the rewrite gets its own.
+            let join = || -> Arc<dyn ExecutionPlan> {
+                let wanted_side = hashed(source("w", &wanted), "w");
+                let existing_side = hashed(source("e", &existing), "e");
+                let (left, right) = match join_type {
+                    JoinType::LeftSemi | JoinType::LeftAnti => (wanted_side, existing_side),
+                    _ => (existing_side, wanted_side),
+                };
+                let on = vec![(
+                    Arc::new(Column::new(left.schema().field(0).name(), 0))
+                        as Arc<dyn PhysicalExpr>,
+                    Arc::new(Column::new(right.schema().field(0).name(), 0))
+                        as Arc<dyn PhysicalExpr>,
+                )];
+                Arc::new(
+                    HashJoinExec::try_new(
+                        left,
+                        right,
+                        on,
+                        None,
+                        &join_type,
+                        None,
+                        PartitionMode::Partitioned,
+                        NullEquality::NullEqualsNothing,
+                        false,
+                    )
+                    .unwrap(),
+                )
+            };
+            let rewritten = deduplicate_existence_sides(join()).unwrap();
+            let text = displayable(rewritten.as_ref()).indent(true).to_string();
+            assert!(
+                text.contains("AggregateExec: mode=Partial, gby=[e@0 as __key_0]"),
+                "{join_type}: {text}"
+            );
+            assert_eq!(
+                sorted_rows(rewritten).await,
+                sorted_rows(join()).await,
+                "{join_type}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn an_inner_join_is_left_as_planned() {
+        let left = hashed(source("a", &[vec![Some(1)], vec![Some(2)]]), "a");
+        let right = hashed(source("b", &[vec![Some(1)], vec![Some(1)]]), "b");
+        let on = vec![(
+            Arc::new(Column::new("a", 0)) as Arc<dyn PhysicalExpr>,
+            Arc::new(Column::new("b", 0)) as Arc<dyn PhysicalExpr>,
+        )];
+        let inner: Arc<dyn ExecutionPlan> = Arc::new(
+            HashJoinExec::try_new(
+                left,
+                right,
+                on,
+                None,
+                &JoinType::Inner,
+                None,
+                PartitionMode::Partitioned,
+                NullEquality::NullEqualsNothing,
+                false,
+            )
+            .unwrap(),
+        );
+        let rewritten = deduplicate_existence_sides(inner.clone()).unwrap();
+        assert!(Arc::ptr_eq(&rewritten, &inner));
+    }
+}
