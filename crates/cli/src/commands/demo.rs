@@ -30,6 +30,9 @@ const DEMO_QUERIES: [usize; 8] = [1, 3, 5, 6, 10, 12, 14, 19];
 const LONG_QUERY: usize = 18;
 /// How far into the long query's measured time the node is killed.
 const KILL_AT: f64 = 0.5;
+/// Runs of the long query a kill is tried on: one that finishes before the kill lands
+/// is run again, the kill coming sooner.
+const KILL_ATTEMPTS: usize = 3;
 /// The demo's cluster: three nodes, each holding every partition (r = 3).
 pub const NODES: u64 = 3;
 
@@ -111,47 +114,60 @@ async fn story(cluster: &mut LocalCluster, options: &DemoOptions) -> Result<()> 
     heading(4, "a node dies in the middle of a query");
     let victim = victim(&client).await?;
     let sql = tessera_tpch::query(LONG_QUERY);
-    let (measured, expected) = timed(|| client.query(sql)).await?;
-    let pid = cluster.pid(victim).context("the victim runs")?;
-    println!(
-        "Q{LONG_QUERY} takes {:.0} ms. Running it again from node 1, and SIGKILLing node {victim} (pid {pid}) {:.0} ms in ...",
-        ms(measured),
-        ms(measured.mul_f64(KILL_AT))
-    );
-    let running = {
-        let client = cluster.client(0);
-        tokio::spawn(async move { timed(|| client.query_with_notices(sql)).await })
-    };
-    tokio::time::sleep(measured.mul_f64(KILL_AT)).await;
-    cluster.kill9(victim);
-    let (elapsed, (actual, notices)) = running.await??;
-    for notice in &notices {
-        println!("NOTICE: {}", notice.message);
-    }
-    let recovered = notices.iter().find_map(|n| n.recovery.as_ref());
-    let same = tessera_tpch::compare::same_answer(&expected, &actual, 0.0).is_ok();
-    println!(
-        "answer: {} rows in {:.0} ms, {}",
-        rows_of(&actual),
-        ms(elapsed),
-        if same {
-            "identical to the answer before the kill"
-        } else {
-            "DIFFERENT from the answer before the kill"
+    let (mut measured, expected) = timed(|| client.query(sql)).await?;
+    for attempt in 1..=KILL_ATTEMPTS {
+        let pid = cluster.pid(victim).context("the victim runs")?;
+        println!(
+            "Q{LONG_QUERY} takes {:.0} ms. Running it again from node 1, and SIGKILLing node {victim} (pid {pid}) {:.0} ms in ...",
+            ms(measured),
+            ms(measured.mul_f64(KILL_AT))
+        );
+        let running = {
+            let client = cluster.client(0);
+            tokio::spawn(async move { timed(|| client.query_with_notices(sql)).await })
+        };
+        tokio::time::sleep(measured.mul_f64(KILL_AT)).await;
+        cluster.kill9(victim);
+        let (elapsed, (actual, notices)) = running.await??;
+        for notice in &notices {
+            println!("NOTICE: {}", notice.message);
         }
-    );
-    print_rows(
-        &actual_schema(&expected, &actual),
-        &actual,
-        Format::Table,
-        &mut std::io::stdout(),
-    )?;
-    match recovered {
-        Some(outcome) => println!("the query survived: {}", describe(outcome)),
-        None => println!("(the query finished before the kill landed: nothing to recover)"),
-    }
-    if !same {
-        bail!("the answer after the kill differs from the answer before it");
+        let recovered = notices.iter().find_map(|n| n.recovery.as_ref());
+        let same = tessera_tpch::compare::same_answer(&expected, &actual, 0.0).is_ok();
+        println!(
+            "answer: {} rows in {:.0} ms, {}",
+            rows_of(&actual),
+            ms(elapsed),
+            if same {
+                "identical to the answer before the kill"
+            } else {
+                "DIFFERENT from the answer before the kill"
+            }
+        );
+        print_rows(
+            &actual_schema(&expected, &actual),
+            &actual,
+            Format::Table,
+            &mut std::io::stdout(),
+        )?;
+        if !same {
+            bail!("the answer after the kill differs from the answer before it");
+        }
+        match recovered {
+            Some(outcome) => {
+                println!("the query survived: {}", describe(outcome));
+                break;
+            }
+            None if attempt < KILL_ATTEMPTS => {
+                // A warm run can take half the first one's time: the kill comes earlier.
+                println!(
+                    "(the query finished before the kill landed; node {victim} restarts, and the next kill comes sooner)"
+                );
+                restart(cluster, &client, victim).await?;
+                measured = elapsed;
+            }
+            None => println!("(the query finished before the kill landed: nothing to recover)"),
+        }
     }
 
     heading(5, &format!("writes go on while node {victim} is down"));
@@ -178,22 +194,7 @@ async fn story(cluster: &mut LocalCluster, options: &DemoOptions) -> Result<()> 
         ms(elapsed)
     );
     println!("restarting node {victim} ...");
-    let restarted = Instant::now();
-    cluster.spawn(victim)?;
-    cluster.wait_formed(Duration::from_secs(120)).await?;
-    let formed = Instant::now();
-    let up_to_date = poll_until(
-        &format!("node {victim} to catch up"),
-        Duration::from_secs(300),
-        || async {
-            client
-                .status()
-                .await
-                .is_ok_and(|s| s.meta.map.partitions.iter().all(|p| p.stale.is_empty()))
-        },
-    )
-    .await?;
-    let (alive, caught_up) = (formed - restarted, up_to_date - formed);
+    let (alive, caught_up) = restart(cluster, &client, victim).await?;
     let returned = cluster.client(victim as usize - 1).status().await?;
     println!(
         "node {victim} back in {:.1} s and up to date {:.1} s later: {}",
@@ -342,6 +343,31 @@ async fn settle_standbys(addrs: &[String]) -> Result<Duration> {
 
 fn heading(step: usize, title: &str) {
     println!("\n[{step}/6] {title}");
+}
+
+/// Starts node `victim` again and waits until the cluster has formed with it and none of
+/// its replicas is stale; returns how long each took.
+async fn restart(
+    cluster: &mut LocalCluster,
+    client: &ClusterClient,
+    victim: u64,
+) -> Result<(Duration, Duration)> {
+    let restarted = Instant::now();
+    cluster.spawn(victim)?;
+    cluster.wait_formed(Duration::from_secs(120)).await?;
+    let formed = Instant::now();
+    let up_to_date = poll_until(
+        &format!("node {victim} to catch up"),
+        Duration::from_secs(300),
+        || async {
+            client
+                .status()
+                .await
+                .is_ok_and(|s| s.meta.map.partitions.iter().all(|p| p.stale.is_empty()))
+        },
+    )
+    .await?;
+    Ok((formed - restarted, up_to_date - formed))
 }
 
 /// A node other than node 1 (which plans the queries) and the metadata leader, so that
