@@ -196,6 +196,32 @@ mod tests {
         Arc::new(RepartitionExec::try_new(input, Partitioning::Hash(vec![key], 3)).unwrap())
     }
 
+    /// A partitioned `join_type` join of `left` and `right` on their first columns.
+    fn partitioned_join(
+        left: Arc<dyn ExecutionPlan>,
+        right: Arc<dyn ExecutionPlan>,
+        join_type: JoinType,
+    ) -> Arc<dyn ExecutionPlan> {
+        let key = |side: &Arc<dyn ExecutionPlan>| {
+            Arc::new(Column::new(side.schema().field(0).name(), 0)) as Arc<dyn PhysicalExpr>
+        };
+        let on = vec![(key(&left), key(&right))];
+        Arc::new(
+            HashJoinExec::try_new(
+                left,
+                right,
+                on,
+                None,
+                &join_type,
+                None,
+                PartitionMode::Partitioned,
+                NullEquality::NullEqualsNothing,
+                false,
+            )
+            .unwrap(),
+        )
+    }
+
     async fn sorted_rows(plan: Arc<dyn ExecutionPlan>) -> Vec<Option<i64>> {
         let batches = collect(plan, SessionContext::new().task_ctx())
             .await
@@ -236,26 +262,7 @@ mod tests {
                     JoinType::LeftSemi | JoinType::LeftAnti => (wanted_side, existing_side),
                     _ => (existing_side, wanted_side),
                 };
-                let on = vec![(
-                    Arc::new(Column::new(left.schema().field(0).name(), 0))
-                        as Arc<dyn PhysicalExpr>,
-                    Arc::new(Column::new(right.schema().field(0).name(), 0))
-                        as Arc<dyn PhysicalExpr>,
-                )];
-                Arc::new(
-                    HashJoinExec::try_new(
-                        left,
-                        right,
-                        on,
-                        None,
-                        &join_type,
-                        None,
-                        PartitionMode::Partitioned,
-                        NullEquality::NullEqualsNothing,
-                        false,
-                    )
-                    .unwrap(),
-                )
+                partitioned_join(left, right, join_type)
             };
             let rewritten = deduplicate_existence_sides(join()).unwrap();
             let text = displayable(rewritten.as_ref()).indent(true).to_string();
@@ -275,24 +282,7 @@ mod tests {
     async fn an_inner_join_is_left_as_planned() {
         let left = hashed(source("a", &[vec![Some(1)], vec![Some(2)]]), "a");
         let right = hashed(source("b", &[vec![Some(1)], vec![Some(1)]]), "b");
-        let on = vec![(
-            Arc::new(Column::new("a", 0)) as Arc<dyn PhysicalExpr>,
-            Arc::new(Column::new("b", 0)) as Arc<dyn PhysicalExpr>,
-        )];
-        let inner: Arc<dyn ExecutionPlan> = Arc::new(
-            HashJoinExec::try_new(
-                left,
-                right,
-                on,
-                None,
-                &JoinType::Inner,
-                None,
-                PartitionMode::Partitioned,
-                NullEquality::NullEqualsNothing,
-                false,
-            )
-            .unwrap(),
-        );
+        let inner = partitioned_join(left, right, JoinType::Inner);
         let rewritten = deduplicate_existence_sides(inner.clone()).unwrap();
         assert!(Arc::ptr_eq(&rewritten, &inner));
     }
