@@ -26,6 +26,6 @@ pub use component::ComponentMeta;
 pub use error::StorageError;
 pub use manifest::Manifest;
 pub use store::{
-    HeldComponent, PartitionChanges, PartitionSnapshot, Store, StoreConfig, TableChanges,
-    TableSnapshot,
+    HeldComponent, PartitionChanges, PartitionDelta, PartitionSnapshot, Store, StoreConfig,
+    TableChanges, TableSnapshot,
 };

@@ -47,6 +47,7 @@ mod transfer;
 use publish::PreparedChanges;
 use replay::replay;
 pub use scrub::HeldComponent;
+pub use transfer::PartitionDelta;
 
 /// Store settings, with defaults suited to a laptop or a small server.
 #[derive(Debug, Clone)]
@@ -493,6 +494,8 @@ pub struct Store {
     poisoned: Mutex<Option<String>>,
     /// The erasure-coded archive's fragments this node holds.
     fragments: crate::archive::FragmentStore,
+    /// Checkpoints written since the store opened (see [`Store::checkpoints_written`]).
+    checkpoints_written: std::sync::atomic::AtomicU64,
     _lock: DirLock,
 }
 
@@ -561,6 +564,7 @@ impl Store {
             readers: Arc::new(Mutex::new(ReaderRegistry::default())),
             poisoned: Mutex::new(None),
             fragments: crate::archive::FragmentStore::open(&dir.join("fragments"))?,
+            checkpoints_written: Default::default(),
             _lock: lock,
         };
         store.delete_unreferenced_component_files()?;
@@ -634,7 +638,17 @@ impl Store {
         let result = state
             .to_checkpoint(self.ring.partition_count())
             .store(&self.dir);
+        self.checkpoints_written
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.or_poison(result)
+    }
+
+    /// How many checkpoints (every table's manifests, written and fsynced) this store has
+    /// written since it opened: each is a whole-store write, so work done in bulk should
+    /// write one, not one per partition.
+    pub fn checkpoints_written(&self) -> u64 {
+        self.checkpoints_written
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn empty_table(&self, def: TableDef) -> TableState {
