@@ -18,9 +18,10 @@ use std::sync::Arc;
 use tessera_common::Epoch;
 use tessera_storage::PartitionDelta;
 
-/// Deltas fetched at once. They come from the few sources a rebalance copies from, over
-/// connections it already holds; more in flight would only queue behind each other there.
-pub(crate) const FETCHES_IN_FLIGHT: usize = 8;
+/// Deltas fetched at once: enough to overlap their round trips (each source reads the
+/// metadata linearizably before it answers one), few enough that the worst case, a replica
+/// back after a long absence with partition-sized deltas, holds only a few in memory.
+pub(crate) const FETCHES_IN_FLIGHT: usize = 4;
 
 /// Fetched versions (in memory) installed together, with one checkpoint: large enough
 /// that a rebalance's small deltas share a few, small enough to bound what waits in memory.
