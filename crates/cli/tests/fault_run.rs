@@ -358,23 +358,38 @@ async fn wait_for_an_acknowledgement(acknowledged: &history::AcknowledgedEpochs,
 /// What the first node that answers with a current view of the metadata shows: whether
 /// the cluster has recovered (every node alive, no replica stale), and its partition map
 /// (`None` if no node answers).
-async fn look(cluster: &LocalCluster) -> (bool, Option<tessera_server::meta::PartitionMap>) {
+async fn look(
+    cluster: &LocalCluster,
+    voters: u64,
+) -> (bool, Option<tessera_server::meta::PartitionMap>) {
     for id in cluster.node_ids() {
+        let client = ClusterClient::new(cluster.addr(id));
         // A current view (a node's own status may lag: one just taken back empty shows
         // the replicas it is about to be copied as fresh).
-        let Ok(Ok(meta)) = tokio::time::timeout(
-            Duration::from_secs(2),
-            ClusterClient::new(cluster.addr(id)).current_metadata(),
-        )
-        .await
+        let Ok(Ok(meta)) =
+            tokio::time::timeout(Duration::from_secs(2), client.current_metadata()).await
         else {
             continue;
         };
         let recovered = meta.nodes.values().all(|n| n.alive)
-            && meta.map.partitions.iter().all(|p| p.stale.is_empty());
+            && meta.map.partitions.iter().all(|p| p.stale.is_empty())
+            && voters_whole(&client, voters).await;
         return (recovered, Some(meta.map));
     }
     (false, None)
+}
+
+/// Whether every configured voter votes, in one set of voters, as `client`'s node sees
+/// the metadata group. A wiped voter is taken back as a learner and votes again only once
+/// it has caught up: until then the group has one voter fewer, and with 3 voters a second
+/// lost disk would leave no majority of logs, beyond what 3 voters promise; so a cluster
+/// is not recovered until its voters are.
+async fn voters_whole(client: &ClusterClient, voters: u64) -> bool {
+    let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(2), client.status()).await else {
+        return false;
+    };
+    !status.membership_joint
+        && (1..=voters).all(|v| status.voters.contains(&tessera_common::NodeId(v)))
 }
 
 /// Whether every partition of `map` keeps at least `min_copies` replicas outside
@@ -795,7 +810,7 @@ async fn a_seeded_fault_run_keeps_every_guarantee() {
         let waiting_since = Instant::now();
         let (mut on_recovered, mut map);
         loop {
-            (on_recovered, map) = look(&cluster).await;
+            (on_recovered, map) = look(&cluster, voters).await;
             if on_recovered
                 || !wants_held_past_bound
                 || waiting_since.elapsed() > RECOVERY_WAIT_BEFORE_HELD

@@ -40,6 +40,10 @@ pub struct NodeStatus {
     /// are learners).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub voters: Vec<NodeId>,
+    /// The metadata group is between two sets of voters (a membership change under way, or
+    /// one a crashed leader left for the next to finish): both must agree to elect or write.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub membership_joint: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -136,6 +140,12 @@ pub fn node_status(node: &crate::node::Node) -> NodeStatus {
             .expect("archive waiting lock")
             .clone(),
         voters: metrics.membership_config.membership().voter_ids().collect(),
+        membership_joint: metrics
+            .membership_config
+            .membership()
+            .get_joint_config()
+            .len()
+            > 1,
     }
 }
 

@@ -636,6 +636,7 @@ fn samples() -> Samples {
                 miss_bytes: 1 << 20,
             }),
             voters: vec![NodeId(1), NodeId(2), NodeId(3)],
+            membership_joint: false,
             archive_waiting: vec!["table \"kv\" at epoch 9: k = 4, m = 2 needs 6 live storage nodes to place fragments on; 4 are live".into()],
         },
     );
