@@ -556,14 +556,15 @@ async fn copy_partitions_now(
             }
         }
     }
-    let fetched = fetch_and_install_deltas(node, deltas, request.epoch, Some(progress), |delta, rows| {
+    fetch_and_install_deltas(node, deltas, request.epoch, Some(progress), |delta, rows| {
         node.caught_up.forget(&StalePartition::of(&delta.moved, &delta.table, delta.generation));
+        // One delta copy per partition and table, as `tessera status` counts them.
+        node.transfers.delta(rows);
         progress.advanced();
         let moved = &delta.moved;
         tracing::info!(table = %delta.table, partition = moved.partition.0, source = moved.source.0, missed_since = %moved.since, since = %delta.since, rows, "copied a partition's missed versions");
     })
     .await?;
-    node.transfers.delta(fetched);
     tracing::info!(
         partitions = request.moves.len(),
         deltas = request

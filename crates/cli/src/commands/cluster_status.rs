@@ -60,6 +60,11 @@ pub async fn run(addr: &str) -> Result<()> {
             );
         }
     }
+    if status.membership_joint {
+        println!(
+            "metadata voters: changing (both the old and the new voters must agree until the change is finished)"
+        );
+    }
     println!();
     println!(
         "{:<6} {:<22} {:<8} {:<8} {:>9} {:>9}  metadata",
