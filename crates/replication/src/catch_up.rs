@@ -19,9 +19,8 @@
 //!   copy replaces every version from `T + 1` on with the source's, as of the lease.
 //! - The record lives in memory: after a restart the leased copy fetches the whole delta.
 
-use crate::delta_copy::{fetch_and_install_deltas, DeltaFetch};
 use crate::error::Result;
-use crate::rebalance::{copies_whole, copy_into_this_node};
+use crate::rebalance::{copies_whole, copy_into_this_node, fetch_and_install_delta};
 use crate::stall::Progress;
 use crate::wire::{CopyRequest, PartitionMove};
 use crate::Replication;
@@ -165,27 +164,28 @@ async fn catch_up_now(
     let state = &view.state;
     let decided_through = state.visible;
     node.caught_up.prune(state, node.id());
-    let mut deltas = Vec::new();
+    let mut fetched = 0;
     for moved in &request.moves {
         for (table, generation) in &request.tables {
             let stale = StalePartition::of(moved, table, *generation);
             let since = node.caught_up.leased_since(&stale);
-            if worth_fetching(state, node.id(), moved, &stale, since) {
-                deltas.push(DeltaFetch {
-                    moved: *moved,
-                    table: table.clone(),
-                    generation: *generation,
-                    since,
-                });
+            if !worth_fetching(state, node.id(), moved, &stale, since) {
+                continue;
             }
+            fetched += fetch_and_install_delta(
+                node,
+                moved,
+                table,
+                *generation,
+                since,
+                None,
+                Some(progress),
+            )
+            .await?;
+            progress.advanced();
+            node.caught_up.record(stale, decided_through);
         }
     }
-    let fetched = fetch_and_install_deltas(node, deltas, None, Some(progress), |delta, _| {
-        progress.advanced();
-        let stale = StalePartition::of(&delta.moved, &delta.table, delta.generation);
-        node.caught_up.record(stale, decided_through);
-    })
-    .await?;
     node.transfers.caught_up_before_lease(fetched);
     tracing::info!(
         partitions = request.moves.len(),

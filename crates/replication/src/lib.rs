@@ -14,7 +14,6 @@
 
 pub mod archive;
 pub mod catch_up;
-mod delta_copy;
 pub mod error;
 pub mod failover;
 pub mod log_shipping;

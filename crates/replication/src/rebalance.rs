@@ -17,15 +17,15 @@
 //! It too fetches most of its delta before the lease ([`crate::catch_up`]): the leased copy
 //! fetches only the epochs published since.
 
-use crate::catch_up::StalePartition;
-use crate::delta_copy::{fetch_and_install_deltas, DeltaFetch};
 use crate::error::{ReplicationError, Result};
 use crate::stall::Progress;
 use crate::wire::{
-    CopyRequest, ExportRequest, PartitionMove, ACTION_COPY_PARTITIONS, ACTION_PREFETCH_COMPONENTS,
+    CopyRequest, ExportRequest, PartitionMove, VersionsRequest, ACTION_COPY_PARTITIONS,
+    ACTION_PREFETCH_COMPONENTS,
 };
 use crate::NodeId;
 use crate::Replication;
+use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -531,40 +531,26 @@ async fn copy_partitions_now(
         }
     }
     let started = std::time::Instant::now();
-    let mut deltas = Vec::new();
     for moved in &request.moves {
-        for (table, generation) in &request.tables {
-            if copies_whole(moved, &view.state, table) {
-                let span = tracing::info_span!(
-                    "copy",
-                    partition = moved.partition.0,
-                    source = moved.source.0,
-                );
-                let copy = copy_whole(node, moved, table, *generation, request.epoch, progress);
-                tracing::Instrument::instrument(copy, span).await?;
+        let span = tracing::info_span!(
+            "copy",
+            partition = moved.partition.0,
+            source = moved.source.0,
+            since = %moved.since
+        );
+        let copy = async {
+            for (table, generation) in &request.tables {
+                if copies_whole(moved, &view.state, table) {
+                    copy_whole(node, moved, table, *generation, request.epoch, progress).await?;
+                } else {
+                    copy_delta(node, moved, table, *generation, request.epoch, progress).await?;
+                }
                 progress.advanced();
-            } else {
-                // A returning replica fetches only the versions from the first epoch it
-                // missed, or from past those it fetched before the lease.
-                let stale = StalePartition::of(moved, table, *generation);
-                deltas.push(DeltaFetch {
-                    moved: *moved,
-                    table: table.clone(),
-                    generation: *generation,
-                    since: node.caught_up.leased_since(&stale),
-                });
             }
-        }
+            Ok::<(), ReplicationError>(())
+        };
+        tracing::Instrument::instrument(copy, span).await?;
     }
-    fetch_and_install_deltas(node, deltas, request.epoch, Some(progress), |delta, rows| {
-        node.caught_up.forget(&StalePartition::of(&delta.moved, &delta.table, delta.generation));
-        // One delta copy per partition and table, as `tessera status` counts them.
-        node.transfers.delta(rows);
-        progress.advanced();
-        let moved = &delta.moved;
-        tracing::info!(table = %delta.table, partition = moved.partition.0, source = moved.source.0, missed_since = %moved.since, since = %delta.since, rows, "copied a partition's missed versions");
-    })
-    .await?;
     tracing::info!(
         partitions = request.moves.len(),
         deltas = request
@@ -649,7 +635,7 @@ async fn prefetch_components(node: &Arc<Replication>, request: &CopyRequest) -> 
     Ok(())
 }
 
-pub(crate) fn copy_error(source: NodeId, error: impl std::fmt::Display) -> ReplicationError {
+fn copy_error(source: NodeId, error: impl std::fmt::Display) -> ReplicationError {
     ReplicationError::Copy {
         from: source,
         reason: error.to_string(),
@@ -727,6 +713,65 @@ pub(crate) async fn fetch_missing_components(
         fetched.insert(component.hash, bytes);
         progress.inspect(|p| p.advanced());
     }
+    Ok(fetched)
+}
+
+/// A returning replica fetches only the versions from the first epoch it missed, or from
+/// past those it fetched before the lease.
+async fn copy_delta(
+    node: &Arc<Replication>,
+    moved: &PartitionMove,
+    table: &str,
+    generation: u64,
+    fence: Option<Epoch>,
+    progress: &Progress,
+) -> Result<()> {
+    let stale = crate::catch_up::StalePartition::of(moved, table, generation);
+    let since = node.caught_up.leased_since(&stale);
+    let fetched =
+        fetch_and_install_delta(node, moved, table, generation, since, fence, Some(progress))
+            .await?;
+    node.caught_up.forget(&stale);
+    node.transfers.delta(fetched);
+    tracing::info!(%table, partition = moved.partition.0, source = moved.source.0, missed_since = %moved.since, %since, rows = fetched, "copied a partition's missed versions");
+    Ok(())
+}
+
+/// Fetches from `moved.source` the versions of one partition of `table` from `since` on,
+/// and installs them in place of this node's own from then on. Returns how many it fetched.
+pub(crate) async fn fetch_and_install_delta(
+    node: &Arc<Replication>,
+    moved: &PartitionMove,
+    table: &str,
+    generation: u64,
+    since: Epoch,
+    fence: Option<Epoch>,
+    progress: Option<&Progress>,
+) -> Result<u64> {
+    let addr = node.meta.require_addr(moved.source)?;
+    let request = VersionsRequest {
+        table: table.to_string(),
+        generation,
+        partition: moved.partition,
+        since,
+    };
+    let versions = node
+        .clients
+        .get(&addr, &request)
+        .await
+        .map_err(|e| copy_error(moved.source, e))?
+        .inspect_ok(|_| {
+            progress.inspect(|p| p.advanced());
+        })
+        .try_collect::<Vec<_>>()
+        .await
+        .map_err(|e| copy_error(moved.source, e))?;
+    let fetched = versions.iter().map(|b| b.num_rows() as u64).sum();
+    let (owned, partition) = (table.to_string(), moved.partition);
+    node.on_store("installing a partition's missed versions", move |store| {
+        store.install_partition_since(&owned, partition, since, versions, fence)
+    })
+    .await?;
     Ok(fetched)
 }
 
