@@ -17,6 +17,16 @@
 //!   checks the mark (stale from the same epoch) under it.
 //! - What it installs from `T + 1` on may be older than the source's latest; the leased
 //!   copy replaces every version from `T + 1` on with the source's, as of the lease.
+//! - The mark can clear while the catch-up runs: another rebalance's leased copy (a deposed
+//!   leader's, say, which waited for [`Replication::copying`] ahead of this one) ends, its
+//!   map switch commits, and publishes send this node rows again. Installing the delta then
+//!   would put the source's older versions over those rows (fault run 5301, third run: kv_a
+//!   p4 on node 2 lost acknowledged epoch 74025, committed while this node's catch-up,
+//!   planned at `T` = 74018, was frozen between its fetch and its install). So every
+//!   install is fenced at `T`: the store refuses it, under the gate that commits take,
+//!   once the partition holds anything newer than `T`, prepared or committed. Before the
+//!   mark clears nothing newer than `T` reaches it but what an earlier catch-up installed,
+//!   and a refusal only leaves the rest to the leased copy.
 //! - The record lives in memory: after a restart the leased copy fetches the whole delta.
 
 use crate::error::Result;
@@ -162,38 +172,69 @@ async fn catch_up_now(
         .read_linearizable(LINEARIZABLE_READ_PATIENCE)
         .await?;
     let state = &view.state;
-    let decided_through = state.visible;
     node.caught_up.prune(state, node.id());
+    let deltas = plan_catch_up(state, node.id(), request, &node.caught_up);
     let mut fetched = 0;
-    for moved in &request.moves {
-        for (table, generation) in &request.tables {
-            let stale = StalePartition::of(moved, table, *generation);
-            let since = node.caught_up.leased_since(&stale);
-            if !worth_fetching(state, node.id(), moved, &stale, since) {
-                continue;
-            }
-            fetched += fetch_and_install_delta(
-                node,
-                moved,
-                table,
-                *generation,
-                since,
-                None,
-                Some(progress),
-            )
-            .await?;
-            progress.advanced();
-            node.caught_up.record(stale, decided_through);
-        }
+    for delta in deltas {
+        fetched += fetch_and_install_delta(
+            node,
+            &delta.moved,
+            &delta.stale.table,
+            delta.stale.generation,
+            delta.since,
+            Some(delta.decided_through),
+            Some(progress),
+        )
+        .await?;
+        progress.advanced();
+        node.caught_up.record(delta.stale, delta.decided_through);
     }
     node.transfers.caught_up_before_lease(fetched);
     tracing::info!(
         partitions = request.moves.len(),
         versions = fetched,
-        through = %decided_through,
+        through = %state.visible,
         "fetched missed versions before a rebalance's lease"
     );
     Ok(fetched)
+}
+
+/// One delta a catch-up fetches before the lease.
+#[derive(Debug)]
+struct CatchUpDelta {
+    moved: PartitionMove,
+    stale: StalePartition,
+    /// The first epoch fetched.
+    since: Epoch,
+    /// Every epoch at or below it was decided when the catch-up was planned; the install is
+    /// fenced there (see the module's notes).
+    decided_through: Epoch,
+}
+
+/// The deltas this node (`me`) fetches before the lease for `request`, by `state` (read
+/// linearizably just now).
+fn plan_catch_up(
+    state: &MetaState,
+    me: NodeId,
+    request: &CopyRequest,
+    caught_up: &CaughtUp,
+) -> Vec<CatchUpDelta> {
+    let mut deltas = Vec::new();
+    for moved in &request.moves {
+        for (table, generation) in &request.tables {
+            let stale = StalePartition::of(moved, table, *generation);
+            let since = caught_up.leased_since(&stale);
+            if worth_fetching(state, me, moved, &stale, since) {
+                deltas.push(CatchUpDelta {
+                    moved: *moved,
+                    stale,
+                    since,
+                    decided_through: state.visible,
+                });
+            }
+        }
+    }
+    deltas
 }
 
 #[cfg(test)]
@@ -221,6 +262,40 @@ mod tests {
         };
         let stale = StalePartition::of(&moved, "t", state.tables["t"].generation);
         worth_fetching(state, NodeId(1), &moved, &stale, Epoch(since))
+    }
+
+    #[test]
+    fn every_delta_fetched_before_the_lease_is_fenced_at_the_epoch_decided_when_planned() {
+        let state = node_1_stale();
+        let request = CopyRequest {
+            moves: (0..2)
+                .map(|p| PartitionMove {
+                    partition: PartitionId(p),
+                    source: NodeId(2),
+                    since: Epoch(5),
+                })
+                .collect(),
+            tables: vec![("t".into(), state.tables["t"].generation)],
+            epoch: None,
+        };
+        let caught_up = CaughtUp::default();
+        let planned = plan_catch_up(&state, NodeId(1), &request, &caught_up);
+        assert_eq!(planned.len(), 2);
+        for delta in &planned {
+            assert_eq!(delta.since, Epoch(5), "from the first missed epoch");
+            // Installed unfenced, a delta whose install waited past the map switch that
+            // made this replica current would replace the rows published to it since.
+            assert_eq!(delta.decided_through, Epoch(9));
+        }
+        for delta in planned {
+            caught_up.record(delta.stale, delta.decided_through);
+        }
+        let mut later = state.clone();
+        later.visible = Epoch(12);
+        let planned = plan_catch_up(&later, NodeId(1), &request, &caught_up);
+        assert!(planned
+            .iter()
+            .all(|d| d.since == Epoch(10) && d.decided_through == Epoch(12)));
     }
 
     #[test]
