@@ -11,6 +11,8 @@
 //! - wiped again and killed while its replacement was under way, it finishes the
 //!   replacement when started without the flag;
 //! - it votes again: with node 2 then SIGKILLed, nodes 1 and 3 still take a publish.
+//!
+//! And a membership change a crashed leader left in its joint configuration is finished.
 
 mod common;
 
@@ -353,6 +355,115 @@ async fn a_publish_a_single_replica_would_hold_is_refused_until_a_second_returns
     wait_formed(&cluster, 1, 5).await;
     insert(&client, 1001, 2000).await;
     assert_eq!(count(&client).await.unwrap(), 2000);
+    assert!(
+        cluster.panics_logged().is_empty(),
+        "{:?}",
+        cluster.panics_logged()
+    );
+}
+
+/// A leader that crashes between the two steps of a membership change leaves the joint
+/// configuration in force: old and new voters must both agree, so losing one voter of the
+/// smaller set stops every election for good (fault run 5301, second run). Here every
+/// node's log ends as that crash leaves it: the joint entry that makes node 3 a voter again
+/// ({1, 2} and {1, 2, 3}) written, the second step never proposed. On restart the new
+/// leader finishes the change, and with node 1 then SIGKILLed, nodes 2 and 3 still elect
+/// and publish (under the joint configuration, node 1 was needed in both halves).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_membership_change_a_crashed_leader_left_joint_is_finished_by_the_next() {
+    use openraft::{BasicNode, Entry, EntryPayload, LogId, Membership, RaftLogReader};
+    use std::collections::{BTreeMap, BTreeSet};
+    use tessera_common::NodeId;
+    use tessera_server::meta::log_store::LogStore;
+
+    let root = tempfile::tempdir().unwrap();
+    let (mut cluster, client) = kv_cluster(root.path(), 3, 3, 1, &[]).await;
+    insert(&client, 1, 1000).await;
+    // Every node's log holds the last entry before the crash.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for id in 1..=3 {
+        cluster.kill9(id);
+    }
+
+    let mut logs = Vec::new();
+    for id in 1..=3u64 {
+        let mut log = LogStore::open(&root.path().join(format!("node-{id}/data/raft"))).unwrap();
+        let entries = log.try_get_log_entries(0..).await.unwrap();
+        logs.push((log, entries));
+    }
+    let last = |entries: &[Entry<tessera_server::meta::TypeConfig>]| {
+        entries.last().expect("a formed cluster's log").log_id
+    };
+    let newest = logs.iter().map(|(_, e)| last(e)).max().unwrap();
+    let nodes: BTreeMap<NodeId, BasicNode> = logs
+        .iter()
+        .flat_map(|(_, entries)| entries.iter().rev())
+        .find_map(|e| match &e.payload {
+            EntryPayload::Membership(m) => {
+                Some(m.nodes().map(|(id, n)| (*id, n.clone())).collect())
+            }
+            _ => None,
+        })
+        .expect("the log holds the voters' membership");
+    let joint = Membership::new(
+        vec![
+            BTreeSet::from([NodeId(1), NodeId(2)]),
+            BTreeSet::from([NodeId(1), NodeId(2), NodeId(3)]),
+        ],
+        nodes,
+    );
+    let crashed_between_steps = Entry {
+        log_id: LogId::new(newest.leader_id, newest.index + 1),
+        payload: EntryPayload::Membership(joint),
+    };
+    let mut written = 0;
+    for (log, entries) in &logs {
+        if last(entries) == newest {
+            log.append_offline(std::slice::from_ref(&crashed_between_steps))
+                .unwrap();
+            written += 1;
+        }
+    }
+    assert!(written >= 2, "a majority of the logs end at the same entry");
+    drop(logs);
+
+    cluster.start_all();
+    wait_formed(&cluster, 1, 3).await;
+    wait_until(
+        "the joint membership finished",
+        Duration::from_secs(60),
+        || async {
+            let status = client.status().await.ok()?;
+            (!status.membership_joint && status.voters == vec![NodeId(1), NodeId(2), NodeId(3)])
+                .then_some(())
+        },
+    )
+    .await;
+    let logged = (1..=3)
+        .map(|id| std::fs::read_to_string(cluster.log_path(id)).unwrap_or_default())
+        .collect::<String>();
+    assert!(
+        logged.contains(
+            "finishing a membership change a former leader left in its joint configuration"
+        ),
+        "the restarted cluster was in the joint configuration, and its leader finished it"
+    );
+
+    cluster.kill9(1);
+    let three = ClusterClient::new(cluster.addr(3));
+    wait_until(
+        "a publish without node 1",
+        Duration::from_secs(60),
+        || async {
+            three
+                .sql("INSERT INTO kv VALUES (5000, 1)")
+                .await
+                .ok()
+                .map(|_| ())
+        },
+    )
+    .await;
+    assert_eq!(count(&three).await.unwrap(), 1001);
     assert!(
         cluster.panics_logged().is_empty(),
         "{:?}",
