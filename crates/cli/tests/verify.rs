@@ -252,6 +252,7 @@ async fn verify_names_corrupt_replicas_and_forged_records_and_the_cluster_repair
             incarnation,
             tables: vec!["readings".into()],
             request: 77,
+            read_at: Default::default(),
         }),
     };
     // The repair just verified may still hold the table's lease for a moment (its copy

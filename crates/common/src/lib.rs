@@ -25,4 +25,4 @@ pub use ids::{ChannelId, ComponentHash, Epoch, Lsn, NodeId, PartitionId, QueryId
 pub use partitioning::{
     is_key_type, partition_key_hashes, PartitionRing, PartitioningError, DEFAULT_PARTITIONS,
 };
-pub use version::{RowOp, EPOCH_COLUMN, OP_COLUMN};
+pub use version::{ReadEpochs, RowOp, EPOCH_COLUMN, OP_COLUMN};

@@ -31,3 +31,9 @@ impl RowOp {
 pub fn is_reserved_column(name: &str) -> bool {
     name.starts_with("__tessera_")
 }
+
+/// The epoch at which a statement read each table it then wrote (an UPDATE's or DELETE's
+/// rows come from what it read). Its publish is refused as a write conflict if one of the
+/// tables changed after that epoch: the rows it computed would overwrite a change they
+/// never saw (a lost update).
+pub type ReadEpochs = std::collections::BTreeMap<String, crate::Epoch>;

@@ -443,6 +443,7 @@ fn refusal_as_error(response: MetaResponse) -> Result<MetaResponse> {
     match response {
         MetaResponse::Refused(reason) => Err(MetaError::Refused(reason)),
         MetaResponse::TableBusy(reason) => Err(MetaError::TableBusy(reason)),
+        MetaResponse::WriteConflict(reason) => Err(MetaError::WriteConflict(reason)),
         MetaResponse::Fenced(reason) => Err(MetaError::Fenced(reason)),
         response => Ok(response),
     }

@@ -46,6 +46,10 @@ pub enum MetaError {
     /// A table is leased to another writer; retrying later may succeed.
     #[error("{0}")]
     TableBusy(String),
+    /// A table changed after the statement behind a publish read it: the statement must
+    /// run again (see `AllocateEpoch::read_at`).
+    #[error("write conflict: {0}")]
+    WriteConflict(String),
     /// This node was declared failed, and may not take an epoch until it is alive again.
     #[error("this node was declared failed: {0}")]
     Fenced(String),

@@ -174,6 +174,9 @@ pub struct MetaState {
     /// given up or left open too long).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub abort_reasons: BTreeMap<Epoch, String>,
+    /// The last epoch that wrote rows of each table (see [`write_conflicts`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub table_changed_at: BTreeMap<String, Epoch>,
     /// Each published table's current version id: the head of its hash chain (see
     /// [`crate::seal`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -518,6 +521,7 @@ impl MetaState {
                 self.owners.remove(&name);
                 self.table_heads.remove(&name);
                 self.history_heads.remove(&name);
+                self.table_changed_at.remove(&name);
                 self.audit(
                     by,
                     AuditEvent::DropTable {
@@ -535,6 +539,7 @@ impl MetaState {
                 incarnation,
                 tables,
                 request,
+                read_at,
             } => {
                 if let Some((epoch, _)) = self
                     .open
@@ -562,6 +567,9 @@ impl MetaState {
                 }
                 for table in &tables {
                     self.may(by, Action::Publish(table))?;
+                }
+                if let Some(conflict) = self.write_conflict(&read_at) {
+                    return Ok((MetaResponse::WriteConflict(conflict), vec![]));
                 }
                 if incarnation > member.incarnation {
                     self.enter_incarnation(coordinator, incarnation, &mut effects);
@@ -663,6 +671,7 @@ impl MetaState {
                 let open = self.open[&epoch].clone();
                 if let Some(changes) = &changes {
                     self.apply_seal(epoch, &open, changes, seal.as_ref())?;
+                    self.note_changed(epoch, changes);
                 }
                 for (partition, node) in missed {
                     if let Some(placement) = self.map.partitions.get_mut(partition.0 as usize) {
@@ -952,6 +961,7 @@ mod lease_queue;
 mod lineage;
 mod members;
 mod placement;
+mod write_conflicts;
 
 #[cfg(test)]
 mod access_tests;

@@ -20,6 +20,7 @@ use pgwire::api::{
 };
 use pgwire::error::{PgWireError, PgWireResult};
 use pgwire::messages::extendedquery::Execute;
+use pgwire::messages::response::TransactionStatus;
 use pgwire::messages::simplequery::Query;
 use pgwire::messages::PgWireBackendMessage;
 use std::fmt::Debug;
@@ -54,7 +55,8 @@ where
     // answer listens again while its rows go out (see `results::cancellable`).
     let cancel = cancel_listener(client).await;
     let run = ExtendedQueryHandler::do_query(session, client, portal.as_ref(), 0);
-    let response = until_cancelled(cancel, run).await?;
+    let response = until_cancelled(cancel, run).await;
+    let response = response.inspect_err(|_| idle_after_failed_commit(session, client))?;
     send_response(
         session,
         client,
@@ -92,7 +94,8 @@ where
     client.set_state(PgWireConnectionState::QueryInProgress);
     let cancel = cancel_listener(client).await;
     let run = SimpleQueryHandler::do_query(session, client, &query.query);
-    let responses = until_cancelled(cancel, run).await?;
+    let responses = until_cancelled(cancel, run).await;
+    let responses = responses.inspect_err(|_| idle_after_failed_commit(session, client))?;
     for response in responses {
         send_response(
             session,
@@ -135,5 +138,15 @@ async fn until_cancelled<T>(
     match select(run, cancel).await {
         Either::Left((done, _)) => done,
         Either::Right(_) => Err(PgWireError::QueryCanceled),
+    }
+}
+
+/// Before a statement's error is sent: a failed COMMIT (a write conflict) ended its
+/// transaction, publishing nothing, so the connection is idle after it, as PostgreSQL's
+/// is, not in a failed transaction waiting for a ROLLBACK. (pgwire derives the status it
+/// reports with the error from the one held here.)
+fn idle_after_failed_commit<C: ClientInfo>(session: &PgSession, client: &mut C) {
+    if !session.engine.in_transaction() {
+        client.set_transaction_status(TransactionStatus::Idle);
     }
 }

@@ -63,7 +63,13 @@ where
             client
                 .feed(PgWireBackendMessage::ErrorResponse((*error).into()))
                 .await?;
-            *status = status.to_error_state();
+            // An error inside a transaction leaves it failed until ROLLBACK; a failed
+            // COMMIT (a write conflict) ended it, publishing nothing, as in PostgreSQL.
+            *status = if session.engine.in_transaction() {
+                status.to_error_state()
+            } else {
+                status.to_idle_state()
+            };
         }
         Response::CopyIn(copy_in) => {
             client.set_state(PgWireConnectionState::CopyInProgress(extended));

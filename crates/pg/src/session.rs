@@ -174,7 +174,7 @@ impl QueryParser for PgParser {
 
 /// One connection's session.
 pub struct PgSession {
-    engine: Arc<Engine>,
+    pub(crate) engine: Arc<Engine>,
     parser: Arc<PgParser>,
     /// The `COPY ... FROM STDIN` under way: its rows arrive as CopyData messages.
     copy_in: Mutex<Option<CopyIn>>,

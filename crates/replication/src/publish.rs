@@ -12,7 +12,7 @@ use arrow::array::{ArrayRef, RecordBatch, UInt32Array};
 use arrow::datatypes::{DataType, Field, Schema};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use tessera_common::{Epoch, PartitionId, PartitionRing};
+use tessera_common::{Epoch, PartitionId, PartitionRing, ReadEpochs};
 use tessera_meta::{MetaCommand, MetaResponse, MetaState, LINEARIZABLE_READ_PATIENCE};
 use tessera_meta::{MetaError, TableChangeCount};
 use tessera_storage::{versions, StorageError, TableChanges, TableDef};
@@ -142,11 +142,15 @@ const VISIBLE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120
 ///
 /// `publisher` is the user it is published for (`None`: the operator): the metadata
 /// refuses the epoch unless that user may publish to every table (see
-/// `tessera_meta::access`), and records who published it.
+/// `tessera_meta::access`), and records who published it. `read_at` names the epoch the
+/// statement behind the changes read each table at, if it computed them from what it read
+/// (an UPDATE, a DELETE): the publish is refused, as a write conflict, if one of those
+/// tables changed since (see `tessera_meta::state::write_conflicts`).
 pub async fn publish(
     node: &Arc<Replication>,
     changes: Vec<TableChanges>,
     publisher: Option<&str>,
+    read_at: &ReadEpochs,
 ) -> Result<Epoch> {
     let started = std::time::Instant::now();
     let tables: Vec<String> = changes.iter().map(|c| c.table.clone()).collect();
@@ -160,7 +164,7 @@ pub async fn publish(
             )
         });
     let result = async {
-        let epoch = publish_committed(node, changes, publisher).await?;
+        let epoch = publish_committed(node, changes, publisher, read_at).await?;
         wait_visible(node, epoch).await?;
         Ok(epoch)
     }
@@ -258,6 +262,7 @@ async fn publish_committed(
     node: &Arc<Replication>,
     changes: Vec<TableChanges>,
     publisher: Option<&str>,
+    read_at: &ReadEpochs,
 ) -> Result<Epoch> {
     let state = node
         .meta
@@ -282,7 +287,7 @@ async fn publish_committed(
     let mut attempt = 0;
     loop {
         attempt += 1;
-        match publish_routed(node, &routed, publisher, &stalled_primaries).await {
+        match publish_routed(node, &routed, publisher, read_at, &stalled_primaries).await {
             Err(ReplicationError::Meta(MetaError::Fenced(reason))) if attempt <= RETRIES => {
                 tracing::warn!(%reason, attempt, "publish fenced; retrying once this node is alive again");
                 node.meta
@@ -374,11 +379,12 @@ async fn publish_routed(
     node: &Arc<Replication>,
     routed: &Arc<BTreeMap<String, Routed>>,
     publisher: Option<&str>,
+    read_at: &ReadEpochs,
     left_out: &BTreeSet<NodeId>,
 ) -> Result<Epoch> {
     let started = std::time::Instant::now();
     let tables: Vec<String> = routed.keys().cloned().collect();
-    let working = allocate_epoch(node, tables.clone(), publisher).await?;
+    let working = allocate_epoch(node, tables.clone(), publisher, read_at).await?;
     let span = tracing::info_span!("publish", epoch = %working.epoch(), ?tables);
     let publishing = publish_epoch(node, routed, working, publisher, left_out, started);
     tracing::Instrument::instrument(publishing, span).await
@@ -531,11 +537,13 @@ async fn resolve_commit(
 const LEASE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Takes an epoch and the ownership lease of `tables`, waiting while another writer holds
-/// one of them; for `publisher`, if a user (see [`publish`]).
+/// one of them; for `publisher`, if a user (see [`publish`]). Refused as a write conflict
+/// if a table changed after the epoch `read_at` names for it.
 pub async fn allocate_epoch<'a>(
     node: &'a Arc<Replication>,
     tables: Vec<String>,
     publisher: Option<&str>,
+    read_at: &ReadEpochs,
 ) -> Result<WorkingOn<'a>> {
     let deadline = std::time::Instant::now() + LEASE_PATIENCE;
     let request: u64 = rand::random();
@@ -549,6 +557,7 @@ pub async fn allocate_epoch<'a>(
             incarnation: node.incarnation(),
             tables: tables.clone(),
             request,
+            read_at: read_at.clone(),
         };
         let command = match publisher {
             Some(user) => MetaCommand::As {

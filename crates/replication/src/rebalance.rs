@@ -212,7 +212,7 @@ async fn switch_map(
     let tables: Vec<String> = state.tables.keys().cloned().collect();
     // Copies may take long: heartbeats keep the epoch from timing out while they run, and
     // once this returns without deciding it, the leader aborts it.
-    let working = crate::publish::allocate_epoch(node, tables, None).await?;
+    let working = crate::publish::allocate_epoch(node, tables, None, &Default::default()).await?;
     let epoch = working.epoch();
     // Every epoch before ours is decided (we hold every table's lease): copy as of then.
     let state = match node

@@ -395,20 +395,31 @@ impl Backend for ClusterBackend {
         Ok(Arc::new(ChangesTable::new(def, from, to, source)))
     }
 
-    async fn publish(&self, changes: Vec<TableChanges>) -> tessera_sql::error::Result<Epoch> {
+    async fn publish(
+        &self,
+        changes: Vec<TableChanges>,
+        read_at: &tessera_common::ReadEpochs,
+    ) -> tessera_sql::error::Result<Epoch> {
         // A task of its own, so it runs to its decision even if the statement is dropped (a
         // client's cancel, a closed connection): a publish cut short would keep its tables
         // leased until its epoch timed out. No re-pin afterwards: the next statement
         // catches up with the leader anyway.
         let replication = self.node.replication.clone();
         let publisher = self.actor();
+        let read_at = read_at.clone();
         let publish = tokio::spawn(async move {
-            crate::publish::publish(&replication, changes, publisher.as_deref()).await
+            crate::publish::publish(&replication, changes, publisher.as_deref(), &read_at).await
         });
         let published = publish
             .await
             .map_err(|e| SqlError::Cluster(format!("the publish task failed: {e}")))?;
-        Ok(published.map_err(ClusterError::from)?)
+        match published {
+            Ok(epoch) => Ok(epoch),
+            Err(tessera_replication::ReplicationError::Meta(
+                crate::meta::MetaError::WriteConflict(reason),
+            )) => Err(SqlError::WriteConflict(reason)),
+            Err(other) => Err(ClusterError::from(other).into()),
+        }
     }
 
     async fn run_query(

@@ -848,10 +848,13 @@ impl FlightService for NodeService {
                     }
                 };
                 let publisher = self.acting_user(&caller)?;
+                // Rows a client sends, not computed here from a read: nothing to conflict.
+                let read_nothing = tessera_common::ReadEpochs::new();
                 let publish = crate::publish::publish(
                     &self.node.replication,
                     vec![changes],
                     publisher.as_deref(),
+                    &read_nothing,
                 );
                 let epoch = publish.await.map_err(|error| match error {
                     tessera_replication::ReplicationError::Aborted { epoch, .. }

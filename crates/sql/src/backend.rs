@@ -20,7 +20,7 @@ use datafusion::logical_expr::LogicalPlan;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionContext;
 use std::sync::Arc;
-use tessera_common::{Epoch, PartitionId, PartitionRing};
+use tessera_common::{Epoch, PartitionId, PartitionRing, ReadEpochs};
 use tessera_storage::changes::changes_schema;
 use tessera_storage::evolution::AlterColumn;
 use tessera_storage::{Store, TableChanges, TableDef};
@@ -47,8 +47,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Changes one column of a table (ALTER TABLE); later statements see it.
     async fn alter_table(&self, table: &str, alter: AlterColumn) -> Result<()>;
 
-    /// Publishes the changes as one epoch, visible when this returns.
-    async fn publish(&self, changes: Vec<TableChanges>) -> Result<Epoch>;
+    /// Publishes the changes as one epoch, visible when this returns. `read_at` names, for
+    /// each table whose rows the statement computed from what it read (UPDATE, DELETE),
+    /// the epoch it read at: if that table changed since, the publish is refused with
+    /// [`SqlError::WriteConflict`], and nothing is written.
+    async fn publish(&self, changes: Vec<TableChanges>, read_at: &ReadEpochs) -> Result<Epoch>;
 
     /// Creates, changes or drops a user of the SQL endpoints.
     async fn change_user(&self, _change: UserChange) -> Result<()> {
@@ -255,9 +258,16 @@ impl Backend for LocalBackend {
         blocking(move || Ok(store.alter_table(&table, &alter).map(|_| ())?)).await
     }
 
-    async fn publish(&self, changes: Vec<TableChanges>) -> Result<Epoch> {
-        let store = self.store.clone();
-        blocking(move || Ok(store.publish(changes)?)).await
+    async fn publish(&self, changes: Vec<TableChanges>, read_at: &ReadEpochs) -> Result<Epoch> {
+        let (store, read_at) = (self.store.clone(), read_at.clone());
+        blocking(move || match store.publish_read_at(changes, &read_at) {
+            Ok(epoch) => Ok(epoch),
+            Err(conflict @ tessera_storage::StorageError::WriteConflict { .. }) => {
+                Err(SqlError::WriteConflict(conflict.to_string()))
+            }
+            Err(other) => Err(other.into()),
+        })
+        .await
     }
 
     fn visible_epoch(&self) -> Epoch {

@@ -457,7 +457,39 @@ impl Engine {
         }
     }
 
+    /// Runs one statement. An UPDATE or DELETE on its own that meets a write conflict
+    /// (the table changed after it read it) is planned and run again, reading the change,
+    /// up to [`WRITE_CONFLICT_ATTEMPTS`] times in all; inside a transaction the conflict
+    /// fails the COMMIT instead, and the client runs the transaction again.
     async fn run_statement(
+        &self,
+        statement: DFStatement,
+        params: Option<&ParamValues>,
+    ) -> Result<StatementOutput> {
+        let rewrites_read_rows = matches!(&statement, DFStatement::Statement(s)
+            if matches!(s.as_ref(), SqlStatement::Update { .. } | SqlStatement::Delete(_)));
+        let retried = rewrites_read_rows && !self.in_transaction();
+        let mut attempt = 1;
+        loop {
+            match self.run_statement_once(statement.clone(), params).await {
+                Err(SqlError::WriteConflict(reason))
+                    if retried && attempt < WRITE_CONFLICT_ATTEMPTS =>
+                {
+                    tracing::info!(attempt, %reason, "a write conflict: running the statement again");
+                    // Apart, so that statements that conflicted do not meet again at once.
+                    let jitter = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| u64::from(d.subsec_nanos()));
+                    let pause = jitter % (20 * u64::from(attempt));
+                    tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
+                    attempt += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+
+    async fn run_statement_once(
         &self,
         mut statement: DFStatement,
         params: Option<&ParamValues>,
@@ -624,8 +656,9 @@ impl Engine {
                 let open = self.transaction.lock().expect("transaction lock").take();
                 match open {
                     Some(open) if !open.is_empty() => {
-                        let changes = open.into_publish(|t| self.backend.table_def(t))?;
-                        let epoch = self.backend.publish(changes).await?;
+                        let (changes, read_at) =
+                            open.into_publish(|t| self.backend.table_def(t))?;
+                        let epoch = self.backend.publish(changes, &read_at).await?;
                         Ok(done("COMMIT", Some(epoch)))
                     }
                     _ => Ok(done("COMMIT", None)),
@@ -634,6 +667,10 @@ impl Engine {
         }
     }
 }
+
+/// How many times, in all, an UPDATE or DELETE outside a transaction runs when it meets
+/// write conflicts (see [`Engine::run_statement`]) before the conflict is the client's.
+const WRITE_CONFLICT_ATTEMPTS: u32 = 10;
 
 /// A statement that opens or ends a transaction.
 enum TxControl {

@@ -23,6 +23,10 @@ pub enum SqlError {
     /// A failure of the cluster: an unreachable node, a lost leader, an aborted epoch.
     #[error("{0}")]
     Cluster(String),
+    /// A table the statement (or transaction) read and then wrote changed in between: its
+    /// rows would have overwritten that change unseen. Running it again reads the change.
+    #[error("{0}")]
+    WriteConflict(String),
     /// A publish committed (it will not be lost) but did not become visible in time.
     #[error("{0}")]
     CommittedNotVisible(String),
@@ -115,6 +119,8 @@ impl SqlError {
             // The cluster could not run the statement now (no leader, an aborted epoch, a
             // node out of reach): the client may retry, as after a serialization failure.
             SqlError::Cluster(_) => "40001",
+            // PostgreSQL's serialization_failure: run the transaction again.
+            SqlError::WriteConflict(_) => "40001",
             SqlError::TooLarge { .. } => "54000",
             SqlError::Syntax(_) => "42601",
             SqlError::DuplicateObject(_) => "42710",
@@ -159,6 +165,7 @@ fn storage_sqlstate(error: &StorageError) -> &'static str {
         StorageError::DuplicateKey { .. } => "23505",
         StorageError::AppendOnly { .. } => "0A000",
         StorageError::PublishTooLarge { .. } => "54000",
+        StorageError::WriteConflict { .. } => "40001",
         StorageError::EpochNotVisible { .. } | StorageError::EpochNotRetained { .. } => "22023",
         StorageError::CorruptComponent { .. }
         | StorageError::MissingComponent { .. }

@@ -11,6 +11,7 @@ use arrow::array::{BooleanArray, RecordBatch};
 use arrow::compute::filter_record_batch;
 use arrow::row::{OwnedRow, RowConverter, SortField};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
+use tessera_common::{Epoch, ReadEpochs};
 use tessera_storage::versions::{conform_to_schema, stored_user_schema};
 use tessera_storage::{TableChanges, TableDef};
 
@@ -18,13 +19,22 @@ use tessera_storage::{TableChanges, TableDef};
 #[derive(Debug, Default)]
 pub struct Transaction {
     changes: Vec<TableChanges>,
+    /// For each table a statement wrote rows computed from what it read, the earliest
+    /// epoch such a statement read it at: COMMIT is refused if the table changed since.
+    read_at: ReadEpochs,
     /// Whether the statement view has been pinned for this transaction (at its first
     /// statement); later statements keep it.
     pub(crate) view_pinned: bool,
 }
 
 impl Transaction {
-    pub fn record(&mut self, change: TableChanges) {
+    /// Keeps a statement's changes; `read` is the epoch it read the table at, if its rows
+    /// came from that read.
+    pub fn record(&mut self, change: TableChanges, read: Option<Epoch>) {
+        if let Some(read) = read {
+            let earliest = self.read_at.entry(change.table.clone()).or_insert(read);
+            *earliest = (*earliest).min(read);
+        }
         self.changes.push(change);
     }
 
@@ -85,10 +95,12 @@ impl Transaction {
     /// The changes to publish at commit: one `TableChanges` per table, where a later
     /// statement's row for a key replaces an earlier one's (an INSERT then an UPDATE of the
     /// same key publishes the updated row; an INSERT then a DELETE, a tombstone).
+    ///
+    /// With them, the epoch each table was read at (see [`Transaction::record`]).
     pub fn into_publish(
         self,
         def_of: impl Fn(&str) -> Option<TableDef>,
-    ) -> Result<Vec<TableChanges>> {
+    ) -> Result<(Vec<TableChanges>, ReadEpochs)> {
         let mut by_table: BTreeMap<String, Vec<TableChanges>> = BTreeMap::new();
         for change in self.changes {
             by_table
@@ -96,7 +108,7 @@ impl Transaction {
                 .or_default()
                 .push(change);
         }
-        by_table
+        let changes = by_table
             .into_iter()
             .map(|(table, changes)| {
                 let def = def_of(&table).ok_or_else(|| {
@@ -104,7 +116,8 @@ impl Transaction {
                 })?;
                 merge_table_changes(&def, changes)
             })
-            .collect()
+            .collect::<Result<_>>()?;
+        Ok((changes, self.read_at))
     }
 }
 
@@ -219,22 +232,36 @@ mod tests {
     #[test]
     fn the_newest_statement_wins_per_key() {
         let mut tx = Transaction::default();
-        tx.record(TableChanges {
-            table: "t".into(),
-            upserts: vec![rows(&[1, 2, 3], &["a", "b", "c"])],
-            deletes: vec![],
-        });
-        tx.record(TableChanges {
-            table: "t".into(),
-            upserts: vec![rows(&[2], &["B"])],
-            deletes: vec![],
-        });
-        tx.record(TableChanges {
-            table: "t".into(),
-            upserts: vec![],
-            deletes: vec![keys(&[3, 4])],
-        });
-        let merged = tx.into_publish(|_| Some(def())).unwrap();
+        tx.record(
+            TableChanges {
+                table: "t".into(),
+                upserts: vec![rows(&[1, 2, 3], &["a", "b", "c"])],
+                deletes: vec![],
+            },
+            None,
+        );
+        tx.record(
+            TableChanges {
+                table: "t".into(),
+                upserts: vec![rows(&[2], &["B"])],
+                deletes: vec![],
+            },
+            Some(Epoch(5)),
+        );
+        tx.record(
+            TableChanges {
+                table: "t".into(),
+                upserts: vec![],
+                deletes: vec![keys(&[3, 4])],
+            },
+            Some(Epoch(4)),
+        );
+        let (merged, read_at) = tx.into_publish(|_| Some(def())).unwrap();
+        assert_eq!(
+            read_at,
+            ReadEpochs::from([("t".to_string(), Epoch(4))]),
+            "the earliest read of the table is checked at COMMIT"
+        );
         assert_eq!(merged.len(), 1);
         assert_eq!(ids(&merged[0].upserts), vec![1, 2]);
         assert_eq!(ids(&merged[0].deletes), vec![3, 4]);
@@ -259,11 +286,14 @@ mod tests {
     #[test]
     fn an_unknown_table_is_named() {
         let mut tx = Transaction::default();
-        tx.record(TableChanges {
-            table: "gone".into(),
-            upserts: vec![rows(&[1], &["a"])],
-            deletes: vec![],
-        });
+        tx.record(
+            TableChanges {
+                table: "gone".into(),
+                upserts: vec![rows(&[1], &["a"])],
+                deletes: vec![],
+            },
+            None,
+        );
         let error = tx.into_publish(|_| None).unwrap_err().to_string();
         assert!(error.contains("gone"), "{error}");
     }

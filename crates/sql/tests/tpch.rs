@@ -18,7 +18,11 @@ async fn load(engine: &Engine, sf: f64, chunk_rows: usize) {
                 upserts: vec![batch.unwrap()],
                 deletes: vec![],
             };
-            engine.backend().publish(vec![changes]).await.unwrap();
+            engine
+                .backend()
+                .publish(vec![changes], &Default::default())
+                .await
+                .unwrap();
         }
     }
 }

@@ -26,6 +26,14 @@ pub enum StorageError {
         partition: PartitionId,
         partitions: usize,
     },
+    /// A statement's rows were computed from what it read of a table that changed since:
+    /// publishing them would lose that change (see `Store::publish_read_at`).
+    #[error("write conflict: table {table:?} changed at epoch {changed}, after the statement read it at epoch {read}; run the statement again")]
+    WriteConflict {
+        table: String,
+        read: Epoch,
+        changed: Epoch,
+    },
     #[error("partition {partition} of table {table:?} still holds epochs {epochs:?} prepared here and not yet decided; copied versions may include them, so the copy waits until this node has applied their outcome")]
     UndecidedEpochs {
         table: String,

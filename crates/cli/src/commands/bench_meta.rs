@@ -135,6 +135,7 @@ impl History {
             incarnation: 0,
             tables: vec!["t".into()],
             request: self.epochs + 1,
+            read_at: Default::default(),
         })?
         else {
             anyhow::bail!("the metadata did not allocate an epoch");

@@ -47,7 +47,11 @@ impl Target {
     /// Publishes one table's upserts or deletes as a new epoch.
     pub async fn publish(&self, changes: TableChanges) -> Result<Epoch> {
         match self {
-            Target::Local(engine) => Ok(engine.backend().publish(vec![changes]).await?),
+            // Rows from a file, not computed from a read of the table: nothing to conflict.
+            Target::Local(engine) => Ok(engine
+                .backend()
+                .publish(vec![changes], &Default::default())
+                .await?),
             Target::Cluster(client) => {
                 let deletes = !changes.deletes.is_empty();
                 if deletes && !changes.upserts.is_empty() {

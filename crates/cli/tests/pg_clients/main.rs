@@ -2,7 +2,7 @@
 //! runs it) and `tokio-postgres` (a driver speaking the extended protocol: prepared
 //! statements, binary parameters and results). Every TPC-H query answers through `psql`
 //! exactly as plain DataFusion does; transactions publish one epoch or nothing; settings
-//! belong to one connection; errors carry their SQLSTATE.
+//! belong to one connection; errors carry their SQLSTATE; no update is lost.
 
 use std::path::Path;
 use std::process::Command;
@@ -17,6 +17,8 @@ use common::{load_tpch, metric, wait_formed, wait_until};
 
 /// Answers that stream, and statements stopped by a cancel.
 mod streaming;
+/// Sessions on different nodes updating the same rows.
+mod write_conflicts;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 const PARTITIONS: u32 = 8;

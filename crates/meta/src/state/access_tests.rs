@@ -84,6 +84,7 @@ pub(super) fn allocate(tables: &[&str], request: u64) -> MetaCommand {
         incarnation: 0,
         tables: tables.iter().map(|t| t.to_string()).collect(),
         request,
+        read_at: Default::default(),
     }
 }
 

@@ -52,6 +52,10 @@ pub enum MetaCommand {
         /// Chosen by the coordinator, so a retried request (its reply was lost in a leader
         /// change) gets the same epoch instead of leaking a second one that holds the lease.
         request: u64,
+        /// The epoch the statement behind the publish read each of these tables at: the
+        /// allocation is refused as a write conflict if one changed after it.
+        #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+        read_at: tessera_common::ReadEpochs,
     },
     /// Every touched partition has durably logged its rows on the replicas not in `missed`.
     CommitEpoch {
@@ -212,6 +216,9 @@ pub enum MetaResponse {
     Refused(String),
     /// A table is leased to another writer; retrying later may succeed.
     TableBusy(String),
+    /// A table changed after the statement behind a publish read it: that statement must
+    /// run again, reading the change (see `AllocateEpoch::read_at`).
+    WriteConflict(String),
     /// The coordinator was declared failed (perhaps falsely, if it was only slow): it may not
     /// take an epoch, and its open epochs were aborted. Once it is alive again it may retry.
     Fenced(String),

@@ -188,6 +188,7 @@ mod tests {
                     incarnation: 0,
                     tables: tables.iter().map(|t| t.to_string()).collect(),
                     request,
+                    read_at: Default::default(),
                 },
             )
         }

@@ -289,6 +289,7 @@ impl Run {
             incarnation,
             tables: tables.clone(),
             request,
+            read_at: Default::default(),
         });
         if let Some(epoch) = already {
             assert_eq!(

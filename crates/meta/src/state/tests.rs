@@ -118,6 +118,7 @@ pub(super) fn allocate_as(
         incarnation,
         tables: vec!["t".into()],
         request,
+        read_at: Default::default(),
     };
     state.apply(3, command).0
 }
@@ -226,6 +227,7 @@ fn visible_epoch_waits_for_every_earlier_epoch() {
                 incarnation: 0,
                 tables: vec!["t".into()],
                 request: 8,
+                read_at: Default::default(),
             },
         );
         assert!(
@@ -370,6 +372,7 @@ pub(super) fn open_epoch(state: &mut MetaState, table: &str, request: u64) -> Ep
         incarnation: 0,
         tables: vec![table.into()],
         request,
+        read_at: Default::default(),
     };
     match state.apply(3, command).0 {
         MetaResponse::Epoch(epoch) => epoch,

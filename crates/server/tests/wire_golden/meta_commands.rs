@@ -55,6 +55,7 @@ pub(crate) fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                 incarnation: 1_700_000_000_000_000,
                 tables: vec!["kv".into()],
                 request: 42,
+                read_at: Default::default(),
             },
         ),
         (
@@ -288,6 +289,7 @@ pub(crate) fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                     incarnation: 1_700_000_000_000_000,
                     tables: vec!["kv".into()],
                     request: 43,
+                    read_at: Default::default(),
                 }),
             },
         ),
@@ -310,6 +312,17 @@ pub(crate) fn meta_commands() -> Vec<(&'static str, MetaCommand)> {
                 component: ComponentHash::of_bytes(b"an archived component"),
                 index: 5,
                 to: NodeId(7),
+            },
+        ),
+        (
+            // Of a table that does not exist, so the state sample stays as it was.
+            "allocate-epoch-read-at",
+            MetaCommand::AllocateEpoch {
+                coordinator: NodeId(1),
+                incarnation: 1_700_000_000_000_000,
+                tables: vec!["orders".into()],
+                request: 44,
+                read_at: [("orders".to_string(), Epoch(7))].into(),
             },
         ),
         ("drop-table", MetaCommand::DropTable { name: "kv".into() }),

@@ -10,7 +10,7 @@ use arrow::compute::concat_batches;
 use arrow::row::{RowConverter, SortField};
 use datafusion::logical_expr::{DmlStatement, LogicalPlan, WriteOp};
 use std::collections::HashSet;
-use tessera_common::{Epoch, PartitionId};
+use tessera_common::{Epoch, PartitionId, ReadEpochs};
 use tessera_storage::versions::{split_by_partition, stored_user_schema};
 use tessera_storage::{TableChanges, TableDef};
 
@@ -37,28 +37,15 @@ impl Engine {
         let def = self.backend.table_def(&table).ok_or_else(|| {
             SqlError::Storage(tessera_storage::StorageError::UnknownTable(table.clone()))
         })?;
-        if matches!(dml.op, WriteOp::Update) {
-            reject_key_updates(&def, &dml.input)?;
-        }
-        let batches = self.collect(dml.input.as_ref().clone()).await?;
-        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
         match dml.op {
             WriteOp::Insert(_) | WriteOp::Ctas => {
+                let batches = self.collect(dml.input.as_ref().clone()).await?;
                 let (rows, epoch) = self.insert(&table, batches).await?;
                 Ok(done(&format!("INSERT {rows}"), epoch))
             }
             WriteOp::Update => {
-                let epoch = self
-                    .publish(
-                        TableChanges {
-                            table,
-                            upserts: batches,
-                            deletes: vec![],
-                        },
-                        rows,
-                    )
-                    .await?;
-                Ok(done(&format!("UPDATE {rows}"), epoch))
+                reject_key_updates(&def, &dml.input)?;
+                self.rewrite_read_rows(&def, &dml).await
             }
             WriteOp::Delete => {
                 if def.append_only {
@@ -66,32 +53,63 @@ impl Engine {
                         tessera_storage::StorageError::delete_from_append_only(&table).into(),
                     );
                 }
-                let key = def.primary_key_indices();
-                let keys = batches
-                    .iter()
-                    .map(|b| b.project(&key))
-                    .collect::<std::result::Result<Vec<_>, _>>()?;
-                let epoch = self
-                    .publish(
-                        TableChanges {
-                            table,
-                            upserts: vec![],
-                            deletes: keys,
-                        },
-                        rows,
-                    )
-                    .await?;
-                Ok(done(&format!("DELETE {rows}"), epoch))
+                self.rewrite_read_rows(&def, &dml).await
             }
             other => Err(SqlError::Unsupported(format!("{other} statements"))),
         }
     }
 
+    /// UPDATE and DELETE: rows computed from what the statement read, published only if
+    /// the table has not changed since it read them (else another publish's change would
+    /// be overwritten unseen: a lost update). Refused with [`SqlError::WriteConflict`]; a
+    /// statement on its own is then planned and run again (see
+    /// [`Engine::run_statement`]); inside a transaction the conflict is found at COMMIT.
+    async fn rewrite_read_rows(
+        &self,
+        def: &TableDef,
+        dml: &DmlStatement,
+    ) -> Result<StatementOutput> {
+        // The epoch the statement's plan reads at (its view was pinned before planning).
+        let read = self.backend.visible_epoch();
+        let batches = self.collect(dml.input.as_ref().clone()).await?;
+        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+        let (tag, changes) = match dml.op {
+            WriteOp::Update => (
+                "UPDATE",
+                TableChanges {
+                    table: def.name.clone(),
+                    upserts: batches,
+                    deletes: vec![],
+                },
+            ),
+            _ => {
+                let key = def.primary_key_indices();
+                let keys = batches
+                    .iter()
+                    .map(|b| b.project(&key))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                (
+                    "DELETE",
+                    TableChanges {
+                        table: def.name.clone(),
+                        upserts: vec![],
+                        deletes: keys,
+                    },
+                )
+            }
+        };
+        let epoch = self.publish(changes, rows, Some(read)).await?;
+        Ok(done(&format!("{tag} {rows}"), epoch))
+    }
+
     /// Publishes one statement's changes, or inside a transaction keeps them for COMMIT.
+    /// `read` is the epoch the statement read the table at, if it computed the rows from
+    /// what it read (see [`Backend::publish`]).
     pub(super) async fn publish(
         &self,
         changes: TableChanges,
         rows: usize,
+        read: Option<Epoch>,
     ) -> Result<Option<Epoch>> {
         // At the statement, as PostgreSQL checks privileges, not at a later COMMIT.
         self.backend.check_publish(&changes.table)?;
@@ -99,10 +117,13 @@ impl Engine {
             return Ok(None);
         }
         if let Some(open) = self.transaction.lock().expect("transaction lock").as_mut() {
-            open.record(changes);
+            open.record(changes, read);
             return Ok(None);
         }
-        Ok(Some(self.backend.publish(vec![changes]).await?))
+        let read_at: ReadEpochs = read
+            .map(|read| [(changes.table.clone(), read)].into())
+            .unwrap_or_default();
+        Ok(Some(self.backend.publish(vec![changes], &read_at).await?))
     }
 
     /// INSERT: publishes new rows, refusing keys that already exist at the visible epoch.
@@ -139,6 +160,7 @@ impl Engine {
                     deletes: vec![],
                 },
                 rows,
+                None,
             )
             .await?;
         Ok((rows, epoch))

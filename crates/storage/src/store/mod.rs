@@ -31,7 +31,7 @@ use arrow::compute::concat_batches;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
-use tessera_common::{ComponentHash, Epoch, Lsn, PartitionId, PartitionRing, RowOp};
+use tessera_common::{ComponentHash, Epoch, Lsn, PartitionId, PartitionRing, ReadEpochs, RowOp};
 
 mod archive;
 mod history;
@@ -272,6 +272,10 @@ struct LoggedRows {
 struct TableState {
     def: TableDef,
     partitions: Vec<PartitionState>,
+    /// The newest epoch a local publish of this table was given since the store opened:
+    /// its rows reach the memtable only after the log is written, and a publish checked
+    /// for write conflicts in between must count it already.
+    last_allocated: Epoch,
 }
 
 struct State {
@@ -364,6 +368,44 @@ impl State {
         let lsn = *slot;
         *slot = lsn.next();
         lsn
+    }
+
+    /// Refuses a publish of rows read at `read_at` from tables that changed since (see
+    /// [`Store::publish_read_at`]). A table's last change is its newest row version, or
+    /// the newest epoch given to a publish of it.
+    fn refuse_write_conflict(&self, read_at: &ReadEpochs) -> Result<()> {
+        for (table, &read) in read_at {
+            let state = self.table(table)?;
+            let changed = state
+                .partitions
+                .iter()
+                .flat_map(|p| {
+                    let components = p.manifest.components.iter().map(|c| c.max_epoch);
+                    components.chain(p.memtable.iter().map(|e| e.epoch))
+                })
+                .chain([state.last_allocated])
+                .max()
+                .unwrap_or(Epoch::ZERO);
+            if changed > read {
+                return Err(StorageError::WriteConflict {
+                    table: table.clone(),
+                    read,
+                    changed,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes the next epoch for a publish writing `tables`.
+    fn allocate_publish_epoch<'a>(&mut self, tables: impl Iterator<Item = &'a str>) -> Epoch {
+        let epoch = self.allocate_epoch();
+        for table in tables {
+            if let Some(state) = self.tables.get_mut(table) {
+                state.last_allocated = epoch;
+            }
+        }
+        epoch
     }
 
     fn table(&self, name: &str) -> Result<&TableState> {
@@ -655,7 +697,11 @@ impl Store {
         let partitions = (0..self.ring.partition_count())
             .map(|_| PartitionState::default())
             .collect();
-        TableState { def, partitions }
+        TableState {
+            def,
+            partitions,
+            last_allocated: Epoch::ZERO,
+        }
     }
 
     pub fn create_table(&self, mut def: TableDef) -> Result<()> {

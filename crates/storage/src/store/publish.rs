@@ -7,6 +7,19 @@ use super::*;
 impl Store {
     /// Publishes a batch of changes as one new epoch, visible atomically once this returns.
     pub fn publish(&self, changes: Vec<TableChanges>) -> Result<Epoch> {
+        self.publish_read_at(changes, &ReadEpochs::new())
+    }
+
+    /// [`Store::publish`] of rows a statement computed from what it read of each table at
+    /// the epoch `read_at` names for it (an UPDATE, a DELETE): refused as a write conflict
+    /// if one of those tables changed after that epoch, which its rows would overwrite
+    /// unseen (a lost update). Checked where the epoch is allocated, so no publish slips in
+    /// between.
+    pub fn publish_read_at(
+        &self,
+        changes: Vec<TableChanges>,
+        read_at: &ReadEpochs,
+    ) -> Result<Epoch> {
         self.check_poisoned()?;
         let prepared = self.prepare(changes)?;
         let bytes: usize = prepared.iter().map(|p| p.bytes()).sum();
@@ -17,9 +30,9 @@ impl Store {
             });
         }
         let epoch = if bytes >= self.config.bulk_publish_bytes {
-            self.publish_bulk(prepared)?
+            self.publish_bulk(prepared, read_at)?
         } else {
-            self.publish_logged(prepared)?
+            self.publish_logged(prepared, read_at)?
         };
         if self.state().memtable_bytes >= self.config.memtable_flush_bytes {
             self.checkpoint()?;
@@ -54,14 +67,19 @@ impl Store {
     }
 
     /// The log path: row records and a commit record go to the log, group-committed.
-    fn publish_logged(&self, prepared: Vec<PreparedChanges>) -> Result<Epoch> {
+    fn publish_logged(
+        &self,
+        prepared: Vec<PreparedChanges>,
+        read_at: &ReadEpochs,
+    ) -> Result<Epoch> {
         let _gate = self.gate.read().expect("gate lock");
         // Tables can only disappear under the exclusive gate; recheck now that we hold it.
         let mut state = self.state();
         for p in &prepared {
             state.table(&p.def.name)?;
         }
-        let epoch = state.allocate_epoch();
+        state.refuse_write_conflict(read_at)?;
+        let epoch = state.allocate_publish_epoch(prepared.iter().map(|p| p.def.name.as_str()));
         let commit = commit_record(&state.history, &prepared);
         let encoded = (|| -> Result<(Vec<u8>, Vec<(String, PartitionId, MemEntry)>)> {
             let mut frames = Vec::new();
@@ -124,7 +142,7 @@ impl Store {
 
     /// The bulk path: rows become components directly; the checkpoint that lists them is
     /// the commit point.
-    fn publish_bulk(&self, prepared: Vec<PreparedChanges>) -> Result<Epoch> {
+    fn publish_bulk(&self, prepared: Vec<PreparedChanges>, read_at: &ReadEpochs) -> Result<Epoch> {
         let _gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
         // Flushing first keeps LSNs rising within each manifest.
@@ -134,7 +152,8 @@ impl Store {
             for p in &prepared {
                 state.table(&p.def.name)?;
             }
-            state.allocate_epoch()
+            state.refuse_write_conflict(read_at)?;
+            state.allocate_publish_epoch(prepared.iter().map(|p| p.def.name.as_str()))
         };
         let written = (|| -> Result<Vec<(String, PartitionId, ComponentMeta)>> {
             let mut written = Vec::new();

@@ -148,6 +148,7 @@ pub(super) fn replay(
                     TableState {
                         def: t.def,
                         partitions,
+                        last_allocated: Epoch::ZERO,
                     },
                 )
             })
