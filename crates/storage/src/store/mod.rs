@@ -261,6 +261,21 @@ struct PartitionState {
     unapplied: Vec<LoggedRows>,
 }
 
+impl PartitionState {
+    /// The newest epoch of a version this partition holds: in a component, in memory, or
+    /// committed and kept in the log only (a cold standby).
+    fn newest_epoch(&self) -> Epoch {
+        let components = self.manifest.components.iter().map(|c| c.max_epoch);
+        let memory = self.memtable.iter().map(|e| e.epoch);
+        let logged = self.unapplied.iter().map(|l| l.epoch);
+        components
+            .chain(memory)
+            .chain(logged)
+            .max()
+            .unwrap_or(Epoch::ZERO)
+    }
+}
+
 /// A committed row batch a cold standby keeps in its log only.
 #[derive(Debug, Clone, Copy)]
 struct LoggedRows {
@@ -379,10 +394,7 @@ impl State {
             let changed = state
                 .partitions
                 .iter()
-                .flat_map(|p| {
-                    let components = p.manifest.components.iter().map(|c| c.max_epoch);
-                    components.chain(p.memtable.iter().map(|e| e.epoch))
-                })
+                .map(PartitionState::newest_epoch)
                 .chain([state.last_allocated])
                 .max()
                 .unwrap_or(Epoch::ZERO);

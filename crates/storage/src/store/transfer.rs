@@ -364,13 +364,8 @@ impl Store {
                     .any(|e| e.table == table && e.partition == partition)
             })
             .map(|(epoch, _)| *epoch);
-        let newest = part
-            .memtable
-            .iter()
-            .map(|e| e.epoch)
-            .chain(part.manifest.components.iter().map(|c| c.max_epoch))
-            .chain(part.unapplied.iter().map(|l| l.epoch))
-            .chain(prepared)
+        let newest = prepared
+            .chain([part.newest_epoch()])
             .max()
             .unwrap_or(Epoch::ZERO);
         if newest > fence {
