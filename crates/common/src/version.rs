@@ -3,6 +3,11 @@
 //! A row is one version of a key: it was written at `EPOCH_COLUMN` and is either an upsert
 //! or a delete tombstone (`OP_COLUMN`). Readers at epoch `e` see, per key, the newest version
 //! at or below `e` unless it is a tombstone.
+//!
+//! A third kind of row is no version at all: a *before image* ([`RowOp::Before`]), the row
+//! a key held just before the epoch that stamps it changed the key, written by an UPDATE or
+//! DELETE (which read that row) so that a diff finds it without opening older files.
+//! Readers of versions skip before images.
 
 /// Hidden column holding the epoch that wrote the row version (UInt64).
 pub const EPOCH_COLUMN: &str = "__tessera_epoch";
@@ -15,6 +20,8 @@ pub const OP_COLUMN: &str = "__tessera_op";
 pub enum RowOp {
     Upsert = 0,
     Delete = 1,
+    /// Not a version: the key's row before this epoch changed it (see the module docs).
+    Before = 2,
 }
 
 impl RowOp {
@@ -22,6 +29,7 @@ impl RowOp {
         match value {
             0 => Some(RowOp::Upsert),
             1 => Some(RowOp::Delete),
+            2 => Some(RowOp::Before),
             _ => None,
         }
     }

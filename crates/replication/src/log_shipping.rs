@@ -4,7 +4,7 @@
 //! only once those have logged them too, naming the ones it could not reach.
 
 use crate::error::{PrepareFailed, ReplicationError, Result};
-use crate::wire::{PrepareReply, PrepareRequest, PARTITION_COLUMN};
+use crate::wire::{PrepareReply, PrepareRequest, PreparedRows, PARTITION_COLUMN};
 use crate::{NodeId, Replication};
 use arrow::array::{Array, RecordBatch, UInt32Array};
 use futures::{SinkExt, Stream, TryStreamExt};
@@ -62,17 +62,19 @@ async fn receive_logged(
             }
         }
         chunk_bytes += rows.get_array_memory_size();
-        let (upserts, deletes) = if request.deletes {
-            (vec![], vec![rows])
-        } else {
-            (vec![rows], vec![])
-        };
-        chunk.push(PartitionChanges {
+        let mut change = PartitionChanges {
             table: request.table.clone(),
             partition,
-            upserts,
-            deletes,
-        });
+            upserts: vec![],
+            deletes: vec![],
+            before_images: vec![],
+        };
+        match request.rows() {
+            PreparedRows::Upserts => change.upserts.push(rows),
+            PreparedRows::Deletes => change.deletes.push(rows),
+            PreparedRows::BeforeImages => change.before_images.push(rows),
+        }
+        chunk.push(change);
         if chunk_bytes >= PREPARE_CHUNK_BYTES {
             log_chunk(node, &request, std::mem::take(&mut chunk)).await?;
             chunk_bytes = 0;

@@ -5,7 +5,7 @@
 //! its prepared rows are discarded everywhere.
 
 use crate::error::{PrepareFailed, ReplicationError, Result};
-use crate::wire::{Forward, PrepareRequest, PARTITION_COLUMN};
+use crate::wire::{Forward, PrepareRequest, PreparedRows, PARTITION_COLUMN};
 use crate::NodeId;
 use crate::{Replication, WorkingOn};
 use arrow::array::{ArrayRef, RecordBatch, UInt32Array};
@@ -17,11 +17,24 @@ use tessera_meta::{MetaCommand, MetaResponse, MetaState, LINEARIZABLE_READ_PATIE
 use tessera_meta::{MetaError, TableChangeCount};
 use tessera_storage::{versions, StorageError, TableChanges, TableDef};
 
-/// One table's rows routed to partitions: upserts (table columns) and deletes (key columns).
+/// One table's rows routed to partitions: upserts (table columns), deletes (key columns)
+/// and before images (table columns).
 #[derive(Default)]
 pub(crate) struct Routed {
     pub(crate) upserts: BTreeMap<PartitionId, Vec<RecordBatch>>,
     pub(crate) deletes: BTreeMap<PartitionId, Vec<RecordBatch>>,
+    pub(crate) before_images: BTreeMap<PartitionId, Vec<RecordBatch>>,
+}
+
+impl Routed {
+    /// Each kind of rows, with its rows per partition.
+    fn by_kind(&self) -> [(PreparedRows, &BTreeMap<PartitionId, Vec<RecordBatch>>); 3] {
+        [
+            (PreparedRows::Upserts, &self.upserts),
+            (PreparedRows::Deletes, &self.deletes),
+            (PreparedRows::BeforeImages, &self.before_images),
+        ]
+    }
 }
 
 /// Rows written per table, for the epoch log.
@@ -43,9 +56,13 @@ fn change_counts(routed: &BTreeMap<String, Routed>) -> Vec<TableChangeCount> {
         .collect()
 }
 
-/// Checks a publish the way a single store would (schema, keys, duplicates, append-only) and
-/// routes each row to its partition.
-fn route(state: &MetaState, changes: Vec<TableChanges>) -> Result<BTreeMap<String, Routed>> {
+/// Checks a publish the way a single store would (schema, keys, duplicates, append-only,
+/// before images only with a read epoch) and routes each row to its partition.
+fn route(
+    state: &MetaState,
+    changes: Vec<TableChanges>,
+    read_at: &ReadEpochs,
+) -> Result<BTreeMap<String, Routed>> {
     if !state.is_bootstrapped() {
         // A node that just started and has not yet caught up with the metadata group.
         return Err(ReplicationError::Meta(MetaError::NoLeader));
@@ -61,6 +78,7 @@ fn route(state: &MetaState, changes: Vec<TableChanges>) -> Result<BTreeMap<Strin
         if def.append_only && change.deletes.iter().any(|b| b.num_rows() > 0) {
             return Err(StorageError::delete_from_append_only(&def.name).into());
         }
+        change.refuse_unchecked_before_images(read_at)?;
         let entry = routed.entry(def.name.clone()).or_default();
         let all_rows = &mut checked
             .entry(def.name.clone())
@@ -83,6 +101,15 @@ fn route(state: &MetaState, changes: Vec<TableChanges>) -> Result<BTreeMap<Strin
                     .entry(partition)
                     .or_default()
                     .push(part.project(&key)?);
+            }
+        }
+        if !def.append_only {
+            // An append-only table's rows are all inserts: a diff needs no image.
+            for batch in change.before_images.iter().filter(|b| b.num_rows() > 0) {
+                let rows = versions::conform_to_schema(def, batch)?;
+                for (partition, part) in versions::split_by_partition(def, &ring, &rows)? {
+                    entry.before_images.entry(partition).or_default().push(part);
+                }
             }
         }
     }
@@ -274,7 +301,8 @@ async fn publish_committed(
     crate::seal::check_can_sign(node, &state, &tables, publisher)?;
     // Routing is CPU work proportional to the rows; keep it off the threads that answer
     // heartbeats and Raft.
-    let routed = tokio::task::spawn_blocking(move || route(&state, changes))
+    let checked_reads = read_at.clone();
+    let routed = tokio::task::spawn_blocking(move || route(&state, changes, &checked_reads))
         .await
         .map_err(ReplicationError::task("routing the rows"))??;
     let routed = Arc::new(routed);
@@ -640,10 +668,10 @@ async fn prepare_everywhere(
     routed: &BTreeMap<String, Routed>,
     left_out: &BTreeSet<NodeId>,
 ) -> Result<Vec<(PartitionId, NodeId)>> {
-    let mut shipments: BTreeMap<(NodeId, String, bool), Shipment> = BTreeMap::new();
+    let mut shipments: BTreeMap<(NodeId, String, PreparedRows), Shipment> = BTreeMap::new();
     let mut touched: BTreeSet<PartitionId> = BTreeSet::new();
     for (table, routed) in routed {
-        for (deletes, by_partition) in [(false, &routed.upserts), (true, &routed.deletes)] {
+        for (kind, by_partition) in routed.by_kind() {
             for (&partition, batches) in by_partition {
                 touched.insert(partition);
                 let placement = &state.map.partitions[partition.0 as usize];
@@ -658,13 +686,14 @@ async fn prepare_everywhere(
                     .map(|b| with_partition_column(partition, b))
                     .collect::<Result<_>>()?;
                 let shipment = shipments
-                    .entry((primary, table.clone(), deletes))
+                    .entry((primary, table.clone(), kind))
                     .or_insert_with(|| Shipment {
                         primary,
                         request: PrepareRequest {
                             epoch,
                             table: table.clone(),
-                            deletes,
+                            deletes: kind == PreparedRows::Deletes,
+                            before_images: kind == PreparedRows::BeforeImages,
                             forward: Vec::new(),
                         },
                         partitions: Vec::new(),

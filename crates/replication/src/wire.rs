@@ -10,13 +10,18 @@ use tessera_net::{CallError, Clients, WireRequest};
 use tessera_storage::ComponentMeta;
 
 /// The rows of one table a coordinator sends a partition primary for an epoch (or a
-/// primary ships on to a replica).
+/// primary ships on to a replica): its upserts, its deletes or its before images.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PrepareRequest {
     pub epoch: Epoch,
     pub table: String,
     /// Upserts carry the table's columns; deletes its key columns.
     pub deletes: bool,
+    /// The rows are before images, not versions (the table's columns; see
+    /// `tessera_storage::TableChanges::before_images`). Left out of the encoding when
+    /// false, so a prepare of versions is encoded as before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub before_images: bool,
     /// Replicas the receiver ships the rows on to (log shipping, DESIGN §6): it answers
     /// only once it and every one of them has logged them, or names those that could not
     /// be reached.
@@ -26,6 +31,24 @@ pub struct PrepareRequest {
 
 impl WireRequest for PrepareRequest {
     const KIND: &'static str = "Prepare";
+}
+
+impl PrepareRequest {
+    pub fn rows(&self) -> PreparedRows {
+        match (self.deletes, self.before_images) {
+            (true, _) => PreparedRows::Deletes,
+            (false, true) => PreparedRows::BeforeImages,
+            (false, false) => PreparedRows::Upserts,
+        }
+    }
+}
+
+/// Which of a table's rows one prepare stream carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum PreparedRows {
+    Upserts,
+    Deletes,
+    BeforeImages,
 }
 
 /// A replica that must log the rows of some partitions of a prepare stream.

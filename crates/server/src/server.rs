@@ -839,12 +839,14 @@ impl FlightService for NodeService {
                         table,
                         upserts: vec![],
                         deletes: rows,
+                        before_images: vec![],
                     }
                 } else {
                     TableChanges {
                         table,
                         upserts: rows,
                         deletes: vec![],
+                        before_images: vec![],
                     }
                 };
                 let publisher = self.acting_user(&caller)?;

@@ -423,6 +423,7 @@ fn samples() -> Samples {
             epoch: Epoch(4),
             table: "kv".into(),
             deletes: false,
+            before_images: false,
             forward: vec![Forward {
                 node: NodeId(2),
                 partitions: vec![PartitionId(1)],
@@ -638,6 +639,17 @@ fn samples() -> Samples {
             voters: vec![NodeId(1), NodeId(2), NodeId(3)],
             membership_joint: false,
             archive_waiting: vec!["table \"kv\" at epoch 9: k = 4, m = 2 needs 6 live storage nodes to place fragments on; 4 are live".into()],
+        },
+    );
+    // Added after the rest, so the samples above keep their lines.
+    s.tagged(
+        "put prepare before images",
+        PrepareRequest {
+            epoch: Epoch(4),
+            table: "kv".into(),
+            deletes: false,
+            before_images: true,
+            forward: vec![],
         },
     );
     s

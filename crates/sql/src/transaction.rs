@@ -122,19 +122,17 @@ impl Transaction {
 }
 
 /// Folds one table's changes, oldest first, into one: for each key only the newest
-/// statement's row (an upsert or a delete) is kept.
+/// statement's row (an upsert or a delete) is kept, and the oldest statement's before
+/// image, if that statement read the key from the table (see [`first_before_images`]).
 fn merge_table_changes(def: &TableDef, changes: Vec<TableChanges>) -> Result<TableChanges> {
     let key = def.primary_key_indices();
-    let mut merged = TableChanges {
-        table: def.name.clone(),
-        upserts: Vec::new(),
-        deletes: Vec::new(),
-    };
+    let mut merged = TableChanges::upserts(&def.name, Vec::new());
     if key.is_empty() || changes.len() == 1 {
         // Append-only rows have no key to collide on; one statement has nothing to fold.
         for change in changes {
             merged.upserts.extend(change.upserts);
             merged.deletes.extend(change.deletes);
+            merged.before_images.extend(change.before_images);
         }
         return Ok(merged);
     }
@@ -144,6 +142,7 @@ fn merge_table_changes(def: &TableDef, changes: Vec<TableChanges>) -> Result<Tab
             .map(|&i| SortField::new(schema.field(i).data_type().clone()))
             .collect(),
     )?;
+    merged.before_images = first_before_images(def, &converter, &changes)?;
     // Keys written by statements newer than the one being looked at.
     let mut newer: HashSet<OwnedRow> = HashSet::new();
     for change in changes.into_iter().rev() {
@@ -176,6 +175,51 @@ fn merge_table_changes(def: &TableDef, changes: Vec<TableChanges>) -> Result<Tab
     merged.upserts.retain(|b| b.num_rows() > 0);
     merged.deletes.retain(|b| b.num_rows() > 0);
     Ok(merged)
+}
+
+/// The before images a transaction's publish carries: a key's row as the table held it
+/// before the transaction, which only the first statement writing the key read from the
+/// table (later ones read the transaction's own row). So an image is kept only from a
+/// statement that wrote the key first; a key first written blind (an INSERT) has none.
+fn first_before_images(
+    def: &TableDef,
+    converter: &RowConverter,
+    changes: &[TableChanges],
+) -> Result<Vec<RecordBatch>> {
+    let key = def.primary_key_indices();
+    // Keys written by statements older than the one being looked at.
+    let mut written: HashSet<OwnedRow> = HashSet::new();
+    let mut images = Vec::new();
+    for change in changes {
+        for batch in &change.before_images {
+            let rows = conform_to_schema(def, batch)?;
+            let keys = converter.convert_columns(rows.project(&key)?.columns())?;
+            let first: BooleanArray = keys
+                .iter()
+                .map(|row| Some(!written.contains(&row.owned())))
+                .collect();
+            images.push(filter_record_batch(&rows, &first)?);
+        }
+        for batch in &change.upserts {
+            let keys = conform_to_schema(def, batch)?.project(&key)?;
+            written.extend(
+                converter
+                    .convert_columns(keys.columns())?
+                    .iter()
+                    .map(|r| r.owned()),
+            );
+        }
+        for keys in &change.deletes {
+            written.extend(
+                converter
+                    .convert_columns(keys.columns())?
+                    .iter()
+                    .map(|r| r.owned()),
+            );
+        }
+    }
+    images.retain(|b| b.num_rows() > 0);
+    Ok(images)
 }
 
 #[cfg(test)]
@@ -233,27 +277,15 @@ mod tests {
     fn the_newest_statement_wins_per_key() {
         let mut tx = Transaction::default();
         tx.record(
-            TableChanges {
-                table: "t".into(),
-                upserts: vec![rows(&[1, 2, 3], &["a", "b", "c"])],
-                deletes: vec![],
-            },
+            TableChanges::upserts("t", vec![rows(&[1, 2, 3], &["a", "b", "c"])]),
             None,
         );
         tx.record(
-            TableChanges {
-                table: "t".into(),
-                upserts: vec![rows(&[2], &["B"])],
-                deletes: vec![],
-            },
+            TableChanges::upserts("t", vec![rows(&[2], &["B"])]),
             Some(Epoch(5)),
         );
         tx.record(
-            TableChanges {
-                table: "t".into(),
-                upserts: vec![],
-                deletes: vec![keys(&[3, 4])],
-            },
+            TableChanges::deletes("t", vec![keys(&[3, 4])]),
             Some(Epoch(4)),
         );
         let (merged, read_at) = tx.into_publish(|_| Some(def())).unwrap();
@@ -284,14 +316,39 @@ mod tests {
     }
 
     #[test]
+    fn a_keys_before_image_comes_from_the_first_statement_that_wrote_it() {
+        let mut tx = Transaction::default();
+        // Key 1 inserted blind, then updated: the UPDATE read the transaction's own row.
+        tx.record(TableChanges::upserts("t", vec![rows(&[1], &["new"])]), None);
+        let mut update = TableChanges::upserts("t", vec![rows(&[1, 2], &["x", "y"])]);
+        update.before_images = vec![rows(&[1, 2], &["new", "table's"])];
+        tx.record(update, Some(Epoch(3)));
+        // Key 2 deleted after its update: the image stays the table's row.
+        let mut delete = TableChanges::deletes("t", vec![keys(&[2, 3])]);
+        delete.before_images = vec![rows(&[2, 3], &["y", "three"])];
+        tx.record(delete, Some(Epoch(3)));
+        let (merged, _) = tx.into_publish(|_| Some(def())).unwrap();
+        let images = &merged[0].before_images;
+        assert_eq!(ids(images), vec![2, 3], "key 1 was first written blind");
+        let values: Vec<(i64, String)> = images
+            .iter()
+            .flat_map(|b| {
+                let id = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+                let v = b.column(1).as_any().downcast_ref::<StringArray>().unwrap();
+                (0..b.num_rows())
+                    .map(|i| (id.value(i), v.value(i).to_string()))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert!(values.contains(&(2, "table's".to_string())), "{values:?}");
+        assert!(values.contains(&(3, "three".to_string())), "{values:?}");
+    }
+
+    #[test]
     fn an_unknown_table_is_named() {
         let mut tx = Transaction::default();
         tx.record(
-            TableChanges {
-                table: "gone".into(),
-                upserts: vec![rows(&[1], &["a"])],
-                deletes: vec![],
-            },
+            TableChanges::upserts("gone", vec![rows(&[1], &["a"])]),
             None,
         );
         let error = tx.into_publish(|_| None).unwrap_err().to_string();

@@ -412,3 +412,77 @@ async fn merges_keep_the_newest_versions_apart_from_their_history() {
     let error = refused(&engine, &format!("SELECT * FROM t AS OF EPOCH {first}")).await;
     assert!(error.contains("retain"), "{error}");
 }
+
+/// UPDATE and DELETE write each changed key's row as they read it beside the change (its
+/// before image), also inside a transaction, so a diff of epochs they wrote reads those
+/// epochs' rows only: here it answers with every older component gone from disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_diff_of_updates_and_deletes_reads_only_their_epochs() {
+    let (_dir, _config, store, engine) = store_with_table(
+        4,
+        "CREATE TABLE t (k BIGINT PRIMARY KEY, v BIGINT NOT NULL)",
+    )
+    .await;
+    let rows: Vec<String> = (0..100).map(|k| format!("({k}, {k})")).collect();
+    write(
+        &engine,
+        &format!("INSERT INTO t VALUES {}", rows.join(", ")),
+    )
+    .await;
+    store.checkpoint().unwrap();
+    let from = store.visible_epoch();
+    let loaded: Vec<std::path::PathBuf> = std::fs::read_dir(store.components_dir())
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .collect();
+    assert!(!loaded.is_empty(), "the load was flushed to components");
+
+    write(&engine, "UPDATE t SET v = v + 1000 WHERE k % 10 = 0").await;
+    write(&engine, "DELETE FROM t WHERE k % 10 = 5").await;
+    for statement in [
+        "BEGIN",
+        "UPDATE t SET v = -1 WHERE k = 1",
+        "DELETE FROM t WHERE k = 1",
+        "UPDATE t SET v = -2 WHERE k = 2",
+        "UPDATE t SET v = -3 WHERE k = 2",
+        "COMMIT",
+    ] {
+        engine.execute(statement).await.unwrap();
+    }
+    let to = store.visible_epoch();
+    for path in &loaded {
+        std::fs::remove_file(path).unwrap();
+    }
+
+    let sql = format!(
+        "SELECT change, k, before_v, after_v FROM tessera_changes('t', {from}, {to}) ORDER BY k"
+    );
+    let mut changes = Vec::new();
+    for batch in engine.query(&sql).await.unwrap() {
+        let kind = batch.column(0).as_string::<i32>();
+        let [k, before, after] = [1, 2, 3].map(|i| batch.column(i).as_primitive::<Int64Type>());
+        for row in 0..batch.num_rows() {
+            let value = |c: &arrow::array::PrimitiveArray<Int64Type>| {
+                (!c.is_null(row)).then(|| c.value(row))
+            };
+            changes.push((
+                kind.value(row).to_string(),
+                k.value(row),
+                value(before),
+                value(after),
+            ));
+        }
+    }
+    let mut expected = vec![
+        ("delete".to_string(), 1, Some(1), None),
+        ("update".to_string(), 2, Some(2), Some(-3)),
+    ];
+    for k in (0..100).filter(|k| k % 10 == 0) {
+        expected.push(("update".into(), k, Some(k), Some(k + 1000)));
+    }
+    for k in (0..100).filter(|k| k % 10 == 5) {
+        expected.push(("delete".into(), k, Some(k), None));
+    }
+    expected.sort_by_key(|c| c.1);
+    assert_eq!(changes, expected);
+}

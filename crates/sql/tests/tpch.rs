@@ -17,6 +17,7 @@ async fn load(engine: &Engine, sf: f64, chunk_rows: usize) {
                 table: table.name.into(),
                 upserts: vec![batch.unwrap()],
                 deletes: vec![],
+                before_images: vec![],
             };
             engine
                 .backend()
@@ -72,6 +73,7 @@ async fn all_22_queries_match_datafusion_at_sf_0_1() {
                 table: table.name.into(),
                 upserts: batches,
                 deletes: vec![],
+                before_images: vec![],
             }])
             .unwrap();
     }

@@ -3,8 +3,11 @@
 //!
 //! Only versions stamped in `(from, to]` can change a key, so a partition whose components
 //! and memtable hold none has no changes, and its other components are never opened. The
-//! row before is the key's newest version at or below `from`; it is looked up only for the
-//! keys that changed.
+//! row before is the key's newest version at or below `from`. An UPDATE or DELETE wrote it
+//! beside its change as a before image ([`tessera_common::RowOp::Before`]), so for a key
+//! whose first change in the range came with one, it is found among the range's own
+//! rows; only the other keys (inserted, or written by a blind publish) are looked up in
+//! older components, which are not opened at all when there are none.
 //!
 //! The output has a `change` column (`insert`, `update` or `delete`), the key columns, then
 //! `before_<column>` and `after_<column>` for every other column (NULL where the row does
@@ -18,7 +21,8 @@ use crate::component::{read_component, read_component_rows, ComponentMeta};
 use crate::error::{Result, StorageError};
 use crate::store::PartitionSnapshot;
 use crate::versions::{
-    epochs, key_columns as columns, key_converter, ops, stored_schema, KeyProjection,
+    epochs, key_columns as columns, key_converter, ops, split_before_images, stored_schema,
+    without_before_images, KeyProjection,
 };
 use arrow::array::{
     new_null_array, Array, ArrayRef, AsArray, Int64Array, RecordBatch, StringArray,
@@ -140,26 +144,97 @@ pub fn partition_changes(
         // Snapshots hand out memtable rows in the definition's current layout already.
         split_by_epoch(batch.clone(), in_range, &mut recent, &mut older)?;
     }
-    if recent.iter().all(|b| b.num_rows() == 0) {
+    let schema = stored_schema(def);
+    let (recent, images) = split_before_images(concat_batches(&schema, &recent)?)?;
+    if recent.num_rows() == 0 {
         return Ok(None);
     }
-    let schema = stored_schema(def);
-    let recent = concat_batches(&schema, &recent)?;
     if def.append_only {
         return Ok(Some(appended_rows(def, &recent)?));
     }
     let key = def.primary_key_indices();
     let converter = key_converter(&schema, &key)?;
     let recent_keys = converter.convert_columns(&columns(&recent, &key))?;
-    let changed: KeyMap<'_, ()> = recent_keys.iter().map(|row| (row, ())).collect();
-    // The rows before come from components that cannot hold a change: their key columns
-    // are read first, and then only the rows of changed keys, whole.
+    let image_keys = converter.convert_columns(&columns(&images, &key))?;
+    let imaged = first_changes_with_images(&recent_keys, epochs(&recent), &image_keys, &images);
+    // Keys whose first change in the range came with no image (an INSERT, a blind
+    // publish): their rows before come from versions at or below `from`.
+    let unimaged: KeyMap<'_, ()> = recent_keys
+        .iter()
+        .filter(|row| !imaged.contains_key(row))
+        .map(|row| (row, ()))
+        .collect();
+    let older: Vec<RecordBatch> = older
+        .into_iter()
+        .map(without_before_images)
+        .collect::<Result<_>>()?;
+    let mut older = concat_batches(&schema, &older)?;
+    if !unimaged.is_empty() {
+        let mut batches = vec![older];
+        batches.extend(rows_of_keys(
+            components_dir,
+            def,
+            &converter,
+            &older_only,
+            &unimaged,
+            &recent,
+        )?);
+        older = concat_batches(&schema, &batches)?;
+    }
+    let before = Before {
+        older: &older,
+        images: &images,
+        imaged,
+    };
+    diff(def, &converter, (&recent, &recent_keys), before, from)
+}
+
+/// For each changed key whose first change in the range wrote a before image, that
+/// image's row in `images`: the key's row at the range's start, since no publish changed
+/// it between the range's start and that change.
+fn first_changes_with_images<'a>(
+    recent_keys: &'a Rows,
+    recent_epochs: &arrow::array::PrimitiveArray<UInt64Type>,
+    image_keys: &'a Rows,
+    images: &RecordBatch,
+) -> KeyMap<'a, usize> {
+    if images.num_rows() == 0 {
+        return KeyMap::default();
+    }
+    let mut first_change: KeyMap<'a, u64> = KeyMap::default();
+    for (i, row) in recent_keys.iter().enumerate() {
+        let epoch = recent_epochs.value(i);
+        let slot = first_change.entry(row).or_insert(epoch);
+        *slot = (*slot).min(epoch);
+    }
+    let image_epochs = epochs(images);
+    let mut imaged = KeyMap::default();
+    for (i, row) in image_keys.iter().enumerate() {
+        if first_change.get(&row) == Some(&image_epochs.value(i)) {
+            imaged.insert(row, i);
+        }
+    }
+    imaged
+}
+
+/// The rows of `components` (none holding a version above the range's start) whose keys
+/// are in `wanted`: their key columns are read first, then only the wanted rows, whole.
+fn rows_of_keys(
+    components_dir: &Path,
+    def: &TableDef,
+    converter: &RowConverter,
+    components: &[&ComponentMeta],
+    wanted: &KeyMap<'_, ()>,
+    recent: &RecordBatch,
+) -> Result<Vec<RecordBatch>> {
+    let key = def.primary_key_indices();
     let KeyProjection {
         file_order,
         in_projected: projected_key,
     } = KeyProjection::of(&key);
     let first_key_values = FirstKeyValues::of(recent.column(key[0]));
-    for component in older_only {
+    let mut rows = Vec::new();
+    for component in components {
         let key_batches = read_component(components_dir, def, &component.hash, Some(&file_order))?;
         let mut selected = arrow::array::BooleanBuilder::with_capacity(component.rows as usize);
         for batch in &key_batches {
@@ -169,7 +244,7 @@ pub fn partition_changes(
                 .and_then(|values| values.may_match(&key_columns[0]));
             let Some(candidates) = candidates else {
                 let keys = converter.convert_columns(&key_columns)?;
-                selected.extend(keys.iter().map(|row| Some(changed.contains_key(&row))));
+                selected.extend(keys.iter().map(|row| Some(wanted.contains_key(&row))));
                 continue;
             };
             // Only the candidates' keys are encoded and looked up.
@@ -178,23 +253,22 @@ pub fn partition_changes(
                 .map(|c| arrow::compute::filter(c, &candidates))
                 .collect::<std::result::Result<Vec<_>, _>>()?;
             let keys = converter.convert_columns(&narrowed)?;
-            let mut hits = keys.iter().map(|row| changed.contains_key(&row));
+            let mut hits = keys.iter().map(|row| wanted.contains_key(&row));
             selected.extend(candidates.iter().map(|candidate| {
                 Some(candidate == Some(true) && hits.next().expect("a key per candidate"))
             }));
         }
         let selected = selected.finish();
         if selected.true_count() > 0 {
-            older.extend(read_component_rows(
-                components_dir,
-                def,
-                &component.hash,
-                &selected,
-            )?);
+            let found = read_component_rows(components_dir, def, &component.hash, &selected)?;
+            // A history component may hold before images stamped at or below the range's
+            // start: not versions.
+            for batch in found {
+                rows.push(without_before_images(batch)?);
+            }
         }
     }
-    let older = concat_batches(&schema, &older)?;
-    diff(def, &converter, (&recent, &recent_keys), &older, from)
+    Ok(rows)
 }
 
 /// The distinct values of the first key column among the changed keys, when that column
@@ -276,19 +350,33 @@ fn newest_per_key<'a>(
     newest.into_iter().map(|(k, (_, i))| (k, i)).collect()
 }
 
-/// Pairs each changed key's newest version in `recent` with its newest version at or
-/// below `from` in `older`.
+/// Where the changed keys' rows before the range are: versions at or below the range's
+/// start (`older`), and the before images of keys whose first change wrote one.
+struct Before<'a> {
+    older: &'a RecordBatch,
+    images: &'a RecordBatch,
+    /// Key → its row in `images`; such a key's row in `older`, if any, is not needed.
+    imaged: KeyMap<'a, usize>,
+}
+
+/// Pairs each changed key's newest version in `recent` with its row before the range: its
+/// before image, or else its newest version at or below `from` in `older`.
 fn diff(
     def: &TableDef,
     converter: &RowConverter,
     (recent, recent_keys): (&RecordBatch, &Rows),
-    older: &RecordBatch,
+    before: Before<'_>,
     from: Epoch,
 ) -> Result<Option<RecordBatch>> {
+    let Before {
+        older,
+        images,
+        imaged,
+    } = before;
     let key = def.primary_key_indices();
     let older_keys = converter.convert_columns(&columns(older, &key))?;
     let after = newest_per_key(recent_keys, epochs(recent), None);
-    let before = newest_per_key(&older_keys, epochs(older), Some(from));
+    let older_newest = newest_per_key(&older_keys, epochs(older), Some(from));
     let (_, values) = split_columns(def);
     // Whether two versions hold the same row: compared on every non-key column.
     let value_fields: Vec<SortField> = values
@@ -298,18 +386,30 @@ fn diff(
     let value_converter = RowConverter::new(value_fields)?;
     let recent_values = value_converter.convert_columns(&columns(recent, &values))?;
     let older_values = value_converter.convert_columns(&columns(older, &values))?;
+    let image_values = value_converter.convert_columns(&columns(images, &values))?;
 
     let mut changed: Vec<(arrow::row::Row<'_>, usize)> = after.into_iter().collect();
     changed.sort_unstable_by(|a, b| a.0.cmp(&b.0));
     // Per output row: the kind, and where its before and after rows are (None: absent).
-    let mut out: Vec<(ChangeKind, Option<usize>, Option<usize>)> = Vec::new();
+    let mut out: Vec<(ChangeKind, Option<Side>, Option<usize>)> = Vec::new();
     for (row, after_index) in changed {
         let after_row = is_upsert(recent, after_index).then_some(after_index);
-        let before_row = before.get(&row).copied().filter(|&i| is_upsert(older, i));
+        let before_row = match imaged.get(&row) {
+            Some(&i) => Some(Side::Image(i)),
+            None => older_newest
+                .get(&row)
+                .copied()
+                .filter(|&i| is_upsert(older, i))
+                .map(Side::Older),
+        };
+        let before_values = |side: Side| match side {
+            Side::Older(i) => older_values.row(i),
+            Side::Image(i) => image_values.row(i),
+        };
         let kind = match (before_row, after_row) {
             (None, Some(_)) => ChangeKind::Insert,
             (Some(_), None) => ChangeKind::Delete,
-            (Some(b), Some(a)) if older_values.row(b) != recent_values.row(a) => ChangeKind::Update,
+            (Some(b), Some(a)) if before_values(b) != recent_values.row(a) => ChangeKind::Update,
             _ => continue,
         };
         out.push((kind, before_row, after_row));
@@ -319,21 +419,29 @@ fn diff(
     }
     let change = StringArray::from_iter_values(out.iter().map(|(kind, _, _)| kind.as_str()));
     let mut output: Vec<ArrayRef> = vec![Arc::new(change)];
-    // Source 0: `older`, 1: `recent`, 2: a single NULL.
+    // Source 0: `older`, 1: `recent`, 2: `images`, 3: a single NULL.
     let pick = |column: usize, side: Option<bool>| -> Result<ArrayRef> {
         let null = new_null_array(recent.column(column).data_type(), 1);
-        let sources: [&dyn Array; 3] = [
+        let sources: [&dyn Array; 4] = [
             older.column(column).as_ref(),
             recent.column(column).as_ref(),
+            images.column(column).as_ref(),
             null.as_ref(),
         ];
+        let before_at = |before: Side| match before {
+            Side::Older(i) => (0, i),
+            Side::Image(i) => (2, i),
+        };
         let indices: Vec<(usize, usize)> = out
             .iter()
             .map(|&(_, before, after)| match side {
-                Some(false) => before.map_or((2, 0), |i| (0, i)),
-                Some(true) => after.map_or((2, 0), |i| (1, i)),
+                Some(false) => before.map_or((3, 0), before_at),
+                Some(true) => after.map_or((3, 0), |i| (1, i)),
                 // A key: from whichever side has the row.
-                None => after.map_or_else(|| (0, before.expect("a change has a side")), |i| (1, i)),
+                None => after.map_or_else(
+                    || before_at(before.expect("a change has a side")),
+                    |i| (1, i),
+                ),
             })
             .collect();
         Ok(interleave(&sources, &indices)?)
@@ -347,6 +455,15 @@ fn diff(
         }
     }
     Ok(Some(RecordBatch::try_new(changes_schema(def), output)?))
+}
+
+/// Where a changed key's row before the range is.
+#[derive(Debug, Clone, Copy)]
+enum Side {
+    /// A version at or below the range's start, in `older`.
+    Older(usize),
+    /// A before image written with the key's first change in the range.
+    Image(usize),
 }
 
 /// An append-only table's changes: every row added in the range, as an insert.

@@ -17,6 +17,10 @@
 //! The publish coordinator computes the digests from the rows it routes; `tessera verify`
 //! recomputes them from the components and memory each replica holds, in the format the
 //! epoch's seal records.
+//!
+//! Before images ([`RowOp::Before`]) are not versions and are left out: the content they
+//! repeat (a key's previous version) is already in the chain, and the components holding
+//! them are checked against their names like any other.
 
 use crate::catalog::TableDef;
 use crate::error::Result;
@@ -168,6 +172,7 @@ impl ChangeDigester {
 
     /// Adds row versions in the stored schema, all stamped with this digester's epoch.
     pub fn add_versions(&mut self, batch: &RecordBatch) -> Result<()> {
+        let batch = &crate::versions::without_before_images(batch.clone())?;
         if batch.num_rows() == 0 {
             return Ok(());
         }

@@ -60,6 +60,8 @@ pub enum StorageError {
     InvalidTable { table: String, reason: String },
     #[error("batch for table {table:?} does not match its schema: {reason}")]
     SchemaMismatch { table: String, reason: String },
+    #[error("before images of table {table:?} were sent without the epoch the table was read at: they could not be checked against changes made since that read")]
+    UncheckedBeforeImages { table: String },
     #[error("duplicate primary key {key} in one publish to table {table:?}")]
     DuplicateKey { table: String, key: String },
     #[error("rows of table {table:?} sent to partition {sent_to} belong to partition {belongs_to}: the sender's partition map disagrees with this node's hash")]

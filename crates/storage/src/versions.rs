@@ -257,6 +257,41 @@ pub(crate) fn ops(batch: &RecordBatch) -> &arrow::array::PrimitiveArray<UInt8Typ
     batch.column(index).as_primitive::<UInt8Type>()
 }
 
+/// Which rows of `batch` are before images ([`RowOp::Before`]); `None` if none are.
+fn before_image_mask(batch: &RecordBatch) -> Result<Option<arrow::array::BooleanArray>> {
+    let ops = ops(batch);
+    if !ops.values().contains(&(RowOp::Before as u8)) {
+        return Ok(None);
+    }
+    let before = UInt8Array::new_scalar(RowOp::Before as u8);
+    Ok(Some(arrow::compute::kernels::cmp::eq(ops, &before)?))
+}
+
+/// `batch` without its before images: only the row versions.
+pub fn without_before_images(batch: RecordBatch) -> Result<RecordBatch> {
+    match before_image_mask(&batch)? {
+        None => Ok(batch),
+        Some(images) => Ok(arrow::compute::filter_record_batch(
+            &batch,
+            &arrow::compute::not(&images)?,
+        )?),
+    }
+}
+
+/// `batch` split into its row versions and its before images.
+pub fn split_before_images(batch: RecordBatch) -> Result<(RecordBatch, RecordBatch)> {
+    match before_image_mask(&batch)? {
+        None => {
+            let none = batch.slice(0, 0);
+            Ok((batch, none))
+        }
+        Some(images) => Ok((
+            arrow::compute::filter_record_batch(&batch, &arrow::compute::not(&images)?)?,
+            arrow::compute::filter_record_batch(&batch, &images)?,
+        )),
+    }
+}
+
 /// Facts about a batch of row versions that decide how it may be read.
 pub struct VersionStats {
     pub min_epoch: Epoch,
@@ -278,7 +313,10 @@ pub fn version_stats(
         .iter()
         .filter(|&&op| op == RowOp::Delete as u8)
         .count() as u64;
-    let unique_keys = append_only || find_duplicate_key(batch, key)?.is_none();
+    // Before images share their keys with the versions written beside them, so a batch
+    // holding any is never read as one version per key.
+    let unique_keys = append_only
+        || (before_image_mask(batch)?.is_none() && find_duplicate_key(batch, key)?.is_none());
     Ok(VersionStats {
         min_epoch,
         max_epoch,
@@ -288,8 +326,8 @@ pub fn version_stats(
 }
 
 /// The rows a reader at `epoch` sees: for each key its newest version at or below `epoch`,
-/// unless that version is a tombstone. Append-only tables keep every row at or below
-/// `epoch`. Output keeps input order, so it is deterministic.
+/// unless that version is a tombstone; never a before image. Append-only tables keep every
+/// row at or below `epoch`. Output keeps input order, so it is deterministic.
 pub fn visible_rows(
     batches: &[RecordBatch],
     key: &[usize],
@@ -317,7 +355,12 @@ pub fn visible_rows_over_base(
         return Ok(None);
     };
     let base_rows: usize = batches[..base].iter().map(|b| b.num_rows()).sum();
-    let batch = concat_batches(&first.schema(), batches)?;
+    // A base holds one version per key, so no before image; the other batches may.
+    let mut versions = batches[..base].to_vec();
+    for batch in &batches[base..] {
+        versions.push(without_before_images(batch.clone())?);
+    }
+    let batch = concat_batches(&first.schema(), &versions)?;
     let epochs = epochs(&batch);
     let ops = ops(&batch);
     let is_upsert = |i: u32| ops.value(i as usize) == RowOp::Upsert as u8;
@@ -388,7 +431,8 @@ pub fn visible_rows_over_base(
 
 /// Merges row versions, dropping only those no retained epoch (`>= retain_from`) can see:
 /// a key keeps every version above `retain_from` plus its newest version at or below it,
-/// unless that is a tombstone. Output is ordered by key, then epoch.
+/// unless that is a tombstone; before images are kept above `retain_from`. Output is
+/// ordered by key, then epoch.
 pub fn merge_versions(
     batches: &[RecordBatch],
     key: &[usize],
@@ -471,11 +515,21 @@ fn kept_versions(
             .cmp(&rows.row(b as usize))
             .then(epochs.value(a as usize).cmp(&epochs.value(b as usize)))
     });
+    let is_image = |i: u32| ops.value(i as usize) == RowOp::Before as u8;
     let mut keep = Vec::with_capacity(order.len());
     for (pos, &i) in order.iter().enumerate() {
         let version = epochs.value(i as usize);
-        let next_same_key = order
-            .get(pos + 1)
+        if is_image(i) {
+            // Not a version: kept, never as a key's newest, while a diff from a retained
+            // epoch may start below it.
+            if version > retain_from.0 {
+                keep.push((i, false));
+            }
+            continue;
+        }
+        let next_same_key = order[pos + 1..]
+            .iter()
+            .find(|&&n| !is_image(n))
             .filter(|&&n| rows.row(n as usize) == rows.row(i as usize));
         let superseded_before_retention =
             next_same_key.is_some_and(|&n| epochs.value(n as usize) <= retain_from.0);
@@ -631,21 +685,48 @@ mod tests {
             match op {
                 RowOp::Upsert => state.insert(k, v),
                 RowOp::Delete => state.remove(&k),
+                // Not a version.
+                RowOp::Before => None,
             };
         }
         state.into_iter().collect()
     }
 
     fn history() -> impl Strategy<Value = Vec<(i64, i64, u64, RowOp)>> {
-        // Unique (key, epoch) pairs, as publishes guarantee.
-        proptest::collection::btree_map((0i64..8, 1u64..10), (any::<i64>(), any::<bool>()), 0..40)
-            .prop_map(|m| {
-                m.into_iter()
-                    .map(|((k, e), (v, del))| {
-                        (k, v, e, if del { RowOp::Delete } else { RowOp::Upsert })
-                    })
-                    .collect()
-            })
+        // Unique (key, epoch) pairs, as publishes guarantee; some versions come with a
+        // before image of their key, stamped with their epoch, as an UPDATE's or DELETE's.
+        let version = (
+            any::<i64>(),
+            any::<bool>(),
+            proptest::option::of(any::<i64>()),
+        );
+        proptest::collection::btree_map((0i64..8, 1u64..10), version, 0..40).prop_map(|m| {
+            m.into_iter()
+                .flat_map(|((k, e), (v, del, image))| {
+                    let op = if del { RowOp::Delete } else { RowOp::Upsert };
+                    std::iter::once((k, v, e, op))
+                        .chain(image.map(|before| (k, before, e, RowOp::Before)))
+                })
+                .collect()
+        })
+    }
+
+    fn images_above(batch: &RecordBatch, above: u64) -> Vec<(i64, i64, u64)> {
+        let (k, v) = (
+            batch
+                .column(0)
+                .as_primitive::<arrow::datatypes::Int64Type>(),
+            batch
+                .column(1)
+                .as_primitive::<arrow::datatypes::Int64Type>(),
+        );
+        let mut out: Vec<_> = (0..batch.num_rows())
+            .filter(|&i| ops(batch).value(i) == RowOp::Before as u8)
+            .map(|i| (k.value(i), v.value(i), epochs(batch).value(i)))
+            .filter(|image| image.2 > above)
+            .collect();
+        out.sort();
+        out
     }
 
     proptest! {
@@ -659,6 +740,11 @@ mod tests {
         fn merging_keeps_every_retained_epoch_exact(rows in history(), retain_from in 0u64..11) {
             prop_assume!(!rows.is_empty());
             let merged = merge_versions(&[versions(&rows)], &[0], Epoch(retain_from), false).unwrap();
+            prop_assert_eq!(
+                images_above(&merged, 0),
+                images_above(&versions(&rows), retain_from),
+                "a merge keeps the before images above the horizon, and only those"
+            );
             for epoch in retain_from..11 {
                 let got = visible_rows(&[merged.clone()], &[0], Epoch(epoch), false).unwrap();
                 prop_assert_eq!(got.map(|b| pairs(&b)).unwrap_or_default(), model(&rows, epoch));

@@ -67,12 +67,32 @@ fn store_diff(store: &Store, from: Epoch, to: Epoch) -> Vec<Change> {
 }
 
 /// Publishes `upserts` and `deletes` to `kv` as one epoch, and applies them to the model.
+/// Written as a blind publish would write them.
 fn publish_kv(
     store: &Store,
     upserts: Vec<(i64, i64)>,
     deletes: Vec<i64>,
     rows: &mut Rows,
 ) -> Epoch {
+    publish_kv_as(store, upserts, deletes, rows, false)
+}
+
+/// [`publish_kv`]; `read_first` writes them as an UPDATE or DELETE would, having read the
+/// keys it changes: with the before image of every key that existed, and the read epoch.
+fn publish_kv_as(
+    store: &Store,
+    upserts: Vec<(i64, i64)>,
+    deletes: Vec<i64>,
+    rows: &mut Rows,
+    read_first: bool,
+) -> Epoch {
+    let read = store.visible_epoch();
+    let (image_keys, image_values): (Vec<i64>, Vec<i64>) = upserts
+        .iter()
+        .map(|(k, _)| k)
+        .chain(&deletes)
+        .filter_map(|k| rows.get(k).map(|v| (*k, *v)))
+        .unzip();
     for &(k, v) in &upserts {
         rows.insert(k, v);
     }
@@ -80,13 +100,18 @@ fn publish_kv(
         rows.remove(k);
     }
     let (keys, values): (Vec<i64>, Vec<i64>) = upserts.into_iter().unzip();
-    store
-        .publish(vec![TableChanges {
-            table: "kv".into(),
-            upserts: vec![batch(vec![keys, values], &["k", "v"])],
-            deletes: vec![batch(vec![deletes], &["k"])],
-        }])
-        .unwrap()
+    let mut changes = TableChanges {
+        table: "kv".into(),
+        upserts: vec![batch(vec![keys, values], &["k", "v"])],
+        deletes: vec![batch(vec![deletes], &["k"])],
+        before_images: vec![],
+    };
+    let mut read_at = tessera_common::ReadEpochs::new();
+    if read_first {
+        changes.before_images = vec![batch(vec![image_keys, image_values], &["k", "v"])];
+        read_at.insert("kv".into(), read);
+    }
+    store.publish_read_at(vec![changes], &read_at).unwrap()
 }
 
 /// A store of table `kv` over 4 partitions that merges as soon as a partition has more
@@ -130,7 +155,9 @@ fn every_diff_equals_the_models_through_flushes_and_merges() {
                 deletes.push(k);
             }
         }
-        let epoch = publish_kv(&store, upserts, deletes, &mut rows);
+        // Some epochs written as UPDATEs and DELETEs write them, with before images, some
+        // blind: a diff pairs either kind.
+        let epoch = publish_kv_as(&store, upserts, deletes, &mut rows, step % 3 != 0);
         history.push((epoch, rows));
         if step % 5 == 4 {
             store.checkpoint().unwrap();
@@ -152,6 +179,64 @@ fn every_diff_equals_the_models_through_flushes_and_merges() {
         backwards.to_string().contains("from epoch 5 to epoch 3"),
         "{backwards}"
     );
+}
+
+/// The point of before images: a diff of epochs that only UPDATEs and DELETEs wrote takes
+/// every row before from those epochs' own rows, and never opens an older component.
+#[test]
+fn a_diff_of_updates_and_deletes_opens_no_older_component() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = merging_store(dir.path());
+    let mut rows = Rows::new();
+    publish_kv(&store, (0..40).map(|k| (k, k)).collect(), vec![], &mut rows);
+    store.checkpoint().unwrap();
+    let from = store.visible_epoch();
+    let before = rows.clone();
+    let loaded: Vec<std::path::PathBuf> = std::fs::read_dir(store.components_dir())
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .collect();
+    assert!(!loaded.is_empty(), "the load was flushed to components");
+    publish_kv_as(&store, vec![(3, 30), (7, 70)], vec![11], &mut rows, true);
+    store.checkpoint().unwrap();
+    publish_kv_as(&store, vec![(3, 31), (12, 120)], vec![7], &mut rows, true);
+    let to = store.visible_epoch();
+    // The loaded components are gone: a diff that opened one would fail.
+    for path in &loaded {
+        std::fs::remove_file(path).unwrap();
+    }
+    let diff = store_diff(&store, from, to);
+    assert_eq!(diff, model_diff(&before, &rows));
+    assert_eq!(
+        diff.iter().map(|c| c.1).collect::<Vec<_>>(),
+        [3, 7, 11, 12],
+        "key 7, updated and then deleted, is one delete of its loaded row"
+    );
+}
+
+/// Before images are trusted only with the read epoch the write-conflict check holds them
+/// to: a publish carrying them without one is refused, and publishes nothing.
+#[test]
+fn before_images_without_a_read_epoch_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = merging_store(dir.path());
+    let mut rows = Rows::new();
+    publish_kv(&store, vec![(1, 1)], vec![], &mut rows);
+    let visible = store.visible_epoch();
+    let error = store
+        .publish(vec![TableChanges {
+            table: "kv".into(),
+            upserts: vec![batch(vec![vec![1], vec![2]], &["k", "v"])],
+            deletes: vec![],
+            before_images: vec![batch(vec![vec![1], vec![1]], &["k", "v"])],
+        }])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("before images") && error.contains("read at"),
+        "{error}"
+    );
+    assert_eq!(store.visible_epoch(), visible, "nothing was published");
 }
 
 #[test]
@@ -176,6 +261,7 @@ fn a_key_declared_out_of_column_order_finds_its_rows_before() {
                 table: "t".into(),
                 upserts: vec![batch(vec![a, b, c], &["a", "b", "c"])],
                 deletes: vec![],
+                before_images: vec![],
             }])
             .unwrap()
     };
@@ -248,6 +334,7 @@ fn keys_sharing_a_first_column_value_with_a_changed_key_are_not_changes() {
                     table: "t".into(),
                     upserts: vec![batch],
                     deletes: vec![],
+                    before_images: vec![],
                 }])
                 .unwrap()
         };

@@ -39,6 +39,7 @@ fn routed(batch: &RecordBatch) -> Vec<PartitionChanges> {
             partition,
             upserts: vec![rows],
             deletes: vec![],
+            before_images: vec![],
         })
         .collect()
 }

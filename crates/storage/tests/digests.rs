@@ -69,6 +69,7 @@ fn publish(
             table: "kv".into(),
             upserts: vec![upserts],
             deletes: vec![deletes],
+            before_images: vec![],
         }])
         .unwrap();
     assert_eq!(published, epoch);

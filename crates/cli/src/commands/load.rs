@@ -104,6 +104,7 @@ pub async fn tpch_in_publishes(
                     table: table.name.into(),
                     upserts: std::mem::take(&mut batches),
                     deletes: vec![],
+                    before_images: vec![],
                 };
                 epochs.push(engine.publish(chunk).await?);
                 progress.set_message(table.name);

@@ -26,12 +26,14 @@ pub async fn run(target: Target, table: &str, delete: bool, files: &[PathBuf]) -
             table: table.into(),
             upserts: vec![],
             deletes: batches,
+            before_images: vec![],
         }
     } else {
         TableChanges {
             table: table.into(),
             upserts: batches,
             deletes: vec![],
+            before_images: vec![],
         }
     };
     let epoch = target.publish(changes).await?;

@@ -77,6 +77,7 @@ pub async fn run(store: Arc<Store>, rows: i64, bulk_every: i64) -> Result<()> {
             table: "kv".into(),
             upserts: vec![upserts],
             deletes,
+            before_images: vec![],
         }];
         let publisher = store.clone();
         let epoch = tokio::task::spawn_blocking(move || publisher.publish(changes)).await??;

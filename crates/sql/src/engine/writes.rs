@@ -71,33 +71,41 @@ impl Engine {
     ) -> Result<StatementOutput> {
         // The epoch the statement's plan reads at (its view was pinned before planning).
         let read = self.backend.visible_epoch();
-        let batches = self.collect(dml.input.as_ref().clone()).await?;
-        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
         let (tag, changes) = match dml.op {
-            WriteOp::Update => (
-                "UPDATE",
-                TableChanges {
-                    table: def.name.clone(),
-                    upserts: batches,
-                    deletes: vec![],
-                },
-            ),
+            WriteOp::Update => {
+                // Each row as the statement changes it and as it read it, from one scan.
+                let mut changes = TableChanges::upserts(&def.name, Vec::new());
+                match with_rows_as_read(def, &dml.input)? {
+                    Some(plan) => {
+                        for batch in self.collect(plan).await? {
+                            let (updated, as_read) = split_rows_as_read(&batch)?;
+                            changes.upserts.push(updated);
+                            changes.before_images.push(as_read);
+                        }
+                    }
+                    None => changes.upserts = self.collect(dml.input.as_ref().clone()).await?,
+                }
+                ("UPDATE", changes)
+            }
             _ => {
+                let batches = self.collect(dml.input.as_ref().clone()).await?;
                 let key = def.primary_key_indices();
                 let keys = batches
                     .iter()
                     .map(|b| b.project(&key))
                     .collect::<std::result::Result<Vec<_>, _>>()?;
-                (
-                    "DELETE",
-                    TableChanges {
-                        table: def.name.clone(),
-                        upserts: vec![],
-                        deletes: keys,
-                    },
-                )
+                let mut changes = TableChanges::deletes(&def.name, keys);
+                // The rows a DELETE selects are the rows as it read them.
+                changes.before_images = batches;
+                ("DELETE", changes)
             }
         };
+        let rows: usize = changes
+            .upserts
+            .iter()
+            .chain(&changes.deletes)
+            .map(|b| b.num_rows())
+            .sum();
         let epoch = self.publish(changes, rows, Some(read)).await?;
         Ok(done(&format!("{tag} {rows}"), epoch))
     }
@@ -153,15 +161,7 @@ impl Engine {
             reject_keys_among(&def, &batches, &live)?;
         }
         let epoch = self
-            .publish(
-                TableChanges {
-                    table: table.to_string(),
-                    upserts: batches,
-                    deletes: vec![],
-                },
-                rows,
-                None,
-            )
+            .publish(TableChanges::upserts(table, batches), rows, None)
             .await?;
         Ok((rows, epoch))
     }
@@ -187,6 +187,70 @@ fn reject_key_updates(def: &TableDef, input: &LogicalPlan) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The prefix of the columns [`with_rows_as_read`] adds.
+const AS_READ_PREFIX: &str = "__tessera_as_read_";
+
+/// An UPDATE's input (a projection of the table's columns as updated) with each column as
+/// read added after them, named with [`AS_READ_PREFIX`]: the rows' before images, from the
+/// same scan. The key columns are plain references to the table's columns (see
+/// [`reject_key_updates`], which runs first), and name the table as the statement
+/// qualifies it.
+/// `None` for a table without a key, whose rows a diff never pairs.
+fn with_rows_as_read(def: &TableDef, input: &LogicalPlan) -> Result<Option<LogicalPlan>> {
+    use datafusion::logical_expr::{Expr, Projection};
+    let LogicalPlan::Projection(projection) = input else {
+        return Err(SqlError::Unsupported("this form of UPDATE".into()));
+    };
+    let key_column = projection
+        .expr
+        .iter()
+        .zip(projection.schema.fields())
+        .filter(|(_, field)| def.primary_key.iter().any(|k| k == field.name()))
+        .find_map(|(expr, _)| match expr.clone().unalias() {
+            Expr::Column(column) => Some(column),
+            _ => None,
+        });
+    let Some(table_column) = key_column else {
+        return Ok(None);
+    };
+    let mut exprs = projection.expr.clone();
+    for (i, field) in projection.schema.fields().iter().enumerate() {
+        let as_read = datafusion::common::Column::new(table_column.relation.clone(), field.name());
+        exprs.push(Expr::Column(as_read).alias(format!("{AS_READ_PREFIX}{i}")));
+    }
+    let plan = Projection::try_new(exprs, projection.input.clone()).map_err(from_datafusion)?;
+    Ok(Some(LogicalPlan::Projection(plan)))
+}
+
+/// A batch of [`with_rows_as_read`]'s plan split into the rows as updated and as read,
+/// both under the table's column names.
+fn split_rows_as_read(batch: &RecordBatch) -> Result<(RecordBatch, RecordBatch)> {
+    let columns = batch.num_columns() / 2;
+    debug_assert!(
+        batch
+            .schema()
+            .field(columns)
+            .name()
+            .starts_with(AS_READ_PREFIX),
+        "the rows as read follow the rows as updated"
+    );
+    let updated = batch.project(&(0..columns).collect::<Vec<_>>())?;
+    let fields: Vec<arrow::datatypes::Field> = updated
+        .schema()
+        .fields()
+        .iter()
+        .zip(&batch.columns()[columns..])
+        .map(|(field, column)| {
+            arrow::datatypes::Field::new(field.name(), column.data_type().clone(), true)
+        })
+        .collect();
+    let as_read = RecordBatch::try_new(
+        std::sync::Arc::new(arrow::datatypes::Schema::new(fields)),
+        batch.columns()[columns..].to_vec(),
+    )?;
+    Ok((updated, as_read))
 }
 
 /// The primary-key columns of `new_rows`, as comparable rows.

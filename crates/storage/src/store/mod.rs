@@ -122,6 +122,47 @@ pub struct TableChanges {
     pub table: String,
     pub upserts: Vec<RecordBatch>,
     pub deletes: Vec<RecordBatch>,
+    /// Before images (the table's columns): for keys an UPDATE or DELETE read and then
+    /// changed, the rows as it read them. Stored beside the versions
+    /// ([`tessera_common::RowOp::Before`]) so that a diff takes a key's row before the
+    /// change from the change's own epoch. Only right if no other publish changed the
+    /// key between that read and this epoch, so a publish carries them only with the epoch
+    /// it read the table at, which the write-conflict check holds it to (a store refuses
+    /// them without one).
+    pub before_images: Vec<RecordBatch>,
+}
+
+impl TableChanges {
+    /// Upserts only, as a load or a blind publish writes them.
+    pub fn upserts(table: impl Into<String>, upserts: Vec<RecordBatch>) -> Self {
+        TableChanges {
+            table: table.into(),
+            upserts,
+            ..Default::default()
+        }
+    }
+
+    /// Deletes of the keys in `deletes` only.
+    pub fn deletes(table: impl Into<String>, deletes: Vec<RecordBatch>) -> Self {
+        TableChanges {
+            table: table.into(),
+            deletes,
+            ..Default::default()
+        }
+    }
+
+    /// Before images are right only if nothing changed their keys between the read they
+    /// came from and the publish's epoch, which the write-conflict check of the table's
+    /// read epoch guarantees: without one they would be trusted unchecked.
+    pub fn refuse_unchecked_before_images(&self, read_at: &ReadEpochs) -> Result<()> {
+        let has_images = self.before_images.iter().any(|b| b.num_rows() > 0);
+        if has_images && !read_at.contains_key(&self.table) {
+            return Err(StorageError::UncheckedBeforeImages {
+                table: self.table.clone(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Everything a reader needs to read one table at one epoch. Components it names are not
@@ -234,6 +275,8 @@ pub struct PartitionChanges {
     pub partition: PartitionId,
     pub upserts: Vec<RecordBatch>,
     pub deletes: Vec<RecordBatch>,
+    /// Before images, as in [`TableChanges::before_images`].
+    pub before_images: Vec<RecordBatch>,
 }
 
 /// Prepared rows of a cluster epoch that is not yet decided.

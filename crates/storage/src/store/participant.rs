@@ -49,7 +49,12 @@ impl Store {
             let def = self
                 .table_def(&change.table)
                 .ok_or_else(|| StorageError::UnknownTable(change.table.clone()))?;
-            let prepared = PreparedChanges::checked(def, &change.upserts, &change.deletes)?;
+            let prepared = PreparedChanges::checked_rows(
+                def,
+                &change.upserts,
+                &change.deletes,
+                &change.before_images,
+            )?;
             for (partition, batch) in prepared.stamped_by_partition(epoch, &self.ring)? {
                 if partition != change.partition {
                     return Err(StorageError::MisroutedRows {

@@ -21,7 +21,7 @@ impl Store {
         read_at: &ReadEpochs,
     ) -> Result<Epoch> {
         self.check_poisoned()?;
-        let prepared = self.prepare(changes)?;
+        let prepared = self.prepare(changes, read_at)?;
         let bytes: usize = prepared.iter().map(|p| p.bytes()).sum();
         if bytes > self.config.max_publish_bytes {
             return Err(StorageError::PublishTooLarge {
@@ -40,8 +40,13 @@ impl Store {
         Ok(epoch)
     }
 
-    /// Validates changes against the catalog: schemas, keys, duplicates within the publish.
-    fn prepare(&self, changes: Vec<TableChanges>) -> Result<Vec<PreparedChanges>> {
+    /// Validates changes against the catalog: schemas, keys, duplicates within the publish,
+    /// before images only where the table's read epoch is checked.
+    fn prepare(
+        &self,
+        changes: Vec<TableChanges>,
+        read_at: &ReadEpochs,
+    ) -> Result<Vec<PreparedChanges>> {
         let mut prepared: Vec<PreparedChanges> = Vec::new();
         for change in changes {
             let def = self
@@ -50,10 +55,12 @@ impl Store {
             if def.append_only && change.deletes.iter().any(|b| b.num_rows() > 0) {
                 return Err(StorageError::delete_from_append_only(&def.name));
             }
-            let checked = PreparedChanges::checked(def, &change.upserts, &change.deletes)?;
+            change.refuse_unchecked_before_images(read_at)?;
+            let checked = PreparedChanges::checked(def, &change)?;
             if let Some(existing) = prepared.iter_mut().find(|p| p.def.name == checked.def.name) {
                 existing.upserts.extend(checked.upserts);
                 existing.deletes.extend(checked.deletes);
+                existing.before_images.extend(checked.before_images);
             } else {
                 prepared.push(checked);
             }
@@ -62,6 +69,7 @@ impl Store {
             let all: Vec<RecordBatch> = p.upserts.iter().chain(&p.deletes).cloned().collect();
             versions::reject_duplicate_keys(&p.def, &all)?;
         }
+        // Before images alone change nothing.
         prepared.retain(|p| !p.upserts.is_empty() || !p.deletes.is_empty());
         Ok(prepared)
     }
@@ -284,22 +292,39 @@ pub(super) struct PreparedChanges {
     def: TableDef,
     upserts: Vec<RecordBatch>,
     deletes: Vec<RecordBatch>,
+    before_images: Vec<RecordBatch>,
 }
 
 impl PreparedChanges {
-    /// Upserts conformed to the table's schema and deletes turned into tombstones; empty
-    /// batches dropped.
-    pub(super) fn checked(
+    /// Upserts and before images conformed to the table's schema and deletes turned into
+    /// tombstones; empty batches dropped.
+    pub(super) fn checked(def: TableDef, change: &TableChanges) -> Result<Self> {
+        Self::checked_rows(def, &change.upserts, &change.deletes, &change.before_images)
+    }
+
+    pub(super) fn checked_rows(
         def: TableDef,
         upserts: &[RecordBatch],
         deletes: &[RecordBatch],
+        before_images: &[RecordBatch],
     ) -> Result<Self> {
-        Ok(PreparedChanges {
-            upserts: upserts
+        let conformed = |batches: &[RecordBatch]| -> Result<Vec<RecordBatch>> {
+            batches
                 .iter()
                 .filter(|b| b.num_rows() > 0)
                 .map(|b| versions::conform_to_schema(&def, b))
-                .collect::<Result<_>>()?,
+                .collect()
+        };
+        let upserts = conformed(upserts)?;
+        let before_images = if def.append_only {
+            // No key changes in place: every row is an insert, and a diff needs no image.
+            Vec::new()
+        } else {
+            conformed(before_images)?
+        };
+        Ok(PreparedChanges {
+            upserts,
+            before_images,
             deletes: deletes
                 .iter()
                 .filter(|b| b.num_rows() > 0)
@@ -313,6 +338,7 @@ impl PreparedChanges {
         self.upserts
             .iter()
             .chain(&self.deletes)
+            .chain(&self.before_images)
             .map(|b| b.get_array_memory_size())
             .sum()
     }
@@ -329,6 +355,9 @@ impl PreparedChanges {
         }
         for batch in &self.deletes {
             stamped.push(versions::stamp(&self.def, batch, epoch, RowOp::Delete)?);
+        }
+        for batch in &self.before_images {
+            stamped.push(versions::stamp(&self.def, batch, epoch, RowOp::Before)?);
         }
         let mut by_partition: BTreeMap<PartitionId, Vec<RecordBatch>> = BTreeMap::new();
         for batch in &stamped {

@@ -271,11 +271,14 @@ pub(super) fn replay(
 
 /// Adds a logged row record's versions to its epoch's record in the history.
 fn count_rows(history: &mut LocalHistory, epoch: Epoch, table: &str, batch: &RecordBatch) {
-    let deleted = crate::versions::ops(batch)
-        .values()
-        .iter()
-        .filter(|&&op| op == RowOp::Delete as u8)
-        .count() as u64;
+    let count = |kind: RowOp| {
+        crate::versions::ops(batch)
+            .values()
+            .iter()
+            .filter(|&&op| op == kind as u8)
+            .count() as u64
+    };
+    let (written, deleted) = (count(RowOp::Upsert), count(RowOp::Delete));
     let rows = history
         .commits
         .entry(epoch)
@@ -284,5 +287,5 @@ fn count_rows(history: &mut LocalHistory, epoch: Epoch, table: &str, batch: &Rec
         .entry(table.to_string())
         .or_default();
     rows.deleted += deleted;
-    rows.written += batch.num_rows() as u64 - deleted;
+    rows.written += written;
 }

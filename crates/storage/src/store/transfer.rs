@@ -492,6 +492,7 @@ mod tests {
                 table: "kv".into(),
                 upserts: vec![batch],
                 deletes: vec![],
+                before_images: vec![],
             }])
             .unwrap()
     }
