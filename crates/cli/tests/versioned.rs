@@ -697,21 +697,92 @@ async fn check_bad_input(client: &ClusterClient, model: &Model) {
 
 /// Files named `*.{extension}` under `dir`, recursively.
 fn count_files(dir: &std::path::Path, extension: &str) -> usize {
-    std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .flatten()
-                .map(|entry| {
-                    let path = entry.path();
-                    if path.is_dir() {
-                        count_files(&path, extension)
-                    } else {
-                        usize::from(path.extension().is_some_and(|e| e == extension))
-                    }
-                })
-                .sum()
-        })
-        .unwrap_or(0)
+    files_named(dir, extension).len()
+}
+
+fn files_named(dir: &std::path::Path, extension: &str) -> Vec<std::path::PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut files = Vec::new();
+    for path in entries.flatten().map(|entry| entry.path()) {
+        if path.is_dir() {
+            files.extend(files_named(&path, extension));
+        } else if path.extension().is_some_and(|e| e == extension) {
+            files.push(path);
+        }
+    }
+    files
+}
+
+/// Before images travel with an UPDATE's and a DELETE's rows to every replica: a diff of
+/// the epochs they wrote answers through every node once the components holding the
+/// loaded rows are deleted from every node's disk (a diff that needed an older component
+/// would fail to open it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_replica_diffs_updates_and_deletes_from_their_own_epochs() {
+    let root = tempfile::tempdir().unwrap();
+    // Every publish is flushed to components, and none is merged with another.
+    let options = [
+        ("store.memtable_flush_bytes", "1"),
+        ("store.checkpoint_log_bytes", "1"),
+        ("store.merge_threshold", "1000"),
+    ];
+    let (cluster, client) =
+        common::kv_cluster_with(BINARY, root.path(), PARTITIONS, 3, &options).await;
+    let loaded: Rows = (0..200).map(|k| (k, k)).collect();
+    let values: Vec<String> = loaded.iter().map(|(k, v)| format!("({k}, {v})")).collect();
+    let from = write(
+        &client,
+        &format!("INSERT INTO kv VALUES {}", values.join(", ")),
+    )
+    .await
+    .expect("the load publishes");
+    // Each node holds every partition (r = 3) and flushes the load on its own.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let loaded_files = loop {
+        let per_node: Vec<Vec<std::path::PathBuf>> = cluster
+            .node_ids()
+            .into_iter()
+            .map(|id| files_named(&root.path().join(format!("node-{id}")), "parquet"))
+            .collect();
+        if per_node
+            .iter()
+            .all(|files| files.len() >= PARTITIONS as usize)
+        {
+            break per_node.concat();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the load was not flushed on every node: {per_node:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    write(&client, "UPDATE kv SET v = v + 1000 WHERE k % 10 = 0").await;
+    write(&client, "DELETE FROM kv WHERE k % 10 = 5").await;
+    let to = write(&client, "UPDATE kv SET v = -1 WHERE k = 1")
+        .await
+        .unwrap();
+    let mut current = loaded.clone();
+    for (k, v) in current.iter_mut() {
+        if k % 10 == 0 {
+            *v += 1000;
+        }
+    }
+    current.retain(|k, _| k % 10 != 5);
+    current.insert(1, -1);
+    for path in &loaded_files {
+        std::fs::remove_file(path).unwrap();
+    }
+    for via in cluster.node_ids() {
+        let client = ClusterClient::new(cluster.addr(via));
+        assert_eq!(
+            diff_of(&client, &from.to_string(), &to.to_string()).await,
+            model_diff(&loaded, &current),
+            "through node {via}"
+        );
+    }
+    drop(cluster);
 }
 
 /// A replica that returns after missing epochs at or below a table's retention horizon
