@@ -8,7 +8,10 @@ use serde_json::value::RawValue;
 use tessera_common::tls::CertIdentity;
 
 /// Bumped whenever a request or reply changes shape.
-pub const PROTOCOL_VERSION: u32 = 1;
+///
+/// 2: a prepare stream may carry before images (`PrepareRequest::before_images`), which a
+/// node of version 1 would not know from upserts and would log as versions.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The cluster id a client may send when it does not know it (SQL, publish, status).
 pub const ANY_CLUSTER: &str = "*";
