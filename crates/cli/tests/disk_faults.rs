@@ -193,7 +193,7 @@ async fn a_stalled_log_fsync_stops_the_node_and_loses_no_acknowledged_publish() 
 /// minutes. Back on a healthy disk, node 2 catches up and holds every acknowledged publish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_whose_disk_hangs_misses_publishes_instead_of_holding_them() {
-    let log = run_with_hung_disk(2, 1, Voter::No).await;
+    let log = run_with_hung_disk(2, Via::Node(1), Voter::No).await;
     assert!(
         log.primary
             .contains("made no progress on a forwarded prepare"),
@@ -202,16 +202,17 @@ async fn a_replica_whose_disk_hangs_misses_publishes_instead_of_holding_them() {
 }
 
 /// The same when the node whose disk hangs is the partition's primary (node 1), with
-/// publishes coordinated by node 2: after twice `failure.progress_timeout_ms` without
-/// progress the coordinator publishes again without node 1, through another current
-/// replica; node 1 misses the epoch, so it is no longer primary. Without that, every
-/// attempt goes to node 1 again (alive, so no new primary comes) and stalls in turn.
+/// publishes coordinated by a compute node, which holds no copy and so sends the rows to
+/// the primary to ship on: after twice `failure.progress_timeout_ms` without progress the
+/// coordinator publishes again without node 1, through another current replica; node 1
+/// misses the epoch, so it is no longer primary. Without that, every attempt goes to node 1
+/// again (alive, so no new primary comes) and stalls in turn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_whose_disk_hangs_is_published_around() {
-    let log = run_with_hung_disk(1, 2, Voter::No).await;
+    let log = run_with_hung_disk(1, Via::ComputeNode, Voter::No).await;
     assert!(
         log.coordinator
-            .contains("a primary made no progress; publishing again without it"),
+            .contains("log shipping made no progress; publishing again without it"),
         "the coordinator says why it left node 1 out"
     );
 }
@@ -224,12 +225,20 @@ async fn a_primary_whose_disk_hangs_is_published_around() {
 /// stopped itself (`failure.disk_stall_ms`, two minutes here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_metadata_leader_whose_disk_hangs_steps_down() {
-    let log = run_with_hung_disk(1, 2, Voter::Leader).await;
+    let log = run_with_hung_disk(1, Via::Node(2), Voter::Leader).await;
     assert!(
         log.primary
             .contains("stepping down so that metadata writes go on at another"),
         "node 1 says why it stepped down"
     );
+}
+
+/// The node [`run_with_hung_disk`]'s publishes go through.
+enum Via {
+    /// One of the three storage nodes.
+    Node(u64),
+    /// A compute node added for it, which holds no copy of anything.
+    ComputeNode,
 }
 
 /// Whether [`run_with_hung_disk`]'s faulty node is a metadata voter.
@@ -257,9 +266,13 @@ struct HungDiskLogs {
 ///
 /// With `Voter::No`, `faulty` is no metadata voter, so never the metadata leader; with
 /// `Voter::Leader` it is checked to lead before the publishes begin.
-async fn run_with_hung_disk(faulty: u64, via: u64, voter: Voter) -> HungDiskLogs {
+async fn run_with_hung_disk(faulty: u64, via: Via, voter: Voter) -> HungDiskLogs {
     let root = tempfile::tempdir().unwrap();
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, 1, 3);
+    let via = match via {
+        Via::Node(id) => id,
+        Via::ComputeNode => cluster.add_compute_node(),
+    };
     let voters: Vec<u64> = (1..=3)
         .filter(|&id| id != faulty || voter == Voter::Leader)
         .collect();

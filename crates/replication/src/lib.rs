@@ -297,13 +297,52 @@ impl Replication {
         let call = async {
             match self.meta.addr_of(peer) {
                 Some(addr) => {
-                    wire::prepare(&self.clients, &addr, request, progress.watch(batches)).await
+                    Ok(
+                        wire::prepare(&self.clients, &addr, request, progress.watch(batches))
+                            .await?,
+                    )
                 }
-                None => Err(CallError::Transport(format!("node {peer} has no address"))),
+                None => Err(CallError::Transport(format!("node {peer} has no address")).into()),
             }
         };
+        self.within_deadlines(what, peer, request, &progress, call, stall_limit)
+            .await
+    }
+
+    /// Logs `request`'s rows here, as the head of their log shipping would on receiving
+    /// them ([`log_shipping::receive`]), under the same deadlines as a peer's prepare: this
+    /// node's own disk may hang in an fsync too, and then the coordinator goes on without
+    /// it. The inner error is this node's refusal of the rows.
+    pub async fn prepare_here_within_deadlines(
+        self: &Arc<Self>,
+        request: &wire::PrepareRequest,
+        batches: Vec<arrow::array::RecordBatch>,
+        stall_limit: Duration,
+    ) -> std::result::Result<Result<wire::PrepareReply>, PrepareFailed> {
+        let progress = stall::Progress::new();
+        let rows =
+            futures::stream::iter(batches.into_iter().map(Ok::<_, std::convert::Infallible>));
+        let call =
+            async { Ok(log_shipping::receive(self, request.clone(), progress.watch(rows)).await) };
+        let me = self.id;
+        self.within_deadlines("a prepare", me, request, &progress, call, stall_limit)
+            .await
+    }
+
+    /// Runs `call`, a prepare stream sent to `peer` (or logged here), giving up when the
+    /// cluster declares `peer` failed or when it makes no progress for `stall_limit`.
+    async fn within_deadlines<T>(
+        &self,
+        what: &'static str,
+        peer: NodeId,
+        request: &wire::PrepareRequest,
+        progress: &stall::Progress,
+        call: impl std::future::Future<Output = std::result::Result<T, PrepareFailed>>,
+        stall_limit: Duration,
+    ) -> std::result::Result<T, PrepareFailed> {
+        use tessera_net::CallError;
         tokio::select! {
-            reply = call => Ok(reply?),
+            reply = call => reply,
             // Declared failed: its partitions are failed over, whether or not the
             // connection has noticed yet.
             () = self.declared_failed(peer) => Err(CallError::Transport(format!(

@@ -138,10 +138,13 @@ fn with_partition_column(partition: PartitionId, batch: &RecordBatch) -> Result<
     )?)
 }
 
-/// One prepare stream: the rows of some partitions of a table (upserts or deletes) for
-/// their primary, which ships them on to the partitions' other replicas.
+/// One prepare stream: the rows of some partitions of a table (upserts, deletes or before
+/// images) for the head of their log shipping, which logs them and ships them on to the
+/// partitions' other replicas.
 struct Shipment {
-    primary: NodeId,
+    /// This node where it holds a current copy of the partitions (they are logged here,
+    /// without a hop over the network, and shipped on from here), else their primary.
+    head: NodeId,
     request: PrepareRequest,
     partitions: Vec<PartitionId>,
     batches: Vec<RecordBatch>,
@@ -338,7 +341,7 @@ async fn publish_committed(
                 // Alive to the cluster, so no new primary is coming: the next attempt goes
                 // to another current replica, and this one misses the epoch (it is marked
                 // stale, so no longer primary, and catches up once it makes progress).
-                tracing::warn!(node = stalled.0, %epoch, %reason, attempt, "a primary made no progress; publishing again without it");
+                tracing::warn!(node = stalled.0, %epoch, %reason, attempt, "the head of a partition's log shipping made no progress; publishing again without it");
                 stalled_primaries.insert(stalled);
             }
             Err(ReplicationError::TooFewCopies { partition, .. })
@@ -658,7 +661,8 @@ pub fn partition_refusing_publishes(state: &MetaState, min_copies: u32) -> Optio
 }
 
 /// Has every live, up-to-date replica of each touched partition log its rows: the rows go
-/// to the partition's primary, which ships them on to the other replicas (log shipping).
+/// to the head of the partition's log shipping (this node where it holds a current copy,
+/// else the partition's primary), which ships them on to the other replicas.
 /// Returns the (partition, replica) pairs that did not log them (dead, stale or unreachable
 /// replicas); fails with [`ReplicationError::PrimaryLost`] if a primary died before answering.
 async fn prepare_everywhere(
@@ -677,18 +681,26 @@ async fn prepare_everywhere(
                 let placement = &state.map.partitions[partition.0 as usize];
                 let min_copies = node.settings.min_copies;
                 let mut targets = writable_replicas(state, partition, min_copies, left_out)?;
-                if let Some(i) = targets.iter().position(|id| Some(*id) == placement.primary) {
+                // Any current replica may head the shipping: every one logs the same rows,
+                // and the metadata alone decides the epoch. Heading it here saves a copy of
+                // the rows over the network (and under mutual TLS, its encryption).
+                let head = if targets.contains(&node.id()) {
+                    Some(node.id())
+                } else {
+                    placement.primary
+                };
+                if let Some(i) = targets.iter().position(|id| Some(*id) == head) {
                     targets[..=i].rotate_right(1);
                 }
-                let primary = targets[0];
+                let head = targets[0];
                 let rows: Vec<RecordBatch> = batches
                     .iter()
                     .map(|b| with_partition_column(partition, b))
                     .collect::<Result<_>>()?;
                 let shipment = shipments
-                    .entry((primary, table.clone(), kind))
+                    .entry((head, table.clone(), kind))
                     .or_insert_with(|| Shipment {
-                        primary,
+                        head,
                         request: PrepareRequest {
                             epoch,
                             table: table.clone(),
@@ -721,26 +733,34 @@ async fn prepare_everywhere(
                 partitions: partitions.clone(),
             })
             .collect();
-        let primary = shipment.primary;
-        let batches = futures::stream::iter(std::mem::take(&mut shipment.batches));
-        // The primary's own forwards give up after one `progress_timeout`; it then answers,
+        let head = shipment.head;
+        let batches = std::mem::take(&mut shipment.batches);
+        // The head's own forwards give up after one `progress_timeout`; it then answers,
         // naming the replicas it gave up on, so the coordinator waits twice as long.
-        let result = node
-            .prepare_within_deadlines(
+        let patience = node.settings.progress_timeout * 2;
+        let result = if head == node.id() {
+            node.prepare_here_within_deadlines(&shipment.request, batches, patience)
+                .await
+        } else {
+            node.prepare_within_deadlines(
                 "a prepare",
-                primary,
+                head,
                 &shipment.request,
-                batches,
-                node.settings.progress_timeout * 2,
+                futures::stream::iter(batches),
+                patience,
             )
-            .await;
-        (shipment.primary, shipment.replicas, result)
+            .await
+            .map(Ok)
+        };
+        (head, shipment.replicas, result)
     });
     let results = futures::future::join_all(sends).await;
     let mut failed: BTreeSet<(PartitionId, NodeId)> = BTreeSet::new();
     for (primary, replicas, result) in results {
         match result {
-            Ok(reply) => {
+            // Logging here failed: this node's own error (its store refused the rows).
+            Ok(Err(error)) => return Err(error),
+            Ok(Ok(reply)) => {
                 for replica in reply.unreachable {
                     let partitions = replicas.get(&replica).into_iter().flatten();
                     failed.extend(partitions.map(|p| (*p, replica)));

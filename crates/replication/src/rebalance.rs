@@ -766,7 +766,11 @@ pub(crate) async fn fetch_and_install_delta(
         .try_collect::<Vec<_>>()
         .await
         .map_err(|e| copy_error(moved.source, e))?;
-    let fetched = versions.iter().map(|b| b.num_rows() as u64).sum();
+    // Row versions: the before images that come with them are not counted.
+    let fetched = versions
+        .iter()
+        .map(tessera_storage::versions::count_versions)
+        .sum();
     let (owned, partition) = (table.to_string(), moved.partition);
     node.on_store("installing a partition's missed versions", move |store| {
         store.install_partition_since(&owned, partition, since, versions, fence)

@@ -278,6 +278,16 @@ pub fn without_before_images(batch: RecordBatch) -> Result<RecordBatch> {
     }
 }
 
+/// How many of `batch`'s rows are row versions (not before images).
+pub fn count_versions(batch: &RecordBatch) -> u64 {
+    let images = ops(batch)
+        .values()
+        .iter()
+        .filter(|&&op| op == RowOp::Before as u8)
+        .count();
+    (batch.num_rows() - images) as u64
+}
+
 /// `batch` split into its row versions and its before images.
 pub fn split_before_images(batch: RecordBatch) -> Result<(RecordBatch, RecordBatch)> {
     match before_image_mask(&batch)? {
