@@ -1,6 +1,6 @@
 //! Log shipping, the participant side (DESIGN §6): a replica logs the rows of one prepare
 //! stream durably (`Prepared` WAL records, fsynced), in chunks; as the head of a partition's
-//! log shipping (the coordinator where it holds a copy, else the partition's primary) it
+//! log shipping (its primary; the coordinator calls this directly where that is itself) it
 //! also ships them on to the replicas named in the request while they arrive, and answers
 //! only once those have logged them too, naming the ones it could not reach.
 

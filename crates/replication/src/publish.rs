@@ -142,8 +142,9 @@ fn with_partition_column(partition: PartitionId, batch: &RecordBatch) -> Result<
 /// images) for the head of their log shipping, which logs them and ships them on to the
 /// partitions' other replicas.
 struct Shipment {
-    /// This node where it holds a current copy of the partitions (they are logged here,
-    /// without a hop over the network, and shipped on from here), else their primary.
+    /// The partitions' primary (or another current replica where it is left out). Where
+    /// that is this node, the rows are logged here, without a hop over the network to
+    /// itself (and under mutual TLS, without encrypting them to itself).
     head: NodeId,
     request: PrepareRequest,
     partitions: Vec<PartitionId>,
@@ -661,8 +662,8 @@ pub fn partition_refusing_publishes(state: &MetaState, min_copies: u32) -> Optio
 }
 
 /// Has every live, up-to-date replica of each touched partition log its rows: the rows go
-/// to the head of the partition's log shipping (this node where it holds a current copy,
-/// else the partition's primary), which ships them on to the other replicas.
+/// to the head of the partition's log shipping (its primary, logging here without a
+/// network hop where that is this node), which ships them on to the other replicas.
 /// Returns the (partition, replica) pairs that did not log them (dead, stale or unreachable
 /// replicas); fails with [`ReplicationError::PrimaryLost`] if a primary died before answering.
 async fn prepare_everywhere(
@@ -681,15 +682,9 @@ async fn prepare_everywhere(
                 let placement = &state.map.partitions[partition.0 as usize];
                 let min_copies = node.settings.min_copies;
                 let mut targets = writable_replicas(state, partition, min_copies, left_out)?;
-                // Any current replica may head the shipping: every one logs the same rows,
-                // and the metadata alone decides the epoch. Heading it here saves a copy of
-                // the rows over the network (and under mutual TLS, its encryption).
-                let head = if targets.contains(&node.id()) {
-                    Some(node.id())
-                } else {
-                    placement.primary
-                };
-                if let Some(i) = targets.iter().position(|id| Some(*id) == head) {
+                // The primary heads the shipping, so that the logging and forwarding of a
+                // large publish spread over the nodes as its partitions' primaries do.
+                if let Some(i) = targets.iter().position(|id| Some(*id) == placement.primary) {
                     targets[..=i].rotate_right(1);
                 }
                 let head = targets[0];
