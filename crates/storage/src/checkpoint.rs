@@ -15,7 +15,11 @@ use std::path::Path;
 use tessera_common::{Epoch, Lsn};
 
 pub const CHECKPOINT_FILE: &str = "checkpoint.json";
-pub const FORMAT_VERSION: u32 = 1;
+/// The format this build writes. 2: components and logs may hold before images
+/// (`RowOp::Before`), which a build reading only format 1 would take for tombstones.
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest format this build reads (format 1 holds no before images).
+pub const OLDEST_FORMAT_READ: u32 = 1;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Checkpoint {
@@ -66,9 +70,9 @@ impl Checkpoint {
         };
         let checkpoint: Checkpoint =
             serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
-        if checkpoint.format != FORMAT_VERSION {
+        if !(OLDEST_FORMAT_READ..=FORMAT_VERSION).contains(&checkpoint.format) {
             return Err(corrupt(format!(
-                "format version {} is not supported (this build reads {FORMAT_VERSION})",
+                "format version {} is not supported (this build reads {OLDEST_FORMAT_READ} to {FORMAT_VERSION})",
                 checkpoint.format
             )));
         }
@@ -89,5 +93,56 @@ impl Checkpoint {
     pub fn store(&self, dir: &Path) -> Result<()> {
         let bytes = serde_json::to_vec_pretty(self).expect("a checkpoint always serializes");
         fsio::write_atomically(&dir.join(CHECKPOINT_FILE), &bytes)
+    }
+}
+
+#[cfg(test)]
+mod format_tests {
+    use super::*;
+
+    fn write_with_format(dir: &Path, format: u32) {
+        let mut checkpoint = Checkpoint::empty(4);
+        checkpoint.format = format;
+        std::fs::write(
+            dir.join(CHECKPOINT_FILE),
+            serde_json::to_vec(&checkpoint).unwrap(),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn older_formats_are_read_and_newer_ones_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        for format in OLDEST_FORMAT_READ..=FORMAT_VERSION {
+            write_with_format(dir.path(), format);
+            assert!(
+                Checkpoint::load(dir.path()).unwrap().is_some(),
+                "format {format}"
+            );
+        }
+        write_with_format(dir.path(), FORMAT_VERSION + 1);
+        let error = Checkpoint::load(dir.path()).unwrap_err().to_string();
+        assert!(
+            error.contains(&format!("format version {}", FORMAT_VERSION + 1)),
+            "{error}"
+        );
+    }
+
+    /// A store of an older format is rewritten in the current one as it opens, before it
+    /// can write anything an older build would misread.
+    #[test]
+    fn opening_an_older_store_upgrades_its_format() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(crate::Store::open(dir.path(), crate::StoreConfig::default()).unwrap());
+        let mut checkpoint = Checkpoint::load(dir.path()).unwrap().unwrap();
+        checkpoint.format = OLDEST_FORMAT_READ;
+        std::fs::write(
+            dir.path().join(CHECKPOINT_FILE),
+            serde_json::to_vec(&checkpoint).unwrap(),
+        )
+        .unwrap();
+        drop(crate::Store::open(dir.path(), crate::StoreConfig::default()).unwrap());
+        let reopened = Checkpoint::load(dir.path()).unwrap().unwrap();
+        assert_eq!(reopened.format, FORMAT_VERSION);
     }
 }

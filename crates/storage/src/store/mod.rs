@@ -646,6 +646,7 @@ impl Store {
             config.partitions = checkpoint.partition_count;
         }
         let log = wal::recover(&wal_dir)?;
+        let read_format = checkpoint.format;
         let (state, report) = replay(checkpoint, log.records, log.torn_bytes)?;
         // Appending to the last segment is safe: recovery cut any torn tail off it.
         let wal = Wal::start(&wal_dir, log.last_segment.max(1))?;
@@ -665,6 +666,16 @@ impl Store {
             _lock: lock,
         };
         store.delete_unreferenced_component_files()?;
+        if read_format < crate::checkpoint::FORMAT_VERSION {
+            // Before anything of the newer format is written: a build that reads only the
+            // older one must then refuse this directory rather than misread it.
+            store.write_checkpoint(&store.state())?;
+            tracing::info!(
+                from = read_format,
+                to = crate::checkpoint::FORMAT_VERSION,
+                "data format upgraded"
+            );
+        }
         tracing::info!(dir = %dir.display(), visible_epoch = %report.visible_epoch, replayed = report.replayed_records, torn_bytes = report.torn_bytes, "store opened");
         Ok((Arc::new(store), report))
     }
