@@ -835,19 +835,9 @@ impl FlightService for NodeService {
                 let batches = FlightRecordBatchStream::new_from_flight_data(data);
                 let rows: Vec<RecordBatch> = batches.try_collect().await.map_err(failed)?;
                 let changes = if deletes {
-                    TableChanges {
-                        table,
-                        upserts: vec![],
-                        deletes: rows,
-                        before_images: vec![],
-                    }
+                    TableChanges::deletes(table, rows)
                 } else {
-                    TableChanges {
-                        table,
-                        upserts: rows,
-                        deletes: vec![],
-                        before_images: vec![],
-                    }
+                    TableChanges::upserts(table, rows)
                 };
                 let publisher = self.acting_user(&caller)?;
                 // Rows a client sends, not computed here from a read: nothing to conflict.

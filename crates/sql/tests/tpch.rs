@@ -13,12 +13,7 @@ async fn load(engine: &Engine, sf: f64, chunk_rows: usize) {
             .await
             .unwrap();
         for batch in table.generate(sf, chunk_rows) {
-            let changes = TableChanges {
-                table: table.name.into(),
-                upserts: vec![batch.unwrap()],
-                deletes: vec![],
-                before_images: vec![],
-            };
+            let changes = TableChanges::upserts(table.name, vec![batch.unwrap()]);
             engine
                 .backend()
                 .publish(vec![changes], &Default::default())
@@ -69,12 +64,7 @@ async fn all_22_queries_match_datafusion_at_sf_0_1() {
             .collect::<Result<_, _>>()
             .unwrap();
         store
-            .publish(vec![TableChanges {
-                table: table.name.into(),
-                upserts: batches,
-                deletes: vec![],
-                before_images: vec![],
-            }])
+            .publish(vec![TableChanges::upserts(table.name, batches)])
             .unwrap();
     }
     assert_all_queries_match(&engine, &tessera_tpch::oracle::oracle(0.1).unwrap()).await;

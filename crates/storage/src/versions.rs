@@ -278,14 +278,18 @@ pub fn without_before_images(batch: RecordBatch) -> Result<RecordBatch> {
     }
 }
 
-/// How many of `batch`'s rows are row versions (not before images).
-pub fn count_versions(batch: &RecordBatch) -> u64 {
-    let images = ops(batch)
+/// How many of `batch`'s rows are of kind `op`.
+pub(crate) fn count_ops(batch: &RecordBatch, op: RowOp) -> u64 {
+    ops(batch)
         .values()
         .iter()
-        .filter(|&&op| op == RowOp::Before as u8)
-        .count();
-    (batch.num_rows() - images) as u64
+        .filter(|&&o| o == op as u8)
+        .count() as u64
+}
+
+/// How many of `batch`'s rows are row versions (not before images).
+pub fn count_versions(batch: &RecordBatch) -> u64 {
+    batch.num_rows() as u64 - count_ops(batch, RowOp::Before)
 }
 
 /// `batch` split into its row versions and its before images.
@@ -318,11 +322,7 @@ pub fn version_stats(
     let epochs = epochs(batch);
     let min_epoch = Epoch(arrow::compute::min(epochs).unwrap_or(0));
     let max_epoch = Epoch(arrow::compute::max(epochs).unwrap_or(0));
-    let tombstones = ops(batch)
-        .values()
-        .iter()
-        .filter(|&&op| op == RowOp::Delete as u8)
-        .count() as u64;
+    let tombstones = count_ops(batch, RowOp::Delete);
     // Before images share their keys with the versions written beside them, so a batch
     // holding any is never read as one version per key.
     let unique_keys = append_only

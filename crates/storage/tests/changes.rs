@@ -257,12 +257,10 @@ fn a_key_declared_out_of_column_order_finds_its_rows_before() {
     store.create_table(def.clone()).unwrap();
     let publish = |a: Vec<i64>, b: Vec<i64>, c: Vec<i64>| {
         store
-            .publish(vec![TableChanges {
-                table: "t".into(),
-                upserts: vec![batch(vec![a, b, c], &["a", "b", "c"])],
-                deletes: vec![],
-                before_images: vec![],
-            }])
+            .publish(vec![TableChanges::upserts(
+                "t",
+                vec![batch(vec![a, b, c], &["a", "b", "c"])],
+            )])
             .unwrap()
     };
     let from = publish(vec![1, 2, 3], vec![10, 20, 30], vec![100, 200, 300]);
@@ -330,12 +328,7 @@ fn keys_sharing_a_first_column_value_with_a_changed_key_are_not_changes() {
         };
         let publish = |batch| {
             store
-                .publish(vec![TableChanges {
-                    table: "t".into(),
-                    upserts: vec![batch],
-                    deletes: vec![],
-                    before_images: vec![],
-                }])
+                .publish(vec![TableChanges::upserts("t", vec![batch])])
                 .unwrap()
         };
         let from = publish(rows(

@@ -100,12 +100,7 @@ pub async fn tpch_in_publishes(
                 || generated.peek().is_none()
             {
                 progress.set_message(format!("{} (publishing)", table.name));
-                let chunk = TableChanges {
-                    table: table.name.into(),
-                    upserts: std::mem::take(&mut batches),
-                    deletes: vec![],
-                    before_images: vec![],
-                };
+                let chunk = TableChanges::upserts(table.name, std::mem::take(&mut batches));
                 epochs.push(engine.publish(chunk).await?);
                 progress.set_message(table.name);
                 chunk_bytes = 0;

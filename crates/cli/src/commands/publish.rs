@@ -22,19 +22,9 @@ pub async fn run(target: Target, table: &str, delete: bool, files: &[PathBuf]) -
     }
     let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
     let changes = if delete {
-        TableChanges {
-            table: table.into(),
-            upserts: vec![],
-            deletes: batches,
-            before_images: vec![],
-        }
+        TableChanges::deletes(table, batches)
     } else {
-        TableChanges {
-            table: table.into(),
-            upserts: batches,
-            deletes: vec![],
-            before_images: vec![],
-        }
+        TableChanges::upserts(table, batches)
     };
     let epoch = target.publish(changes).await?;
     println!(

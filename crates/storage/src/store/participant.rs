@@ -49,7 +49,7 @@ impl Store {
             let def = self
                 .table_def(&change.table)
                 .ok_or_else(|| StorageError::UnknownTable(change.table.clone()))?;
-            let prepared = PreparedChanges::checked_rows(
+            let prepared = PreparedChanges::checked(
                 def,
                 &change.upserts,
                 &change.deletes,

@@ -56,7 +56,12 @@ impl Store {
                 return Err(StorageError::delete_from_append_only(&def.name));
             }
             change.refuse_unchecked_before_images(read_at)?;
-            let checked = PreparedChanges::checked(def, &change)?;
+            let checked = PreparedChanges::checked(
+                def,
+                &change.upserts,
+                &change.deletes,
+                &change.before_images,
+            )?;
             if let Some(existing) = prepared.iter_mut().find(|p| p.def.name == checked.def.name) {
                 existing.upserts.extend(checked.upserts);
                 existing.deletes.extend(checked.deletes);
@@ -298,11 +303,7 @@ pub(super) struct PreparedChanges {
 impl PreparedChanges {
     /// Upserts and before images conformed to the table's schema and deletes turned into
     /// tombstones; empty batches dropped.
-    pub(super) fn checked(def: TableDef, change: &TableChanges) -> Result<Self> {
-        Self::checked_rows(def, &change.upserts, &change.deletes, &change.before_images)
-    }
-
-    pub(super) fn checked_rows(
+    pub(super) fn checked(
         def: TableDef,
         upserts: &[RecordBatch],
         deletes: &[RecordBatch],

@@ -271,13 +271,7 @@ pub(super) fn replay(
 
 /// Adds a logged row record's versions to its epoch's record in the history.
 fn count_rows(history: &mut LocalHistory, epoch: Epoch, table: &str, batch: &RecordBatch) {
-    let count = |kind: RowOp| {
-        crate::versions::ops(batch)
-            .values()
-            .iter()
-            .filter(|&&op| op == kind as u8)
-            .count() as u64
-    };
+    let count = |op| crate::versions::count_ops(batch, op);
     let (written, deleted) = (count(RowOp::Upsert), count(RowOp::Delete));
     let rows = history
         .commits

@@ -488,12 +488,7 @@ mod tests {
 
     fn publish(store: &Store, batch: RecordBatch) -> Epoch {
         store
-            .publish(vec![TableChanges {
-                table: "kv".into(),
-                upserts: vec![batch],
-                deletes: vec![],
-                before_images: vec![],
-            }])
+            .publish(vec![TableChanges::upserts("kv", vec![batch])])
             .unwrap()
     }
 
