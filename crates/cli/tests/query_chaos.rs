@@ -61,9 +61,13 @@ const EXTRA_LINEAGE_ROUNDS: usize = 40;
 
 /// A join whose probe side streams its output into a repartition (it groups by another key
 /// than the join's): its channels emit output batch after batch long before they end, each
-/// waiting on the logged reading order of its inputs.
-const STREAMING_JOIN: &str = "SELECT o_custkey, count(*) AS items, sum(l_quantity) AS quantity \
-     FROM lineitem JOIN orders ON l_orderkey = o_orderkey GROUP BY o_custkey";
+/// waiting on the logged reading order of its inputs. The join is on part key, not on
+/// lineitem's partition key, so lineitem's rows come to it hashed from every scan channel
+/// (an input whose reading order is logged); a join on the order key would be co-located,
+/// read its scans directly and log nothing.
+const STREAMING_JOIN: &str = "SELECT ps_suppkey, count(*) AS items, sum(l_quantity) AS quantity \
+     FROM lineitem JOIN partsupp ON l_partkey = ps_partkey AND l_suppkey = ps_suppkey \
+     GROUP BY ps_suppkey";
 /// [`STREAMING_JOIN`]'s key among the TPC-H query numbers.
 const STREAMING: usize = 0;
 

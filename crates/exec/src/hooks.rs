@@ -66,7 +66,8 @@ pub trait Lineage: Send + Sync + 'static {
     /// True if the reading order of `key` is logged.
     fn logs_reading_order(&self, key: InboxKey) -> bool;
 
-    /// Waits until the reading order of `key` up to `position` is durable: output computed
+    /// Waits until the reading order of `key` up to `position` is logged with the query's
+    /// initiator (which holds it while the query runs, and fails with it): output computed
     /// from those batches may then leave the node (write-ahead lineage). An error if
     /// logging it failed. Returns at once for a bucket whose order is not logged.
     async fn wait_logged(&self, key: InboxKey, position: usize) -> Result<(), LineageError>;
@@ -86,14 +87,15 @@ pub trait Lineage: Send + Sync + 'static {
         schema: SchemaRef,
     ) -> SendableRecordBatchStream;
 
-    /// The initiator's recovery of one run of `plan`.
+    /// The initiator's recovery of one run of `plan`. Called before any of the run's
+    /// channels starts: from then on the initiator takes the lineage they log.
     fn recovery(&self, plan: &DistributedPlan) -> Box<dyn QueryRecovery>;
 
     /// `query` ended on this node: its logs and backups here go.
     fn end_query(&self, query: QueryId);
 
-    /// The initiator is done with `query`: its logged reading orders go from the metadata
-    /// store (in the background; a failure only leaves them until the initiator is gone).
+    /// The initiator is done with `query`: the reading orders it holds for it go, and any
+    /// logged later are refused.
     fn forget(&self, query: QueryId);
 }
 

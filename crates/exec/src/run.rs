@@ -583,6 +583,8 @@ async fn execute_here(
         participants,
         lineage: plan.lineage,
     };
+    // Before any channel runs: from here on this node takes the lineage they log.
+    let mut recovery = node.lineage.recovery(plan);
     // RunStages calls not yet done, per node.
     let mut outstanding: BTreeMap<NodeId, usize> = BTreeMap::new();
     {
@@ -600,7 +602,6 @@ async fn execute_here(
         call_run_stages(node, at, request, events.clone());
         *outstanding.entry(at).or_default() += 1;
     }
-    let mut recovery = node.lineage.recovery(plan);
     // Kept while recovery may start more calls (the loop then ends on `outstanding`).
     let events = plan.lineage.then_some(events);
 

@@ -1,6 +1,6 @@
 //! The metadata service (DESIGN §3, §5): a Raft group (openraft) over [`MetaState`] — the
-//! members and their liveness, the partition map, the catalog, epochs and their leases, and
-//! the lineage of running queries — and [`MetaClient`], the handle every other layer
+//! members and their liveness, the partition map, the catalog, epochs and their leases (and
+//! the lineage of running queries older nodes logged here) — and [`MetaClient`], the handle every other layer
 //! reads and writes it through.
 //!
 //! - [`state`]: the deterministic state machine: commands, their effects, the invariants.

@@ -799,6 +799,8 @@ impl MetaState {
                 node.decommissioned = true;
                 MetaResponse::Done
             }
+            // Written by nodes of protocol version 2 and older (reading orders now go to
+            // the query's initiator): still applied, as a log may hold them.
             MetaCommand::Lineage { node, entries } => {
                 for entry in entries {
                     let query = self
@@ -808,25 +810,9 @@ impl MetaState {
                             initiator: entry.initiator,
                             inboxes: Vec::new(),
                         });
-                    let position = query.inboxes.iter().position(|i| {
-                        i.node == node && i.exchange == entry.exchange && i.bucket == entry.bucket
-                    });
-                    let inbox = match position {
-                        Some(at) => &mut query.inboxes[at],
-                        None => {
-                            query.inboxes.push(InboxLineage {
-                                node,
-                                exchange: entry.exchange,
-                                bucket: entry.bucket,
-                                runs: Vec::new(),
-                                batches: 0,
-                            });
-                            query.inboxes.last_mut().expect("just pushed")
-                        }
-                    };
                     // Entries are independent: a gap in one (never expected) fails only
                     // that inbox's replay later, which then falls back to a restart.
-                    let _ = inbox.extend(entry.from, &entry.runs);
+                    let _ = query.append(node, &entry);
                 }
                 MetaResponse::Done
             }

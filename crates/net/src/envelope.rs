@@ -11,7 +11,10 @@ use tessera_common::tls::CertIdentity;
 ///
 /// 2: a prepare stream may carry before images (`PrepareRequest::before_images`), which a
 /// node of version 1 would not know from upserts and would log as versions.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// 3: nodes log their queries' lineage with the query's initiator (`log-lineage`), where
+/// a node of version 2 wrote it to the metadata store, which an initiator of version 3
+/// no longer reads.
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The cluster id a client may send when it does not know it (SQL, publish, status).
 pub const ANY_CLUSTER: &str = "*";

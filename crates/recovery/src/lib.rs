@@ -3,7 +3,8 @@
 //!
 //! | Protocol                      | What it does                                                      | File          |
 //! |-------------------------------|-------------------------------------------------------------------|---------------|
-//! | Write-ahead lineage           | logs each multi-sender bucket's reading order in Raft, on demand  | `lineage.rs`  |
+//! | Write-ahead lineage           | logs each multi-sender bucket's reading order, on demand          | `lineage.rs`  |
+//! | Held lineage                  | the initiator keeps its queries' reading orders while they run    | `held.rs`     |
 //! | Upstream backup               | a producer keeps what it sent to other nodes in a spool file       | `spool.rs`    |
 //! | Replay                        | a rebuilt consumer pulls its input from spools in the logged order | `replay.rs`   |
 //! | Rebuild                       | the initiator re-places only a dead node's channels on survivors   | `rebuild.rs`  |
@@ -12,6 +13,7 @@
 //! A second failure, or a rebuild that cannot go on, ends the run with the node's loss
 //! (diagnosed by `tessera_exec::run`), and the statement is restarted whole.
 
+pub mod held;
 pub mod lineage;
 pub mod rebuild;
 pub mod replay;
@@ -23,6 +25,7 @@ use arrow_flight::FlightData;
 use datafusion::execution::SendableRecordBatchStream;
 use futures::stream::BoxStream;
 use futures::StreamExt;
+use held::HeldLineage;
 use lineage::LineageLog;
 use serde::{Deserialize, Serialize};
 use spool::{Next, Spool, SpoolKey};
@@ -33,7 +36,7 @@ use tessera_exec::exchange::{Inbox, InboxKey, QueryRegistry, ReadSpec, Replay};
 use tessera_exec::hooks::{Backup, BackupKey, Lineage, LineageError, QueryRecovery};
 use tessera_exec::plan::DistributedPlan;
 use tessera_exec::{ChannelId, NodeId, QueryId, StageId};
-use tessera_meta::{MetaClient, MetaCommand};
+use tessera_meta::{LineageEntry, MetaClient};
 use tessera_net::{Clients, WireRequest};
 
 /// One producer channel's spooled batches for one bucket, from the first, following the
@@ -91,14 +94,14 @@ impl Spools {
     }
 }
 
-/// Write-ahead lineage on one node: the reading-order log and its committer, the spools,
-/// and what replaying and rebuilding need (the metadata client, connections).
+/// Write-ahead lineage on one node: the reading-order log and its committer, the lineage
+/// of the queries it initiates, the spools, and what replaying needs (connections).
 pub struct WriteAheadLineage {
     log: Arc<LineageLog>,
+    held: Arc<HeldLineage>,
     spools: Spools,
     /// How long a follower waits for a spool's producer to start.
     spool_start_timeout: std::time::Duration,
-    meta: MetaClient,
     clients: Arc<Clients>,
 }
 
@@ -112,14 +115,31 @@ impl WriteAheadLineage {
         spool_start_timeout: std::time::Duration,
     ) -> Arc<Self> {
         let log = Arc::new(LineageLog::default());
-        tokio::spawn(lineage::commit_rounds(log.clone(), meta.clone()));
+        let held = Arc::new(HeldLineage::default());
+        tokio::spawn(lineage::commit_rounds(
+            log.clone(),
+            held.clone(),
+            meta,
+            clients.clone(),
+        ));
         Arc::new(WriteAheadLineage {
             log,
+            held,
             spools: Spools::new(spool_dir),
             spool_start_timeout,
-            meta,
             clients,
         })
+    }
+
+    /// Takes stretches of reading order `node` logged for queries this node initiates
+    /// ([`held::ACTION_LOG_LINEAGE`]); the reason if they are refused.
+    pub fn take_lineage(&self, node: NodeId, entries: &[LineageEntry]) -> Result<(), String> {
+        self.held.append(node, entries)
+    }
+
+    /// How many queries this node initiates hold lineage now.
+    pub fn queries_holding_lineage(&self) -> usize {
+        self.held.running()
     }
 
     /// Streams bucket `bucket` of a producer channel's spool (its schema message first),
@@ -199,7 +219,10 @@ impl Lineage for WriteAheadLineage {
     }
 
     fn recovery(&self, plan: &DistributedPlan) -> Box<dyn QueryRecovery> {
-        Box::new(rebuild::Recovery::new(plan))
+        if plan.lineage {
+            self.held.begin(plan.query, plan.initiator);
+        }
+        Box::new(rebuild::Recovery::new(plan, self.held.clone()))
     }
 
     fn end_query(&self, query: QueryId) {
@@ -208,12 +231,7 @@ impl Lineage for WriteAheadLineage {
     }
 
     fn forget(&self, query: QueryId) {
-        let meta = self.meta.clone();
-        tokio::spawn(async move {
-            if let Err(error) = meta.write(MetaCommand::LineageEnd { query }).await {
-                tracing::warn!(%query, %error, "could not drop a query's lineage");
-            }
-        });
+        self.held.end(query);
     }
 }
 

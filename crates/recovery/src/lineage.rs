@@ -1,22 +1,26 @@
 //! Write-ahead lineage (seed 003 §III): under `tessera.recovery = lineage` every consumer
 //! bucket fed by several producer channels logs the order it read their batches in, as
 //! runs of (sender, batches). A channel's output waits until the reading order it was
-//! computed from is committed to the metadata store ([`LineageLog::wait_logged`]), so
-//! whatever a consumer elsewhere has used can be recomputed exactly, by
-//! [`crate::replay::replay_bucket`], from the producers' spools in the logged order.
+//! computed from is logged with the query's initiator ([`LineageLog::wait_logged`],
+//! [`crate::held`]), so whatever a consumer elsewhere has used can be recomputed exactly,
+//! by [`crate::replay::replay_bucket`], from the producers' spools in the logged order.
 //!
-//! A node's [`commit_rounds`] task writes on demand: when output waits, one Raft entry
-//! carries everything every logged inbox on the node has read so far, however many
-//! inboxes and queries. Logging as batches are read instead (not only when output needs
-//! it) cost four times the Raft writes and about a quarter of the query time.
+//! A node's [`commit_rounds`] task logs on demand: when output waits, one round carries
+//! everything every logged inbox on the node has read so far, however many inboxes and
+//! queries. Logging as batches are read instead (not only when output needs it) cost
+//! four times the rounds and about a quarter of the query time (measured when rounds
+//! were Raft writes).
 
-use std::collections::HashMap;
+use crate::held::{HeldLineage, ACTION_LOG_LINEAGE};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tessera_common::NodeId;
 use tessera_exec::exchange::{Inbox, InboxKey};
 use tessera_exec::hooks::LineageError;
 use tessera_exec::QueryId;
-use tessera_meta::{LineageEntry, MetaClient, MetaCommand};
+use tessera_meta::{LineageEntry, MetaClient};
+use tessera_net::{Clients, Refusal};
 use tokio::sync::{watch, Notify};
 
 /// One inbox whose reading order is logged.
@@ -47,6 +51,18 @@ pub struct Unlogged {
 }
 
 impl Unlogged {
+    /// The stretch of reading order this hand-over carries, as logged.
+    fn entry(&self) -> LineageEntry {
+        LineageEntry {
+            query: self.key.query,
+            initiator: self.initiator,
+            exchange: self.key.exchange,
+            bucket: self.key.bucket,
+            from: self.from as u64,
+            runs: self.runs.clone(),
+        }
+    }
+
     /// The position in the reading order this hand-over reaches.
     pub fn upto(&self) -> usize {
         self.from + self.runs.iter().map(|&(_, n)| n as usize).sum::<usize>()
@@ -166,9 +182,19 @@ impl LineageLog {
     }
 }
 
-/// Writes the reading order of this node's logged inboxes to the metadata store, in
-/// rounds: one Raft entry carries everything read since the previous round began.
-pub async fn commit_rounds(log: Arc<LineageLog>, meta: MetaClient) {
+/// How long a node waits for an initiator to take a round of its queries' lineage.
+const LOG_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Logs the reading order of this node's inboxes with their queries' initiators
+/// ([`crate::held`]), in rounds: one round carries everything read since the previous one
+/// began, one message per initiator (none for this node's own queries).
+pub async fn commit_rounds(
+    log: Arc<LineageLog>,
+    held: Arc<HeldLineage>,
+    meta: MetaClient,
+    clients: Arc<Clients>,
+) {
+    let me = meta.id();
     loop {
         // A writer waits on this node's lineage; demands made during a round wake the
         // next one, which covers them all.
@@ -177,41 +203,63 @@ pub async fn commit_rounds(log: Arc<LineageLog>, meta: MetaClient) {
         if unlogged.is_empty() {
             continue;
         }
-        let entries = unlogged
-            .iter()
-            .map(|u| LineageEntry {
-                query: u.key.query,
-                initiator: u.initiator,
-                exchange: u.key.exchange,
-                bucket: u.key.bucket,
-                from: u.from as u64,
-                runs: u.runs.clone(),
-            })
-            .collect();
-        let command = MetaCommand::Lineage {
-            node: meta.id(),
-            entries,
-        };
+        let mut by_initiator: BTreeMap<NodeId, Vec<Unlogged>> = BTreeMap::new();
+        for u in unlogged {
+            by_initiator.entry(u.initiator).or_default().push(u);
+        }
         let started = std::time::Instant::now();
-        let written = meta.write(command).await;
-        tracing::debug!(
-            took_us = started.elapsed().as_micros() as u64,
-            "lineage round committed"
-        );
-        match written {
-            Ok(_) => {
-                for u in &unlogged {
-                    log.committed_up_to(u.key, u.upto());
-                }
+        let rounds = by_initiator.into_iter().map(|(initiator, unlogged)| {
+            let (held, meta, clients) = (&held, &meta, &clients);
+            async move {
+                let entries: Vec<LineageEntry> = unlogged.iter().map(Unlogged::entry).collect();
+                let taken = if initiator == me {
+                    held.append(me, &entries)
+                } else {
+                    send(meta, clients, initiator, &entries).await
+                };
+                (unlogged, taken)
             }
-            Err(error) => {
-                tracing::warn!(%error, "could not log query lineage");
-                for u in &unlogged {
-                    log.commit_failed(u.key, error.to_string());
+        });
+        for (unlogged, taken) in futures::future::join_all(rounds).await {
+            match taken {
+                Ok(()) => {
+                    for u in &unlogged {
+                        log.committed_up_to(u.key, u.upto());
+                    }
+                }
+                Err(reason) => {
+                    tracing::warn!(initiator = unlogged[0].initiator.0, %reason, "could not log query lineage");
+                    for u in &unlogged {
+                        log.commit_failed(u.key, reason.clone());
+                    }
                 }
             }
         }
+        tracing::debug!(
+            took_us = started.elapsed().as_micros() as u64,
+            "lineage round logged"
+        );
     }
+}
+
+/// Sends a round of this node's lineage to `initiator`; the reason if it was not taken.
+async fn send(
+    meta: &MetaClient,
+    clients: &Clients,
+    initiator: NodeId,
+    entries: &[LineageEntry],
+) -> Result<(), String> {
+    let addr = meta
+        .addr_of(initiator)
+        .ok_or_else(|| format!("initiator {initiator} has no address"))?;
+    let reply: Result<(), Refusal> = clients
+        .action(&addr, ACTION_LOG_LINEAGE, (meta.id(), entries), LOG_TIMEOUT)
+        .await
+        .map_err(|e| format!("initiator {initiator}: {e}"))?;
+    reply.map_err(|refusal| match refusal {
+        Refusal::Failed(reason) => format!("initiator {initiator} refused it: {reason}"),
+        other => format!("initiator {initiator} refused it: {other:?}"),
+    })
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@
 //! node when its stream broke. One failure per query is recovered this way; a second one
 //! (or a recovery that cannot go on) falls back to restarting the query.
 
+use crate::held::HeldLineage;
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion_proto::bytes::physical_plan_to_bytes_with_proto_converter;
@@ -28,6 +29,8 @@ use tessera_exec::{ChannelId, Exec, NodeId, RecoveryOutcome, StageId};
 /// What recovery knows while a query runs: where each channel runs now.
 pub struct Recovery {
     lineage: bool,
+    /// The reading orders the query's channels logged with this node, its initiator.
+    held: Arc<HeldLineage>,
     initiator: NodeId,
     /// The node of each channel of each stage.
     hosts: Vec<Vec<NodeId>>,
@@ -36,9 +39,10 @@ pub struct Recovery {
 }
 
 impl Recovery {
-    pub fn new(plan: &DistributedPlan) -> Recovery {
+    pub fn new(plan: &DistributedPlan, held: Arc<HeldLineage>) -> Recovery {
         Recovery {
             lineage: plan.lineage,
+            held,
             initiator: plan.initiator,
             hosts: plan.stages.iter().map(|s| s.channels.clone()).collect(),
             lost: None,
@@ -59,8 +63,7 @@ impl Recovery {
         if !node.confirm_failed(dead).await {
             return Err(LineageError::Unconfirmed { node: dead });
         }
-        // Past the leader's commit of the node's death, so past every lineage entry the
-        // dead node's committer had written.
+        // The current membership and addresses, past the leader's commit of the death.
         let view = node
             .meta()
             .read_linearizable(tessera_meta::LINEARIZABLE_READ_PATIENCE)
@@ -118,14 +121,14 @@ impl Recovery {
         // The reading orders the dead node logged, by (exchange, bucket).
         let mut logged: BTreeMap<StageId, BTreeMap<usize, Vec<(u32, u32)>>> = BTreeMap::new();
         let mut replayed = 0u64;
-        if let Some(lineage) = view.state.lineage.get(&plan.query) {
-            for inbox in lineage.inboxes.iter().filter(|i| i.node == dead) {
-                replayed += inbox.batches;
-                logged
-                    .entry(inbox.exchange)
-                    .or_default()
-                    .insert(inbox.bucket, inbox.runs.clone());
-            }
+        // Fenced: a stretch the dead node sends from now on is refused, so none of its
+        // output went out computed from reading order this replay does not follow.
+        for inbox in self.held.fence(plan.query, dead) {
+            replayed += inbox.batches;
+            logged
+                .entry(inbox.exchange)
+                .or_default()
+                .insert(inbox.bucket, inbox.runs);
         }
 
         let codec = tessera_exec::codec::TesseraCodec { node: node.clone() };

@@ -285,6 +285,16 @@ impl NodeService {
                 node.exec.end_query(query);
                 reply(&Ok::<(), Refusal>(()))
             }
+            tessera_recovery::held::ACTION_LOG_LINEAGE => {
+                let (from, entries): (NodeId, Vec<tessera_meta::LineageEntry>) =
+                    self.open(&caller, body)?;
+                self.check_speaks_for(&caller, from, "query lineage")?;
+                let taken = node
+                    .lineage
+                    .take_lineage(from, &entries)
+                    .map_err(Refusal::Failed);
+                reply(&taken)
+            }
             crate::node::ACTION_REPLACE_NODE => {
                 let id: NodeId = self.open(&caller, body)?;
                 self.check_speaks_for(&caller, id, "a replacement")?;

@@ -652,6 +652,20 @@ fn samples() -> Samples {
             forward: vec![],
         },
     );
+    s.request(
+        tessera_recovery::held::ACTION_LOG_LINEAGE,
+        (
+            NodeId(2),
+            vec![LineageEntry {
+                query: QueryId(0xfeed),
+                initiator: NodeId(1),
+                exchange: StageId(3),
+                bucket: 1,
+                from: 12,
+                runs: vec![(0, 4), (2, 1)],
+            }],
+        ),
+    );
     s
 }
 
@@ -724,6 +738,7 @@ fn every_action_has_a_sample() {
         tessera_replication::archive::ACTION_ARCHIVE_PARTITION,
         tessera_replication::archive::ACTION_REBUILD_FRAGMENT,
         tessera_server::node::ACTION_REPLACE_NODE,
+        tessera_recovery::held::ACTION_LOG_LINEAGE,
     ] {
         assert!(names.contains_key(action), "no sample of action {action}");
     }

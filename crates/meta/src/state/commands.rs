@@ -98,12 +98,14 @@ pub enum MetaCommand {
     Decommission {
         id: NodeId,
     },
-    /// Reading orders of query inboxes on `node` (write-ahead lineage).
+    /// Reading orders of query inboxes on `node` (write-ahead lineage), as nodes of
+    /// protocol version 2 and older logged them; nodes now log them with the query's
+    /// initiator. Still applied, since an upgraded cluster's log may hold some.
     Lineage {
         node: NodeId,
         entries: Vec<LineageEntry>,
     },
-    /// A query ended: its lineage is no longer needed.
+    /// A query ended: its lineage is no longer needed (written by protocol 2 and older).
     LineageEnd {
         query: QueryId,
     },

@@ -35,6 +35,29 @@ pub struct InboxLineage {
     pub batches: u64,
 }
 
+impl QueryLineage {
+    /// Appends `entry`, a stretch of the reading order of one of `node`'s inboxes.
+    pub fn append(&mut self, node: NodeId, entry: &LineageEntry) -> Result<(), String> {
+        let position = self.inboxes.iter().position(|i| {
+            i.node == node && i.exchange == entry.exchange && i.bucket == entry.bucket
+        });
+        let inbox = match position {
+            Some(at) => &mut self.inboxes[at],
+            None => {
+                self.inboxes.push(InboxLineage {
+                    node,
+                    exchange: entry.exchange,
+                    bucket: entry.bucket,
+                    runs: Vec::new(),
+                    batches: 0,
+                });
+                self.inboxes.last_mut().expect("just pushed")
+            }
+        };
+        inbox.extend(entry.from, &entry.runs)
+    }
+}
+
 impl InboxLineage {
     /// Appends the runs of an entry that starts at `from`, skipping what is already here
     /// (a retried write). A gap (an entry whose predecessor was lost) is refused.
