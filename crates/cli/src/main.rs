@@ -338,7 +338,7 @@ enum BenchKind {
         /// Comma-separated query numbers.
         #[arg(long, value_delimiter = ',', default_value = "1,3,5,6,9,10,18")]
         queries: Vec<usize>,
-        /// No-failure runs per query and mode; the median is reported.
+        /// Runs per query and mode, without failures and with a node killed; the medians are reported.
         #[arg(long, default_value_t = 3)]
         runs: usize,
         #[arg(long, default_value_t = 4)]

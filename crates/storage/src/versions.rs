@@ -121,6 +121,17 @@ pub fn split_by_partition(
         .map(|name| (name.as_str(), batch.column(def.column_index(name))))
         .collect();
     let hashes = partition_key_hashes(&key_columns)?;
+    // Rows that arrive already split (a replica's prepare stream, one partition per
+    // batch) are checked and kept as they are, not copied.
+    if let Some(&first) = hashes.first() {
+        let partition = ring.partition_of(first);
+        if hashes
+            .iter()
+            .all(|&hash| ring.partition_of(hash) == partition)
+        {
+            return Ok(vec![(partition, batch.clone())]);
+        }
+    }
     let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); ring.partition_count() as usize];
     for (row, hash) in hashes.into_iter().enumerate() {
         rows_of[ring.partition_of(hash).0 as usize].push(row as u32);
@@ -684,6 +695,26 @@ mod tests {
             .collect();
         out.sort();
         out
+    }
+
+    #[test]
+    fn rows_of_one_partition_are_kept_as_they_are_and_others_are_split() {
+        let ring = PartitionRing::new(4);
+        let all = versions(&(0..64).map(|k| (k, k, 1, RowOp::Upsert)).collect::<Vec<_>>());
+        let parts = split_by_partition(&def(), &ring, &all).unwrap();
+        assert!(parts.len() > 1, "64 keys over 4 partitions");
+        assert_eq!(parts.iter().map(|(_, b)| b.num_rows()).sum::<usize>(), 64);
+        // One partition's rows, split again (what a replica does with a prepare stream's
+        // batch): the same batch comes back, its buffers not copied.
+        let (partition, one) = &parts[0];
+        let again = split_by_partition(&def(), &ring, one).unwrap();
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0].0, *partition);
+        assert_eq!(
+            again[0].1.column(1).to_data().buffers()[0].as_ptr(),
+            one.column(1).to_data().buffers()[0].as_ptr(),
+            "a batch already of one partition is not copied"
+        );
     }
 
     /// The reference model: replay versions in epoch order into a map.

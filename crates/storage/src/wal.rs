@@ -77,7 +77,19 @@ pub enum WalRecord {
 impl WalRecord {
     /// Encodes the record as one frame, header included.
     pub fn encode_frame(&self) -> Result<Vec<u8>> {
-        let mut payload = Vec::new();
+        // The payload is written after room for the header, filled in at the end: a
+        // record of rows is encoded in place, in one allocation sized for its batch,
+        // rather than copied into a frame afterwards.
+        let capacity = FRAME_HEADER_BYTES
+            + 64
+            + match self {
+                WalRecord::Rows { table, batch, .. } | WalRecord::Prepared { table, batch, .. } => {
+                    table.len() + batch.get_array_memory_size()
+                }
+                _ => 0,
+            };
+        let mut payload = Vec::with_capacity(capacity);
+        payload.resize(FRAME_HEADER_BYTES, 0);
         match self {
             WalRecord::Rows {
                 table,
@@ -129,14 +141,15 @@ impl WalRecord {
                 payload.extend_from_slice(&at_ms.to_le_bytes());
             }
         }
+        let mut frame = payload;
+        let payload_len = frame.len() - FRAME_HEADER_BYTES;
         assert!(
-            payload.len() <= MAX_FRAME_BYTES,
+            payload_len <= MAX_FRAME_BYTES,
             "callers split publishes below the frame limit"
         );
-        let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + payload.len());
-        frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-        frame.extend_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
-        frame.extend_from_slice(&payload);
+        let crc = crc32c::crc32c(&frame[FRAME_HEADER_BYTES..]);
+        frame[..4].copy_from_slice(&(payload_len as u32).to_le_bytes());
+        frame[4..FRAME_HEADER_BYTES].copy_from_slice(&crc.to_le_bytes());
         Ok(frame)
     }
 

@@ -3,7 +3,8 @@
 //!
 //! - the normal-execution overhead of `tessera.recovery = lineage` against `none`;
 //! - the total time of a query whose peer node is SIGKILLed at 50% of its no-failure
-//!   time, under `restart` and under `lineage`, as ratios to the no-failure time.
+//!   time, under `restart` and under `lineage`, as ratios to the no-failure time (the
+//!   median of `--runs` kills per mode, the victim rotating over node 1's peers).
 //!
 //! Every answer is checked against plain DataFusion on the same data. The killed node is
 //! restarted, and rejoins, before the next measurement.
@@ -32,7 +33,57 @@ struct Killed {
     elapsed: Duration,
     /// How the query survived: rebuilt from lineage, restarted, or none at all.
     recovered: Option<&'static str>,
-    same: bool,
+    /// For a rebuild: what ran again and how long replanning took.
+    rebuilt: Option<String>,
+    answer: Vec<arrow::array::RecordBatch>,
+}
+
+/// Runs `sql` under `mode` from node 1, SIGKILLs `victim` after `delay`, and restarts it
+/// (waiting until it has rejoined) once the query answered.
+async fn kill_midway(
+    cluster: &mut super::local_cluster::LocalCluster,
+    mode: &'static str,
+    sql: &str,
+    delay: Duration,
+    victim: u64,
+) -> Result<Killed> {
+    let run = {
+        let client = cluster.client(0);
+        let sql = sql.to_string();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let result = query_in_mode(&client, mode, &sql).await;
+            (started.elapsed(), result)
+        })
+    };
+    tokio::time::sleep(delay).await;
+    cluster.kill9(victim);
+    let (elapsed, result) = run.await?;
+    let (answer, notices) = result?;
+    let recovery = notices.iter().find_map(|n| n.recovery.as_ref());
+    let killed = Killed {
+        elapsed,
+        recovered: recovery.map(|recovery| match recovery {
+            RecoveryOutcome::Rebuilt { .. } => "rebuilt",
+            RecoveryOutcome::Restarted { .. } => "restarted",
+            RecoveryOutcome::Rerouted { .. } => "rerouted",
+        }),
+        rebuilt: match recovery {
+            Some(RecoveryOutcome::Rebuilt {
+                channels,
+                replayed_batches,
+                replan_ms,
+                ..
+            }) => Some(format!(
+                "{channels} channels rebuilt, {replayed_batches} logged batches replayed, replanned in {replan_ms} ms"
+            )),
+            _ => None,
+        },
+        answer,
+    };
+    cluster.spawn(victim)?;
+    cluster.wait_formed(Duration::from_secs(120)).await?;
+    Ok(killed)
 }
 
 pub async fn run(
@@ -59,7 +110,7 @@ pub async fn run(
 
     println!();
     println!(
-        "TPC-H SF {sf} on {nodes} nodes (r = 3): no-failure medians of {runs} run(s); one run with a peer SIGKILLed at 50% of the no-failure time per mode"
+        "TPC-H SF {sf} on {nodes} nodes (r = 3): medians of {runs} run(s) per mode, without failures and with a peer SIGKILLed at 50% of the no-failure time"
     );
     println!(
         "{:>5} {:>10} {:>12} {:>9} {:>13} {:>9} {:>13} {:>9}  answers",
@@ -74,6 +125,7 @@ pub async fn run(
     );
     let (mut log_overhead, mut log_restart, mut log_lineage) = (0.0f64, 0.0f64, 0.0f64);
     let mut failures = Vec::new();
+    let mut rebuilds: Vec<String> = Vec::new();
     for (i, &q) in queries.iter().enumerate() {
         let sql = tessera_tpch::query(q);
         let expected = baseline.sql(sql).await?.collect().await?;
@@ -93,53 +145,51 @@ pub async fn run(
         }
         let no_failure = median(&mut t_none);
         let with_lineage = median(&mut t_lineage);
-        // Node 1 initiates; the victim rotates over its peers.
-        let victim = 2 + (i as u64 % (nodes - 1));
-        let mut killed = Vec::new();
-        for mode in ["restart", "lineage"] {
-            let run = {
-                let client = cluster.client(0);
-                let sql = sql.to_string();
-                tokio::spawn(async move {
-                    let started = Instant::now();
-                    let result = query_in_mode(&client, mode, &sql).await;
-                    (started.elapsed(), result)
-                })
-            };
-            tokio::time::sleep(no_failure / 2).await;
-            cluster.kill9(victim);
-            let (elapsed, result) = run.await?;
-            let (actual, notices) = result?;
-            let outcome = Killed {
-                elapsed,
-                recovered: notices
-                    .iter()
-                    .find_map(|n| n.recovery.as_ref())
-                    .map(|recovery| match recovery {
-                        RecoveryOutcome::Rebuilt { .. } => "rebuilt",
-                        RecoveryOutcome::Restarted { .. } => "restarted",
-                        RecoveryOutcome::Rerouted { .. } => "rerouted",
-                    }),
-                same: same(&actual),
-            };
-            if !outcome.same {
-                failures.push(format!(
-                    "Q{q} ({mode}, node {victim} killed) differs from DataFusion"
-                ));
+        // Node 1 initiates; the victim rotates over its peers, kill after kill.
+        let mut killed: [Vec<Killed>; 2] = Default::default();
+        for kill in 0..runs {
+            let victim = 2 + ((i * runs + kill) as u64 % (nodes - 1));
+            for (m, mode) in ["restart", "lineage"].into_iter().enumerate() {
+                let outcome = kill_midway(&mut cluster, mode, sql, no_failure / 2, victim).await?;
+                if !same(&outcome.answer) {
+                    failures.push(format!(
+                        "Q{q} ({mode}, node {victim} killed) differs from DataFusion"
+                    ));
+                }
+                if let Some(detail) = &outcome.rebuilt {
+                    rebuilds.push(format!("Q{q}: node {victim} killed: {detail}"));
+                }
+                killed[m].push(outcome);
             }
-            killed.push(outcome);
-            cluster.spawn(victim)?;
-            cluster.wait_formed(Duration::from_secs(120)).await?;
         }
+        let killed_median =
+            |ks: &[Killed]| median(&mut ks.iter().map(|k| k.elapsed).collect::<Vec<_>>());
+        let (restart_killed, lineage_killed) =
+            (killed_median(&killed[0]), killed_median(&killed[1]));
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let ratio = |d: Duration| d.as_secs_f64() / no_failure.as_secs_f64();
         log_overhead += (with_lineage.as_secs_f64() / no_failure.as_secs_f64()).ln();
-        log_restart += ratio(killed[0].elapsed).ln();
-        log_lineage += ratio(killed[1].elapsed).ln();
-        let mark = |k: &Killed| match (k.recovered, k.same) {
-            (_, false) => "DIFFERENT",
-            (Some(how), true) => how,
-            (None, true) => "finished first",
+        log_restart += ratio(restart_killed).ln();
+        log_lineage += ratio(lineage_killed).ln();
+        // How the kills were survived, e.g. "rebuilt x3" or "rebuilt x2, restarted x1".
+        let mark = |ks: &[Killed]| {
+            let mut counts: Vec<(&str, usize)> = Vec::new();
+            for k in ks {
+                let how = match (k.recovered, same(&k.answer)) {
+                    (_, false) => "DIFFERENT",
+                    (Some(how), true) => how,
+                    (None, true) => "finished first",
+                };
+                match counts.iter_mut().find(|(h, _)| *h == how) {
+                    Some((_, n)) => *n += 1,
+                    None => counts.push((how, 1)),
+                }
+            }
+            counts
+                .iter()
+                .map(|(how, n)| format!("{how} x{n}"))
+                .collect::<Vec<_>>()
+                .join(" ")
         };
         println!(
             "{:>5} {:>10.1} {:>12.1} {:>9.3} {:>13.1} {:>9.3} {:>13.1} {:>9.3}  {}, {}",
@@ -147,10 +197,10 @@ pub async fn run(
             ms(no_failure),
             ms(with_lineage),
             with_lineage.as_secs_f64() / no_failure.as_secs_f64(),
-            ms(killed[0].elapsed),
-            ratio(killed[0].elapsed),
-            ms(killed[1].elapsed),
-            ratio(killed[1].elapsed),
+            ms(restart_killed),
+            ratio(restart_killed),
+            ms(lineage_killed),
+            ratio(lineage_killed),
             mark(&killed[0]),
             mark(&killed[1]),
         );
@@ -162,6 +212,9 @@ pub async fn run(
         (log_restart / n).exp(),
         (log_lineage / n).exp()
     );
+    for rebuild in &rebuilds {
+        println!("  lineage+kill {rebuild}");
+    }
     if !failures.is_empty() {
         bail!("answers differ: {}", failures.join("; "));
     }
