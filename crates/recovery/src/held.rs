@@ -100,8 +100,9 @@ impl HeldLineage {
         self.lock().remove(&query);
     }
 
-    /// How many queries' lineage is held (for tests and status).
-    pub fn running(&self) -> usize {
+    /// How many queries' lineage is held.
+    #[cfg(test)]
+    fn running(&self) -> usize {
         self.lock().len()
     }
 }

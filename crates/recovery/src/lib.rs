@@ -137,11 +137,6 @@ impl WriteAheadLineage {
         self.held.append(node, entries)
     }
 
-    /// How many queries this node initiates hold lineage now.
-    pub fn queries_holding_lineage(&self) -> usize {
-        self.held.running()
-    }
-
     /// Streams bucket `bucket` of a producer channel's spool (its schema message first),
     /// waiting for batches the channel has yet to write, until it finishes.
     pub fn follow_spool(

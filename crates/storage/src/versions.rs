@@ -700,7 +700,11 @@ mod tests {
     #[test]
     fn rows_of_one_partition_are_kept_as_they_are_and_others_are_split() {
         let ring = PartitionRing::new(4);
-        let all = versions(&(0..64).map(|k| (k, k, 1, RowOp::Upsert)).collect::<Vec<_>>());
+        let all = versions(
+            &(0..64)
+                .map(|k| (k, k, 1, RowOp::Upsert))
+                .collect::<Vec<_>>(),
+        );
         let parts = split_by_partition(&def(), &ring, &all).unwrap();
         assert!(parts.len() > 1, "64 keys over 4 partitions");
         assert_eq!(parts.iter().map(|(_, b)| b.num_rows()).sum::<usize>(), 64);
