@@ -217,10 +217,10 @@ pub async fn commit_rounds(
                 } else {
                     send(meta, clients, initiator, &entries).await
                 };
-                (unlogged, taken)
+                (initiator, unlogged, taken)
             }
         });
-        for (unlogged, taken) in futures::future::join_all(rounds).await {
+        for (initiator, unlogged, taken) in futures::future::join_all(rounds).await {
             match taken {
                 Ok(()) => {
                     for u in &unlogged {
@@ -228,7 +228,7 @@ pub async fn commit_rounds(
                     }
                 }
                 Err(reason) => {
-                    tracing::warn!(initiator = unlogged[0].initiator.0, %reason, "could not log query lineage");
+                    tracing::warn!(initiator = initiator.0, %reason, "could not log query lineage");
                     for u in &unlogged {
                         log.commit_failed(u.key, reason.clone());
                     }
