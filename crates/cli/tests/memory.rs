@@ -1,14 +1,18 @@
 //! Bounded memory on a real node process: a query held to `tessera.query_memory_limit`
 //! spills its sorts and aggregations to disk and answers exactly what it answers without
 //! the limit; a join whose build side cannot fit fails with an error naming the query,
-//! the node and the limit, and the node serves on.
+//! the node and the limit, and the node serves on. A publish larger than
+//! `store.max_publish_bytes` is refused by its coordinator, naming the limit, and
+//! publishes nothing.
 
 use std::path::Path;
 use tessera_server::ClusterClient;
 use tessera_testkit::LocalCluster;
 
 mod common;
-use common::{load_tpch_tables, plan_text, reported, wait_formed};
+use arrow::array::{Int64Array, RecordBatch};
+use common::{kv_cluster_with, load_tpch_tables, plan_text, reported, wait_formed};
+use std::sync::Arc;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 
@@ -92,4 +96,71 @@ async fn queries_over_their_memory_limit_spill_and_stay_exact_or_fail_naming_the
         .await
         .unwrap();
     assert_eq!(count[0].num_rows(), 1);
+}
+
+/// Rows of table `kv` with keys `from..to`.
+fn kv_rows(from: i64, to: i64) -> RecordBatch {
+    let keys: Vec<i64> = (from..to).collect();
+    let schema = arrow::datatypes::Schema::new(vec![
+        arrow::datatypes::Field::new("k", arrow::datatypes::DataType::Int64, false),
+        arrow::datatypes::Field::new("v", arrow::datatypes::DataType::Int64, false),
+    ]);
+    RecordBatch::try_new(
+        Arc::new(schema),
+        vec![
+            Arc::new(Int64Array::from(keys.clone())),
+            Arc::new(Int64Array::from(keys)),
+        ],
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_over_the_largest_accepted_is_refused_naming_the_limit_and_publishes_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    // 64 KiB: 20,000 rows of two BIGINTs are about 320 KB of Arrow data.
+    let (_cluster, client) = kv_cluster_with(
+        BINARY,
+        root.path(),
+        8,
+        3,
+        &[("store.max_publish_bytes", "65536")],
+    )
+    .await;
+    let count = || async {
+        let batches = client.query("SELECT count(*) FROM kv").await.unwrap();
+        let counts = batches[0].column(0).as_any().downcast_ref::<Int64Array>();
+        counts.unwrap().value(0)
+    };
+
+    // Through a client's publish (`tessera publish`, the loader), sent in several batches:
+    // refused once what arrived outgrew the limit.
+    let batches: Vec<RecordBatch> = (0..10).map(|i| kv_rows(i * 2000, (i + 1) * 2000)).collect();
+    let error = client
+        .publish("kv", batches, false)
+        .await
+        .unwrap_err()
+        .to_string();
+    for part in ["exceeds the limit of 65536 bytes", "max_publish_bytes"] {
+        assert!(error.contains(part), "{part:?} missing from: {error}");
+    }
+    // Through SQL, whose rows the coordinator computes itself.
+    let error = client
+        .sql("INSERT INTO kv SELECT value AS k, value AS v FROM generate_series(1, 20000)")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("max_publish_bytes"), "{error}");
+    assert_eq!(count().await, 0, "a refused publish leaves no rows");
+
+    // Below the limit, publishes go through.
+    client
+        .publish("kv", vec![kv_rows(0, 1000)], false)
+        .await
+        .unwrap();
+    client
+        .sql("INSERT INTO kv SELECT value AS k, value AS v FROM generate_series(1000, 1999)")
+        .await
+        .unwrap();
+    assert_eq!(count().await, 2000);
 }

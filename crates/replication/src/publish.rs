@@ -69,8 +69,11 @@ fn route(
     }
     let ring = PartitionRing::new(state.partition_count);
     let mut routed: BTreeMap<String, Routed> = BTreeMap::new();
+    // Each table's key columns, to refuse a key given twice once every row is routed. Only
+    // the keys are kept, and each batch given is let go once split: a publish's rows are
+    // held routed, not two or three times over, at the coordinator's peak of memory.
     let mut checked: BTreeMap<String, (TableDef, Vec<RecordBatch>)> = BTreeMap::new();
-    for change in changes {
+    for mut change in changes {
         let def = state
             .tables
             .get(&change.table)
@@ -80,21 +83,23 @@ fn route(
         }
         change.refuse_unchecked_before_images(read_at)?;
         let entry = routed.entry(def.name.clone()).or_default();
-        let all_rows = &mut checked
+        let key = def.primary_key_indices();
+        let all_keys = &mut checked
             .entry(def.name.clone())
             .or_insert_with(|| (def.clone(), Vec::new()))
             .1;
-        for batch in change.upserts.iter().filter(|b| b.num_rows() > 0) {
-            let rows = versions::conform_to_schema(def, batch)?;
-            all_rows.push(rows.clone());
+        let upserts = std::mem::take(&mut change.upserts);
+        for batch in upserts.into_iter().filter(|b| b.num_rows() > 0) {
+            let rows = versions::conform_to_schema(def, &batch)?;
+            drop(batch);
+            all_keys.push(rows.project(&key)?);
             for (partition, part) in versions::split_by_partition(def, &ring, &rows)? {
                 entry.upserts.entry(partition).or_default().push(part);
             }
         }
-        let key = def.primary_key_indices();
         for batch in change.deletes.iter().filter(|b| b.num_rows() > 0) {
             let rows = versions::tombstone_rows(def, batch)?;
-            all_rows.push(rows.clone());
+            all_keys.push(rows.project(&key)?);
             for (partition, part) in versions::split_by_partition(def, &ring, &rows)? {
                 entry
                     .deletes
@@ -113,8 +118,8 @@ fn route(
             }
         }
     }
-    for (def, rows) in checked.values() {
-        versions::reject_duplicate_keys(def, rows)?;
+    for (def, keys) in checked.values() {
+        versions::reject_duplicate_key_columns(def, keys)?;
     }
     Ok(routed)
 }
@@ -191,10 +196,11 @@ pub async fn publish(
         .fold((0, 0), |(rows, bytes), batch| {
             (
                 rows + batch.num_rows() as u64,
-                bytes + batch.get_array_memory_size() as u64,
+                bytes + versions::rows_bytes(batch) as u64,
             )
         });
     let result = async {
+        refuse_oversized(node, bytes as usize)?;
         let epoch = publish_committed(node, changes, publisher, read_at).await?;
         wait_visible(node, epoch).await?;
         Ok(epoch)
@@ -224,6 +230,18 @@ pub async fn publish(
     };
     tessera_common::metrics::count(&metrics.publishes, "outcome", outcome);
     result
+}
+
+/// Refuses a publish of more than `store.max_publish_bytes` of Arrow data, as a single
+/// store does: its coordinator holds its rows as given and as routed, and its replicas
+/// while they log them, so one that does not fit would take a node down for memory rather
+/// than fail by itself.
+pub fn refuse_oversized(node: &Replication, bytes: usize) -> Result<()> {
+    let limit = node.store.config().max_publish_bytes;
+    if bytes > limit {
+        return Err(StorageError::PublishTooLarge { bytes, limit }.into());
+    }
+    Ok(())
 }
 
 /// Publishes kept after they end, for the console.
@@ -797,4 +815,90 @@ async fn prepare_everywhere(
         }
     }
     Ok(missed.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rebalance::tests::three_nodes_one_table;
+    use arrow::array::Int64Array;
+
+    /// Rows of table `t` (one BIGINT key column `k`).
+    fn keys(values: &[i64]) -> RecordBatch {
+        let schema = Schema::new(vec![Field::new("k", DataType::Int64, false)]);
+        RecordBatch::try_new(
+            Arc::new(schema),
+            vec![Arc::new(Int64Array::from(values.to_vec()))],
+        )
+        .unwrap()
+    }
+
+    fn duplicate_key_of(result: Result<BTreeMap<String, Routed>>) -> String {
+        match result {
+            Err(ReplicationError::Storage(StorageError::DuplicateKey { table, key })) => {
+                assert_eq!(table, "t");
+                key
+            }
+            Err(other) => panic!("expected a duplicate key, got {other}"),
+            Ok(_) => panic!("expected a duplicate key, the publish was routed"),
+        }
+    }
+
+    #[test]
+    fn a_key_given_twice_in_one_publish_is_refused_whichever_batches_hold_it() {
+        let state = three_nodes_one_table(8);
+        let read = ReadEpochs::new();
+        let across_batches = TableChanges::upserts("t", vec![keys(&[1, 2, 3]), keys(&[4, 2])]);
+        assert_eq!(
+            duplicate_key_of(route(&state, vec![across_batches], &read)),
+            "(2)"
+        );
+        let upserted_and_deleted = TableChanges {
+            deletes: vec![keys(&[9])],
+            ..TableChanges::upserts("t", vec![keys(&[8, 9])])
+        };
+        assert_eq!(
+            duplicate_key_of(route(&state, vec![upserted_and_deleted], &read)),
+            "(9)"
+        );
+        let in_two_changes = vec![
+            TableChanges::upserts("t", vec![keys(&[5])]),
+            TableChanges::deletes("t", vec![keys(&[5])]),
+        ];
+        assert_eq!(
+            duplicate_key_of(route(&state, in_two_changes, &read)),
+            "(5)"
+        );
+    }
+
+    #[test]
+    fn every_row_is_routed_once_to_its_partition() {
+        let state = three_nodes_one_table(8);
+        let ring = PartitionRing::new(8);
+        let def = state.tables.get("t").unwrap().clone();
+        let changes = TableChanges {
+            deletes: vec![keys(&[100, 101])],
+            ..TableChanges::upserts("t", vec![keys(&[1, 2, 3, 4]), keys(&[5, 6, 7])])
+        };
+        let routed = route(&state, vec![changes], &ReadEpochs::new()).unwrap();
+        let routed = &routed["t"];
+        let mut seen = Vec::new();
+        for by_partition in [&routed.upserts, &routed.deletes] {
+            for (&partition, batches) in by_partition {
+                for batch in batches {
+                    for (p, rows) in versions::split_by_partition(&def, &ring, batch).unwrap() {
+                        assert_eq!(p, partition, "rows routed to another partition");
+                        let k = rows
+                            .column(0)
+                            .as_any()
+                            .downcast_ref::<Int64Array>()
+                            .unwrap();
+                        seen.extend(k.values().iter().copied());
+                    }
+                }
+            }
+        }
+        seen.sort();
+        assert_eq!(seen, vec![1, 2, 3, 4, 5, 6, 7, 100, 101]);
+    }
 }

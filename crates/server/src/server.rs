@@ -842,8 +842,15 @@ impl FlightService for NodeService {
             }
             PublishRequest::KIND => {
                 let PublishRequest { table, deletes } = request.decode().map_err(decode_error)?;
-                let batches = FlightRecordBatchStream::new_from_flight_data(data);
-                let rows: Vec<RecordBatch> = batches.try_collect().await.map_err(failed)?;
+                let mut batches = FlightRecordBatchStream::new_from_flight_data(data);
+                // Refused as soon as it outgrows the limit, not once all of it is held.
+                let (mut rows, mut bytes) = (Vec::new(), 0);
+                while let Some(batch) = batches.try_next().await.map_err(failed)? {
+                    bytes += tessera_storage::versions::rows_bytes(&batch);
+                    tessera_replication::publish::refuse_oversized(&self.node.replication, bytes)
+                        .map_err(failed)?;
+                    rows.push(batch);
+                }
                 let changes = if deletes {
                     TableChanges::deletes(table, rows)
                 } else {

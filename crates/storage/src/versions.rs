@@ -218,12 +218,42 @@ pub(crate) fn key_columns(batch: &RecordBatch, key: &[usize]) -> Vec<ArrayRef> {
 
 /// Refuses a publish that names one key of `def` twice across `rows` (upserts and
 /// tombstones alike); append-only tables have no keys to repeat.
+/// The bytes of a batch's rows: what its columns' values take, not the capacity of their
+/// buffers (a batch sliced from a larger one, or built in a batch-sized buffer, holds more)
+/// and not counted twice where columns share a buffer.
+pub fn rows_bytes(batch: &RecordBatch) -> usize {
+    batch
+        .columns()
+        .iter()
+        .map(|c| c.to_data().get_slice_memory_size().unwrap_or(0))
+        .sum()
+}
+
 pub fn reject_duplicate_keys(def: &TableDef, rows: &[RecordBatch]) -> Result<()> {
     if def.append_only || rows.is_empty() {
         return Ok(());
     }
-    let combined = concat_batches(&rows[0].schema(), rows)?;
-    match find_duplicate_key(&combined, &def.primary_key_indices())? {
+    let key = def.primary_key_indices();
+    let keys: Vec<RecordBatch> = rows
+        .iter()
+        .map(|batch| batch.project(&key))
+        .collect::<std::result::Result<_, _>>()?;
+    reject_duplicate_key_columns(def, &keys)
+}
+
+/// [`reject_duplicate_keys`] over rows already narrowed to the table's key columns (in the
+/// order of `TableDef::primary_key_indices`): only they are concatenated, not a publish's
+/// rows whole, which would copy all of them once more at the publish's peak of memory.
+pub fn reject_duplicate_key_columns(def: &TableDef, keys: &[RecordBatch]) -> Result<()> {
+    if def.append_only || keys.is_empty() {
+        return Ok(());
+    }
+    debug_assert!(keys
+        .iter()
+        .all(|k| k.num_columns() == def.primary_key.len()));
+    let combined = concat_batches(&keys[0].schema(), keys)?;
+    let all: Vec<usize> = (0..combined.num_columns()).collect();
+    match find_duplicate_key(&combined, &all)? {
         Some(key) => Err(StorageError::DuplicateKey {
             table: def.name.clone(),
             key,

@@ -84,14 +84,7 @@ impl WalRecord {
             + 64
             + match self {
                 WalRecord::Rows { table, batch, .. } | WalRecord::Prepared { table, batch, .. } => {
-                    // The bytes of the rows themselves: a batch sliced from a larger one
-                    // holds (and `get_array_memory_size` counts) all of its buffers.
-                    let rows: usize = batch
-                        .columns()
-                        .iter()
-                        .map(|c| c.to_data().get_slice_memory_size().unwrap_or(0))
-                        .sum();
-                    table.len() + rows
+                    table.len() + crate::versions::rows_bytes(batch)
                 }
                 _ => 0,
             };

@@ -340,7 +340,7 @@ impl PreparedChanges {
             .iter()
             .chain(&self.deletes)
             .chain(&self.before_images)
-            .map(|b| b.get_array_memory_size())
+            .map(versions::rows_bytes)
             .sum()
     }
 
