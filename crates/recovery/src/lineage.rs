@@ -5,14 +5,18 @@
 //! [`crate::held`]), so whatever a consumer elsewhere has used can be recomputed exactly,
 //! by [`crate::replay::replay_bucket`], from the producers' spools in the logged order.
 //!
-//! A node's [`commit_rounds`] task logs on demand: when output waits, one round carries
-//! everything every logged inbox on the node has read so far, however many inboxes and
-//! queries. Logging as batches are read instead (not only when output needs it) cost
-//! four times the rounds and about a quarter of the query time (measured when rounds
-//! were Raft writes).
+//! A node's [`commit_rounds`] task logs on demand, with one committer per initiator: when
+//! output waits, one round carries everything the logged inboxes of that initiator's
+//! queries on the node have read so far, however many inboxes and queries. Logging as
+//! batches are read instead (not only when output needs it) cost four times the rounds
+//! and about a quarter of the query time (measured when rounds were Raft writes). Each
+//! initiator has its own committer so that one slow to answer (busy, or dying before it
+//! is declared failed) holds up only its own queries' output, for at most
+//! [`LOG_TIMEOUT`], not every query on the node.
 
 use crate::held::{HeldLineage, ACTION_LOG_LINEAGE};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tessera_common::NodeId;
@@ -34,10 +38,12 @@ struct Logged {
     committed: watch::Sender<Result<usize, String>>,
 }
 
-/// The reading orders of this node's logged inboxes, and the committer they wake.
+/// The reading orders of this node's logged inboxes, and the committers they wake.
 #[derive(Default)]
 pub struct LineageLog {
     inboxes: Mutex<HashMap<InboxKey, Logged>>,
+    /// Initiators whose queries' output waits on a round since the dispatcher last looked.
+    demands: Mutex<BTreeSet<NodeId>>,
     committer: Notify,
 }
 
@@ -88,18 +94,20 @@ impl LineageLog {
         self.lock().contains_key(&key)
     }
 
-    /// Waits until the reading order of `key` up to `position` is in the metadata store.
-    /// Wakes the committer if it is behind: a round covers whatever every logged inbox here
-    /// has read, so a channel that only emits at its end costs one round, not one per batch.
+    /// Waits until the reading order of `key` up to `position` is held by its query's
+    /// initiator. Wakes that initiator's committer if it is behind: a round covers whatever
+    /// every logged inbox here of the initiator's queries has read, so a channel that only
+    /// emits at its end costs one round, not one per batch.
     pub async fn wait_logged(&self, key: InboxKey, position: usize) -> Result<(), LineageError> {
-        let mut watch = {
+        let (mut watch, initiator) = {
             let inboxes = self.lock();
             let Some(logged) = inboxes.get(&key) else {
                 return Ok(());
             };
-            logged.committed.subscribe()
+            (logged.committed.subscribe(), logged.initiator)
         };
         if matches!(&*watch.borrow(), Ok(at) if *at < position) {
+            self.demands.lock().expect("demands lock").insert(initiator);
             self.committer.notify_one();
         }
         let reached = watch
@@ -119,16 +127,27 @@ impl LineageLog {
         }
     }
 
-    /// Waits until output waits on the log (a writer called [`LineageLog::wait_logged`]).
-    pub async fn demanded(&self) {
-        self.committer.notified().await
+    /// Waits until output waits on the log (a writer called [`LineageLog::wait_logged`]);
+    /// the initiators it waits on.
+    pub async fn demanded(&self) -> BTreeSet<NodeId> {
+        loop {
+            self.committer.notified().await;
+            let demands = std::mem::take(&mut *self.demands.lock().expect("demands lock"));
+            if !demands.is_empty() {
+                return demands;
+            }
+        }
     }
 
-    /// Every logged inbox's reading order not yet handed over; marks it handed.
-    pub fn take_unlogged(&self) -> Vec<Unlogged> {
+    /// The reading order not yet handed over of every logged inbox of `initiator`'s
+    /// queries; marks it handed.
+    pub fn take_unlogged(&self, initiator: NodeId) -> Vec<Unlogged> {
         let mut inboxes = self.lock();
         let mut taken = Vec::new();
         for (&key, logged) in inboxes.iter_mut() {
+            if logged.initiator != initiator {
+                continue;
+            }
             let senders = logged.inbox.read_since(logged.handed);
             if senders.is_empty() {
                 continue;
@@ -195,47 +214,72 @@ pub async fn commit_rounds(
     clients: Arc<Clients>,
 ) {
     let me = meta.id();
+    let log_round = move |initiator: NodeId, entries: Vec<LineageEntry>| {
+        let (held, meta, clients) = (held.clone(), meta.clone(), clients.clone());
+        async move {
+            if initiator == me {
+                held.append(me, &entries)
+            } else {
+                send(&meta, &clients, initiator, &entries).await
+            }
+        }
+    };
+    dispatch_rounds(log, log_round).await
+}
+
+/// Starts a committer for each initiator the first time output waits on its lineage, and
+/// wakes it whenever output waits again.
+async fn dispatch_rounds<S, F>(log: Arc<LineageLog>, log_round: S)
+where
+    S: Fn(NodeId, Vec<LineageEntry>) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Result<(), String>> + Send + 'static,
+{
+    // One per initiator this node has run channels for: at most the cluster's nodes.
+    let mut committers: HashMap<NodeId, Arc<Notify>> = HashMap::new();
     loop {
-        // A writer waits on this node's lineage; demands made during a round wake the
-        // next one, which covers them all.
-        log.demanded().await;
-        let unlogged = log.take_unlogged();
+        for initiator in log.demanded().await {
+            let wake = committers.entry(initiator).or_insert_with(|| {
+                let wake = Arc::new(Notify::new());
+                let committer = commit_for(log.clone(), initiator, wake.clone(), log_round.clone());
+                tokio::spawn(committer);
+                wake
+            });
+            // Stored if the committer is mid-round: it takes one more round after it.
+            wake.notify_one();
+        }
+    }
+}
+
+/// The rounds of `initiator`'s queries' lineage, one at a time, so that each inbox's
+/// stretches reach the initiator in order.
+async fn commit_for<S, F>(log: Arc<LineageLog>, initiator: NodeId, wake: Arc<Notify>, log_round: S)
+where
+    S: Fn(NodeId, Vec<LineageEntry>) -> F,
+    F: Future<Output = Result<(), String>>,
+{
+    loop {
+        wake.notified().await;
+        let unlogged = log.take_unlogged(initiator);
         if unlogged.is_empty() {
             continue;
         }
-        let mut by_initiator: BTreeMap<NodeId, Vec<Unlogged>> = BTreeMap::new();
-        for u in unlogged {
-            by_initiator.entry(u.initiator).or_default().push(u);
-        }
         let started = std::time::Instant::now();
-        let rounds = by_initiator.into_iter().map(|(initiator, unlogged)| {
-            let (held, meta, clients) = (&held, &meta, &clients);
-            async move {
-                let entries: Vec<LineageEntry> = unlogged.iter().map(Unlogged::entry).collect();
-                let taken = if initiator == me {
-                    held.append(me, &entries)
-                } else {
-                    send(meta, clients, initiator, &entries).await
-                };
-                (initiator, unlogged, taken)
-            }
-        });
-        for (initiator, unlogged, taken) in futures::future::join_all(rounds).await {
-            match taken {
-                Ok(()) => {
-                    for u in &unlogged {
-                        log.committed_up_to(u.key, u.upto());
-                    }
+        let entries: Vec<LineageEntry> = unlogged.iter().map(Unlogged::entry).collect();
+        match log_round(initiator, entries).await {
+            Ok(()) => {
+                for u in &unlogged {
+                    log.committed_up_to(u.key, u.upto());
                 }
-                Err(reason) => {
-                    tracing::warn!(initiator = initiator.0, %reason, "could not log query lineage");
-                    for u in &unlogged {
-                        log.commit_failed(u.key, reason.clone());
-                    }
+            }
+            Err(reason) => {
+                tracing::warn!(initiator = initiator.0, %reason, "could not log query lineage");
+                for u in &unlogged {
+                    log.commit_failed(u.key, reason.clone());
                 }
             }
         }
         tracing::debug!(
+            initiator = initiator.0,
             took_us = started.elapsed().as_micros() as u64,
             "lineage round logged"
         );
@@ -299,10 +343,15 @@ mod tests {
             let log = log.clone();
             tokio::spawn(async move { log.wait_logged(key(0), 3).await })
         };
-        tokio::time::timeout(Duration::from_secs(5), log.demanded())
+        let demanded = tokio::time::timeout(Duration::from_secs(5), log.demanded())
             .await
             .expect("a waiting writer wakes the committer");
-        let unlogged = log.take_unlogged();
+        assert_eq!(demanded, BTreeSet::from([NodeId(1)]));
+        assert!(
+            log.take_unlogged(NodeId(2)).is_empty(),
+            "another initiator's"
+        );
+        let unlogged = log.take_unlogged(NodeId(1));
         assert_eq!(
             unlogged,
             vec![Unlogged {
@@ -312,7 +361,7 @@ mod tests {
                 runs: vec![(0, 1), (1, 1), (0, 1)]
             }]
         );
-        assert!(log.take_unlogged().is_empty(), "handed over once");
+        assert!(log.take_unlogged(NodeId(1)).is_empty(), "handed over once");
         log.committed_up_to(key(0), 2);
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(
@@ -342,15 +391,67 @@ mod tests {
         log.log(&inbox, NodeId(1));
         inbox.push(1, 0, batch(), None).await.unwrap();
         inbox.next().await.unwrap().unwrap();
-        assert_eq!(log.take_unlogged()[0].upto(), 1);
+        assert_eq!(log.take_unlogged(NodeId(1))[0].upto(), 1);
         inbox.push(1, 1, batch(), None).await.unwrap();
         inbox.push(0, 0, batch(), None).await.unwrap();
         inbox.next().await.unwrap().unwrap();
         inbox.next().await.unwrap().unwrap();
-        let round = log.take_unlogged();
+        let round = log.take_unlogged(NodeId(1));
         assert_eq!(
             (round[0].from, round[0].runs.clone()),
             (1, vec![(1, 1), (0, 1)])
+        );
+    }
+
+    #[tokio::test]
+    async fn an_initiator_slow_to_take_a_round_holds_up_only_its_own_queries() {
+        let log = Arc::new(LineageLog::default());
+        let (slow, quick) = (NodeId(2), NodeId(3));
+        let inbox = |query: u64| {
+            Arc::new(Inbox::new(
+                InboxKey {
+                    query: QueryId(query),
+                    exchange: StageId(1),
+                    bucket: 0,
+                },
+                1,
+            ))
+        };
+        let (of_slow, of_quick) = (inbox(1), inbox(2));
+        log.log(&of_slow, slow);
+        log.log(&of_quick, quick);
+        let round = |initiator: NodeId, _entries: Vec<LineageEntry>| async move {
+            if initiator == NodeId(2) {
+                // Never answers within this test (as an initiator that froze).
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            }
+            Ok(())
+        };
+        tokio::spawn(dispatch_rounds(log.clone(), round));
+
+        for inbox in [&of_slow, &of_quick] {
+            inbox.push(0, 0, batch(), None).await.unwrap();
+            inbox.next().await.unwrap().unwrap();
+        }
+        let waiting_on_slow = {
+            let log = log.clone();
+            tokio::spawn(async move { log.wait_logged(of_slow.key(), 1).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::timeout(Duration::from_secs(5), log.wait_logged(of_quick.key(), 1))
+            .await
+            .expect("the quick initiator's round is not held up by the slow one's")
+            .unwrap();
+        // And the quick initiator's later rounds go on while the slow one's is out.
+        of_quick.push(0, 1, batch(), None).await.unwrap();
+        of_quick.next().await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), log.wait_logged(of_quick.key(), 2))
+            .await
+            .expect("a second round of the quick initiator's")
+            .unwrap();
+        assert!(
+            !waiting_on_slow.is_finished(),
+            "the slow initiator took nothing"
         );
     }
 }
