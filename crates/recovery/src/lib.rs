@@ -94,8 +94,9 @@ impl Spools {
     }
 }
 
-/// Write-ahead lineage on one node: the reading-order log and its committer, the lineage
-/// of the queries it initiates, the spools, and what replaying needs (connections).
+/// Write-ahead lineage on one node: the reading-order log and its committers (one per
+/// initiator), the lineage of the queries it initiates, the spools, and what replaying
+/// needs (connections).
 pub struct WriteAheadLineage {
     log: Arc<LineageLog>,
     held: Arc<HeldLineage>,

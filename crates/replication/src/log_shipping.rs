@@ -1,5 +1,6 @@
 //! Log shipping, the participant side (DESIGN §6): a replica logs the rows of one prepare
-//! stream durably (`Prepared` WAL records, fsynced), in chunks; as the head of a partition's
+//! stream durably (`Prepared` WAL records, fsynced), in chunks logged by a task of their
+//! own while the next ones arrive (in the order received); as the head of a partition's
 //! log shipping (its primary; the coordinator calls this directly where that is itself) it
 //! also ships them on to the replicas named in the request while they arrive, and answers
 //! only once those have logged them too, naming the ones it could not reach.
@@ -14,8 +15,12 @@ use std::time::{Duration, Instant};
 use tessera_common::PartitionId;
 use tessera_storage::{PartitionChanges, StorageError};
 
-/// Rows a replica collects before logging them (bounds its memory per publish stream).
-const PREPARE_CHUNK_BYTES: usize = 32 << 20;
+/// Rows a replica collects before logging them. Chunks are logged while the next ones
+/// arrive (and are shipped on), so a stream's logging overlaps its transfer instead of
+/// waiting for its end; at most [`CHUNKS_QUEUED`] wait to be logged besides the one being
+/// logged and the one being filled, which bounds the memory of a publish stream.
+const PREPARE_CHUNK_BYTES: usize = 8 << 20;
+const CHUNKS_QUEUED: usize = 2;
 /// How long a replica waits to learn of a table a prepare names (just created elsewhere).
 const TABLE_PATIENCE: Duration = Duration::from_secs(10);
 
@@ -48,43 +53,57 @@ async fn receive_logged(
 ) -> Result<PrepareReply> {
     wait_for_table(node, &request.table).await;
     let (mut outlets, shipping) = start_shipping(node, &request);
+    let (mut to_logger, logger) = start_logging(node, &request);
     let mut chunk: Vec<PartitionChanges> = Vec::new();
     let mut chunk_bytes = 0;
-    while let Some(batch) = stream
-        .try_next()
-        .await
-        .map_err(|e| ReplicationError::BadPrepare(e.to_string()))?
-    {
-        let (partition, rows) = split_partition_column(&batch)?;
-        for (partitions, outlet) in &mut outlets {
-            // A closed outlet means that replica's stream failed; its task reports it.
-            if partitions.contains(&partition) {
-                let _ = outlet.send(batch.clone()).await;
+    let received = async {
+        while let Some(batch) = stream
+            .try_next()
+            .await
+            .map_err(|e| ReplicationError::BadPrepare(e.to_string()))?
+        {
+            let (partition, rows) = split_partition_column(&batch)?;
+            for (partitions, outlet) in &mut outlets {
+                // A closed outlet means that replica's stream failed; its task reports it.
+                if partitions.contains(&partition) {
+                    let _ = outlet.send(batch.clone()).await;
+                }
+            }
+            chunk_bytes += tessera_storage::versions::rows_bytes(&rows);
+            let mut change = PartitionChanges {
+                table: request.table.clone(),
+                partition,
+                upserts: vec![],
+                deletes: vec![],
+                before_images: vec![],
+            };
+            match request.rows() {
+                PreparedRows::Upserts => change.upserts.push(rows),
+                PreparedRows::Deletes => change.deletes.push(rows),
+                PreparedRows::BeforeImages => change.before_images.push(rows),
+            }
+            chunk.push(change);
+            if chunk_bytes >= PREPARE_CHUNK_BYTES {
+                // Closed only once the logger failed; its error is the one reported.
+                if to_logger.send(std::mem::take(&mut chunk)).await.is_err() {
+                    break;
+                }
+                chunk_bytes = 0;
             }
         }
-        chunk_bytes += rows.get_array_memory_size();
-        let mut change = PartitionChanges {
-            table: request.table.clone(),
-            partition,
-            upserts: vec![],
-            deletes: vec![],
-            before_images: vec![],
-        };
-        match request.rows() {
-            PreparedRows::Upserts => change.upserts.push(rows),
-            PreparedRows::Deletes => change.deletes.push(rows),
-            PreparedRows::BeforeImages => change.before_images.push(rows),
+        if !chunk.is_empty() {
+            let _ = to_logger.send(chunk).await;
         }
-        chunk.push(change);
-        if chunk_bytes >= PREPARE_CHUNK_BYTES {
-            log_chunk(node, &request, std::mem::take(&mut chunk)).await?;
-            chunk_bytes = 0;
-        }
+        Ok::<_, ReplicationError>(())
     }
+    .await;
     drop(outlets); // ends the replicas' streams
-    if !chunk.is_empty() {
-        log_chunk(node, &request, chunk).await?;
-    }
+    drop(to_logger); // the logger ends once it has logged every chunk sent
+    let logged = logger
+        .await
+        .map_err(ReplicationError::task("logging prepared rows"))?;
+    // A bad stream is its own error; a stream cut short by a failed logger is the logger's.
+    logged.and(received)?;
     let mut unreachable = Vec::new();
     for (replica, task) in shipping {
         match task.await {
@@ -158,6 +177,26 @@ fn start_shipping(
         shipping.push((replica, task));
     }
     (outlets, shipping)
+}
+
+/// Starts the task that logs a prepare stream's chunks durably, in the order sent, while
+/// the stream goes on arriving; it stops at the first chunk it cannot log.
+fn start_logging(
+    node: &Arc<Replication>,
+    request: &PrepareRequest,
+) -> (
+    futures::channel::mpsc::Sender<Vec<PartitionChanges>>,
+    tokio::task::JoinHandle<Result<()>>,
+) {
+    let (to_logger, mut chunks) = futures::channel::mpsc::channel(CHUNKS_QUEUED);
+    let (node, request) = (node.clone(), request.clone());
+    let logger = tokio::spawn(async move {
+        while let Some(chunk) = futures::StreamExt::next(&mut chunks).await {
+            log_chunk(&node, &request, chunk).await?;
+        }
+        Ok(())
+    });
+    (to_logger, logger)
 }
 
 async fn log_chunk(

@@ -15,9 +15,12 @@ impl Store {
     /// Flushes memory to components, records manifests, drops log segments the checkpoint
     /// covers, and merges partitions that have too many components.
     pub fn checkpoint(&self) -> Result<()> {
-        let _gate = self.gate.write().expect("gate lock");
-        self.check_poisoned()?;
-        self.checkpoint_holding_gate()
+        {
+            let _gate = self.gate.write().expect("gate lock");
+            self.check_poisoned()?;
+            self.checkpoint_holding_gate()?;
+        }
+        self.merge_crowded_partitions()
     }
 
     /// Flushes memory to components without truncating the log: what a primary does when
@@ -28,7 +31,8 @@ impl Store {
         self.flush_memtables()
     }
 
-    /// The body of [`Store::checkpoint`], for callers already holding the gate exclusively.
+    /// The body of [`Store::checkpoint`] but its merges, for callers already holding the
+    /// gate exclusively (they merge once they let it go).
     pub(super) fn checkpoint_holding_gate(&self) -> Result<()> {
         // The segments about to go may hold a cold standby's only copy of committed rows not
         // yet covered by components from its primary: apply them, so the flush keeps them.
@@ -70,8 +74,7 @@ impl Store {
         if !relogged.is_empty() {
             self.or_poison(self.wal.submit(relogged).wait())?;
         }
-        self.or_poison(self.wal.delete_segments_before(segment))?;
-        self.merge_crowded_partitions()
+        self.or_poison(self.wal.delete_segments_before(segment))
     }
 
     /// Merges each partition's components once there are more than the merge threshold:
@@ -81,23 +84,42 @@ impl Store {
     /// component alone, however many versions the table keeps. History components are
     /// merged among themselves when they crowd, and dropped whole once the retention
     /// horizon passes the epoch that superseded them.
-    fn merge_crowded_partitions(&self) -> Result<()> {
-        let work: Vec<MergePlan> = {
+    ///
+    /// Each partition is merged under the exclusive gate on its own, planned afresh there:
+    /// a merge of a large partition takes seconds, and prepares and publishes (which take
+    /// the gate shared) wait for one partition's merge, not for every crowded partition's
+    /// in turn (at SF 10 that held a node's prepares past the progress deadline).
+    pub(super) fn merge_crowded_partitions(&self) -> Result<()> {
+        let plan_of = |state: &State, table: &TableState, partition, p: &PartitionState| {
+            MergePlan::of(
+                &table.def,
+                partition,
+                &p.manifest.components,
+                state.horizon(&table.def.name),
+                self.config.merge_threshold,
+            )
+        };
+        let crowded: Vec<(String, PartitionId)> = {
             let state = self.state();
             state
                 .all_partitions()
-                .filter_map(|(t, partition, p)| {
-                    MergePlan::of(
-                        &t.def,
-                        partition,
-                        &p.manifest.components,
-                        state.horizon(&t.def.name),
-                        self.config.merge_threshold,
-                    )
-                })
+                .filter(|&(t, partition, p)| plan_of(&state, t, partition, p).is_some())
+                .map(|(t, partition, _)| (t.def.name.clone(), partition))
                 .collect()
         };
-        for plan in work {
+        for (table, partition) in crowded {
+            let _gate = self.gate.write().expect("gate lock");
+            self.check_poisoned()?;
+            let plan = {
+                let state = self.state();
+                // Merged meanwhile by another checkpoint, or moved away: nothing to do.
+                let Ok(t) = state.table(&table) else { continue };
+                let Ok(p) = state.partition(&table, partition) else {
+                    continue;
+                };
+                plan_of(&state, t, partition, p)
+            };
+            let Some(plan) = plan else { continue };
             let key = plan.def.primary_key_indices();
             let mut new_history = Vec::new();
             let mut new_current = None;

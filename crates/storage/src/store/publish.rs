@@ -156,7 +156,7 @@ impl Store {
     /// The bulk path: rows become components directly; the checkpoint that lists them is
     /// the commit point.
     fn publish_bulk(&self, prepared: Vec<PreparedChanges>, read_at: &ReadEpochs) -> Result<Epoch> {
-        let _gate = self.gate.write().expect("gate lock");
+        let gate = self.gate.write().expect("gate lock");
         self.check_poisoned()?;
         // Flushing first keeps LSNs rising within each manifest.
         self.flush_memtables()?;
@@ -199,11 +199,16 @@ impl Store {
         state.resolve(epoch);
         self.write_checkpoint(&state)?;
         drop(state);
-        // Memtables were just flushed, so checkpointing now is cheap: it trims the log and
-        // merges the partitions this publish crowded. The epoch is committed either way; a
-        // failure here poisons the store or is retried by the next checkpoint.
+        // Memtables were just flushed, so checkpointing now is cheap: it trims the log, and
+        // (once the gate is let go) merges the partitions this publish crowded. The epoch is
+        // committed either way; a failure here poisons the store or is retried by the next
+        // checkpoint.
         if let Err(error) = self.checkpoint_holding_gate() {
             tracing::error!(%error, %epoch, "checkpoint after bulk publish failed");
+        }
+        drop(gate);
+        if let Err(error) = self.merge_crowded_partitions() {
+            tracing::error!(%error, %epoch, "merges after bulk publish failed");
         }
         Ok(epoch)
     }
