@@ -211,7 +211,8 @@ pub struct StoreSettings {
     /// A partition with more components than this is merged at the next checkpoint.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub merge_threshold: Option<usize>,
-    /// The largest publish accepted, in bytes of Arrow data.
+    /// The largest publish accepted, in bytes of its rows' Arrow data: by a single store,
+    /// and by a cluster node coordinating a publish (which holds a few times that).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_publish_bytes: Option<usize>,
 }
