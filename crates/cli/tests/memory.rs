@@ -7,12 +7,11 @@
 
 use std::path::Path;
 use tessera_server::ClusterClient;
-use tessera_testkit::LocalCluster;
+use tessera_testkit::{kv_batch, LocalCluster};
 
 mod common;
 use arrow::array::{Int64Array, RecordBatch};
 use common::{kv_cluster_with, load_tpch_tables, plan_text, reported, wait_formed};
-use std::sync::Arc;
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 
@@ -98,23 +97,6 @@ async fn queries_over_their_memory_limit_spill_and_stay_exact_or_fail_naming_the
     assert_eq!(count[0].num_rows(), 1);
 }
 
-/// Rows of table `kv` with keys `from..to`.
-fn kv_rows(from: i64, to: i64) -> RecordBatch {
-    let keys: Vec<i64> = (from..to).collect();
-    let schema = arrow::datatypes::Schema::new(vec![
-        arrow::datatypes::Field::new("k", arrow::datatypes::DataType::Int64, false),
-        arrow::datatypes::Field::new("v", arrow::datatypes::DataType::Int64, false),
-    ]);
-    RecordBatch::try_new(
-        Arc::new(schema),
-        vec![
-            Arc::new(Int64Array::from(keys.clone())),
-            Arc::new(Int64Array::from(keys)),
-        ],
-    )
-    .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publish_over_the_largest_accepted_is_refused_naming_the_limit_and_publishes_nothing() {
     let root = tempfile::tempdir().unwrap();
@@ -135,7 +117,9 @@ async fn a_publish_over_the_largest_accepted_is_refused_naming_the_limit_and_pub
 
     // Through a client's publish (`tessera publish`, the loader), sent in several batches:
     // refused once what arrived outgrew the limit.
-    let batches: Vec<RecordBatch> = (0..10).map(|i| kv_rows(i * 2000, (i + 1) * 2000)).collect();
+    let batches: Vec<RecordBatch> = (0..10)
+        .map(|i| kv_batch(i * 2000, (i + 1) * 2000))
+        .collect();
     let error = client
         .publish("kv", batches, false)
         .await
@@ -155,7 +139,7 @@ async fn a_publish_over_the_largest_accepted_is_refused_naming_the_limit_and_pub
 
     // Below the limit, publishes go through.
     client
-        .publish("kv", vec![kv_rows(0, 1000)], false)
+        .publish("kv", vec![kv_batch(0, 1000)], false)
         .await
         .unwrap();
     client
