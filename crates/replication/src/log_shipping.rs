@@ -15,14 +15,16 @@ use std::time::{Duration, Instant};
 use tessera_common::PartitionId;
 use tessera_storage::{PartitionChanges, StorageError};
 
-/// Rows a replica collects before logging them. Chunks are logged while the next ones
-/// arrive (and are shipped on), so a large stream's logging overlaps its transfer; at most
-/// [`CHUNKS_QUEUED`] wait to be logged besides the one being logged and the one being
-/// filled, which bounds the memory of a publish stream. Smaller chunks overlap more of a
-/// small stream but cost fsyncs: 8 MiB ones made `bench replication` at SF 0.1 about 10%
-/// slower at r = 1 and no faster at r = 3.
-const PREPARE_CHUNK_BYTES: usize = 32 << 20;
-const CHUNKS_QUEUED: usize = 2;
+/// A chunk is handed to the logger as soon as the logger is idle and the chunk holds
+/// [`MIN_CHUNK_BYTES`], so logging keeps pace with a stream and what is left to log once it
+/// ends (when the sender waits for the answer, under its progress deadline) is only what
+/// arrived during the last chunk's logging. While the logger is busy a chunk grows up to
+/// [`MAX_CHUNK_BYTES`] and the stream then waits for it: that bounds a stream's memory, and
+/// the fsyncs adapt to the disk (fixed 8 MiB chunks cost `bench replication` at SF 0.1
+/// about 10% at r = 1). Fixed 32 MiB chunks left a whole publish's share to log after its
+/// stream ended, past the progress deadline on a loaded machine.
+const MIN_CHUNK_BYTES: usize = 4 << 20;
+const MAX_CHUNK_BYTES: usize = 32 << 20;
 /// How long a replica waits to learn of a table a prepare names (just created elsewhere).
 const TABLE_PATIENCE: Duration = Duration::from_secs(10);
 
@@ -55,7 +57,7 @@ async fn receive_logged(
 ) -> Result<PrepareReply> {
     wait_for_table(node, &request.table).await;
     let (mut outlets, shipping) = start_shipping(node, &request);
-    let (mut to_logger, logger) = start_logging(node, &request);
+    let mut logger = ChunkLogger::new(node, &request);
     let mut chunk: Vec<PartitionChanges> = Vec::new();
     let mut chunk_bytes = 0;
     let received = async {
@@ -85,26 +87,22 @@ async fn receive_logged(
                 PreparedRows::BeforeImages => change.before_images.push(rows),
             }
             chunk.push(change);
-            if chunk_bytes >= PREPARE_CHUNK_BYTES {
-                // Closed only once the logger failed; its error is the one reported.
-                if to_logger.send(std::mem::take(&mut chunk)).await.is_err() {
-                    break;
-                }
+            let full = chunk_bytes >= MAX_CHUNK_BYTES;
+            if full || (chunk_bytes >= MIN_CHUNK_BYTES && logger.is_idle()) {
+                logger.hand_over(std::mem::take(&mut chunk)).await?;
                 chunk_bytes = 0;
             }
         }
         if !chunk.is_empty() {
-            let _ = to_logger.send(chunk).await;
+            logger.hand_over(chunk).await?;
         }
         Ok::<_, ReplicationError>(())
     }
     .await;
     drop(outlets); // ends the replicas' streams
-    drop(to_logger); // the logger ends once it has logged every chunk sent
-    let logged = logger
-        .await
-        .map_err(ReplicationError::task("logging prepared rows"))?;
-    // A bad stream is its own error; a stream cut short by a failed logger is the logger's.
+                   // A chunk still being logged is waited for whatever ended the stream; a failed logger's
+                   // error is the one reported (the stream was cut short because of it).
+    let logged = logger.finish().await;
     logged.and(received)?;
     let mut unreachable = Vec::new();
     for (replica, task) in shipping {
@@ -181,24 +179,52 @@ fn start_shipping(
     (outlets, shipping)
 }
 
-/// Starts the task that logs a prepare stream's chunks durably, in the order sent, while
-/// the stream goes on arriving; it stops at the first chunk it cannot log.
-fn start_logging(
-    node: &Arc<Replication>,
-    request: &PrepareRequest,
-) -> (
-    futures::channel::mpsc::Sender<Vec<PartitionChanges>>,
-    tokio::task::JoinHandle<Result<()>>,
-) {
-    let (to_logger, mut chunks) = futures::channel::mpsc::channel(CHUNKS_QUEUED);
-    let (node, request) = (node.clone(), request.clone());
-    let logger = tokio::spawn(async move {
-        while let Some(chunk) = futures::StreamExt::next(&mut chunks).await {
-            log_chunk(&node, &request, chunk).await?;
+/// Logs a prepare stream's chunks durably, one at a time and in the order handed over,
+/// each in a task of its own so that the stream goes on arriving meanwhile.
+struct ChunkLogger {
+    node: Arc<Replication>,
+    request: Arc<PrepareRequest>,
+    logging: Option<tokio::task::JoinHandle<Result<()>>>,
+}
+
+impl ChunkLogger {
+    fn new(node: &Arc<Replication>, request: &PrepareRequest) -> ChunkLogger {
+        ChunkLogger {
+            node: node.clone(),
+            request: Arc::new(request.clone()),
+            logging: None,
         }
+    }
+
+    /// Whether the last chunk handed over is logged (or failed to be).
+    fn is_idle(&self) -> bool {
+        self.logging.as_ref().is_none_or(|task| task.is_finished())
+    }
+
+    /// Waits for the chunk being logged, if any, then starts logging `chunk`. An error is
+    /// the earlier chunk's: the stream stops there.
+    async fn hand_over(&mut self, chunk: Vec<PartitionChanges>) -> Result<()> {
+        self.finish_current().await?;
+        let (node, request) = (self.node.clone(), self.request.clone());
+        self.logging = Some(tokio::spawn(async move {
+            log_chunk(&node, &request, chunk).await
+        }));
         Ok(())
-    });
-    (to_logger, logger)
+    }
+
+    async fn finish_current(&mut self) -> Result<()> {
+        match self.logging.take() {
+            Some(task) => task
+                .await
+                .map_err(ReplicationError::task("logging prepared rows"))?,
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for the last chunk handed over to be logged.
+    async fn finish(mut self) -> Result<()> {
+        self.finish_current().await
+    }
 }
 
 async fn log_chunk(
