@@ -2,7 +2,7 @@
 
 use crate::component::ComponentMeta;
 use serde::{Deserialize, Serialize};
-use tessera_common::{ComponentHash, Epoch, Lsn};
+use tessera_common::{Epoch, Lsn};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Manifest {
@@ -37,17 +37,6 @@ impl Manifest {
             .filter(|c| c.read_at(epoch))
             .cloned()
             .collect()
-    }
-
-    /// The manifest's own name: the BLAKE3 hash of its canonical JSON, restricted to what
-    /// is visible at `epoch`. Equal hashes mean equal contents, on any node.
-    pub fn hash_at(&self, epoch: Epoch) -> ComponentHash {
-        let visible = Manifest {
-            components: self.components_at(epoch),
-            ..self.clone()
-        };
-        let json = serde_json::to_vec(&visible.components).expect("a manifest always serializes");
-        ComponentHash::of_bytes(&json)
     }
 
     pub fn add(&mut self, component: ComponentMeta) {
