@@ -100,9 +100,10 @@ async fn receive_logged(
     }
     .await;
     drop(outlets); // ends the replicas' streams
-                   // A chunk still being logged is waited for whatever ended the stream; a failed logger's
-                   // error is the one reported (the stream was cut short because of it).
-    let logged = logger.finish().await;
+
+    // A chunk still being logged is waited for whatever ended the stream; a failed logger's
+    // error is the one reported (the stream was cut short because of it).
+    let logged = logger.wait().await;
     logged.and(received)?;
     let mut unreachable = Vec::new();
     for (replica, task) in shipping {
@@ -204,7 +205,7 @@ impl ChunkLogger {
     /// Waits for the chunk being logged, if any, then starts logging `chunk`. An error is
     /// the earlier chunk's: the stream stops there.
     async fn hand_over(&mut self, chunk: Vec<PartitionChanges>) -> Result<()> {
-        self.finish_current().await?;
+        self.wait().await?;
         let (node, request) = (self.node.clone(), self.request.clone());
         self.logging = Some(tokio::spawn(async move {
             log_chunk(&node, &request, chunk).await
@@ -212,18 +213,14 @@ impl ChunkLogger {
         Ok(())
     }
 
-    async fn finish_current(&mut self) -> Result<()> {
+    /// Waits for the last chunk handed over to be logged.
+    async fn wait(&mut self) -> Result<()> {
         match self.logging.take() {
             Some(task) => task
                 .await
                 .map_err(ReplicationError::task("logging prepared rows"))?,
             None => Ok(()),
         }
-    }
-
-    /// Waits for the last chunk handed over to be logged.
-    async fn finish(mut self) -> Result<()> {
-        self.finish_current().await
     }
 }
 
