@@ -196,14 +196,25 @@ async fn an_epoch_left_open_by_a_stalled_coordinator_is_aborted_and_frees_its_ta
             .collect();
         stalled.publish("kv", batches, false).await
     });
-    // Pause it once its epoch is open (it holds the table's lease), mid-prepare.
+    // Pause it once its epoch is open (it holds the table's lease), mid-prepare. A publish's
+    // rows are received whole before its epoch opens, so this waits for all 2 million of
+    // them to arrive: on a loaded two-core machine (a debug build, another test's long
+    // publish beside it) that took past 30 s in CI, so the wait is the other long test's.
     wait_until(
         "the stalled publish's epoch to open",
-        Duration::from_secs(30),
-        || async { (!writer.status().await.ok()?.meta.open.is_empty()).then_some(()) },
+        Duration::from_secs(180),
+        || async {
+            let open = !writer.status().await.ok()?.meta.open.is_empty();
+            (open || stalled_publish.is_finished()).then_some(())
+        },
     )
     .await;
     cluster.pause(3);
+    assert!(
+        !stalled_publish.is_finished(),
+        "the stalled publish ended before its epoch was seen open: {:?}",
+        stalled_publish.await.unwrap().map(|e| e.0)
+    );
 
     let asked = Instant::now();
     writer
