@@ -19,6 +19,7 @@ pub mod statement;
 pub mod time;
 pub mod tls;
 pub mod version;
+pub mod views;
 
 pub use config::{ConfigError, NodeConfig, Peer};
 pub use ids::{ChannelId, ComponentHash, Epoch, Lsn, NodeId, PartitionId, QueryId, StageId};

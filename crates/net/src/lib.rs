@@ -19,7 +19,9 @@ mod clients;
 mod envelope;
 mod error;
 
-pub use clients::{Clients, CONNECTION_WINDOW_BYTES, MAX_MESSAGE_BYTES, STREAM_WINDOW_BYTES};
+pub use clients::{
+    wire_slices, Clients, CONNECTION_WINDOW_BYTES, MAX_MESSAGE_BYTES, STREAM_WINDOW_BYTES,
+};
 pub use envelope::{
     encode_envelope, encode_envelope_from, encode_request, Caller, Envelope, Gate, TaggedRequest,
     WireRequest, ANY_CLUSTER, PROTOCOL_VERSION,

@@ -27,6 +27,23 @@ pub(crate) struct Routed {
 }
 
 impl Routed {
+    /// Joins each partition's pieces (one per batch the client sent: small when its
+    /// batches were, 16 rows of a 1024-row batch over 64 partitions) into batches of about
+    /// a Flight message, so the prepare streams, the replicas' logs and their memtables
+    /// handle a few large batches rather than thousands of small ones.
+    fn coalesce(&mut self) -> Result<()> {
+        for by_partition in [
+            &mut self.upserts,
+            &mut self.deletes,
+            &mut self.before_images,
+        ] {
+            for pieces in by_partition.values_mut() {
+                *pieces = tessera_common::views::coalesce(std::mem::take(pieces))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Each kind of rows, with its rows per partition.
     fn by_kind(&self) -> [(PreparedRows, &BTreeMap<PartitionId, Vec<RecordBatch>>); 3] {
         [
@@ -120,6 +137,9 @@ fn route(
     }
     for (def, keys) in checked.values() {
         versions::reject_duplicate_key_columns(def, keys)?;
+    }
+    for routed in routed.values_mut() {
+        routed.coalesce()?;
     }
     Ok(routed)
 }

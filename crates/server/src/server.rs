@@ -769,7 +769,8 @@ impl FlightService for NodeService {
         let stream = FlightDataEncoderBuilder::new()
             .with_schema(schema)
             .with_metadata(metadata)
-            .build(futures::stream::iter(batches.into_iter().map(Ok)))
+            .with_max_flight_data_size(tessera_common::views::WIRE_ENCODER_MESSAGE_BYTES)
+            .build(futures::stream::iter(batches).flat_map(tessera_net::wire_slices))
             .map_err(failed);
         Ok(Response::new(stream.boxed()))
     }

@@ -154,25 +154,7 @@ pub fn split_by_partition(
 /// view array's data buffers whole, so every piece of a split batch would otherwise carry
 /// (and the log, the network and IPC would otherwise copy) all of the original's bytes.
 pub fn compact_views(batch: RecordBatch) -> Result<RecordBatch> {
-    if !batch
-        .columns()
-        .iter()
-        .any(|c| matches!(c.data_type(), DataType::Utf8View | DataType::BinaryView))
-    {
-        return Ok(batch);
-    }
-    let columns: Vec<ArrayRef> = batch
-        .columns()
-        .iter()
-        .map(|c| -> ArrayRef {
-            match c.data_type() {
-                DataType::Utf8View => Arc::new(c.as_string_view().gc()),
-                DataType::BinaryView => Arc::new(c.as_binary_view().gc()),
-                _ => c.clone(),
-            }
-        })
-        .collect();
-    Ok(RecordBatch::try_new(batch.schema(), columns)?)
+    Ok(tessera_common::views::compact_views(batch)?)
 }
 
 pub(crate) fn key_converter(schema: &Schema, key: &[usize]) -> Result<RowConverter> {
@@ -216,19 +198,10 @@ pub(crate) fn key_columns(batch: &RecordBatch, key: &[usize]) -> Vec<ArrayRef> {
     key.iter().map(|&i| batch.column(i).clone()).collect()
 }
 
+pub use tessera_common::views::rows_bytes;
+
 /// Refuses a publish that names one key of `def` twice across `rows` (upserts and
 /// tombstones alike); append-only tables have no keys to repeat.
-/// The bytes of a batch's rows: what its columns' values take, not the capacity of their
-/// buffers (a batch sliced from a larger one, or built in a batch-sized buffer, holds more)
-/// and not counted twice where columns share a buffer.
-pub fn rows_bytes(batch: &RecordBatch) -> usize {
-    batch
-        .columns()
-        .iter()
-        .map(|c| c.to_data().get_slice_memory_size().unwrap_or(0))
-        .sum()
-}
-
 pub fn reject_duplicate_keys(def: &TableDef, rows: &[RecordBatch]) -> Result<()> {
     if def.append_only || rows.is_empty() {
         return Ok(());

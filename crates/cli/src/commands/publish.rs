@@ -34,6 +34,10 @@ pub async fn run(target: Target, table: &str, delete: bool, files: &[PathBuf]) -
     Ok(())
 }
 
+/// Rows per batch read from a file (the readers' default is 1024: each batch is split
+/// over the partitions and pays per-batch costs all the way to the replicas' logs).
+const READ_BATCH_ROWS: usize = 64 * 1024;
+
 fn read_file(def: &TableDef, path: &Path, delete: bool) -> Result<Vec<RecordBatch>> {
     let extension = path
         .extension()
@@ -41,13 +45,16 @@ fn read_file(def: &TableDef, path: &Path, delete: bool) -> Result<Vec<RecordBatc
         .map(|e| e.to_ascii_lowercase());
     match extension.as_deref() {
         Some("parquet") => {
-            let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(path)?)?.build()?;
+            let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(path)?)?
+                .with_batch_size(READ_BATCH_ROWS)
+                .build()?;
             Ok(reader.collect::<Result<Vec<_>, _>>()?)
         }
         Some("csv") => {
             let schema = csv_schema(def, path, delete)?;
             let reader = arrow::csv::ReaderBuilder::new(schema)
                 .with_header(true)
+                .with_batch_size(READ_BATCH_ROWS)
                 .build(File::open(path)?)?;
             Ok(reader.collect::<Result<Vec<_>, _>>()?)
         }

@@ -307,3 +307,39 @@ async fn under_lineage_a_stopped_stream_leaves_its_buckets_open_for_the_resend()
     assert_eq!(inbox.next().await.unwrap().unwrap().num_rows(), 2);
     assert!(inbox.next().await.is_none());
 }
+
+/// A bucket's rows taken from a batch with long strings travel with their own strings
+/// only: the taken batch shares all of the input's string buffers, which IPC sent whole
+/// with every bucket.
+#[test]
+fn a_bucket_taken_from_a_larger_batch_is_sent_with_its_own_strings_only() {
+    use arrow::array::{StringViewArray, UInt32Array};
+    let rows = 10_000;
+    let names: StringViewArray = (0..rows)
+        .map(|i| Some(format!("Customer#{i:020}")))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .collect();
+    let input = RecordBatch::try_new(
+        Arc::new(Schema::new(vec![Field::new(
+            "c_name",
+            DataType::Utf8View,
+            false,
+        )])),
+        vec![Arc::new(names)],
+    )
+    .unwrap();
+    // One bucket of eight: every eighth row.
+    let bucket = arrow::compute::take_record_batch(
+        &input,
+        &UInt32Array::from_iter_values((0..rows as u32).step_by(8)),
+    )
+    .unwrap();
+    let mark = StreamMark::Batch(BatchTag { bucket: 0, seq: 0 });
+    let messages =
+        writer::encode_marked(&bucket, &mark, &arrow_ipc::writer::IpcWriteOptions::default())
+            .unwrap();
+    let sent: usize = messages.iter().map(|m| m.data_body.len()).sum();
+    // 1250 rows: 16 bytes of view and 29 of name each, and a little padding.
+    assert!(sent < 1250 * 48, "{sent} bytes sent for a bucket of 1250 rows");
+}

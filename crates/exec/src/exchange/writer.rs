@@ -644,16 +644,7 @@ impl ChannelWriter {
     }
 
     fn encode_marked(&self, batch: &RecordBatch, mark: &StreamMark) -> DfResult<Vec<FlightData>> {
-        let (dicts, encoded) = IpcDataGenerator::default().encode(
-            batch,
-            &mut DictionaryTracker::new(false),
-            &self.options,
-            &mut IpcWriteContext::default(),
-        )?;
-        let metadata = Bytes::from(serde_json::to_vec(mark).expect("marks serialize"));
-        let mut messages: Vec<FlightData> = dicts.into_iter().map(FlightData::from).collect();
-        messages.push(FlightData::from(encoded).with_app_metadata(metadata));
-        Ok(messages)
+        encode_marked(batch, mark, &self.options)
     }
 
     async fn send(&self, outbox: &mut Outbox, bucket: usize, batch: RecordBatch) -> DfResult<()> {
@@ -742,4 +733,25 @@ fn spilled_bytes(plan: &Arc<dyn ExecutionPlan>, channel: usize) -> u64 {
         .into_iter()
         .map(|child| spilled_bytes(child, channel))
         .sum::<u64>()
+}
+
+/// The messages of one batch marked with `mark`: its dictionaries, then the batch. A
+/// bucket's rows taken from a larger batch share its string values' buffers, which IPC
+/// would send whole with every bucket: they are compacted first.
+pub(super) fn encode_marked(
+    batch: &RecordBatch,
+    mark: &StreamMark,
+    options: &IpcWriteOptions,
+) -> DfResult<Vec<FlightData>> {
+    let batch = tessera_common::views::compact_if_wasteful(batch.clone())?;
+    let (dicts, encoded) = IpcDataGenerator::default().encode(
+        &batch,
+        &mut DictionaryTracker::new(false),
+        options,
+        &mut IpcWriteContext::default(),
+    )?;
+    let metadata = Bytes::from(serde_json::to_vec(mark).expect("marks serialize"));
+    let mut messages: Vec<FlightData> = dicts.into_iter().map(FlightData::from).collect();
+    messages.push(FlightData::from(encoded).with_app_metadata(metadata));
+    Ok(messages)
 }
