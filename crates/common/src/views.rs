@@ -183,7 +183,10 @@ mod tests {
         assert_eq!(data_bytes(&kept), 400_000, "nothing to save");
         let slice = compact_if_wasteful(whole.slice(100, 10)).unwrap();
         assert_eq!(data_bytes(&slice), 400, "only its own ten values");
-        assert_eq!(slice.column(1).as_string_view().value(0), format!("{:040}", 100));
+        assert_eq!(
+            slice.column(1).as_string_view().value(0),
+            format!("{:040}", 100)
+        );
     }
 
     #[test]
@@ -197,7 +200,12 @@ mod tests {
         assert_eq!(joined.iter().map(|b| b.num_rows()).sum::<usize>(), 100_000);
         let keys: Vec<i64> = joined
             .iter()
-            .flat_map(|b| b.column(0).as_primitive::<arrow::datatypes::Int64Type>().values().to_vec())
+            .flat_map(|b| {
+                b.column(0)
+                    .as_primitive::<arrow::datatypes::Int64Type>()
+                    .values()
+                    .to_vec()
+            })
             .collect();
         assert_eq!(keys, (0..100_000).collect::<Vec<i64>>(), "in order");
         for batch in &joined {
@@ -221,10 +229,17 @@ mod tests {
         let per_slice = whole.num_rows().div_ceil(slices.len());
         for slice in &slices {
             assert!(slice.num_rows() <= per_slice);
-            assert_eq!(data_bytes(slice), 40 * slice.num_rows(), "its own values only");
+            assert_eq!(
+                data_bytes(slice),
+                40 * slice.num_rows(),
+                "its own values only"
+            );
         }
         // 64 bytes a row: about 2 MiB a slice.
-        assert_eq!(slices.len(), (whole.num_rows() * 64).div_ceil(FLIGHT_MESSAGE_BYTES));
+        assert_eq!(
+            slices.len(),
+            (whole.num_rows() * 64).div_ceil(FLIGHT_MESSAGE_BYTES)
+        );
         let rejoined: Vec<String> = slices
             .iter()
             .flat_map(|s| {

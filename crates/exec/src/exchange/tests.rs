@@ -336,10 +336,16 @@ fn a_bucket_taken_from_a_larger_batch_is_sent_with_its_own_strings_only() {
     )
     .unwrap();
     let mark = StreamMark::Batch(BatchTag { bucket: 0, seq: 0 });
-    let messages =
-        writer::encode_marked(&bucket, &mark, &arrow_ipc::writer::IpcWriteOptions::default())
-            .unwrap();
+    let messages = writer::encode_marked(
+        &bucket,
+        &mark,
+        &arrow_ipc::writer::IpcWriteOptions::default(),
+    )
+    .unwrap();
     let sent: usize = messages.iter().map(|m| m.data_body.len()).sum();
     // 1250 rows: 16 bytes of view and 29 of name each, and a little padding.
-    assert!(sent < 1250 * 48, "{sent} bytes sent for a bucket of 1250 rows");
+    assert!(
+        sent < 1250 * 48,
+        "{sent} bytes sent for a bucket of 1250 rows"
+    );
 }
