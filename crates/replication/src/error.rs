@@ -53,6 +53,15 @@ pub enum ReplicationError {
         current: Vec<NodeId>,
         needed: usize,
     },
+    /// Every replica a publish could still use made no progress on it and was left out of
+    /// its retry (a hung disk, a node starved of memory): the partition itself is fine.
+    #[error("partition {partition}: replicas {stalled:?} made no progress on this publish for failure.progress_timeout_ms and were left out of its retry, and the replicas left ({current:?}) are fewer than the {needed} a publish needs (replicas.min_copies); the publish is refused, and the partition takes writes again as soon as they make progress")]
+    StalledCopies {
+        partition: tessera_common::PartitionId,
+        stalled: Vec<NodeId>,
+        current: Vec<NodeId>,
+        needed: usize,
+    },
     #[error("partition {partition} has no readable replica to copy from")]
     NoReadableReplica {
         partition: tessera_common::PartitionId,

@@ -664,21 +664,29 @@ fn is_live(state: &MetaState, id: &NodeId) -> bool {
 /// committed epoch, but those `left_out`. Refused when they are fewer than `min_copies`
 /// (at most the replica count): acknowledged with fewer, an epoch could be lost with one
 /// disk.
-fn writable_replicas(
+pub(crate) fn writable_replicas(
     state: &MetaState,
     partition: PartitionId,
     min_copies: u32,
     left_out: &BTreeSet<NodeId>,
 ) -> Result<Vec<NodeId>> {
     let placement = &state.map.partitions[partition.0 as usize];
-    let current: Vec<NodeId> = placement
+    let (stalled, current): (Vec<NodeId>, Vec<NodeId>) = placement
         .replicas
         .iter()
         .copied()
         .filter(|id| is_live(state, id) && !placement.stale.contains_key(id))
-        .filter(|id| !left_out.contains(id))
-        .collect();
+        .partition(|id| left_out.contains(id));
     let needed = tessera_meta::copies_needed(Some(min_copies), placement.replicas.len());
+    if current.len() < needed && !stalled.is_empty() {
+        // Only this publish's retry lacks them: not a partition short of replicas.
+        return Err(ReplicationError::StalledCopies {
+            partition,
+            stalled,
+            current,
+            needed,
+        });
+    }
     if current.len() < needed {
         return Err(ReplicationError::TooFewCopies {
             partition,

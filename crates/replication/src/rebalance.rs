@@ -892,6 +892,38 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_retry_short_of_replicas_only_because_they_stalled_says_so() {
+        use crate::publish::writable_replicas;
+        let state = three_nodes_one_table(4);
+        let p1 = PartitionId(1);
+        let left_out: BTreeSet<NodeId> = [NodeId(1), NodeId(2), NodeId(3)].into();
+        let error = writable_replicas(&state, p1, 1, &left_out).unwrap_err();
+        assert!(
+            matches!(error, ReplicationError::StalledCopies { ref stalled, .. } if stalled.len() == 3),
+            "{error}"
+        );
+        assert!(
+            error
+                .to_string()
+                .contains("made no progress on this publish"),
+            "{error}"
+        );
+        // One left out of three: the other two are enough.
+        let one: BTreeSet<NodeId> = [NodeId(2)].into();
+        assert_eq!(writable_replicas(&state, p1, 2, &one).unwrap().len(), 2);
+        // Short of replicas for another reason (two dead): the partition itself refuses.
+        let mut dead = state.clone();
+        for id in [2, 3] {
+            dead.nodes.get_mut(&NodeId(id)).unwrap().alive = false;
+        }
+        let error = writable_replicas(&dead, p1, 2, &BTreeSet::new()).unwrap_err();
+        assert!(
+            matches!(error, ReplicationError::TooFewCopies { .. }),
+            "{error}"
+        );
+    }
+
+    #[test]
     fn only_an_announced_current_replica_serves_a_copy() {
         let mut state = three_nodes_one_table(2);
         state.visible = Epoch(9);
