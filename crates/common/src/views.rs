@@ -7,16 +7,17 @@
 //! they are, so such a batch sent as it is carries all of those bytes, and an Arrow
 //! Flight encoder that splits a large batch into slices of about 2 MiB sends the whole
 //! data buffers once per slice: a 64 K-row lineitem batch (15 MB) went as 8 slices each
-//! with all of its comments. [`for_the_wire`] and [`compact_if_wasteful`] copy the values a
-//! batch's views reference into buffers of their own first.
+//! with all of its comments. [`for_the_wire`] sends a batch whole instead (up to 32 MiB), and
+//! compacts a batch whose views hold mostly others' values ([`compact_if_wasteful`]), or
+//! each slice of a larger one: their values copied into buffers of their own.
 
 use arrow::array::{Array, ArrayRef, AsArray, RecordBatch};
 use arrow::datatypes::DataType;
 use arrow::error::ArrowError;
 use std::sync::Arc;
 
-/// The largest batch an Arrow Flight message carries by default (arrow-flight's
-/// `FlightDataEncoderBuilder`, whose split [`for_the_wire`] does instead).
+/// Arrow Flight's default message size (arrow-flight's `FlightDataEncoderBuilder`), the
+/// size [`coalesce`] joins pieces up to.
 pub const FLIGHT_MESSAGE_BYTES: usize = 2 << 20;
 
 /// Copies the values of every view column of `batch` into buffers of their own (holding
@@ -41,12 +42,21 @@ pub fn compact_if_wasteful(batch: RecordBatch) -> Result<RecordBatch, ArrowError
     }
 }
 
-/// `batch` as the batches to send it as: slices of about [`FLIGHT_MESSAGE_BYTES`], each
-/// with its view columns compacted, so no slice carries another's values. The encoder is
-/// then told not to split them again ([`WIRE_ENCODER_MESSAGE_BYTES`]): it measures a slice
-/// by the buffers it shares, and would split every slice of a large batch once more.
+/// The most bytes of rows one Flight message carries: a batch up to this size travels
+/// whole (no copy, and no slice to carry shared buffers); a larger one as slices of it.
+pub const WIRE_BATCH_BYTES: usize = 32 << 20;
+
+/// `batch` as the batches to send it as: whole up to [`WIRE_BATCH_BYTES`] (compacted first
+/// if its views hold mostly others' values), else in slices of at most that, each with its
+/// view columns compacted so no slice carries another's values. The encoder must not split
+/// them again ([`WIRE_ENCODER_MESSAGE_BYTES`]): it measures a slice by the buffers it
+/// shares, and its slices would carry whole string buffers.
 pub fn for_the_wire(batch: RecordBatch) -> Result<Vec<RecordBatch>, ArrowError> {
-    let slices = rows_bytes(&batch).div_ceil(FLIGHT_MESSAGE_BYTES).max(1);
+    for_the_wire_within(batch, WIRE_BATCH_BYTES)
+}
+
+fn for_the_wire_within(batch: RecordBatch, most: usize) -> Result<Vec<RecordBatch>, ArrowError> {
+    let slices = rows_bytes(&batch).div_ceil(most).max(1);
     if slices == 1 {
         return Ok(vec![compact_if_wasteful(batch)?]);
     }
@@ -58,9 +68,9 @@ pub fn for_the_wire(batch: RecordBatch) -> Result<Vec<RecordBatch>, ArrowError> 
         .collect()
 }
 
-/// The largest message a Flight encoder fed by [`for_the_wire`] is let to split further
-/// (a single row larger than [`FLIGHT_MESSAGE_BYTES`]).
-pub const WIRE_ENCODER_MESSAGE_BYTES: usize = 64 << 20;
+/// The message size a Flight encoder fed by [`for_the_wire`] is given: none of its batches
+/// is split again.
+pub const WIRE_ENCODER_MESSAGE_BYTES: usize = usize::MAX;
 
 /// Joins consecutive small batches of one schema (the pieces of a split) into batches of
 /// about [`FLIGHT_MESSAGE_BYTES`], their view columns compacted: whoever handles them next
@@ -218,7 +228,12 @@ mod tests {
     #[test]
     fn a_large_batch_travels_as_compact_slices_of_about_a_message_each() {
         let whole = batch(200_000); // 16 bytes of view, 8 of key and 40 of value per row
-        let slices = for_the_wire(whole.clone()).unwrap();
+        assert_eq!(
+            for_the_wire(whole.clone()).unwrap().len(),
+            1,
+            "12.8 MB goes whole"
+        );
+        let slices = for_the_wire_within(whole.clone(), FLIGHT_MESSAGE_BYTES).unwrap();
         assert!(slices.len() > 1, "{} slices", slices.len());
         assert_eq!(
             slices.iter().map(|s| s.num_rows()).sum::<usize>(),
