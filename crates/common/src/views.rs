@@ -34,7 +34,15 @@ pub fn compact_views(batch: RecordBatch) -> Result<RecordBatch, ArrowError> {
 /// views reference (a slice or a `take`), else `batch` as it is: compacting copies every
 /// referenced byte, worth it only when it saves more than it copies.
 pub fn compact_if_wasteful(batch: RecordBatch) -> Result<RecordBatch, ArrowError> {
-    let (held, used) = view_bytes(&batch);
+    let view_bytes = view_bytes(&batch);
+    compact_if_wasteful_given(batch, view_bytes)
+}
+
+/// [`compact_if_wasteful`] with the batch's [`view_bytes`] already counted.
+fn compact_if_wasteful_given(
+    batch: RecordBatch,
+    (held, used): (usize, usize),
+) -> Result<RecordBatch, ArrowError> {
     if held > 2 * used {
         compact_views(batch)
     } else {
@@ -56,9 +64,10 @@ pub fn for_the_wire(batch: RecordBatch) -> Result<Vec<RecordBatch>, ArrowError> 
 }
 
 fn for_the_wire_within(batch: RecordBatch, most: usize) -> Result<Vec<RecordBatch>, ArrowError> {
-    let slices = rows_bytes(&batch).div_ceil(most).max(1);
+    let view_bytes = view_bytes(&batch);
+    let slices = (sliced_bytes(&batch) + view_bytes.1).div_ceil(most).max(1);
     if slices == 1 {
-        return Ok(vec![compact_if_wasteful(batch)?]);
+        return Ok(vec![compact_if_wasteful_given(batch, view_bytes)?]);
     }
     let rows = batch.num_rows();
     let per_slice = rows.div_ceil(slices).max(1);
@@ -134,12 +143,16 @@ fn view_bytes(batch: &RecordBatch) -> (usize, usize) {
 /// its views are counted as the bytes its views reference (Arrow's slice size leaves a
 /// view array's data buffers out altogether).
 pub fn rows_bytes(batch: &RecordBatch) -> usize {
-    let sliced: usize = batch
+    sliced_bytes(batch) + view_bytes(batch).1
+}
+
+/// Arrow's slice size of a batch's columns (a view column's views, not its values).
+fn sliced_bytes(batch: &RecordBatch) -> usize {
+    batch
         .columns()
         .iter()
         .map(|c| c.to_data().get_slice_memory_size().unwrap_or(0))
-        .sum();
-    sliced + view_bytes(batch).1
+        .sum()
 }
 
 fn is_view(data_type: &DataType) -> bool {

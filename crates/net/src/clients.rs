@@ -312,15 +312,27 @@ pub fn encode_batches(
     descriptor: Option<FlightDescriptor>,
     batches: impl Stream<Item = RecordBatch> + Send + 'static,
 ) -> arrow_flight::encode::FlightDataEncoder {
-    FlightDataEncoderBuilder::new()
-        .with_flight_descriptor(descriptor)
+    wire_encoder(
+        FlightDataEncoderBuilder::new().with_flight_descriptor(descriptor),
+        batches,
+    )
+}
+
+/// Builds `builder`'s encoder over `batches` as they should travel: each batch as
+/// [`tessera_common::views::for_the_wire`] cuts it, which the encoder must not split again
+/// (its own slices would carry whole string buffers).
+pub fn wire_encoder(
+    builder: FlightDataEncoderBuilder,
+    batches: impl Stream<Item = RecordBatch> + Send + 'static,
+) -> arrow_flight::encode::FlightDataEncoder {
+    builder
         .with_max_flight_data_size(tessera_common::views::WIRE_ENCODER_MESSAGE_BYTES)
         .build(batches.flat_map(wire_slices))
 }
 
 /// A batch as the slices a Flight stream carries it in, each holding only its own string
 /// values ([`tessera_common::views::for_the_wire`]).
-pub fn wire_slices(
+fn wire_slices(
     batch: RecordBatch,
 ) -> futures::stream::Iter<std::vec::IntoIter<Result<RecordBatch, FlightError>>> {
     let slices = match tessera_common::views::for_the_wire(batch) {

@@ -20,7 +20,7 @@ mod envelope;
 mod error;
 
 pub use clients::{
-    wire_slices, Clients, CONNECTION_WINDOW_BYTES, MAX_MESSAGE_BYTES, STREAM_WINDOW_BYTES,
+    wire_encoder, Clients, CONNECTION_WINDOW_BYTES, MAX_MESSAGE_BYTES, STREAM_WINDOW_BYTES,
 };
 pub use envelope::{
     encode_envelope, encode_envelope_from, encode_request, Caller, Envelope, Gate, TaggedRequest,

@@ -766,12 +766,13 @@ impl FlightService for NodeService {
                 )))
             }
         };
-        let stream = FlightDataEncoderBuilder::new()
-            .with_schema(schema)
-            .with_metadata(metadata)
-            .with_max_flight_data_size(tessera_common::views::WIRE_ENCODER_MESSAGE_BYTES)
-            .build(futures::stream::iter(batches).flat_map(tessera_net::wire_slices))
-            .map_err(failed);
+        let stream = tessera_net::wire_encoder(
+            FlightDataEncoderBuilder::new()
+                .with_schema(schema)
+                .with_metadata(metadata),
+            futures::stream::iter(batches),
+        )
+        .map_err(failed);
         Ok(Response::new(stream.boxed()))
     }
 
