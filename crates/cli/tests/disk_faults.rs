@@ -559,3 +559,68 @@ async fn damaged_and_missing_components_are_fetched_from_a_replica_by_hash() {
         "the repair is logged"
     );
 }
+
+/// Every fsync of node `slow`'s write-ahead log takes 2.5 s, longer than the publish's
+/// progress deadlines (1 s for a forward, 2 s for the head), on a cluster of `nodes` nodes
+/// with one partition on all of them, where a publish needs every replica (one node, or
+/// `replicas.min_copies` = 2 on two). Leaving the slow node out would only leave too few
+/// replicas, so the publish waits for it instead (saying so in the log) and is acknowledged,
+/// and the node is not marked as having missed the epoch. Without that, the slow node is
+/// given up and the publish refused, as a one-node SF 10 load was when write-back held its
+/// disk for 30 s.
+async fn a_slow_last_copy_is_waited_for(nodes: usize, slow: u64) {
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster =
+        LocalCluster::configure(Path::new(BINARY), root.path(), nodes, 1, nodes as u32);
+    cluster.log_to_files();
+    cluster.set_node_env(
+        slow,
+        tessera_common::disk::FAULTS_VAR,
+        "fsync-slow:.wal:ms=2500",
+    );
+    let options = [
+        ("failure.disk_stall_ms", "60000"),
+        ("failure.progress_timeout_ms", "1000"),
+    ];
+    let (cluster, client) = common::start_kv(cluster, &options).await;
+    for round in 0..2 {
+        let keys = round * 100..round * 100 + 100;
+        let published = tokio::time::timeout(
+            Duration::from_secs(60),
+            client.publish("kv", vec![kv_batch(keys.start, keys.end)], false),
+        )
+        .await
+        .expect("the publish ended within a minute");
+        published.unwrap_or_else(|e| panic!("publish {round} refused: {e}"));
+    }
+    let batches = client.query("SELECT count(*) FROM kv").await.unwrap();
+    let count = batches[0]
+        .column(0)
+        .as_any()
+        .downcast_ref::<arrow::array::Int64Array>()
+        .expect("count is BIGINT")
+        .value(0);
+    assert_eq!(count, 200, "both publishes' rows are there");
+    let placement = client.current_metadata().await.unwrap().map.partitions[0].clone();
+    assert!(
+        placement.stale.is_empty(),
+        "no replica missed an epoch: {placement:?}"
+    );
+    let log = std::fs::read_to_string(cluster.log_path(1)).unwrap();
+    assert!(
+        log.contains("a node the publish cannot go without"),
+        "node 1 says why it waits on node {slow}"
+    );
+    assert!(!log.contains("giving up on it"), "log:\n{log}");
+    assert!(cluster.panics_logged().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_node_cluster_waits_for_its_own_slow_disk() {
+    a_slow_last_copy_is_waited_for(1, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_waits_for_a_slow_replica_it_cannot_publish_without() {
+    a_slow_last_copy_is_waited_for(2, 2).await;
+}

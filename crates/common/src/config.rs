@@ -281,6 +281,9 @@ pub struct FailureSettings {
     /// this long, then retries the publish; a copy into it under a rebalance's lease stops,
     /// so the lease is released, and is tried again later. Without it, one such node holds
     /// an epoch, and its tables' lease, open until it stops itself or is declared failed.
+    /// A node the publish cannot go without (leaving it out would leave fewer current
+    /// replicas than `replicas.min_copies`) is waited for up to `open_epoch_timeout_ms`
+    /// instead: giving it up would only refuse the publish.
     pub progress_timeout_ms: u64,
 }
 

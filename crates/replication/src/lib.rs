@@ -37,6 +37,45 @@ use tessera_meta::MetaClient;
 use tessera_net::Clients;
 use tessera_storage::Store;
 
+/// How long a prepare waits on a peer (or this node's own logging) that makes no progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Patience {
+    /// Gives up after this long: the publish goes on without the peer, which misses the
+    /// epoch and catches up later.
+    Usual(Duration),
+    /// The publish cannot go on without the peer: it is one of the last current replicas
+    /// of a partition, so leaving it out would leave fewer than `replicas.min_copies` (on a
+    /// one-node cluster, always). Giving up would only refuse the publish, so the wait goes
+    /// on, said in the log after `usual`, and ends at `epoch_open` (the open-epoch timeout,
+    /// when the metadata leader aborts the epoch anyway).
+    LastCopy {
+        usual: Duration,
+        epoch_open: Duration,
+    },
+}
+
+impl Patience {
+    /// `usual`, or the longer wait for a peer the publish cannot go without.
+    pub fn for_peer(last_copy: bool, usual: Duration, settings: &Settings) -> Patience {
+        if last_copy && settings.open_epoch_timeout > usual {
+            Patience::LastCopy {
+                usual,
+                epoch_open: settings.open_epoch_timeout,
+            }
+        } else {
+            Patience::Usual(usual)
+        }
+    }
+
+    /// How long the peer may make no progress before it is given up.
+    pub fn limit(self) -> Duration {
+        match self {
+            Patience::Usual(limit) => limit,
+            Patience::LastCopy { epoch_open, .. } => epoch_open,
+        }
+    }
+}
+
 /// The settings the replication protocols follow (from `node.toml`).
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -281,16 +320,16 @@ impl Replication {
 
     /// Sends `request`'s prepare stream to `peer` and waits for its reply, giving up when
     /// the cluster declares `peer` failed (a transport error, as for a lost connection) or
-    /// when `peer` makes no progress for `stall_limit` ([`PrepareFailed::Stalled`], see
-    /// [`stall`]): either way the cluster goes on without it, rather than hold the epoch and
-    /// its tables' lease open.
+    /// when `peer` makes no progress for as long as `patience` allows
+    /// ([`PrepareFailed::Stalled`], see [`stall`]): either way the cluster goes on without
+    /// it, rather than hold the epoch and its tables' lease open.
     pub async fn prepare_within_deadlines(
         &self,
         what: &'static str,
         peer: NodeId,
         request: &wire::PrepareRequest,
         batches: impl futures::Stream<Item = arrow::array::RecordBatch> + Send + Unpin + 'static,
-        stall_limit: Duration,
+        patience: Patience,
     ) -> std::result::Result<wire::PrepareReply, PrepareFailed> {
         use tessera_net::CallError;
         let progress = stall::Progress::new();
@@ -305,7 +344,7 @@ impl Replication {
                 None => Err(CallError::Transport(format!("node {peer} has no address")).into()),
             }
         };
-        self.within_deadlines(what, peer, request, &progress, call, stall_limit)
+        self.within_deadlines(what, peer, request, &progress, call, patience)
             .await
     }
 
@@ -317,7 +356,7 @@ impl Replication {
         self: &Arc<Self>,
         request: &wire::PrepareRequest,
         batches: Vec<arrow::array::RecordBatch>,
-        stall_limit: Duration,
+        patience: Patience,
     ) -> std::result::Result<Result<wire::PrepareReply>, PrepareFailed> {
         let progress = stall::Progress::new();
         let rows =
@@ -325,12 +364,13 @@ impl Replication {
         let call =
             async { Ok(log_shipping::receive(self, request.clone(), progress.watch(rows)).await) };
         let me = self.id;
-        self.within_deadlines("a prepare", me, request, &progress, call, stall_limit)
+        self.within_deadlines("a prepare", me, request, &progress, call, patience)
             .await
     }
 
     /// Runs `call`, a prepare stream sent to `peer` (or logged here), giving up when the
-    /// cluster declares `peer` failed or when it makes no progress for `stall_limit`.
+    /// cluster declares `peer` failed or when it makes no progress for as long as
+    /// `patience` allows.
     async fn within_deadlines<T>(
         &self,
         what: &'static str,
@@ -338,9 +378,21 @@ impl Replication {
         request: &wire::PrepareRequest,
         progress: &stall::Progress,
         call: impl std::future::Future<Output = std::result::Result<T, PrepareFailed>>,
-        stall_limit: Duration,
+        patience: Patience,
     ) -> std::result::Result<T, PrepareFailed> {
         use tessera_net::CallError;
+        let given_up = async {
+            if let Patience::LastCopy { usual, .. } = patience {
+                let stalled = progress.stalled(usual).await;
+                tracing::warn!(
+                    epoch = %request.epoch,
+                    peer = peer.0,
+                    stalled_s = stalled.as_secs_f64(),
+                    "{what}: a node the publish cannot go without (too few current replicas would be left) made no progress; waiting for it as long as the epoch may stay open (failure.open_epoch_timeout_ms)"
+                );
+            }
+            progress.stalled(patience.limit()).await
+        };
         tokio::select! {
             reply = call => reply,
             // Declared failed: its partitions are failed over, whether or not the
@@ -348,7 +400,7 @@ impl Replication {
             () = self.declared_failed(peer) => Err(CallError::Transport(format!(
                 "node {peer} was declared failed while logging the rows"
             )).into()),
-            stalled = progress.stalled(stall_limit) => {
+            stalled = given_up => {
                 tracing::warn!(
                     epoch = %request.epoch,
                     peer = peer.0,

@@ -169,11 +169,22 @@ fn start_shipping(
         let node = node.clone();
         let replica = forward.node;
         // A replica that fails or stalls mid-stream missed the epoch: it is reported
-        // unreachable, marked stale, and catches up.
+        // unreachable, marked stale, and catches up (unless the publish cannot go on
+        // without it: then it is waited for longer).
+        let patience = crate::Patience::for_peer(
+            forward.last_copy,
+            node.settings.progress_timeout,
+            &node.settings,
+        );
         let task = tokio::spawn(async move {
-            let limit = node.settings.progress_timeout;
-            node.prepare_within_deadlines("a forwarded prepare", replica, &onward, receiver, limit)
-                .await
+            node.prepare_within_deadlines(
+                "a forwarded prepare",
+                replica,
+                &onward,
+                receiver,
+                patience,
+            )
+            .await
         });
         shipping.push((replica, task));
     }

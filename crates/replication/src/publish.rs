@@ -176,6 +176,10 @@ struct Shipment {
     batches: Vec<RecordBatch>,
     /// Replica → the partitions of this shipment it logs.
     replicas: BTreeMap<NodeId, Vec<PartitionId>>,
+    /// The publish cannot go on without these targets (the head among them): they are the
+    /// last current replicas of one of its partitions, so each is waited for up to the
+    /// open-epoch timeout rather than given up when it stalls.
+    last_copies: BTreeSet<NodeId>,
 }
 
 /// How many times a publish is retried with a new epoch (the aborted one is never
@@ -734,6 +738,9 @@ async fn prepare_everywhere(
                     targets[..=i].rotate_right(1);
                 }
                 let head = targets[0];
+                let needed =
+                    tessera_meta::copies_needed(Some(min_copies), placement.replicas.len());
+                let last_copies = targets.len() <= needed;
                 let rows: Vec<RecordBatch> = batches
                     .iter()
                     .map(|b| with_partition_column(partition, b))
@@ -752,7 +759,11 @@ async fn prepare_everywhere(
                         partitions: Vec::new(),
                         batches: Vec::new(),
                         replicas: BTreeMap::new(),
+                        last_copies: BTreeSet::new(),
                     });
+                if last_copies {
+                    shipment.last_copies.extend(targets.iter().copied());
+                }
                 shipment.partitions.push(partition);
                 shipment.batches.extend(rows);
                 for replica in &targets[1..] {
@@ -772,13 +783,16 @@ async fn prepare_everywhere(
             .map(|(node, partitions)| Forward {
                 node: *node,
                 partitions: partitions.clone(),
+                last_copy: shipment.last_copies.contains(node),
             })
             .collect();
         let head = shipment.head;
         let batches = std::mem::take(&mut shipment.batches);
         // The head's own forwards give up after one `progress_timeout`; it then answers,
         // naming the replicas it gave up on, so the coordinator waits twice as long.
-        let patience = node.settings.progress_timeout * 2;
+        let last_copy = shipment.last_copies.contains(&head);
+        let usual = node.settings.progress_timeout * 2;
+        let patience = crate::Patience::for_peer(last_copy, usual, &node.settings);
         let result = if head == node.id() {
             node.prepare_here_within_deadlines(&shipment.request, batches, patience)
                 .await

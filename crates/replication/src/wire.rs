@@ -56,6 +56,11 @@ pub enum PreparedRows {
 pub struct Forward {
     pub node: NodeId,
     pub partitions: Vec<PartitionId>,
+    /// The publish cannot go on without this replica (one of the last current replicas of
+    /// a partition): the head waits for it up to the open-epoch timeout rather than give
+    /// it up after `failure.progress_timeout_ms` (see [`crate::Patience`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub last_copy: bool,
 }
 
 /// A primary's answer to a prepare: the replicas it could not reach (they missed the

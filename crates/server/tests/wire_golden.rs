@@ -427,6 +427,7 @@ fn samples() -> Samples {
             forward: vec![Forward {
                 node: NodeId(2),
                 partitions: vec![PartitionId(1)],
+                last_copy: false,
             }],
         },
     );

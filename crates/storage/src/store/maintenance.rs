@@ -4,6 +4,14 @@
 
 use super::*;
 
+/// What [`Store::merge_crowded_partitions`] did: how many partitions it merged, and the
+/// longest any one held the gate.
+#[derive(Debug, Default)]
+pub(super) struct Merged {
+    partitions: usize,
+    longest: std::time::Duration,
+}
+
 impl Store {
     /// True once memory holds enough rows that a checkpoint should run.
     pub fn wants_checkpoint(&self) -> bool {
@@ -15,12 +23,24 @@ impl Store {
     /// Flushes memory to components, records manifests, drops log segments the checkpoint
     /// covers, and merges partitions that have too many components.
     pub fn checkpoint(&self) -> Result<()> {
+        let started = std::time::Instant::now();
+        let memtable_bytes = self.state().memtable_bytes;
         {
             let _gate = self.gate.write().expect("gate lock");
             self.check_poisoned()?;
             self.checkpoint_holding_gate()?;
         }
-        self.merge_crowded_partitions()
+        let flushed_at = started.elapsed();
+        let merged = self.merge_crowded_partitions()?;
+        tracing::info!(
+            memtable_bytes,
+            flush_s = flushed_at.as_secs_f64(),
+            merged_partitions = merged.partitions,
+            longest_merge_s = merged.longest.as_secs_f64(),
+            total_s = started.elapsed().as_secs_f64(),
+            "checkpoint (the flush holds the store's gate; each merge holds it for one partition)"
+        );
+        Ok(())
     }
 
     /// Flushes memory to components without truncating the log: what a primary does when
@@ -89,7 +109,7 @@ impl Store {
     /// a merge of a large partition takes seconds, and prepares and publishes (which take
     /// the gate shared) wait for one partition's merge, not for every crowded partition's
     /// in turn (at SF 10 that held a node's prepares past the progress deadline).
-    pub(super) fn merge_crowded_partitions(&self) -> Result<()> {
+    pub(super) fn merge_crowded_partitions(&self) -> Result<Merged> {
         let plan_of = |state: &State, table: &TableState, partition, p: &PartitionState| {
             MergePlan::of(
                 &table.def,
@@ -107,7 +127,9 @@ impl Store {
                 .map(|(t, partition, _)| (t.def.name.clone(), partition))
                 .collect()
         };
+        let mut merged = Merged::default();
         for (table, partition) in crowded {
+            let started = std::time::Instant::now();
             let _gate = self.gate.write().expect("gate lock");
             self.check_poisoned()?;
             let plan = {
@@ -209,8 +231,10 @@ impl Store {
                 "merged components"
             );
             self.collect_garbage(removed, &state)?;
+            merged.partitions += 1;
+            merged.longest = merged.longest.max(started.elapsed());
         }
-        Ok(())
+        Ok(merged)
     }
 
     /// Queues components no manifest references for deletion once no snapshot can read them.

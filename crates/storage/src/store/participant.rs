@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// A prepare's wait for the store's gate worth a line in the log.
+const SLOW_GATE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl Store {
     /// Creates a table exactly as the cluster catalog defines it. A table of that name and
     /// the same or a newer generation makes this a no-op (a replayed metadata entry); an
@@ -69,7 +72,18 @@ impl Store {
                     .push(batch);
             }
         }
+        let waited_from = std::time::Instant::now();
         let _gate = self.gate.read().expect("gate lock");
+        let gate_wait = waited_from.elapsed();
+        if gate_wait >= SLOW_GATE_WAIT {
+            // A checkpoint or merge holds the gate exclusively; a coordinator's progress
+            // deadline counts this wait against the node.
+            tracing::warn!(
+                %epoch,
+                waited_s = gate_wait.as_secs_f64(),
+                "a prepare waited for a checkpoint, merge or copy holding the store"
+            );
+        }
         let mut state = self.state();
         if state.is_decided(epoch) {
             return Err(StorageError::PrepareAfterDecision { epoch });
