@@ -26,7 +26,7 @@ impl Store {
         let started = std::time::Instant::now();
         let memtable_bytes = self.state().memtable_bytes;
         {
-            let _gate = self.gate.write().expect("gate lock");
+            let _gate = self.gate.exclusive();
             self.check_poisoned()?;
             self.checkpoint_holding_gate()?;
         }
@@ -46,7 +46,7 @@ impl Store {
     /// Flushes memory to components without truncating the log: what a primary does when
     /// a cold standby of its partitions wants components before truncating its own log.
     pub fn flush(&self) -> Result<()> {
-        let _gate = self.gate.write().expect("gate lock");
+        let _gate = self.gate.exclusive();
         self.check_poisoned()?;
         self.flush_memtables()
     }
@@ -108,7 +108,8 @@ impl Store {
     /// Each partition is merged under the exclusive gate on its own, planned afresh there:
     /// a merge of a large partition takes seconds, and prepares and publishes (which take
     /// the gate shared) wait for one partition's merge, not for every crowded partition's
-    /// in turn (at SF 10 that held a node's prepares past the progress deadline).
+    /// in turn (at SF 10 that held a node's prepares past the progress deadline). The gate
+    /// goes to the waiting prepares between two merges ([`gate`](super::gate)).
     pub(super) fn merge_crowded_partitions(&self) -> Result<Merged> {
         let plan_of = |state: &State, table: &TableState, partition, p: &PartitionState| {
             MergePlan::of(
@@ -130,7 +131,7 @@ impl Store {
         let mut merged = Merged::default();
         for (table, partition) in crowded {
             let started = std::time::Instant::now();
-            let _gate = self.gate.write().expect("gate lock");
+            let _gate = self.gate.exclusive();
             self.check_poisoned()?;
             let plan = {
                 let state = self.state();

@@ -3,7 +3,8 @@
 //!
 //! Concurrency: a publish through the log holds the *gate* shared, so publishes group-commit
 //! together; checkpoints, bulk publishes and DDL hold it exclusively, so they see no publish
-//! half done. Readers never take the gate: they copy what an epoch needs under the short
+//! half done; an exclusive section hands the gate to the waiting publishes when it ends
+//! (`gate.rs`), so back-to-back ones cannot starve them. Readers never take the gate: they copy what an epoch needs under the short
 //! state lock and read immutable components afterwards.
 //!
 //! Visibility: epochs are allocated in order and committed possibly out of order (group
@@ -30,10 +31,11 @@ use arrow::array::RecordBatch;
 use arrow::compute::concat_batches;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use tessera_common::{ComponentHash, Epoch, Lsn, PartitionId, PartitionRing, ReadEpochs, RowOp};
 
 mod archive;
+mod gate;
 mod history;
 mod maintenance;
 mod participant;
@@ -584,7 +586,7 @@ pub struct Store {
     config: StoreConfig,
     ring: PartitionRing,
     state: Mutex<State>,
-    gate: RwLock<()>,
+    gate: gate::Gate,
     wal: Wal,
     verified: Mutex<HashSet<ComponentHash>>,
     readers: Arc<Mutex<ReaderRegistry>>,
@@ -656,7 +658,7 @@ impl Store {
             ring: PartitionRing::new(config.partitions),
             config,
             state: Mutex::new(state),
-            gate: RwLock::new(()),
+            gate: gate::Gate::default(),
             wal,
             verified: Mutex::new(HashSet::new()),
             readers: Arc::new(Mutex::new(ReaderRegistry::default())),
@@ -771,7 +773,7 @@ impl Store {
     }
 
     pub fn create_table(&self, mut def: TableDef) -> Result<()> {
-        let _gate = self.gate.write().expect("gate lock");
+        let _gate = self.gate.exclusive();
         self.check_poisoned()?;
         let mut state = self.state();
         if state.tables.contains_key(&def.name) {
@@ -789,7 +791,7 @@ impl Store {
         name: &str,
         alter: &crate::evolution::AlterColumn,
     ) -> Result<TableDef> {
-        let _gate = self.gate.write().expect("gate lock");
+        let _gate = self.gate.exclusive();
         self.check_poisoned()?;
         let mut state = self.state();
         let from = state.next_epoch;
@@ -801,7 +803,7 @@ impl Store {
     }
 
     pub fn drop_table(&self, name: &str) -> Result<()> {
-        let _gate = self.gate.write().expect("gate lock");
+        let _gate = self.gate.exclusive();
         self.check_poisoned()?;
         let mut state = self.state();
         let table = state

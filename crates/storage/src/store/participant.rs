@@ -15,7 +15,7 @@ impl Store {
             if existing.generation == def.generation && existing.layout() < def.layout() {
                 // An ALTER TABLE: the same table under a newer definition. Rows and files
                 // already here are conformed when read.
-                let _gate = self.gate.write().expect("gate lock");
+                let _gate = self.gate.exclusive();
                 self.check_poisoned()?;
                 let mut state = self.state();
                 let name = def.name.clone();
@@ -27,7 +27,7 @@ impl Store {
             }
             self.drop_table_generation(&def.name, existing.generation)?;
         }
-        let _gate = self.gate.write().expect("gate lock");
+        let _gate = self.gate.exclusive();
         self.check_poisoned()?;
         let mut state = self.state();
         state.tables.insert(def.name.clone(), self.empty_table(def));
@@ -73,7 +73,7 @@ impl Store {
             }
         }
         let waited_from = std::time::Instant::now();
-        let _gate = self.gate.read().expect("gate lock");
+        let _gate = self.gate.shared();
         let gate_wait = waited_from.elapsed();
         if gate_wait >= SLOW_GATE_WAIT {
             // A checkpoint or merge holds the gate exclusively; a coordinator's progress
@@ -159,7 +159,7 @@ impl Store {
         missed: &BTreeSet<PartitionId>,
     ) -> Result<bool> {
         self.check_poisoned()?;
-        let _gate = self.gate.read().expect("gate lock");
+        let _gate = self.gate.shared();
         let mut state = self.state();
         state.advance_visible_to(epoch);
         state.record_decision(epoch);
@@ -226,7 +226,7 @@ impl Store {
     /// Discards the rows prepared for `epoch`, if any.
     pub fn abort_epoch(&self, epoch: Epoch) -> Result<()> {
         self.check_poisoned()?;
-        let _gate = self.gate.read().expect("gate lock");
+        let _gate = self.gate.shared();
         let mut state = self.state();
         state.advance_visible_to(epoch);
         state.record_decision(epoch);
@@ -263,7 +263,7 @@ impl Store {
     /// it discarded anything.
     pub fn discard_late_prepare(&self, epoch: Epoch) -> Result<bool> {
         self.check_poisoned()?;
-        let _gate = self.gate.read().expect("gate lock");
+        let _gate = self.gate.shared();
         let mut state = self.state();
         if !state.is_decided(epoch) || state.pending.remove(&epoch).is_none() {
             return Ok(false);

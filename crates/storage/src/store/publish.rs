@@ -85,7 +85,7 @@ impl Store {
         prepared: Vec<PreparedChanges>,
         read_at: &ReadEpochs,
     ) -> Result<Epoch> {
-        let _gate = self.gate.read().expect("gate lock");
+        let _gate = self.gate.shared();
         // Tables can only disappear under the exclusive gate; recheck now that we hold it.
         let mut state = self.state();
         for p in &prepared {
@@ -156,7 +156,7 @@ impl Store {
     /// The bulk path: rows become components directly; the checkpoint that lists them is
     /// the commit point.
     fn publish_bulk(&self, prepared: Vec<PreparedChanges>, read_at: &ReadEpochs) -> Result<Epoch> {
-        let gate = self.gate.write().expect("gate lock");
+        let gate = self.gate.exclusive();
         self.check_poisoned()?;
         // Flushing first keeps LSNs rising within each manifest.
         self.flush_memtables()?;

@@ -25,7 +25,7 @@ impl Store {
     /// from now on (unless they became standbys again meanwhile). Returns how many row
     /// batches were replayed.
     pub fn promote(&self, promoted: &BTreeSet<PartitionId>) -> Result<usize> {
-        let _gate = self.gate.write().expect("gate lock");
+        let _gate = self.gate.exclusive();
         self.check_poisoned()?;
         let replayed = self.replay_standby_holding_gate(|p| promoted.contains(p))?;
         let mut state = self.state();
@@ -48,7 +48,7 @@ impl Store {
         if !lagging(&self.state()) {
             return Ok(0);
         }
-        let _gate = self.gate.write().expect("gate lock");
+        let _gate = self.gate.exclusive();
         self.check_poisoned()?;
         self.replay_standby_holding_gate(|p| partitions.contains(p))
     }
@@ -189,7 +189,7 @@ impl Store {
         fetched: HashMap<ComponentHash, Vec<u8>>,
         covered: Epoch,
     ) -> Result<bool> {
-        let _gate = self.gate.write().expect("gate lock");
+        let _gate = self.gate.exclusive();
         self.check_poisoned()?;
         {
             let state = self.state();

@@ -135,7 +135,7 @@ impl Store {
         memtable: Vec<RecordBatch>,
         fence: Option<Epoch>,
     ) -> Result<()> {
-        let _gate = self.gate.write().expect("gate lock");
+        let _gate = self.gate.exclusive();
         self.check_poisoned()?;
         self.refuse_undecided(table, partition, Epoch::ZERO)?;
         self.refuse_newer_than(table, partition, fence)?;
@@ -223,7 +223,7 @@ impl Store {
         deltas: Vec<PartitionDelta>,
         fence: Option<Epoch>,
     ) -> Result<()> {
-        let _gate = self.gate.write().expect("gate lock");
+        let _gate = self.gate.exclusive();
         self.check_poisoned()?;
         let mut dropped = Vec::new();
         let mut installed = 0;
