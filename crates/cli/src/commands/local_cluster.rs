@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use std::fs::OpenOptions;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 use tessera_common::tls::MutualTls;
 use tessera_server::{ClusterClient, NodeConfig, NodeId};
@@ -19,10 +19,9 @@ use tessera_server::{ClusterClient, NodeConfig, NodeId};
 pub enum NodeOutput {
     /// This terminal's: `tessera up`, where the logs are what a user watches.
     Inherit,
-    /// Nowhere: the benchmarks, whose figures must stay readable.
-    Discard,
     /// Appended to `node.log` beside each node's configuration: the demo, which tells a
-    /// story on the terminal but leaves the logs to look at.
+    /// story on the terminal but leaves the logs to look at, and the benchmarks, whose
+    /// figures must stay readable.
     LogFile,
 }
 
@@ -68,10 +67,11 @@ impl LocalCluster {
     }
 
     /// Starts a cluster as `options` say, on the first free run of ports (a benchmark's,
-    /// whose nodes' output is discarded).
+    /// whose nodes log to `node.log` beside their configurations: a run that fails or is
+    /// slow leaves them to look at).
     pub fn start_on_free_ports(root: &Path, mut options: UpOptions) -> Result<LocalCluster> {
         options.base_port = free_base_port(options.all_nodes())?;
-        Self::start(root, &options, NodeOutput::Discard)
+        Self::start(root, &options, NodeOutput::LogFile)
     }
 
     /// A client of the node at `addrs[index]`, with this cluster's certificate if any.
@@ -90,9 +90,6 @@ impl LocalCluster {
         command.args(["node", "--config"]).arg(config);
         match self.output {
             NodeOutput::Inherit => {}
-            NodeOutput::Discard => {
-                command.stdout(Stdio::null());
-            }
             NodeOutput::LogFile => {
                 let path = self.log_path(id);
                 let log = OpenOptions::new()
