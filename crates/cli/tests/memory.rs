@@ -71,7 +71,7 @@ async fn queries_over_their_memory_limit_spill_and_stay_exact_or_fail_naming_the
     let error = client.query(join).await.unwrap_err().to_string();
     for part in [
         "needs more memory on node 1",
-        "of its limit of 4.0 MiB (tessera.query_memory_limit",
+        "its limit of 4.0 MiB (tessera.query_memory_limit",
         "cannot spill",
         "query ",
     ] {

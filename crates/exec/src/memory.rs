@@ -7,6 +7,13 @@
 //! aggregations that reach a limit spill sorted runs to `data_dir/spill` and go on; an
 //! operator that cannot spill (a hash join's build side) fails the query with an error
 //! naming the query, the node and the limit it would pass.
+//!
+//! Under a query limit, each of the query's channels on a node is held to an equal share
+//! of it, and its spilling consumers to half of that: a sort merging its spilled runs
+//! takes what its pool has left, and must not take what another stage's merge waits for.
+//! A join's build side is the exception ([`holds_its_input_whole`]): it cannot spill or
+//! make do with less, it is as large as its data, and the channels of a stage rarely need
+//! the same, so it draws on whatever is left of the query's whole limit on the node.
 
 use crate::{NodeId, QueryId};
 use datafusion::common::{DataFusionError, Result as DfResult};
@@ -16,9 +23,10 @@ use datafusion::execution::memory_pool::{
 };
 use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::execution::TaskContext;
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 /// A node's memory for queries and the runtime its channels share.
 #[derive(Debug)]
@@ -28,6 +36,9 @@ pub struct NodeMemory {
     pool: Arc<dyn MemoryPool>,
     /// The process's runtime (its Parquet metadata cache, spill files), with the node's pool.
     runtime: Arc<RuntimeEnv>,
+    /// What each query with a limit of its own holds here, over all its channels; an entry
+    /// lives as long as one of its channels' contexts.
+    held_by_query: Mutex<HashMap<QueryId, Weak<AtomicUsize>>>,
 }
 
 /// Half of this machine's memory, or 4 GiB where it cannot be read.
@@ -89,6 +100,7 @@ impl NodeMemory {
             limit,
             pool,
             runtime,
+            held_by_query: Mutex::default(),
         })
     }
 
@@ -103,10 +115,11 @@ impl NodeMemory {
     }
 
     /// The context one of `query`'s `channels` on this node runs in: the node's runtime
-    /// with a pool that holds the channel to an equal share of `query_limit` bytes (no
-    /// share of its own if `None` or not below the node's limit). Shares, not one pool
-    /// for the query: a sort merging its spilled runs takes what its pool has left, and
-    /// would leave nothing to the merge of another stage waiting on it.
+    /// with a pool that holds the query to `query_limit` bytes over all its channels here,
+    /// and the channel's spilling consumers to half of an equal share of it (no limit of
+    /// its own if `None` or not below the node's limit). Shares for what spills, not one
+    /// pool: a sort merging its spilled runs takes what its pool has left, and would leave
+    /// nothing to the merge of another stage waiting on it.
     pub fn task_context(
         &self,
         query: QueryId,
@@ -125,6 +138,7 @@ impl NodeMemory {
             query,
             limit,
             query_limit,
+            query_held: own.then(|| self.held_by(query)),
             channels,
             // Spilling consumers share half of the limit fairly; the rest is
             // left for those that cannot spill (a merge, a join's build side), which
@@ -133,6 +147,7 @@ impl NodeMemory {
             node_limit: self.limit,
             node_pool: self.pool.clone(),
             reserved: AtomicUsize::new(0),
+            in_share: AtomicUsize::new(0),
         });
         let runtime = Arc::new(RuntimeEnv {
             memory_pool: pool,
@@ -158,11 +173,33 @@ impl NodeMemory {
             runtime,
         ))
     }
+
+    /// The bytes `query` holds here over all its channels, shared with the contexts made
+    /// for it before (forgetting queries none of whose contexts is left).
+    fn held_by(&self, query: QueryId) -> Arc<AtomicUsize> {
+        let mut queries = self.held_by_query.lock().expect("query memory lock");
+        if let Some(held) = queries.get(&query).and_then(Weak::upgrade) {
+            return held;
+        }
+        queries.retain(|_, held| held.strong_count() > 0);
+        let held = Arc::new(AtomicUsize::new(0));
+        queries.insert(query, Arc::downgrade(&held));
+        held
+    }
 }
 
-/// One query's share of a node's pool. A query with a limit of its own is held to it in
-/// total, and its spilling consumers to equal shares of half of it; every
-/// byte must also fit in the node's pool.
+/// Whether a consumer named `name` must hold its whole input in memory (a join's build
+/// side), so that it fails rather than adapt when refused; DataFusion names them so.
+fn holds_its_input_whole(name: &str) -> bool {
+    ["HashJoinInput", "NestedLoopJoinLoad", "CrossJoinExec"]
+        .iter()
+        .any(|prefix| name.starts_with(prefix))
+}
+
+/// One channel's view of a node's pool. A query with a limit of its own is held to it in
+/// total over its channels on the node, each channel to an equal share of it (a join's
+/// build side excepted), and each channel's spilling consumers to half of that share;
+/// every byte must also fit in the node's pool.
 #[derive(Debug)]
 struct QueryPool {
     node: NodeId,
@@ -170,13 +207,18 @@ struct QueryPool {
     /// The channel's share of the query's limit.
     limit: usize,
     query_limit: usize,
+    /// What the query holds on this node over all its channels, if it has a limit of its own.
+    query_held: Option<Arc<AtomicUsize>>,
     /// The query's channels on this node, which share its limit.
     channels: usize,
     /// The query's own pool, under `tessera.query_memory_limit`.
     query_pool: Option<FairSpillPool>,
     node_limit: usize,
     node_pool: Arc<dyn MemoryPool>,
+    /// What the channel holds.
     reserved: AtomicUsize,
+    /// What the channel holds but for its join build sides: held to its share.
+    in_share: AtomicUsize,
 }
 
 impl QueryPool {
@@ -218,6 +260,17 @@ impl std::fmt::Display for QueryPool {
 }
 
 impl QueryPool {
+    /// The counters `consumer`'s bytes count in: the channel's, its share's (a join's
+    /// build side excepted) and the query's.
+    fn counters(&self, consumer: &MemoryConsumer) -> Vec<&AtomicUsize> {
+        let mut counters = vec![&self.reserved];
+        if !holds_its_input_whole(consumer.name()) {
+            counters.push(&self.in_share);
+        }
+        counters.extend(self.query_held.as_deref());
+        counters
+    }
+
     /// The query's own pool, for a consumer that spills (the others are held to the
     /// query's total only).
     fn own_share(&self, consumer: &MemoryConsumer) -> Option<&FairSpillPool> {
@@ -249,7 +302,9 @@ impl MemoryPool for QueryPool {
             own.grow(reservation, additional);
         }
         self.node_pool.grow(reservation, additional);
-        self.reserved.fetch_add(additional, Ordering::SeqCst);
+        for counter in self.counters(reservation.consumer()) {
+            counter.fetch_add(additional, Ordering::SeqCst);
+        }
     }
 
     fn shrink(&self, reservation: &MemoryReservation, shrink: usize) {
@@ -257,16 +312,25 @@ impl MemoryPool for QueryPool {
             own.shrink(reservation, shrink);
         }
         self.node_pool.shrink(reservation, shrink);
-        self.reserved.fetch_sub(shrink, Ordering::SeqCst);
+        for counter in self.counters(reservation.consumer()) {
+            counter.fetch_sub(shrink, Ordering::SeqCst);
+        }
     }
 
     fn try_grow(&self, reservation: &MemoryReservation, additional: usize) -> DfResult<()> {
-        let own_limit = || {
-            match self.channels {
-            0 | 1 => format!(
-                "its limit of {} (tessera.query_memory_limit)",
+        let query_limit = || {
+            let shared = match self.channels {
+                0 | 1 => String::new(),
+                channels => format!(", over its {channels} channels on the node"),
+            };
+            format!(
+                "its limit of {} (tessera.query_memory_limit{shared})",
                 human(self.query_limit)
-            ),
+            )
+        };
+        let channel_share = || {
+            match self.channels {
+            0 | 1 => query_limit(),
             channels => format!(
                 "a channel's share, {}, of its limit of {} (tessera.query_memory_limit, shared by its {channels} channels on the node)",
                 human(self.limit),
@@ -274,19 +338,37 @@ impl MemoryPool for QueryPool {
             ),
         }
         };
-        let held = self.reserved.fetch_add(additional, Ordering::SeqCst);
+        let counters = self.counters(reservation.consumer());
+        for counter in &counters {
+            counter.fetch_add(additional, Ordering::SeqCst);
+        }
         let undo = || {
-            self.reserved.fetch_sub(additional, Ordering::SeqCst);
+            for counter in &counters {
+                counter.fetch_sub(additional, Ordering::SeqCst);
+            }
         };
-        if self.query_pool.is_some() && held + additional > self.limit {
-            undo();
-            return Err(self.refusal(reservation, additional, own_limit()));
+        let held = |counter: &AtomicUsize| counter.load(Ordering::SeqCst);
+        if let Some(query_held) = &self.query_held {
+            if held(query_held) > self.query_limit {
+                undo();
+                return Err(self.refusal(reservation, additional, query_limit()));
+            }
+            let in_share = !holds_its_input_whole(reservation.consumer().name());
+            if in_share && held(&self.in_share) > self.limit {
+                undo();
+                return Err(self.refusal(reservation, additional, channel_share()));
+            }
         }
         let own = self.own_share(reservation.consumer());
         if let Some(own) = own {
             if own.try_grow(reservation, additional).is_err() {
                 undo();
-                return Err(self.refusal(reservation, additional, own_limit()));
+                let spilling_half = format!(
+                    "what its spilling operators share, {}, of {}",
+                    human(self.limit / 2),
+                    channel_share()
+                );
+                return Err(self.refusal(reservation, additional, spilling_half));
             }
         }
         if self.node_pool.try_grow(reservation, additional).is_err() {
@@ -351,5 +433,57 @@ mod tests {
         let error = join.try_grow(2 << 20).unwrap_err().to_string();
         assert!(error.contains("[exec] memory_limit_bytes"), "{error}");
         assert!(error.contains("cannot spill"), "{error}");
+    }
+
+    /// Under a limit of 1 MiB for 4 channels (256 KiB each), one channel's join builds
+    /// 700 KiB and another's 200 KiB; then the query is full, whichever channel asks.
+    /// Everything else is held to its channel's share: a merge (which cannot spill, but
+    /// makes do with less) to 256 KiB, a sort to half of that.
+    #[test]
+    fn a_joins_build_side_draws_on_the_querys_whole_limit_across_its_channels() {
+        let dir = tempfile::tempdir().unwrap();
+        let memory = NodeMemory::new(NodeId(1), 64 << 20, &dir.path().join("spill")).unwrap();
+        let channel = || memory.task_context(QueryId(7), Some(1 << 20), 4);
+        let (first, second, third) = (channel(), channel(), channel());
+        let consumer = |ctx: &Arc<TaskContext>, name: &str| {
+            MemoryConsumer::new(name).register(ctx.memory_pool())
+        };
+        let big = consumer(&first, "HashJoinInput[0]");
+        big.try_grow(700 << 10).unwrap();
+        let small = consumer(&second, "HashJoinInput");
+        small.try_grow(200 << 10).unwrap();
+        let error = small.try_grow(200 << 10).unwrap_err().to_string();
+        assert!(
+            error.contains("its limit of 1.0 MiB") && error.contains("over its 4 channels"),
+            "{error}"
+        );
+        // Another query's channels are not held by this one's bytes.
+        let other = memory.task_context(QueryId(8), Some(1 << 20), 4);
+        consumer(&other, "HashJoinInput[1]")
+            .try_grow(900 << 10)
+            .unwrap();
+
+        big.free();
+        let merge = consumer(&third, "SortPreservingMergeExec[0]");
+        merge.try_grow(200 << 10).unwrap();
+        let error = merge.try_grow(100 << 10).unwrap_err().to_string();
+        assert!(error.contains("a channel's share, 256.0 KiB"), "{error}");
+        merge.free();
+        let sort = MemoryConsumer::new("ExternalSorter[0]")
+            .with_can_spill(true)
+            .register(third.memory_pool());
+        sort.try_grow(100 << 10).unwrap();
+        let error = sort.try_grow(100 << 10).unwrap_err().to_string();
+        assert!(
+            error.contains("what its spilling operators share, 128.0 KiB, of a channel's share"),
+            "{error}"
+        );
+        small.free();
+        sort.free();
+        drop((first, second, third));
+        let again = memory.task_context(QueryId(7), Some(1 << 20), 4);
+        consumer(&again, "HashJoinInput[2]")
+            .try_grow(1 << 20)
+            .unwrap();
     }
 }
