@@ -260,15 +260,22 @@ impl std::fmt::Display for QueryPool {
 }
 
 impl QueryPool {
-    /// The counters `consumer`'s bytes count in: the channel's, its share's (a join's
-    /// build side excepted) and the query's.
-    fn counters(&self, consumer: &MemoryConsumer) -> Vec<&AtomicUsize> {
-        let mut counters = vec![&self.reserved];
+    /// Adds `bytes` to (`AtomicUsize::fetch_add`) or takes them from the counters
+    /// `consumer`'s bytes count in: the channel's, its share's (a join's build side
+    /// excepted) and the query's. No allocation: this runs on every reservation change.
+    fn count(
+        &self,
+        consumer: &MemoryConsumer,
+        bytes: usize,
+        change: fn(&AtomicUsize, usize, Ordering) -> usize,
+    ) {
+        change(&self.reserved, bytes, Ordering::SeqCst);
         if !holds_its_input_whole(consumer.name()) {
-            counters.push(&self.in_share);
+            change(&self.in_share, bytes, Ordering::SeqCst);
         }
-        counters.extend(self.query_held.as_deref());
-        counters
+        if let Some(query_held) = &self.query_held {
+            change(query_held, bytes, Ordering::SeqCst);
+        }
     }
 
     /// The query's own pool, for a consumer that spills (the others are held to the
@@ -302,9 +309,7 @@ impl MemoryPool for QueryPool {
             own.grow(reservation, additional);
         }
         self.node_pool.grow(reservation, additional);
-        for counter in self.counters(reservation.consumer()) {
-            counter.fetch_add(additional, Ordering::SeqCst);
-        }
+        self.count(reservation.consumer(), additional, AtomicUsize::fetch_add);
     }
 
     fn shrink(&self, reservation: &MemoryReservation, shrink: usize) {
@@ -312,9 +317,7 @@ impl MemoryPool for QueryPool {
             own.shrink(reservation, shrink);
         }
         self.node_pool.shrink(reservation, shrink);
-        for counter in self.counters(reservation.consumer()) {
-            counter.fetch_sub(shrink, Ordering::SeqCst);
-        }
+        self.count(reservation.consumer(), shrink, AtomicUsize::fetch_sub);
     }
 
     fn try_grow(&self, reservation: &MemoryReservation, additional: usize) -> DfResult<()> {
@@ -338,22 +341,16 @@ impl MemoryPool for QueryPool {
             ),
         }
         };
-        let counters = self.counters(reservation.consumer());
-        for counter in &counters {
-            counter.fetch_add(additional, Ordering::SeqCst);
-        }
-        let undo = || {
-            for counter in &counters {
-                counter.fetch_sub(additional, Ordering::SeqCst);
-            }
-        };
+        let consumer = reservation.consumer();
+        self.count(consumer, additional, AtomicUsize::fetch_add);
+        let undo = || self.count(consumer, additional, AtomicUsize::fetch_sub);
         let held = |counter: &AtomicUsize| counter.load(Ordering::SeqCst);
         if let Some(query_held) = &self.query_held {
             if held(query_held) > self.query_limit {
                 undo();
                 return Err(self.refusal(reservation, additional, query_limit()));
             }
-            let in_share = !holds_its_input_whole(reservation.consumer().name());
+            let in_share = !holds_its_input_whole(consumer.name());
             if in_share && held(&self.in_share) > self.limit {
                 undo();
                 return Err(self.refusal(reservation, additional, channel_share()));
