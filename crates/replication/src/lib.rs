@@ -328,21 +328,27 @@ impl Replication {
         what: &'static str,
         peer: NodeId,
         request: &wire::PrepareRequest,
-        batches: impl futures::Stream<Item = arrow::array::RecordBatch> + Send + Unpin + 'static,
+        rows: wire::PrepareRows,
         patience: Patience,
     ) -> std::result::Result<wire::PrepareReply, PrepareFailed> {
         use tessera_net::CallError;
         let progress = stall::Progress::new();
         let call = async {
-            match self.meta.addr_of(peer) {
-                Some(addr) => {
-                    Ok(
-                        wire::prepare(&self.clients, &addr, request, progress.watch(batches))
-                            .await?,
-                    )
+            let Some(addr) = self.meta.addr_of(peer) else {
+                return Err(CallError::Transport(format!("node {peer} has no address")).into());
+            };
+            use futures::FutureExt;
+            let clients = &self.clients;
+            let sent = match rows {
+                wire::PrepareRows::Batches(batches) => {
+                    wire::prepare(clients, &addr, request, progress.watch(batches)).boxed()
                 }
-                None => Err(CallError::Transport(format!("node {peer} has no address")).into()),
-            }
+                wire::PrepareRows::AsLogged(messages) => {
+                    wire::prepare_as_logged(clients, &addr, request, progress.watch(messages))
+                        .boxed()
+                }
+            };
+            Ok(sent.await?)
         };
         self.within_deadlines(what, peer, request, &progress, call, patience)
             .await

@@ -1,19 +1,30 @@
-//! Log shipping, the participant side (DESIGN §6): a replica logs the rows of one prepare
-//! stream durably (`Prepared` WAL records, fsynced), in chunks logged by a task of their
-//! own while the next ones arrive (in the order received); as the head of a partition's
-//! log shipping (its primary; the coordinator calls this directly where that is itself) it
-//! also ships them on to the replicas named in the request while they arrive, and answers
-//! only once those have logged them too, naming the ones it could not reach.
+//! Log shipping, the participant side (DESIGN §6). The head of a partition's log shipping
+//! (its primary; the coordinator calls this directly where that is itself) checks the rows
+//! of a prepare stream, stamps them and encodes each partition's once
+//! (`tessera_storage::prepared`); it ships those messages on to the replicas named in the
+//! request and logs the same bytes durably (`Prepared` WAL records, fsynced) meanwhile. It
+//! answers only once the replicas have logged them too, naming the ones it could not reach.
+//! A replica logs the messages as they arrive, without decoding them, unless it serves the
+//! partition (a hot standby); a cold standby decodes them only when a promotion replays its
+//! log. Both log in chunks, each by a task of its own while the next arrives, in the order
+//! received.
 
 use crate::error::{PrepareFailed, ReplicationError, Result};
-use crate::wire::{PrepareReply, PrepareRequest, PreparedRows, PARTITION_COLUMN};
+use crate::wire::{
+    logged_rows_message, logged_schema_message, LoggedMessage, PrepareReply, PrepareRequest,
+    PrepareRows, PreparedRows, PARTITION_COLUMN,
+};
 use crate::{NodeId, Replication};
 use arrow::array::{Array, RecordBatch, UInt32Array};
-use futures::{SinkExt, Stream, TryStreamExt};
+use arrow_flight::FlightData;
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::{FutureExt, SinkExt, Stream, StreamExt, TryStreamExt};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_common::PartitionId;
-use tessera_storage::{PartitionChanges, StorageError};
+use tessera_storage::prepared::EncodedRows;
+use tessera_storage::{PartitionChanges, PreparedEntry, StorageError, Store};
 
 /// A chunk is handed to the logger as soon as the logger is idle and the chunk holds
 /// [`MIN_CHUNK_BYTES`], so logging keeps pace with a stream and what is left to log once it
@@ -27,20 +38,24 @@ const MIN_CHUNK_BYTES: usize = 4 << 20;
 const MAX_CHUNK_BYTES: usize = 32 << 20;
 /// How long a replica waits to learn of a table a prepare names (just created elsewhere).
 const TABLE_PATIENCE: Duration = Duration::from_secs(10);
+/// Messages queued for one replica's stream before the head waits for it.
+const OUTLET_MESSAGES: usize = 16;
 
-/// The partitions a replica takes from a primary's prepare stream, and the sender that
-/// feeds them to it.
-type Outlet = (
-    Vec<PartitionId>,
-    futures::channel::mpsc::Sender<RecordBatch>,
-);
+/// A replica the head ships logged rows on to: the partitions it takes, the sender feeding
+/// its stream, and the schema last declared on it.
+struct Outlet {
+    partitions: Vec<PartitionId>,
+    sender: futures::channel::mpsc::Sender<FlightData>,
+    schema: Option<Bytes>,
+}
 /// A replica and the task shipping rows to it.
 type Shipping = (
     NodeId,
     tokio::task::JoinHandle<std::result::Result<PrepareReply, PrepareFailed>>,
 );
 
-/// Logs the rows of one prepare stream durably, shipping them on to `request.forward`.
+/// Logs the rows of one prepare stream durably as the head of their log shipping, shipping
+/// them on to `request.forward` as it logs them.
 pub async fn receive(
     node: &Arc<Replication>,
     request: PrepareRequest,
@@ -50,14 +65,28 @@ pub async fn receive(
     tracing::Instrument::instrument(receive_logged(node, request, stream), span).await
 }
 
+/// Logs the rows a head shipped on as it logged them ([`PrepareRequest::as_logged`]).
+pub async fn receive_as_logged(
+    node: &Arc<Replication>,
+    request: PrepareRequest,
+    messages: impl Stream<Item = std::result::Result<FlightData, impl std::fmt::Display>> + Unpin,
+) -> Result<PrepareReply> {
+    let span = tracing::info_span!("prepare", epoch = %request.epoch, table = %request.table, as_logged = true);
+    tracing::Instrument::instrument(receive_shipped(node, request, messages), span).await
+}
+
 async fn receive_logged(
     node: &Arc<Replication>,
     request: PrepareRequest,
     mut stream: impl Stream<Item = std::result::Result<RecordBatch, impl std::fmt::Display>> + Unpin,
 ) -> Result<PrepareReply> {
     wait_for_table(node, &request.table).await;
-    let (mut outlets, shipping) = start_shipping(node, &request);
-    let mut logger = ChunkLogger::new(node, &request);
+    let (outlets, shipping) = start_shipping(node, &request);
+    let outlets = Arc::new(tokio::sync::Mutex::new(outlets));
+    let mut logger = ChunkLogger::new({
+        let (node, request, outlets) = (node.clone(), Arc::new(request.clone()), outlets.clone());
+        move |chunk| log_and_ship(node.clone(), request.clone(), chunk, outlets.clone()).boxed()
+    });
     let mut chunk: Vec<PartitionChanges> = Vec::new();
     let mut chunk_bytes = 0;
     let received = async {
@@ -67,12 +96,6 @@ async fn receive_logged(
             .map_err(|e| ReplicationError::BadPrepare(e.to_string()))?
         {
             let (partition, rows) = split_partition_column(&batch)?;
-            for (partitions, outlet) in &mut outlets {
-                // A closed outlet means that replica's stream failed; its task reports it.
-                if partitions.contains(&partition) {
-                    let _ = outlet.send(batch.clone()).await;
-                }
-            }
             chunk_bytes += tessera_storage::versions::rows_bytes(&rows);
             let mut change = PartitionChanges {
                 table: request.table.clone(),
@@ -87,8 +110,7 @@ async fn receive_logged(
                 PreparedRows::BeforeImages => change.before_images.push(rows),
             }
             chunk.push(change);
-            let full = chunk_bytes >= MAX_CHUNK_BYTES;
-            if full || (chunk_bytes >= MIN_CHUNK_BYTES && logger.is_idle()) {
+            if logger.wants(chunk_bytes) {
                 logger.hand_over(std::mem::take(&mut chunk)).await?;
                 chunk_bytes = 0;
             }
@@ -99,11 +121,16 @@ async fn receive_logged(
         Ok::<_, ReplicationError>(())
     }
     .await;
-    drop(outlets); // ends the replicas' streams
 
     // A chunk still being logged is waited for whatever ended the stream; a failed logger's
     // error is the one reported (the stream was cut short because of it).
     let logged = logger.wait().await;
+    // Ends the replicas' streams; one that carried nothing still names its request.
+    for mut outlet in std::mem::take(&mut *outlets.lock().await) {
+        if outlet.schema.is_none() {
+            let _ = outlet.sender.send(FlightData::default()).await;
+        }
+    }
     logged.and(received)?;
     let mut unreachable = Vec::new();
     for (replica, task) in shipping {
@@ -125,6 +152,55 @@ async fn receive_logged(
         }
     }
     Ok(PrepareReply { unreachable })
+}
+
+async fn receive_shipped(
+    node: &Arc<Replication>,
+    request: PrepareRequest,
+    mut messages: impl Stream<Item = std::result::Result<FlightData, impl std::fmt::Display>> + Unpin,
+) -> Result<PrepareReply> {
+    if !request.forward.is_empty() {
+        return Err(ReplicationError::BadPrepare(
+            "rows shipped as logged are not shipped on again".into(),
+        ));
+    }
+    wait_for_table(node, &request.table).await;
+    let mut logger = ChunkLogger::new({
+        let (node, request) = (node.clone(), Arc::new(request.clone()));
+        move |chunk| log_received(node.clone(), request.clone(), chunk).boxed()
+    });
+    let mut schema: Option<Bytes> = None;
+    let mut chunk: Vec<(PartitionId, EncodedRows)> = Vec::new();
+    let mut chunk_bytes = 0;
+    let bad = |reason: String| ReplicationError::BadPrepare(reason);
+    let received = async {
+        while let Some(message) = messages.try_next().await.map_err(|e| bad(e.to_string()))? {
+            match LoggedMessage::of(message).map_err(bad)? {
+                LoggedMessage::Empty => {}
+                LoggedMessage::Schema(declared) => schema = Some(declared),
+                LoggedMessage::Rows(partition, header, body) => {
+                    let schema = schema
+                        .clone()
+                        .ok_or_else(|| bad("logged rows arrived before their schema".into()))?;
+                    let rows = EncodedRows::received(schema, header, body)?;
+                    chunk_bytes += rows.bytes();
+                    chunk.push((partition, rows));
+                    if logger.wants(chunk_bytes) {
+                        logger.hand_over(std::mem::take(&mut chunk)).await?;
+                        chunk_bytes = 0;
+                    }
+                }
+            }
+        }
+        if !chunk.is_empty() {
+            logger.hand_over(chunk).await?;
+        }
+        Ok::<_, ReplicationError>(())
+    }
+    .await;
+    let logged = logger.wait().await;
+    logged.and(received)?;
+    Ok(PrepareReply::default())
 }
 
 /// Waits (up to [`TABLE_PATIENCE`]) for `table` to exist here. It may have been created
@@ -150,9 +226,9 @@ async fn wait_for_table(node: &Replication, table: &str) {
     }
 }
 
-/// Opens one prepare stream to each replica in `request.forward`. Returns, per replica,
-/// the partitions it takes and the sender feeding its stream, and the task that ends once
-/// it has logged them.
+/// Opens one prepare stream to each replica in `request.forward`, for the rows as this
+/// node logs them. Returns, per replica, the partitions it takes and the sender feeding
+/// its stream, and the task that ends once it has logged them.
 fn start_shipping(
     node: &Arc<Replication>,
     request: &PrepareRequest,
@@ -160,10 +236,15 @@ fn start_shipping(
     let mut outlets = Vec::new();
     let mut shipping = Vec::new();
     for forward in &request.forward {
-        let (sender, receiver) = futures::channel::mpsc::channel::<RecordBatch>(8);
-        outlets.push((forward.partitions.clone(), sender));
+        let (sender, receiver) = futures::channel::mpsc::channel::<FlightData>(OUTLET_MESSAGES);
+        outlets.push(Outlet {
+            partitions: forward.partitions.clone(),
+            sender,
+            schema: None,
+        });
         let onward = PrepareRequest {
             forward: Vec::new(),
+            as_logged: true,
             ..request.clone()
         };
         let node = node.clone();
@@ -181,7 +262,7 @@ fn start_shipping(
                 "a forwarded prepare",
                 replica,
                 &onward,
-                receiver,
+                PrepareRows::AsLogged(receiver.boxed()),
                 patience,
             )
             .await
@@ -191,36 +272,54 @@ fn start_shipping(
     (outlets, shipping)
 }
 
+/// Sends each replica the entries of the partitions it takes, to all of them at once.
+async fn ship(outlets: &mut [Outlet], entries: &[PreparedEntry]) {
+    let sends = outlets.iter_mut().map(|outlet| async move {
+        for entry in entries
+            .iter()
+            .filter(|e| outlet.partitions.contains(&e.partition))
+        {
+            // A closed outlet means that replica's stream failed; its task reports it.
+            if outlet.schema.as_ref() != Some(&entry.rows.schema) {
+                let _ = outlet.sender.send(logged_schema_message(&entry.rows)).await;
+                outlet.schema = Some(entry.rows.schema.clone());
+            }
+            let _ = outlet
+                .sender
+                .send(logged_rows_message(entry.partition, &entry.rows))
+                .await;
+        }
+    });
+    futures::future::join_all(sends).await;
+}
+
 /// Logs a prepare stream's chunks durably, one at a time and in the order handed over,
 /// each in a task of its own so that the stream goes on arriving meanwhile.
-struct ChunkLogger {
-    node: Arc<Replication>,
-    request: Arc<PrepareRequest>,
+struct ChunkLogger<C> {
+    log: Box<dyn Fn(C) -> BoxFuture<'static, Result<()>> + Send + Sync>,
     logging: Option<tokio::task::JoinHandle<Result<()>>>,
 }
 
-impl ChunkLogger {
-    fn new(node: &Arc<Replication>, request: &PrepareRequest) -> ChunkLogger {
+impl<C> ChunkLogger<C> {
+    fn new(log: impl Fn(C) -> BoxFuture<'static, Result<()>> + Send + Sync + 'static) -> Self {
         ChunkLogger {
-            node: node.clone(),
-            request: Arc::new(request.clone()),
+            log: Box::new(log),
             logging: None,
         }
     }
 
-    /// Whether the last chunk handed over is logged (or failed to be).
-    fn is_idle(&self) -> bool {
-        self.logging.as_ref().is_none_or(|task| task.is_finished())
+    /// Whether a chunk of `bytes` is to be handed over now: it is full, or large enough
+    /// and the last chunk handed over is logged (or failed to be).
+    fn wants(&self, bytes: usize) -> bool {
+        let idle = self.logging.as_ref().is_none_or(|task| task.is_finished());
+        bytes >= MAX_CHUNK_BYTES || (bytes >= MIN_CHUNK_BYTES && idle)
     }
 
     /// Waits for the chunk being logged, if any, then starts logging `chunk`. An error is
     /// the earlier chunk's: the stream stops there.
-    async fn hand_over(&mut self, chunk: Vec<PartitionChanges>) -> Result<()> {
+    async fn hand_over(&mut self, chunk: C) -> Result<()> {
         self.wait().await?;
-        let (node, request) = (self.node.clone(), self.request.clone());
-        self.logging = Some(tokio::spawn(async move {
-            log_chunk(&node, &request, chunk).await
-        }));
+        self.logging = Some(tokio::spawn((self.log)(chunk)));
         Ok(())
     }
 
@@ -235,21 +334,52 @@ impl ChunkLogger {
     }
 }
 
-async fn log_chunk(
-    node: &Replication,
-    request: &PrepareRequest,
+/// The head's chunk: checked, stamped and encoded once, shipped on to the replicas in that
+/// form while this node logs it.
+async fn log_and_ship(
+    node: Arc<Replication>,
+    request: Arc<PrepareRequest>,
     chunk: Vec<PartitionChanges>,
+    outlets: Arc<tokio::sync::Mutex<Vec<Outlet>>>,
 ) -> Result<()> {
     let epoch = request.epoch;
-    let retry = chunk.clone();
-    let logged = node
-        .on_store("logging prepared rows", move |store| {
-            store.prepare_epoch(epoch, chunk)
-        })
-        .await;
-    match logged {
-        // Rows in columns this node does not know yet: their ALTER TABLE is committed but
-        // not applied here. Catch up with the leader and log them once more.
+    let entries = on_store_catching_up(&node, "encoding prepared rows", move |store| {
+        store.encode_prepared(epoch, chunk.clone())
+    })
+    .await?;
+    ship(&mut outlets.lock().await, &entries).await;
+    node.on_store("logging prepared rows", move |store| {
+        store.log_prepared(epoch, entries)
+    })
+    .await?;
+    discard_if_late(&node, &request).await
+}
+
+/// A replica's chunk, as its head logged it.
+async fn log_received(
+    node: Arc<Replication>,
+    request: Arc<PrepareRequest>,
+    chunk: Vec<(PartitionId, EncodedRows)>,
+) -> Result<()> {
+    let epoch = request.epoch;
+    let table = request.table.clone();
+    on_store_catching_up(&node, "logging prepared rows", move |store| {
+        store.prepare_received(epoch, &table, chunk.clone())
+    })
+    .await?;
+    discard_if_late(&node, &request).await
+}
+
+/// Runs `work` on the store; if the rows are in columns this node does not know yet (their
+/// ALTER TABLE is committed but not applied here), catches up with the leader and runs it
+/// once more.
+async fn on_store_catching_up<T: Send + 'static>(
+    node: &Replication,
+    what: &'static str,
+    work: impl Fn(&Store) -> std::result::Result<T, StorageError> + Send + Sync + Clone + 'static,
+) -> Result<T> {
+    let retry = work.clone();
+    match node.on_store(what, move |store| work(store)).await {
         Err(ReplicationError::Storage(StorageError::SchemaMismatch { table, reason })) => {
             tracing::debug!(
                 table,
@@ -257,21 +387,22 @@ async fn log_chunk(
                 "prepared rows do not fit the table here; catching up"
             );
             node.meta.read_linearizable(TABLE_PATIENCE).await?;
-            node.on_store("logging prepared rows", move |store| {
-                store.prepare_epoch(epoch, retry)
-            })
-            .await?;
+            node.on_store(what, move |store| retry(store)).await
         }
-        other => other?,
+        other => other,
     }
-    // A prepare that reaches this node after its epoch was decided (a stream held up in a
-    // slow or cut link past the coordinator's deadline) must not stay: nothing would decide
-    // it again, and a commit of it would add rows that the failback copy of a replica
-    // marked as having missed the epoch brings as well. The store decides that under the
-    // lock its decisions take: the metadata view is published only after a whole batch of
-    // entries is applied, so checking it instead left a window in which a decision was
-    // applied but not yet visible, and the prepare stayed pending for ever (an orphan that
-    // later held up a fenced copy).
+}
+
+/// A prepare that reaches this node after its epoch was decided (a stream held up in a slow
+/// or cut link past the coordinator's deadline) must not stay: nothing would decide it
+/// again, and a commit of it would add rows that the failback copy of a replica marked as
+/// having missed the epoch brings as well. The store decides that under the lock its
+/// decisions take: the metadata view is published only after a whole batch of entries is
+/// applied, so checking it instead left a window in which a decision was applied but not
+/// yet visible, and the prepare stayed pending for ever (an orphan that later held up a
+/// fenced copy).
+async fn discard_if_late(node: &Replication, request: &PrepareRequest) -> Result<()> {
+    let epoch = request.epoch;
     let late = node
         .on_store("discarding a late prepare", move |store| {
             store.discard_late_prepare(epoch)

@@ -5,11 +5,12 @@
 //! its prepared rows are discarded everywhere.
 
 use crate::error::{PrepareFailed, ReplicationError, Result};
-use crate::wire::{Forward, PrepareRequest, PreparedRows, PARTITION_COLUMN};
+use crate::wire::{Forward, PrepareRequest, PrepareRows, PreparedRows, PARTITION_COLUMN};
 use crate::NodeId;
 use crate::{Replication, WorkingOn};
 use arrow::array::{ArrayRef, RecordBatch, UInt32Array};
 use arrow::datatypes::{DataType, Field, Schema};
+use futures::StreamExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use tessera_common::{Epoch, PartitionId, PartitionRing, ReadEpochs};
@@ -755,6 +756,7 @@ async fn prepare_everywhere(
                             deletes: kind == PreparedRows::Deletes,
                             before_images: kind == PreparedRows::BeforeImages,
                             forward: Vec::new(),
+                            as_logged: false,
                         },
                         partitions: Vec::new(),
                         batches: Vec::new(),
@@ -801,7 +803,7 @@ async fn prepare_everywhere(
                 "a prepare",
                 head,
                 &shipment.request,
-                futures::stream::iter(batches),
+                PrepareRows::Batches(futures::stream::iter(batches).boxed()),
                 patience,
             )
             .await

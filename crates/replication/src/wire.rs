@@ -3,10 +3,12 @@
 
 use crate::NodeId;
 use arrow::array::RecordBatch;
+use arrow_flight::FlightData;
 use futures::{Stream, StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use tessera_common::{ComponentHash, Epoch, PartitionId};
 use tessera_net::{CallError, Clients, WireRequest};
+use tessera_storage::prepared::EncodedRows;
 use tessera_storage::ComponentMeta;
 
 /// The rows of one table a coordinator sends a partition primary for an epoch (or a
@@ -27,6 +29,13 @@ pub struct PrepareRequest {
     /// be reached.
     #[serde(default)]
     pub forward: Vec<Forward>,
+    /// The stream carries the rows as the head of their log shipping logged them: stamped
+    /// row versions, encoded once (`tessera_storage::prepared`), one Flight message per
+    /// partition naming it ([`logged_rows_message`]), to be logged as they are. Set on
+    /// the streams a head ships on to the other replicas; left out of the encoding when
+    /// false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub as_logged: bool,
 }
 
 impl WireRequest for PrepareRequest {
@@ -70,6 +79,14 @@ pub struct PrepareReply {
     pub unreachable: Vec<NodeId>,
 }
 
+/// What a prepare stream sends.
+pub enum PrepareRows {
+    /// Rows to check, stamp and log: a coordinator's, to the head of their log shipping.
+    Batches(futures::stream::BoxStream<'static, RecordBatch>),
+    /// Rows as the head logged them: its streams on to the other replicas.
+    AsLogged(futures::stream::BoxStream<'static, FlightData>),
+}
+
 /// Sends rows for an epoch to a replica as they come (a primary shipping rows on while it
 /// still receives them); returns once it has logged them durably.
 pub async fn prepare(
@@ -80,6 +97,71 @@ pub async fn prepare(
 ) -> Result<PrepareReply, CallError> {
     let metadata = clients.put_stream(addr, request, batches).await?;
     decode_prepare_reply(addr, &metadata)
+}
+
+/// Sends a head's logged rows on to a replica ([`PrepareRequest::as_logged`]); returns
+/// once it has logged them durably.
+pub async fn prepare_as_logged(
+    clients: &Clients,
+    addr: &str,
+    request: &PrepareRequest,
+    messages: impl Stream<Item = FlightData> + Send + 'static,
+) -> Result<PrepareReply, CallError> {
+    let metadata = clients.put_flight(addr, request, messages).await?;
+    decode_prepare_reply(addr, &metadata)
+}
+
+/// The message that declares the stored schema of the logged rows after it.
+pub fn logged_schema_message(rows: &EncodedRows) -> FlightData {
+    FlightData {
+        data_header: rows.schema.clone(),
+        ..Default::default()
+    }
+}
+
+/// One partition's logged rows as a Flight message: the batch message, the partition in
+/// its `app_metadata` (u32, little-endian).
+pub fn logged_rows_message(partition: PartitionId, rows: &EncodedRows) -> FlightData {
+    FlightData {
+        data_header: rows.header.clone(),
+        data_body: rows.body.clone(),
+        app_metadata: bytes::Bytes::copy_from_slice(&partition.0.to_le_bytes()),
+        ..Default::default()
+    }
+}
+
+/// What one message of an as-logged prepare stream is.
+pub enum LoggedMessage {
+    /// The stored schema of the rows after it.
+    Schema(bytes::Bytes),
+    /// One partition's rows.
+    Rows(PartitionId, bytes::Bytes, bytes::Bytes),
+    /// Nothing (the lone message of a stream without rows, which names the request).
+    Empty,
+}
+
+impl LoggedMessage {
+    /// Reads a message's kind from its header; the rows themselves are checked as the
+    /// store logs them (`EncodedRows::received`).
+    pub fn of(message: FlightData) -> Result<LoggedMessage, String> {
+        if message.data_header.is_empty() {
+            return Ok(LoggedMessage::Empty);
+        }
+        if message.app_metadata.is_empty() {
+            return Ok(LoggedMessage::Schema(message.data_header));
+        }
+        let partition: [u8; 4] = message.app_metadata[..].try_into().map_err(|_| {
+            format!(
+                "a logged rows message names its partition in 4 bytes of app_metadata, not {}",
+                message.app_metadata.len()
+            )
+        })?;
+        Ok(LoggedMessage::Rows(
+            PartitionId(u32::from_le_bytes(partition)),
+            message.data_header,
+            message.data_body,
+        ))
+    }
 }
 
 /// A replica's prepare reply. An empty one is an error, not a success: a replica always

@@ -812,13 +812,15 @@ impl FlightService for NodeService {
                     .wait_announced(ANNOUNCE_PATIENCE)
                     .await
                     .map_err(failed)?;
-                let batches = FlightRecordBatchStream::new_from_flight_data(data);
-                let reply = tessera_replication::log_shipping::receive(
-                    &self.node.replication,
-                    prepare,
-                    batches,
-                )
-                .await
+                let replication = &self.node.replication;
+                let reply = if prepare.as_logged {
+                    let data = std::pin::pin!(data);
+                    tessera_replication::log_shipping::receive_as_logged(replication, prepare, data)
+                        .await
+                } else {
+                    let batches = FlightRecordBatchStream::new_from_flight_data(data);
+                    tessera_replication::log_shipping::receive(replication, prepare, batches).await
+                }
                 .map_err(failed)?;
                 Bytes::from(serde_json::to_vec(&reply).map_err(failed)?)
             }

@@ -429,6 +429,7 @@ fn samples() -> Samples {
                 partitions: vec![PartitionId(1)],
                 last_copy: false,
             }],
+            as_logged: false,
         },
     );
     s.tagged(
@@ -651,6 +652,7 @@ fn samples() -> Samples {
             deletes: false,
             before_images: true,
             forward: vec![],
+            as_logged: false,
         },
     );
     s.request(
@@ -666,6 +668,17 @@ fn samples() -> Samples {
                 runs: vec![(0, 4), (2, 1)],
             }],
         ),
+    );
+    s.tagged(
+        "put prepare as logged",
+        PrepareRequest {
+            epoch: Epoch(4),
+            table: "kv".into(),
+            deletes: false,
+            before_images: false,
+            forward: vec![],
+            as_logged: true,
+        },
     );
     s
 }

@@ -54,6 +54,8 @@ pub enum StorageError {
         epoch: Epoch,
         complete_through: Epoch,
     },
+    #[error("prepared rows shipped from their partition's primary are malformed: {0}")]
+    MalformedRows(String),
     #[error("table {0:?} already exists")]
     TableExists(String),
     #[error("invalid table definition for {table:?}: {reason}")]

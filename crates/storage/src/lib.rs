@@ -17,6 +17,7 @@ pub mod evolution;
 mod fsio;
 pub mod history;
 pub mod manifest;
+pub mod prepared;
 pub mod store;
 pub mod versions;
 pub mod wal;
@@ -26,6 +27,6 @@ pub use component::ComponentMeta;
 pub use error::StorageError;
 pub use manifest::Manifest;
 pub use store::{
-    HeldComponent, PartitionChanges, PartitionDelta, PartitionSnapshot, Store, StoreConfig,
-    TableChanges, TableSnapshot,
+    HeldComponent, PartitionChanges, PartitionDelta, PartitionSnapshot, PreparedEntry, Store,
+    StoreConfig, TableChanges, TableSnapshot,
 };

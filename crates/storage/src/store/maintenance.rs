@@ -77,16 +77,12 @@ impl Store {
             let mut frames = Vec::new();
             for (epoch, entries) in &state.pending {
                 for entry in entries {
-                    frames.extend(
-                        WalRecord::Prepared {
-                            table: entry.table.clone(),
-                            partition: entry.partition,
-                            epoch: *epoch,
-                            seq: entry.seq,
-                            batch: entry.batch.clone(),
-                        }
-                        .encode_frame()?,
-                    );
+                    frames.extend(entry.rows.frame(
+                        &entry.table,
+                        entry.partition,
+                        *epoch,
+                        entry.seq,
+                    )?);
                 }
             }
             frames

@@ -25,6 +25,7 @@ use crate::error::{Result, StorageError};
 use crate::fsio::{self, DirLock};
 use crate::history::{LocalCommit, LocalHistory, TableRows};
 use crate::manifest::Manifest;
+use crate::prepared::EncodedRows;
 use crate::versions;
 use crate::wal::{self, Wal, WalRecord};
 use arrow::array::RecordBatch;
@@ -281,13 +282,82 @@ pub struct PartitionChanges {
     pub before_images: Vec<RecordBatch>,
 }
 
+/// One partition's rows of a prepare, checked, stamped and encoded, to be logged
+/// ([`Store::encode_prepared`], [`Store::prepare_received`], [`Store::log_prepared`]).
+pub struct PreparedEntry {
+    pub table: String,
+    pub partition: PartitionId,
+    /// The row versions as their log record holds them, and as the head of their log
+    /// shipping sends them to the other replicas.
+    pub rows: EncodedRows,
+    /// The same rows decoded, where this node will read them (it serves the partition);
+    /// `None` for a cold standby's.
+    batch: Option<RecordBatch>,
+}
+
 /// Prepared rows of a cluster epoch that is not yet decided.
 struct PendingEntry {
     /// Position among the epoch's entries; a commit assigns LSNs in this order.
     seq: u32,
     table: String,
     partition: PartitionId,
-    batch: RecordBatch,
+    rows: PendingRows,
+}
+
+/// A pending entry's row versions: decoded, or (a cold standby's, shipped by the
+/// partition's primary) the IPC messages they arrived in, which nothing reads before a
+/// promotion replays the log.
+enum PendingRows {
+    Decoded(RecordBatch),
+    Encoded(EncodedRows),
+}
+
+impl PendingRows {
+    fn num_rows(&self) -> usize {
+        match self {
+            PendingRows::Decoded(batch) => batch.num_rows(),
+            PendingRows::Encoded(rows) => rows.num_rows(),
+        }
+    }
+
+    fn memory_size(&self) -> usize {
+        match self {
+            PendingRows::Decoded(batch) => batch.get_array_memory_size(),
+            PendingRows::Encoded(rows) => rows.bytes(),
+        }
+    }
+
+    /// The rows, decoded if they are not yet (a cold standby's partition promoted between
+    /// the prepare and the commit).
+    fn into_batch(self) -> Result<RecordBatch> {
+        match self {
+            PendingRows::Decoded(batch) => Ok(batch),
+            PendingRows::Encoded(rows) => rows.decode(),
+        }
+    }
+
+    /// The entry's log record, as its prepare wrote it.
+    fn frame(
+        &self,
+        table: &str,
+        partition: PartitionId,
+        epoch: Epoch,
+        seq: u32,
+    ) -> Result<Vec<u8>> {
+        match self {
+            PendingRows::Decoded(batch) => WalRecord::Prepared {
+                table: table.to_string(),
+                partition,
+                epoch,
+                seq,
+                batch: batch.clone(),
+            }
+            .encode_frame(),
+            PendingRows::Encoded(rows) => {
+                Ok(wal::PreparedFrame::new(table, partition, epoch, rows).finish(seq))
+            }
+        }
+    }
 }
 
 struct MemEntry {

@@ -46,6 +46,19 @@ impl Store {
     /// invisible until [`Store::commit_epoch`]; [`Store::abort_epoch`] discards them. A
     /// large publish may arrive in several calls; each adds to the epoch's rows.
     pub fn prepare_epoch(&self, epoch: Epoch, changes: Vec<PartitionChanges>) -> Result<()> {
+        let entries = self.encode_prepared(epoch, changes)?;
+        self.log_prepared(epoch, entries)
+    }
+
+    /// The first half of [`Store::prepare_epoch`]: checks the rows against their tables,
+    /// stamps them with `epoch` and encodes each partition's as its log record will hold
+    /// them. Changes nothing; [`Store::log_prepared`] logs the entries (and the head of a
+    /// partition's log shipping ships their encoded rows to the other replicas meanwhile).
+    pub fn encode_prepared(
+        &self,
+        epoch: Epoch,
+        changes: Vec<PartitionChanges>,
+    ) -> Result<Vec<PreparedEntry>> {
         self.check_poisoned()?;
         let mut grouped: BTreeMap<(String, PartitionId), Vec<RecordBatch>> = BTreeMap::new();
         for change in changes {
@@ -72,6 +85,81 @@ impl Store {
                     .push(batch);
             }
         }
+        grouped
+            .into_iter()
+            .map(|((table, partition), batches)| {
+                let batch = concat_batches(&batches[0].schema(), &batches)?;
+                Ok(PreparedEntry {
+                    table,
+                    partition,
+                    rows: EncodedRows::encode(&batch)?,
+                    batch: Some(batch),
+                })
+            })
+            .collect()
+    }
+
+    /// Durably logs rows of `table` for cluster epoch `epoch` that the head of their log
+    /// shipping (each partition's primary) checked, stamped and encoded
+    /// ([`Store::encode_prepared`]), as they arrived. Only the rows of partitions this node
+    /// serves are decoded (and so validated) now; a cold standby's stay as they are until a
+    /// promotion replays them. Refused with [`StorageError::SchemaMismatch`] if the rows
+    /// are not in the table's stored schema here (an ALTER TABLE not applied here yet).
+    pub fn prepare_received(
+        &self,
+        epoch: Epoch,
+        table: &str,
+        received: Vec<(PartitionId, EncodedRows)>,
+    ) -> Result<()> {
+        self.check_poisoned()?;
+        let def = self
+            .table_def(table)
+            .ok_or_else(|| StorageError::UnknownTable(table.to_string()))?;
+        let stored = versions::stored_schema(&def);
+        let mut checked_schema: Option<bytes::Bytes> = None;
+        let cold = self.state().standby.clone();
+        let mut entries = Vec::with_capacity(received.len());
+        for (partition, rows) in received {
+            if checked_schema.as_ref() != Some(&rows.schema) {
+                let schema = rows.decode_schema()?;
+                if schema.fields() != stored.fields() {
+                    return Err(StorageError::SchemaMismatch {
+                        table: table.to_string(),
+                        reason: format!(
+                            "rows shipped in the stored schema {schema:?}, but the table's here is {stored:?}"
+                        ),
+                    });
+                }
+                checked_schema = Some(rows.schema.clone());
+            }
+            let batch = if cold.contains(&partition) {
+                None
+            } else {
+                Some(rows.decode().map_err(|e| {
+                    StorageError::MalformedRows(format!(
+                        "partition {partition} of table {table:?}: {e}"
+                    ))
+                })?)
+            };
+            entries.push(PreparedEntry {
+                table: table.to_string(),
+                partition,
+                rows,
+                batch,
+            });
+        }
+        self.log_prepared(epoch, entries)
+    }
+
+    /// The second half of a prepare: logs `entries` durably as rows of epoch `epoch`, each
+    /// its own record, numbered after the epoch's earlier entries here.
+    pub fn log_prepared(&self, epoch: Epoch, entries: Vec<PreparedEntry>) -> Result<()> {
+        self.check_poisoned()?;
+        // Copied into their records and checksummed before the store's lock is taken.
+        let frames: Vec<wal::PreparedFrame> = entries
+            .iter()
+            .map(|e| wal::PreparedFrame::new(&e.table, e.partition, epoch, &e.rows))
+            .collect();
         let waited_from = std::time::Instant::now();
         let _gate = self.gate.shared();
         let gate_wait = waited_from.elapsed();
@@ -88,54 +176,50 @@ impl Store {
         if state.is_decided(epoch) {
             return Err(StorageError::PrepareAfterDecision { epoch });
         }
-        for (table, partition) in grouped.keys() {
+        for entry in &entries {
             let complete_through = state
-                .partition(table, *partition)?
+                .partition(&entry.table, entry.partition)?
                 .manifest
                 .complete_through;
             if epoch <= complete_through {
                 return Err(StorageError::LatePrepare {
-                    table: table.clone(),
-                    partition: *partition,
+                    table: entry.table.clone(),
+                    partition: entry.partition,
                     epoch,
                     complete_through,
                 });
             }
+            state.table(&entry.table)?;
         }
         let next_seq = state.next_prepare_seq.entry(epoch).or_insert(0);
         let first_seq = *next_seq;
-        *next_seq += grouped.len() as u32;
-        let mut entries = Vec::with_capacity(grouped.len());
-        for (i, ((table, partition), batches)) in grouped.into_iter().enumerate() {
-            state.table(&table)?;
-            entries.push(PendingEntry {
+        *next_seq += entries.len() as u32;
+        let frames: Vec<Vec<u8>> = frames
+            .into_iter()
+            .enumerate()
+            .map(|(i, frame)| frame.finish(first_seq + i as u32))
+            .collect();
+        let pending: Vec<PendingEntry> = entries
+            .into_iter()
+            .enumerate()
+            .map(|(i, entry)| PendingEntry {
                 seq: first_seq + i as u32,
-                table,
-                partition,
-                batch: concat_batches(&batches[0].schema(), &batches)?,
-            });
-        }
-        let mut frames = Vec::new();
-        for entry in &entries {
-            frames.extend(
-                WalRecord::Prepared {
-                    table: entry.table.clone(),
-                    partition: entry.partition,
-                    epoch,
-                    seq: entry.seq,
-                    batch: entry.batch.clone(),
-                }
-                .encode_frame()?,
-            );
-        }
+                table: entry.table,
+                partition: entry.partition,
+                rows: match entry.batch {
+                    Some(batch) => PendingRows::Decoded(batch),
+                    None => PendingRows::Encoded(entry.rows),
+                },
+            })
+            .collect();
         state.next_epoch = state.next_epoch.max(epoch.next());
-        let ticket = self.wal.submit(frames);
+        let ticket = self.wal.submit_frames(frames);
         drop(state);
         let durable = ticket.wait();
         let mut state = self.state();
         let slot = state.pending.entry(epoch).or_default();
         if durable.is_ok() {
-            slot.extend(entries);
+            slot.extend(pending);
             slot.sort_by_key(|e| e.seq);
         }
         durable
@@ -171,10 +255,7 @@ impl Store {
             entries.windows(2).all(|w| w[0].seq < w[1].seq),
             "entries sorted by seq"
         );
-        state.logged_bytes += entries
-            .iter()
-            .map(|e| e.batch.get_array_memory_size())
-            .sum::<usize>();
+        state.logged_bytes += entries.iter().map(|e| e.rows.memory_size()).sum::<usize>();
         let mut lsns = Vec::with_capacity(entries.len());
         let mut assigned = Vec::with_capacity(entries.len());
         for entry in entries {
@@ -208,15 +289,15 @@ impl Store {
                 part.unapplied.push(LoggedRows {
                     lsn,
                     epoch,
-                    rows: entry.batch.num_rows() as u64,
+                    rows: entry.rows.num_rows() as u64,
                 });
                 continue;
             }
-            let bytes = entry.batch.get_array_memory_size();
+            let bytes = entry.rows.memory_size();
             part.memtable.push(MemEntry {
                 lsn,
                 epoch,
-                batch: entry.batch,
+                batch: entry.rows.into_batch()?,
             });
             state.memtable_bytes += bytes;
         }

@@ -38,7 +38,7 @@ impl PreparedLog {
                     seq,
                     table,
                     partition,
-                    batch,
+                    rows: PendingRows::Decoded(batch),
                 };
                 self.prepared(epoch, entry);
                 LogStep::Prepared(epoch)
@@ -198,11 +198,11 @@ pub(super) fn replay(
                     if lsn <= partition_state.manifest.max_lsn {
                         continue;
                     }
-                    state.memtable_bytes += entry.batch.get_array_memory_size();
+                    state.memtable_bytes += entry.rows.memory_size();
                     partition_state.memtable.push(MemEntry {
                         lsn,
                         epoch,
-                        batch: entry.batch,
+                        batch: entry.rows.into_batch()?,
                     });
                     report.replayed_records += 1;
                 }

@@ -96,7 +96,7 @@ impl Store {
                     let entry = MemEntry {
                         lsn,
                         epoch,
-                        batch: entry.batch,
+                        batch: entry.rows.into_batch()?,
                     };
                     found.push((key.0, key.1, entry));
                 }
