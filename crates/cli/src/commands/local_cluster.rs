@@ -129,6 +129,11 @@ impl LocalCluster {
             .map(|(_, child)| child.id())
     }
 
+    /// The process ids of the nodes this cluster runs.
+    pub fn pids(&self) -> Vec<u32> {
+        self.children.iter().map(|(_, child)| child.id()).collect()
+    }
+
     /// Stops node `id` at once, as a crash would: SIGKILL, no shutdown of any kind.
     pub fn kill9(&mut self, id: u64) {
         if let Some(pos) = self.children.iter().position(|(n, _)| *n == id) {

@@ -52,15 +52,23 @@ fn cpu_ticks(pids: &[u32]) -> u64 {
         .sum()
 }
 
+/// CPU seconds (user + system) the processes `pids` have used so far.
+pub fn cpu_seconds(pids: &[u32]) -> f64 {
+    cpu_ticks(pids) as f64 / ticks_per_second()
+}
+
+fn ticks_per_second() -> f64 {
+    // SAFETY: sysconf has no preconditions; it reads a constant of the running kernel.
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64
+}
+
 /// Waits until the processes `pids` are quiet (together under a tenth of one core over
 /// half a second), so that the background work one measurement leaves behind (checkpoints,
 /// flushes, merges) is not charged to the next. Gives up at `timeout` and says whether
 /// they went quiet: a benchmark goes on either way, and prints how often they did not.
 pub async fn wait_quiet(pids: &[u32], timeout: Duration) -> bool {
     const WINDOW: Duration = Duration::from_millis(500);
-    // SAFETY: sysconf has no preconditions; it reads a constant of the running kernel.
-    let ticks_per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let quiet_ticks = ticks_per_second * WINDOW.as_secs_f64() * 0.1;
+    let quiet_ticks = ticks_per_second() * WINDOW.as_secs_f64() * 0.1;
     let deadline = Instant::now() + timeout;
     let mut before = cpu_ticks(pids);
     while Instant::now() < deadline {
