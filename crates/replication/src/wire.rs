@@ -186,6 +186,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn logged_messages_are_told_apart_and_a_malformed_partition_is_refused_by_name() {
+        let batch = arrow::array::RecordBatch::try_from_iter([(
+            "k",
+            std::sync::Arc::new(arrow::array::Int64Array::from(vec![1, 2]))
+                as arrow::array::ArrayRef,
+        )])
+        .unwrap();
+        let rows = EncodedRows::encode(&batch).unwrap();
+        assert!(matches!(
+            LoggedMessage::of(logged_schema_message(&rows)),
+            Ok(LoggedMessage::Schema(schema)) if schema == rows.schema
+        ));
+        match LoggedMessage::of(logged_rows_message(PartitionId(7), &rows)) {
+            Ok(LoggedMessage::Rows(partition, header, body)) => {
+                assert_eq!(partition, PartitionId(7));
+                assert_eq!((header, body), (rows.header.clone(), rows.body.clone()));
+            }
+            _ => panic!("a rows message"),
+        }
+        assert!(matches!(
+            LoggedMessage::of(FlightData::default()),
+            Ok(LoggedMessage::Empty)
+        ));
+        let mut torn = logged_rows_message(PartitionId(7), &rows);
+        torn.app_metadata = bytes::Bytes::from_static(&[7, 0]);
+        let refused = LoggedMessage::of(torn).err().unwrap();
+        assert!(
+            refused.contains("4 bytes of app_metadata, not 2"),
+            "{refused}"
+        );
+    }
+
+    #[test]
     fn only_a_complete_prepare_reply_counts_as_logged() {
         let reply = PrepareReply {
             unreachable: vec![NodeId(3)],
