@@ -87,8 +87,6 @@ async fn receive_logged(
         let (node, request, outlets) = (node.clone(), Arc::new(request.clone()), outlets.clone());
         move |chunk| log_and_ship(node.clone(), request.clone(), chunk, outlets.clone()).boxed()
     });
-    let mut chunk: Vec<PartitionChanges> = Vec::new();
-    let mut chunk_bytes = 0;
     let received = async {
         while let Some(batch) = stream
             .try_next()
@@ -96,7 +94,7 @@ async fn receive_logged(
             .map_err(|e| ReplicationError::BadPrepare(e.to_string()))?
         {
             let (partition, rows) = split_partition_column(&batch)?;
-            chunk_bytes += tessera_storage::versions::rows_bytes(&rows);
+            let bytes = tessera_storage::versions::rows_bytes(&rows);
             let mut change = PartitionChanges {
                 table: request.table.clone(),
                 partition,
@@ -109,16 +107,9 @@ async fn receive_logged(
                 PreparedRows::Deletes => change.deletes.push(rows),
                 PreparedRows::BeforeImages => change.before_images.push(rows),
             }
-            chunk.push(change);
-            if logger.wants(chunk_bytes) {
-                logger.hand_over(std::mem::take(&mut chunk)).await?;
-                chunk_bytes = 0;
-            }
+            logger.push(change, bytes).await?;
         }
-        if !chunk.is_empty() {
-            logger.hand_over(chunk).await?;
-        }
-        Ok::<_, ReplicationError>(())
+        logger.hand_over_rest().await
     }
     .await;
 
@@ -170,8 +161,6 @@ async fn receive_shipped(
         move |chunk| log_received(node.clone(), request.clone(), chunk).boxed()
     });
     let mut schema: Option<Bytes> = None;
-    let mut chunk: Vec<(PartitionId, EncodedRows)> = Vec::new();
-    let mut chunk_bytes = 0;
     let bad = |reason: String| ReplicationError::BadPrepare(reason);
     let received = async {
         while let Some(message) = messages.try_next().await.map_err(|e| bad(e.to_string()))? {
@@ -183,19 +172,12 @@ async fn receive_shipped(
                         .clone()
                         .ok_or_else(|| bad("logged rows arrived before their schema".into()))?;
                     let rows = EncodedRows::received(schema, header, body)?;
-                    chunk_bytes += rows.bytes();
-                    chunk.push((partition, rows));
-                    if logger.wants(chunk_bytes) {
-                        logger.hand_over(std::mem::take(&mut chunk)).await?;
-                        chunk_bytes = 0;
-                    }
+                    let bytes = rows.bytes();
+                    logger.push((partition, rows), bytes).await?;
                 }
             }
         }
-        if !chunk.is_empty() {
-            logger.hand_over(chunk).await?;
-        }
-        Ok::<_, ReplicationError>(())
+        logger.hand_over_rest().await
     }
     .await;
     let logged = logger.wait().await;
@@ -294,32 +276,49 @@ async fn ship(outlets: &mut [Outlet], entries: &[PreparedEntry]) {
 }
 
 /// Logs a prepare stream's chunks durably, one at a time and in the order handed over,
-/// each in a task of its own so that the stream goes on arriving meanwhile.
-struct ChunkLogger<C> {
-    log: Box<dyn Fn(C) -> BoxFuture<'static, Result<()>> + Send + Sync>,
+/// each in a task of its own so that the stream goes on arriving meanwhile. It gathers the
+/// stream's items (of type `T`) into the chunk it hands over next.
+struct ChunkLogger<T> {
+    log: Box<dyn Fn(Arc<Vec<T>>) -> BoxFuture<'static, Result<()>> + Send + Sync>,
     logging: Option<tokio::task::JoinHandle<Result<()>>>,
+    chunk: Vec<T>,
+    chunk_bytes: usize,
 }
 
-impl<C> ChunkLogger<C> {
-    fn new(log: impl Fn(C) -> BoxFuture<'static, Result<()>> + Send + Sync + 'static) -> Self {
+impl<T> ChunkLogger<T> {
+    fn new(
+        log: impl Fn(Arc<Vec<T>>) -> BoxFuture<'static, Result<()>> + Send + Sync + 'static,
+    ) -> Self {
         ChunkLogger {
             log: Box::new(log),
             logging: None,
+            chunk: Vec::new(),
+            chunk_bytes: 0,
         }
     }
 
-    /// Whether a chunk of `bytes` is to be handed over now: it is full, or large enough
-    /// and the last chunk handed over is logged (or failed to be).
-    fn wants(&self, bytes: usize) -> bool {
+    /// Adds an item of `bytes` to the chunk, and hands the chunk over if it is full, or
+    /// large enough and the last chunk handed over is logged (or failed to be). An error
+    /// is the earlier chunk's: the stream stops there.
+    async fn push(&mut self, item: T, bytes: usize) -> Result<()> {
+        self.chunk.push(item);
+        self.chunk_bytes += bytes;
         let idle = self.logging.as_ref().is_none_or(|task| task.is_finished());
-        bytes >= MAX_CHUNK_BYTES || (bytes >= MIN_CHUNK_BYTES && idle)
+        if self.chunk_bytes >= MAX_CHUNK_BYTES || (self.chunk_bytes >= MIN_CHUNK_BYTES && idle) {
+            self.hand_over_rest().await?;
+        }
+        Ok(())
     }
 
-    /// Waits for the chunk being logged, if any, then starts logging `chunk`. An error is
-    /// the earlier chunk's: the stream stops there.
-    async fn hand_over(&mut self, chunk: C) -> Result<()> {
+    /// Waits for the chunk being logged, if any, then starts logging what has gathered
+    /// since (the stream's end, or a full chunk).
+    async fn hand_over_rest(&mut self) -> Result<()> {
         self.wait().await?;
-        self.logging = Some(tokio::spawn((self.log)(chunk)));
+        if !self.chunk.is_empty() {
+            let chunk = Arc::new(std::mem::take(&mut self.chunk));
+            self.chunk_bytes = 0;
+            self.logging = Some(tokio::spawn((self.log)(chunk)));
+        }
         Ok(())
     }
 
@@ -339,12 +338,12 @@ impl<C> ChunkLogger<C> {
 async fn log_and_ship(
     node: Arc<Replication>,
     request: Arc<PrepareRequest>,
-    chunk: Vec<PartitionChanges>,
+    chunk: Arc<Vec<PartitionChanges>>,
     outlets: Arc<tokio::sync::Mutex<Vec<Outlet>>>,
 ) -> Result<()> {
     let epoch = request.epoch;
     let entries = on_store_catching_up(&node, "encoding prepared rows", move |store| {
-        store.encode_prepared(epoch, chunk.clone())
+        store.encode_prepared(epoch, &chunk)
     })
     .await?;
     ship(&mut outlets.lock().await, &entries).await;
@@ -359,12 +358,12 @@ async fn log_and_ship(
 async fn log_received(
     node: Arc<Replication>,
     request: Arc<PrepareRequest>,
-    chunk: Vec<(PartitionId, EncodedRows)>,
+    chunk: Arc<Vec<(PartitionId, EncodedRows)>>,
 ) -> Result<()> {
     let epoch = request.epoch;
     let table = request.table.clone();
     on_store_catching_up(&node, "logging prepared rows", move |store| {
-        store.prepare_received(epoch, &table, chunk.clone())
+        store.prepare_received(epoch, &table, &chunk)
     })
     .await?;
     discard_if_late(&node, &request).await

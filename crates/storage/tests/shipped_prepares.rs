@@ -101,7 +101,7 @@ fn prepare_at_head(
     epoch: Epoch,
     batch: &RecordBatch,
 ) -> Vec<(PartitionId, EncodedRows)> {
-    let entries = head.encode_prepared(epoch, routed(batch)).unwrap();
+    let entries = head.encode_prepared(epoch, &routed(batch)).unwrap();
     let shipped = entries
         .iter()
         .map(|e| (e.partition, e.rows.clone()))
@@ -119,9 +119,7 @@ fn replicas_log_the_rows_their_head_encoded_and_read_them_as_it_does() {
     for (epoch, batch) in [(Epoch(1), rows(0, 200)), (Epoch(2), rows(150, 300))] {
         let shipped = prepare_at_head(&head, epoch, &batch);
         for replica in [&hot, &cold] {
-            replica
-                .prepare_received(epoch, "notes", shipped.clone())
-                .unwrap();
+            replica.prepare_received(epoch, "notes", &shipped).unwrap();
         }
         for store in [&head, &hot, &cold] {
             assert!(store.commit_epoch(epoch).unwrap());
@@ -136,7 +134,7 @@ fn replicas_log_the_rows_their_head_encoded_and_read_them_as_it_does() {
     // An undecided epoch whose rows stayed encoded is logged again by a checkpoint, and
     // survives it and a restart.
     let shipped = prepare_at_head(&head, Epoch(3), &rows(300, 320));
-    cold.prepare_received(Epoch(3), "notes", shipped).unwrap();
+    cold.prepare_received(Epoch(3), "notes", &shipped).unwrap();
     cold.checkpoint().unwrap();
     drop(cold);
     let cold = open(dirs[2].path(), true);
@@ -176,7 +174,7 @@ fn a_cold_standby_logs_shipped_rows_without_decoding_them_but_a_serving_replica_
     // are not valid Arrow data.
     let serving = open(dirs[1].path(), false);
     let refused = serving
-        .prepare_received(Epoch(1), "notes", shipped.clone())
+        .prepare_received(Epoch(1), "notes", &shipped)
         .unwrap_err();
     let message = refused.to_string();
     assert!(
@@ -188,7 +186,7 @@ fn a_cold_standby_logs_shipped_rows_without_decoding_them_but_a_serving_replica_
     // A cold standby logs them as they are: it does not decode them (the head checked
     // them). That is the work log shipping saves it.
     let cold = open(dirs[2].path(), true);
-    cold.prepare_received(Epoch(1), "notes", shipped).unwrap();
+    cold.prepare_received(Epoch(1), "notes", &shipped).unwrap();
     assert_eq!(cold.undecided_epochs(), vec![Epoch(1)]);
 }
 
@@ -207,7 +205,7 @@ fn shipped_rows_in_another_schema_are_refused_as_a_schema_mismatch() {
     )
     .unwrap();
     replica.ensure_table(other).unwrap();
-    match replica.prepare_received(Epoch(1), "other", shipped) {
+    match replica.prepare_received(Epoch(1), "other", &shipped) {
         Err(StorageError::SchemaMismatch { table, reason }) => {
             assert_eq!(table, "other");
             assert!(reason.contains("stored schema"), "{reason}");

@@ -130,18 +130,16 @@ async fn interleaved_publish_times(
             cpu_seconds: Vec::new(),
         })
         .collect();
+    let clients: Vec<ClusterClient> = clusters.iter().map(|nodes| nodes.client(0)).collect();
     for _ in 0..runs.max(1) {
-        for (nodes, throughput) in clusters.iter().zip(&mut measured) {
+        for ((nodes, client), throughput) in clusters.iter().zip(&clients).zip(&mut measured) {
             if !wait_quiet(&every_node, QUIET_PATIENCE).await {
                 not_quiet += 1;
             }
             let pids = nodes.pids();
             let cpu_before = cpu_seconds(&pids);
             let started = Instant::now();
-            nodes
-                .client(0)
-                .publish("lineitem", rows.to_vec(), false)
-                .await?;
+            client.publish("lineitem", rows.to_vec(), false).await?;
             throughput.times.push(started.elapsed());
             wait_quiet(&every_node, QUIET_PATIENCE).await;
             throughput.cpu_seconds.push(cpu_seconds(&pids) - cpu_before);

@@ -46,7 +46,7 @@ impl Store {
     /// invisible until [`Store::commit_epoch`]; [`Store::abort_epoch`] discards them. A
     /// large publish may arrive in several calls; each adds to the epoch's rows.
     pub fn prepare_epoch(&self, epoch: Epoch, changes: Vec<PartitionChanges>) -> Result<()> {
-        let entries = self.encode_prepared(epoch, changes)?;
+        let entries = self.encode_prepared(epoch, &changes)?;
         self.log_prepared(epoch, entries)
     }
 
@@ -57,7 +57,7 @@ impl Store {
     pub fn encode_prepared(
         &self,
         epoch: Epoch,
-        changes: Vec<PartitionChanges>,
+        changes: &[PartitionChanges],
     ) -> Result<Vec<PreparedEntry>> {
         self.check_poisoned()?;
         let mut grouped: BTreeMap<(String, PartitionId), Vec<RecordBatch>> = BTreeMap::new();
@@ -109,7 +109,7 @@ impl Store {
         &self,
         epoch: Epoch,
         table: &str,
-        received: Vec<(PartitionId, EncodedRows)>,
+        received: &[(PartitionId, EncodedRows)],
     ) -> Result<()> {
         self.check_poisoned()?;
         let def = self
@@ -120,6 +120,7 @@ impl Store {
         let cold = self.state().standby.clone();
         let mut entries = Vec::with_capacity(received.len());
         for (partition, rows) in received {
+            let (partition, rows) = (*partition, rows.clone());
             if checked_schema.as_ref() != Some(&rows.schema) {
                 let schema = rows.decode_schema()?;
                 if schema.fields() != stored.fields() {
@@ -189,7 +190,6 @@ impl Store {
                     complete_through,
                 });
             }
-            state.table(&entry.table)?;
         }
         let next_seq = state.next_prepare_seq.entry(epoch).or_insert(0);
         let first_seq = *next_seq;
