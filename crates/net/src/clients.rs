@@ -314,16 +314,17 @@ pub fn encode_batches(
 ) -> arrow_flight::encode::FlightDataEncoder {
     wire_encoder(
         FlightDataEncoderBuilder::new().with_flight_descriptor(descriptor),
-        batches,
+        batches.map(Ok),
     )
 }
 
 /// Builds `builder`'s encoder over `batches` as they should travel: each batch as
 /// [`tessera_common::views::for_the_wire`] cuts it, which the encoder must not split again
-/// (its own slices would carry whole string buffers).
+/// (its own slices would carry whole string buffers). An error among `batches` ends the
+/// stream with it.
 pub fn wire_encoder(
     builder: FlightDataEncoderBuilder,
-    batches: impl Stream<Item = RecordBatch> + Send + 'static,
+    batches: impl Stream<Item = Result<RecordBatch, FlightError>> + Send + 'static,
 ) -> arrow_flight::encode::FlightDataEncoder {
     builder
         .with_max_flight_data_size(tessera_common::views::WIRE_ENCODER_MESSAGE_BYTES)
@@ -331,13 +332,14 @@ pub fn wire_encoder(
 }
 
 /// A batch as the slices a Flight stream carries it in, each holding only its own string
-/// values ([`tessera_common::views::for_the_wire`]).
+/// values ([`tessera_common::views::for_the_wire`]); an error passes as it is.
 fn wire_slices(
-    batch: RecordBatch,
+    batch: Result<RecordBatch, FlightError>,
 ) -> futures::stream::Iter<std::vec::IntoIter<Result<RecordBatch, FlightError>>> {
-    let slices = match tessera_common::views::for_the_wire(batch) {
-        Ok(slices) => slices.into_iter().map(Ok).collect(),
-        Err(error) => vec![Err(FlightError::Arrow(error))],
+    let slices = match batch.map(tessera_common::views::for_the_wire) {
+        Ok(Ok(slices)) => slices.into_iter().map(Ok).collect(),
+        Ok(Err(error)) => vec![Err(FlightError::Arrow(error))],
+        Err(error) => vec![Err(error)],
     };
     futures::stream::iter(slices)
 }

@@ -14,7 +14,10 @@ use tessera_common::tls::CertIdentity;
 /// 3: nodes log their queries' lineage with the query's initiator (`log-lineage`), where
 /// a node of version 2 wrote it to the metadata store, which an initiator of version 3
 /// no longer reads.
-pub const PROTOCOL_VERSION: u32 = 3;
+/// 4: a client's SQL streams its answers back as a `do_get` reply (`SqlRequest`) in place
+/// of the `sql` action, whose one JSON reply held the whole answer (and failed beyond the
+/// 256 MiB message limit).
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The cluster id a client may send when it does not know it (SQL, publish, status).
 pub const ANY_CLUSTER: &str = "*";

@@ -3,14 +3,14 @@
 
 use crate::error::{ClusterError, Result};
 use crate::rpc::{
-    CallError, Clients, PublishRequest, ScanRequest, SqlOutput, ACTION_CURRENT_METADATA,
-    ACTION_SQL, ACTION_STATUS, PROTOCOL_VERSION,
+    CallError, Clients, PublishRequest, ScanRequest, SqlRequest, ACTION_CURRENT_METADATA,
+    ACTION_STATUS, PROTOCOL_VERSION,
 };
 use crate::server::NodeStatus;
+use crate::sql_answers::SqlEvent;
 use arrow::array::RecordBatch;
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use std::time::Duration;
-use tessera_common::hex::from_hex;
 use tessera_common::tls::MutualTls;
 use tessera_common::{Epoch, PartitionId};
 use tessera_sql::StatementOutput;
@@ -21,6 +21,48 @@ pub struct Notice {
     pub message: String,
     /// How a query survived a node's death, when that is what the notice is about.
     pub recovery: Option<tessera_exec::RecoveryOutcome>,
+}
+
+/// How a client names a failed call: the node's address, and whether the client spoke
+/// TLS to it and for which cluster.
+#[derive(Clone)]
+struct CallErrors {
+    addr: String,
+    tls: bool,
+    cluster_id: String,
+}
+
+impl CallErrors {
+    fn call_error(&self, error: CallError) -> ClusterError {
+        let text = error.to_string();
+        if !self.tls && looks_like_tls_refusal(&text) {
+            return ClusterError::AddressUnreachable {
+                addr: self.addr.clone(),
+                reason: format!(
+                    "{text} (the connection broke at once: if the cluster uses mutual TLS on its internal port, give this client a certificate of its CA, e.g. `tessera --certs DIR`)"
+                ),
+            };
+        }
+        match error {
+            CallError::Refused(crate::rpc::Refusal::WrongCluster {
+                node_id,
+                cluster_id,
+            }) => ClusterError::WrongCluster {
+                node: node_id,
+                addr: self.addr.clone(),
+                ours: self.cluster_id.clone(),
+                theirs: cluster_id,
+            },
+            CallError::Transport(reason) => ClusterError::AddressUnreachable {
+                addr: self.addr.clone(),
+                reason,
+            },
+            CallError::Refused(crate::rpc::Refusal::Aborted { epoch, detail }) => {
+                ClusterError::PublishAborted { epoch, detail }
+            }
+            other => ClusterError::Call(other),
+        }
+    }
 }
 
 pub struct ClusterClient {
@@ -58,36 +100,17 @@ impl ClusterClient {
     }
 
     fn call_error(&self, error: CallError) -> ClusterError {
-        let text = error.to_string();
-        if !self.clients.is_tls() && looks_like_tls_refusal(&text) {
-            return ClusterError::AddressUnreachable {
-                addr: self.addr.clone(),
-                reason: format!(
-                    "{text} (the connection broke at once: if the cluster uses mutual TLS on its internal port, give this client a certificate of its CA, e.g. `tessera --certs DIR`)"
-                ),
-            };
-        }
-        match error {
-            CallError::Refused(crate::rpc::Refusal::WrongCluster {
-                node_id,
-                cluster_id,
-            }) => ClusterError::WrongCluster {
-                node: node_id,
-                addr: self.addr.clone(),
-                ours: self.clients.cluster_id().to_string(),
-                theirs: cluster_id,
-            },
-            CallError::Transport(reason) => ClusterError::AddressUnreachable {
-                addr: self.addr.clone(),
-                reason,
-            },
-            CallError::Refused(crate::rpc::Refusal::Aborted { epoch, detail }) => {
-                ClusterError::PublishAborted { epoch, detail }
-            }
-            other => ClusterError::Call(other),
-        }
+        self.errors().call_error(error)
     }
 
+    /// What [`ClusterClient::call_error`] needs, for a stream that outlives the borrow.
+    fn errors(&self) -> CallErrors {
+        CallErrors {
+            addr: self.addr.clone(),
+            tls: self.clients.is_tls(),
+            cluster_id: self.clients.cluster_id().to_string(),
+        }
+    }
     pub async fn sql(&self, sql: &str) -> Result<Vec<StatementOutput>> {
         Ok(self.sql_with_notices(sql).await?.0)
     }
@@ -95,43 +118,42 @@ impl ClusterClient {
     /// As [`ClusterClient::sql`], with the notices the node raised (such as a query that
     /// recovered from a node failure).
     pub async fn sql_with_notices(&self, sql: &str) -> Result<(Vec<StatementOutput>, Vec<Notice>)> {
-        let reply: std::result::Result<
-            std::result::Result<Vec<SqlOutput>, crate::rpc::Refusal>,
-            CallError,
-        > = self
-            .clients
-            .action(&self.addr, ACTION_SQL, sql, Duration::from_secs(3600))
-            .await;
-        let outputs = match reply.map_err(|e| self.call_error(e))? {
-            Ok(outputs) => outputs,
-            Err(refusal) => return Err(self.call_error(CallError::Refused(refusal))),
-        };
+        let mut events = std::pin::pin!(self.sql_stream(sql).await?);
         let mut notices = Vec::new();
         let mut results = Vec::new();
-        for output in outputs {
-            results.push(match output {
-                SqlOutput::Notice { message, recovery } => {
-                    notices.push(Notice { message, recovery });
-                    continue;
-                }
-                SqlOutput::Done { tag, epoch } => StatementOutput::Done { tag, epoch },
-                SqlOutput::Rows { ipc_hex } => {
-                    let bytes = from_hex(&ipc_hex).ok_or_else(|| ClusterError::Undecodable {
-                        addr: self.addr.clone(),
-                        what: "rows",
-                        reason: "not hex".into(),
-                    })?;
-                    let reader = arrow::ipc::reader::StreamReader::try_new(
-                        std::io::Cursor::new(bytes),
-                        None,
-                    )?;
-                    let schema = reader.schema();
-                    let batches = reader.collect::<std::result::Result<Vec<_>, _>>()?;
-                    StatementOutput::Rows { schema, batches }
-                }
-            });
+        while let Some(event) = events.next().await {
+            match event? {
+                SqlEvent::Rows(schema) => results.push(StatementOutput::Rows {
+                    schema,
+                    batches: Vec::new(),
+                }),
+                SqlEvent::Batch(batch) => match results.last_mut() {
+                    Some(StatementOutput::Rows { batches, .. }) => batches.push(batch),
+                    _ => unreachable!("the reply reader refuses rows before their schema"),
+                },
+                SqlEvent::Done { tag, epoch } => results.push(StatementOutput::Done { tag, epoch }),
+                SqlEvent::Notice(notice) => notices.push(notice),
+            }
         }
         Ok((results, notices))
+    }
+
+    /// Runs `sql` (one or more statements); their answers as they arrive, batch by batch.
+    pub async fn sql_stream(
+        &self,
+        sql: &str,
+    ) -> Result<impl futures::Stream<Item = Result<SqlEvent>> + Send + 'static> {
+        let request = SqlRequest {
+            sql: sql.to_string(),
+        };
+        let messages = self
+            .clients
+            .get_messages(&self.addr, &request)
+            .await
+            .map_err(|e| self.call_error(e))?;
+        let errors = self.errors();
+        let messages = messages.map_err(move |e| errors.call_error(e));
+        Ok(crate::sql_answers::read_reply(messages, self.addr.clone()))
     }
 
     /// Runs SQL whose last statement returns rows; also returns the node's notices.

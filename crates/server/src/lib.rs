@@ -27,6 +27,7 @@ pub mod node;
 pub mod rpc;
 pub mod scrub;
 pub mod server;
+pub mod sql_answers;
 pub mod startup;
 pub mod status;
 mod system_tables;

@@ -6,14 +6,12 @@
 //! - `do_put` carries a publish's rows to a replica ([`PrepareRequest`]), a client's rows
 //!   to publish ([`PublishRequest`]), and a query's exchange batches ([`ExchangeHeader`]);
 //! - `do_get` streams rows back: live rows at an epoch ([`ScanRequest`]), a partition's
-//!   versions or export, a component's bytes, a query's channel reports and spools.
+//!   versions or export, a component's bytes, a query's channel reports and spools, and a
+//!   client's SQL answers ([`SqlRequest`]).
 //!
 //! Each layer owns its requests (each a [`WireRequest`], tagged on the wire with its
 //! kind); this module gathers them for the dispatcher. The tags are those of the enums
 //! these types replaced, so the encoding is unchanged (pinned by `tests/wire_golden.rs`).
-
-use serde::{Deserialize, Serialize};
-use tessera_common::Epoch;
 
 /// The replication protocols' requests (publish, log shipping, copies, component shipping).
 pub use tessera_replication::wire::*;
@@ -36,25 +34,4 @@ pub const ACTION_CURRENT_METADATA: &str = "current-metadata";
 pub use tessera_exec::wire::{ExchangeHeader, ScanRequest, ACTION_QUERY_END};
 pub use tessera_recovery::SpoolRequest;
 
-/// What a client's SQL produced, statement by statement.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub enum SqlOutput {
-    /// Rows as an Arrow IPC stream, hex-encoded.
-    Rows {
-        ipc_hex: String,
-    },
-    Done {
-        tag: String,
-        epoch: Option<Epoch>,
-    },
-    /// Something the client should know, such as a query that recovered from a node's
-    /// failure. Comes before the outputs of the request.
-    Notice {
-        message: String,
-        /// Set when the notice tells how a query survived a node's death.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        recovery: Option<tessera_exec::RecoveryOutcome>,
-    },
-}
-
-pub const ACTION_SQL: &str = "sql";
+pub use crate::sql_answers::{SqlMark, SqlRequest};

@@ -116,6 +116,27 @@ impl NodeService {
             .map_err(Refusal::into_status)
     }
 
+    /// Opens a `do_get` or `do_put` request; the one kind `from_clients` names may also
+    /// come from a client that does not know the cluster's id.
+    fn open_tagged(
+        &self,
+        caller: &Caller,
+        bytes: &[u8],
+        from_clients: &str,
+    ) -> Result<TaggedRequest, Status> {
+        let envelope: Envelope<TaggedRequest> = self
+            .gate
+            .open_envelope(bytes)
+            .map_err(Refusal::into_status)?;
+        self.gate
+            .check_caller(caller, envelope.from)
+            .map_err(Refusal::into_status)?;
+        self.gate
+            .check_cluster(&envelope.cluster_id, envelope.body.kind == from_clients)
+            .map_err(Refusal::into_status)?;
+        Ok(envelope.body)
+    }
+
     /// Who sent `request`: under mutual TLS, whom its certificate names.
     fn caller<T>(&self, request: &Request<T>) -> Caller {
         if !self.mtls {
@@ -254,31 +275,6 @@ impl NodeService {
                     node.suspect(suspect);
                 }
                 reply(&Ok::<(), Refusal>(()))
-            }
-            ACTION_SQL => {
-                let sql: String = self.open_from_client(&caller, body)?;
-                let backend = Arc::new(crate::ClusterBackend::new(node.clone()));
-                tessera_sql::Backend::act_as(&*backend, self.acting_user(&caller)?);
-                let engine = tessera_sql::Engine::with_backend(
-                    backend.clone(),
-                    datafusion::prelude::SessionConfig::new(),
-                );
-                let result: Result<Vec<SqlOutput>, Refusal> = match engine.execute(&sql).await {
-                    Ok(outputs) => backend
-                        .take_recoveries()
-                        .into_iter()
-                        .map(|recovery| {
-                            Ok(SqlOutput::Notice {
-                                message: recovery.to_string(),
-                                recovery: Some(recovery),
-                            })
-                        })
-                        .chain(outputs.into_iter().map(sql_output))
-                        .collect::<Result<_, _>>()
-                        .map_err(|e| Refusal::Failed(e.to_string())),
-                    Err(e) => Err(Refusal::Failed(tessera_sql::error::one_message(&e))),
-                };
-                reply(&result)
             }
             ACTION_QUERY_END => {
                 let query: tessera_exec::QueryId = self.open(&caller, body)?;
@@ -439,18 +435,6 @@ impl NodeService {
             other => Err(Status::unimplemented(format!("unknown action {other:?}"))),
         }
     }
-}
-
-fn sql_output(output: tessera_sql::StatementOutput) -> Result<SqlOutput, arrow::error::ArrowError> {
-    Ok(match output {
-        tessera_sql::StatementOutput::Rows { schema, batches } => SqlOutput::Rows {
-            ipc_hex: tessera_common::hex::batches_to_ipc_hex(&schema, &batches)?,
-        },
-        tessera_sql::StatementOutput::Done { tag, epoch } => SqlOutput::Done { tag, epoch },
-        tessera_sql::StatementOutput::Streaming { .. } => {
-            unreachable!("Engine::execute reads every answer whole")
-        }
-    })
 }
 
 /// Ends a query's part on this node when the initiator stops listening (it finished,
@@ -681,10 +665,17 @@ impl FlightService for NodeService {
         request: Request<Ticket>,
     ) -> Result<Response<Self::DoGetStream>, Status> {
         let caller = self.caller(&request);
-        let request: TaggedRequest = self.open(&caller, &request.into_inner().ticket)?;
+        // Clients send SQL without knowing the cluster's id; nodes name it.
+        let request = self.open_tagged(&caller, &request.into_inner().ticket, SqlRequest::KIND)?;
         let decode_error = Refusal::into_status;
         let mut metadata = Bytes::new();
         let (schema, batches) = match request.kind.as_str() {
+            SqlRequest::KIND => {
+                let SqlRequest { sql } = request.decode().map_err(decode_error)?;
+                let user = self.acting_user(&caller)?;
+                let answers = crate::sql_answers::answer(self.node.clone(), user, sql);
+                return Ok(Response::new(answers));
+            }
             ScanRequest::KIND => self.scan(request.decode().map_err(decode_error)?).await?,
             RunRequest::KIND => return self.run_stages(request.decode().map_err(decode_error)?),
             SpoolRequest::KIND => {
@@ -770,7 +761,7 @@ impl FlightService for NodeService {
             FlightDataEncoderBuilder::new()
                 .with_schema(schema)
                 .with_metadata(metadata),
-            futures::stream::iter(batches),
+            futures::stream::iter(batches).map(Ok),
         )
         .map_err(failed);
         Ok(Response::new(stream.boxed()))
@@ -790,18 +781,8 @@ impl FlightService for NodeService {
             .flight_descriptor
             .clone()
             .ok_or_else(|| failed("a prepare stream starts with a descriptor"))?;
-        let envelope: Envelope<TaggedRequest> = self
-            .gate
-            .open_envelope(&descriptor.cmd)
-            .map_err(Refusal::into_status)?;
-        self.gate
-            .check_caller(&caller, envelope.from)
-            .map_err(Refusal::into_status)?;
-        let request = envelope.body;
         // Clients publish without knowing the cluster's id; nodes name it.
-        self.gate
-            .check_cluster(&envelope.cluster_id, request.kind == PublishRequest::KIND)
-            .map_err(Refusal::into_status)?;
+        let request = self.open_tagged(&caller, &descriptor.cmd, PublishRequest::KIND)?;
         let decode_error = Refusal::into_status;
         let rest = input.map_err(arrow_flight::error::FlightError::from);
         let data = futures::stream::once(async { Ok(first) }).chain(rest);

@@ -229,7 +229,6 @@ fn samples() -> Samples {
     s.request(ACTION_STATUS, ());
     s.request(ACTION_CURRENT_METADATA, ());
     s.request(ACTION_READ_INDEX, ());
-    s.request(ACTION_SQL, "SELECT 1");
     s.request(ACTION_QUERY_END, 0xfeedu64);
     s.request(ACTION_DECOMMISSION, 3u64);
     s.request(ACTION_FLUSH, ());
@@ -364,6 +363,12 @@ fn samples() -> Samples {
             generation: 7,
             partition: PartitionId(1),
             since: Epoch(3),
+        },
+    );
+    s.tagged(
+        "get sql",
+        SqlRequest {
+            sql: "SELECT 1".into(),
         },
     );
     s.tagged(
@@ -518,18 +523,15 @@ fn samples() -> Samples {
         s.value("meta response", &Ok::<_, Refusal>(response));
     }
     for output in [
-        SqlOutput::Rows {
-            ipc_hex: "ffff".into(),
-        },
-        SqlOutput::Done {
+        SqlMark::Done {
             tag: "INSERT 0 3".into(),
             epoch: Some(Epoch(4)),
         },
-        SqlOutput::Notice {
+        SqlMark::Notice {
             message: "a notice".into(),
             recovery: None,
         },
-        SqlOutput::Notice {
+        SqlMark::Notice {
             message: "node 2 died".into(),
             recovery: Some(tessera_exec::RecoveryOutcome::Rebuilt {
                 dead: NodeId(2),
@@ -540,7 +542,7 @@ fn samples() -> Samples {
                 replan_ms: 40,
             }),
         },
-        SqlOutput::Notice {
+        SqlMark::Notice {
             message: "node 2 died".into(),
             recovery: Some(tessera_exec::RecoveryOutcome::Restarted {
                 dead: NodeId(2),
@@ -550,7 +552,7 @@ fn samples() -> Samples {
             }),
         },
     ] {
-        s.value("sql output", &output);
+        s.value("sql mark", &output);
     }
     s.value(
         "shipped manifest",
@@ -736,7 +738,6 @@ fn every_action_has_a_sample() {
         ACTION_STATUS,
         ACTION_CURRENT_METADATA,
         ACTION_READ_INDEX,
-        ACTION_SQL,
         ACTION_QUERY_END,
         ACTION_DECOMMISSION,
         ACTION_FLUSH,

@@ -12,8 +12,9 @@ use anyhow::{bail, Context, Result};
 use arrow::array::RecordBatch;
 use datafusion::sql::parser::{CopyToSource, DFParser, Statement as DFStatement};
 use datafusion::sql::sqlparser::dialect::GenericDialect;
+use futures::stream::BoxStream;
+use futures::StreamExt;
 use std::path::{Path, PathBuf};
-use tessera_sql::StatementOutput;
 
 /// The file formats an export writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -113,19 +114,22 @@ fn export_of(copy: datafusion::sql::parser::CopyToStatement) -> Result<Export> {
     })
 }
 
-/// Runs `export`'s query on `target` and writes its rows; the number of rows written.
+/// Runs `export`'s query on `target` and writes its rows as they arrive; the number of
+/// rows written.
 pub async fn export(target: &Target, export: &Export) -> Result<usize> {
-    let outputs = target.execute(&export.query).await?;
-    let Some(StatementOutput::Rows { schema, batches }) = outputs.into_iter().last() else {
-        bail!("{} returns no rows to export", export.query);
-    };
-    let rows = batches.iter().map(RecordBatch::num_rows).sum();
+    let (schema, batches) = target
+        .rows(&export.query)
+        .await
+        .with_context(|| format!("{} has no rows to export", export.query))?;
     let partial = partial_path(&export.path);
-    let written = write_file(&partial, export.format, &schema, &batches);
-    if let Err(error) = written {
-        let _ = std::fs::remove_file(&partial);
-        return Err(error.context(format!("writing {}", export.path.display())));
-    }
+    let written = write_file(&partial, export.format, &schema, batches).await;
+    let rows = match written {
+        Ok(rows) => rows,
+        Err(error) => {
+            let _ = std::fs::remove_file(&partial);
+            return Err(error.context(format!("writing {}", export.path.display())));
+        }
+    };
     std::fs::rename(&partial, &export.path)
         .with_context(|| format!("moving the export into place at {}", export.path.display()))?;
     Ok(rows)
@@ -138,13 +142,15 @@ fn partial_path(path: &Path) -> PathBuf {
     path.with_file_name(name)
 }
 
-fn write_file(
+/// Writes `batches` to `path` as they come, then makes the file durable; the rows written.
+async fn write_file(
     path: &Path,
     format: ExportFormat,
     schema: &arrow::datatypes::SchemaRef,
-    batches: &[RecordBatch],
-) -> Result<()> {
+    mut batches: BoxStream<'static, Result<RecordBatch>>,
+) -> Result<usize> {
     let file = std::fs::File::create(path)?;
+    let mut rows = 0;
     match format {
         ExportFormat::Parquet => {
             let mut writer = parquet::arrow::ArrowWriter::try_new(
@@ -152,22 +158,26 @@ fn write_file(
                 schema.clone(),
                 Some(tessera_storage::component::writer_properties()),
             )?;
-            for batch in batches {
-                writer.write(batch)?;
+            while let Some(batch) = batches.next().await {
+                let batch = batch?;
+                rows += batch.num_rows();
+                writer.write(&batch)?;
             }
-            writer.close()?;
+            writer.into_inner()?.sync_all()?;
         }
         ExportFormat::Csv => {
             let mut writer = arrow::csv::WriterBuilder::new()
                 .with_header(true)
                 .build(file);
-            for batch in batches {
-                writer.write(batch)?;
+            while let Some(batch) = batches.next().await {
+                let batch = batch?;
+                rows += batch.num_rows();
+                writer.write(&batch)?;
             }
             writer.into_inner().sync_all()?;
         }
     }
-    Ok(())
+    Ok(rows)
 }
 
 /// `tessera export`: one table, at a point of its history, to a file.

@@ -1,9 +1,14 @@
 //! Where a command sends its work: a store in this process (`--data-dir`), or a running
 //! cluster through one of its nodes (`--node`).
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use futures::stream::BoxStream;
+use futures::StreamExt;
 use std::sync::Arc;
 use tessera_common::Epoch;
+use tessera_server::sql_answers::SqlEvent;
 use tessera_server::ClusterClient;
 use tessera_sql::{Engine, StatementOutput};
 use tessera_storage::{Store, TableChanges, TableDef};
@@ -33,6 +38,57 @@ impl Target {
                 outputs
             }
         })
+    }
+
+    /// Runs `sql`, whose statement with rows is its last; that answer's schema, and its
+    /// rows as they come, never held whole (a cluster's node streams them).
+    pub async fn rows(
+        &self,
+        sql: &str,
+    ) -> Result<(SchemaRef, BoxStream<'static, Result<RecordBatch>>)> {
+        match self {
+            Target::Local(engine) => match engine.execute_streaming(sql).await?.pop() {
+                Some(StatementOutput::Rows { schema, batches }) => Ok((
+                    schema,
+                    futures::stream::iter(batches.into_iter().map(Ok)).boxed(),
+                )),
+                Some(StatementOutput::Streaming { schema, stream }) => {
+                    Ok((schema, stream.map(|batch| Ok(batch?)).boxed()))
+                }
+                _ => bail!("{sql} returns no rows"),
+            },
+            Target::Cluster(client) => {
+                let mut events = client.sql_stream(sql).await?.boxed();
+                let schema = loop {
+                    match events.next().await.transpose()? {
+                        Some(SqlEvent::Rows(schema)) => break schema,
+                        Some(SqlEvent::Notice(notice)) => eprintln!("NOTICE: {}", notice.message),
+                        // A statement before the one with rows (such as a SET).
+                        Some(SqlEvent::Done { .. }) => {}
+                        Some(SqlEvent::Batch(_)) => unreachable!("rows come after their schema"),
+                        None => bail!("{sql} returns no rows"),
+                    }
+                };
+                let sql = sql.to_string();
+                let batches = events.filter_map(move |event| {
+                    let sql = sql.clone();
+                    async move {
+                        match event {
+                            Ok(SqlEvent::Batch(batch)) => Some(Ok(batch)),
+                            Ok(SqlEvent::Notice(notice)) => {
+                                eprintln!("NOTICE: {}", notice.message);
+                                None
+                            }
+                            Ok(SqlEvent::Rows(_) | SqlEvent::Done { .. }) => Some(Err(anyhow!(
+                                "{sql}: a statement follows the one with rows; give one query"
+                            ))),
+                            Err(error) => Some(Err(error.into())),
+                        }
+                    }
+                });
+                Ok((schema, batches.boxed()))
+            }
+        }
     }
 
     pub async fn table_def(&self, name: &str) -> Result<Option<TableDef>> {
