@@ -9,18 +9,7 @@ use tessera_storage::versions::split_by_partition;
 use tessera_storage::{PartitionChanges, Store, StoreConfig};
 
 mod common;
-use common::def;
-
-fn rows(from: i64, to: i64) -> RecordBatch {
-    RecordBatch::try_new(
-        Arc::new(def().schema.clone()),
-        vec![
-            Arc::new(Int64Array::from_iter_values(from..to)),
-            Arc::new(Int64Array::from_iter_values((from..to).map(|k| k * 10))),
-        ],
-    )
-    .unwrap()
-}
+use common::{def, kv_rows as rows, visible_keys as keys};
 
 fn config() -> StoreConfig {
     StoreConfig {
@@ -31,35 +20,7 @@ fn config() -> StoreConfig {
 
 /// Routes rows to their partitions as a coordinator does.
 fn routed(batch: &RecordBatch) -> Vec<PartitionChanges> {
-    split_by_partition(&def(), &PartitionRing::new(4), batch)
-        .unwrap()
-        .into_iter()
-        .map(|(partition, rows)| PartitionChanges {
-            table: "kv".into(),
-            partition,
-            upserts: vec![rows],
-            deletes: vec![],
-            before_images: vec![],
-        })
-        .collect()
-}
-
-/// Keys visible at `epoch`, sorted.
-fn keys(store: &Store, epoch: Epoch) -> Vec<i64> {
-    store.advance_visible(epoch);
-    let mut keys: Vec<i64> = common::live_rows(store, "kv", epoch)
-        .iter()
-        .flat_map(|live| {
-            let column = live
-                .column(0)
-                .as_any()
-                .downcast_ref::<Int64Array>()
-                .unwrap();
-            column.values().to_vec()
-        })
-        .collect();
-    keys.sort();
-    keys
+    common::routed_kv(batch, 4)
 }
 
 #[test]

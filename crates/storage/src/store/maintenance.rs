@@ -4,6 +4,37 @@
 
 use super::*;
 
+/// Whether a flush ends by dropping the log segments it covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LogAfterFlush {
+    Truncate,
+    Keep,
+}
+
+/// What [`Store::flush_in_stages`] did.
+struct Flushed {
+    /// How long it held the gate exclusively, both ends together.
+    gate_held: std::time::Duration,
+}
+
+/// One partition's memtable entries frozen for a flush, their LSNs in order.
+struct FrozenRows {
+    def: TableDef,
+    partition: PartitionId,
+    batches: Vec<RecordBatch>,
+    lsns: Vec<Lsn>,
+}
+
+impl FrozenRows {
+    fn min_lsn(&self) -> Lsn {
+        *self.lsns.iter().min().expect("frozen rows are not empty")
+    }
+
+    fn max_lsn(&self) -> Lsn {
+        *self.lsns.iter().max().expect("frozen rows are not empty")
+    }
+}
+
 /// What [`Store::merge_crowded_partitions`] did: how many partitions it merged, and the
 /// longest any one held the gate.
 #[derive(Debug, Default)]
@@ -22,23 +53,24 @@ impl Store {
 
     /// Flushes memory to components, records manifests, drops log segments the checkpoint
     /// covers, and merges partitions that have too many components.
+    ///
+    /// The flush holds the store's gate exclusively only at its two ends (see
+    /// [`Store::flush_in_stages`]): prepares, commits and publishes go on while it writes
+    /// the components, which at SF 10 takes seconds.
     pub fn checkpoint(&self) -> Result<()> {
         let started = std::time::Instant::now();
         let memtable_bytes = self.state().memtable_bytes;
-        {
-            let _gate = self.gate.exclusive();
-            self.check_poisoned()?;
-            self.checkpoint_holding_gate()?;
-        }
+        let flushed = self.flush_in_stages(LogAfterFlush::Truncate)?;
         let flushed_at = started.elapsed();
         let merged = self.merge_crowded_partitions()?;
         tracing::info!(
             memtable_bytes,
             flush_s = flushed_at.as_secs_f64(),
+            gate_held_s = flushed.gate_held.as_secs_f64(),
             merged_partitions = merged.partitions,
             longest_merge_s = merged.longest.as_secs_f64(),
             total_s = started.elapsed().as_secs_f64(),
-            "checkpoint (the flush holds the store's gate; each merge holds it for one partition)"
+            "checkpoint (the flush holds the store's gate only to freeze and to install; each merge holds it for one partition)"
         );
         Ok(())
     }
@@ -46,9 +78,173 @@ impl Store {
     /// Flushes memory to components without truncating the log: what a primary does when
     /// a cold standby of its partitions wants components before truncating its own log.
     pub fn flush(&self) -> Result<()> {
-        let _gate = self.gate.exclusive();
-        self.check_poisoned()?;
-        self.flush_memtables()
+        self.flush_in_stages(LogAfterFlush::Keep).map(|_| ())
+    }
+
+    /// Flushes the memtables in three stages, so that the gate is held exclusively only
+    /// briefly:
+    ///
+    /// 1. *Freeze*, under the gate: each partition's memtable entries so far are the ones
+    ///    to flush. When the log is to be truncated, it is rotated here too, and the
+    ///    undecided epochs' rows are logged again in the new segment. Everything the old
+    ///    segments hold is then either frozen or logged anew, and every later record (a
+    ///    commit of one of those epochs included) follows its rows in the new segment.
+    /// 2. *Write*, with the gate open: the frozen entries become components. Reads still
+    ///    find those rows in the memtables, and new rows join the memtables behind them.
+    /// 3. *Install*, under the gate: each partition whose memtable still begins with its
+    ///    frozen entries gets the component in their place, in one step under the state
+    ///    lock. Then the checkpoint file records the manifests and counters, and the old
+    ///    segments go, unless some frozen rows are still only in memory and in them.
+    ///
+    /// One flush runs at a time (`flushing`); a bulk publish, which flushes under the
+    /// gate, waits for it too.
+    fn flush_in_stages(&self, log: LogAfterFlush) -> Result<Flushed> {
+        let _one_at_a_time = self.flushing.lock().expect("flushing lock");
+        let mut gate_held = std::time::Duration::ZERO;
+        let froze = std::time::Instant::now();
+        let (frozen, segment) = {
+            let _gate = self.gate.exclusive();
+            self.check_poisoned()?;
+            // The segments about to go may hold a cold standby's only copy of committed
+            // rows not yet covered by components from its primary: apply them, so the
+            // flush keeps them.
+            let replayed = match log {
+                LogAfterFlush::Truncate => self.replay_standby_holding_gate(|_| true)?,
+                LogAfterFlush::Keep => 0,
+            };
+            if replayed > 0 {
+                tracing::info!(
+                    replayed,
+                    "applied cold-standby rows the primary has not shipped components for"
+                );
+            }
+            let frozen = self.freeze_memtables();
+            let segment = match log {
+                LogAfterFlush::Truncate => {
+                    self.state().logged_bytes = 0;
+                    let segment = self.or_poison(self.wal.rotate())?;
+                    self.relog_undecided()?;
+                    Some(segment)
+                }
+                LogAfterFlush::Keep => None,
+            };
+            (frozen, segment)
+        };
+        gate_held += froze.elapsed();
+        let mut written = Vec::with_capacity(frozen.len());
+        for rows in frozen {
+            let meta = self.or_poison(self.write_component(
+                &rows.def,
+                &rows.batches,
+                rows.min_lsn(),
+                rows.max_lsn(),
+            ))?;
+            written.push((rows, meta));
+        }
+        let installing = std::time::Instant::now();
+        {
+            let _gate = self.gate.exclusive();
+            self.check_poisoned()?;
+            let all_installed = self.install_flushed(written)?;
+            if let Some(segment) = segment {
+                if all_installed {
+                    self.or_poison(self.wal.delete_segments_before(segment))?;
+                }
+            }
+        }
+        gate_held += installing.elapsed();
+        Ok(Flushed { gate_held })
+    }
+
+    /// Each partition's memtable entries, as they are now (stage 1 of
+    /// [`Store::flush_in_stages`]).
+    fn freeze_memtables(&self) -> Vec<FrozenRows> {
+        let state = self.state();
+        state
+            .all_partitions()
+            .filter(|(_, _, p)| !p.memtable.is_empty())
+            .map(|(t, partition, p)| FrozenRows {
+                def: t.def.clone(),
+                partition,
+                batches: p.memtable.iter().map(|e| e.batch.clone()).collect(),
+                lsns: p.memtable.iter().map(|e| e.lsn).collect(),
+            })
+            .collect()
+    }
+
+    /// Puts each written component in place of the frozen entries it holds, where the
+    /// memtable still begins with them, and writes the checkpoint file (stage 3 of
+    /// [`Store::flush_in_stages`]). False if some frozen rows are still only in memory:
+    /// the log that holds them must stay.
+    fn install_flushed(&self, written: Vec<(FrozenRows, ComponentMeta)>) -> Result<bool> {
+        let mut state = self.state();
+        let mut all_installed = true;
+        for (rows, meta) in written {
+            let Some(part) = state
+                .tables
+                .get_mut(&rows.def.name)
+                .and_then(|t| t.partitions.get_mut(rows.partition.0 as usize))
+            else {
+                // The table was dropped meanwhile: its rows are not wanted.
+                continue;
+            };
+            let frozen = rows.lsns.len();
+            let unchanged = part.memtable.len() >= frozen
+                && part
+                    .memtable
+                    .iter()
+                    .zip(&rows.lsns)
+                    .all(|(e, &lsn)| e.lsn == lsn)
+                && meta.max_lsn >= part.manifest.max_lsn;
+            if unchanged {
+                let freed: usize = part
+                    .memtable
+                    .drain(..frozen)
+                    .map(|e| e.batch.get_array_memory_size())
+                    .sum();
+                part.manifest.add(meta);
+                state.memtable_bytes = state.memtable_bytes.saturating_sub(freed);
+                continue;
+            }
+            // Another hand took the rows meanwhile (components shipped from the primary,
+            // a copy of the partition, the table recreated): the component is garbage. If
+            // some of them are still here, so must their log records stay.
+            let still_here = part.memtable.iter().any(|e| rows.lsns.contains(&e.lsn));
+            if still_here {
+                tracing::warn!(
+                    table = %rows.def.name,
+                    partition = %rows.partition,
+                    "a partition's memtable changed during a flush; its log stays until the next checkpoint"
+                );
+                all_installed = false;
+            }
+        }
+        self.write_checkpoint(&state)?;
+        Ok(all_installed)
+    }
+
+    /// Logs the undecided epochs' rows again, in the segment the log was just rotated to:
+    /// they must outlive the segments about to be deleted.
+    fn relog_undecided(&self) -> Result<()> {
+        let relogged = {
+            let state = self.state();
+            let mut frames = Vec::new();
+            for (epoch, entries) in &state.pending {
+                for entry in entries {
+                    frames.extend(entry.rows.frame(
+                        &entry.table,
+                        entry.partition,
+                        *epoch,
+                        entry.seq,
+                    )?);
+                }
+            }
+            frames
+        };
+        if !relogged.is_empty() {
+            self.or_poison(self.wal.submit(relogged).wait())?;
+        }
+        Ok(())
     }
 
     /// The body of [`Store::checkpoint`] but its merges, for callers already holding the
@@ -72,24 +268,7 @@ impl Store {
         }
         let segment = self.or_poison(self.wal.rotate())?;
         // Undecided cluster epochs must outlive the segments about to be deleted.
-        let relogged = {
-            let state = self.state();
-            let mut frames = Vec::new();
-            for (epoch, entries) in &state.pending {
-                for entry in entries {
-                    frames.extend(entry.rows.frame(
-                        &entry.table,
-                        entry.partition,
-                        *epoch,
-                        entry.seq,
-                    )?);
-                }
-            }
-            frames
-        };
-        if !relogged.is_empty() {
-            self.or_poison(self.wal.submit(relogged).wait())?;
-        }
+        self.relog_undecided()?;
         self.or_poison(self.wal.delete_segments_before(segment))
     }
 

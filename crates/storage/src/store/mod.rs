@@ -657,6 +657,9 @@ pub struct Store {
     ring: PartitionRing,
     state: Mutex<State>,
     gate: gate::Gate,
+    /// Held by a flush from its freeze to its install, and by a bulk publish (which
+    /// flushes too): one flush at a time (see `maintenance.rs`). Taken before the gate.
+    flushing: Mutex<()>,
     wal: Wal,
     verified: Mutex<HashSet<ComponentHash>>,
     readers: Arc<Mutex<ReaderRegistry>>,
@@ -729,6 +732,7 @@ impl Store {
             config,
             state: Mutex::new(state),
             gate: gate::Gate::default(),
+            flushing: Mutex::new(()),
             wal,
             verified: Mutex::new(HashSet::new()),
             readers: Arc::new(Mutex::new(ReaderRegistry::default())),

@@ -1,11 +1,13 @@
 //! Helpers shared by the storage integration tests (each test file uses some of them).
 #![allow(dead_code)]
 
+use arrow::array::Array;
 use arrow::array::{Int64Array, RecordBatch};
 use arrow::datatypes::{DataType, Field, Schema};
 use std::sync::Arc;
-use tessera_common::Epoch;
-use tessera_storage::{Store, StoreConfig, TableDef};
+use tessera_common::{Epoch, PartitionRing};
+use tessera_storage::versions::split_by_partition;
+use tessera_storage::{PartitionChanges, Store, StoreConfig, TableDef};
 
 /// A batch of BIGINT columns named `names`, NOT NULL.
 pub fn int64_batch(columns: Vec<Vec<i64>>, names: &[&str]) -> RecordBatch {
@@ -79,4 +81,49 @@ pub fn store_with_partitions(dir: &std::path::Path, partitions: u32) -> Arc<Stor
         },
     )
     .unwrap()
+}
+
+/// Rows of `kv` for keys `from..to`, each value ten times its key.
+pub fn kv_rows(from: i64, to: i64) -> RecordBatch {
+    RecordBatch::try_new(
+        Arc::new(def().schema.clone()),
+        vec![
+            Arc::new(Int64Array::from_iter_values(from..to)),
+            Arc::new(Int64Array::from_iter_values((from..to).map(|k| k * 10))),
+        ],
+    )
+    .unwrap()
+}
+
+/// `kv` rows routed to their partitions (of `partitions`) as a coordinator does.
+pub fn routed_kv(batch: &RecordBatch, partitions: u32) -> Vec<PartitionChanges> {
+    split_by_partition(&def(), &PartitionRing::new(partitions), batch)
+        .unwrap()
+        .into_iter()
+        .map(|(partition, rows)| PartitionChanges {
+            table: "kv".into(),
+            partition,
+            upserts: vec![rows],
+            deletes: vec![],
+            before_images: vec![],
+        })
+        .collect()
+}
+
+/// The keys of `kv` visible at `epoch`, sorted.
+pub fn visible_keys(store: &Store, epoch: Epoch) -> Vec<i64> {
+    store.advance_visible(epoch);
+    let mut keys: Vec<i64> = live_rows(store, "kv", epoch)
+        .iter()
+        .flat_map(|live| {
+            let column = live
+                .column(0)
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .unwrap();
+            column.values().to_vec()
+        })
+        .collect();
+    keys.sort();
+    keys
 }
