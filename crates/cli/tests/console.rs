@@ -99,6 +99,10 @@ async fn metrics_parse_as_openmetrics_and_move_with_the_work() {
         "every publish logs durably here"
     );
     assert!(
+        moved("tessera_store_gate_wait_seconds_count{}") >= 3.0,
+        "every publish's prepare and commit passed the store's gate here"
+    );
+    assert!(
         moved("tessera_exchange_bytes_total{}") > 0.0,
         "the counts gathered rows from the other nodes"
     );

@@ -38,6 +38,9 @@ pub struct Metrics {
     /// From the request to the acknowledgement (visible), acknowledged publishes only.
     pub publish_seconds: Histogram,
     pub wal_fsync_seconds: Histogram,
+    /// How long a prepare, commit or publish waited for the store's gate: for a checkpoint's
+    /// freeze or install, a merge of one partition, a copy or DDL holding it exclusively.
+    pub store_gate_wait_seconds: Histogram,
     /// Frames made durable by one fsync (group commit).
     pub wal_group_frames: Histogram,
     /// Statements run through this node, by outcome (`ok`, `failed`).
@@ -93,6 +96,7 @@ impl Metrics {
             publish_bytes: Counter::default(),
             publish_seconds: seconds_buckets(),
             wal_fsync_seconds: seconds_buckets(),
+            store_gate_wait_seconds: seconds_buckets(),
             wal_group_frames: size_buckets(),
             queries: Family::default(),
             query_seconds: seconds_buckets(),
@@ -145,6 +149,11 @@ impl Metrics {
                 "wal_fsync_seconds",
                 "Write-ahead log fsync latency",
                 metrics.wal_fsync_seconds.clone(),
+            );
+            r.register(
+                "store_gate_wait_seconds",
+                "Time prepares, commits and publishes waited for a checkpoint, merge or copy holding the store",
+                metrics.store_gate_wait_seconds.clone(),
             );
             r.register(
                 "wal_group_frames",

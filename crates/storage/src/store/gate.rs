@@ -27,9 +27,23 @@ impl Gate {
         Exclusive(Some(self.0.write()))
     }
 
-    /// Waits for any exclusive section to end; others may share the gate meanwhile.
+    /// Waits for any exclusive section to end; others may share the gate meanwhile. The
+    /// wait is counted in `tessera_store_gate_wait_seconds`.
     pub(super) fn shared(&self) -> Shared<'_> {
-        self.0.read()
+        if let Some(free) = self.0.try_read() {
+            tessera_common::metrics::observe_seconds(
+                &tessera_common::metrics::metrics().store_gate_wait_seconds,
+                std::time::Duration::ZERO,
+            );
+            return free;
+        }
+        let waited_from = std::time::Instant::now();
+        let shared = self.0.read();
+        tessera_common::metrics::observe_seconds(
+            &tessera_common::metrics::metrics().store_gate_wait_seconds,
+            waited_from.elapsed(),
+        );
+        shared
     }
 }
 

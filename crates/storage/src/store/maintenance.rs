@@ -99,7 +99,7 @@ impl Store {
     /// One flush runs at a time (`flushing`); a bulk publish, which flushes under the
     /// gate, waits for it too.
     fn flush_in_stages(&self, log: LogAfterFlush) -> Result<Flushed> {
-        let _one_at_a_time = self.flushing.lock().expect("flushing lock");
+        let _one_at_a_time = self.one_flush_at_a_time();
         let mut gate_held = std::time::Duration::ZERO;
         let froze = std::time::Instant::now();
         let (frozen, segment) = {
@@ -154,6 +154,14 @@ impl Store {
         }
         gate_held += installing.elapsed();
         Ok(Flushed { gate_held })
+    }
+
+    /// Waits for any flush under way, and holds off others until dropped. (A flush that
+    /// panicked left nothing half done here: its rows are still in memory and the log.)
+    pub(super) fn one_flush_at_a_time(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.flushing
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Each partition's memtable entries, as they are now (stage 1 of

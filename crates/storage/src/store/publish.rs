@@ -156,7 +156,7 @@ impl Store {
     /// The bulk path: rows become components directly; the checkpoint that lists them is
     /// the commit point.
     fn publish_bulk(&self, prepared: Vec<PreparedChanges>, read_at: &ReadEpochs) -> Result<Epoch> {
-        let _one_flush_at_a_time = self.flushing.lock().expect("flushing lock");
+        let _one_flush_at_a_time = self.one_flush_at_a_time();
         let gate = self.gate.exclusive();
         self.check_poisoned()?;
         // Flushing first keeps LSNs rising within each manifest.
