@@ -28,5 +28,5 @@ pub use error::StorageError;
 pub use manifest::Manifest;
 pub use store::{
     HeldComponent, PartitionChanges, PartitionDelta, PartitionSnapshot, PreparedEntry, Store,
-    StoreConfig, TableChanges, TableSnapshot,
+    StoreConfig, TableChanges, TableSnapshot, MEMTABLE_STALL_FACTOR,
 };

@@ -20,10 +20,15 @@ const PARTITIONS: u32 = 8;
 const SLOW_FSYNC_MS: u64 = 300;
 
 fn open(dir: &std::path::Path) -> Arc<Store> {
+    open_with(dir, StoreConfig::default().memtable_flush_bytes)
+}
+
+fn open_with(dir: &std::path::Path, memtable_flush_bytes: usize) -> Arc<Store> {
     let store = Store::open(
         dir,
         StoreConfig {
             partitions: PARTITIONS,
+            memtable_flush_bytes,
             ..StoreConfig::default()
         },
     )
@@ -129,6 +134,45 @@ fn publishes_go_on_while_a_checkpoint_writes_its_components() {
     assert_eq!(
         visible_keys(&store, Epoch(3)),
         (0..1000).collect::<Vec<_>>()
+    );
+}
+
+/// Rows arriving faster than flushes write them do not grow memory without bound: once
+/// the memtables hold `MEMTABLE_STALL_FACTOR` times the flush threshold, a prepare waits
+/// for the flush under way to put them in components.
+#[test]
+fn new_rows_wait_for_the_flush_under_way_once_memory_is_full() {
+    slow_component_disk();
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_with(dir.path(), 16 << 10);
+    prepare(&store, Epoch(1), 0, 20_000);
+    assert!(store.commit_epoch(Epoch(1)).unwrap());
+    let held = |store: &Store| {
+        let stats = store.table_stats();
+        let kv = stats.iter().find(|t| t.name == "kv").unwrap();
+        (kv.component_rows, kv.memtable_rows)
+    };
+    assert_eq!(held(&store), (0, 20_000));
+
+    let checkpoint = checkpoint_in_background(&store);
+    std::thread::sleep(Duration::from_millis(SLOW_FSYNC_MS));
+    let waited_from = Instant::now();
+    prepare(&store, Epoch(2), 20_000, 20_100);
+    let waited = waited_from.elapsed();
+    assert_eq!(
+        held(&store),
+        (20_000, 0),
+        "the prepare returned ({waited:?} after it began) before the flush put the full memtables in components"
+    );
+    assert!(
+        waited >= Duration::from_millis(SLOW_FSYNC_MS),
+        "the prepare waited {waited:?}"
+    );
+    checkpoint.join().unwrap();
+    assert!(store.commit_epoch(Epoch(2)).unwrap());
+    assert_eq!(
+        visible_keys(&store, Epoch(2)),
+        (0..20_100).collect::<Vec<_>>()
     );
 }
 

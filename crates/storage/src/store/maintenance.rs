@@ -4,6 +4,10 @@
 
 use super::*;
 
+/// How many times the flush threshold the memtables may hold before new rows wait for a
+/// flush under way ([`Store::wait_while_memory_is_full`]).
+pub const MEMTABLE_STALL_FACTOR: usize = 4;
+
 /// Whether a flush ends by dropping the log segments it covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LogAfterFlush {
@@ -154,6 +158,26 @@ impl Store {
         }
         gate_held += installing.elapsed();
         Ok(Flushed { gate_held })
+    }
+
+    /// Holds back new rows while the memtables hold more than
+    /// [`MEMTABLE_STALL_FACTOR`] times the flush threshold and a flush is under way: until
+    /// it frees them. Rows arriving faster than flushes write them would otherwise grow
+    /// memory without bound, now that a flush no longer holds the gate while it writes.
+    pub(super) fn wait_while_memory_is_full(&self) {
+        let full = self
+            .config
+            .memtable_flush_bytes
+            .saturating_mul(MEMTABLE_STALL_FACTOR);
+        if self.state().memtable_bytes < full {
+            return;
+        }
+        let waited_from = std::time::Instant::now();
+        drop(self.one_flush_at_a_time());
+        tracing::debug!(
+            waited_s = waited_from.elapsed().as_secs_f64(),
+            "new rows waited for a flush: the memtables were full"
+        );
     }
 
     /// Waits for any flush under way, and holds off others until dropped. (A flush that

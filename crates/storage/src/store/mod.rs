@@ -47,6 +47,7 @@ mod snapshot;
 mod standby;
 mod transfer;
 
+pub use maintenance::MEMTABLE_STALL_FACTOR;
 use publish::PreparedChanges;
 use replay::replay;
 pub use scrub::HeldComponent;
@@ -57,7 +58,8 @@ pub use transfer::PartitionDelta;
 pub struct StoreConfig {
     /// Partitions of the hash ring; fixed when the store is created.
     pub partitions: u32,
-    /// A checkpoint runs once the in-memory components hold this many bytes.
+    /// A checkpoint runs once the in-memory components hold this many bytes; at
+    /// [`MEMTABLE_STALL_FACTOR`] times as many, new rows wait for the flush under way.
     pub memtable_flush_bytes: usize,
     /// A checkpoint also runs once this many bytes of committed rows were logged since the
     /// last one: it bounds how much log a restart, or a cold standby's promotion, replays.

@@ -162,15 +162,16 @@ impl Store {
             .map(|e| wal::PreparedFrame::new(&e.table, e.partition, epoch, &e.rows))
             .collect();
         let waited_from = std::time::Instant::now();
+        self.wait_while_memory_is_full();
         let _gate = self.gate.shared();
         let gate_wait = waited_from.elapsed();
         if gate_wait >= SLOW_GATE_WAIT {
-            // A checkpoint or merge holds the gate exclusively; a coordinator's progress
-            // deadline counts this wait against the node.
+            // A checkpoint or merge holds the gate exclusively, or memory waits for a
+            // flush; a coordinator's progress deadline counts this wait against the node.
             tracing::warn!(
                 %epoch,
                 waited_s = gate_wait.as_secs_f64(),
-                "a prepare waited for a checkpoint, merge or copy holding the store"
+                "a prepare waited for a checkpoint, merge or copy holding the store, or for a flush to free memory"
             );
         }
         let mut state = self.state();

@@ -85,6 +85,7 @@ impl Store {
         prepared: Vec<PreparedChanges>,
         read_at: &ReadEpochs,
     ) -> Result<Epoch> {
+        self.wait_while_memory_is_full();
         let _gate = self.gate.shared();
         // Tables can only disappear under the exclusive gate; recheck now that we hold it.
         let mut state = self.state();
