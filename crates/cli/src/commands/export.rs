@@ -122,7 +122,27 @@ pub async fn export(target: &Target, export: &Export) -> Result<usize> {
         .await
         .with_context(|| format!("{} has no rows to export", export.query))?;
     let partial = partial_path(&export.path);
+    // Rows written so far, on a terminal: an export of a large table takes minutes.
+    let progress = indicatif::ProgressBar::new_spinner();
+    progress.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} exporting to {msg}: {human_pos} rows ({per_sec})",
+        )
+        .expect("valid template"),
+    );
+    progress.set_message(export.path.display().to_string());
+    let batches = {
+        let progress = progress.clone();
+        batches
+            .inspect(move |batch| {
+                if let Ok(batch) = batch {
+                    progress.inc(batch.num_rows() as u64);
+                }
+            })
+            .boxed()
+    };
     let written = write_file(&partial, export.format, &schema, batches).await;
+    progress.finish_and_clear();
     let rows = match written {
         Ok(rows) => rows,
         Err(error) => {

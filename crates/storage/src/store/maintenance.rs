@@ -229,13 +229,8 @@ impl Store {
                     .all(|(e, &lsn)| e.lsn == lsn)
                 && meta.max_lsn >= part.manifest.max_lsn;
             if unchanged {
-                let freed: usize = part
-                    .memtable
-                    .drain(..frozen)
-                    .map(|e| e.batch.get_array_memory_size())
-                    .sum();
+                part.memtable.drain(..frozen);
                 part.manifest.add(meta);
-                state.memtable_bytes = state.memtable_bytes.saturating_sub(freed);
                 continue;
             }
             // Another hand took the rows meanwhile (components shipped from the primary,
@@ -251,6 +246,14 @@ impl Store {
                 all_installed = false;
             }
         }
+        // Counted again from what is left: a commit counts its rows as they arrived
+        // (encoded, for a replica), not as the memtable holds them, so subtracting what
+        // left would leave a remainder that keeps asking for checkpoints.
+        state.memtable_bytes = state
+            .all_partitions()
+            .flat_map(|(_, _, p)| &p.memtable)
+            .map(|e| e.batch.get_array_memory_size())
+            .sum();
         self.write_checkpoint(&state)?;
         Ok(all_installed)
     }
