@@ -126,7 +126,7 @@ pub async fn export(target: &Target, export: &Export) -> Result<usize> {
     let progress = indicatif::ProgressBar::new_spinner();
     progress.set_style(
         indicatif::ProgressStyle::with_template(
-            "{spinner} exporting to {msg}: {human_pos} rows ({per_sec})",
+            "{spinner} exporting to {msg}: {human_pos} rows, {per_sec:0}, {elapsed}",
         )
         .expect("valid template"),
     );

@@ -84,7 +84,7 @@ pub async fn tpch_in_publishes(
         let progress = ProgressBar::new(table.estimated_rows(sf));
         progress.set_style(
             ProgressStyle::with_template(
-                "{msg:>10} [{bar:40}] {human_pos}/{human_len} rows ({per_sec})",
+                "{msg:>10} [{bar:40}] {human_pos}/{human_len} rows ({per_sec:0})",
             )
             .expect("valid template")
             .progress_chars("=> "),
