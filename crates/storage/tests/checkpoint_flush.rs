@@ -55,6 +55,13 @@ fn slow_component_disk() {
     });
 }
 
+/// Rows of `table` the store holds in components and in memory.
+fn rows_held(store: &Store, table: &str) -> (u64, u64) {
+    let stats = store.table_stats();
+    let held = stats.iter().find(|t| t.name == table).unwrap();
+    (held.component_rows, held.memtable_rows)
+}
+
 /// Runs a checkpoint of `store` on a thread of its own; its time.
 fn checkpoint_in_background(store: &Arc<Store>) -> std::thread::JoinHandle<Duration> {
     let store = store.clone();
@@ -109,11 +116,10 @@ fn publishes_go_on_while_a_checkpoint_writes_its_components() {
         (0..1000).collect::<Vec<_>>()
     );
     assert_eq!(visible_keys(&store, Epoch(1)), (0..800).collect::<Vec<_>>());
-    let stats = store.table_stats();
-    let kv = stats.iter().find(|t| t.name == "kv").unwrap();
-    assert_eq!(kv.component_rows, 800, "the frozen rows became components");
+    let (in_components, in_memory) = rows_held(&store, "kv");
+    assert_eq!(in_components, 800, "the frozen rows became components");
     assert_eq!(
-        kv.memtable_rows, 200,
+        in_memory, 200,
         "the rows of epochs 2 and 3 stayed in memory"
     );
 
@@ -147,12 +153,7 @@ fn new_rows_wait_for_the_flush_under_way_once_memory_is_full() {
     let store = open_with(dir.path(), 16 << 10);
     prepare(&store, Epoch(1), 0, 20_000);
     assert!(store.commit_epoch(Epoch(1)).unwrap());
-    let held = |store: &Store| {
-        let stats = store.table_stats();
-        let kv = stats.iter().find(|t| t.name == "kv").unwrap();
-        (kv.component_rows, kv.memtable_rows)
-    };
-    assert_eq!(held(&store), (0, 20_000));
+    assert_eq!(rows_held(&store, "kv"), (0, 20_000));
 
     let checkpoint = checkpoint_in_background(&store);
     std::thread::sleep(Duration::from_millis(SLOW_FSYNC_MS));
@@ -160,7 +161,7 @@ fn new_rows_wait_for_the_flush_under_way_once_memory_is_full() {
     prepare(&store, Epoch(2), 20_000, 20_100);
     let waited = waited_from.elapsed();
     assert_eq!(
-        held(&store),
+        rows_held(&store, "kv"),
         (20_000, 0),
         "the prepare returned ({waited:?} after it began) before the flush put the full memtables in components"
     );
@@ -230,20 +231,14 @@ fn a_standby_whose_primarys_components_arrive_during_its_flush_keeps_each_row_on
     );
     checkpoint.join().unwrap();
 
-    let rows_held = |store: &Store| {
-        let stats = store.table_stats();
-        let kv = stats.iter().find(|t| t.name == "kv").unwrap();
-        (kv.component_rows, kv.memtable_rows)
-    };
-    let stats = standby.table_stats();
-    let other = stats.iter().find(|t| t.name == "other").unwrap();
     assert_eq!(
-        other.component_rows, 400,
+        rows_held(&standby, "other").0,
+        400,
         "the rest of the flush was installed"
     );
     assert_eq!(
-        rows_held(&standby),
-        rows_held(&primary),
+        rows_held(&standby, "kv"),
+        rows_held(&primary, "kv"),
         "the standby holds the primary's components, and no second copy of their rows"
     );
     let promoted = standby.set_standby_partitions(Default::default());

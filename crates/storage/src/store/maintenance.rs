@@ -22,7 +22,7 @@ struct Flushed {
 }
 
 /// One partition's memtable entries frozen for a flush, their LSNs in order.
-struct FrozenRows {
+pub(super) struct FrozenRows {
     def: TableDef,
     partition: PartitionId,
     batches: Vec<RecordBatch>,
@@ -135,16 +135,7 @@ impl Store {
             (frozen, segment)
         };
         gate_held += froze.elapsed();
-        let mut written = Vec::with_capacity(frozen.len());
-        for rows in frozen {
-            let meta = self.or_poison(self.write_component(
-                &rows.def,
-                &rows.batches,
-                rows.min_lsn(),
-                rows.max_lsn(),
-            ))?;
-            written.push((rows, meta));
-        }
+        let written = self.write_frozen(frozen)?;
         let installing = std::time::Instant::now();
         {
             let _gate = self.gate.exclusive();
@@ -190,7 +181,7 @@ impl Store {
 
     /// Each partition's memtable entries, as they are now (stage 1 of
     /// [`Store::flush_in_stages`]).
-    fn freeze_memtables(&self) -> Vec<FrozenRows> {
+    pub(super) fn freeze_memtables(&self) -> Vec<FrozenRows> {
         let state = self.state();
         state
             .all_partitions()
@@ -204,11 +195,34 @@ impl Store {
             .collect()
     }
 
+    /// The frozen rows as components, one per partition (stage 2 of
+    /// [`Store::flush_in_stages`]); a failed write poisons the store.
+    pub(super) fn write_frozen(
+        &self,
+        frozen: Vec<FrozenRows>,
+    ) -> Result<Vec<(FrozenRows, ComponentMeta)>> {
+        frozen
+            .into_iter()
+            .map(|rows| {
+                let meta = self.or_poison(self.write_component(
+                    &rows.def,
+                    &rows.batches,
+                    rows.min_lsn(),
+                    rows.max_lsn(),
+                ))?;
+                Ok((rows, meta))
+            })
+            .collect()
+    }
+
     /// Puts each written component in place of the frozen entries it holds, where the
     /// memtable still begins with them, and writes the checkpoint file (stage 3 of
     /// [`Store::flush_in_stages`]). False if some frozen rows are still only in memory:
     /// the log that holds them must stay.
-    fn install_flushed(&self, written: Vec<(FrozenRows, ComponentMeta)>) -> Result<bool> {
+    pub(super) fn install_flushed(
+        &self,
+        written: Vec<(FrozenRows, ComponentMeta)>,
+    ) -> Result<bool> {
         let mut state = self.state();
         let mut all_installed = true;
         for (rows, meta) in written {

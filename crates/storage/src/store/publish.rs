@@ -248,37 +248,17 @@ impl Store {
     }
 
     /// Writes every in-memory component to disk and records the new manifests. Callers hold
-    /// the gate exclusively, so memtables do not change underneath.
+    /// the gate exclusively, so memtables do not change underneath: the three stages of a
+    /// flush ([`Store::flush_in_stages`]) in one.
     pub(super) fn flush_memtables(&self) -> Result<()> {
-        let work: Vec<(TableDef, PartitionId, Vec<RecordBatch>, Lsn, Lsn)> = {
-            let state = self.state();
-            state
-                .all_partitions()
-                .filter(|(_, _, p)| !p.memtable.is_empty())
-                .map(|(t, partition, p)| {
-                    let batches = p.memtable.iter().map(|e| e.batch.clone()).collect();
-                    let min = p.memtable.iter().map(|e| e.lsn).min().expect("non-empty");
-                    let max = p.memtable.iter().map(|e| e.lsn).max().expect("non-empty");
-                    (t.def.clone(), partition, batches, min, max)
-                })
-                .collect()
-        };
-        if work.is_empty() {
+        let frozen = self.freeze_memtables();
+        if frozen.is_empty() {
             return Ok(());
         }
-        let mut flushed = Vec::with_capacity(work.len());
-        for (def, partition, batches, min_lsn, max_lsn) in work {
-            let meta = self.or_poison(self.write_component(&def, &batches, min_lsn, max_lsn))?;
-            flushed.push((def.name, partition, meta));
-        }
-        let mut state = self.state();
-        for (table, partition, meta) in flushed {
-            let partition = state.held_partition_mut(&table, partition);
-            partition.manifest.add(meta);
-            partition.memtable.clear();
-        }
-        state.memtable_bytes = 0;
-        self.write_checkpoint(&state)
+        let written = self.write_frozen(frozen)?;
+        let all_installed = self.install_flushed(written)?;
+        debug_assert!(all_installed, "memtables changed under the exclusive gate");
+        Ok(())
     }
 }
 
