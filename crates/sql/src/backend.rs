@@ -415,7 +415,9 @@ pub fn read_local(
                 snapshot.epoch,
             )?
             .map(|changes| changes.project(columns))
-            .transpose()?,
+            .transpose()?
+            .into_iter()
+            .collect(),
             None => read_visible_partition(
                 store.components_dir(),
                 def,
@@ -423,6 +425,7 @@ pub fn read_local(
                 partition,
                 columns,
                 None,
+                usize::MAX,
             )?,
         };
         batches.extend(read);

@@ -24,11 +24,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tessera_common::{Epoch, EPOCH_COLUMN, OP_COLUMN};
 use tessera_storage::component::read_component;
-use tessera_storage::versions::{stored_schema, visible_rows_over_base};
+use tessera_storage::versions::{stored_schema, visible_rows_in_batches};
 use tessera_storage::{PartitionSnapshot, TableDef, TableSnapshot};
 
 /// The rows of one partition visible at `epoch`, restricted to `columns` of the stored
-/// schema (plus whatever the version resolution needs, dropped again at the end).
+/// schema (plus whatever the version resolution needs, dropped again at the end), in
+/// batches of at most `batch_rows` rows.
 pub fn read_visible_partition(
     components_dir: &Path,
     def: &TableDef,
@@ -36,7 +37,8 @@ pub fn read_visible_partition(
     partition: &PartitionSnapshot,
     columns: &[usize],
     decoded: Option<&DecodedComponents>,
-) -> Result<Option<RecordBatch>, SqlError> {
+    batch_rows: usize,
+) -> Result<Vec<RecordBatch>, SqlError> {
     let stored = stored_schema(def);
     let epoch_index = stored
         .index_of(EPOCH_COLUMN)
@@ -99,13 +101,20 @@ pub fn read_visible_partition(
         .into_iter()
         .map(position)
         .collect();
-    let Some(visible) =
-        visible_rows_over_base(&batches, base_batches, &key, epoch, def.append_only)?
-    else {
-        return Ok(None);
-    };
+    let visible = visible_rows_in_batches(
+        &batches,
+        base_batches,
+        &key,
+        epoch,
+        def.append_only,
+        batch_rows,
+    )?;
     let output: Vec<usize> = columns.iter().map(|&c| position(c)).collect();
-    Ok(Some(visible.project(&output)?))
+    Ok(visible
+        .into_iter()
+        .filter(|batch| batch.num_rows() > 0)
+        .map(|batch| batch.project(&output))
+        .collect::<Result<_, _>>()?)
 }
 
 /// Scans partitions that need version resolution; one output partition per storage partition.
@@ -176,7 +185,7 @@ impl ExecutionPlan for VersionedScanExec {
     fn execute(
         &self,
         partition: usize,
-        _context: Arc<TaskContext>,
+        context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
         let part = self.partitions.get(partition).cloned().ok_or_else(|| {
             datafusion::error::DataFusionError::Internal(format!(
@@ -187,8 +196,9 @@ impl ExecutionPlan for VersionedScanExec {
         let projection = self.projection.clone();
         let dir = self.components_dir.clone();
         let decoded = self.decoded.clone();
+        let batch_rows = context.session_config().batch_size();
         let read = async move {
-            let batch = tokio::task::spawn_blocking(move || {
+            let batches = tokio::task::spawn_blocking(move || {
                 read_visible_partition(
                     &dir,
                     &snapshot.def,
@@ -196,21 +206,22 @@ impl ExecutionPlan for VersionedScanExec {
                     &part,
                     &projection,
                     decoded.as_deref(),
+                    batch_rows,
                 )
             })
             .await
             .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?
             .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?;
-            Ok::<_, datafusion::error::DataFusionError>(batch)
+            Ok::<_, datafusion::error::DataFusionError>(batches)
         };
         let schema = self.schema.clone();
-        let stream = futures::stream::once(read);
-        let stream = futures::StreamExt::filter_map(stream, |r| async move {
-            match r {
-                Ok(Some(batch)) if batch.num_rows() > 0 => Some(Ok(batch)),
-                Ok(_) => None,
-                Err(e) => Some(Err(e)),
-            }
+        // One read resolves the partition's versions; its batches then flow one by one.
+        let stream = futures::StreamExt::flat_map(futures::stream::once(read), |read| {
+            let batches: Vec<Result<RecordBatch>> = match read {
+                Ok(batches) => batches.into_iter().map(Ok).collect(),
+                Err(e) => vec![Err(e)],
+            };
+            futures::stream::iter(batches)
         });
         Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
     }

@@ -375,6 +375,53 @@ pub fn visible_rows_over_base(
     epoch: Epoch,
     append_only: bool,
 ) -> Result<Option<RecordBatch>> {
+    let Some((batch, keep)) = visible_row_indices(batches, base, key, epoch, append_only)? else {
+        return Ok(None);
+    };
+    if keep.len() == batch.num_rows() {
+        return Ok(Some(batch));
+    }
+    Ok(Some(take_record_batch(&batch, &UInt32Array::from(keep))?))
+}
+
+/// [`visible_rows_over_base`], cut into batches of at most `batch_rows` rows, each with
+/// buffers of its own. A reader hands these to operators that account memory per batch
+/// (a sort, a spill): one batch for a whole partition held in memtables would not fit a
+/// small share, and slices of it would each be charged for the whole buffer.
+pub fn visible_rows_in_batches(
+    batches: &[RecordBatch],
+    base: usize,
+    key: &[usize],
+    epoch: Epoch,
+    append_only: bool,
+    batch_rows: usize,
+) -> Result<Vec<RecordBatch>> {
+    assert!(batch_rows > 0, "batches hold at least one row");
+    let Some((batch, keep)) = visible_row_indices(batches, base, key, epoch, append_only)? else {
+        return Ok(Vec::new());
+    };
+    if batch.num_rows() <= batch_rows && keep.len() == batch.num_rows() {
+        return Ok(vec![batch]);
+    }
+    keep.chunks(batch_rows)
+        .map(|chunk| {
+            Ok(take_record_batch(
+                &batch,
+                &UInt32Array::from(chunk.to_vec()),
+            )?)
+        })
+        .collect()
+}
+
+/// The versions of `batches` in one batch, and the rows of it a reader at `epoch` sees, in
+/// order (see [`visible_rows_over_base`]).
+fn visible_row_indices(
+    batches: &[RecordBatch],
+    base: usize,
+    key: &[usize],
+    epoch: Epoch,
+    append_only: bool,
+) -> Result<Option<(RecordBatch, Vec<u32>)>> {
     let Some(first) = batches.first() else {
         return Ok(None);
     };
@@ -391,7 +438,7 @@ pub fn visible_rows_over_base(
     let mut keep: Vec<u32> = Vec::new();
     if append_only {
         keep.extend((0..batch.num_rows() as u32).filter(|&i| epochs.value(i as usize) <= epoch.0));
-        return Ok(Some(take_record_batch(&batch, &UInt32Array::from(keep))?));
+        return Ok(Some((batch, keep)));
     }
     let converter = key_converter(&batch.schema(), key)?;
     let others = batch.slice(base_rows, batch.num_rows() - base_rows);
@@ -447,10 +494,7 @@ pub fn visible_rows_over_base(
             .filter(|&i| i != SHADOWED && is_upsert(i)),
     );
     keep.sort_unstable();
-    if keep.len() == batch.num_rows() {
-        return Ok(Some(batch));
-    }
-    Ok(Some(take_record_batch(&batch, &UInt32Array::from(keep))?))
+    Ok(Some((batch, keep)))
 }
 
 /// Merges row versions, dropping only those no retained epoch (`>= retain_from`) can see:
@@ -838,6 +882,18 @@ mod tests {
                 let got = visible_rows_over_base(&[base.clone(), versions(&after)], 1, &[0], Epoch(epoch), false).unwrap();
                 prop_assert_eq!(got.map(|b| pairs(&b)).unwrap_or_default(), model(&rows, epoch));
             }
+        }
+
+        #[test]
+        fn visible_rows_in_batches_are_the_same_rows_cut_to_size(
+            rows in history(),
+            batch_rows in 1usize..5,
+            epoch in 0u64..11,
+        ) {
+            let got = visible_rows_in_batches(&[versions(&rows)], 0, &[0], Epoch(epoch), false, batch_rows).unwrap();
+            prop_assert!(got.iter().all(|b| b.num_rows() <= batch_rows));
+            let whole: Vec<_> = got.iter().flat_map(pairs).collect();
+            prop_assert_eq!(whole, model(&rows, epoch));
         }
     }
 
