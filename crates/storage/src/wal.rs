@@ -30,6 +30,9 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use tessera_common::{disk, Epoch, Lsn, PartitionId};
 
+mod skim;
+pub use skim::{read_frame, skim, FrameAt, Skimmed};
+
 /// Frames larger than this are refused when written and treated as garbage when read.
 pub const MAX_FRAME_BYTES: usize = 512 << 20;
 const FRAME_HEADER_BYTES: usize = 8;
@@ -378,20 +381,6 @@ pub fn recover(dir: &Path) -> Result<RecoveredLog> {
         last_segment: segments.last().copied().unwrap_or(0),
         torn_bytes,
     })
-}
-
-/// Reads every segment in order without changing anything on disk: the log of a running
-/// store, read back to replay a cold standby's committed rows. The caller keeps appends
-/// away; a torn tail of the last segment is ignored, as recovery would cut it.
-pub fn read_all(dir: &Path) -> Result<Vec<WalRecord>> {
-    let segments = list_segments(dir)?;
-    let mut records = Vec::new();
-    for (i, &seq) in segments.iter().enumerate() {
-        let path = segment_path(dir, seq);
-        let bytes = fs::read(&path).map_err(|e| StorageError::io(&path, e))?;
-        scan_segment(&path, &bytes, i + 1 == segments.len(), &mut records)?;
-    }
-    Ok(records)
 }
 
 /// Parses frames; returns how many leading bytes are valid.

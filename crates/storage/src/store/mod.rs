@@ -297,13 +297,14 @@ pub struct PreparedEntry {
     batch: Option<RecordBatch>,
 }
 
-/// Prepared rows of a cluster epoch that is not yet decided.
-struct PendingEntry {
+/// Prepared rows of a cluster epoch that is not yet decided: held (`R` = [`PendingRows`]),
+/// or where a skim of the log found them ([`wal::FrameAt`]).
+struct PendingEntry<R = PendingRows> {
     /// Position among the epoch's entries; a commit assigns LSNs in this order.
     seq: u32,
     table: String,
     partition: PartitionId,
-    rows: PendingRows,
+    rows: R,
 }
 
 /// A pending entry's row versions: decoded, or (a cold standby's, shipped by the

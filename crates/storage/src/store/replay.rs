@@ -7,10 +7,17 @@ use super::*;
 /// manifest's max LSN go back into memtables; records of epochs without a commit record are
 /// aborted and skipped.
 /// Pairs prepared rows with the commit that gives them LSNs, as a log is read in order.
-#[derive(Default)]
-pub(super) struct PreparedLog {
+pub(super) struct PreparedLog<R = PendingRows> {
     /// Epochs prepared and not (yet) decided in the log read so far.
-    undecided: BTreeMap<Epoch, Vec<PendingEntry>>,
+    undecided: BTreeMap<Epoch, Vec<PendingEntry<R>>>,
+}
+
+impl<R> Default for PreparedLog<R> {
+    fn default() -> Self {
+        PreparedLog {
+            undecided: BTreeMap::new(),
+        }
+    }
 }
 
 /// What one log record meant to a [`PreparedLog`].
@@ -44,7 +51,7 @@ impl PreparedLog {
                 LogStep::Prepared(epoch)
             }
             WalRecord::Abort { epoch } => {
-                self.undecided.remove(&epoch);
+                self.aborted(epoch);
                 LogStep::Aborted
             }
             WalRecord::CommitPrepared { epoch, lsns } => {
@@ -53,8 +60,14 @@ impl PreparedLog {
             other => LogStep::Other(other),
         })
     }
+}
 
-    pub(super) fn prepared(&mut self, epoch: Epoch, entry: PendingEntry) {
+impl<R> PreparedLog<R> {
+    pub(super) fn aborted(&mut self, epoch: Epoch) {
+        self.undecided.remove(&epoch);
+    }
+
+    pub(super) fn prepared(&mut self, epoch: Epoch, entry: PendingEntry<R>) {
         // A checkpoint re-logs undecided rows, so the same entry may appear twice.
         let entries = self.undecided.entry(epoch).or_default();
         entries.retain(|e| e.seq != entry.seq);
@@ -67,7 +80,7 @@ impl PreparedLog {
         &mut self,
         epoch: Epoch,
         lsns: &[(String, PartitionId, Lsn)],
-    ) -> Result<Vec<(PendingEntry, Lsn)>> {
+    ) -> Result<Vec<(PendingEntry<R>, Lsn)>> {
         let mut entries = self.undecided.remove(&epoch).unwrap_or_default();
         // Rows of a prepare that arrived as the commit was applied may be logged before the
         // commit record without being part of it (their seqs come after the committed

@@ -1,7 +1,7 @@
 //! Cold standbys: partitions whose rows stay in the log until a promotion replays them or
 //! the primary's shipped components cover them.
 
-use super::replay::{LogStep, PreparedLog};
+use super::replay::PreparedLog;
 use super::*;
 
 impl Store {
@@ -84,23 +84,57 @@ impl Store {
         }
         let started = std::time::Instant::now();
         let wal_dir = self.dir.join("wal");
-        let mut log = PreparedLog::default();
-        let mut found: Vec<(String, PartitionId, MemEntry)> = Vec::new();
-        for record in wal::read_all(&wal_dir)? {
-            let LogStep::Committed(epoch, entries) = log.step(record)? else {
-                continue;
-            };
-            for (entry, lsn) in entries {
-                let key = (entry.table, entry.partition);
-                if wanted.get(&key).is_some_and(|lsns| lsns.contains(&lsn)) {
-                    let entry = MemEntry {
-                        lsn,
-                        epoch,
-                        batch: entry.rows.into_batch()?,
-                    };
-                    found.push((key.0, key.1, entry));
+        // The log is skimmed, and only the wanted rows are read: most records are the
+        // node's own partitions' or rows its primaries' components already cover.
+        let mut log = PreparedLog::<wal::FrameAt>::default();
+        let mut located: Vec<(String, PartitionId, Lsn, Epoch, wal::FrameAt)> = Vec::new();
+        for record in wal::skim(&wal_dir)? {
+            match record {
+                wal::Skimmed::Prepared {
+                    table,
+                    partition,
+                    epoch,
+                    seq,
+                    at,
+                } => log.prepared(
+                    epoch,
+                    PendingEntry {
+                        seq,
+                        table,
+                        partition,
+                        rows: at,
+                    },
+                ),
+                wal::Skimmed::Record(WalRecord::Abort { epoch }) => log.aborted(epoch),
+                wal::Skimmed::Record(WalRecord::CommitPrepared { epoch, lsns }) => {
+                    for (entry, lsn) in log.committed(epoch, &lsns)? {
+                        let key = (entry.table, entry.partition);
+                        if wanted.get(&key).is_some_and(|lsns| lsns.contains(&lsn)) {
+                            located.push((key.0, key.1, lsn, epoch, entry.rows));
+                        }
+                    }
                 }
+                _ => {}
             }
+        }
+        let mut found: Vec<(String, PartitionId, MemEntry)> = Vec::with_capacity(located.len());
+        for (table, partition, lsn, epoch, at) in located {
+            let WalRecord::Prepared {
+                table: logged_table,
+                partition: logged_partition,
+                epoch: logged_epoch,
+                batch,
+                ..
+            } = wal::read_frame(&wal_dir, at)?
+            else {
+                unreachable!("a skim locates prepared records only");
+            };
+            assert_eq!(
+                (&logged_table, logged_partition, logged_epoch),
+                (&table, partition, epoch),
+                "a record read back is the one skimmed"
+            );
+            found.push((table, partition, MemEntry { lsn, epoch, batch }));
         }
         let expected: usize = wanted.values().map(HashSet::len).sum();
         if found.len() != expected {
