@@ -11,6 +11,7 @@ pub mod config;
 pub mod disk;
 pub mod hex;
 pub mod ids;
+pub mod memory;
 pub mod metrics;
 pub mod partitioning;
 pub mod short_hash;

@@ -85,6 +85,8 @@ pub struct Metrics {
     pub queries_running: Gauge,
     /// Memory held by small components kept decoded for scans.
     pub decoded_cache_bytes: Gauge,
+    /// Memory held by the store's memtables (rows not yet flushed to components).
+    pub store_memtable_bytes: Gauge,
 }
 
 impl Metrics {
@@ -122,6 +124,7 @@ impl Metrics {
             pg_connections: Gauge::default(),
             queries_running: Gauge::default(),
             decoded_cache_bytes: Gauge::default(),
+            store_memtable_bytes: Gauge::default(),
         };
         {
             let mut r = metrics.registry.lock().expect("registry lock");
@@ -275,6 +278,11 @@ impl Metrics {
                 "decoded_cache_bytes",
                 "Memory held by small components kept decoded for scans",
                 metrics.decoded_cache_bytes.clone(),
+            );
+            r.register(
+                "store_memtable_bytes",
+                "Memory held by rows in the store's memtables, not yet flushed to components",
+                metrics.store_memtable_bytes.clone(),
             );
         }
         metrics

@@ -96,6 +96,8 @@ impl tessera_console::NodeView for NodeConsole {
             .map(|t| t.logged_rows)
             .sum();
         m.standby_unapplied_rows.set(unapplied as i64);
+        m.store_memtable_bytes
+            .set(self.node.store.memtable_bytes() as i64);
         let running = self.node.exec.queries().queries_running();
         m.queries_running.set(running as i64);
         let decoded = self.node.exec.queries().decoded().usage();

@@ -101,7 +101,9 @@ impl Inbox {
         if self.is_resent(sender, seq, digest)? {
             return Ok(());
         }
-        let kib = ((batch.get_array_memory_size() >> 10) as u32).clamp(1, self.budget_kib);
+        // A batch decoded from a Flight message points into its body: count that once.
+        let held = tessera_common::memory::held_bytes(&batch);
+        let kib = ((held >> 10) as u32).clamp(1, self.budget_kib);
         match self.space.acquire_many(kib).await {
             Ok(permit) => permit.forget(),
             // Closed: the consumer is done with this bucket.

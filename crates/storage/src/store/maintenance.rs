@@ -266,7 +266,7 @@ impl Store {
         state.memtable_bytes = state
             .all_partitions()
             .flat_map(|(_, _, p)| &p.memtable)
-            .map(|e| e.batch.get_array_memory_size())
+            .map(|e| held_bytes(&e.batch))
             .sum();
         self.write_checkpoint(&state)?;
         Ok(all_installed)

@@ -33,6 +33,7 @@ use arrow::compute::concat_batches;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
+use tessera_common::memory::held_bytes;
 use tessera_common::{ComponentHash, Epoch, Lsn, PartitionId, PartitionRing, ReadEpochs, RowOp};
 
 mod archive;
@@ -325,7 +326,7 @@ impl PendingRows {
 
     fn memory_size(&self) -> usize {
         match self {
-            PendingRows::Decoded(batch) => batch.get_array_memory_size(),
+            PendingRows::Decoded(batch) => held_bytes(batch),
             PendingRows::Encoded(rows) => rows.bytes(),
         }
     }
@@ -891,7 +892,7 @@ impl Store {
             .partitions
             .iter()
             .flat_map(|p| &p.memtable)
-            .map(|e| e.batch.get_array_memory_size())
+            .map(|e| held_bytes(&e.batch))
             .sum::<usize>();
         self.write_checkpoint(&state)?;
         let dropped = table

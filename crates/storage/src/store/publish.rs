@@ -142,7 +142,7 @@ impl Store {
         let mut state = self.state();
         if durable.is_ok() {
             for (table, partition, entry) in entries {
-                state.memtable_bytes += entry.batch.get_array_memory_size();
+                state.memtable_bytes += held_bytes(&entry.batch);
                 state
                     .held_partition_mut(&table, partition)
                     .memtable

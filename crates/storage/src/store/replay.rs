@@ -261,7 +261,7 @@ pub(super) fn replay(
             previous.is_none_or(|p| p < lsn),
             "LSNs rise within a partition's log"
         );
-        state.memtable_bytes += batch.get_array_memory_size();
+        state.memtable_bytes += held_bytes(&batch);
         partition_state
             .memtable
             .push(MemEntry { lsn, epoch, batch });

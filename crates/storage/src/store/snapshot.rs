@@ -179,6 +179,12 @@ impl Store {
         Ok((self.retention_horizon(table), digests))
     }
 
+    /// Memory the memtables hold: what a checkpoint's threshold and the memory stall
+    /// compare against (`store.memtable_flush_bytes`).
+    pub fn memtable_bytes(&self) -> usize {
+        self.state().memtable_bytes
+    }
+
     pub fn table_stats(&self) -> Vec<TableStats> {
         let state = self.state();
         state

@@ -149,7 +149,7 @@ impl Store {
         }
         let mut state = self.state();
         for (table, partition, entry) in found {
-            state.memtable_bytes += entry.batch.get_array_memory_size();
+            state.memtable_bytes += held_bytes(&entry.batch);
             let table_state = state
                 .tables
                 .get_mut(&table)
@@ -266,7 +266,7 @@ impl Store {
         let mut freed = 0;
         for entry in part.memtable.iter().filter(|e| e.epoch <= covered) {
             covered_lsn = covered_lsn.max(entry.lsn);
-            freed += entry.batch.get_array_memory_size();
+            freed += held_bytes(&entry.batch);
         }
         part.memtable.retain(|e| e.epoch > covered);
         part.unapplied.retain(|l| l.epoch > covered);

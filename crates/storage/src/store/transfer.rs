@@ -156,11 +156,7 @@ impl Store {
         let mut state = self.state();
         let part = state.held_partition_mut(table, partition);
         let dropped: Vec<ComponentHash> = part.manifest.components.iter().map(|c| c.hash).collect();
-        let freed: usize = part
-            .memtable
-            .iter()
-            .map(|e| e.batch.get_array_memory_size())
-            .sum();
+        let freed: usize = part.memtable.iter().map(|e| held_bytes(&e.batch)).sum();
         part.memtable.clear();
         // Standby rows in the log are older than the LSNs just allocated: replay skips them.
         part.unapplied.clear();
@@ -320,11 +316,7 @@ impl Store {
         if rewrite {
             dropped = part.manifest.components.iter().map(|c| c.hash).collect();
             part.manifest.components.clear();
-            freed = part
-                .memtable
-                .iter()
-                .map(|e| e.batch.get_array_memory_size())
-                .sum();
+            freed = part.memtable.iter().map(|e| held_bytes(&e.batch)).sum();
             part.memtable.clear();
         }
         if let Some(meta) = meta {
