@@ -172,6 +172,16 @@ fn record_fatal(error: &io::Error, path: &Path) {
 
 /// `file.write_all(bytes)`; under a `crash` rule that fires, a torn write and death.
 pub fn write_all(file: &mut File, path: &Path, bytes: &[u8]) -> io::Result<()> {
+    write_all_parts(file, path, &[bytes])
+}
+
+/// [`write_all`] of `parts` one after another, as one write: a `crash` rule tears it once,
+/// in its last part.
+pub fn write_all_parts<B: AsRef<[u8]>>(
+    file: &mut File,
+    path: &Path,
+    parts: &[B],
+) -> io::Result<()> {
     if let Some(rule) = rule_firing(path, |k| matches!(k, Kind::Crash { .. })) {
         if rule.kind
             == (Kind::Crash {
@@ -182,15 +192,23 @@ pub fn write_all(file: &mut File, path: &Path, bytes: &[u8]) -> io::Result<()> {
         }
         // All but the last byte: a write holds whole frames, so its last frame is always
         // torn (half the bytes could end exactly between two frames, tearing nothing).
-        let _ = file.write_all(&bytes[..bytes.len().saturating_sub(1)]);
+        let total: usize = parts.iter().map(|p| p.as_ref().len()).sum();
+        let mut left = total.saturating_sub(1);
+        for part in parts {
+            let part = part.as_ref();
+            let _ = file.write_all(&part[..part.len().min(left)]);
+            left -= part.len().min(left);
+        }
         eprintln!(
-            "injected disk fault: crash in the middle of a {}-byte write to {}",
-            bytes.len(),
+            "injected disk fault: crash in the middle of a {total}-byte write to {}",
             path.display()
         );
         std::process::abort();
     }
-    file.write_all(bytes)
+    for part in parts {
+        file.write_all(part.as_ref())?;
+    }
+    Ok(())
 }
 
 /// Cuts every file a `lose-unsynced` rule covers back to its last synced length.

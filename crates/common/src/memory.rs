@@ -4,7 +4,7 @@
 //! its whole allocation. Arrays decoded from one Arrow IPC or Flight message all point into
 //! that message's body, so each of a batch's columns is charged the whole body: rows a
 //! primary received from a coordinator counted several times their size (lineitem's:
-//! 700 MB of memtables for about 50 MB of rows after one SF 0.1 publish), which
+//! about 700 MB counted for the 45 MB of rows one SF 0.1 publish leaves a node), which
 //! made a node's memtables look full after a fraction of their threshold (checkpoints on
 //! every publish, prepares held back by the memory stall). [`held_bytes`] counts each
 //! allocation once.

@@ -21,6 +21,8 @@ use std::sync::Arc;
 
 /// The IPC continuation marker that starts every message of a stream.
 const CONTINUATION: [u8; 4] = [0xff; 4];
+/// The end-of-stream marker that closes an IPC stream.
+pub const STREAM_END: [u8; 8] = [0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0];
 /// A message's metadata is padded so that its body starts at a multiple of this.
 const METADATA_ALIGNMENT: usize = 8;
 
@@ -126,10 +128,17 @@ impl EncodedRows {
     /// Appends the rows as an IPC stream (schema, batch, end of stream), as a log record
     /// holds them.
     pub fn write_stream(&self, out: &mut Vec<u8>) {
+        self.write_stream_head(out);
+        out.extend_from_slice(&self.body);
+        out.extend_from_slice(&STREAM_END);
+    }
+
+    /// The stream of [`EncodedRows::write_stream`] up to the batch's body: the stream is
+    /// this, then [`EncodedRows::body`], then [`STREAM_END`]. A log record is written in
+    /// those pieces, so the body is never copied.
+    pub fn write_stream_head(&self, out: &mut Vec<u8>) {
         write_message(out, &self.schema, &[]);
-        write_message(out, &self.header, &self.body);
-        out.extend_from_slice(&CONTINUATION);
-        out.extend_from_slice(&0i32.to_le_bytes());
+        write_message(out, &self.header, &[]);
     }
 
     /// The length of [`EncodedRows::write_stream`]'s output.

@@ -30,7 +30,9 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use tessera_common::{disk, Epoch, Lsn, PartitionId};
 
+mod frame;
 mod skim;
+pub use frame::{Frame, PreparedFrame};
 pub use skim::{read_frame, skim, FrameAt, Skimmed};
 
 /// Frames larger than this are refused when written and treated as garbage when read.
@@ -238,59 +240,6 @@ impl WalRecord {
     }
 }
 
-/// A prepared entry's record built from rows already encoded ([`EncodedRows`]), before its
-/// sequence number among the epoch's entries is known: the rows are copied into the frame
-/// and checksummed outside the store's lock, and [`PreparedFrame::finish`] fills in the
-/// number. The record is the one [`WalRecord::Prepared`] encodes (its batch an IPC stream).
-pub struct PreparedFrame {
-    frame: Vec<u8>,
-    /// Where the rows' IPC stream starts; the sequence number (in the LSN slot) and the
-    /// epoch are the 16 bytes before it.
-    rows_at: usize,
-    rows_crc: u32,
-}
-
-impl PreparedFrame {
-    pub fn new(
-        table: &str,
-        partition: PartitionId,
-        epoch: Epoch,
-        rows: &EncodedRows,
-    ) -> PreparedFrame {
-        let mut frame =
-            Vec::with_capacity(FRAME_HEADER_BYTES + 32 + table.len() + rows.stream_len());
-        frame.resize(FRAME_HEADER_BYTES, 0);
-        frame.push(KIND_PREPARED);
-        push_table_partition_lsn(&mut frame, table, partition, Lsn::ZERO);
-        frame.extend_from_slice(&epoch.0.to_le_bytes());
-        let rows_at = frame.len();
-        rows.write_stream(&mut frame);
-        assert!(
-            frame.len() - FRAME_HEADER_BYTES <= MAX_FRAME_BYTES,
-            "callers split publishes below the frame limit"
-        );
-        let rows_crc = crc32c::crc32c(&frame[rows_at..]);
-        PreparedFrame {
-            frame,
-            rows_at,
-            rows_crc,
-        }
-    }
-
-    /// The frame, the entry numbered `seq`.
-    pub fn finish(mut self, seq: u32) -> Vec<u8> {
-        let seq_at = self.rows_at - 16;
-        self.frame[seq_at..seq_at + 8].copy_from_slice(&(seq as u64).to_le_bytes());
-        let prefix_crc = crc32c::crc32c(&self.frame[FRAME_HEADER_BYTES..self.rows_at]);
-        let rows_len = self.frame.len() - self.rows_at;
-        let crc = crc32c::crc32c_combine(prefix_crc, self.rows_crc, rows_len);
-        let payload_len = (self.frame.len() - FRAME_HEADER_BYTES) as u32;
-        self.frame[..4].copy_from_slice(&payload_len.to_le_bytes());
-        self.frame[4..FRAME_HEADER_BYTES].copy_from_slice(&crc.to_le_bytes());
-        self.frame
-    }
-}
-
 /// The table name (u16 length, UTF-8), partition and LSN, as row and commit records write
 /// them.
 fn push_table_partition_lsn(payload: &mut Vec<u8>, table: &str, partition: PartitionId, lsn: Lsn) {
@@ -444,7 +393,7 @@ fn parse_frame(bytes: &[u8]) -> std::result::Result<(WalRecord, usize), String> 
 
 enum Request {
     Append {
-        frames: Vec<Vec<u8>>,
+        frames: Vec<Frame>,
         done: mpsc::SyncSender<Result<(), String>>,
     },
     Rotate {
@@ -501,12 +450,12 @@ impl Wal {
     /// Queues frames for the next group commit. Frames queued by one caller before another
     /// reach the disk in that order.
     pub fn submit(&self, frames: Vec<u8>) -> AppendTicket {
-        self.submit_frames(vec![frames])
+        self.submit_frames(vec![Frame::from(frames)])
     }
 
     /// [`Wal::submit`] for frames held apart: they are written in order, with no copy
     /// into one buffer first.
-    pub fn submit_frames(&self, frames: Vec<Vec<u8>>) -> AppendTicket {
+    pub fn submit_frames(&self, frames: Vec<Frame>) -> AppendTicket {
         let (done, rx) = mpsc::sync_channel(1);
         if self
             .requests
@@ -582,8 +531,8 @@ impl SegmentWriter {
                         let path = segment_path(&self.dir, self.seq);
                         for frame in &frames {
                             if result.is_ok() {
-                                result =
-                                    disk::write_all(&mut self.file, &path, frame).map_err(|e| {
+                                result = disk::write_all_parts(&mut self.file, &path, &frame.parts)
+                                    .map_err(|e| {
                                         format!("write to log segment {} failed: {e}", self.seq)
                                     });
                             }
@@ -730,12 +679,20 @@ mod tests {
         };
         let encoded = EncodedRows::encode(&batch).unwrap();
         let frame = PreparedFrame::new("orders", PartitionId(5), Epoch(11), &encoded).finish(3);
+        assert!(
+            frame
+                .parts
+                .iter()
+                .any(|p| p.as_ptr() == encoded.body.as_ptr()),
+            "the rows' body is written from where it is, not copied"
+        );
         let wal = Wal::start(dir.path(), 1).unwrap();
         wal.submit_frames(vec![
             frame,
             WalRecord::Abort { epoch: Epoch(12) }
                 .encode_frame()
-                .unwrap(),
+                .unwrap()
+                .into(),
         ])
         .wait()
         .unwrap();

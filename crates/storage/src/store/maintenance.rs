@@ -280,7 +280,7 @@ impl Store {
             let mut frames = Vec::new();
             for (epoch, entries) in &state.pending {
                 for entry in entries {
-                    frames.extend(entry.rows.frame(
+                    frames.push(entry.rows.frame(
                         &entry.table,
                         entry.partition,
                         *epoch,
@@ -291,7 +291,7 @@ impl Store {
             frames
         };
         if !relogged.is_empty() {
-            self.or_poison(self.wal.submit(relogged).wait())?;
+            self.or_poison(self.wal.submit_frames(relogged).wait())?;
         }
         Ok(())
     }

@@ -347,16 +347,17 @@ impl PendingRows {
         partition: PartitionId,
         epoch: Epoch,
         seq: u32,
-    ) -> Result<Vec<u8>> {
+    ) -> Result<wal::Frame> {
         match self {
-            PendingRows::Decoded(batch) => WalRecord::Prepared {
+            PendingRows::Decoded(batch) => Ok(WalRecord::Prepared {
                 table: table.to_string(),
                 partition,
                 epoch,
                 seq,
                 batch: batch.clone(),
             }
-            .encode_frame(),
+            .encode_frame()?
+            .into()),
             PendingRows::Encoded(rows) => {
                 Ok(wal::PreparedFrame::new(table, partition, epoch, rows).finish(seq))
             }

@@ -195,7 +195,7 @@ impl Store {
         let next_seq = state.next_prepare_seq.entry(epoch).or_insert(0);
         let first_seq = *next_seq;
         *next_seq += entries.len() as u32;
-        let frames: Vec<Vec<u8>> = frames
+        let frames: Vec<wal::Frame> = frames
             .into_iter()
             .enumerate()
             .map(|(i, frame)| frame.finish(first_seq + i as u32))

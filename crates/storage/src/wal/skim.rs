@@ -174,8 +174,11 @@ mod tests {
     /// Two segments: prepared rows, single-node rows, a commit, an abort.
     fn two_segments(dir: &Path) {
         let wal = Wal::start(dir, 1).unwrap();
-        let frames = |records: Vec<WalRecord>| -> Vec<Vec<u8>> {
-            records.iter().map(|r| r.encode_frame().unwrap()).collect()
+        let frames = |records: Vec<WalRecord>| -> Vec<Frame> {
+            records
+                .iter()
+                .map(|r| r.encode_frame().unwrap().into())
+                .collect()
         };
         wal.submit_frames(frames(vec![
             prepared("orders", 2, 7, 0, vec![1, 2, 3]),
