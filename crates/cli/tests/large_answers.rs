@@ -23,11 +23,20 @@ const HUGE: &str = "SELECT value AS i, repeat('x', 65536) AS s FROM generate_ser
 const HUGE_ROWS: usize = 16384;
 const HUGE_BYTES: usize = 1 << 30;
 
-/// Runs the CLI against `addr` and waits for it: whether it succeeded, its standard
-/// output and error, and its peak resident memory in bytes, as its own high-water mark
-/// (`VmHWM`) read while it runs. (Not `getrusage`: Linux counts there the memory of the
-/// process that spawned it, this test's, from before its `exec`.)
-fn cli_with_peak_memory(addr: &str, args: &[&str]) -> (bool, String, String, u64) {
+/// What a CLI run left: whether it succeeded, how many bytes it printed, the first 64 KiB
+/// of them, its standard error, and its peak resident memory in bytes.
+struct CliRun {
+    succeeded: bool,
+    printed: u64,
+    said: String,
+    errors: String,
+    peak: u64,
+}
+
+/// Runs the CLI against `addr` and waits for it; its peak resident memory is its own
+/// high-water mark (`VmHWM`) read while it runs. (Not `getrusage`: Linux counts there the
+/// memory of the process that spawned it, this test's, from before its `exec`.)
+fn cli_with_peak_memory(addr: &str, args: &[&str]) -> CliRun {
     let out = tempfile::tempdir().unwrap();
     let (stdout, stderr) = (out.path().join("stdout"), out.path().join("stderr"));
     let mut child = std::process::Command::new(BINARY)
@@ -56,13 +65,19 @@ fn cli_with_peak_memory(addr: &str, args: &[&str]) -> (bool, String, String, u64
         peak_kb = peak_kb.max(high_water.unwrap_or(0));
         std::thread::sleep(std::time::Duration::from_millis(5));
     };
-    let read = |path| std::fs::read_to_string(path).unwrap();
-    (
-        status.success(),
-        read(&stdout),
-        read(&stderr),
-        peak_kb * 1024,
+    let mut said = Vec::new();
+    std::io::Read::read_to_end(
+        &mut std::io::Read::take(std::fs::File::open(&stdout).unwrap(), 64 << 10),
+        &mut said,
     )
+    .unwrap();
+    CliRun {
+        succeeded: status.success(),
+        printed: std::fs::metadata(&stdout).unwrap().len(),
+        said: String::from_utf8_lossy(&said).into_owned(),
+        errors: std::fs::read_to_string(&stderr).unwrap(),
+        peak: peak_kb * 1024,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -98,8 +113,13 @@ async fn answers_beyond_one_message_stream_to_clients_and_exports() {
     // An export writes the rows as they come: the CLI never holds the answer.
     let csv = root.path().join("big.csv");
     let copy = format!("COPY ({HUGE}) TO '{}'", csv.display());
-    let (succeeded, said, errors, peak) =
-        cli_with_peak_memory(cluster.addr(1), &["sql", "-c", &copy]);
+    let CliRun {
+        succeeded,
+        said,
+        errors,
+        peak,
+        ..
+    } = cli_with_peak_memory(cluster.addr(1), &["sql", "-c", &copy]);
     assert!(succeeded, "{said}{errors}");
     assert!(said.contains(&format!("COPY {HUGE_ROWS}")), "{said}");
     let written = std::fs::metadata(&csv).unwrap().len() as usize;
@@ -117,15 +137,44 @@ async fn answers_beyond_one_message_stream_to_clients_and_exports() {
     );
     std::fs::remove_file(&csv).unwrap();
 
+    // Printed as CSV, the rows go to standard output as they arrive.
+    let printed = cli_with_peak_memory(cluster.addr(1), &["sql", "--format", "csv", "-c", HUGE]);
+    assert!(printed.succeeded, "{}", printed.errors);
+    assert!(
+        printed.said.starts_with("i,s\n1,xxx"),
+        "{:.40}",
+        printed.said
+    );
+    assert!(
+        printed.printed as usize > HUGE_BYTES,
+        "{} bytes printed",
+        printed.printed
+    );
+    assert!(
+        printed.peak < (HUGE_BYTES / 2) as u64,
+        "the CLI's peak memory printing the answer was {} MiB, for a {} MiB answer",
+        printed.peak >> 20,
+        HUGE_BYTES >> 20
+    );
+    eprintln!(
+        "printed {} MiB as CSV; the CLI's peak memory was {} MiB",
+        printed.printed >> 20,
+        printed.peak >> 20
+    );
+
     // An error after rows were sent fails the statement, whatever had arrived.
     let failing = "SELECT 10 / (value - 200000) AS q FROM generate_series(1, 300000)";
     let error = client.query(failing).await.unwrap_err().to_string();
     assert!(error.to_lowercase().contains("divide by zero"), "{error}");
     let partial_csv = root.path().join("failing.csv");
     let copy = format!("COPY ({failing}) TO '{}'", partial_csv.display());
-    let (succeeded, _, errors, _) = cli_with_peak_memory(cluster.addr(1), &["sql", "-c", &copy]);
-    assert!(!succeeded);
-    assert!(errors.to_lowercase().contains("divide by zero"), "{errors}");
+    let failed = cli_with_peak_memory(cluster.addr(1), &["sql", "-c", &copy]);
+    assert!(!failed.succeeded);
+    assert!(
+        failed.errors.to_lowercase().contains("divide by zero"),
+        "{}",
+        failed.errors
+    );
     assert!(!partial_csv.exists(), "an export that failed left its file");
     assert!(
         !root.path().join("failing.csv.partial").exists(),

@@ -3,7 +3,6 @@
 
 use super::export::split_exports;
 use super::target::Target;
-use crate::output::print_output;
 use crate::Format;
 use anyhow::{bail, Result};
 use std::io::{BufRead, IsTerminal, Write};
@@ -75,10 +74,7 @@ pub async fn run(engine: Target, command: Option<&str>, format: Format) -> Resul
 /// them writes its rows to a file here (see [`super::export`]).
 async fn run_text(target: &Target, sql: &str, format: Format, out: &mut impl Write) -> Result<()> {
     let Some(parts) = split_exports(sql)? else {
-        for output in target.execute(sql).await? {
-            print_output(&output, format, out)?;
-        }
-        return Ok(());
+        return target.print(sql, format, out).await;
     };
     for part in parts {
         match part {
@@ -86,11 +82,7 @@ async fn run_text(target: &Target, sql: &str, format: Format, out: &mut impl Wri
                 let rows = super::export::export(target, &export).await?;
                 writeln!(out, "COPY {rows} (to {})", export.path.display())?;
             }
-            Err(statement) => {
-                for output in target.execute(&statement).await? {
-                    print_output(&output, format, out)?;
-                }
-            }
+            Err(statement) => target.print(&statement, format, out).await?,
         }
     }
     Ok(())

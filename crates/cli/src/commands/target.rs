@@ -40,6 +40,28 @@ impl Target {
         })
     }
 
+    /// Runs `sql` and prints what each statement returns as it arrives (from a cluster) or
+    /// once it is done (a local store).
+    pub async fn print(
+        &self,
+        sql: &str,
+        format: crate::Format,
+        out: &mut impl std::io::Write,
+    ) -> Result<()> {
+        match self {
+            Target::Local(engine) => {
+                for output in engine.execute(sql).await? {
+                    crate::output::print_output(&output, format, out)?;
+                }
+                Ok(())
+            }
+            Target::Cluster(client) => {
+                let events = client.sql_stream(sql).await?.boxed();
+                crate::output::print_events(events, format, out).await
+            }
+        }
+    }
+
     /// Runs `sql`, whose statement with rows is its last; that answer's schema, and its
     /// rows as they come, never held whole (a cluster's node streams them).
     pub async fn rows(
