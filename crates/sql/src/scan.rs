@@ -112,7 +112,6 @@ pub fn read_visible_partition(
     let output: Vec<usize> = columns.iter().map(|&c| position(c)).collect();
     Ok(visible
         .into_iter()
-        .filter(|batch| batch.num_rows() > 0)
         .map(|batch| batch.project(&output))
         .collect::<Result<_, _>>()?)
 }

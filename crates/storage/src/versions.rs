@@ -387,7 +387,8 @@ pub fn visible_rows_over_base(
 /// [`visible_rows_over_base`], cut into batches of at most `batch_rows` rows, each with
 /// buffers of its own. A reader hands these to operators that account memory per batch
 /// (a sort, a spill): one batch for a whole partition held in memtables would not fit a
-/// small share, and slices of it would each be charged for the whole buffer.
+/// small share, and slices of it would each be charged for the whole buffer. No batch when
+/// no row is visible.
 pub fn visible_rows_in_batches(
     batches: &[RecordBatch],
     base: usize,
@@ -400,6 +401,9 @@ pub fn visible_rows_in_batches(
     let Some((batch, keep)) = visible_row_indices(batches, base, key, epoch, append_only)? else {
         return Ok(Vec::new());
     };
+    if keep.is_empty() {
+        return Ok(Vec::new());
+    }
     if batch.num_rows() <= batch_rows && keep.len() == batch.num_rows() {
         return Ok(vec![batch]);
     }

@@ -260,13 +260,12 @@ impl Store {
                 all_installed = false;
             }
         }
-        // Counted again from what is left: a commit counts its rows as they arrived
-        // (encoded, for a replica), not as the memtable holds them, so subtracting what
-        // left would leave a remainder that keeps asking for checkpoints.
+        // Counted again from what is left, each entry at the bytes it was counted at, so
+        // no remainder of entries that left by other hands keeps asking for checkpoints.
         state.memtable_bytes = state
             .all_partitions()
             .flat_map(|(_, _, p)| &p.memtable)
-            .map(|e| held_bytes(&e.batch))
+            .map(|e| e.bytes)
             .sum();
         self.write_checkpoint(&state)?;
         Ok(all_installed)

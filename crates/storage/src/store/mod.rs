@@ -369,6 +369,21 @@ struct MemEntry {
     lsn: Lsn,
     epoch: Epoch,
     batch: RecordBatch,
+    /// The memory `batch` holds ([`held_bytes`]), counted once as the entry is made: what
+    /// it adds to and takes from `State::memtable_bytes`.
+    bytes: usize,
+}
+
+impl MemEntry {
+    fn new(lsn: Lsn, epoch: Epoch, batch: RecordBatch) -> MemEntry {
+        let bytes = held_bytes(&batch);
+        MemEntry {
+            lsn,
+            epoch,
+            batch,
+            bytes,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -893,7 +908,7 @@ impl Store {
             .partitions
             .iter()
             .flat_map(|p| &p.memtable)
-            .map(|e| held_bytes(&e.batch))
+            .map(|e| e.bytes)
             .sum::<usize>();
         self.write_checkpoint(&state)?;
         let dropped = table

@@ -294,12 +294,9 @@ impl Store {
                 });
                 continue;
             }
-            let bytes = entry.rows.memory_size();
-            part.memtable.push(MemEntry {
-                lsn,
-                epoch,
-                batch: entry.rows.into_batch()?,
-            });
+            let entry = MemEntry::new(lsn, epoch, entry.rows.into_batch()?);
+            let bytes = entry.bytes;
+            part.memtable.push(entry);
             state.memtable_bytes += bytes;
         }
         Ok(true)

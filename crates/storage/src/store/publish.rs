@@ -115,7 +115,7 @@ impl Store {
                     entries.push((
                         p.def.name.clone(),
                         partition,
-                        MemEntry { lsn, epoch, batch },
+                        MemEntry::new(lsn, epoch, batch),
                     ));
                 }
             }
@@ -142,7 +142,7 @@ impl Store {
         let mut state = self.state();
         if durable.is_ok() {
             for (table, partition, entry) in entries {
-                state.memtable_bytes += held_bytes(&entry.batch);
+                state.memtable_bytes += entry.bytes;
                 state
                     .held_partition_mut(&table, partition)
                     .memtable

@@ -211,12 +211,9 @@ pub(super) fn replay(
                     if lsn <= partition_state.manifest.max_lsn {
                         continue;
                     }
-                    state.memtable_bytes += entry.rows.memory_size();
-                    partition_state.memtable.push(MemEntry {
-                        lsn,
-                        epoch,
-                        batch: entry.rows.into_batch()?,
-                    });
+                    let entry = MemEntry::new(lsn, epoch, entry.rows.into_batch()?);
+                    state.memtable_bytes += entry.bytes;
+                    partition_state.memtable.push(entry);
                     report.replayed_records += 1;
                 }
                 continue;
@@ -261,10 +258,9 @@ pub(super) fn replay(
             previous.is_none_or(|p| p < lsn),
             "LSNs rise within a partition's log"
         );
-        state.memtable_bytes += held_bytes(&batch);
-        partition_state
-            .memtable
-            .push(MemEntry { lsn, epoch, batch });
+        let entry = MemEntry::new(lsn, epoch, batch);
+        state.memtable_bytes += entry.bytes;
+        partition_state.memtable.push(entry);
         report.replayed_records += 1;
     }
     for epoch in committed {

@@ -134,7 +134,7 @@ impl Store {
                 (&table, partition, epoch),
                 "a record read back is the one skimmed"
             );
-            found.push((table, partition, MemEntry { lsn, epoch, batch }));
+            found.push((table, partition, MemEntry::new(lsn, epoch, batch)));
         }
         let expected: usize = wanted.values().map(HashSet::len).sum();
         if found.len() != expected {
@@ -149,7 +149,7 @@ impl Store {
         }
         let mut state = self.state();
         for (table, partition, entry) in found {
-            state.memtable_bytes += held_bytes(&entry.batch);
+            state.memtable_bytes += entry.bytes;
             let table_state = state
                 .tables
                 .get_mut(&table)
@@ -266,7 +266,7 @@ impl Store {
         let mut freed = 0;
         for entry in part.memtable.iter().filter(|e| e.epoch <= covered) {
             covered_lsn = covered_lsn.max(entry.lsn);
-            freed += held_bytes(&entry.batch);
+            freed += entry.bytes;
         }
         part.memtable.retain(|e| e.epoch > covered);
         part.unapplied.retain(|l| l.epoch > covered);

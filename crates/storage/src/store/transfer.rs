@@ -156,7 +156,7 @@ impl Store {
         let mut state = self.state();
         let part = state.held_partition_mut(table, partition);
         let dropped: Vec<ComponentHash> = part.manifest.components.iter().map(|c| c.hash).collect();
-        let freed: usize = part.memtable.iter().map(|e| held_bytes(&e.batch)).sum();
+        let freed: usize = part.memtable.iter().map(|e| e.bytes).sum();
         part.memtable.clear();
         // Standby rows in the log are older than the LSNs just allocated: replay skips them.
         part.unapplied.clear();
@@ -316,7 +316,7 @@ impl Store {
         if rewrite {
             dropped = part.manifest.components.iter().map(|c| c.hash).collect();
             part.manifest.components.clear();
-            freed = part.memtable.iter().map(|e| held_bytes(&e.batch)).sum();
+            freed = part.memtable.iter().map(|e| e.bytes).sum();
             part.memtable.clear();
         }
         if let Some(meta) = meta {

@@ -93,7 +93,9 @@ fn skim_segment(path: &Path, segment: u64, is_last: bool, out: &mut Vec<Skimmed>
         let mut kind = [0u8; NAME_AT];
         file.read_exact(&mut kind[..NAME_AT.min(len)]).map_err(io)?;
         let record = match kind[0] {
-            KIND_PREPARED | KIND_ROWS if len >= NAME_AT => {
+            // Its rows are never wanted here (a single-node publish's, not a standby's).
+            KIND_ROWS => Skimmed::Rows,
+            KIND_PREPARED if len >= NAME_AT => {
                 let name_len = u16::from_le_bytes([kind[1], kind[2]]) as usize;
                 if NAME_AT + name_len + AFTER_NAME > len {
                     return Err(corrupt(offset, "row record header cut short".into()));
@@ -107,18 +109,14 @@ fn skim_segment(path: &Path, segment: u64, is_last: bool, out: &mut Vec<Skimmed>
                     PartitionId(u32::from_le_bytes(numbers[0..4].try_into().expect("4")));
                 let number = u64::from_le_bytes(numbers[4..12].try_into().expect("8"));
                 let epoch = Epoch(u64::from_le_bytes(numbers[12..20].try_into().expect("8")));
-                if kind[0] == KIND_ROWS {
-                    Skimmed::Rows
-                } else {
-                    Skimmed::Prepared {
-                        table,
-                        partition,
-                        epoch,
-                        seq: u32::try_from(number).map_err(|_| {
-                            corrupt(offset, "prepared entry number out of range".into())
-                        })?,
-                        at,
-                    }
+                Skimmed::Prepared {
+                    table,
+                    partition,
+                    epoch,
+                    seq: u32::try_from(number).map_err(|_| {
+                        corrupt(offset, "prepared entry number out of range".into())
+                    })?,
+                    at,
                 }
             }
             _ => Skimmed::Record(read_frame_from(&mut file, path, at)?),
