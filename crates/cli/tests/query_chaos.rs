@@ -22,7 +22,7 @@ use tessera_server::RecoveryOutcome;
 use tessera_testkit::LocalCluster;
 
 mod common;
-use common::{flush_everywhere, load_tpch, wait_formed};
+use common::{flush_everywhere, load_tpch, short_panics, wait_formed};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 const NODES: usize = 4;
@@ -109,6 +109,7 @@ async fn rejoin(cluster: &mut LocalCluster, victim: u64) {
 
 /// The 4-node cluster with TPC-H loaded and flushed everywhere.
 async fn loaded_cluster(root: &Path) -> LocalCluster {
+    short_panics();
     let mut cluster =
         LocalCluster::configure(Path::new(BINARY), root, NODES, PARTITIONS, REPLICATION);
     cluster.start_all();
@@ -263,7 +264,9 @@ async fn queries_answer_exactly_when_a_peer_is_killed_at_random() {
         let query = tokio::spawn(async move { client.query_with_notices(&sql).await });
         tokio::time::sleep(no_failure[&9] * 2 / 5).await;
         cluster.kill9(victim);
-        let (batches, notices) = query.await.unwrap().unwrap();
+        let (batches, notices) = query.await.unwrap().unwrap_or_else(|e| {
+            panic!("EXPLAIN ANALYZE attempt {attempt}: Q9 from node {initiator}, node {victim} killed: {e}")
+        });
         rejoin(&mut cluster, victim).await;
         let text = arrow::util::pretty::pretty_format_batches(&batches)
             .unwrap()

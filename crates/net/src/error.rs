@@ -77,6 +77,8 @@ pub enum CallError {
 
 /// How tonic begins the message of a status it made from an HTTP/2 error.
 const H2_ERROR: &str = "h2 protocol error";
+/// How tonic words a response body that ended partway through a message.
+const CUT_MID_MESSAGE: &str = "Unexpected EOF decoding stream";
 
 fn describe(refusal: &Refusal) -> String {
     match refusal {
@@ -107,6 +109,10 @@ impl CallError {
             tonic::Code::Internal if status.message().starts_with(H2_ERROR) => {
                 CallError::Transport(status.to_string())
             }
+            // The response body ended inside a message: the stream was cut, not answered.
+            tonic::Code::Internal if status.message().starts_with(CUT_MID_MESSAGE) => {
+                CallError::Transport(status.to_string())
+            }
             _ => CallError::Refused(Refusal::from_status(&status)),
         }
     }
@@ -127,6 +133,9 @@ mod tests {
         let reset = tonic::Status::internal("h2 protocol error: http2 error");
         assert!(CallError::from_status(reset).is_transport());
         // A peer that answered with an internal error refused.
+        // A body that ended inside a message was cut off.
+        let cut = tonic::Status::internal("Unexpected EOF decoding stream.");
+        assert!(CallError::from_status(cut).is_transport());
         let refused = tonic::Status::internal("epoch 7 was already decided");
         assert!(!CallError::from_status(refused).is_transport());
     }

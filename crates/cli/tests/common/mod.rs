@@ -9,6 +9,23 @@ use std::time::{Duration, Instant};
 use tessera_server::ClusterClient;
 use tessera_testkit::LocalCluster;
 
+/// Makes this test binary's panics print their message and place on one line, without a
+/// backtrace. A failing multi-node test's output ends with its panic, but a backtrace
+/// (CI sets `RUST_BACKTRACE`) pushes the message itself out of a log's tail, where a
+/// failure report is cut. Its own stderr lines (the nodes') stay above it.
+pub fn short_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        std::panic::set_hook(Box::new(|info| {
+            let thread = std::thread::current();
+            eprintln!(
+                "thread '{}' panicked: {info}",
+                thread.name().unwrap_or("<unnamed>")
+            );
+        }))
+    });
+}
+
 /// Polls `check` every 100 ms until it returns a value; panics after `timeout`.
 pub async fn wait_until<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
 where
