@@ -29,8 +29,9 @@
 //!   and a refusal only leaves the rest to the leased copy.
 //! - The record lives in memory: after a restart the leased copy fetches the whole delta.
 
+use crate::delta::DeltaFetch;
 use crate::error::Result;
-use crate::rebalance::{copies_whole, copy_into_this_node, fetch_and_install_delta};
+use crate::rebalance::{copies_whole, copy_into_this_node};
 use crate::stall::Progress;
 use crate::wire::{CopyRequest, PartitionMove};
 use crate::Replication;
@@ -174,21 +175,35 @@ async fn catch_up_now(
     let state = &view.state;
     node.caught_up.prune(state, node.id());
     let deltas = plan_catch_up(state, node.id(), request, &node.caught_up);
-    let mut fetched = 0;
-    for delta in deltas {
-        fetched += fetch_and_install_delta(
-            node,
-            &delta.moved,
-            &delta.stale.table,
-            delta.stale.generation,
-            delta.since,
-            Some(delta.decided_through),
-            Some(progress),
-        )
-        .await?;
-        progress.advanced();
-        node.caught_up.record(delta.stale, delta.decided_through);
-    }
+    // Every delta is fenced where the plan found every epoch decided.
+    let decided_through = state.visible;
+    let fetches = deltas
+        .into_iter()
+        .map(|delta| {
+            debug_assert_eq!(delta.decided_through, decided_through);
+            DeltaFetch {
+                moved: delta.moved,
+                table: delta.stale.table,
+                generation: delta.stale.generation,
+                since: delta.since,
+            }
+        })
+        .collect();
+    let fetched = crate::delta::fetch_and_install(
+        node,
+        fetches,
+        Some(decided_through),
+        Some(progress),
+        |installed| {
+            for delta in installed {
+                let fetch = &delta.fetch;
+                let stale = StalePartition::of(&fetch.moved, &fetch.table, fetch.generation);
+                node.caught_up.record(stale, decided_through);
+            }
+        },
+    )
+    .await;
+    let fetched = fetched?;
     node.transfers.caught_up_before_lease(fetched);
     tracing::info!(
         partitions = request.moves.len(),

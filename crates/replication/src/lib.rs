@@ -14,6 +14,7 @@
 
 pub mod archive;
 pub mod catch_up;
+mod delta;
 pub mod error;
 pub mod failover;
 pub mod log_shipping;

@@ -491,16 +491,22 @@ async fn publish_epoch(
             let (state, routed) = (view.state.clone(), routed.clone());
             let sealed = node.settings.version_ids;
             tokio::task::spawn_blocking(move || {
-                sealed
+                let started = std::time::Instant::now();
+                let digests = sealed
                     .then(|| crate::seal::digest_routed(&state, &routed, epoch))
-                    .transpose()
+                    .transpose();
+                (digests, started.elapsed())
             })
         };
         let (missed, digests) = futures::join!(
             prepare_everywhere(node, &view.state, epoch, routed, left_out),
             digests
         );
-        let digests = digests.map_err(ReplicationError::task("hashing the rows"))??;
+        let (digests, hashed_in) = digests.map_err(ReplicationError::task("hashing the rows"))?;
+        let digests = digests?;
+        if digests.is_some() {
+            tracing::debug!(%epoch, hashed_ms = hashed_in.as_millis() as u64, "hashed the publish's rows for its version ids");
+        }
         let changes = change_counts(routed);
         let seal = match digests {
             Some(digests) => Some(crate::seal::seal(

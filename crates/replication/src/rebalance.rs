@@ -17,15 +17,14 @@
 //! It too fetches most of its delta before the lease ([`crate::catch_up`]): the leased copy
 //! fetches only the epochs published since.
 
+use crate::delta::DeltaFetch;
 use crate::error::{ReplicationError, Result};
 use crate::stall::Progress;
 use crate::wire::{
-    CopyRequest, ExportRequest, PartitionMove, VersionsRequest, ACTION_COPY_PARTITIONS,
-    ACTION_PREFETCH_COMPONENTS,
+    CopyRequest, ExportRequest, PartitionMove, ACTION_COPY_PARTITIONS, ACTION_PREFETCH_COMPONENTS,
 };
 use crate::NodeId;
 use crate::Replication;
-use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -531,6 +530,8 @@ async fn copy_partitions_now(
         }
     }
     let started = std::time::Instant::now();
+    // Whole copies one by one; deltas fetched a few at a time and installed in batches.
+    let mut deltas = Vec::new();
     for moved in &request.moves {
         let span = tracing::info_span!(
             "copy",
@@ -542,15 +543,23 @@ async fn copy_partitions_now(
             for (table, generation) in &request.tables {
                 if copies_whole(moved, &view.state, table) {
                     copy_whole(node, moved, table, *generation, request.epoch, progress).await?;
+                    progress.advanced();
                 } else {
-                    copy_delta(node, moved, table, *generation, request.epoch, progress).await?;
+                    let stale = crate::catch_up::StalePartition::of(moved, table, *generation);
+                    deltas.push(DeltaFetch {
+                        moved: *moved,
+                        table: table.clone(),
+                        generation: *generation,
+                        // Past what was fetched before the lease, if anything was.
+                        since: node.caught_up.leased_since(&stale),
+                    });
                 }
-                progress.advanced();
             }
             Ok::<(), ReplicationError>(())
         };
         tracing::Instrument::instrument(copy, span).await?;
     }
+    copy_deltas(node, deltas, request.epoch, progress).await?;
     tracing::info!(
         partitions = request.moves.len(),
         deltas = request
@@ -718,65 +727,27 @@ pub(crate) async fn fetch_missing_components(
 
 /// A returning replica fetches only the versions from the first epoch it missed, or from
 /// past those it fetched before the lease.
-async fn copy_delta(
+async fn copy_deltas(
     node: &Arc<Replication>,
-    moved: &PartitionMove,
-    table: &str,
-    generation: u64,
+    deltas: Vec<DeltaFetch>,
     fence: Option<Epoch>,
     progress: &Progress,
 ) -> Result<()> {
-    let stale = crate::catch_up::StalePartition::of(moved, table, generation);
-    let since = node.caught_up.leased_since(&stale);
-    let fetched =
-        fetch_and_install_delta(node, moved, table, generation, since, fence, Some(progress))
-            .await?;
-    node.caught_up.forget(&stale);
-    node.transfers.delta(fetched);
-    tracing::info!(%table, partition = moved.partition.0, source = moved.source.0, missed_since = %moved.since, %since, rows = fetched, "copied a partition's missed versions");
-    Ok(())
-}
-
-/// Fetches from `moved.source` the versions of one partition of `table` from `since` on,
-/// and installs them in place of this node's own from then on. Returns how many it fetched.
-pub(crate) async fn fetch_and_install_delta(
-    node: &Arc<Replication>,
-    moved: &PartitionMove,
-    table: &str,
-    generation: u64,
-    since: Epoch,
-    fence: Option<Epoch>,
-    progress: Option<&Progress>,
-) -> Result<u64> {
-    let addr = node.meta.require_addr(moved.source)?;
-    let request = VersionsRequest {
-        table: table.to_string(),
-        generation,
-        partition: moved.partition,
-        since,
-    };
-    let versions = node
-        .clients
-        .get(&addr, &request)
-        .await
-        .map_err(|e| copy_error(moved.source, e))?
-        .inspect_ok(|_| {
-            progress.inspect(|p| p.advanced());
-        })
-        .try_collect::<Vec<_>>()
-        .await
-        .map_err(|e| copy_error(moved.source, e))?;
-    // Row versions: the before images that come with them are not counted.
-    let fetched = versions
-        .iter()
-        .map(tessera_storage::versions::count_versions)
-        .sum();
-    let (owned, partition) = (table.to_string(), moved.partition);
-    node.on_store("installing a partition's missed versions", move |store| {
-        store.install_partition_since(&owned, partition, since, versions, fence)
+    if deltas.is_empty() {
+        return Ok(());
+    }
+    crate::delta::fetch_and_install(node, deltas, fence, Some(progress), |installed| {
+        for delta in installed {
+            let fetch = &delta.fetch;
+            let stale =
+                crate::catch_up::StalePartition::of(&fetch.moved, &fetch.table, fetch.generation);
+            node.caught_up.forget(&stale);
+            node.transfers.delta(delta.versions);
+            tracing::info!(table = %fetch.table, partition = fetch.moved.partition.0, source = fetch.moved.source.0, missed_since = %fetch.moved.since, since = %fetch.since, rows = delta.versions, "copied a partition's missed versions");
+        }
     })
-    .await?;
-    Ok(fetched)
+    .await
+    .map(|_| ())
 }
 
 #[cfg(test)]

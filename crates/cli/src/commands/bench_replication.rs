@@ -60,6 +60,8 @@ struct Failover {
 struct Failback {
     /// From the restarted node being declared alive to no replica being stale.
     caught_up: Duration,
+    /// What the returning node fetched to catch up.
+    fetched: String,
 }
 
 /// How a benchmark cluster's replicas keep the rows of partitions they do not lead.
@@ -223,8 +225,23 @@ async fn failback(nodes: &mut LocalCluster, victim: u64, delta: &RecordBatch) ->
             .is_ok_and(|s| s.meta.map.partitions.iter().all(|p| p.stale.is_empty()))
     })
     .await?;
+    let transfers = nodes.client(victim as usize - 1).status().await?.transfers;
+    let fetched = if transfers.delta_copies > 0 {
+        format!(
+            "{} missed row versions in {} partition deltas",
+            transfers.delta_versions, transfers.delta_copies
+        )
+    } else {
+        format!(
+            "{} partitions copied whole ({} rows), {} components fetched (the rest held already)",
+            transfers.whole_copies,
+            transfers.whole_rows,
+            transfers.prefetched_components + transfers.leased_components
+        )
+    };
     Ok(Failback {
         caught_up: caught_up - alive,
+        fetched,
     })
 }
 
@@ -360,6 +377,10 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
         delta.caught_up.as_secs_f64() * 1000.0,
         full.caught_up.as_secs_f64() * 1000.0,
         full.caught_up.as_secs_f64() / delta.caught_up.as_secs_f64()
+    );
+    println!(
+        "  the returning node fetched: delta recovery {}; full copy {}",
+        delta.fetched, full.fetched
     );
     Ok(())
 }
