@@ -27,8 +27,10 @@ use tessera_storage::PartitionDelta;
 const FETCHES_IN_FLIGHT: usize = 8;
 
 /// Fetched rows installed together, at most (a batch holds at least one delta, however
-/// large).
-const INSTALL_BATCH_BYTES: usize = 64 << 20;
+/// large). The install holds the store's gate, which this node's prepares and commits
+/// also take, while it writes the batch's components: a small batch keeps that hold
+/// short, and small deltas, whose cost is the checkpoint, still share one.
+const INSTALL_BATCH_BYTES: usize = 16 << 20;
 
 /// One partition of one table to refresh from `moved.source`, from epoch `since` on.
 #[derive(Debug, Clone)]

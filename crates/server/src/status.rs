@@ -23,6 +23,11 @@ pub struct NodeStatus {
     /// What this node copied as a new or returning replica since it started.
     #[serde(default)]
     pub transfers: crate::rebalance::TransferCounts,
+    /// Checkpoints this node's store wrote since it started: each writes and fsyncs every
+    /// table's manifests, so work done in bulk (a returning replica's deltas) writes one,
+    /// not one per partition.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub checkpoints_written: u64,
     /// The node's internal port is plaintext (`insecure = true`): anyone who reaches it
     /// can join, write metadata and read data.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -44,6 +49,10 @@ pub struct NodeStatus {
     /// one a crashed leader left for the next to finish): both must agree to elect or write.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub membership_joint: bool,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -131,6 +140,7 @@ pub fn node_status(node: &crate::node::Node) -> NodeStatus {
             })
             .collect(),
         transfers: node.replication.transfers.counts(),
+        checkpoints_written: node.store.checkpoints_written(),
         insecure: node.mtls.is_none(),
         last_scrub: crate::scrub::last_scrub(),
         cache: node.exec.cache_status(),

@@ -611,6 +611,7 @@ fn samples() -> Samples {
                 logged_rows: 2,
                 partitions_with_data: 3,
             }],
+            checkpoints_written: 0,
             transfers: tessera_server::rebalance::TransferCounts {
                 whole_copies: 1,
                 whole_rows: 100,

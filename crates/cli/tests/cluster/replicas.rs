@@ -401,6 +401,15 @@ async fn tpch_answers_stay_exact_through_failover_and_delta_failback() {
         transfers.leased_delta_versions, 0,
         "versions fetched while every table's lease was held: {transfers:?}"
     );
+    // Its deltas were installed in batches, each with one checkpoint of the whole store:
+    // one per delta (every partition of every table, before the lease and again under it)
+    // made most of a small failback's time.
+    assert!(
+        status.checkpoints_written < transfers.delta_copies,
+        "node 3 wrote {} checkpoints since it restarted for {} deltas under the lease: {transfers:?}",
+        status.checkpoints_written,
+        transfers.delta_copies
+    );
 }
 
 /// Rows node `id` holds of `kv`, and how many of them are in its log only.
