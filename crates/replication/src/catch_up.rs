@@ -29,7 +29,7 @@
 //!   and a refusal only leaves the rest to the leased copy.
 //! - The record lives in memory: after a restart the leased copy fetches the whole delta.
 
-use crate::delta::DeltaFetch;
+use crate::batched::DeltaFetch;
 use crate::error::Result;
 use crate::rebalance::{copies_whole, copy_into_this_node};
 use crate::stall::Progress;
@@ -189,7 +189,7 @@ async fn catch_up_now(
             }
         })
         .collect();
-    let fetched = crate::delta::fetch_and_install(
+    let fetched = crate::batched::fetch_and_install(
         node,
         fetches,
         Some(decided_through),

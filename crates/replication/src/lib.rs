@@ -13,8 +13,8 @@
 //! [`rebalance::copy_partitions`], [`shipping`]'s checkpoint and pull, [`failover`], [`wire`].
 
 pub mod archive;
+mod batched;
 pub mod catch_up;
-mod delta;
 pub mod error;
 pub mod failover;
 pub mod log_shipping;

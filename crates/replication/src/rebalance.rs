@@ -17,7 +17,7 @@
 //! It too fetches most of its delta before the lease ([`crate::catch_up`]): the leased copy
 //! fetches only the epochs published since.
 
-use crate::delta::DeltaFetch;
+use crate::batched::{DeltaFetch, WholeCopy};
 use crate::error::{ReplicationError, Result};
 use crate::stall::Progress;
 use crate::wire::{
@@ -88,7 +88,7 @@ impl TransferCounters {
         }
     }
 
-    fn whole(&self, rows: u64, fetched_components: u64) {
+    pub(crate) fn whole(&self, rows: u64, fetched_components: u64) {
         self.whole_copies.fetch_add(1, Ordering::Relaxed);
         self.whole_rows.fetch_add(rows, Ordering::Relaxed);
         self.leased_components
@@ -530,35 +530,30 @@ async fn copy_partitions_now(
         }
     }
     let started = std::time::Instant::now();
-    // Whole copies one by one; deltas fetched a few at a time and installed in batches.
-    let mut deltas = Vec::new();
+    // Fetched a few at a time and installed in batches (see `crate::batched`).
+    let (mut whole, mut deltas) = (Vec::new(), Vec::new());
     for moved in &request.moves {
-        let span = tracing::info_span!(
-            "copy",
-            partition = moved.partition.0,
-            source = moved.source.0,
-            since = %moved.since
-        );
-        let copy = async {
-            for (table, generation) in &request.tables {
-                if copies_whole(moved, &view.state, table) {
-                    copy_whole(node, moved, table, *generation, request.epoch, progress).await?;
-                    progress.advanced();
-                } else {
-                    let stale = crate::catch_up::StalePartition::of(moved, table, *generation);
-                    deltas.push(DeltaFetch {
-                        moved: *moved,
-                        table: table.clone(),
-                        generation: *generation,
-                        // Past what was fetched before the lease, if anything was.
-                        since: node.caught_up.leased_since(&stale),
-                    });
-                }
+        for (table, generation) in &request.tables {
+            let copy = WholeCopy {
+                moved: *moved,
+                table: table.clone(),
+                generation: *generation,
+            };
+            if copies_whole(moved, &view.state, table) {
+                whole.push(copy);
+            } else {
+                let stale = crate::catch_up::StalePartition::of(moved, table, *generation);
+                deltas.push(DeltaFetch {
+                    // Past what was fetched before the lease, if anything was.
+                    since: node.caught_up.leased_since(&stale),
+                    moved: copy.moved,
+                    table: copy.table,
+                    generation: copy.generation,
+                });
             }
-            Ok::<(), ReplicationError>(())
-        };
-        tracing::Instrument::instrument(copy, span).await?;
+        }
     }
+    crate::batched::copy_whole(node, whole, request.epoch, progress).await?;
     copy_deltas(node, deltas, request.epoch, progress).await?;
     tracing::info!(
         partitions = request.moves.len(),
@@ -651,34 +646,9 @@ fn copy_error(source: NodeId, error: impl std::fmt::Display) -> ReplicationError
     }
 }
 
-/// A new replica copies a partition by component: it fetches the components it lacks by
-/// hash (checked on both ends), plus the versions still in the source's memory.
-async fn copy_whole(
-    node: &Arc<Replication>,
-    moved: &PartitionMove,
-    table: &str,
-    generation: u64,
-    fence: Option<Epoch>,
-    progress: &Progress,
-) -> Result<()> {
-    let (components, memtable, fetched) =
-        export_and_fetch(node, moved, table, generation, Some(progress)).await?;
-    let rows = components.iter().map(|c| c.rows).sum::<u64>()
-        + memtable.iter().map(|b| b.num_rows() as u64).sum::<u64>();
-    let fetched_components = fetched.len() as u64;
-    let (owned, partition) = (table.to_string(), moved.partition);
-    node.on_store("installing a copied partition", move |store| {
-        store.install_partition_components(&owned, partition, components, fetched, memtable, fence)
-    })
-    .await?;
-    node.transfers.whole(rows, fetched_components);
-    tracing::info!(%table, partition = moved.partition.0, source = moved.source.0, rows, "copied a whole partition");
-    Ok(())
-}
-
 /// A partition's export from `moved.source` (its components and in-memory versions) and
 /// the bytes of the components this node lacks.
-async fn export_and_fetch(
+pub(crate) async fn export_and_fetch(
     node: &Arc<Replication>,
     moved: &PartitionMove,
     table: &str,
@@ -736,7 +706,7 @@ async fn copy_deltas(
     if deltas.is_empty() {
         return Ok(());
     }
-    crate::delta::fetch_and_install(node, deltas, fence, Some(progress), |installed| {
+    crate::batched::fetch_and_install(node, deltas, fence, Some(progress), |installed| {
         for delta in installed {
             let fetch = &delta.fetch;
             let stale =

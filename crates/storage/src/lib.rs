@@ -27,6 +27,6 @@ pub use component::ComponentMeta;
 pub use error::StorageError;
 pub use manifest::Manifest;
 pub use store::{
-    HeldComponent, PartitionChanges, PartitionDelta, PartitionSnapshot, PreparedEntry, Store,
-    StoreConfig, TableChanges, TableSnapshot, MEMTABLE_STALL_FACTOR,
+    HeldComponent, PartitionChanges, PartitionCopy, PartitionDelta, PartitionSnapshot,
+    PreparedEntry, Store, StoreConfig, TableChanges, TableSnapshot, MEMTABLE_STALL_FACTOR,
 };

@@ -52,7 +52,7 @@ pub use maintenance::MEMTABLE_STALL_FACTOR;
 use publish::PreparedChanges;
 use replay::replay;
 pub use scrub::HeldComponent;
-pub use transfer::PartitionDelta;
+pub use transfer::{PartitionCopy, PartitionDelta};
 
 /// Store settings, with defaults suited to a laptop or a small server.
 #[derive(Debug, Clone)]

@@ -3,6 +3,19 @@
 
 use super::*;
 
+/// One partition of one table copied whole from a replica
+/// ([`Store::install_partitions_components`]).
+pub struct PartitionCopy {
+    pub table: String,
+    pub partition: PartitionId,
+    /// The source's components: they replace this node's.
+    pub components: Vec<ComponentMeta>,
+    /// The bytes of those of `components` this node lacked.
+    pub fetched: HashMap<ComponentHash, Vec<u8>>,
+    /// The source's versions still in its memory.
+    pub memtable: Vec<RecordBatch>,
+}
+
 /// One partition's missed versions, for [`Store::install_partitions_since`].
 #[derive(Debug)]
 pub struct PartitionDelta {
@@ -135,8 +148,69 @@ impl Store {
         memtable: Vec<RecordBatch>,
         fence: Option<Epoch>,
     ) -> Result<()> {
+        let copy = PartitionCopy {
+            table: table.to_string(),
+            partition,
+            components,
+            fetched,
+            memtable,
+        };
+        self.install_partitions_components(vec![copy], fence)
+    }
+
+    /// [`Store::install_partition_components`] for several partitions, under one hold of
+    /// the gate and with one checkpoint for all of them: a new replica copies every
+    /// partition of every table it takes on, and a checkpoint each (the whole store's
+    /// manifests, written and fsynced) made much of that time.
+    ///
+    /// A copy refused by its checks stops the batch there: those before it stay installed,
+    /// durably, and the error is returned.
+    pub fn install_partitions_components(
+        &self,
+        copies: Vec<PartitionCopy>,
+        fence: Option<Epoch>,
+    ) -> Result<()> {
         let _gate = self.gate.exclusive();
         self.check_poisoned()?;
+        let mut dropped = Vec::new();
+        let mut installed = 0;
+        let mut outcome = Ok(());
+        for copy in copies {
+            match self.install_copy_holding_gate(copy, fence) {
+                Ok(replaced) => {
+                    dropped.extend(replaced);
+                    installed += 1;
+                }
+                Err(error) => {
+                    outcome = Err(error);
+                    break;
+                }
+            }
+        }
+        // A failed write poisoned the store: nothing more is written, checkpoint included.
+        if installed > 0 && self.poisoned_by().is_none() {
+            let state = self.state();
+            self.write_checkpoint(&state)?;
+            self.collect_garbage(dropped, &state)?;
+        }
+        outcome
+    }
+
+    /// Installs one whole copy into the in-memory state (its components written, the
+    /// checkpoint left to the caller); returns the components it replaced.
+    fn install_copy_holding_gate(
+        &self,
+        copy: PartitionCopy,
+        fence: Option<Epoch>,
+    ) -> Result<Vec<ComponentHash>> {
+        let PartitionCopy {
+            table,
+            partition,
+            components,
+            fetched,
+            memtable,
+        } = copy;
+        let table = table.as_str();
         self.refuse_undecided(table, partition, Epoch::ZERO)?;
         self.refuse_newer_than(table, partition, fence)?;
         let def = self.state().table(table)?.def.clone();
@@ -168,8 +242,7 @@ impl Store {
             part.manifest.hold_complete_through(fence);
         }
         state.memtable_bytes -= freed;
-        self.write_checkpoint(&state)?;
-        self.collect_garbage(dropped, &state)
+        Ok(dropped)
     }
 
     /// Replaces one partition of `table` with the given row versions (copied from a
