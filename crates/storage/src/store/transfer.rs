@@ -507,7 +507,7 @@ impl Store {
 
 #[cfg(test)]
 mod tests {
-    use crate::{Store, StoreConfig, TableChanges, TableDef};
+    use crate::{PartitionCopy, Store, StoreConfig, TableChanges, TableDef};
     use arrow::array::{Int64Array, RecordBatch};
     use arrow::datatypes::{DataType, Field, Schema};
     use std::sync::Arc;
@@ -667,6 +667,88 @@ mod tests {
         };
         let reopened = Store::open(b.path(), config).unwrap();
         reopened.advance_visible(missed);
+        for p in 0..4 {
+            assert_eq!(versions(&reopened, p), partition_rows[p as usize], "p{p}");
+        }
+    }
+
+    #[test]
+    fn whole_copies_installed_together_write_one_checkpoint_and_survive_a_restart() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let (primary, replica) = (
+            store_with_partitions(a.path(), 4),
+            store_with_partitions(b.path(), 4),
+        );
+        publish(&primary, rows(0..400, 1));
+        primary.checkpoint().unwrap();
+        // Still in the primary's memory: copied as rows, not components.
+        let newest = publish(&primary, rows(0..200, 2));
+        let copy_of = |partition: u32| {
+            let (components, memtable) = primary
+                .export_partition("kv", PartitionId(partition))
+                .unwrap();
+            let fetched = components
+                .iter()
+                .map(|c| (c.hash, primary.component_bytes(&c.hash).unwrap()))
+                .collect();
+            PartitionCopy {
+                table: "kv".into(),
+                partition: PartitionId(partition),
+                components,
+                fetched,
+                memtable,
+            }
+        };
+        let versions = |store: &Store, partition: u32| -> usize {
+            store
+                .partition_versions("kv", PartitionId(partition), Epoch(0))
+                .unwrap()
+                .iter()
+                .map(|b| b.num_rows())
+                .sum()
+        };
+        let partition_rows: Vec<usize> = (0..4).map(|p| versions(&primary, p)).collect();
+        assert!(
+            partition_rows.iter().all(|&n| n > 0),
+            "every partition holds rows"
+        );
+
+        // Two copies, then one of a table this store lacks, then one more: the first two
+        // are installed, under one checkpoint, and the batch stops at the refused one.
+        let before = replica.checkpoints_written();
+        let mut unknown = copy_of(2);
+        unknown.table = "missing".into();
+        let refused = replica
+            .install_partitions_components(vec![copy_of(0), copy_of(1), unknown, copy_of(3)], None);
+        assert!(
+            matches!(refused, Err(crate::StorageError::UnknownTable(ref t)) if t == "missing"),
+            "{refused:?}"
+        );
+        assert_eq!(
+            replica.checkpoints_written() - before,
+            1,
+            "one checkpoint for both"
+        );
+        replica.advance_visible(newest);
+        for p in [0, 1] {
+            assert_eq!(versions(&replica, p), partition_rows[p as usize], "p{p}");
+        }
+        for p in [2, 3] {
+            assert_eq!(versions(&replica, p), 0, "p{p} not installed");
+        }
+
+        let before = replica.checkpoints_written();
+        replica
+            .install_partitions_components(vec![copy_of(2), copy_of(3)], None)
+            .unwrap();
+        assert_eq!(replica.checkpoints_written() - before, 1);
+        drop(replica);
+        let config = StoreConfig {
+            partitions: 4,
+            ..StoreConfig::default()
+        };
+        let reopened = Store::open(b.path(), config).unwrap();
+        reopened.advance_visible(newest);
         for p in 0..4 {
             assert_eq!(versions(&reopened, p), partition_rows[p as usize], "p{p}");
         }
