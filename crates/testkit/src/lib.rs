@@ -136,8 +136,22 @@ pub fn temp_data_dir() -> (tempfile::TempDir, PathBuf) {
 /// kernel's ephemeral range where there is room: a port given to a node that has not
 /// bound it yet (not started, or being restarted) is otherwise free for the kernel to hand
 /// to any outgoing connection, and the node then cannot listen ("address already in use").
+///
+/// No port is given out twice by one process ([`GIVEN_PORTS`]): the tests of one binary
+/// run at once, each starting its own cluster, and a port one cluster was given stays
+/// free until its node binds it (and again while the node restarts), so another test's
+/// cluster could otherwise be given it too. One of the two nodes then failed to start
+/// (`query_chaos`: "cannot listen on 127.0.0.1:20749 (pg_listen): Address already in
+/// use", and the test failed loading its data).
 pub fn free_ports(n: usize) -> Vec<u16> {
+    let mut given = GIVEN_PORTS.lock().expect("given ports lock");
     let mut listeners: Vec<std::net::TcpListener> = Vec::with_capacity(n);
+    let mut take = |listener: std::net::TcpListener, listeners: &mut Vec<_>| {
+        let port = listener.local_addr().expect("local address").port();
+        if given.insert(port) {
+            listeners.push(listener);
+        }
+    };
     if let Some((low, high)) = below_ephemeral_range() {
         let mut rng = rand::rng();
         for _ in 0..n * 100 {
@@ -146,18 +160,30 @@ pub fn free_ports(n: usize) -> Vec<u16> {
             }
             let port = rand::Rng::random_range(&mut rng, low..high);
             if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port)) {
-                listeners.push(listener);
+                take(listener, &mut listeners);
             }
         }
     }
-    while listeners.len() < n {
-        listeners.push(std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port"));
+    for _ in 0..n * 100 {
+        if listeners.len() == n {
+            break;
+        }
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+        take(listener, &mut listeners);
     }
+    assert_eq!(
+        listeners.len(),
+        n,
+        "{n} ports this process has not given out yet"
+    );
     listeners
         .iter()
         .map(|l| l.local_addr().expect("local address").port())
         .collect()
 }
+
+/// Every port [`free_ports`] gave out in this process.
+static GIVEN_PORTS: std::sync::Mutex<BTreeSet<u16>> = std::sync::Mutex::new(BTreeSet::new());
 
 /// Ports for test nodes: from 10000 up to the start of the ephemeral range (Linux's
 /// `ip_local_port_range`), if at least 4096 ports lie there.
