@@ -178,18 +178,19 @@ async fn install(
     let mut done = Vec::with_capacity(batch.len());
     let mut deltas = Vec::with_capacity(batch.len());
     for (fetch, versions) in batch {
-        done.push(Installed {
-            versions: versions
-                .iter()
-                .map(tessera_storage::versions::count_versions)
-                .sum(),
-            fetch: fetch.clone(),
-        });
+        let counted = versions
+            .iter()
+            .map(tessera_storage::versions::count_versions)
+            .sum();
         deltas.push(PartitionDelta {
-            table: fetch.table,
+            table: fetch.table.clone(),
             partition: fetch.moved.partition,
             since: fetch.since,
             versions,
+        });
+        done.push(Installed {
+            fetch,
+            versions: counted,
         });
     }
     node.on_store("installing partitions' missed versions", move |store| {

@@ -185,6 +185,21 @@ pub fn free_ports(n: usize) -> Vec<u16> {
 /// Every port [`free_ports`] gave out in this process.
 static GIVEN_PORTS: std::sync::Mutex<BTreeSet<u16>> = std::sync::Mutex::new(BTreeSet::new());
 
+#[cfg(test)]
+mod free_ports_tests {
+    /// Ports are released between calls, so without the registry a few hundred picks from
+    /// the same range would give some port out twice.
+    #[test]
+    fn no_port_is_given_out_twice_in_one_process() {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..100 {
+            for port in super::free_ports(20) {
+                assert!(seen.insert(port), "port {port} given out twice");
+            }
+        }
+    }
+}
+
 /// Ports for test nodes: from 10000 up to the start of the ephemeral range (Linux's
 /// `ip_local_port_range`), if at least 4096 ports lie there.
 fn below_ephemeral_range() -> Option<(u16, u16)> {

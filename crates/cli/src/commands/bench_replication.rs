@@ -181,6 +181,21 @@ async fn count_rows(client: &ClusterClient) -> Result<i64> {
         .value(0))
 }
 
+/// When `client`'s node first saw `victim` declared failed (polled, up to `patience`).
+async fn declared_failed(
+    client: &ClusterClient,
+    victim: u64,
+    patience: Duration,
+) -> Result<Instant> {
+    poll_until("the node declared failed", patience, || async {
+        client
+            .status()
+            .await
+            .is_ok_and(|s| s.meta.nodes.get(&NodeId(victim)).is_some_and(|n| !n.alive))
+    })
+    .await
+}
+
 /// SIGKILLs node 3 (not the metadata leader, so no election is timed) and measures how long
 /// until it is declared failed and until a query over every partition answers exactly.
 async fn failover(nodes: &mut LocalCluster, victim: u64) -> Result<Failover> {
@@ -190,17 +205,7 @@ async fn failover(nodes: &mut LocalCluster, victim: u64) -> Result<Failover> {
     let healthy_query = healthy_started.elapsed();
     let killed = Instant::now();
     nodes.kill9(victim);
-    let detected = poll_until(
-        "the node declared failed",
-        Duration::from_secs(10),
-        || async {
-            client
-                .status()
-                .await
-                .is_ok_and(|s| s.meta.nodes.get(&NodeId(victim)).is_some_and(|n| !n.alive))
-        },
-    )
-    .await?;
+    let detected = declared_failed(&client, victim, Duration::from_secs(10)).await?;
     let serving = poll_until(
         "partitions serving again",
         Duration::from_secs(30),
@@ -222,18 +227,7 @@ async fn failbacks(nodes: &mut LocalCluster, victim: u64, delta: &RecordBatch) -
     for round in 0..FAILBACK_ROUNDS {
         if round > 0 {
             nodes.kill9(victim);
-            let client = nodes.client(0);
-            poll_until(
-                "the node declared failed",
-                Duration::from_secs(30),
-                || async {
-                    client
-                        .status()
-                        .await
-                        .is_ok_and(|s| s.meta.nodes.get(&NodeId(victim)).is_some_and(|n| !n.alive))
-                },
-            )
-            .await?;
+            declared_failed(&nodes.client(0), victim, Duration::from_secs(30)).await?;
         }
         let (took, what) = failback(nodes, victim, delta).await?;
         caught_up.push(took);

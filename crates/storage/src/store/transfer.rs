@@ -170,13 +170,24 @@ impl Store {
         copies: Vec<PartitionCopy>,
         fence: Option<Epoch>,
     ) -> Result<()> {
+        self.install_batch(copies, |copy| self.install_copy_holding_gate(copy, fence))
+    }
+
+    /// Installs each of `items` with `install` under one hold of the gate, then writes one
+    /// checkpoint for all that were installed and collects the components they replaced.
+    /// Stops at the first refused item; those before it stay installed, durably.
+    fn install_batch<T>(
+        &self,
+        items: Vec<T>,
+        mut install: impl FnMut(T) -> Result<Vec<ComponentHash>>,
+    ) -> Result<()> {
         let _gate = self.gate.exclusive();
         self.check_poisoned()?;
         let mut dropped = Vec::new();
         let mut installed = 0;
         let mut outcome = Ok(());
-        for copy in copies {
-            match self.install_copy_holding_gate(copy, fence) {
+        for item in items {
+            match install(item) {
                 Ok(replaced) => {
                     dropped.extend(replaced);
                     installed += 1;
@@ -292,30 +303,9 @@ impl Store {
         deltas: Vec<PartitionDelta>,
         fence: Option<Epoch>,
     ) -> Result<()> {
-        let _gate = self.gate.exclusive();
-        self.check_poisoned()?;
-        let mut dropped = Vec::new();
-        let mut installed = 0;
-        let mut outcome = Ok(());
-        for delta in deltas {
-            match self.install_delta_holding_gate(delta, fence) {
-                Ok(replaced) => {
-                    dropped.extend(replaced);
-                    installed += 1;
-                }
-                Err(error) => {
-                    outcome = Err(error);
-                    break;
-                }
-            }
-        }
-        // A failed write poisoned the store: nothing more is written, checkpoint included.
-        if installed > 0 && self.poisoned_by().is_none() {
-            let state = self.state();
-            self.write_checkpoint(&state)?;
-            self.collect_garbage(dropped, &state)?;
-        }
-        outcome
+        self.install_batch(deltas, |delta| {
+            self.install_delta_holding_gate(delta, fence)
+        })
     }
 
     /// Installs one delta into the in-memory state (its component written and fsynced, the
