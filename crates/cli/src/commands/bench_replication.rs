@@ -2,7 +2,8 @@
 //! with r = 1, 2, 3 (and the overhead against r = 1), failover time from a node's detection
 //! to its partitions serving again (hot standby, and cold standby with and without
 //! checkpoints), and failback time of the returning node with delta recovery against a full
-//! copy of its stale partitions.
+//! copy of its stale partitions (a node that kept its components, which fetches none of
+//! them) and against a wiped node's return, which copies every partition again.
 
 use super::local_cluster::LocalCluster;
 use super::timing::{cpu_seconds, poll_until, wait_quiet};
@@ -219,29 +220,46 @@ async fn failover(nodes: &mut LocalCluster, victim: u64) -> Result<Failover> {
     })
 }
 
-/// [`FAILBACK_ROUNDS`] failbacks of `victim`, down when this is called: each round after
-/// the first kills it again and waits until it is declared failed.
-async fn failbacks(nodes: &mut LocalCluster, victim: u64, delta: &RecordBatch) -> Result<Failback> {
+/// How a failed node comes back.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Return {
+    /// With its data directory as it left it.
+    Kept,
+    /// With its data directory wiped (a replaced disk): `--replace`, and every partition
+    /// copied to it again.
+    Wiped,
+}
+
+/// [`FAILBACK_ROUNDS`] failbacks of `victim`, returning as `how`: each round kills it first
+/// if it runs, and waits until it is declared failed.
+async fn failbacks(
+    nodes: &mut LocalCluster,
+    victim: u64,
+    delta: &RecordBatch,
+    how: Return,
+) -> Result<Failback> {
     let mut caught_up = Vec::with_capacity(FAILBACK_ROUNDS);
     let mut fetched = String::new();
-    for round in 0..FAILBACK_ROUNDS {
-        if round > 0 {
+    for _ in 0..FAILBACK_ROUNDS {
+        if nodes.pid(victim).is_some() {
             nodes.kill9(victim);
             declared_failed(&nodes.client(0), victim, Duration::from_secs(30)).await?;
         }
-        let (took, what) = failback(nodes, victim, delta).await?;
+        let (took, what) = failback(nodes, victim, delta, how).await?;
         caught_up.push(took);
         fetched = what;
     }
     Ok(Failback { caught_up, fetched })
 }
 
-/// With `victim` down, publishes a small delta, restarts it and measures how long it takes
-/// from being declared alive to holding every epoch again; and what it fetched.
+/// With `victim` down, publishes a small delta, restarts it (as `how` says) and measures
+/// how long it takes from being declared alive to holding every epoch again; and what it
+/// fetched.
 async fn failback(
     nodes: &mut LocalCluster,
     victim: u64,
     delta: &RecordBatch,
+    how: Return,
 ) -> Result<(Duration, String)> {
     let client = nodes.client(0);
     client
@@ -257,7 +275,13 @@ async fn failback(
         .filter(|p| !p.stale.is_empty())
         .count();
     anyhow::ensure!(stale > 0, "the dead node should have missed the delta");
-    nodes.spawn(victim)?;
+    match how {
+        Return::Kept => nodes.spawn(victim)?,
+        Return::Wiped => {
+            std::fs::remove_dir_all(nodes.data_dir(victim))?;
+            nodes.spawn_with(victim, &["--replace"])?;
+        }
+    }
     let alive = poll_until("the node back alive", Duration::from_secs(60), || async {
         client
             .status()
@@ -280,10 +304,14 @@ async fn failback(
         )
     } else {
         format!(
-            "{} partitions copied whole ({} rows), {} components fetched (the rest held already)",
+            "{} partitions copied whole ({} rows), {} components fetched{}",
             transfers.whole_copies,
             transfers.whole_rows,
-            transfers.prefetched_components + transfers.leased_components
+            transfers.prefetched_components + transfers.leased_components,
+            match how {
+                Return::Kept => " (the rest held already)",
+                Return::Wiped => "",
+            }
         )
     };
     Ok((caught_up - alive, fetched))
@@ -322,7 +350,7 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
             tokio::time::sleep(Duration::from_secs(2)).await;
             failovers.push((standby, failover(&mut nodes, 3).await?));
             if standby == Standby::ColdCheckpointed {
-                delta_failback = Some(failbacks(&mut nodes, 3, &delta).await?);
+                delta_failback = Some(failbacks(&mut nodes, 3, &delta, Return::Kept).await?);
             }
         }
         let full_failback = {
@@ -330,7 +358,8 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
             let mut nodes = start(&dir, partitions, 3, false, Standby::ColdCheckpointed).await?;
             interleaved_publish_times(&[&nodes], &rows, 1).await?;
             failover(&mut nodes, 3).await?;
-            failbacks(&mut nodes, 3, &delta).await?
+            let kept = failbacks(&mut nodes, 3, &delta, Return::Kept).await?;
+            (kept, failbacks(&mut nodes, 3, &delta, Return::Wiped).await?)
         };
         let delta_failback = delta_failback.expect("the checkpointed cluster fails back");
         anyhow::Ok((
@@ -342,7 +371,7 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
     }
     .await;
     let _ = std::fs::remove_dir_all(&root);
-    let ((throughput, hot_r3, not_quiet), failovers, delta, full) = result?;
+    let ((throughput, hot_r3, not_quiet), failovers, delta, (full, wiped)) = result?;
 
     let rows_per_second = |t: &Throughput| count as f64 / t.median().as_secs_f64();
     println!();
@@ -425,6 +454,12 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
     println!(
         "  the returning node fetched: delta recovery {}; full copy {}",
         delta.fetched, full.fetched
+    );
+    println!(
+        "failback of a wiped node (--replace, every partition copied to it again; median of {FAILBACK_ROUNDS}, range): {}, wiped/delta {:.2}; it fetched {}",
+        wiped.describe(),
+        wiped.median().as_secs_f64() / delta.median().as_secs_f64(),
+        wiped.fetched
     );
     Ok(())
 }

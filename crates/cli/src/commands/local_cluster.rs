@@ -85,9 +85,14 @@ impl LocalCluster {
 
     /// Starts node `id` (again).
     pub fn spawn(&mut self, id: u64) -> Result<()> {
+        self.spawn_with(id, &[])
+    }
+
+    /// Starts node `id` (again) with `args` added to its command line (`--replace`).
+    pub fn spawn_with(&mut self, id: u64, args: &[&str]) -> Result<()> {
         let config = &self.configs[id as usize - 1];
         let mut command = Command::new(std::env::current_exe()?);
-        command.args(["node", "--config"]).arg(config);
+        command.args(["node", "--config"]).arg(config).args(args);
         match self.output {
             NodeOutput::Inherit => {}
             NodeOutput::LogFile => {
@@ -114,6 +119,11 @@ impl LocalCluster {
             .with_context(|| format!("starting node {id} with {}", config.display()))?;
         self.children.push((id, child));
         Ok(())
+    }
+
+    /// Node `id`'s data directory.
+    pub fn data_dir(&self, id: u64) -> PathBuf {
+        self.configs[id as usize - 1].with_file_name("data")
     }
 
     /// Where node `id` writes its log under [`NodeOutput::LogFile`].
