@@ -4,7 +4,7 @@
 
 use arrow::array::{Array, Int64Array, RecordBatch};
 use std::sync::Arc;
-use tessera_common::{Epoch, PartitionId, PartitionRing};
+use tessera_common::{ComponentHash, Epoch, PartitionId, PartitionRing};
 use tessera_storage::versions::split_by_partition;
 use tessera_storage::{PartitionChanges, Store, StoreConfig};
 
@@ -159,6 +159,16 @@ fn a_returning_replica_fetches_only_the_epochs_it_missed() {
     commit(&primary, Epoch(4), &rows(5, 8));
     primary.checkpoint().unwrap();
     commit(&primary, Epoch(5), &rows(300, 301));
+    let components_of = |store: &Store| -> Vec<Vec<ComponentHash>> {
+        (0..4)
+            .map(|p| {
+                let (components, _) = store.export_partition("kv", PartitionId(p)).unwrap();
+                components.iter().map(|c| c.hash).collect()
+            })
+            .collect()
+    };
+    let flushed_before = components_of(&replica);
+    assert!(flushed_before.iter().all(|p| !p.is_empty()), "epoch 1 was flushed");
 
     let fetched = fetch_delta(&primary, &replica, Epoch(3));
     assert_eq!(
@@ -173,9 +183,17 @@ fn a_returning_replica_fetches_only_the_epochs_it_missed() {
             "replica equals primary at epoch {epoch}"
         );
     }
-    // Installing the same delta again (a failback that failed midway and retried) and a
-    // restart change nothing.
+    // Installing the same delta again (a failback that failed midway and retried, or its
+    // second fetch under the rebalance's lease) and a restart change nothing. The second
+    // install replaces the first one's versions, but the components older than the delta
+    // stay as they were: only what is at or above its first epoch is rewritten.
     fetch_delta(&primary, &replica, Epoch(3));
+    for (p, (before, now)) in flushed_before.iter().zip(components_of(&replica)).enumerate() {
+        assert!(
+            before.iter().all(|hash| now.contains(hash)),
+            "partition {p}: the components older than the delta were rewritten ({before:?} -> {now:?})"
+        );
+    }
     drop(replica);
     let replica = Store::open(replica_dir.path(), config()).unwrap();
     for epoch in 1..=5 {

@@ -273,7 +273,8 @@ impl Store {
     /// Idempotent: a returning replica may fail mid-failback and install the same delta
     /// again. When nothing local is at or above `since` (the usual case: the node was down),
     /// the existing components and memory stay and only the delta is written, as one more
-    /// component; otherwise the partition is rewritten without its newer versions.
+    /// component; otherwise its components holding versions at or above `since`, and its
+    /// memory, are rewritten without them, and its older components stay.
     pub fn install_partition_since(
         &self,
         table: &str,
@@ -347,10 +348,20 @@ impl Store {
         let rewrite = since == Epoch::ZERO
             || memtable_reaches_since
             || components.iter().any(|c| c.max_epoch >= since);
+        // Components wholly older than `since` hold none of the versions the delta replaces:
+        // they stay as they are, and only the newer ones (with the memory) are rewritten.
+        // Rewriting the whole partition made a failback's second fetch, under the
+        // rebalance's lease (the first one's delta is then at or above `since`), read and
+        // encode every partition it refreshed again.
+        let replaced: BTreeSet<ComponentHash> = components
+            .iter()
+            .filter(|c| since == Epoch::ZERO || c.max_epoch >= since)
+            .map(|c| c.hash)
+            .collect();
         let mut rows: Vec<RecordBatch> = Vec::new();
         if rewrite && since > Epoch::ZERO {
             let mut old = Vec::new();
-            for component in &components {
+            for component in components.iter().filter(|c| replaced.contains(&c.hash)) {
                 old.extend(self.read_verified_rows(&def, &component.hash)?);
             }
             old.extend(memtable);
@@ -377,8 +388,10 @@ impl Store {
         let mut dropped = Vec::new();
         let mut freed = 0;
         if rewrite {
-            dropped = part.manifest.components.iter().map(|c| c.hash).collect();
-            part.manifest.components.clear();
+            dropped = replaced.into_iter().collect();
+            part.manifest
+                .components
+                .retain(|c| !dropped.contains(&c.hash));
             freed = part.memtable.iter().map(|e| e.bytes).sum();
             part.memtable.clear();
         }
