@@ -168,7 +168,10 @@ fn a_returning_replica_fetches_only_the_epochs_it_missed() {
             .collect()
     };
     let flushed_before = components_of(&replica);
-    assert!(flushed_before.iter().all(|p| !p.is_empty()), "epoch 1 was flushed");
+    assert!(
+        flushed_before.iter().all(|p| !p.is_empty()),
+        "epoch 1 was flushed"
+    );
 
     let fetched = fetch_delta(&primary, &replica, Epoch(3));
     assert_eq!(
@@ -188,7 +191,11 @@ fn a_returning_replica_fetches_only_the_epochs_it_missed() {
     // install replaces the first one's versions, but the components older than the delta
     // stay as they were: only what is at or above its first epoch is rewritten.
     fetch_delta(&primary, &replica, Epoch(3));
-    for (p, (before, now)) in flushed_before.iter().zip(components_of(&replica)).enumerate() {
+    for (p, (before, now)) in flushed_before
+        .iter()
+        .zip(components_of(&replica))
+        .enumerate()
+    {
         assert!(
             before.iter().all(|hash| now.contains(hash)),
             "partition {p}: the components older than the delta were rewritten ({before:?} -> {now:?})"
