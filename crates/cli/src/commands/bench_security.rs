@@ -225,35 +225,27 @@ async fn timed_publishes(
 }
 
 impl Publishes {
-    fn print(mut self, rows: usize) {
+    fn print(self, rows: usize) {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        // The lower quartile, the median and the upper quartile.
-        let spread = |times: &mut Vec<Duration>| {
-            times.sort();
-            let n = times.len();
-            (times[n / 4], times[n / 2], times[(3 * n) / 4])
-        };
         let not_quiet = self.not_quiet;
         // Each round's publishes ran one after another under the same load: the ratio of
         // two clusters' times in a round leaves out the machine's drift between rounds.
         let [signed_by_round, plain_by_round, tls_by_round] = &self.times;
         let paired = |a: &[Duration], b: &[Duration]| {
-            let mut ratios: Vec<f64> = a
-                .iter()
-                .zip(b)
-                .map(|(a, b)| a.as_secs_f64() / b.as_secs_f64())
-                .collect();
-            ratios.sort_by(f64::total_cmp);
-            let n = ratios.len();
-            (ratios[n / 4], ratios[n / 2], ratios[(3 * n) / 4])
+            quartiles(
+                a.iter()
+                    .zip(b)
+                    .map(|(a, b)| a.as_secs_f64() / b.as_secs_f64())
+                    .collect(),
+            )
         };
         let (signed_low, signed_mid, signed_high) = paired(signed_by_round, plain_by_round);
         let (sealing_low, sealing_mid, sealing_high) = paired(signed_by_round, tls_by_round);
         let n = self.times[0].len();
-        let [signed, plain, tls] = &mut self.times;
-        let (s_low, s_mid, s_high) = spread(signed);
-        let (p_low, p_mid, p_high) = spread(plain);
-        let (t_low, t_mid, t_high) = spread(tls);
+        let [signed, plain, tls] = &self.times;
+        let (s_low, s_mid, s_high) = quartiles(signed.clone());
+        let (p_low, p_mid, p_high) = quartiles(plain.clone());
+        let (t_low, t_mid, t_high) = quartiles(tls.clone());
         let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
         println!(
             "publish of {rows} lineitem rows, median of {n} on each after every cluster went quiet ({not_quiet} timed before): mTLS + signed {:.1} ms (middle half {:.1}-{:.1}), plaintext unsealed {:.1} ms ({:.1}-{:.1}): {:.3}x ({:.0} vs {:.0} rows/s) (goal: at most 1.05x)",
@@ -275,10 +267,7 @@ impl Publishes {
             ratio(t_mid, p_mid),
             ratio(s_mid, t_mid)
         );
-        let [signed_cpu, plain_cpu, tls_cpu] = self.cpu_seconds.map(|mut cpu| {
-            cpu.sort_by(f64::total_cmp);
-            cpu[cpu.len() / 2]
-        });
+        let [signed_cpu, plain_cpu, tls_cpu] = self.cpu_seconds.map(|cpu| quartiles(cpu).1);
         println!(
             "  CPU seconds per publish, all three nodes, background work included (median): mTLS + signed {signed_cpu:.2}, plaintext unsealed {plain_cpu:.2}, mTLS unsealed {tls_cpu:.2}: {:.3}x plaintext, of which sealing and signing {:.3}x mTLS unsealed",
             signed_cpu / plain_cpu,
@@ -288,6 +277,13 @@ impl Publishes {
             "  paired by round (each round's publishes back to back): mTLS + signed / plaintext {signed_mid:.3}x (middle half {signed_low:.3}-{signed_high:.3}) (goal: at most 1.05x); sealing and signing / mTLS unsealed {sealing_mid:.3}x ({sealing_low:.3}-{sealing_high:.3})"
         );
     }
+}
+
+/// The lower quartile, the median and the upper quartile of `values` (not empty).
+fn quartiles<T: PartialOrd + Copy>(mut values: Vec<T>) -> (T, T, T) {
+    values.sort_by(|a, b| a.partial_cmp(b).expect("comparable values"));
+    let n = values.len();
+    (values[n / 4], values[n / 2], values[(3 * n) / 4])
 }
 
 /// Hands the secure cluster's lineitem to a participant with a signing key (its secret on

@@ -345,9 +345,6 @@ impl Store {
                 part.memtable.iter().any(|e| e.epoch >= since),
             )
         };
-        let rewrite = since == Epoch::ZERO
-            || memtable_reaches_since
-            || components.iter().any(|c| c.max_epoch >= since);
         // Components wholly older than `since` hold none of the versions the delta replaces:
         // they stay as they are, and only the newer ones (with the memory) are rewritten.
         // Rewriting the whole partition made a failback's second fetch, under the
@@ -358,6 +355,7 @@ impl Store {
             .filter(|c| since == Epoch::ZERO || c.max_epoch >= since)
             .map(|c| c.hash)
             .collect();
+        let rewrite = since == Epoch::ZERO || memtable_reaches_since || !replaced.is_empty();
         let mut rows: Vec<RecordBatch> = Vec::new();
         if rewrite && since > Epoch::ZERO {
             let mut old = Vec::new();
@@ -388,10 +386,10 @@ impl Store {
         let mut dropped = Vec::new();
         let mut freed = 0;
         if rewrite {
-            dropped = replaced.into_iter().collect();
             part.manifest
                 .components
-                .retain(|c| !dropped.contains(&c.hash));
+                .retain(|c| !replaced.contains(&c.hash));
+            dropped = replaced.into_iter().collect();
             freed = part.memtable.iter().map(|e| e.bytes).sum();
             part.memtable.clear();
         }
