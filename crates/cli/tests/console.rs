@@ -345,13 +345,14 @@ async fn memtable_bytes(cluster: &LocalCluster) -> f64 {
     total
 }
 
-/// `tessera_store_memtable_bytes` counts the memory a publish's rows hold once. Rows reach
+/// `tessera_store_memtable_bytes` counts the memory a publish's rows hold once, and the
+/// allocator's figures cover it. Rows reach
 /// a primary as Arrow Flight messages, and every column of a decoded message points into
 /// the message's one body: counted column by column (Arrow's own count), the wide rows
 /// below were charged 95 MB for their 16 MB, which made checkpoints run on every publish
 /// and held prepares back for memory that was not in use.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_memtables_count_a_publishs_rows_once() {
+async fn the_memtables_count_a_publishs_rows_once_and_the_allocator_holds_them() {
     use arrow::array::{ArrayRef, Int64Array, RecordBatch};
     use arrow::datatypes::{DataType, Field, Schema};
     use std::sync::Arc;
@@ -408,4 +409,21 @@ async fn the_memtables_count_a_publishs_rows_once() {
         counted >= rows_bytes * 0.9 && counted <= rows_bytes * 1.5,
         "the memtables hold {rows_bytes} bytes of rows, and count {counted}"
     );
+
+    // Nodes allocate with jemalloc (`tessera_common::allocator`), and say what it holds:
+    // at least the rows in their memtables, all of it mapped.
+    for id in cluster.node_ids() {
+        let metrics = scrape(&cluster, id).await;
+        let memtables = metrics.value("tessera_store_memtable_bytes{}");
+        let allocated = metrics.value("tessera_allocator_allocated_bytes{}");
+        let resident = metrics.value("tessera_allocator_resident_bytes{}");
+        assert!(
+            memtables > 0.0 && allocated >= memtables,
+            "node {id}: the allocator has {allocated} bytes allocated, its memtables hold {memtables}"
+        );
+        assert!(
+            resident >= allocated,
+            "node {id}: {resident} bytes resident, fewer than the {allocated} allocated"
+        );
+    }
 }

@@ -6,6 +6,7 @@
 //! hash or the version column names moves data, so both are fixed and tested against
 //! known vectors.
 
+pub mod allocator;
 pub mod auth;
 pub mod config;
 pub mod disk;

@@ -87,6 +87,11 @@ pub struct Metrics {
     pub decoded_cache_bytes: Gauge,
     /// Memory held by the store's memtables (rows not yet flushed to components).
     pub store_memtable_bytes: Gauge,
+    /// The allocator's live allocations, and the memory it has mapped and touched (live,
+    /// kept for reuse, its own): see [`crate::allocator`]. Absent where the process does not
+    /// allocate with jemalloc.
+    pub allocator_allocated_bytes: Gauge,
+    pub allocator_resident_bytes: Gauge,
 }
 
 impl Metrics {
@@ -125,6 +130,8 @@ impl Metrics {
             queries_running: Gauge::default(),
             decoded_cache_bytes: Gauge::default(),
             store_memtable_bytes: Gauge::default(),
+            allocator_allocated_bytes: Gauge::default(),
+            allocator_resident_bytes: Gauge::default(),
         };
         {
             let mut r = metrics.registry.lock().expect("registry lock");
@@ -284,6 +291,18 @@ impl Metrics {
                 "Memory held by rows in the store's memtables, not yet flushed to components",
                 metrics.store_memtable_bytes.clone(),
             );
+            if crate::allocator::stats().is_some() {
+                r.register(
+                    "allocator_allocated_bytes",
+                    "Memory in live allocations of this node's process (jemalloc's stats.allocated)",
+                    metrics.allocator_allocated_bytes.clone(),
+                );
+                r.register(
+                    "allocator_resident_bytes",
+                    "Memory the allocator has mapped and touched: live allocations, freed memory kept for reuse, its own (jemalloc's stats.resident)",
+                    metrics.allocator_resident_bytes.clone(),
+                );
+            }
         }
         metrics
     }
