@@ -1,13 +1,14 @@
 //! The allocator a node runs with, and what it says about the memory it holds.
 //!
-//! The `tessera` binary makes [`Allocator`] (jemalloc) its global allocator. A replica
-//! receives each publish's rows as Flight messages of up to 32 MiB; glibc's malloc serves
-//! allocations that large with fresh mappings and unmaps them when they are freed, so every
-//! byte a publish shipped was page-faulted and zeroed by the kernel again. In a profile of
-//! `tessera bench replication` that was a third of a cold standby's CPU: jemalloc halved
-//! the CPU an r = 3 publish costs (4.6-4.8 s to 2.9 s at SF 0.1). It keeps freed extents
-//! for reuse and gives them back to the system once unused for a while (its decay, 10 s by
-//! default), so a node does not keep the peak of a large publish for good either.
+//! The `tessera` binary makes [`Allocator`] (jemalloc) its global allocator. With glibc's
+//! malloc, the nodes of an r = 3 cluster spent about a third more CPU on the replication
+//! benchmark's publishes (1665 CPU ticks against 1203 over the same phase; r = 1's the same
+//! either way). A replica receives each publish's rows as Flight messages of up to 32 MiB,
+//! logs them and lets them go; in glibc's profile the allocator's own work (`_int_malloc`,
+//! `malloc_consolidate`, `unlink_chunk`) and the kernel zeroing freshly mapped pages for
+//! received bytes stood out. jemalloc keeps freed extents for reuse and gives them back to
+//! the system once unused for a while (its decay, 10 s by default), so a node does not keep
+//! the peak of a large publish for good either.
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicBool, Ordering};
