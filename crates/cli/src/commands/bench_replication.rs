@@ -6,7 +6,7 @@
 //! them) and against a wiped node's return, which copies every partition again.
 
 use super::local_cluster::LocalCluster;
-use super::timing::{cpu_seconds, poll_until, wait_quiet};
+use super::timing::{cpu_seconds, median_of, poll_until, wait_quiet};
 use super::up::UpOptions;
 use anyhow::{Context, Result};
 use arrow::array::{Int64Array, RecordBatch};
@@ -27,9 +27,7 @@ struct Throughput {
 
 impl Throughput {
     fn median(&self) -> Duration {
-        let mut sorted = self.times.clone();
-        sorted.sort();
-        sorted[sorted.len() / 2]
+        median_of(&self.times)
     }
 
     /// This configuration's publish time over `baseline`'s in each round (published one
@@ -46,9 +44,7 @@ impl Throughput {
     }
 
     fn median_cpu_seconds(&self) -> f64 {
-        let mut sorted = self.cpu_seconds.clone();
-        sorted.sort_by(f64::total_cmp);
-        sorted[sorted.len() / 2]
+        median_of(&self.cpu_seconds)
     }
 }
 
@@ -68,9 +64,7 @@ struct Failback {
 
 impl Failback {
     fn median(&self) -> Duration {
-        let mut times = self.caught_up.clone();
-        times.sort();
-        times[times.len() / 2]
+        median_of(&self.caught_up)
     }
 
     /// The median and the range, in milliseconds.

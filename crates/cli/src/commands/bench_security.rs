@@ -13,7 +13,7 @@
 use super::bench::{chosen_queries, median};
 use super::bench_distributed::ensure_tpch;
 use super::local_cluster::LocalCluster;
-use super::timing::{cpu_seconds, timed, wait_quiet};
+use super::timing::{cpu_seconds, quartiles, timed, wait_quiet};
 use super::up::UpOptions;
 use anyhow::{bail, Result};
 use arrow::array::RecordBatch;
@@ -277,13 +277,6 @@ impl Publishes {
             "  paired by round (each round's publishes back to back): mTLS + signed / plaintext {signed_mid:.3}x (middle half {signed_low:.3}-{signed_high:.3}) (goal: at most 1.05x); sealing and signing / mTLS unsealed {sealing_mid:.3}x ({sealing_low:.3}-{sealing_high:.3})"
         );
     }
-}
-
-/// The lower quartile, the median and the upper quartile of `values` (not empty).
-fn quartiles<T: PartialOrd + Copy>(mut values: Vec<T>) -> (T, T, T) {
-    values.sort_by(|a, b| a.partial_cmp(b).expect("comparable values"));
-    let n = values.len();
-    (values[n / 4], values[n / 2], values[(3 * n) / 4])
 }
 
 /// Hands the secure cluster's lineitem to a participant with a signing key (its secret on

@@ -5,6 +5,18 @@ use anyhow::Result;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+/// The lower quartile, the median and the upper quartile of `values` (not empty).
+pub fn quartiles<T: PartialOrd + Copy>(mut values: Vec<T>) -> (T, T, T) {
+    values.sort_by(|a, b| a.partial_cmp(b).expect("comparable values"));
+    let n = values.len();
+    (values[n / 4], values[n / 2], values[(3 * n) / 4])
+}
+
+/// The median of `values` (not empty; of an even count, the upper of the middle two).
+pub fn median_of<T: PartialOrd + Copy>(values: &[T]) -> T {
+    quartiles(values.to_vec()).1
+}
+
 /// Runs `work`, returning how long it took with its value.
 pub async fn timed<F, Fut, T, E>(work: F) -> Result<(Duration, T)>
 where
