@@ -265,7 +265,11 @@ fn encode_rows(
     payload.push(kind);
     push_table_partition_lsn(payload, table, partition, lsn);
     payload.extend_from_slice(&epoch.0.to_le_bytes());
-    let mut writer = StreamWriter::try_new(&mut *payload, &batch.schema())?;
+    let mut writer = StreamWriter::try_new_with_options(
+        &mut *payload,
+        &batch.schema(),
+        crate::prepared::log_ipc_options(),
+    )?;
     writer.write(batch)?;
     writer.finish()?;
     Ok(())
@@ -669,6 +673,55 @@ mod tests {
             &log.records[2],
             WalRecord::Abort { epoch: Epoch(8) }
         ));
+    }
+
+    #[test]
+    fn rows_are_logged_compressed_and_an_older_logs_uncompressed_rows_still_read() {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int64, false),
+            Field::new("v", DataType::UInt64, false),
+        ]));
+        let batch = RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(Int64Array::from_iter_values(0..10_000)),
+                Arc::new(UInt64Array::from(vec![7; 10_000])),
+            ],
+        )
+        .unwrap();
+        let record = WalRecord::Prepared {
+            table: "t".into(),
+            partition: PartitionId(2),
+            epoch: Epoch(7),
+            seq: 4,
+            batch: batch.clone(),
+        };
+        let frame = record.encode_frame().unwrap();
+        // The same record as logs were written before their rows were compressed.
+        let mut older = vec![KIND_PREPARED];
+        push_table_partition_lsn(&mut older, "t", PartitionId(2), Lsn(4));
+        older.extend_from_slice(&7u64.to_le_bytes());
+        let mut writer = StreamWriter::try_new(&mut older, &batch.schema()).unwrap();
+        writer.write(&batch).unwrap();
+        writer.finish().unwrap();
+        drop(writer);
+        assert!(
+            frame.len() * 2 < older.len(),
+            "{} bytes logged, {} uncompressed",
+            frame.len(),
+            older.len()
+        );
+        for payload in [&frame[FRAME_HEADER_BYTES..], &older[..]] {
+            match WalRecord::decode_payload(payload).unwrap() {
+                WalRecord::Prepared {
+                    epoch: Epoch(7),
+                    seq: 4,
+                    batch: read,
+                    ..
+                } => assert_eq!(read, batch),
+                other => panic!("expected the prepared record, read {other:?}"),
+            }
+        }
     }
 
     #[test]
