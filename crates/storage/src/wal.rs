@@ -603,19 +603,24 @@ mod tests {
     use arrow::array::{Int64Array, UInt64Array};
     use arrow::datatypes::{DataType, Field, Schema};
 
-    fn rows(lsn: u64, epoch: u64) -> WalRecord {
+    /// Keys `1..=rows`, each with the value `value`.
+    fn batch(rows: i64, value: u64) -> RecordBatch {
         let schema = Arc::new(Schema::new(vec![
             Field::new("k", DataType::Int64, false),
             Field::new("v", DataType::UInt64, false),
         ]));
-        let batch = RecordBatch::try_new(
+        RecordBatch::try_new(
             schema,
             vec![
-                Arc::new(Int64Array::from(vec![1, 2, 3])),
-                Arc::new(UInt64Array::from(vec![lsn; 3])),
+                Arc::new(Int64Array::from_iter_values(1..=rows)),
+                Arc::new(UInt64Array::from(vec![value; rows as usize])),
             ],
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    fn rows(lsn: u64, epoch: u64) -> WalRecord {
+        let batch = batch(3, lsn);
         WalRecord::Rows {
             table: "t".into(),
             partition: PartitionId(3),
@@ -677,18 +682,7 @@ mod tests {
 
     #[test]
     fn rows_are_logged_compressed_and_an_older_logs_uncompressed_rows_still_read() {
-        let schema = Arc::new(Schema::new(vec![
-            Field::new("k", DataType::Int64, false),
-            Field::new("v", DataType::UInt64, false),
-        ]));
-        let batch = RecordBatch::try_new(
-            schema,
-            vec![
-                Arc::new(Int64Array::from_iter_values(0..10_000)),
-                Arc::new(UInt64Array::from(vec![7; 10_000])),
-            ],
-        )
-        .unwrap();
+        let batch = batch(10_000, 7);
         let record = WalRecord::Prepared {
             table: "t".into(),
             partition: PartitionId(2),
