@@ -18,10 +18,10 @@
 
 use crate::error::{Result, StorageError};
 use crate::fsio;
-use crate::prepared::EncodedRows;
+use crate::prepared::{log_ipc_options, EncodedRows};
 use arrow::array::RecordBatch;
 use arrow::ipc::reader::StreamReader;
-use arrow::ipc::writer::StreamWriter;
+use arrow::ipc::writer::{IpcWriteOptions, StreamWriter};
 use std::fs::{self, File, OpenOptions};
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
@@ -111,6 +111,7 @@ impl WalRecord {
                 *lsn,
                 *epoch,
                 batch,
+                log_ipc_options(),
             )?,
             // A prepared entry has no LSN yet; its slot carries the entry's sequence number.
             WalRecord::Prepared {
@@ -127,6 +128,7 @@ impl WalRecord {
                 Lsn(*seq as u64),
                 *epoch,
                 batch,
+                log_ipc_options(),
             )?,
             WalRecord::Abort { epoch } => {
                 payload.push(KIND_ABORT);
@@ -252,7 +254,8 @@ fn push_table_partition_lsn(payload: &mut Vec<u8>, table: &str, partition: Parti
 }
 
 /// The payload of a row-carrying record: kind, table name, partition, LSN, epoch, then the
-/// batch as Arrow IPC.
+/// batch as Arrow IPC written with `options` (the log's are [`log_ipc_options`]; a test
+/// writes a record as older, uncompressed logs hold it).
 fn encode_rows(
     payload: &mut Vec<u8>,
     kind: u8,
@@ -261,15 +264,12 @@ fn encode_rows(
     lsn: Lsn,
     epoch: Epoch,
     batch: &RecordBatch,
+    options: IpcWriteOptions,
 ) -> Result<()> {
     payload.push(kind);
     push_table_partition_lsn(payload, table, partition, lsn);
     payload.extend_from_slice(&epoch.0.to_le_bytes());
-    let mut writer = StreamWriter::try_new_with_options(
-        &mut *payload,
-        &batch.schema(),
-        crate::prepared::log_ipc_options(),
-    )?;
+    let mut writer = StreamWriter::try_new_with_options(&mut *payload, &batch.schema(), options)?;
     writer.write(batch)?;
     writer.finish()?;
     Ok(())
@@ -692,13 +692,18 @@ mod tests {
         };
         let frame = record.encode_frame().unwrap();
         // The same record as logs were written before their rows were compressed.
-        let mut older = vec![KIND_PREPARED];
-        push_table_partition_lsn(&mut older, "t", PartitionId(2), Lsn(4));
-        older.extend_from_slice(&7u64.to_le_bytes());
-        let mut writer = StreamWriter::try_new(&mut older, &batch.schema()).unwrap();
-        writer.write(&batch).unwrap();
-        writer.finish().unwrap();
-        drop(writer);
+        let mut older = Vec::new();
+        encode_rows(
+            &mut older,
+            KIND_PREPARED,
+            "t",
+            PartitionId(2),
+            Lsn(4),
+            Epoch(7),
+            &batch,
+            IpcWriteOptions::default(),
+        )
+        .unwrap();
         assert!(
             frame.len() * 2 < older.len(),
             "{} bytes logged, {} uncompressed",
