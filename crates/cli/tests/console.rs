@@ -365,7 +365,10 @@ async fn the_memtables_count_a_publishs_rows_once_and_the_allocator_holds_them()
         root.path(),
         6,
         1,
-        &[("store.memtable_flush_bytes", "4000000000")],
+        &[
+            ("store.memtable_flush_bytes", "4000000000"),
+            ("store.idle_checkpoint_ms", "0"),
+        ],
     )
     .await;
     let names: Vec<String> = (0..COLUMNS).map(|c| format!("c{c}")).collect();

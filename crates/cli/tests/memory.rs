@@ -60,6 +60,7 @@ async fn queries_over_their_memory_limit_spill_and_stay_exact_or_fail_naming_the
     let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 1, 16, 1);
     // No checkpoint of its own: the rows stay in the memtables until the flush below.
     cluster.set_option("store.memtable_flush_bytes", "4000000000");
+    cluster.set_option("store.idle_checkpoint_ms", "0");
     cluster.start_all();
     wait_formed(&cluster, 1, 1).await;
     load_tpch_tables(&cluster, 0.1, &["lineitem"]).await;

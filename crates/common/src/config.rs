@@ -24,6 +24,7 @@
 //! [store]                  # the storage engine (defaults: the store's own)
 //! memtable_flush_bytes = 67108864
 //! checkpoint_log_bytes = 268435456
+//! idle_checkpoint_ms = 10000  # rows idle in memory this long are checkpointed (0: never)
 //! bulk_publish_bytes = 8388608
 //! merge_threshold = 8
 //! max_publish_bytes = 8589934592
@@ -205,6 +206,10 @@ pub struct StoreSettings {
     /// bounds the log a cold standby replays when promoted.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoint_log_bytes: Option<usize>,
+    /// Rows that waited in memory this long with no more arriving are checkpointed too
+    /// (0: never for that reason).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idle_checkpoint_ms: Option<u64>,
     /// Publishes at least this large bypass the log and write components directly.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bulk_publish_bytes: Option<usize>,

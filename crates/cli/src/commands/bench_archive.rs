@@ -68,9 +68,6 @@ pub async fn run(
     cluster.wait_formed(Duration::from_secs(60)).await?;
     ensure_tpch(&cluster, sf, &format!("{nodes}-node cluster"), &root).await?;
     let client = cluster.client(0);
-    for id in 0..nodes as usize {
-        cluster.client(id).flush().await?;
-    }
     client.sql("CREATE TAG bench_archive").await?;
     let expected = client.query(QUERY).await?;
     let mut replicated = Vec::new();

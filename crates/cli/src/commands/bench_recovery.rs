@@ -100,11 +100,9 @@ pub async fn run(
     let queries = chosen_queries(queries, runs)?;
     let root = data_dir.join(format!("bench-recovery-sf{sf}-nodes{nodes}"));
     let (mut cluster, client) = cluster(&root, nodes, partitions, sf).await?;
-    // Standbys take their primaries' components, so a scan rebuilt on a replica
-    // reproduces the dead primary's output (they pull in the background).
-    for addr in &cluster.addrs {
-        ClusterClient::new(addr).flush().await?;
-    }
+    // `cluster` flushed every node: standbys take their primaries' components, so a scan
+    // rebuilt on a replica reproduces the dead primary's output (they pull in the
+    // background).
     tokio::time::sleep(Duration::from_secs(3)).await;
     let baseline = shared_baseline(data_dir, sf).await?;
 

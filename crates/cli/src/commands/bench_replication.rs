@@ -115,6 +115,7 @@ async fn start(
         Standby::ColdUncheckpointed => {
             options.checkpoint_log_bytes = Some(NEVER);
             options.memtable_flush_bytes = Some(NEVER);
+            options.idle_checkpoint_ms = Some(0);
         }
     }
     let mut nodes = LocalCluster::start_on_free_ports(root, options)?;

@@ -30,6 +30,8 @@ pub struct UpOptions {
     pub version_ids: bool,
     pub memtable_flush_bytes: Option<usize>,
     pub checkpoint_log_bytes: Option<usize>,
+    /// `store.idle_checkpoint_ms` (0: no idle checkpoints).
+    pub idle_checkpoint_ms: Option<u64>,
     /// Plaintext on the internal port instead of mutual TLS (certificates made under the
     /// data directory's `certs`).
     pub insecure: bool,
@@ -52,6 +54,7 @@ impl UpOptions {
             version_ids: true,
             memtable_flush_bytes: None,
             checkpoint_log_bytes: None,
+            idle_checkpoint_ms: None,
             insecure: false,
         }
     }
@@ -135,6 +138,7 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
             store: StoreSettings {
                 memtable_flush_bytes: options.memtable_flush_bytes,
                 checkpoint_log_bytes: options.checkpoint_log_bytes,
+                idle_checkpoint_ms: options.idle_checkpoint_ms,
                 ..Default::default()
             },
             replicas: ReplicaSettings {

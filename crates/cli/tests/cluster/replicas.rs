@@ -507,3 +507,47 @@ async fn hot_standbys_apply_rows_as_they_commit() {
         (2000, (0..2000).map(|k| k * 10).sum::<i64>())
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_that_stop_arriving_reach_components_everywhere_after_the_idle_wait() {
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    // The default thresholds (64 MiB of memtables, 256 MiB of log) are far away: only the
+    // idle wait checkpoints these rows.
+    let (cluster, client) =
+        kv_cluster_with(root.path(), 3, &[("store.idle_checkpoint_ms", "1500")]).await;
+    client
+        .publish("kv", vec![kv_batch(0, 3000)], false)
+        .await
+        .unwrap();
+    let before: Vec<u64> = checkpoints_written(&cluster).await;
+    // Each primary flushes its rows to components and ships them; each cold standby swaps
+    // them in for the rows it logged. No node keeps them in its log.
+    for id in 1..=3 {
+        wait_until(
+            "the idle rows to reach components",
+            Duration::from_secs(30),
+            || async { (kv_rows_held(&cluster, id).await == (3000, 0)).then_some(()) },
+        )
+        .await;
+    }
+    let after = checkpoints_written(&cluster).await;
+    assert!(
+        before.iter().zip(&after).all(|(b, a)| a > b),
+        "every node checkpointed: {before:?} then {after:?}"
+    );
+    assert_eq!(
+        count_and_sum(&client).await,
+        (3000, (0..3000).map(|k| k * 10).sum::<i64>())
+    );
+}
+
+/// Each node's checkpoints written since it started.
+async fn checkpoints_written(cluster: &LocalCluster) -> Vec<u64> {
+    let mut written = Vec::new();
+    for id in 1..=3 {
+        let status = ClusterClient::new(cluster.addr(id)).status().await.unwrap();
+        written.push(status.checkpoints_written);
+    }
+    written
+}

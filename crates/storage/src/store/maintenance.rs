@@ -47,12 +47,69 @@ pub(super) struct Merged {
     longest: std::time::Duration,
 }
 
+/// How long the memtables have held the same bytes: rows that stopped arriving are
+/// flushed after [`StoreConfig::idle_checkpoint_ms`], rather than staying in memory (and
+/// in the log) until more rows cross a threshold, perhaps never. Scans read components
+/// faster than memtable rows, and a restart replays less.
+pub(super) struct IdleWatch {
+    memtable_bytes: usize,
+    since: std::time::Instant,
+    /// A checkpoint ran since the memtables last changed: what is left it could not flush,
+    /// and another would not either.
+    settled: bool,
+}
+
+impl IdleWatch {
+    pub(super) fn new() -> Self {
+        IdleWatch {
+            memtable_bytes: 0,
+            since: std::time::Instant::now(),
+            settled: true,
+        }
+    }
+
+    /// Notes the memtables' size now; true once they held these (non-zero) bytes,
+    /// unchanged and not yet checkpointed, for `idle`.
+    fn idle_for(&mut self, memtable_bytes: usize, idle: std::time::Duration) -> bool {
+        if memtable_bytes != self.memtable_bytes {
+            self.memtable_bytes = memtable_bytes;
+            self.since = std::time::Instant::now();
+            self.settled = false;
+        }
+        memtable_bytes > 0 && !self.settled && self.since.elapsed() >= idle
+    }
+
+    fn checkpointed(&mut self, memtable_bytes: usize) {
+        self.memtable_bytes = memtable_bytes;
+        self.since = std::time::Instant::now();
+        self.settled = true;
+    }
+}
+
 impl Store {
-    /// True once memory holds enough rows that a checkpoint should run.
+    /// True once memory holds enough rows that a checkpoint should run, or once rows have
+    /// waited in memory with no more arriving for `idle_checkpoint_ms`.
     pub fn wants_checkpoint(&self) -> bool {
-        let state = self.state();
-        state.memtable_bytes >= self.config.memtable_flush_bytes
-            || state.logged_bytes >= self.config.checkpoint_log_bytes
+        let memtable_bytes = {
+            let state = self.state();
+            if state.memtable_bytes >= self.config.memtable_flush_bytes
+                || state.logged_bytes >= self.config.checkpoint_log_bytes
+            {
+                return true;
+            }
+            state.memtable_bytes
+        };
+        self.config.idle_checkpoint_ms > 0
+            && self.idle_watch().idle_for(
+                memtable_bytes,
+                std::time::Duration::from_millis(self.config.idle_checkpoint_ms),
+            )
+    }
+
+    fn idle_watch(&self) -> std::sync::MutexGuard<'_, IdleWatch> {
+        self.idle
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Flushes memory to components, records manifests, drops log segments the checkpoint
@@ -67,6 +124,8 @@ impl Store {
         let flushed = self.flush_in_stages(LogAfterFlush::Truncate)?;
         let flushed_at = started.elapsed();
         let merged = self.merge_crowded_partitions()?;
+        let left = self.state().memtable_bytes;
+        self.idle_watch().checkpointed(left);
         tracing::info!(
             memtable_bytes,
             flush_s = flushed_at.as_secs_f64(),

@@ -71,6 +71,9 @@ pub struct StoreConfig {
     pub merge_threshold: usize,
     /// The largest publish accepted, in bytes of Arrow data.
     pub max_publish_bytes: usize,
+    /// A checkpoint also runs once rows have waited in memory this long with no more
+    /// arriving (0: never for that reason). Asked by a node's duty loop.
+    pub idle_checkpoint_ms: u64,
 }
 
 impl StoreConfig {
@@ -79,6 +82,7 @@ impl StoreConfig {
     pub const DEFAULT_BULK_PUBLISH_BYTES: usize = 8 << 20;
     pub const DEFAULT_MERGE_THRESHOLD: usize = 8;
     pub const DEFAULT_MAX_PUBLISH_BYTES: usize = 8 << 30;
+    pub const DEFAULT_IDLE_CHECKPOINT_MS: u64 = 10_000;
 }
 
 impl StoreConfig {
@@ -104,6 +108,9 @@ impl StoreConfig {
             max_publish_bytes: settings
                 .max_publish_bytes
                 .unwrap_or(default.max_publish_bytes),
+            idle_checkpoint_ms: settings
+                .idle_checkpoint_ms
+                .unwrap_or(default.idle_checkpoint_ms),
         }
     }
 }
@@ -117,6 +124,7 @@ impl Default for StoreConfig {
             bulk_publish_bytes: Self::DEFAULT_BULK_PUBLISH_BYTES,
             merge_threshold: Self::DEFAULT_MERGE_THRESHOLD,
             max_publish_bytes: Self::DEFAULT_MAX_PUBLISH_BYTES,
+            idle_checkpoint_ms: Self::DEFAULT_IDLE_CHECKPOINT_MS,
         }
     }
 }
@@ -688,6 +696,8 @@ pub struct Store {
     fragments: crate::archive::FragmentStore,
     /// Checkpoints written since the store opened (see [`Store::checkpoints_written`]).
     checkpoints_written: std::sync::atomic::AtomicU64,
+    /// For the idle checkpoint (see `maintenance.rs`).
+    idle: Mutex<maintenance::IdleWatch>,
     _lock: DirLock,
 }
 
@@ -759,6 +769,7 @@ impl Store {
             poisoned: Mutex::new(None),
             fragments: crate::archive::FragmentStore::open(&dir.join("fragments"))?,
             checkpoints_written: Default::default(),
+            idle: Mutex::new(maintenance::IdleWatch::new()),
             _lock: lock,
         };
         store.delete_unreferenced_component_files()?;
