@@ -90,26 +90,14 @@ impl Store {
     /// True once memory holds enough rows that a checkpoint should run, or once rows have
     /// waited in memory with no more arriving for `idle_checkpoint_ms`.
     pub fn wants_checkpoint(&self) -> bool {
-        let memtable_bytes = {
-            let state = self.state();
-            if state.memtable_bytes >= self.config.memtable_flush_bytes
-                || state.logged_bytes >= self.config.checkpoint_log_bytes
-            {
-                return true;
-            }
-            state.memtable_bytes
-        };
-        self.config.idle_checkpoint_ms > 0
-            && self.idle_watch().idle_for(
-                memtable_bytes,
-                std::time::Duration::from_millis(self.config.idle_checkpoint_ms),
-            )
-    }
-
-    fn idle_watch(&self) -> std::sync::MutexGuard<'_, IdleWatch> {
-        self.idle
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        let state = &mut *self.state();
+        state.memtable_bytes >= self.config.memtable_flush_bytes
+            || state.logged_bytes >= self.config.checkpoint_log_bytes
+            || (self.config.idle_checkpoint_ms > 0
+                && state.idle.idle_for(
+                    state.memtable_bytes,
+                    std::time::Duration::from_millis(self.config.idle_checkpoint_ms),
+                ))
     }
 
     /// Flushes memory to components, records manifests, drops log segments the checkpoint
@@ -124,8 +112,10 @@ impl Store {
         let flushed = self.flush_in_stages(LogAfterFlush::Truncate)?;
         let flushed_at = started.elapsed();
         let merged = self.merge_crowded_partitions()?;
-        let left = self.state().memtable_bytes;
-        self.idle_watch().checkpointed(left);
+        {
+            let state = &mut *self.state();
+            state.idle.checkpointed(state.memtable_bytes);
+        }
         tracing::info!(
             memtable_bytes,
             flush_s = flushed_at.as_secs_f64(),

@@ -468,6 +468,8 @@ struct State {
     /// prepare: a checkpoint set off in the middle of a large prepare would have to re-log
     /// the whole undecided epoch, and could not have its primaries cover it yet.
     logged_bytes: usize,
+    /// How long `memtable_bytes` has stayed as it is, for the idle checkpoint.
+    idle: maintenance::IdleWatch,
 }
 
 impl State {
@@ -696,8 +698,6 @@ pub struct Store {
     fragments: crate::archive::FragmentStore,
     /// Checkpoints written since the store opened (see [`Store::checkpoints_written`]).
     checkpoints_written: std::sync::atomic::AtomicU64,
-    /// For the idle checkpoint (see `maintenance.rs`).
-    idle: Mutex<maintenance::IdleWatch>,
     _lock: DirLock,
 }
 
@@ -769,7 +769,6 @@ impl Store {
             poisoned: Mutex::new(None),
             fragments: crate::archive::FragmentStore::open(&dir.join("fragments"))?,
             checkpoints_written: Default::default(),
-            idle: Mutex::new(maintenance::IdleWatch::new()),
             _lock: lock,
         };
         store.delete_unreferenced_component_files()?;

@@ -180,6 +180,7 @@ pub(super) fn replay(
         standby: BTreeSet::new(),
         standby_wanted: BTreeSet::new(),
         logged_bytes: 0,
+        idle: super::maintenance::IdleWatch::new(),
         history,
     };
     let mut report = RecoveryReport {
