@@ -1,6 +1,8 @@
 use super::*;
 use crate::versions::{stamp, tombstone_rows};
-use arrow::array::{BooleanArray, Float64Array, Int32Array, Int64Array, StringArray};
+use arrow::array::{
+    BooleanArray, Float64Array, Int32Array, Int64Array, StringArray, StringViewArray,
+};
 use arrow::datatypes::{DataType, Field, Schema};
 use std::sync::Arc;
 use tessera_common::RowOp;
@@ -439,6 +441,9 @@ fn digest_timing() {
         Field::new("qty", DataType::Float64, false),
         Field::new("price", DataType::Float64, false),
         Field::new("comment", DataType::Utf8, false),
+        // Short strings as views, as tpchgen, psql and Flight clients send them.
+        Field::new("flag", DataType::Utf8View, false),
+        Field::new("mode", DataType::Utf8View, false),
     ]);
     let def = TableDef::new("t", schema, vec!["k".into(), "line".into()], None).unwrap();
     let n = 1_000_000i64;
@@ -467,6 +472,12 @@ fn digest_timing() {
             )),
             Arc::new(StringArray::from_iter_values(
                 (0..n).map(|i| format!("a comment of some length, row {i}")),
+            )),
+            Arc::new(StringViewArray::from_iter_values(
+                (0..n).map(|i| ["A", "N", "R"][i as usize % 3]),
+            )),
+            Arc::new(StringViewArray::from_iter_values(
+                (0..n).map(|i| ["TRUCK", "MAIL", "REG AIR"][i as usize % 3]),
             )),
         ],
     )
