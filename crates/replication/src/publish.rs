@@ -227,7 +227,14 @@ pub async fn publish(
     let result = async {
         refuse_oversized(node, bytes as usize)?;
         let epoch = publish_committed(node, changes, publisher, read_at).await?;
+        let committed_at = started.elapsed();
         wait_visible(node, epoch).await?;
+        tracing::debug!(
+            %epoch,
+            committed_ms = committed_at.as_millis() as u64,
+            visible_ms = started.elapsed().as_millis() as u64,
+            "publish visible"
+        );
         Ok(epoch)
     }
     .await;
@@ -349,9 +356,14 @@ async fn publish_committed(
     // Routing is CPU work proportional to the rows; keep it off the threads that answer
     // heartbeats and Raft.
     let checked_reads = read_at.clone();
+    let routing = std::time::Instant::now();
     let routed = tokio::task::spawn_blocking(move || route(&state, changes, &checked_reads))
         .await
         .map_err(ReplicationError::task("routing the rows"))??;
+    tracing::debug!(
+        routed_ms = routing.elapsed().as_millis() as u64,
+        "routed the publish's rows"
+    );
     let routed = Arc::new(routed);
     // Waiting here, before an epoch is taken, spares the cluster an epoch allocated only to
     // be aborted when a touched partition lacks copies (a replica catching up). If the
