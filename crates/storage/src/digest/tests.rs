@@ -284,9 +284,7 @@ fn a_repeated_key_is_ordered_by_the_whole_row() {
 /// types (hashed as their row encoding).
 #[test]
 fn every_column_type_digests_alike_however_the_rows_are_batched() {
-    use arrow::array::{
-        BinaryArray, FixedSizeBinaryArray, LargeStringArray, ListArray, StringViewArray,
-    };
+    use arrow::array::{BinaryArray, FixedSizeBinaryArray, LargeStringArray, ListArray};
     use arrow::datatypes::Int32Type;
     let schema = Schema::new(vec![
         Field::new("id", DataType::Int64, false),
