@@ -16,8 +16,8 @@ use arrow::datatypes::DataType;
 use arrow::error::ArrowError;
 use std::sync::Arc;
 
-/// Arrow Flight's default message size (arrow-flight's `FlightDataEncoderBuilder`), the
-/// size [`coalesce`] joins pieces up to.
+/// Arrow Flight's default message size (arrow-flight's `FlightDataEncoderBuilder`), about
+/// the size a publish's rows are gathered into per partition (`tessera_storage::routing`).
 pub const FLIGHT_MESSAGE_BYTES: usize = 2 << 20;
 
 /// Copies the values of every view column of `batch` into buffers of their own (holding
@@ -80,39 +80,6 @@ fn for_the_wire_within(batch: RecordBatch, most: usize) -> Result<Vec<RecordBatc
 /// The message size a Flight encoder fed by [`for_the_wire`] is given: none of its batches
 /// is split again.
 pub const WIRE_ENCODER_MESSAGE_BYTES: usize = usize::MAX;
-
-/// Joins consecutive small batches of one schema (the pieces of a split) into batches of
-/// about [`FLIGHT_MESSAGE_BYTES`], their view columns compacted: whoever handles them next
-/// (an encoder, a log, a memtable) pays its per-batch costs a few times rather than once
-/// a piece. A batch that is large already is kept as it is.
-pub fn coalesce(batches: Vec<RecordBatch>) -> Result<Vec<RecordBatch>, ArrowError> {
-    let mut out = Vec::new();
-    let mut group: Vec<RecordBatch> = Vec::new();
-    let mut group_bytes = 0;
-    let flush = |group: &mut Vec<RecordBatch>, out: &mut Vec<RecordBatch>| {
-        match group.len() {
-            0 => {}
-            1 => out.extend(group.pop()),
-            _ => {
-                let joined = arrow::compute::concat_batches(&group[0].schema(), group.iter())?;
-                group.clear();
-                out.push(compact_views(joined)?);
-            }
-        }
-        Ok::<_, ArrowError>(())
-    };
-    for batch in batches {
-        let size = rows_bytes(&batch);
-        if group_bytes + size > FLIGHT_MESSAGE_BYTES {
-            flush(&mut group, &mut out)?;
-            group_bytes = 0;
-        }
-        group_bytes += size;
-        group.push(batch);
-    }
-    flush(&mut group, &mut out)?;
-    Ok(out)
-}
 
 /// The bytes the view columns' data buffers hold, and the bytes their views reference
 /// outside the views themselves (values longer than 12 bytes).
@@ -210,32 +177,6 @@ mod tests {
             slice.column(1).as_string_view().value(0),
             format!("{:040}", 100)
         );
-    }
-
-    #[test]
-    fn small_pieces_are_joined_into_batches_of_about_a_message() {
-        let whole = batch(100_000); // 6.4 MB
-        let pieces: Vec<RecordBatch> = (0..1000)
-            .map(|i| compact_views(whole.slice(i * 100, 100)).unwrap())
-            .collect();
-        let joined = coalesce(pieces).unwrap();
-        assert_eq!(joined.len(), 4, "6.4 MB as batches of at most 2 MiB");
-        assert_eq!(joined.iter().map(|b| b.num_rows()).sum::<usize>(), 100_000);
-        let keys: Vec<i64> = joined
-            .iter()
-            .flat_map(|b| {
-                b.column(0)
-                    .as_primitive::<arrow::datatypes::Int64Type>()
-                    .values()
-                    .to_vec()
-            })
-            .collect();
-        assert_eq!(keys, (0..100_000).collect::<Vec<i64>>(), "in order");
-        for batch in &joined {
-            assert_eq!(batch.column(1).as_string_view().data_buffers().len(), 1);
-        }
-        let large = coalesce(vec![whole.clone(), whole.slice(0, 10)]).unwrap();
-        assert_eq!(large.len(), 2, "a large batch stays as it is");
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub mod failover;
 pub mod log_shipping;
 pub mod publish;
 pub mod rebalance;
+mod route;
 pub mod seal;
 pub mod shipping;
 pub mod stall;

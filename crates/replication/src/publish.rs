@@ -5,6 +5,7 @@
 //! its prepared rows are discarded everywhere.
 
 use crate::error::{PrepareFailed, ReplicationError, Result};
+use crate::route::{change_counts, route, Routed};
 use crate::wire::{Forward, PrepareRequest, PrepareRows, PreparedRows, PARTITION_COLUMN};
 use crate::NodeId;
 use crate::{Replication, WorkingOn};
@@ -13,137 +14,10 @@ use arrow::datatypes::{DataType, Field, Schema};
 use futures::StreamExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use tessera_common::{Epoch, PartitionId, PartitionRing, ReadEpochs};
+use tessera_common::{Epoch, PartitionId, ReadEpochs};
+use tessera_meta::MetaError;
 use tessera_meta::{MetaCommand, MetaResponse, MetaState, LINEARIZABLE_READ_PATIENCE};
-use tessera_meta::{MetaError, TableChangeCount};
-use tessera_storage::{versions, StorageError, TableChanges, TableDef};
-
-/// One table's rows routed to partitions: upserts (table columns), deletes (key columns)
-/// and before images (table columns).
-#[derive(Default)]
-pub(crate) struct Routed {
-    pub(crate) upserts: BTreeMap<PartitionId, Vec<RecordBatch>>,
-    pub(crate) deletes: BTreeMap<PartitionId, Vec<RecordBatch>>,
-    pub(crate) before_images: BTreeMap<PartitionId, Vec<RecordBatch>>,
-}
-
-impl Routed {
-    /// Joins each partition's pieces (one per batch the client sent: small when its
-    /// batches were, 16 rows of a 1024-row batch over 64 partitions) into batches of about
-    /// a Flight message, so the prepare streams, the replicas' logs and their memtables
-    /// handle a few large batches rather than thousands of small ones.
-    fn coalesce(&mut self) -> Result<()> {
-        for by_partition in [
-            &mut self.upserts,
-            &mut self.deletes,
-            &mut self.before_images,
-        ] {
-            for pieces in by_partition.values_mut() {
-                *pieces = tessera_common::views::coalesce(std::mem::take(pieces))?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Each kind of rows, with its rows per partition.
-    fn by_kind(&self) -> [(PreparedRows, &BTreeMap<PartitionId, Vec<RecordBatch>>); 3] {
-        [
-            (PreparedRows::Upserts, &self.upserts),
-            (PreparedRows::Deletes, &self.deletes),
-            (PreparedRows::BeforeImages, &self.before_images),
-        ]
-    }
-}
-
-/// Rows written per table, for the epoch log.
-fn change_counts(routed: &BTreeMap<String, Routed>) -> Vec<TableChangeCount> {
-    let rows = |by_partition: &BTreeMap<PartitionId, Vec<RecordBatch>>| {
-        by_partition
-            .values()
-            .flatten()
-            .map(|b| b.num_rows() as u64)
-            .sum()
-    };
-    routed
-        .iter()
-        .map(|(table, routed)| TableChangeCount {
-            table: table.clone(),
-            upserts: rows(&routed.upserts),
-            deletes: rows(&routed.deletes),
-        })
-        .collect()
-}
-
-/// Checks a publish the way a single store would (schema, keys, duplicates, append-only,
-/// before images only with a read epoch) and routes each row to its partition.
-fn route(
-    state: &MetaState,
-    changes: Vec<TableChanges>,
-    read_at: &ReadEpochs,
-) -> Result<BTreeMap<String, Routed>> {
-    if !state.is_bootstrapped() {
-        // A node that just started and has not yet caught up with the metadata group.
-        return Err(ReplicationError::Meta(MetaError::NoLeader));
-    }
-    let ring = PartitionRing::new(state.partition_count);
-    let mut routed: BTreeMap<String, Routed> = BTreeMap::new();
-    // Each table's key columns, to refuse a key given twice once every row is routed. Only
-    // the keys are kept, and each batch given is let go once split: a publish's rows are
-    // held routed, not two or three times over, at the coordinator's peak of memory.
-    let mut checked: BTreeMap<String, (TableDef, Vec<RecordBatch>)> = BTreeMap::new();
-    for mut change in changes {
-        let def = state
-            .tables
-            .get(&change.table)
-            .ok_or_else(|| StorageError::UnknownTable(change.table.clone()))?;
-        if def.append_only && change.deletes.iter().any(|b| b.num_rows() > 0) {
-            return Err(StorageError::delete_from_append_only(&def.name).into());
-        }
-        change.refuse_unchecked_before_images(read_at)?;
-        let entry = routed.entry(def.name.clone()).or_default();
-        let key = def.primary_key_indices();
-        let all_keys = &mut checked
-            .entry(def.name.clone())
-            .or_insert_with(|| (def.clone(), Vec::new()))
-            .1;
-        let upserts = std::mem::take(&mut change.upserts);
-        for batch in upserts.into_iter().filter(|b| b.num_rows() > 0) {
-            let rows = versions::conform_to_schema(def, &batch)?;
-            drop(batch);
-            all_keys.push(rows.project(&key)?);
-            for (partition, part) in versions::split_by_partition(def, &ring, &rows)? {
-                entry.upserts.entry(partition).or_default().push(part);
-            }
-        }
-        for batch in change.deletes.iter().filter(|b| b.num_rows() > 0) {
-            let rows = versions::tombstone_rows(def, batch)?;
-            all_keys.push(rows.project(&key)?);
-            for (partition, part) in versions::split_by_partition(def, &ring, &rows)? {
-                entry
-                    .deletes
-                    .entry(partition)
-                    .or_default()
-                    .push(part.project(&key)?);
-            }
-        }
-        if !def.append_only {
-            // An append-only table's rows are all inserts: a diff needs no image.
-            for batch in change.before_images.iter().filter(|b| b.num_rows() > 0) {
-                let rows = versions::conform_to_schema(def, batch)?;
-                for (partition, part) in versions::split_by_partition(def, &ring, &rows)? {
-                    entry.before_images.entry(partition).or_default().push(part);
-                }
-            }
-        }
-    }
-    for (def, keys) in checked.values() {
-        versions::reject_duplicate_key_columns(def, keys)?;
-    }
-    for routed in routed.values_mut() {
-        routed.coalesce()?;
-    }
-    Ok(routed)
-}
+use tessera_storage::{versions, StorageError, TableChanges};
 
 /// Prepends the partition column to one partition's rows.
 fn with_partition_column(partition: PartitionId, batch: &RecordBatch) -> Result<RecordBatch> {
@@ -877,90 +751,4 @@ async fn prepare_everywhere(
         }
     }
     Ok(missed.into_iter().collect())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::rebalance::tests::three_nodes_one_table;
-    use arrow::array::Int64Array;
-
-    /// Rows of table `t` (one BIGINT key column `k`).
-    fn keys(values: &[i64]) -> RecordBatch {
-        let schema = Schema::new(vec![Field::new("k", DataType::Int64, false)]);
-        RecordBatch::try_new(
-            Arc::new(schema),
-            vec![Arc::new(Int64Array::from(values.to_vec()))],
-        )
-        .unwrap()
-    }
-
-    fn duplicate_key_of(result: Result<BTreeMap<String, Routed>>) -> String {
-        match result {
-            Err(ReplicationError::Storage(StorageError::DuplicateKey { table, key })) => {
-                assert_eq!(table, "t");
-                key
-            }
-            Err(other) => panic!("expected a duplicate key, got {other}"),
-            Ok(_) => panic!("expected a duplicate key, the publish was routed"),
-        }
-    }
-
-    #[test]
-    fn a_key_given_twice_in_one_publish_is_refused_whichever_batches_hold_it() {
-        let state = three_nodes_one_table(8);
-        let read = ReadEpochs::new();
-        let across_batches = TableChanges::upserts("t", vec![keys(&[1, 2, 3]), keys(&[4, 2])]);
-        assert_eq!(
-            duplicate_key_of(route(&state, vec![across_batches], &read)),
-            "(2)"
-        );
-        let upserted_and_deleted = TableChanges {
-            deletes: vec![keys(&[9])],
-            ..TableChanges::upserts("t", vec![keys(&[8, 9])])
-        };
-        assert_eq!(
-            duplicate_key_of(route(&state, vec![upserted_and_deleted], &read)),
-            "(9)"
-        );
-        let in_two_changes = vec![
-            TableChanges::upserts("t", vec![keys(&[5])]),
-            TableChanges::deletes("t", vec![keys(&[5])]),
-        ];
-        assert_eq!(
-            duplicate_key_of(route(&state, in_two_changes, &read)),
-            "(5)"
-        );
-    }
-
-    #[test]
-    fn every_row_is_routed_once_to_its_partition() {
-        let state = three_nodes_one_table(8);
-        let ring = PartitionRing::new(8);
-        let def = state.tables.get("t").unwrap().clone();
-        let changes = TableChanges {
-            deletes: vec![keys(&[100, 101])],
-            ..TableChanges::upserts("t", vec![keys(&[1, 2, 3, 4]), keys(&[5, 6, 7])])
-        };
-        let routed = route(&state, vec![changes], &ReadEpochs::new()).unwrap();
-        let routed = &routed["t"];
-        let mut seen = Vec::new();
-        for by_partition in [&routed.upserts, &routed.deletes] {
-            for (&partition, batches) in by_partition {
-                for batch in batches {
-                    for (p, rows) in versions::split_by_partition(&def, &ring, batch).unwrap() {
-                        assert_eq!(p, partition, "rows routed to another partition");
-                        let k = rows
-                            .column(0)
-                            .as_any()
-                            .downcast_ref::<Int64Array>()
-                            .unwrap();
-                        seen.extend(k.values().iter().copied());
-                    }
-                }
-            }
-        }
-        seen.sort();
-        assert_eq!(seen, vec![1, 2, 3, 4, 5, 6, 7, 100, 101]);
-    }
 }

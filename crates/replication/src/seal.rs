@@ -7,7 +7,7 @@
 //! publish to a table whose owner signs must be coordinated by one of them.
 
 use crate::error::{ReplicationError, Result};
-use crate::publish::Routed;
+use crate::route::Routed;
 use crate::Replication;
 use std::collections::BTreeMap;
 use tessera_common::signing::{key_path, SigningKey};

@@ -18,6 +18,7 @@ mod fsio;
 pub mod history;
 pub mod manifest;
 pub mod prepared;
+pub mod routing;
 pub mod store;
 pub mod versions;
 pub mod wal;

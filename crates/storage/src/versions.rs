@@ -9,9 +9,7 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef, UInt64Type, UInt8Type
 use arrow::row::{RowConverter, SortField};
 use std::collections::HashMap;
 use std::sync::Arc;
-use tessera_common::{
-    partition_key_hashes, Epoch, PartitionId, PartitionRing, RowOp, EPOCH_COLUMN, OP_COLUMN,
-};
+use tessera_common::{Epoch, RowOp, EPOCH_COLUMN, OP_COLUMN};
 
 /// The table's columns as stored: non-key columns are nullable, because a delete tombstone
 /// carries only its key.
@@ -107,54 +105,6 @@ pub fn stamp(def: &TableDef, batch: &RecordBatch, epoch: Epoch, op: RowOp) -> Re
     columns.push(Arc::new(UInt64Array::from(vec![epoch.0; rows])));
     columns.push(Arc::new(UInt8Array::from(vec![op as u8; rows])));
     Ok(RecordBatch::try_new(stored_schema(def), columns)?)
-}
-
-/// Splits a stamped batch into one batch per partition it touches, in partition order.
-pub fn split_by_partition(
-    def: &TableDef,
-    ring: &PartitionRing,
-    batch: &RecordBatch,
-) -> Result<Vec<(PartitionId, RecordBatch)>> {
-    let key_columns: Vec<(&str, &ArrayRef)> = def
-        .partition_key
-        .iter()
-        .map(|name| (name.as_str(), batch.column(def.column_index(name))))
-        .collect();
-    let hashes = partition_key_hashes(&key_columns)?;
-    // Rows that arrive already split (a replica's prepare stream, one partition per
-    // batch) are checked and kept as they are, not copied.
-    if let Some(&first) = hashes.first() {
-        let partition = ring.partition_of(first);
-        if hashes
-            .iter()
-            .all(|&hash| ring.partition_of(hash) == partition)
-        {
-            return Ok(vec![(partition, batch.clone())]);
-        }
-    }
-    let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); ring.partition_count() as usize];
-    for (row, hash) in hashes.into_iter().enumerate() {
-        rows_of[ring.partition_of(hash).0 as usize].push(row as u32);
-    }
-    let mut out = Vec::new();
-    for (partition, rows) in rows_of.into_iter().enumerate() {
-        if rows.is_empty() {
-            continue;
-        }
-        let indices = UInt32Array::from(rows);
-        out.push((
-            PartitionId(partition as u32),
-            compact_views(take_record_batch(batch, &indices)?)?,
-        ));
-    }
-    Ok(out)
-}
-
-/// Copies the string and binary views of `batch` into buffers of their own. `take` keeps a
-/// view array's data buffers whole, so every piece of a split batch would otherwise carry
-/// (and the log, the network and IPC would otherwise copy) all of the original's bytes.
-pub fn compact_views(batch: RecordBatch) -> Result<RecordBatch> {
-    Ok(tessera_common::views::compact_views(batch)?)
 }
 
 pub(crate) fn key_converter(schema: &Schema, key: &[usize]) -> Result<RowConverter> {
@@ -699,8 +649,10 @@ pub fn conform_to_schema(def: &TableDef, batch: &RecordBatch) -> Result<RecordBa
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::routing::split_by_partition;
     use arrow::array::Int64Array;
     use proptest::prelude::*;
+    use tessera_common::PartitionRing;
 
     fn def() -> TableDef {
         let schema = Schema::new(vec![

@@ -5,7 +5,7 @@
 use arrow::array::{Array, Int64Array, RecordBatch};
 use std::sync::Arc;
 use tessera_common::{ComponentHash, Epoch, PartitionId, PartitionRing};
-use tessera_storage::versions::split_by_partition;
+use tessera_storage::routing::split_by_partition;
 use tessera_storage::{PartitionChanges, Store, StoreConfig};
 
 mod common;

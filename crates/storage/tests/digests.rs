@@ -11,7 +11,8 @@ use std::collections::BTreeMap;
 use tessera_common::{ComponentHash, Epoch, PartitionId, RowOp};
 use tessera_storage::digest::{change_digest, DigestFormat};
 use tessera_storage::evolution::AlterColumn;
-use tessera_storage::versions::{conform_to_schema, split_by_partition, stamp, tombstone_rows};
+use tessera_storage::routing::split_by_partition;
+use tessera_storage::versions::{conform_to_schema, stamp, tombstone_rows};
 use tessera_storage::{Store, StoreConfig, TableChanges};
 
 mod common;

@@ -9,7 +9,7 @@ use arrow::datatypes::{DataType, Field, Schema};
 use std::sync::Arc;
 use tessera_common::{Epoch, PartitionId, PartitionRing};
 use tessera_storage::prepared::EncodedRows;
-use tessera_storage::versions::split_by_partition;
+use tessera_storage::routing::split_by_partition;
 use tessera_storage::{PartitionChanges, StorageError, Store, StoreConfig, TableDef};
 
 mod common;

@@ -11,7 +11,8 @@ use arrow::row::{RowConverter, SortField};
 use datafusion::logical_expr::{DmlStatement, LogicalPlan, WriteOp};
 use std::collections::HashSet;
 use tessera_common::{Epoch, PartitionId, ReadEpochs};
-use tessera_storage::versions::{split_by_partition, stored_user_schema};
+use tessera_storage::routing::split_by_partition;
+use tessera_storage::versions::stored_user_schema;
 use tessera_storage::{TableChanges, TableDef};
 
 impl Engine {

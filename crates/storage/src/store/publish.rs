@@ -3,6 +3,7 @@
 //! touched partition, committed by the checkpoint file).
 
 use super::*;
+use crate::routing::{self, RowsOf};
 
 impl Store {
     /// Publishes a batch of changes as one new epoch, visible atomically once this returns.
@@ -347,17 +348,16 @@ impl PreparedChanges {
         for batch in &self.before_images {
             stamped.push(versions::stamp(&self.def, batch, epoch, RowOp::Before)?);
         }
-        let mut by_partition: BTreeMap<PartitionId, Vec<RecordBatch>> = BTreeMap::new();
-        for batch in &stamped {
-            for (partition, rows) in versions::split_by_partition(&self.def, ring, batch)? {
-                by_partition.entry(partition).or_default().push(rows);
-            }
-        }
-        by_partition
+        routing::gather_by_partition(&self.def, ring, stamped, RowsOf::TableColumns)?
             .into_iter()
-            .map(|(partition, batches)| {
-                Ok((partition, concat_batches(&batches[0].schema(), &batches)?))
-            })
+            .map(
+                |(partition, batches)| match <[RecordBatch; 1]>::try_from(batches) {
+                    Ok([batch]) => Ok((partition, batch)),
+                    Err(batches) => {
+                        Ok((partition, concat_batches(&batches[0].schema(), &batches)?))
+                    }
+                },
+            )
             .collect()
     }
 }

@@ -6,7 +6,7 @@ use arrow::array::{Int64Array, RecordBatch};
 use arrow::datatypes::{DataType, Field, Schema};
 use std::sync::Arc;
 use tessera_common::{Epoch, PartitionRing};
-use tessera_storage::versions::split_by_partition;
+use tessera_storage::routing::split_by_partition;
 use tessera_storage::{PartitionChanges, Store, StoreConfig, TableDef};
 
 /// A batch of BIGINT columns named `names`, NOT NULL.
