@@ -14,6 +14,7 @@ pub mod hex;
 pub mod ids;
 pub mod memory;
 pub mod metrics;
+pub mod parallel;
 pub mod partitioning;
 pub mod short_hash;
 pub mod signing;
