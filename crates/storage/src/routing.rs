@@ -156,7 +156,8 @@ fn gather_window(
     // window's columns at random: at a window of 120 MB, slower than splitting batch by
     // batch.
     let sort = |batch: RecordBatch| in_partition_order(def, ring, &batch, rows_of);
-    let sorted: Vec<(RecordBatch, Vec<usize>)> = map_in_parallel(window, threads(partitions), sort)
+    let batches = window.len();
+    let sorted: Vec<(RecordBatch, Vec<usize>)> = map_in_parallel(window, threads(batches), sort)
         .into_iter()
         .collect::<Result<_>>()?;
     // One batch, all of one partition (a replica's prepare stream, or a publish of one
