@@ -183,6 +183,47 @@ async fn a_node_killed_as_its_channels_end_is_taken_as_the_cause() {
     println!("late kills: {rounds} rounds of Q{q} ({no_failure:?} without failure), every answer exact, {recovered} restarted");
 }
 
+/// Runs TPC-H query `q` under lineage recovery and kills a peer of its initiator at
+/// `fraction` of its no-failure time, earlier each try, until a rebuild splits at least
+/// `splits` of the dead node's channels over several streams; every answer must be exact.
+/// Returns where the rebuild placed the channels.
+async fn kill_until_split(
+    cluster: &mut LocalCluster,
+    q: usize,
+    fraction: f64,
+    splits: usize,
+    expected: &[arrow::array::RecordBatch],
+    no_failure: &BTreeMap<usize, Duration>,
+) -> Vec<String> {
+    for attempt in 0..6u64 {
+        let (initiator, victim) = (1, 2 + attempt % 3);
+        let sql = format!(
+            "/*+ SET tessera.recovery = lineage */ {}",
+            tessera_tpch::query(q)
+        );
+        let client = ClusterClient::new(cluster.addr(initiator));
+        let query = tokio::spawn(async move { client.query_with_notices(&sql).await });
+        let at = fraction * 0.8f64.powi(attempt as i32);
+        tokio::time::sleep(no_failure[&q].mul_f64(at)).await;
+        cluster.kill9(victim);
+        let (actual, notices) = query.await.unwrap().unwrap_or_else(|e| {
+            panic!("split attempt {attempt}: Q{q}, node {victim} killed at {at:.2}: {e}")
+        });
+        rejoin(cluster, victim).await;
+        if let Err(diff) = tessera_tpch::compare::same_answer(expected, &actual, 1e-9) {
+            panic!("split attempt {attempt}: Q{q}, node {victim} killed: wrong answer: {diff}");
+        }
+        let recovery = notices.iter().find_map(|n| n.recovery.as_ref());
+        println!("split attempt {attempt}: Q{q}, node {victim} killed at {at:.2}: {recovery:?}");
+        if let Some(RecoveryOutcome::Rebuilt { placed, .. }) = recovery {
+            if placed.iter().filter(|p| p.contains("split")).count() >= splits {
+                return placed.clone();
+            }
+        }
+    }
+    panic!("no kill in Q{q} had {splits} of the dead node's channels split over several streams")
+}
+
 fn late_kill_rounds() -> usize {
     std::env::var("TESSERA_QUERY_CHAOS_LATE_ROUNDS")
         .ok()
@@ -297,6 +338,17 @@ async fn queries_answer_exactly_when_a_peer_is_killed_at_random() {
     );
     assert!(line.contains("rebuilt on the surviving nodes"), "{line}");
     println!("EXPLAIN ANALYZE under the default recovery: {line}");
+
+    // A dead node's channel that had given nobody anything is redone split over several
+    // streams: Q1's scan channels send only their partial aggregates, at their end, so a
+    // kill early in Q1 finds the dead node's scan channel silent. So is one whose
+    // surviving consumers had all its output: Q3's customer scan channels broadcast their
+    // rows and end within its first tenth, so a kill at half of Q3 finds the dead node's
+    // done, and its join channel silent; both are split.
+    let placed = kill_until_split(&mut cluster, 1, 0.4, 1, &expected[&1], &no_failure).await;
+    println!("a silent channel rebuilt split: {placed:?}");
+    let placed = kill_until_split(&mut cluster, 3, 0.5, 2, &expected[&3], &no_failure).await;
+    println!("a delivered channel and a silent one rebuilt split: {placed:?}");
 
     let modes = modes();
     let mut recovered = BTreeMap::<(&str, &str, &str), usize>::new();

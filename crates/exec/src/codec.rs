@@ -4,6 +4,7 @@
 
 use crate::exchange::{ExchangeReadExec, ExchangeWriteExec, ReadSpec, WriteSpec};
 use crate::scan::{DistributedScanExec, ScanSpec};
+use crate::split::SplitChannelExec;
 use crate::Exec;
 use datafusion::common::{DataFusionError, Result as DfResult};
 use datafusion::execution::TaskContext;
@@ -31,6 +32,8 @@ enum Encoded {
         spec: WriteSpec,
         hash_exprs: Vec<Vec<u8>>,
     },
+    /// A rebuilt channel split over several streams (its ordering follows from its input).
+    Split { channel: usize, channels: usize },
 }
 
 /// Encodes and decodes Tessera's operators; decoding binds them to `node`.
@@ -104,6 +107,12 @@ impl PhysicalExtensionCodec for TesseraCodec {
                     Some(self.node.clone()),
                 ))
             }
+            Encoded::Split { channel, channels } => {
+                let input = inputs.first().cloned().ok_or_else(|| {
+                    DataFusionError::Internal("a split channel arrived without its input".into())
+                })?;
+                Arc::new(SplitChannelExec::new(channel, channels, input))
+            }
         })
     }
 
@@ -136,6 +145,11 @@ impl PhysicalExtensionCodec for TesseraCodec {
                     .iter()
                     .map(|e| self.encode_expr(e, proto_converter))
                     .collect::<DfResult<_>>()?,
+            }
+        } else if let Some(split) = any.downcast_ref::<SplitChannelExec>() {
+            Encoded::Split {
+                channel: split.channel(),
+                channels: split.properties().output_partitioning().partition_count(),
             }
         } else {
             return Err(DataFusionError::NotImplemented(format!(

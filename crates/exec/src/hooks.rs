@@ -11,7 +11,7 @@ use crate::{ChannelId, Exec, NodeId, QueryId, RecoveryOutcome, StageId};
 use arrow::datatypes::SchemaRef;
 use arrow_flight::FlightData;
 use datafusion::execution::SendableRecordBatchStream;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 /// Why lineage could not log, back up or rebuild what a query needed.
@@ -51,6 +51,13 @@ pub enum LineageError {
     /// A rebuilt stage's plan could not be made or encoded.
     #[error("rebuilding stage {stage}: {reason}")]
     Plan { stage: StageId, reason: String },
+    /// The initiator did not record that a channel's output starts: none of it leaves.
+    #[error("recording that channel {channel} of exchange {exchange} sends output: {reason}")]
+    OutputNotRecorded {
+        exchange: StageId,
+        channel: ChannelId,
+        reason: String,
+    },
 }
 
 /// Names one producer channel's upstream backup: (query, exchange, channel).
@@ -71,6 +78,17 @@ pub trait Lineage: Send + Sync + 'static {
     /// from those batches may then leave the node (write-ahead lineage). An error if
     /// logging it failed. Returns at once for a bucket whose order is not logged.
     async fn wait_logged(&self, key: InboxKey, position: usize) -> Result<(), LineageError>;
+
+    /// Records with the query's initiator, before anything of producer channel `key`
+    /// leaves it (a batch or an end of stream, to any node, this one included), that its
+    /// output starts. A channel the initiator holds no such record for when its node dies
+    /// has given nobody anything: its rebuild may compute the same rows in another order
+    /// and grouping, split over several streams (`rebuild.rs`).
+    async fn log_output_starts(
+        &self,
+        key: BackupKey,
+        initiator: NodeId,
+    ) -> Result<(), LineageError>;
 
     /// Starts the upstream backup of producer channel `key`, whose batches follow the
     /// schema message `schema`.
@@ -115,12 +133,15 @@ pub trait QueryRecovery: Send {
     fn can_recover(&self, node: NodeId) -> bool;
 
     /// Rebuilds the channels of `dead` once the metadata leader confirms it dead: the
-    /// requests that start them on the survivors.
+    /// requests that start them on the survivors. `finished` are the channels that
+    /// reported their end before it died: every consumer elsewhere acknowledged all their
+    /// output.
     async fn rebuild(
         &mut self,
         exec: &Arc<Exec>,
         plan: &DistributedPlan,
         dead: NodeId,
+        finished: &BTreeSet<(StageId, ChannelId)>,
     ) -> Result<BTreeMap<NodeId, RunRequest>, LineageError>;
 
     /// The node whose channels were rebuilt, if any.

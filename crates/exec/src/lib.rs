@@ -46,6 +46,7 @@ pub mod remote_snapshot;
 pub mod run;
 pub mod scan;
 pub mod session;
+pub mod split;
 pub mod subquery;
 pub mod wire;
 

@@ -114,7 +114,10 @@ pub fn leaves_of(plan: &Arc<dyn ExecutionPlan>, partition: usize, out: &mut Vec<
         }
     };
     let children = plan.children();
-    if any.is::<CoalescePartitionsExec>() || any.is::<SortPreservingMergeExec>() {
+    if any.is::<CoalescePartitionsExec>()
+        || any.is::<SortPreservingMergeExec>()
+        || any.is::<crate::split::SplitChannelExec>()
+    {
         all(children[0], out);
     } else if let Some(join) = any.downcast_ref::<HashJoinExec>() {
         if join.mode == PartitionMode::CollectLeft {
@@ -669,6 +672,7 @@ pub fn distribute(
                 started_at_us,
                 lineage,
                 rebuilt: false,
+                initiator: Some(initiator),
             };
             let root = ExchangeWriteExec::new(spec, cut.hash_exprs, cut.root, Some(node.clone()));
             Stage {

@@ -21,7 +21,7 @@ use datafusion_proto::bytes::{
 };
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 use tessera_common::hex::{from_hex, to_hex};
@@ -649,7 +649,12 @@ async fn execute_here(
                     let Some(events) = events.as_ref().filter(|_| recovery.can_recover(at)) else {
                         break Some(Failure::Node(at, error));
                     };
-                    match recovery.rebuild(node, plan, at).await {
+                    let finished: BTreeSet<(StageId, ChannelId)> = reports
+                        .iter()
+                        .filter(|report| report.node == at)
+                        .map(|report| (report.stage, report.channel))
+                        .collect();
+                    match recovery.rebuild(node, plan, at, &finished).await {
                         Ok(requests) => {
                             let requests: Vec<_> = requests.into_iter().collect();
                             watch.rebuilt(&requests);

@@ -175,6 +175,21 @@ impl DistributedScanExec {
         }
     }
 
+    /// The same scan over `groups` of storage partitions, one output partition each, all
+    /// held by `replicas` (a rebuilt channel split over several streams, `split.rs`). It
+    /// declares no storage partitioning: its groups do not cover the ring.
+    pub fn regrouped(
+        &self,
+        groups: Vec<Vec<PartitionId>>,
+        replicas: Vec<NodeId>,
+    ) -> DfResult<DistributedScanExec> {
+        let mut spec = self.spec.clone();
+        spec.replicas = vec![replicas; groups.len()];
+        spec.partitions = groups;
+        spec.key_partitioned = None;
+        DistributedScanExec::try_new(spec, self.predicate.clone(), self.node.clone())
+    }
+
     /// Gives the optimizer the table's statistics (on the planning node).
     pub fn with_statistics(mut self, statistics: Option<TableStatistics>) -> Self {
         self.statistics = statistics;

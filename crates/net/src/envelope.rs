@@ -17,7 +17,10 @@ use tessera_common::tls::CertIdentity;
 /// 4: a client's SQL streams its answers back as a `do_get` reply (`SqlRequest`) in place
 /// of the `sql` action, whose one JSON reply held the whole answer (and failed beyond the
 /// 256 MiB message limit).
-pub const PROTOCOL_VERSION: u32 = 4;
+/// 5: a producer channel records with its query's initiator that its output starts
+/// (`log-output`) before any of it leaves; an initiator of version 5 splits the rebuild
+/// of a channel it holds no such record for, which a node of version 4 never sends.
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// The cluster id a client may send when it does not know it (SQL, publish, status).
 pub const ANY_CLUSTER: &str = "*";

@@ -15,7 +15,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
-use tessera_common::NodeId;
+use tessera_common::{ChannelId, NodeId, StageId};
 use tessera_exec::QueryId;
 use tessera_meta::{InboxLineage, LineageEntry, QueryLineage};
 
@@ -23,11 +23,27 @@ use tessera_meta::{InboxLineage, LineageEntry, QueryLineage};
 /// reading order its inboxes read since its last round.
 pub const ACTION_LOG_LINEAGE: &str = "log-lineage";
 
+/// Flight action a node sends its query's initiator: `(node, (query, exchange, channel))`,
+/// before anything of that producer channel leaves the node.
+pub const ACTION_LOG_OUTPUT: &str = "log-output";
+
 /// One running query's lineage, as its initiator holds it.
 struct HeldQuery {
     lineage: QueryLineage,
     /// Nodes whose channels were rebuilt: nothing more from them is taken.
     fenced: BTreeSet<NodeId>,
+    /// Producer channels whose output may have left their node, by the node running them.
+    sending: BTreeSet<(NodeId, StageId, ChannelId)>,
+}
+
+/// What a dead node had logged when it was fenced out of a query.
+#[derive(Debug, Default)]
+pub struct Fenced {
+    /// The reading orders of its inboxes.
+    pub inboxes: Vec<InboxLineage>,
+    /// Its producer channels whose output may have reached someone; the others gave
+    /// nobody anything.
+    pub sending: BTreeSet<(StageId, ChannelId)>,
 }
 
 /// The lineage of the queries this node initiates, while they run.
@@ -50,6 +66,7 @@ impl HeldLineage {
                 inboxes: Vec::new(),
             },
             fenced: BTreeSet::new(),
+            sending: BTreeSet::new(),
         });
     }
 
@@ -76,12 +93,37 @@ impl HeldLineage {
         Ok(())
     }
 
-    /// Fences `dead` out of `query` and returns the reading orders it logged.
-    pub fn fence(&self, query: QueryId, dead: NodeId) -> Vec<InboxLineage> {
+    /// Records that producer channel `channel` of `exchange`, on `node`, starts sending:
+    /// refused, naming why, for a query not running here or from a fenced node (whose
+    /// output then never leaves it).
+    pub fn output_starts(
+        &self,
+        node: NodeId,
+        query: QueryId,
+        exchange: StageId,
+        channel: ChannelId,
+    ) -> Result<(), String> {
+        let mut queries = self.lock();
+        let Some(held) = queries.get_mut(&query) else {
+            return Err(format!(
+                "query {query} is not running with this node as its initiator (it ended, or node {node} sent to the wrong node)"
+            ));
+        };
+        if held.fenced.contains(&node) {
+            return Err(format!(
+                "node {node} was declared failed and its channels of query {query} rebuilt: its output is no longer taken"
+            ));
+        }
+        held.sending.insert((node, exchange, channel));
+        Ok(())
+    }
+
+    /// Fences `dead` out of `query` and returns what it logged.
+    pub fn fence(&self, query: QueryId, dead: NodeId) -> Fenced {
         let mut queries = self.lock();
         let Some(held) = queries.get_mut(&query) else {
             tracing::debug!(%query, "no lineage held");
-            return Vec::new();
+            return Fenced::default();
         };
         held.fenced.insert(dead);
         let logged: Vec<InboxLineage> = held
@@ -91,8 +133,17 @@ impl HeldLineage {
             .filter(|inbox| inbox.node == dead)
             .cloned()
             .collect();
+        let sending = held
+            .sending
+            .iter()
+            .filter(|(node, _, _)| *node == dead)
+            .map(|&(_, exchange, channel)| (exchange, channel))
+            .collect();
         tracing::debug!(%query, dead = dead.0, inboxes = logged.len(), held = held.lineage.inboxes.len(), "fenced a dead node's lineage");
-        logged
+        Fenced {
+            inboxes: logged,
+            sending,
+        }
     }
 
     /// `query` ended: its lineage goes.
@@ -134,7 +185,7 @@ mod tests {
             .unwrap();
         held.append(NodeId(3), &[entry(7, 0, 0, vec![(2, 1)])])
             .unwrap();
-        let logged = held.fence(QueryId(7), NodeId(2));
+        let logged = held.fence(QueryId(7), NodeId(2)).inboxes;
         assert_eq!(logged.len(), 1, "only node 2's inbox: {logged:?}");
         assert_eq!(logged[0].runs, vec![(0, 2), (1, 3), (0, 1)]);
         assert_eq!(logged[0].batches, 6);
@@ -160,14 +211,50 @@ mod tests {
             .unwrap_err();
         assert!(fenced.contains("declared failed"), "{fenced}");
         assert_eq!(
-            held.fence(QueryId(7), NodeId(2))[0].batches,
+            held.fence(QueryId(7), NodeId(2)).inboxes[0].batches,
             1,
             "nothing taken after the fence"
         );
         held.end(QueryId(7));
         assert_eq!(held.running(), 0);
         assert!(held
+            .output_starts(NodeId(3), QueryId(7), StageId(1), ChannelId(0))
+            .is_err());
+        assert!(held
             .append(NodeId(3), &[entry(7, 0, 0, vec![(0, 1)])])
             .is_err());
+    }
+
+    #[test]
+    fn channels_that_started_sending_are_told_apart_from_those_that_did_not() {
+        let held = HeldLineage::default();
+        held.begin(QueryId(7), NodeId(1));
+        held.output_starts(NodeId(2), QueryId(7), StageId(1), ChannelId(1))
+            .unwrap();
+        held.output_starts(NodeId(3), QueryId(7), StageId(1), ChannelId(2))
+            .unwrap();
+        held.output_starts(NodeId(2), QueryId(7), StageId(2), ChannelId(1))
+            .unwrap();
+        let fenced = held.fence(QueryId(7), NodeId(2));
+        assert_eq!(
+            fenced.sending.into_iter().collect::<Vec<_>>(),
+            vec![(StageId(1), ChannelId(1)), (StageId(2), ChannelId(1))],
+            "node 2's channels only"
+        );
+        let refused = held
+            .output_starts(NodeId(2), QueryId(7), StageId(3), ChannelId(1))
+            .unwrap_err();
+        assert!(refused.contains("declared failed"), "{refused}");
+        assert!(
+            !held
+                .fence(QueryId(7), NodeId(2))
+                .sending
+                .contains(&(StageId(3), ChannelId(1))),
+            "nothing taken after the fence"
+        );
+        assert!(held
+            .output_starts(NodeId(2), QueryId(8), StageId(1), ChannelId(1))
+            .unwrap_err()
+            .contains("not running"));
     }
 }

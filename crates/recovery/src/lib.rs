@@ -103,6 +103,7 @@ pub struct WriteAheadLineage {
     spools: Spools,
     /// How long a follower waits for a spool's producer to start.
     spool_start_timeout: std::time::Duration,
+    meta: MetaClient,
     clients: Arc<Clients>,
 }
 
@@ -120,7 +121,7 @@ impl WriteAheadLineage {
         tokio::spawn(lineage::commit_rounds(
             log.clone(),
             held.clone(),
-            meta,
+            meta.clone(),
             clients.clone(),
         ));
         Arc::new(WriteAheadLineage {
@@ -128,6 +129,7 @@ impl WriteAheadLineage {
             held,
             spools: Spools::new(spool_dir),
             spool_start_timeout,
+            meta,
             clients,
         })
     }
@@ -136,6 +138,13 @@ impl WriteAheadLineage {
     /// ([`held::ACTION_LOG_LINEAGE`]); the reason if they are refused.
     pub fn take_lineage(&self, node: NodeId, entries: &[LineageEntry]) -> Result<(), String> {
         self.held.append(node, entries)
+    }
+
+    /// Records that a producer channel on `node` starts sending, for a query this node
+    /// initiates ([`held::ACTION_LOG_OUTPUT`]); the reason if it is refused.
+    pub fn take_output_start(&self, node: NodeId, key: BackupKey) -> Result<(), String> {
+        let (query, exchange, channel) = key;
+        self.held.output_starts(node, query, exchange, channel)
     }
 
     /// Streams bucket `bucket` of a producer channel's spool (its schema message first),
@@ -191,6 +200,32 @@ impl Lineage for WriteAheadLineage {
 
     async fn wait_logged(&self, key: InboxKey, position: usize) -> Result<(), LineageError> {
         self.log.wait_logged(key, position).await
+    }
+
+    async fn log_output_starts(
+        &self,
+        key: BackupKey,
+        initiator: NodeId,
+    ) -> Result<(), LineageError> {
+        let me = self.meta.id();
+        let (query, exchange, channel) = key;
+        let recorded = if initiator == me {
+            self.held.output_starts(me, query, exchange, channel)
+        } else {
+            lineage::send_to_initiator(
+                &self.meta,
+                &self.clients,
+                initiator,
+                held::ACTION_LOG_OUTPUT,
+                (me, key),
+            )
+            .await
+        };
+        recorded.map_err(|reason| LineageError::OutputNotRecorded {
+            exchange,
+            channel,
+            reason,
+        })
     }
 
     fn back_up(&self, key: BackupKey, schema: FlightData) -> Result<Arc<dyn Backup>, LineageError> {

@@ -293,11 +293,30 @@ async fn send(
     initiator: NodeId,
     entries: &[LineageEntry],
 ) -> Result<(), String> {
+    send_to_initiator(
+        meta,
+        clients,
+        initiator,
+        ACTION_LOG_LINEAGE,
+        (meta.id(), entries),
+    )
+    .await
+}
+
+/// Sends a query's initiator `action` with `body`, within [`LOG_TIMEOUT`]; the reason if
+/// it was not taken.
+pub(crate) async fn send_to_initiator<B: serde::Serialize>(
+    meta: &MetaClient,
+    clients: &Clients,
+    initiator: NodeId,
+    action: &str,
+    body: B,
+) -> Result<(), String> {
     let addr = meta
         .addr_of(initiator)
         .ok_or_else(|| format!("initiator {initiator} has no address"))?;
     let reply: Result<(), Refusal> = clients
-        .action(&addr, ACTION_LOG_LINEAGE, (meta.id(), entries), LOG_TIMEOUT)
+        .action(&addr, action, body, LOG_TIMEOUT)
         .await
         .map_err(|e| format!("initiator {initiator}: {e}"))?;
     reply.map_err(|refusal| match refusal {

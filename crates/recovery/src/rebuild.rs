@@ -7,7 +7,11 @@
 //!   reading order the dead node logged (write-ahead lineage), then as batches arrive;
 //! - a rebuilt producer spools everything (the consumers rebuilt with it pull from it)
 //!   and sends to the surviving consumers from its first batch: they drop what they
-//!   already have, after checking it is the same.
+//!   already have, after checking it is the same;
+//! - a producer whose output had not started (it records that with the initiator before
+//!   anything of it leaves) gave nobody anything: it is split over as many streams as
+//!   there are survivors where its operators allow (`tessera_exec::split`), so its redo
+//!   takes a fraction of the time its first run did.
 //!
 //! Surviving channels carry on; a surviving producer simply stopped sending to the dead
 //! node when its stream broke. One failure per query is recovered this way; a second one
@@ -17,13 +21,14 @@ use crate::held::HeldLineage;
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion_proto::bytes::physical_plan_to_bytes_with_proto_converter;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use tessera_common::hex::to_hex;
-use tessera_exec::exchange::{ExchangeReadExec, ExchangeWriteExec, Replay};
+use tessera_exec::exchange::{ExchangeMode, ExchangeReadExec, ExchangeWriteExec, Replay};
 use tessera_exec::hooks::{LineageError, QueryRecovery};
 use tessera_exec::plan::{leaves_of, DistributedPlan, Leaf};
 use tessera_exec::run::{RunRequest, StageTask};
+use tessera_exec::split::split_channel;
 use tessera_exec::{ChannelId, Exec, NodeId, RecoveryOutcome, StageId};
 
 /// What recovery knows while a query runs: where each channel runs now.
@@ -57,6 +62,7 @@ impl Recovery {
         node: &Arc<Exec>,
         plan: &DistributedPlan,
         dead: NodeId,
+        finished: &BTreeSet<(StageId, ChannelId)>,
     ) -> Result<BTreeMap<NodeId, RunRequest>, LineageError> {
         self.lost = Some(dead);
         let noticed = std::time::Instant::now();
@@ -89,10 +95,21 @@ impl Recovery {
 
         // New homes, stage by stage.
         let mut moved: BTreeMap<StageId, BTreeMap<NodeId, Vec<usize>>> = BTreeMap::new();
+        let mut placed = Vec::new();
         for stage in &plan.stages {
             let writer = writer_of(&stage.plan, stage.id)?;
             for channel in 0..self.hosts[stage.id.index()].len() {
                 if self.hosts[stage.id.index()][channel] != dead {
+                    continue;
+                }
+                // Its consumers all live and hold all its output: nothing to redo.
+                if finished.contains(&(stage.id, ChannelId(channel)))
+                    && !writer.spec.feeds(channel, dead)
+                {
+                    placed.push(format!(
+                        "stage {} channel {channel} had delivered all its output: not rebuilt",
+                        stage.id
+                    ));
                     continue;
                 }
                 let mut leaves = Vec::new();
@@ -122,8 +139,10 @@ impl Recovery {
         let mut logged: BTreeMap<StageId, BTreeMap<usize, Vec<(u32, u32)>>> = BTreeMap::new();
         let mut replayed = 0u64;
         // Fenced: a stretch the dead node sends from now on is refused, so none of its
-        // output went out computed from reading order this replay does not follow.
-        for inbox in self.held.fence(plan.query, dead) {
+        // output went out computed from reading order this replay does not follow; nor
+        // does a channel that had not yet said its output starts ever send any.
+        let fenced = self.held.fence(plan.query, dead);
+        for inbox in fenced.inboxes {
             replayed += inbox.batches;
             logged
                 .entry(inbox.exchange)
@@ -132,40 +151,94 @@ impl Recovery {
         }
 
         let codec = tessera_exec::codec::TesseraCodec { node: node.clone() };
-        let mut requests: BTreeMap<NodeId, RunRequest> = BTreeMap::new();
-        let mut placed = Vec::new();
-        for (&stage_id, by_host) in &moved {
-            let stage = &plan.stages[stage_id.index()];
-            let fragment = self.rebuilt_fragment(stage_id, &stage.plan, dead, &addrs, &logged)?;
-            let bytes = physical_plan_to_bytes_with_proto_converter(
+        let encode = |stage: StageId, fragment: Arc<dyn ExecutionPlan>| {
+            physical_plan_to_bytes_with_proto_converter(
                 fragment,
                 &codec,
                 &tessera_exec::subquery::LiteralSubqueries,
             )
+            .map(|bytes| to_hex(&bytes))
             .map_err(|e| LineageError::Plan {
-                stage: stage_id,
+                stage,
                 reason: format!("encoding it: {e}"),
-            })?;
-            let fragment = to_hex(&bytes);
+            })
+        };
+        let mut requests: BTreeMap<NodeId, RunRequest> = BTreeMap::new();
+        let mut task_on = |host: NodeId, task: StageTask| {
+            requests
+                .entry(host)
+                .or_insert_with(|| RunRequest {
+                    query: plan.query,
+                    initiator: plan.initiator,
+                    stages: vec![],
+                    lineage: true,
+                    memory_limit: plan.memory_limit,
+                })
+                .stages
+                .push(task)
+        };
+        let mut split = 0usize;
+        for (&stage_id, by_host) in &moved {
+            let stage = &plan.stages[stage_id.index()];
+            let (writer, input) = self.rebuilt_input(stage_id, &stage.plan, &addrs, &logged)?;
+            let mut whole_fragment = None;
             for (&host, channels) in by_host {
-                placed.push(format!(
-                    "stage {stage_id} channel(s) {channels:?} on node {host}"
-                ));
-                requests
-                    .entry(host)
-                    .or_insert_with(|| RunRequest {
-                        query: plan.query,
-                        initiator: plan.initiator,
-                        stages: vec![],
-                        lineage: true,
-                        memory_limit: plan.memory_limit,
-                    })
-                    .stages
-                    .push(StageTask {
-                        stage: stage_id,
-                        fragment: fragment.clone(),
-                        channels: channels.iter().copied().map(ChannelId).collect(),
+                let mut whole = Vec::new();
+                for &channel in channels {
+                    // Output nobody holds part of may be recomputed in any grouping of its
+                    // rows: split over as many streams as there are survivors. That is a
+                    // channel that gave nobody anything, or one whose consumers elsewhere
+                    // have all of it and whose rows no rebuilt consumer logged reading
+                    // (it then sends to nobody: the rebuilt consumers pull its spool).
+                    let key = (stage_id, ChannelId(channel));
+                    let silent = !fenced.sending.contains(&key);
+                    let delivered = finished.contains(&key)
+                        && logs_reading_order(writer, plan.stages[stage_id.index()].channels.len())
+                        && !logged_reads_of(&logged, stage_id, channel);
+                    let streams = (silent || delivered)
+                        .then(|| split_channel(&input, channel, survivors.len()))
+                        .flatten();
+                    let Some(streams) = streams else {
+                        whole.push(channel);
+                        continue;
+                    };
+                    split += 1;
+                    placed.push(format!(
+                        "stage {stage_id} channel {channel} on node {host}, split {} ways",
+                        survivors.len()
+                    ));
+                    let fragment = Arc::new(if silent {
+                        writer.rebuilt(streams, dead)
+                    } else {
+                        writer.rebuilt_for_the_dead_only(streams)
                     });
+                    task_on(
+                        host,
+                        StageTask {
+                            stage: stage_id,
+                            fragment: encode(stage_id, fragment)?,
+                            channels: vec![ChannelId(channel)],
+                        },
+                    );
+                }
+                if whole.is_empty() {
+                    continue;
+                }
+                placed.push(format!(
+                    "stage {stage_id} channel(s) {whole:?} on node {host}"
+                ));
+                if whole_fragment.is_none() {
+                    let fragment = Arc::new(writer.rebuilt(input.clone(), dead));
+                    whole_fragment = Some(encode(stage_id, fragment)?);
+                }
+                task_on(
+                    host,
+                    StageTask {
+                        stage: stage_id,
+                        fragment: whole_fragment.clone().expect("encoded above"),
+                        channels: whole.into_iter().map(ChannelId).collect(),
+                    },
+                );
             }
         }
         let channels: usize = moved.values().flat_map(|h| h.values()).map(Vec::len).sum();
@@ -181,22 +254,23 @@ impl Recovery {
             dead = dead.0,
             query = %plan.query,
             channels,
+            split,
             replayed,
             "rebuilding a dead node's channels from lineage"
         );
         Ok(requests)
     }
 
-    /// A stage's plan for its rebuilt channels: readers replay from the producers' spools
-    /// (where the producers run now), and the writer sends only to surviving consumers.
-    fn rebuilt_fragment(
+    /// A stage's writer and the input of its rebuilt channels: readers replay from the
+    /// producers' spools (where the producers run now). The rebuilt writer over it sends
+    /// only to surviving consumers.
+    fn rebuilt_input<'a>(
         &self,
         stage_id: StageId,
-        stage: &Arc<dyn ExecutionPlan>,
-        dead: NodeId,
+        stage: &'a Arc<dyn ExecutionPlan>,
         addrs: &BTreeMap<NodeId, String>,
         logged: &BTreeMap<StageId, BTreeMap<usize, Vec<(u32, u32)>>>,
-    ) -> Result<Arc<dyn ExecutionPlan>, LineageError> {
+    ) -> Result<(&'a ExchangeWriteExec, Arc<dyn ExecutionPlan>), LineageError> {
         let writer = writer_of(stage, stage_id)?;
         let input = writer
             .input()
@@ -220,7 +294,7 @@ impl Recovery {
                 reason: e.to_string(),
             })?
             .data;
-        Ok(Arc::new(writer.rebuilt(input, dead)))
+        Ok((writer, input))
     }
 }
 
@@ -247,9 +321,36 @@ impl QueryRecovery for Recovery {
         exec: &Arc<Exec>,
         plan: &DistributedPlan,
         dead: NodeId,
+        finished: &BTreeSet<(StageId, ChannelId)>,
     ) -> Result<BTreeMap<NodeId, RunRequest>, LineageError> {
-        self.rebuild_channels(exec, plan, dead).await
+        self.rebuild_channels(exec, plan, dead, finished).await
     }
+}
+
+/// True if every consumer of `writer`'s exchange, run by `channels` producer channels,
+/// logs the order it reads their batches in: it then emits nothing computed from a batch
+/// before that read is logged with the initiator (a bucket with one sender, such as a
+/// gather's, logs nothing).
+fn logs_reading_order(writer: &ExchangeWriteExec, channels: usize) -> bool {
+    writer.spec.lineage
+        && writer.spec.mode != ExchangeMode::Gather
+        && writer.spec.mode.senders_per_bucket(channels) > 1
+}
+
+/// True if a reading order the dead node logged for `exchange` read a batch of producer
+/// channel `channel`: the rebuilt reader replays those very batches, so the channel must
+/// reproduce them as they were.
+fn logged_reads_of(
+    logged: &BTreeMap<StageId, BTreeMap<usize, Vec<(u32, u32)>>>,
+    exchange: StageId,
+    channel: usize,
+) -> bool {
+    logged.get(&exchange).is_some_and(|buckets| {
+        buckets
+            .values()
+            .flatten()
+            .any(|&(sender, batches)| sender as usize == channel && batches > 0)
+    })
 }
 
 fn writer_of(

@@ -291,6 +291,16 @@ impl NodeService {
                     .map_err(Refusal::Failed);
                 reply(&taken)
             }
+            tessera_recovery::held::ACTION_LOG_OUTPUT => {
+                let (from, key): (NodeId, tessera_exec::hooks::BackupKey) =
+                    self.open(&caller, body)?;
+                self.check_speaks_for(&caller, from, "query output")?;
+                let taken = node
+                    .lineage
+                    .take_output_start(from, key)
+                    .map_err(Refusal::Failed);
+                reply(&taken)
+            }
             crate::node::ACTION_REPLACE_NODE => {
                 let id: NodeId = self.open(&caller, body)?;
                 self.check_speaks_for(&caller, id, "a replacement")?;

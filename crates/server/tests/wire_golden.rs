@@ -683,6 +683,10 @@ fn samples() -> Samples {
             as_logged: true,
         },
     );
+    s.request(
+        tessera_recovery::held::ACTION_LOG_OUTPUT,
+        (NodeId(2), (QueryId(0xfeed), StageId(3), ChannelId(1))),
+    );
     s
 }
 
@@ -755,6 +759,7 @@ fn every_action_has_a_sample() {
         tessera_replication::archive::ACTION_REBUILD_FRAGMENT,
         tessera_server::node::ACTION_REPLACE_NODE,
         tessera_recovery::held::ACTION_LOG_LINEAGE,
+        tessera_recovery::held::ACTION_LOG_OUTPUT,
     ] {
         assert!(names.contains_key(action), "no sample of action {action}");
     }

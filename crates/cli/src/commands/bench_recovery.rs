@@ -73,9 +73,11 @@ async fn kill_midway(
                 channels,
                 replayed_batches,
                 replan_ms,
+                placed,
                 ..
             }) => Some(format!(
-                "{channels} channels rebuilt, {replayed_batches} logged batches replayed, replanned in {replan_ms} ms"
+                "{channels} channels rebuilt ({} split over several streams), {replayed_batches} logged batches replayed, replanned in {replan_ms} ms",
+                placed.iter().filter(|p| p.contains("split")).count()
             )),
             _ => None,
         },

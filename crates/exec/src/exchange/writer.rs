@@ -60,6 +60,30 @@ pub struct WriteSpec {
     /// already have) and has no logged inputs of its own.
     #[serde(default)]
     pub rebuilt: bool,
+    /// The query's initiator: under lineage recovery a channel records with it that its
+    /// output starts before any of it leaves ([`crate::hooks::Lineage::log_output_starts`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initiator: Option<NodeId>,
+}
+
+impl WriteSpec {
+    /// The buckets producer channel `channel` feeds.
+    pub fn buckets_of(&self, channel: usize) -> Vec<usize> {
+        match self.mode {
+            ExchangeMode::Gather => vec![channel],
+            ExchangeMode::Collect => vec![0],
+            ExchangeMode::Hash | ExchangeMode::Storage { .. } | ExchangeMode::RoundRobin => {
+                (0..self.buckets).collect()
+            }
+        }
+    }
+
+    /// True if channel `channel` sends to a consumer on `node`.
+    pub fn feeds(&self, channel: usize, node: NodeId) -> bool {
+        self.buckets_of(channel)
+            .iter()
+            .any(|&bucket| self.destinations[bucket].contains(&node))
+    }
 }
 
 /// The root of every stage: runs its input's partition `k` (channel `k`) and pushes the
@@ -110,6 +134,18 @@ impl ExchangeWriteExec {
         spec.rebuilt = true;
         for nodes in &mut spec.destinations {
             nodes.retain(|&node| node != dead);
+        }
+        ExchangeWriteExec::new(spec, self.hash_exprs.clone(), input, self.node.clone())
+    }
+
+    /// This stage rebuilt after `dead` died for consumers that died with it only: every
+    /// surviving consumer has all its output already. It sends nothing; the rebuilt
+    /// consumers pull its spool.
+    pub fn rebuilt_for_the_dead_only(&self, input: Arc<dyn ExecutionPlan>) -> ExchangeWriteExec {
+        let mut spec = self.spec.clone();
+        spec.rebuilt = true;
+        for nodes in &mut spec.destinations {
+            nodes.clear();
         }
         ExchangeWriteExec::new(spec, self.hash_exprs.clone(), input, self.node.clone())
     }
@@ -279,6 +315,8 @@ struct Outbox {
     lost: BTreeSet<NodeId>,
     seqs: HashMap<usize, u64>,
     spool: Option<Arc<dyn Backup>>,
+    /// The initiator has recorded that this channel's output starts (or need not).
+    announced: bool,
     report: ChannelReport,
 }
 
@@ -358,13 +396,7 @@ impl ChannelWriter {
 
     /// The buckets this channel feeds.
     fn my_buckets(&self) -> Vec<usize> {
-        match self.spec.mode {
-            ExchangeMode::Gather => vec![self.channel],
-            ExchangeMode::Collect => vec![0],
-            ExchangeMode::Hash | ExchangeMode::Storage { .. } | ExchangeMode::RoundRobin => {
-                (0..self.spec.buckets).collect()
-            }
-        }
+        self.spec.buckets_of(self.channel)
     }
 
     /// Where each logged inbox this channel reads stands now: output computed so far
@@ -415,6 +447,7 @@ impl ChannelWriter {
             lost: BTreeSet::new(),
             seqs: HashMap::new(),
             spool: spool.clone(),
+            announced: false,
             report,
         };
         let (ready_tx, mut ready_rx) = tokio::sync::mpsc::channel::<Ready>(HOLD_DEPTH);
@@ -568,6 +601,7 @@ impl ChannelWriter {
     /// answering only once it has put every batch in its inboxes (the acknowledgement).
     /// Then every destination given up must be confirmed dead.
     async fn end_streams(&self, outbox: &mut Outbox) -> DfResult<()> {
+        self.announce_output(outbox).await?;
         self.end_links(outbox).await?;
         // A stream given up must be a dead node's, whose consumers the initiator rebuilds;
         // a live node's consumers would wait for ever on what it did not get.
@@ -647,7 +681,35 @@ impl ChannelWriter {
         encode_marked(batch, mark, &self.options)
     }
 
+    /// Before anything of this channel leaves it: under lineage recovery the initiator
+    /// records that its output starts, so a rebuild knows whether anyone may hold part of
+    /// it. A rebuilt channel records nothing (a second failure restarts the query), nor
+    /// does the answer's stage, which runs on the initiator.
+    async fn announce_output(&self, outbox: &mut Outbox) -> DfResult<()> {
+        if outbox.announced {
+            return Ok(());
+        }
+        outbox.announced = true;
+        let initiator = match self.spec.initiator {
+            Some(initiator)
+                if self.spec.lineage
+                    && !self.spec.rebuilt
+                    && self.spec.exchange != StageId::ANSWER =>
+            {
+                initiator
+            }
+            _ => return Ok(()),
+        };
+        let key = (self.spec.query, self.spec.exchange, ChannelId(self.channel));
+        self.node
+            .lineage
+            .log_output_starts(key, initiator)
+            .await
+            .map_err(|e| exec_error(e.to_string()))
+    }
+
     async fn send(&self, outbox: &mut Outbox, bucket: usize, batch: RecordBatch) -> DfResult<()> {
+        self.announce_output(outbox).await?;
         let seq = outbox.seqs.entry(bucket).or_insert(0);
         let tag = BatchTag { bucket, seq: *seq };
         *seq += 1;
