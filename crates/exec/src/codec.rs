@@ -4,7 +4,7 @@
 
 use crate::exchange::{ExchangeReadExec, ExchangeWriteExec, ReadSpec, WriteSpec};
 use crate::scan::{DistributedScanExec, ScanSpec};
-use crate::split::SplitChannelExec;
+use crate::split::{DemuxExec, SplitChannelExec};
 use crate::Exec;
 use datafusion::common::{DataFusionError, Result as DfResult};
 use datafusion::execution::TaskContext;
@@ -34,6 +34,13 @@ enum Encoded {
     },
     /// A rebuilt channel split over several streams (its ordering follows from its input).
     Split { channel: usize, channels: usize },
+    /// A storage exchange's bucket dealt to a split channel's streams.
+    Demux {
+        bucket: usize,
+        keys: Vec<Vec<u8>>,
+        group_of_partition: Vec<u32>,
+        ways: usize,
+    },
 }
 
 /// Encodes and decodes Tessera's operators; decoding binds them to `node`.
@@ -113,6 +120,28 @@ impl PhysicalExtensionCodec for TesseraCodec {
                 })?;
                 Arc::new(SplitChannelExec::new(channel, channels, input))
             }
+            Encoded::Demux {
+                bucket,
+                keys,
+                group_of_partition,
+                ways,
+            } => {
+                let input = inputs.first().cloned().ok_or_else(|| {
+                    DataFusionError::Internal("a dealt bucket arrived without its reader".into())
+                })?;
+                let schema = input.schema();
+                let keys = keys
+                    .iter()
+                    .map(|bytes| self.decode_expr(bytes, ctx, &schema))
+                    .collect::<DfResult<_>>()?;
+                Arc::new(DemuxExec::new(
+                    input,
+                    bucket,
+                    keys,
+                    group_of_partition,
+                    ways,
+                ))
+            }
         })
     }
 
@@ -150,6 +179,17 @@ impl PhysicalExtensionCodec for TesseraCodec {
             Encoded::Split {
                 channel: split.channel(),
                 channels: split.properties().output_partitioning().partition_count(),
+            }
+        } else if let Some(demux) = any.downcast_ref::<DemuxExec>() {
+            Encoded::Demux {
+                bucket: demux.bucket(),
+                keys: demux
+                    .keys()
+                    .iter()
+                    .map(|e| self.encode_expr(e, proto_converter))
+                    .collect::<DfResult<_>>()?,
+                group_of_partition: demux.group_of_partition().to_vec(),
+                ways: demux.properties().output_partitioning().partition_count(),
             }
         } else {
             return Err(DataFusionError::NotImplemented(format!(

@@ -38,9 +38,6 @@ pub enum LineageError {
     /// channels elsewhere could run them twice.
     #[error("node {node} stopped answering, but the metadata leader still counts it alive")]
     Unconfirmed { node: NodeId },
-    /// The initiator could not read current metadata to place the rebuilt channels.
-    #[error("reading the metadata to rebuild on: {reason}")]
-    Metadata { reason: String },
     #[error("no node survives to rebuild on")]
     NoSurvivor,
     /// Stage 0 runs on the initiator, whose death ends the query.

@@ -93,6 +93,11 @@ pub enum Leaf {
 /// operator maps its output partitions onto its children's.
 pub fn leaves_of(plan: &Arc<dyn ExecutionPlan>, partition: usize, out: &mut Vec<Leaf>) {
     let any: &dyn ExecutionPlan = plan.as_ref();
+    if let Some(demux) = any.downcast_ref::<crate::split::DemuxExec>() {
+        // Every stream of a dealt bucket reads that one bucket.
+        leaves_of(plan.children()[0], demux.bucket(), out);
+        return;
+    }
     if let Some(read) = any.downcast_ref::<ExchangeReadExec>() {
         out.push(Leaf::Exchange {
             exchange: read.spec.exchange,

@@ -69,14 +69,11 @@ impl Recovery {
         if !node.confirm_failed(dead).await {
             return Err(LineageError::Unconfirmed { node: dead });
         }
-        // The current membership and addresses, past the leader's commit of the death.
-        let view = node
-            .meta()
-            .read_linearizable(tessera_meta::LINEARIZABLE_READ_PATIENCE)
-            .await
-            .map_err(|e| LineageError::Metadata {
-                reason: e.to_string(),
-            })?;
+        // The membership and addresses as this node applied the death: the leader's commit
+        // of it is in this view, so nobody dead before it is taken for alive. A linearizable
+        // read would only add a round trip to the leader on the rebuild's path; a node that
+        // died since is found dead when its rebuilt channels start, and the query restarts.
+        let view = node.meta().view();
         let survivors: Vec<NodeId> = view
             .state
             .live_nodes()
@@ -178,6 +175,14 @@ impl Recovery {
                 .push(task)
         };
         let mut split = 0usize;
+        // What each storage exchange's producers hash rows by (a split channel deals the
+        // bucket it reads by the same storage partitions).
+        let storage_keys = |exchange: StageId| {
+            let stage = plan.stages.get(exchange.index())?;
+            let writer = writer_of(&stage.plan, exchange).ok()?;
+            matches!(writer.spec.mode, ExchangeMode::Storage { .. })
+                .then(|| writer.hash_exprs.clone())
+        };
         for (&stage_id, by_host) in &moved {
             let stage = &plan.stages[stage_id.index()];
             let (writer, input) = self.rebuilt_input(stage_id, &stage.plan, &addrs, &logged)?;
@@ -196,7 +201,7 @@ impl Recovery {
                         && logs_reading_order(writer, plan.stages[stage_id.index()].channels.len())
                         && !logged_reads_of(&logged, stage_id, channel);
                     let streams = (silent || delivered)
-                        .then(|| split_channel(&input, channel, survivors.len()))
+                        .then(|| split_channel(&input, channel, survivors.len(), &storage_keys))
                         .flatten();
                     let Some(streams) = streams else {
                         whole.push(channel);
