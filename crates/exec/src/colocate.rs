@@ -436,11 +436,9 @@ impl ExecutionPlan for StorageRepartitionExec {
 
     fn with_new_children(
         self: Arc<Self>,
-        mut children: Vec<Arc<dyn ExecutionPlan>>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
     ) -> DfResult<Arc<dyn ExecutionPlan>> {
-        let input = children.pop().ok_or_else(|| {
-            DataFusionError::Internal("StorageRepartitionExec takes one input".into())
-        })?;
+        let input = crate::only_input(children, "StorageRepartitionExec")?;
         Ok(Arc::new(StorageRepartitionExec::try_new(
             input,
             self.exprs.clone(),

@@ -392,6 +392,19 @@ pub(crate) fn apply_to_each(
     Ok(TreeNodeRecursion::Continue)
 }
 
+/// The one input of an operator `name` that takes exactly one, from `with_new_children`.
+pub(crate) fn only_input(
+    mut children: Vec<Arc<dyn datafusion::physical_plan::ExecutionPlan>>,
+    name: &str,
+) -> datafusion::common::Result<Arc<dyn datafusion::physical_plan::ExecutionPlan>> {
+    match (children.pop(), children.is_empty()) {
+        (Some(input), true) => Ok(input),
+        _ => Err(datafusion::common::DataFusionError::Internal(format!(
+            "{name} takes one input"
+        ))),
+    }
+}
+
 /// The cores one node can use for channels: this machine's, shared among the live nodes
 /// whose address names the same host as `node`'s (a local cluster on one machine, or
 /// several nodes per server). At least one.

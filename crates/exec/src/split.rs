@@ -283,11 +283,9 @@ impl ExecutionPlan for SplitChannelExec {
 
     fn with_new_children(
         self: Arc<Self>,
-        mut children: Vec<Arc<dyn ExecutionPlan>>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
     ) -> DfResult<Arc<dyn ExecutionPlan>> {
-        let input = children
-            .pop()
-            .ok_or_else(|| DataFusionError::Internal("SplitChannelExec takes one input".into()))?;
+        let input = crate::only_input(children, "SplitChannelExec")?;
         Ok(Arc::new(SplitChannelExec::new(
             self.channel,
             self.properties.output_partitioning().partition_count(),
@@ -458,11 +456,9 @@ impl ExecutionPlan for DemuxExec {
 
     fn with_new_children(
         self: Arc<Self>,
-        mut children: Vec<Arc<dyn ExecutionPlan>>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
     ) -> DfResult<Arc<dyn ExecutionPlan>> {
-        let input = children
-            .pop()
-            .ok_or_else(|| DataFusionError::Internal("DemuxExec takes one input".into()))?;
+        let input = crate::only_input(children, "DemuxExec")?;
         Ok(Arc::new(DemuxExec::new(
             input,
             self.bucket,

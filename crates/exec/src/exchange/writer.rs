@@ -203,11 +203,9 @@ impl ExecutionPlan for ExchangeWriteExec {
 
     fn with_new_children(
         self: Arc<Self>,
-        mut children: Vec<Arc<dyn ExecutionPlan>>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
     ) -> DfResult<Arc<dyn ExecutionPlan>> {
-        let input = children
-            .pop()
-            .ok_or_else(|| DataFusionError::Internal("ExchangeWriteExec takes one input".into()))?;
+        let input = crate::only_input(children, "ExchangeWriteExec")?;
         Ok(Arc::new(ExchangeWriteExec::new(
             self.spec.clone(),
             self.hash_exprs.clone(),
