@@ -24,7 +24,7 @@ use datafusion::common::runtime::SpawnedTask;
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::common::{DataFusionError, Result as DfResult};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
+use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::execution_plan::replace_children_if_necessary;
 use datafusion::physical_plan::joins::{
@@ -212,13 +212,11 @@ fn reads_storage(plan: &Arc<dyn ExecutionPlan>) -> bool {
 pub struct SplitChannelExec {
     channel: usize,
     input: Arc<dyn ExecutionPlan>,
-    ordering: Option<LexOrdering>,
     properties: Arc<PlanProperties>,
 }
 
 impl SplitChannelExec {
     pub fn new(channel: usize, channels: usize, input: Arc<dyn ExecutionPlan>) -> Self {
-        let ordering = input.output_ordering().cloned();
         let input_properties = input.properties();
         let properties = Arc::new(PlanProperties::new(
             input_properties.equivalence_properties().clone(),
@@ -229,7 +227,6 @@ impl SplitChannelExec {
         SplitChannelExec {
             channel,
             input,
-            ordering,
             properties,
         }
     }
@@ -252,7 +249,7 @@ impl DisplayAs for SplitChannelExec {
             "SplitChannelExec: channel={}, ways={}, {}",
             self.channel,
             self.ways(),
-            if self.ordering.is_some() {
+            if self.input.output_ordering().is_some() {
                 "merged in order"
             } else {
                 "merged as batches come"
@@ -305,7 +302,7 @@ impl ExecutionPlan for SplitChannelExec {
             )));
         }
         // Both merges run each input stream on a task of its own.
-        let merged: Arc<dyn ExecutionPlan> = match &self.ordering {
+        let merged: Arc<dyn ExecutionPlan> = match self.input.output_ordering() {
             Some(ordering) => Arc::new(SortPreservingMergeExec::new(
                 ordering.clone(),
                 self.input.clone(),
@@ -501,7 +498,7 @@ mod tests {
     use arrow::datatypes::{DataType, Field, Schema};
     use datafusion::datasource::memory::MemorySourceConfig;
     use datafusion::physical_expr::expressions::Column;
-    use datafusion::physical_expr::PhysicalSortExpr;
+    use datafusion::physical_expr::{LexOrdering, PhysicalSortExpr};
     use datafusion::physical_plan::common::collect;
     use datafusion::physical_plan::sorts::sort::SortExec;
     use datafusion::prelude::SessionContext;

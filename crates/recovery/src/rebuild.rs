@@ -337,9 +337,7 @@ impl QueryRecovery for Recovery {
 /// before that read is logged with the initiator (a bucket with one sender, such as a
 /// gather's, logs nothing).
 fn logs_reading_order(writer: &ExchangeWriteExec, channels: usize) -> bool {
-    writer.spec.lineage
-        && writer.spec.mode != ExchangeMode::Gather
-        && writer.spec.mode.senders_per_bucket(channels) > 1
+    writer.spec.lineage && writer.spec.mode.senders_per_bucket(channels) > 1
 }
 
 /// True if a reading order the dead node logged for `exchange` read a batch of producer
