@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use tessera_common::{disk, Epoch, Lsn, PartitionId};
 
+mod crc;
 mod frame;
 mod skim;
 pub use frame::{Frame, PreparedFrame};
@@ -501,6 +502,22 @@ impl Wal {
     }
 }
 
+/// Tells the kernel it may drop a log segment's pages from its cache once they are on disk.
+/// The log is read back only when a node starts or a cold standby checkpoints, so its
+/// cached pages serve nobody; dropped, they are reused by the next appends. Left cached,
+/// every append takes fresh pages, which can cost more than the write itself: on a 2-core
+/// VM, 100 MiB written in fsynced 4 MiB appends took 0.30 s, and 0.065 s with the pages
+/// dropped after each fsync. Advice only: a kernel that ignores it loses nothing.
+fn drop_cached_pages(file: &File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor is open for as long as `file` is borrowed; the call only
+    // reads its arguments.
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if rc != 0 {
+        tracing::debug!(rc, "posix_fadvise(DONTNEED) on a log segment failed");
+    }
+}
+
 fn open_segment(dir: &Path, seq: u64) -> Result<File> {
     let path = segment_path(dir, seq);
     let file = OpenOptions::new()
@@ -586,7 +603,9 @@ impl SegmentWriter {
         // fsync failure cannot be retried safely (the kernel may have dropped the pages), so
         // it poisons the log rather than risk acknowledging what is not on disk.
         disk::sync_data(&self.file, &segment_path(&self.dir, self.seq))
-            .map_err(|e| format!("fsync of log segment {} failed: {e}", self.seq))
+            .map_err(|e| format!("fsync of log segment {} failed: {e}", self.seq))?;
+        drop_cached_pages(&self.file);
+        Ok(())
     }
 
     fn rotate(&mut self) -> Result<u64, String> {

@@ -58,8 +58,8 @@ impl PreparedFrame {
             "callers split publishes below the frame limit"
         );
         let crc = crc32c::crc32c(&head[rows_at..]);
-        let crc = crc32c::crc32c_combine(crc, crc32c::crc32c(&body), body.len());
-        let rows_crc = crc32c::crc32c_combine(crc, crc32c::crc32c(&STREAM_END), STREAM_END.len());
+        let crc = crc::combine(crc, crc32c::crc32c(&body), body.len());
+        let rows_crc = crc::combine(crc, crc32c::crc32c(&STREAM_END), STREAM_END.len());
         PreparedFrame {
             head,
             rows_at,
@@ -74,7 +74,7 @@ impl PreparedFrame {
         self.head[seq_at..seq_at + 8].copy_from_slice(&(seq as u64).to_le_bytes());
         let prefix_crc = crc32c::crc32c(&self.head[FRAME_HEADER_BYTES..self.rows_at]);
         let rows_len = self.head.len() - self.rows_at + self.body.len() + STREAM_END.len();
-        let crc = crc32c::crc32c_combine(prefix_crc, self.rows_crc, rows_len);
+        let crc = crc::combine(prefix_crc, self.rows_crc, rows_len);
         let payload_len = (self.rows_at - FRAME_HEADER_BYTES + rows_len) as u32;
         self.head[..4].copy_from_slice(&payload_len.to_le_bytes());
         self.head[4..FRAME_HEADER_BYTES].copy_from_slice(&crc.to_le_bytes());
