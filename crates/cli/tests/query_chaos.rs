@@ -7,6 +7,8 @@
 //! cannot reproduce what it had sent (its notice says so), restarts the query; but the
 //! default mode under EXPLAIN ANALYZE must rebuild, and at least one rebuilt round must
 //! replay logged input batches (lineage rounds are added until one does, up to a limit).
+//! Steered kills show a rebuild splitting a dead node's silent channels over several
+//! streams, and leaving alone one that had delivered all its output to survivors.
 //!
 //! The default run is short (CI). `TESSERA_QUERY_CHAOS_ROUNDS=200 cargo test --release
 //! --test query_chaos -- --nocapture` runs the long version and prints its counts;
