@@ -77,7 +77,7 @@ const STREAMING_JOIN: &str = "SELECT l_orderkey, l_linenumber, ps_suppkey, ps_av
 const STREAMING: usize = 0;
 
 /// A union whose first half (nation's rows) is delivered to the initiator within the
-/// query's first fifth, while its second (an aggregation over a join on a key that is not
+/// query's first third, while its second (an aggregation over a join on a key that is not
 /// lineitem's partition key) runs on: both halves are channels of one stage, which only the
 /// initiator reads.
 const DELIVERED_UNION: &str = "SELECT n_name AS name, CAST(n_nationkey AS BIGINT) AS n \
