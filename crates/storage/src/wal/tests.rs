@@ -29,6 +29,18 @@ fn rows(lsn: u64, epoch: u64) -> WalRecord {
     }
 }
 
+/// Rows at LSN 1, the commit of epoch 1, rows at LSN 2: the log most tests start from.
+fn rows_commit_rows() -> [WalRecord; 3] {
+    [
+        rows(1, 1),
+        WalRecord::Commit {
+            epoch: Epoch(1),
+            at_ms: 0,
+        },
+        rows(2, 2),
+    ]
+}
+
 fn write_log(dir: &Path, records: &[WalRecord]) {
     let wal = Wal::start(dir, 1).unwrap();
     let frames: Vec<u8> = records
@@ -202,17 +214,7 @@ fn a_commit_record_carries_its_time_and_older_ones_decode_without() {
 #[test]
 fn records_round_trip_through_a_segment() {
     let dir = tempfile::tempdir().unwrap();
-    write_log(
-        dir.path(),
-        &[
-            rows(1, 1),
-            WalRecord::Commit {
-                epoch: Epoch(1),
-                at_ms: 0,
-            },
-            rows(2, 2),
-        ],
-    );
+    write_log(dir.path(), &rows_commit_rows());
     let log = recover(dir.path()).unwrap();
     assert_eq!(log.records.len(), 3);
     assert_eq!(log.torn_bytes, 0);
@@ -242,17 +244,7 @@ fn records_round_trip_through_a_segment() {
 #[test]
 fn every_truncation_of_the_tail_recovers_a_prefix() {
     let dir = tempfile::tempdir().unwrap();
-    write_log(
-        dir.path(),
-        &[
-            rows(1, 1),
-            WalRecord::Commit {
-                epoch: Epoch(1),
-                at_ms: 0,
-            },
-            rows(2, 2),
-        ],
-    );
+    write_log(dir.path(), &rows_commit_rows());
     let full = segment_bytes(dir.path());
     let first_two = rows(1, 1).encode_frame().unwrap().len()
         + WalRecord::Commit {
@@ -298,17 +290,7 @@ fn garbage_after_the_last_frame_is_a_torn_tail() {
 #[test]
 fn a_flipped_bit_before_valid_frames_is_corruption_not_a_tail() {
     let dir = tempfile::tempdir().unwrap();
-    write_log(
-        dir.path(),
-        &[
-            rows(1, 1),
-            WalRecord::Commit {
-                epoch: Epoch(1),
-                at_ms: 0,
-            },
-            rows(2, 2),
-        ],
-    );
+    write_log(dir.path(), &rows_commit_rows());
     let mut bytes = segment_bytes(dir.path());
     bytes[20] ^= 0x40;
     fs::write(segment_path(dir.path(), 1), &bytes).unwrap();
