@@ -12,8 +12,7 @@ use std::sync::Arc;
 use tessera_storage::{Store, StoreConfig};
 
 /// Every node, and the CLI, allocate with jemalloc: see `tessera_common::allocator` for why.
-#[global_allocator]
-static ALLOCATOR: tessera_common::allocator::Allocator = tessera_common::allocator::Allocator;
+tessera_common::allocate_with_jemalloc!();
 
 #[derive(Parser)]
 #[command(

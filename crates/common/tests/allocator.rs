@@ -1,10 +1,9 @@
 //! A process whose global allocator is `tessera_common::allocator::Allocator`, as the
 //! `tessera` binary's is: its figures follow the memory the process allocates and frees.
 
-use tessera_common::allocator::{stats, Allocator};
+use tessera_common::allocator::stats;
 
-#[global_allocator]
-static ALLOCATOR: Allocator = Allocator;
+tessera_common::allocate_with_jemalloc!();
 
 #[test]
 fn the_allocator_counts_what_the_process_allocates_and_frees() {

@@ -162,8 +162,7 @@ mod tests {
     /// Nodes allocate with jemalloc (`tessera_common::allocator`); so does this test
     /// binary, so that `route_timing` measures routing as a node does it (with glibc's
     /// malloc, fresh pages for each publish's routed rows took a quarter of its time).
-    #[global_allocator]
-    static ALLOCATOR: tessera_common::allocator::Allocator = tessera_common::allocator::Allocator;
+    tessera_common::allocate_with_jemalloc!();
 
     /// Rows of table `t` (one BIGINT key column `k`).
     fn keys(values: &[i64]) -> RecordBatch {
