@@ -122,6 +122,49 @@ fn errors_read_once_and_a_command_may_start_with_a_comment() {
     assert!(stdout_of(&commented).contains("42"));
 }
 
+/// At scale factor 0.001, TPC-H's generator gives some parts the same supplier twice:
+/// loading partsupp is refused before any table is created, with the reason and a scale
+/// factor that works; the tables without that key load at the same scale factor.
+#[test]
+fn a_scale_factor_whose_partsupp_repeats_keys_is_refused_before_loading() {
+    let tmp = tempfile::tempdir().unwrap();
+    let refused = tessera(tmp.path(), &["load", "tpch", "--sf", "0.001"], None);
+    assert!(!refused.status.success());
+    let error = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        error.contains("repeats partsupp's key at scale factor 0.001")
+            && error.contains("such as 0.01"),
+        "{error}"
+    );
+    let nothing = tessera(
+        tmp.path(),
+        &["sql", "-c", "SELECT count(*) FROM region"],
+        None,
+    );
+    assert!(!nothing.status.success(), "a table was created");
+    let loaded = tessera(
+        tmp.path(),
+        &["load", "tpch", "--sf", "0.001", "--tables", "region,part"],
+        None,
+    );
+    stdout_of(&loaded);
+    let parts = tessera(
+        tmp.path(),
+        &[
+            "sql",
+            "--format",
+            "csv",
+            "-c",
+            "SELECT count(*) AS n FROM part",
+        ],
+        None,
+    );
+    assert!(
+        stdout_of(&parts).contains("200"),
+        "part at SF 0.001 has 200 rows"
+    );
+}
+
 #[test]
 fn publish_reads_csv_upserts_and_deletes() {
     let tmp = tempfile::tempdir().unwrap();

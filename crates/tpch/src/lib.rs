@@ -14,7 +14,7 @@ use arrow::datatypes::SchemaRef;
 use arrow::error::ArrowError;
 use tpchgen::generators::{
     CustomerGenerator, LineItemGenerator, NationGenerator, OrderGenerator, PartGenerator,
-    PartSuppGenerator, RegionGenerator, SupplierGenerator,
+    PartSuppGenerator, PartSuppGeneratorIterator, RegionGenerator, SupplierGenerator,
 };
 use tpchgen_arrow::{
     CustomerArrow, LineItemArrow, NationArrow, OrderArrow, PartArrow, PartSuppArrow, RegionArrow,
@@ -142,6 +142,31 @@ impl TpchTable {
     }
 }
 
+/// The first part whose partsupp rows name one supplier twice at scale factor `sf`, if
+/// any: partsupp then repeats its primary key, and a load of it is refused.
+///
+/// TPC-H picks part `p`'s four suppliers as `p + i·step mod s` (`i` = 0 to 3, `s`
+/// suppliers, `step = s/4 + (p − 1)/s`). Two of them coincide only when `k·step` is a
+/// multiple of `s` for some `k` from 1 to 3. With at most 20·`s` parts, `step` is at most
+/// `s/4 + 19`, so `k·step` stays between 0 and `s` once `s` exceeds 240 (scale factors from
+/// 0.025 up): no repeat is possible there. Below, whether one happens depends on the scale
+/// factor (0.001 repeats, 0.01 does not), and this checks every part.
+pub fn partsupp_key_repeat(sf: f64) -> Option<i64> {
+    const SUPPLIERS_ALWAYS_DISTINCT: i64 = 240;
+    let suppliers = SupplierGenerator::calculate_row_count(sf, 1, 1);
+    if suppliers > SUPPLIERS_ALWAYS_DISTINCT {
+        return None;
+    }
+    (1..=PartGenerator::calculate_row_count(sf, 1, 1)).find(|&part| {
+        let mut chosen: Vec<i64> = (0..4)
+            .map(|i| PartSuppGeneratorIterator::select_part_supplier(part, i, sf))
+            .collect();
+        chosen.sort_unstable();
+        chosen.dedup();
+        chosen.len() < 4
+    })
+}
+
 pub fn table(name: &str) -> Option<TpchTable> {
     TABLES.iter().copied().find(|t| t.name == name)
 }
@@ -211,4 +236,51 @@ const QUERIES: [&str; 22] = [
 pub fn query(n: usize) -> &'static str {
     assert!((1..=22).contains(&n), "TPC-H has queries 1 to 22, not {n}");
     QUERIES[n - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Array, Int64Array};
+    use std::collections::HashSet;
+
+    /// Whether generating partsupp at `sf` really yields a key twice.
+    fn generated_partsupp_repeats_a_key(sf: f64) -> bool {
+        let mut keys = HashSet::new();
+        let partsupp = table("partsupp").expect("partsupp");
+        for batch in partsupp.generate(sf, 8192) {
+            let batch = batch.expect("rows");
+            let column = |name: &str| {
+                let index = batch.schema().index_of(name).expect("column");
+                batch
+                    .column(index)
+                    .as_any()
+                    .downcast_ref::<Int64Array>()
+                    .expect("BIGINT")
+                    .clone()
+            };
+            let (parts, suppliers) = (column("ps_partkey"), column("ps_suppkey"));
+            for row in 0..parts.len() {
+                if !keys.insert((parts.value(row), suppliers.value(row))) {
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    #[test]
+    fn the_partsupp_key_check_agrees_with_the_generator() {
+        assert!(
+            partsupp_key_repeat(0.001).is_some(),
+            "SF 0.001 repeats keys"
+        );
+        for sf in [0.001, 0.005, 0.01, 0.02, 0.0232, 0.03, 0.1] {
+            assert_eq!(
+                partsupp_key_repeat(sf).is_some(),
+                generated_partsupp_repeats_a_key(sf),
+                "at scale factor {sf}"
+            );
+        }
+    }
 }

@@ -63,6 +63,15 @@ pub async fn tpch_in_publishes(
         .into_iter()
         .filter(|t| only.is_empty() || only.iter().any(|n| n == t.name))
         .collect();
+    if tables.iter().any(|t| t.name == "partsupp") {
+        if let Some(part) = tessera_tpch::partsupp_key_repeat(sf) {
+            bail!(
+                "TPC-H's generator repeats partsupp's key at scale factor {sf} (part {part} gets \
+                 the same supplier twice, as it can below 0.025): choose another scale factor, \
+                 such as 0.01 or 0.1"
+            );
+        }
+    }
     for table in &tables {
         if engine.table_def(table.name).await?.is_some() {
             bail!(
