@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use tessera_storage::{Store, StoreConfig};
 
-/// Every node, and the CLI, allocate with jemalloc: see `tessera_common::allocator` for why.
+// Every node, and the CLI, allocate with jemalloc: see `tessera_common::allocator` for why.
 tessera_common::allocate_with_jemalloc!();
 
 #[derive(Parser)]
