@@ -1,5 +1,5 @@
 //! The options a `tessera` process gives jemalloc (`tessera_common::allocator`), in a test
-//! binary of their own: this test allocates 64 MiB, which would move the figures the other
+//! binary of their own: this test allocates 32 MiB twice, which would move the figures the other
 //! allocator tests read.
 
 use tessera_common::allocator::oversize_threshold;
