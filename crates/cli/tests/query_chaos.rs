@@ -8,7 +8,9 @@
 //! default mode under EXPLAIN ANALYZE must rebuild, and at least one rebuilt round must
 //! replay logged input batches (lineage rounds are added until one does, up to a limit).
 //! Steered kills show a rebuild splitting a dead node's silent channels over several
-//! streams, and leaving alone one that had delivered all its output to survivors.
+//! streams, leaving alone one that had delivered all its output to survivors, and
+//! re-running a scan that had begun to send on a replica whose components are laid out
+//! otherwise (its rows come in the same order: a rebuild, not a restart).
 //!
 //! The default run is short (CI). `TESSERA_QUERY_CHAOS_ROUNDS=200 cargo test --release
 //! --test query_chaos -- --nocapture` runs the long version and prints its counts;
@@ -129,9 +131,9 @@ async fn loaded_cluster(root: &Path) -> LocalCluster {
     cluster.start_all();
     wait_formed(&cluster, 1, NODES).await;
     load_tpch(&cluster, SCALE).await;
-    // Standbys take their primaries' components (in the background), so a scan re-run on
-    // a replica reproduces the dead primary's output; otherwise lineage recovery of a scan
-    // falls back to a restart.
+    // Standbys take their primaries' components (in the background), as after any load
+    // that has settled. (A scan re-run on a replica laid out otherwise reproduces the dead
+    // primary's output too: `a_scan_rerun_on_a_replica_laid_out_otherwise_...`.)
     flush_everywhere(&cluster).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     cluster
@@ -524,4 +526,99 @@ async fn queries_answer_exactly_when_a_peer_is_killed_at_random() {
         !lineage_tested || replaying_rounds > 0,
         "no rebuilt round replayed a logged input batch in {round} rounds"
     );
+}
+
+/// A dead node's scan re-run on a replica that holds the same rows laid out otherwise
+/// sends the same batches again, so its recovery is a rebuild, never a restart. Hot
+/// standbys apply and flush on their own, and each node here flushes (and then merges) at
+/// its own threshold: every 1, 8 or 48 MiB, or never (node 4). After the load, a
+/// partition's rows are laid out differently on each of its replicas: many small merged
+/// components, a few larger ones, or memory. Kills of the streaming join's scans mid-way
+/// must then rebuild a scan channel whole, its surviving consumers checking every batch it
+/// sends again against what they had.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scan_rerun_on_a_replica_laid_out_otherwise_sends_the_same_batches() {
+    short_panics();
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(
+        Path::new(BINARY),
+        root.path(),
+        NODES,
+        PARTITIONS,
+        REPLICATION,
+    );
+    cluster.set_option("replicas.hot_standby", "true");
+    cluster.set_option("store.idle_checkpoint_ms", "0");
+    cluster.set_option("store.checkpoint_log_bytes", "1073741824");
+    cluster.set_option("store.merge_threshold", "2");
+    for (id, flush_bytes) in [(1, 1 << 20), (2, 8 << 20), (3, 48 << 20), (4, 1 << 30)] {
+        cluster.set_node_option(id, "store.memtable_flush_bytes", &flush_bytes.to_string());
+    }
+    cluster.start_all();
+    wait_formed(&cluster, 1, NODES).await;
+    load_tpch(&cluster, SCALE).await;
+    let oracle = tessera_tpch::oracle::oracle(SCALE).unwrap();
+    let expected = oracle
+        .sql(STREAMING_JOIN)
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let initiator = 1;
+    let client = ClusterClient::new(cluster.addr(initiator));
+    client.query(STREAMING_JOIN).await.unwrap();
+    let started = Instant::now();
+    client.query(STREAMING_JOIN).await.unwrap();
+    let no_failure = started.elapsed();
+    // Node 4 holds its rows in memory; its scan channel's first surviving replica is node
+    // 1, whose merged components hold them in another layout.
+    let (victim, host) = (4, 1);
+    let mut rebuilt_whole = None;
+    for attempt in 0..18u64 {
+        // Early: a scan channel is rebuilt whole (not split) only once it has begun to send.
+        let at = 0.3 * 0.8f64.powi((attempt % 9) as i32);
+        let sql = format!("/*+ SET tessera.recovery = lineage */ {STREAMING_JOIN}");
+        client.query(STREAMING_JOIN).await.unwrap();
+        let query = {
+            let client = ClusterClient::new(cluster.addr(initiator));
+            tokio::spawn(async move { client.query_with_notices(&sql).await })
+        };
+        tokio::time::sleep(no_failure.mul_f64(at)).await;
+        cluster.kill9(victim);
+        let (actual, notices) = query
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("attempt {attempt}: node {victim} killed at {at:.2}: {e}"));
+        rejoin(&mut cluster, victim).await;
+        if let Err(diff) = tessera_tpch::compare::same_answer(&expected, &actual, 1e-9) {
+            panic!("attempt {attempt}: node {victim} killed: wrong answer: {diff}");
+        }
+        let recovery = notices.iter().find_map(|n| n.recovery.as_ref());
+        println!("attempt {attempt}: node {victim} killed at {at:.2}: {recovery:?}");
+        match recovery {
+            Some(RecoveryOutcome::Restarted { .. }) => {
+                panic!(
+                    "attempt {attempt}: restarted instead of rebuilt: {}",
+                    recovery.unwrap()
+                )
+            }
+            Some(RecoveryOutcome::Rebuilt { placed, .. }) => {
+                rebuilt_whole = placed
+                    .iter()
+                    .find(|p| p.starts_with("stage 1 channel(s)"))
+                    .cloned();
+            }
+            _ => {}
+        }
+        if rebuilt_whole.is_some() {
+            break;
+        }
+    }
+    let rebuilt_whole = rebuilt_whole.expect("no kill caught a scan channel sending");
+    assert!(
+        rebuilt_whole.ends_with(&format!("on node {host}")),
+        "rebuilt on the replica laid out otherwise: {rebuilt_whole}"
+    );
+    println!("rebuilt whole, its batches sent again and checked: {rebuilt_whole}");
 }

@@ -442,27 +442,45 @@ pub(crate) fn stream_snapshot<K: Send + Sync + 'static>(
 ) -> DfResult<SendableRecordBatchStream> {
     let mut parquet = TableParquetOptions::default();
     parquet.global = context.session_config().options().execution.parquet.clone();
-    let plan = plan_snapshot_scan(SnapshotScan {
-        store: files,
-        snapshot: &snapshot,
-        partitions: Some(partitions),
-        projection: spec.projection.clone(),
-        predicate,
-        limit: spec.limit,
-        grouping: FileGrouping::Packed(1),
-        statistics: node.queries.statistics(),
-        decoded: Some(node.queries.decoded()),
-        runtime: &context.runtime_env(),
-        parquet,
-    })?;
-    let schema = plan.schema();
-    let parts = plan.output_partitioning().partition_count();
-    let stream = futures::stream::iter(0..parts)
-        .map(move |i| {
-            let _keep = &keep;
-            plan.execute(i, context.clone())
+    // One storage partition after another, in the order given, each read by whichever
+    // reader its layout here allows. The rows then come in an order no layout changes (see
+    // `tessera_sql::scan::read_visible_partition`): a replica re-running a dead node's scan
+    // for lineage recovery sends the same rows in the same order, even where it has not yet
+    // flushed or merged what the dead node had (a plan over all of them would read the
+    // plain partitions first, and their files largest first).
+    let each: Vec<&[PartitionId]> = match partitions {
+        // An empty plan still gives the stream its schema.
+        [] => vec![&[]],
+        _ => partitions.iter().map(std::slice::from_ref).collect(),
+    };
+    let plans = each
+        .into_iter()
+        .map(|partition| {
+            plan_snapshot_scan(SnapshotScan {
+                store: files,
+                snapshot: &snapshot,
+                partitions: Some(partition),
+                projection: spec.projection.clone(),
+                predicate: predicate.clone(),
+                limit: spec.limit,
+                grouping: FileGrouping::PerStoragePartition,
+                statistics: node.queries.statistics(),
+                decoded: Some(node.queries.decoded()),
+                runtime: &context.runtime_env(),
+                parquet: parquet.clone(),
+            })
         })
-        .try_flatten();
+        .collect::<DfResult<Vec<_>>>()?;
+    let schema = plans[0].schema();
+    let stream = futures::stream::iter(plans.into_iter().flat_map(|plan| {
+        let parts = plan.output_partitioning().partition_count();
+        (0..parts).map(move |i| (plan.clone(), i))
+    }))
+    .map(move |(plan, i)| {
+        let _keep = &keep;
+        plan.execute(i, context.clone())
+    })
+    .try_flatten();
     Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
 }
 

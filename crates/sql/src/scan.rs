@@ -54,22 +54,19 @@ pub fn read_visible_partition(
         .collect();
     read.sort_unstable();
     read.dedup();
-    // The largest component with one version per key, none above the epoch, goes first as
-    // the base the other versions are resolved against (a merge's current component).
+    // The first component, if it has one version per key and none above the epoch, is the
+    // base the other versions are resolved against: a merge's current component comes
+    // first among the live ones. Only the first, and the components in their order: the
+    // rows then come in the order the partition's versions were logged in, whatever its
+    // layout, so a replica that has not merged (or flushed) yet reads them in the same
+    // order (`versions::SplitVersions`), as lineage recovery's re-run scans need.
     let base = partition
         .components
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| c.unique_keys && c.max_epoch <= epoch)
-        .max_by_key(|(_, c)| c.rows)
-        .map(|(i, _)| i);
-    let mut components: Vec<_> = partition.components.iter().collect();
-    if let Some(base) = base {
-        components.swap(0, base);
-    }
+        .first()
+        .is_some_and(|c| c.unique_keys && c.max_epoch <= epoch);
     let mut batches = Vec::new();
     let mut base_batches = 0;
-    for (i, component) in components.into_iter().enumerate() {
+    for (i, component) in partition.components.iter().enumerate() {
         match decoded.filter(|cache| cache.admits(component)) {
             Some(cache) => {
                 let rows = cache.rows(components_dir, def, component)?;
@@ -84,7 +81,7 @@ pub fn read_visible_partition(
                 Some(&read),
             )?),
         }
-        if i == 0 && base.is_some() {
+        if i == 0 && base {
             base_batches = batches.len();
         }
     }

@@ -473,7 +473,12 @@ pub fn merge_versions(
     Ok(take_record_batch(&batch, &UInt32Array::from(kept))?)
 }
 
-/// A merge's output split in two, both ordered by key, then epoch.
+/// A merge's output split in two, each in the order its rows had among the merged
+/// versions (the log's order, as a partition's components hold them), not in key order:
+/// a read of the current component then gives its rows in the order a read of the merged
+/// components gave them (versions read in input order keep it, see [`visible_rows`]), so
+/// a scan's output does not depend on whether a replica has merged yet. Lineage recovery
+/// re-runs a dead node's scan on another replica and needs the same batches again.
 #[derive(Debug)]
 pub struct SplitVersions {
     /// Each key's newest version (a tombstone included): all a read at or after the
@@ -509,9 +514,11 @@ pub fn merge_and_split_versions(
         kept_versions(&batch, key, retain_from, drop_tombstones)?
             .into_iter()
             .partition(|&(_, newest)| newest);
+    // Back in the order the versions were read in (see [`SplitVersions`]).
     let take = |rows: Vec<(u32, bool)>| {
-        let indices = UInt32Array::from(rows.into_iter().map(|(i, _)| i).collect::<Vec<_>>());
-        take_record_batch(&batch, &indices)
+        let mut indices: Vec<u32> = rows.into_iter().map(|(i, _)| i).collect();
+        indices.sort_unstable();
+        take_record_batch(&batch, &UInt32Array::from(indices))
     };
     Ok(SplitVersions {
         current: take(current)?,
@@ -864,6 +871,47 @@ mod tests {
         ];
         let merged = merge_versions(&[versions(&rows)], &[0], Epoch(4), false).unwrap();
         assert_eq!(pairs(&merged), vec![(1, 11), (1, 12)]);
+    }
+
+    #[test]
+    fn a_merge_keeps_the_order_its_versions_were_read_in() {
+        // Keys arrive out of key order; key 3 gets a newer version later, key 9 a tombstone.
+        let rows = [
+            (5, 50, 1, RowOp::Upsert),
+            (3, 30, 1, RowOp::Upsert),
+            (9, 90, 1, RowOp::Upsert),
+            (1, 10, 1, RowOp::Upsert),
+            (3, 31, 2, RowOp::Upsert),
+            (9, 0, 2, RowOp::Delete),
+            (7, 70, 2, RowOp::Upsert),
+        ];
+        let in_order = |batch: &RecordBatch| -> Vec<(i64, i64)> {
+            let k = batch
+                .column(0)
+                .as_primitive::<arrow::datatypes::Int64Type>();
+            let v = batch
+                .column(1)
+                .as_primitive::<arrow::datatypes::Int64Type>();
+            (0..batch.num_rows())
+                .map(|i| (k.value(i), v.value(i)))
+                .collect()
+        };
+        let split =
+            merge_and_split_versions(&[versions(&rows)], &[0], Epoch(0), false, true).unwrap();
+        // Every version is retained (horizon 0), so key 9's tombstone stays current.
+        assert_eq!(
+            in_order(&split.current),
+            [(5, 50), (1, 10), (3, 31), (9, 0), (7, 70)]
+        );
+        assert_eq!(in_order(&split.history), [(3, 30), (9, 90)]);
+        // A read gives the same rows, in the same order, from the merged current component
+        // as from the unmerged versions.
+        let read = |batch: RecordBatch| {
+            let seen = visible_rows(&[batch], &[0], Epoch(2), false).unwrap();
+            in_order(&seen.unwrap())
+        };
+        assert_eq!(read(split.current), read(versions(&rows)));
+        assert_eq!(read(versions(&rows)), [(5, 50), (1, 10), (3, 31), (7, 70)]);
     }
 
     #[test]

@@ -230,6 +230,8 @@ pub struct LocalCluster {
     voters: Option<Vec<u64>>,
     /// More `key = value` lines for every configuration.
     extra: String,
+    /// More `key = value` lines for one node's configuration, after those for every one.
+    node_extra: BTreeMap<u64, String>,
     /// Where the certificates of mutual TLS on the internal port are (`ca.pem`,
     /// `node-<id>.pem`, `node-<id>.key`); plaintext (`insecure = true`) when `None`.
     mtls: Option<PathBuf>,
@@ -357,6 +359,7 @@ impl LocalCluster {
             founders: nodes,
             voters: None,
             extra: String::new(),
+            node_extra: BTreeMap::new(),
             mtls: None,
             processes: (0..nodes).map(|_| None).collect(),
             links: BTreeMap::new(),
@@ -443,6 +446,16 @@ impl LocalCluster {
         }
     }
 
+    /// Adds `key = value` to node `id`'s configuration only (call before starting it):
+    /// nodes that differ, such as one that flushes more often than the others.
+    pub fn set_node_option(&mut self, id: u64, key: &str, value: &str) {
+        self.node_extra
+            .entry(id)
+            .or_default()
+            .push_str(&format!("{key} = {value}\n"));
+        self.write_config(id, &self.cluster_id.clone());
+    }
+
     pub fn cluster_id(&self) -> &str {
         &self.cluster_id
     }
@@ -491,11 +504,12 @@ impl LocalCluster {
             ""
         };
         format!(
-            "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\n{role}{pg_listen}data_dir = \"data\"\npartitions = {}\nreplication = {}\n{voters}{security}{}{peers}",
+            "cluster_id = \"{cluster_id}\"\nnode_id = {id}\nlisten = \"{}\"\n{role}{pg_listen}data_dir = \"data\"\npartitions = {}\nreplication = {}\n{voters}{security}{}{}{peers}",
             self.addr(id),
             self.partitions,
             self.replication,
-            self.extra
+            self.extra,
+            self.node_extra.get(&id).map_or("", String::as_str)
         )
     }
 
