@@ -17,15 +17,16 @@ use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
-    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, Partitioning,
-    PlanProperties,
+    DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
 };
 use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::{ComponentHash, Epoch, PartitionId};
-use tessera_sql::provider::{plan_snapshot_scan, FileGrouping, SnapshotScan};
+use tessera_sql::provider::{
+    plan_partition_by_partition, FileGrouping, PartitionByPartition, SnapshotScan,
+};
 use tessera_sql::SqlError;
 use tessera_storage::versions::stored_user_schema;
 use tessera_storage::TableDef;
@@ -442,45 +443,35 @@ pub(crate) fn stream_snapshot<K: Send + Sync + 'static>(
 ) -> DfResult<SendableRecordBatchStream> {
     let mut parquet = TableParquetOptions::default();
     parquet.global = context.session_config().options().execution.parquet.clone();
-    // One storage partition after another, in the order given, each read by whichever
-    // reader its layout here allows. The rows then come in an order no layout changes (see
+    // One storage partition after another, by id, each read by whichever reader its layout
+    // here allows. The rows then come in an order no layout changes (see
     // `tessera_sql::scan::read_visible_partition`): a replica re-running a dead node's scan
     // for lineage recovery sends the same rows in the same order, even where it has not yet
-    // flushed or merged what the dead node had (a plan over all of them would read the
-    // plain partitions first, and their files largest first).
-    let each: Vec<&[PartitionId]> = match partitions {
-        // An empty plan still gives the stream its schema.
-        [] => vec![&[]],
-        _ => partitions.iter().map(std::slice::from_ref).collect(),
-    };
-    let plans = each
-        .into_iter()
-        .map(|partition| {
-            plan_snapshot_scan(SnapshotScan {
-                store: files,
-                snapshot: &snapshot,
-                partitions: Some(partition),
-                projection: spec.projection.clone(),
-                predicate: predicate.clone(),
-                limit: spec.limit,
-                grouping: FileGrouping::PerStoragePartition,
-                statistics: node.queries.statistics(),
-                decoded: Some(node.queries.decoded()),
-                runtime: &context.runtime_env(),
-                parquet: parquet.clone(),
-            })
+    // flushed or merged what the dead node had (read as the plan lists them, the plain
+    // partitions would come first).
+    let PartitionByPartition {
+        plan,
+        reading_order,
+    } = plan_partition_by_partition(SnapshotScan {
+        store: files,
+        snapshot: &snapshot,
+        partitions: Some(partitions),
+        projection: spec.projection.clone(),
+        predicate,
+        limit: spec.limit,
+        grouping: FileGrouping::PerStoragePartition,
+        statistics: node.queries.statistics(),
+        decoded: Some(node.queries.decoded()),
+        runtime: &context.runtime_env(),
+        parquet,
+    })?;
+    let schema = plan.schema();
+    let stream = futures::stream::iter(reading_order)
+        .map(move |i| {
+            let _keep = &keep;
+            plan.execute(i, context.clone())
         })
-        .collect::<DfResult<Vec<_>>>()?;
-    let schema = plans[0].schema();
-    let stream = futures::stream::iter(plans.into_iter().flat_map(|plan| {
-        let parts = plan.output_partitioning().partition_count();
-        (0..parts).map(move |i| (plan.clone(), i))
-    }))
-    .map(move |(plan, i)| {
-        let _keep = &keep;
-        plan.execute(i, context.clone())
-    })
-    .try_flatten();
+        .try_flatten();
     Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
 }
 

@@ -4,7 +4,10 @@
 use crate::decoded::DecodedComponents;
 use crate::error::SqlError;
 use crate::key_bounds::KeyBounds;
-pub use crate::snapshot_scan::{plan_snapshot_scan, FileGrouping, SnapshotScan};
+pub use crate::snapshot_scan::{
+    plan_partition_by_partition, plan_snapshot_scan, FileGrouping, PartitionByPartition,
+    SnapshotScan,
+};
 use crate::system;
 use crate::time_travel::{base_table_name, split_as_of};
 use arrow::datatypes::{Field, Schema, SchemaRef};

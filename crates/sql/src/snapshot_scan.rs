@@ -19,7 +19,7 @@ use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::empty::EmptyExec;
 use datafusion::physical_plan::union::UnionExec;
-use datafusion::physical_plan::ExecutionPlan;
+use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use std::cmp::Ordering;
 use std::sync::Arc;
 use tessera_common::PartitionId;
@@ -63,6 +63,58 @@ pub struct SnapshotScan<'a> {
 /// component is small, to the decoded cache ([`DecodedScanExec`]); the rest through
 /// [`VersionedScanExec`]. Every component read is verified against its hash first.
 pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPlan>> {
+    Ok(plan_readers(scan)?.plan)
+}
+
+/// A plan reading one storage partition per output partition, and the order to read
+/// those in so that the storage partitions come one after another, by id.
+pub struct PartitionByPartition {
+    pub plan: Arc<dyn ExecutionPlan>,
+    /// The plan's output partitions, in the order of the storage partitions they read.
+    pub reading_order: Vec<usize>,
+}
+
+/// [`plan_snapshot_scan`] with one output partition per storage partition
+/// ([`FileGrouping::PerStoragePartition`], whatever `scan` asks), and the order that reads
+/// them by id. The plan puts the partitions the plain reader takes before those that need
+/// version resolution, which differ from replica to replica; read in this order, a
+/// partition's place in the output does not.
+pub fn plan_partition_by_partition(mut scan: SnapshotScan<'_>) -> Result<PartitionByPartition> {
+    scan.grouping = FileGrouping::PerStoragePartition;
+    let Readers {
+        plan,
+        plain,
+        versioned,
+    } = plan_readers(scan)?;
+    let mut by_id: Vec<(PartitionId, usize)> = plain
+        .into_iter()
+        .chain(versioned)
+        .enumerate()
+        .map(|(output, partition)| (partition, output))
+        .collect();
+    by_id.sort_unstable();
+    let reading_order: Vec<usize> = by_id.into_iter().map(|(_, output)| output).collect();
+    assert!(
+        reading_order.is_empty()
+            || reading_order.len() == plan.output_partitioning().partition_count(),
+        "one output partition per storage partition"
+    );
+    Ok(PartitionByPartition {
+        plan,
+        reading_order,
+    })
+}
+
+/// A snapshot scan's plan, and the storage partitions its plain and versioned readers
+/// take, each in the order of their output partitions under
+/// [`FileGrouping::PerStoragePartition`].
+struct Readers {
+    plan: Arc<dyn ExecutionPlan>,
+    plain: Vec<PartitionId>,
+    versioned: Vec<PartitionId>,
+}
+
+fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
     let SnapshotScan {
         store,
         snapshot,
@@ -83,6 +135,7 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
     // Per storage partition read as plain Parquet, its components.
     let mut plain: Vec<Vec<ComponentMeta>> = Vec::new();
     let mut versioned = Vec::new();
+    let (mut plain_ids, mut versioned_ids) = (Vec::new(), Vec::new());
     for partition in snapshot
         .partitions
         .iter()
@@ -94,8 +147,14 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
                 .map_err(SqlError::to_datafusion)?;
         }
         match read_as_written(partition, epoch, def, store, statistics)? {
-            Some(components) => plain.push(components.to_vec()),
-            None => versioned.push(partition.clone()),
+            Some(components) => {
+                plain.push(components.to_vec());
+                plain_ids.push(partition.partition);
+            }
+            None => {
+                versioned.push(partition.clone());
+                versioned_ids.push(partition.partition);
+            }
         }
     }
     let mut children: Vec<Arc<dyn ExecutionPlan>> = Vec::new();
@@ -163,12 +222,17 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
             .into_iter()
             .map(FileGroup::new)
             .collect();
+        // Groups that are storage partitions are read each by its own output partition, its
+        // files in order: DataFusion's work stealing would otherwise let the first output
+        // partition executed take every group's files.
+        let per_storage_partition = matches!(grouping, FileGrouping::PerStoragePartition);
         let config =
             FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source))
                 .with_file_groups(groups)
                 .with_statistics(merged_statistics)
                 .with_projection_indices(Some(projection.clone()))?
                 .with_limit(limit)
+                .with_preserve_order(per_storage_partition)
                 .build();
         children.push(DataSourceExec::from_data_source(config));
     }
@@ -182,12 +246,16 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
             decoded.cloned(),
         )?));
     }
-    if children.is_empty() {
-        return Ok(Arc::new(EmptyExec::new(Arc::new(
-            stored.project(&projection)?,
-        ))));
-    }
-    UnionExec::try_new(children)
+    let plan = if children.is_empty() {
+        Arc::new(EmptyExec::new(Arc::new(stored.project(&projection)?)))
+    } else {
+        UnionExec::try_new(children)?
+    };
+    Ok(Readers {
+        plan,
+        plain: plain_ids,
+        versioned: versioned_ids,
+    })
 }
 
 /// Lays files, given per storage partition, out as `grouping` says: one group per storage

@@ -1,6 +1,7 @@
 use super::*;
 use crate::decoded::tests::rows_of;
 use crate::Engine;
+use arrow::array::AsArray;
 use datafusion::physical_plan::{collect, displayable};
 use datafusion::prelude::SessionContext;
 use tessera_storage::{Store, StoreConfig};
@@ -261,5 +262,91 @@ async fn an_order_split_between_two_loads_is_read_as_written_unless_a_line_repea
     assert_eq!(
         crate::decoded::tests::rows_of(&answer),
         vec![(800, expected_sum - 1014 - 1)]
+    );
+}
+
+/// Runs `plan`'s output partitions in `order`, the rows as (k, v) in the order read.
+async fn run_in_order(plan: &Arc<dyn ExecutionPlan>, order: &[usize]) -> Vec<(i64, i64)> {
+    let ctx = SessionContext::new();
+    let mut rows = Vec::new();
+    for &i in order {
+        let stream = plan.execute(i, ctx.task_ctx()).unwrap();
+        let batches: Vec<_> = futures::TryStreamExt::try_collect(stream).await.unwrap();
+        for batch in &batches {
+            let (v, k) = (
+                batch
+                    .column(0)
+                    .as_primitive::<arrow::datatypes::Int64Type>(),
+                batch
+                    .column(1)
+                    .as_primitive::<arrow::datatypes::Int64Type>(),
+            );
+            rows.extend((0..batch.num_rows()).map(|r| (k.value(r), v.value(r))));
+        }
+    }
+    rows
+}
+
+#[tokio::test]
+async fn partition_by_partition_reads_storage_partitions_by_id_whichever_reader_takes_them() {
+    let (_dir, store, engine) = loaded(KEYED, &[(1, 1000)]).await;
+    let ctx = SessionContext::new();
+    let planned = |partitions: Option<&[PartitionId]>| {
+        let snapshot = store.snapshot("t", None).unwrap();
+        plan_partition_by_partition(SnapshotScan {
+            store: store.as_ref(),
+            snapshot: &snapshot,
+            partitions,
+            projection: vec![1, 0],
+            predicate: None,
+            limit: None,
+            grouping: FileGrouping::Packed(1),
+            statistics: &ComponentStatistics::default(),
+            decoded: None,
+            runtime: &ctx.runtime_env(),
+            parquet: Default::default(),
+        })
+        .unwrap()
+    };
+    // A new version of one key in memory: its partition needs version resolution, the
+    // others are read as written. Pick a key whose partition is not the last one.
+    let last = store
+        .snapshot("t", None)
+        .unwrap()
+        .partitions
+        .iter()
+        .rfind(|p| !p.is_empty())
+        .unwrap()
+        .partition;
+    let mut versioned = None;
+    for k in 1..=1000 {
+        engine
+            .execute(&format!("UPDATE t SET v = v + 1 WHERE k = {k}"))
+            .await
+            .unwrap();
+        let snapshot = store.snapshot("t", None).unwrap();
+        let in_memory = snapshot.partitions.iter().find(|p| !p.memtable.is_empty());
+        versioned = in_memory.map(|p| p.partition).filter(|&p| p != last);
+        if versioned.is_some() {
+            break;
+        }
+        store.checkpoint().unwrap();
+    }
+    let versioned = versioned.expect("a key outside the last partition");
+    let PartitionByPartition {
+        plan,
+        reading_order,
+    } = planned(None);
+    // Each storage partition alone, by id: the order a replica of any layout reads in.
+    let mut by_id = Vec::new();
+    for p in (0..8).map(PartitionId) {
+        let alone = planned(Some(&[p]));
+        by_id.extend(run_in_order(&alone.plan, &alone.reading_order).await);
+    }
+    assert_eq!(run_in_order(&plan, &reading_order).await, by_id);
+    let as_listed: Vec<usize> = (0..reading_order.len()).collect();
+    assert_ne!(
+        reading_order, as_listed,
+        "partition {versioned} (versioned) is listed after the plain ones, out of id order"
     );
 }
