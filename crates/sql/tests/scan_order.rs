@@ -11,17 +11,25 @@ use std::sync::Arc;
 use tessera_sql::Engine;
 use tessera_storage::{Store, StoreConfig, TableChanges};
 
-/// One partition, merged at every checkpoint that finds two components.
-fn store(dir: &std::path::Path) -> Arc<Store> {
-    Store::open(
-        dir,
+/// Table `t (k, v)` in a store of one partition, merged at every checkpoint that finds
+/// two components.
+async fn table_t() -> (tempfile::TempDir, Arc<Store>, Engine) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(
+        dir.path(),
         StoreConfig {
             partitions: 1,
             merge_threshold: 1,
             ..StoreConfig::default()
         },
     )
-    .unwrap()
+    .unwrap();
+    let engine = Engine::new(store.clone());
+    engine
+        .execute("CREATE TABLE t (k BIGINT, v BIGINT, PRIMARY KEY (k))")
+        .await
+        .unwrap();
+    (dir, store, engine)
 }
 
 /// The table's rows, in the order its one partition's scan gives them (one output
@@ -48,13 +56,7 @@ async fn scanned(engine: &Engine) -> Vec<(i64, i64)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitions_rows_come_in_one_order_whatever_their_layout() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = store(dir.path());
-    let engine = Engine::new(store.clone());
-    engine
-        .execute("CREATE TABLE t (k BIGINT, v BIGINT, PRIMARY KEY (k))")
-        .await
-        .unwrap();
+    let (_dir, store, engine) = table_t().await;
     // Rows that do not arrive in key order, then new versions of some of them, deletes and
     // more new keys, each its own epoch.
     for sql in [
@@ -108,13 +110,7 @@ async fn a_partitions_rows_come_in_one_order_whatever_their_layout() {
 /// the same versions from memory does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_larger_newer_component_does_not_reorder_a_partitions_rows() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = store(dir.path());
-    let engine = Engine::new(store.clone());
-    engine
-        .execute("CREATE TABLE t (k BIGINT, v BIGINT, PRIMARY KEY (k))")
-        .await
-        .unwrap();
+    let (_dir, store, engine) = table_t().await;
     engine
         .execute("INSERT INTO t SELECT value, value * 1 FROM generate_series(1, 5)")
         .await

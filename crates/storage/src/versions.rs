@@ -693,16 +693,22 @@ mod tests {
         RecordBatch::try_new(stored_schema(&def), columns).unwrap()
     }
 
-    fn pairs(batch: &RecordBatch) -> Vec<(i64, i64)> {
+    /// The (key, value) pairs of `batch`, in its order.
+    fn in_order(batch: &RecordBatch) -> Vec<(i64, i64)> {
         let k = batch
             .column(0)
             .as_primitive::<arrow::datatypes::Int64Type>();
         let v = batch
             .column(1)
             .as_primitive::<arrow::datatypes::Int64Type>();
-        let mut out: Vec<_> = (0..batch.num_rows())
+        (0..batch.num_rows())
             .map(|i| (k.value(i), v.value(i)))
-            .collect();
+            .collect()
+    }
+
+    /// The (key, value) pairs of `batch`, sorted.
+    fn pairs(batch: &RecordBatch) -> Vec<(i64, i64)> {
+        let mut out = in_order(batch);
         out.sort();
         out
     }
@@ -885,17 +891,6 @@ mod tests {
             (9, 0, 2, RowOp::Delete),
             (7, 70, 2, RowOp::Upsert),
         ];
-        let in_order = |batch: &RecordBatch| -> Vec<(i64, i64)> {
-            let k = batch
-                .column(0)
-                .as_primitive::<arrow::datatypes::Int64Type>();
-            let v = batch
-                .column(1)
-                .as_primitive::<arrow::datatypes::Int64Type>();
-            (0..batch.num_rows())
-                .map(|i| (k.value(i), v.value(i)))
-                .collect()
-        };
         let split =
             merge_and_split_versions(&[versions(&rows)], &[0], Epoch(0), false, true).unwrap();
         // Every version is retained (horizon 0), so key 9's tombstone stays current.
