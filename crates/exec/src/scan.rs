@@ -24,9 +24,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::{ComponentHash, Epoch, PartitionId};
-use tessera_sql::provider::{
-    plan_partition_by_partition, FileGrouping, PartitionByPartition, SnapshotScan,
-};
+use tessera_sql::provider::{plan_in_id_order, FileGrouping, InIdOrder, SnapshotScan};
 use tessera_sql::SqlError;
 use tessera_storage::versions::stored_user_schema;
 use tessera_storage::TableDef;
@@ -449,17 +447,17 @@ pub(crate) fn stream_snapshot<K: Send + Sync + 'static>(
     // for lineage recovery sends the same rows in the same order, even where it has not yet
     // flushed or merged what the dead node had (read as the plan lists them, the plain
     // partitions would come first).
-    let PartitionByPartition {
+    let InIdOrder {
         plan,
         reading_order,
-    } = plan_partition_by_partition(SnapshotScan {
+    } = plan_in_id_order(SnapshotScan {
         store: files,
         snapshot: &snapshot,
         partitions: Some(partitions),
         projection: spec.projection.clone(),
         predicate,
         limit: spec.limit,
-        grouping: FileGrouping::PerStoragePartition,
+        grouping: FileGrouping::InIdRuns,
         statistics: node.queries.statistics(),
         decoded: Some(node.queries.decoded()),
         runtime: &context.runtime_env(),

@@ -5,8 +5,7 @@ use crate::decoded::DecodedComponents;
 use crate::error::SqlError;
 use crate::key_bounds::KeyBounds;
 pub use crate::snapshot_scan::{
-    plan_partition_by_partition, plan_snapshot_scan, FileGrouping, PartitionByPartition,
-    SnapshotScan,
+    plan_in_id_order, plan_snapshot_scan, FileGrouping, InIdOrder, SnapshotScan,
 };
 use crate::system;
 use crate::time_travel::{base_table_name, split_as_of};

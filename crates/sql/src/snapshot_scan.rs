@@ -34,6 +34,10 @@ pub enum FileGrouping {
     PerStoragePartition,
     /// Packed into at most this many groups of about equal bytes.
     Packed(usize),
+    /// By storage partition id: consecutive partitions the plain reader takes share one
+    /// group, their files in id order; a partition that needs version resolution ends
+    /// the run (see [`plan_in_id_order`]).
+    InIdRuns,
 }
 
 /// What to read of a table snapshot, and how.
@@ -66,21 +70,22 @@ pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPla
     Ok(plan_readers(scan)?.plan)
 }
 
-/// A plan reading one storage partition per output partition, and the order to read
-/// those in so that the storage partitions come one after another, by id.
-pub struct PartitionByPartition {
+/// A scan's plan and the order to read its output partitions in so that the storage
+/// partitions come one after another, by id.
+pub struct InIdOrder {
     pub plan: Arc<dyn ExecutionPlan>,
     /// The plan's output partitions, in the order of the storage partitions they read.
     pub reading_order: Vec<usize>,
 }
 
-/// [`plan_snapshot_scan`] with one output partition per storage partition
-/// ([`FileGrouping::PerStoragePartition`], whatever `scan` asks), and the order that reads
-/// them by id. The plan puts the partitions the plain reader takes before those that need
-/// version resolution, which differ from replica to replica; read in this order, a
-/// partition's place in the output does not.
-pub fn plan_partition_by_partition(mut scan: SnapshotScan<'_>) -> Result<PartitionByPartition> {
-    scan.grouping = FileGrouping::PerStoragePartition;
+/// [`plan_snapshot_scan`] grouped [`FileGrouping::InIdRuns`] (whatever `scan` asks), and
+/// the order that reads the storage partitions by id. The plan puts the partitions the
+/// plain reader takes before those that need version resolution, and which those are
+/// differs from replica to replica; read in this order, a partition's place in the output
+/// does not. Where every partition is plain (the usual case once a load has settled),
+/// they are one group, read as one stream of files.
+pub fn plan_in_id_order(mut scan: SnapshotScan<'_>) -> Result<InIdOrder> {
+    scan.grouping = FileGrouping::InIdRuns;
     let Readers {
         plan,
         plain,
@@ -90,24 +95,24 @@ pub fn plan_partition_by_partition(mut scan: SnapshotScan<'_>) -> Result<Partiti
         .into_iter()
         .chain(versioned)
         .enumerate()
-        .map(|(output, partition)| (partition, output))
+        .map(|(output, first)| (first, output))
         .collect();
     by_id.sort_unstable();
     let reading_order: Vec<usize> = by_id.into_iter().map(|(_, output)| output).collect();
     assert!(
         reading_order.is_empty()
             || reading_order.len() == plan.output_partitioning().partition_count(),
-        "one output partition per storage partition"
+        "every output partition is read once"
     );
-    Ok(PartitionByPartition {
+    Ok(InIdOrder {
         plan,
         reading_order,
     })
 }
 
-/// A snapshot scan's plan, and the storage partitions its plain and versioned readers
-/// take, each in the order of their output partitions under
-/// [`FileGrouping::PerStoragePartition`].
+/// A snapshot scan's plan, and, for each output partition of its plain and of its
+/// versioned reader, the first storage partition it reads (meaningful when the plain
+/// groups are storage partitions or runs of them).
 struct Readers {
     plan: Arc<dyn ExecutionPlan>,
     plain: Vec<PartitionId>,
@@ -136,6 +141,8 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
     let mut plain: Vec<Vec<ComponentMeta>> = Vec::new();
     let mut versioned = Vec::new();
     let (mut plain_ids, mut versioned_ids) = (Vec::new(), Vec::new());
+    // Per plain partition, the run of consecutive plain partitions it belongs to.
+    let (mut plain_runs, mut run, mut in_run) = (Vec::new(), 0usize, false);
     for partition in snapshot
         .partitions
         .iter()
@@ -150,10 +157,14 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
             Some(components) => {
                 plain.push(components.to_vec());
                 plain_ids.push(partition.partition);
+                plain_runs.push(run);
+                in_run = true;
             }
             None => {
                 versioned.push(partition.clone());
                 versioned_ids.push(partition.partition);
+                run += usize::from(in_run);
+                in_run = false;
             }
         }
     }
@@ -172,7 +183,7 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
     if let (Some(cache), false) = (plain_decoded, plain.is_empty()) {
         children.push(Arc::new(DecodedScanExec::new(DecodedScan {
             snapshot: snapshot.clone(),
-            groups: group_files(plain, grouping, |c| c.bytes),
+            groups: group_files(plain, grouping, &plain_runs, |c| c.bytes),
             components_dir: store.dir().to_path_buf(),
             cache: cache.clone(),
             projection: projection.clone(),
@@ -218,21 +229,21 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
                     .collect()
             })
             .collect();
-        let groups = group_files(files, grouping, |f| f.object_meta.size)
+        let groups = group_files(files, grouping, &plain_runs, |f| f.object_meta.size)
             .into_iter()
             .map(FileGroup::new)
             .collect();
-        // Groups that are storage partitions are read each by its own output partition, its
-        // files in order: DataFusion's work stealing would otherwise let the first output
-        // partition executed take every group's files.
-        let per_storage_partition = matches!(grouping, FileGrouping::PerStoragePartition);
+        // Groups that are storage partitions (or runs of them) are read each by its own
+        // output partition, its files in order: DataFusion's work stealing would otherwise
+        // let the first output partition executed take every group's files.
+        let by_storage_partition = !matches!(grouping, FileGrouping::Packed(_));
         let config =
             FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source))
                 .with_file_groups(groups)
                 .with_statistics(merged_statistics)
                 .with_projection_indices(Some(projection.clone()))?
                 .with_limit(limit)
-                .with_preserve_order(per_storage_partition)
+                .with_preserve_order(by_storage_partition)
                 .build();
         children.push(DataSourceExec::from_data_source(config));
     }
@@ -251,9 +262,20 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
     } else {
         UnionExec::try_new(children)?
     };
+    let plain_firsts = match grouping {
+        // The first partition of each run.
+        FileGrouping::InIdRuns => plain_ids
+            .iter()
+            .zip(&plain_runs)
+            .enumerate()
+            .filter(|(i, (_, run))| *i == 0 || plain_runs[i - 1] != **run)
+            .map(|(_, (id, _))| *id)
+            .collect(),
+        _ => plain_ids,
+    };
     Ok(Readers {
         plan,
-        plain: plain_ids,
+        plain: plain_firsts,
         versioned: versioned_ids,
     })
 }
@@ -263,12 +285,24 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
 fn group_files<F: Clone>(
     by_partition: Vec<Vec<F>>,
     grouping: FileGrouping,
+    runs: &[usize],
     bytes: impl Fn(&F) -> u64,
 ) -> Vec<Vec<F>> {
     match grouping {
         FileGrouping::PerStoragePartition => by_partition,
         FileGrouping::Packed(groups) => {
             pack_by_bytes(by_partition.into_iter().flatten().collect(), groups, bytes)
+        }
+        FileGrouping::InIdRuns => {
+            debug_assert_eq!(runs.len(), by_partition.len(), "a run for each partition");
+            let mut grouped: Vec<Vec<F>> = Vec::new();
+            for (i, files) in by_partition.into_iter().enumerate() {
+                match grouped.last_mut() {
+                    Some(group) if i > 0 && runs[i - 1] == runs[i] => group.extend(files),
+                    _ => grouped.push(files),
+                }
+            }
+            grouped
         }
     }
 }

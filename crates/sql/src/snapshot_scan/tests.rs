@@ -288,12 +288,12 @@ async fn run_in_order(plan: &Arc<dyn ExecutionPlan>, order: &[usize]) -> Vec<(i6
 }
 
 #[tokio::test]
-async fn partition_by_partition_reads_storage_partitions_by_id_whichever_reader_takes_them() {
+async fn reading_in_id_order_gives_storage_partitions_by_id_whichever_reader_takes_them() {
     let (_dir, store, engine) = loaded(KEYED, &[(1, 1000)]).await;
     let ctx = SessionContext::new();
     let planned = |partitions: Option<&[PartitionId]>| {
         let snapshot = store.snapshot("t", None).unwrap();
-        plan_partition_by_partition(SnapshotScan {
+        plan_in_id_order(SnapshotScan {
             store: store.as_ref(),
             snapshot: &snapshot,
             partitions,
@@ -309,15 +309,17 @@ async fn partition_by_partition_reads_storage_partitions_by_id_whichever_reader_
         .unwrap()
     };
     // A new version of one key in memory: its partition needs version resolution, the
-    // others are read as written. Pick a key whose partition is not the last one.
-    let last = store
+    // others are read as written. Pick a key whose partition is neither the first nor the
+    // last.
+    let held: Vec<PartitionId> = store
         .snapshot("t", None)
         .unwrap()
         .partitions
         .iter()
-        .rfind(|p| !p.is_empty())
-        .unwrap()
-        .partition;
+        .filter(|p| !p.is_empty())
+        .map(|p| p.partition)
+        .collect();
+    assert_eq!(held.len(), 8, "every partition holds rows");
     let mut versioned = None;
     for k in 1..=1000 {
         engine
@@ -326,14 +328,16 @@ async fn partition_by_partition_reads_storage_partitions_by_id_whichever_reader_
             .unwrap();
         let snapshot = store.snapshot("t", None).unwrap();
         let in_memory = snapshot.partitions.iter().find(|p| !p.memtable.is_empty());
-        versioned = in_memory.map(|p| p.partition).filter(|&p| p != last);
+        versioned = in_memory
+            .map(|p| p.partition)
+            .filter(|&p| p != held[0] && p != held[7]);
         if versioned.is_some() {
             break;
         }
         store.checkpoint().unwrap();
     }
     let versioned = versioned.expect("a key outside the last partition");
-    let PartitionByPartition {
+    let InIdOrder {
         plan,
         reading_order,
     } = planned(None);
@@ -344,6 +348,12 @@ async fn partition_by_partition_reads_storage_partitions_by_id_whichever_reader_
         by_id.extend(run_in_order(&alone.plan, &alone.reading_order).await);
     }
     assert_eq!(run_in_order(&plan, &reading_order).await, by_id);
+    // The plain partitions before the versioned one are one group, those after it another.
+    assert_eq!(
+        plan.properties().output_partitioning().partition_count(),
+        3,
+        "runs of plain partitions read as one group each"
+    );
     let as_listed: Vec<usize> = (0..reading_order.len()).collect();
     assert_ne!(
         reading_order, as_listed,
