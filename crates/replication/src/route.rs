@@ -159,9 +159,9 @@ mod tests {
     use std::sync::Arc;
     use tessera_storage::routing::split_by_partition;
 
-    /// Nodes allocate with jemalloc (`tessera_common::allocator`); so does this test
-    /// binary, so that `route_timing` measures routing as a node does it (with glibc's
-    /// malloc, fresh pages for each publish's routed rows took a quarter of its time).
+    // Nodes allocate with jemalloc (`tessera_common::allocator`); so does this test
+    // binary, so that `route_timing` measures routing as a node does it (with glibc's
+    // malloc, fresh pages for each publish's routed rows took a quarter of its time).
     tessera_common::allocate_with_jemalloc!();
 
     /// Rows of table `t` (one BIGINT key column `k`).
