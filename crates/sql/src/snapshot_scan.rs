@@ -262,17 +262,13 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
     } else {
         UnionExec::try_new(children)?
     };
-    let plain_firsts = match grouping {
-        // The first partition of each run.
-        FileGrouping::InIdRuns => plain_ids
-            .iter()
-            .zip(&plain_runs)
-            .enumerate()
-            .filter(|(i, (_, run))| *i == 0 || plain_runs[i - 1] != **run)
-            .map(|(_, (id, _))| *id)
-            .collect(),
-        _ => plain_ids,
-    };
+    // The first storage partition of each plain group.
+    let plain_firsts = plain_ids
+        .into_iter()
+        .enumerate()
+        .filter(|&(i, _)| starts_group(grouping, &plain_runs, i))
+        .map(|(_, id)| id)
+        .collect();
     Ok(Readers {
         plan,
         plain: plain_firsts,
@@ -288,22 +284,28 @@ fn group_files<F: Clone>(
     runs: &[usize],
     bytes: impl Fn(&F) -> u64,
 ) -> Vec<Vec<F>> {
+    if let FileGrouping::Packed(groups) = grouping {
+        return pack_by_bytes(by_partition.into_iter().flatten().collect(), groups, bytes);
+    }
+    let mut grouped: Vec<Vec<F>> = Vec::new();
+    for (i, files) in by_partition.into_iter().enumerate() {
+        match grouped.last_mut() {
+            Some(group) if !starts_group(grouping, runs, i) => group.extend(files),
+            _ => grouped.push(files),
+        }
+    }
+    grouped
+}
+
+/// Whether the `i`th plain storage partition (in id order) begins a group of its own: each
+/// does under [`FileGrouping::PerStoragePartition`], the first of each run (`runs`: the
+/// run of each) under [`FileGrouping::InIdRuns`]. Packed groups are not storage
+/// partitions'.
+fn starts_group(grouping: FileGrouping, runs: &[usize], i: usize) -> bool {
     match grouping {
-        FileGrouping::PerStoragePartition => by_partition,
-        FileGrouping::Packed(groups) => {
-            pack_by_bytes(by_partition.into_iter().flatten().collect(), groups, bytes)
-        }
-        FileGrouping::InIdRuns => {
-            debug_assert_eq!(runs.len(), by_partition.len(), "a run for each partition");
-            let mut grouped: Vec<Vec<F>> = Vec::new();
-            for (i, files) in by_partition.into_iter().enumerate() {
-                match grouped.last_mut() {
-                    Some(group) if i > 0 && runs[i - 1] == runs[i] => group.extend(files),
-                    _ => grouped.push(files),
-                }
-            }
-            grouped
-        }
+        FileGrouping::PerStoragePartition => true,
+        FileGrouping::InIdRuns => i == 0 || runs[i - 1] != runs[i],
+        FileGrouping::Packed(_) => false,
     }
 }
 

@@ -74,6 +74,13 @@ async fn scan_columns(
 
 /// Every (v, k) row of the batches, sorted by k.
 pub(crate) fn rows_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
+    let mut rows = rows_in_order(batches);
+    rows.sort_by_key(|&(_, k)| k);
+    rows
+}
+
+/// The (v, k) rows of `batches`, in the order read.
+pub(crate) fn rows_in_order(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
     let column = |b: &RecordBatch, i: usize| {
         b.column(i)
             .as_any()
@@ -81,7 +88,7 @@ pub(crate) fn rows_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
             .expect("BIGINT column")
             .clone()
     };
-    let mut rows: Vec<(i64, i64)> = batches
+    batches
         .iter()
         .flat_map(|b| {
             let (v, k) = (column(b, 0), column(b, 1));
@@ -89,9 +96,7 @@ pub(crate) fn rows_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
                 .map(|i| (v.value(i), k.value(i)))
                 .collect::<Vec<_>>()
         })
-        .collect();
-    rows.sort_by_key(|&(_, k)| k);
-    rows
+        .collect()
 }
 
 #[tokio::test]

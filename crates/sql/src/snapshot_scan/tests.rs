@@ -1,7 +1,6 @@
 use super::*;
-use crate::decoded::tests::rows_of;
+use crate::decoded::tests::{rows_in_order, rows_of};
 use crate::Engine;
-use arrow::array::AsArray;
 use datafusion::physical_plan::{collect, displayable};
 use datafusion::prelude::SessionContext;
 use tessera_storage::{Store, StoreConfig};
@@ -265,26 +264,19 @@ async fn an_order_split_between_two_loads_is_read_as_written_unless_a_line_repea
     );
 }
 
-/// Runs `plan`'s output partitions in `order`, the rows as (k, v) in the order read.
+/// Runs `plan`'s output partitions in `order`, the rows as (v, k) in the order read.
 async fn run_in_order(plan: &Arc<dyn ExecutionPlan>, order: &[usize]) -> Vec<(i64, i64)> {
     let ctx = SessionContext::new();
-    let mut rows = Vec::new();
+    let mut batches = Vec::new();
     for &i in order {
         let stream = plan.execute(i, ctx.task_ctx()).unwrap();
-        let batches: Vec<_> = futures::TryStreamExt::try_collect(stream).await.unwrap();
-        for batch in &batches {
-            let (v, k) = (
-                batch
-                    .column(0)
-                    .as_primitive::<arrow::datatypes::Int64Type>(),
-                batch
-                    .column(1)
-                    .as_primitive::<arrow::datatypes::Int64Type>(),
-            );
-            rows.extend((0..batch.num_rows()).map(|r| (k.value(r), v.value(r))));
-        }
+        batches.extend(
+            futures::TryStreamExt::try_collect::<Vec<_>>(stream)
+                .await
+                .unwrap(),
+        );
     }
-    rows
+    rows_in_order(&batches)
 }
 
 #[tokio::test]
