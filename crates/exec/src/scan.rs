@@ -3,10 +3,11 @@
 //! with projection and row-group pruning, replaying a cold standby's log first), else from
 //! a replica over Flight.
 
+use crate::replica_read::read_remotely;
+pub use crate::replica_read::{read_from, ReadRows};
 use crate::Exec;
 use crate::ExecError;
 use crate::NodeId;
-use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::common::config::TableParquetOptions;
 use datafusion::common::stats::Precision;
@@ -283,6 +284,7 @@ impl ExecutionPlan for DistributedScanExec {
         let spec = self.spec.clone();
         let predicate = self.predicate.clone();
         let open = async move {
+            crate::scan_gate::pass().await;
             if let Some(archive) = &spec.archive {
                 return crate::archive_scan::read_archived(
                     &node,
@@ -663,131 +665,4 @@ async fn repair_component(
         node.id(),
         if tried.is_empty() { "none was reachable".to_string() } else { tried.join("; ") }
     ))
-}
-
-/// Reads partitions from the first replica that answers.
-async fn read_remotely(
-    node: &Arc<Exec>,
-    spec: &ScanSpec,
-    partitions: &[PartitionId],
-    replicas: &[NodeId],
-) -> DfResult<SendableRecordBatchStream> {
-    let schema = spec.schema()?;
-    let mut last =
-        format!("partitions {partitions:?} have no live replica in the query's snapshot");
-    for &replica in replicas {
-        let read = ReadRows {
-            epoch: spec.epoch,
-            changes_since: spec.changes_since,
-        };
-        match read_from(node, replica, &spec.def, read, partitions, &spec.projection).await {
-            Ok(batches) => {
-                return Ok(Box::pin(RecordBatchStreamAdapter::new(
-                    schema,
-                    futures::stream::iter(batches.into_iter().map(Ok)),
-                )))
-            }
-            Err(error) => {
-                if matches!(error, ExecError::Unreachable { .. }) {
-                    node.suspect(replica);
-                }
-                last = format!("node {replica}: {error}");
-            }
-        }
-    }
-    Err(DataFusionError::Execution(format!(
-        "no replica of partitions {partitions:?} of {:?} could be read: {last}",
-        spec.def.name
-    )))
-}
-
-/// What a read of partitions returns: the live rows at `epoch`, or with `changes_since`
-/// the changes from that epoch to `epoch`.
-#[derive(Debug, Clone, Copy)]
-pub struct ReadRows {
-    pub epoch: Epoch,
-    pub changes_since: Option<Epoch>,
-}
-
-impl ReadRows {
-    /// The live rows at `epoch`.
-    pub fn at(epoch: Epoch) -> ReadRows {
-        ReadRows {
-            epoch,
-            changes_since: None,
-        }
-    }
-}
-
-/// The live rows (or changes) of `partitions` held by node `from` (this node or another).
-pub async fn read_from(
-    node: &Arc<Exec>,
-    from: NodeId,
-    def: &TableDef,
-    read: ReadRows,
-    partitions: &[PartitionId],
-    columns: &[usize],
-) -> Result<Vec<RecordBatch>, ExecError> {
-    let ReadRows {
-        epoch,
-        changes_since,
-    } = read;
-    if from == node.id() {
-        wait_to_hold(node, &def.name, def.generation, epoch, partitions).await?;
-        let (store, def, partitions, columns) = (
-            node.store.clone(),
-            def.clone(),
-            partitions.to_vec(),
-            columns.to_vec(),
-        );
-        return tokio::task::spawn_blocking(move || {
-            tessera_sql::backend::read_local(
-                &store,
-                &def,
-                Some(epoch),
-                changes_since,
-                &partitions,
-                &columns,
-            )
-        })
-        .await
-        .map_err(|e| ExecError::Task {
-            what: "reading local partitions",
-            reason: e.to_string(),
-        })?
-        .map_err(ExecError::from);
-    }
-    let addr = node
-        .meta
-        .addr_of(from)
-        .ok_or_else(|| ExecError::Unreachable {
-            node: from,
-            addr: "?".into(),
-            reason: "no known address".into(),
-        })?;
-    let unreachable = |reason: String| ExecError::Unreachable {
-        node: from,
-        addr: addr.clone(),
-        reason,
-    };
-    let request = crate::wire::ScanRequest {
-        table: def.name.clone(),
-        generation: def.generation,
-        epoch,
-        partitions: partitions.to_vec(),
-        columns: columns.to_vec(),
-        changes_since,
-    };
-    let classify = |e: tessera_net::CallError| {
-        if e.is_transport() {
-            unreachable(e.to_string())
-        } else {
-            ExecError::Refused {
-                node: from,
-                error: e,
-            }
-        }
-    };
-    let stream = node.clients.get(&addr, &request).await.map_err(classify)?;
-    stream.map_err(classify).try_collect().await
 }

@@ -551,3 +551,78 @@ async fn checkpoints_written(cluster: &LocalCluster) -> Vec<u64> {
     }
     written
 }
+
+/// A query planned under one placement whose scans read only after the partitions moved
+/// (a node joined): the replicas its plan names no longer hold some of them, so the
+/// scans read them where the metadata places them now, and the answer stays exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_planned_before_its_partitions_moved_reads_them_where_they_are_now() {
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    // Every scan on the first three nodes waits at this gate while it is closed (absent).
+    let gate = root.path().join("scan-gate");
+    let held = root.path().join("scan-gate.waiting");
+    std::fs::write(&gate, b"").unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 2);
+    for id in cluster.node_ids() {
+        cluster.set_node_env(id, "TESSERA_TEST_SCAN_GATE", gate.to_str().unwrap());
+    }
+    let (mut cluster, client) = common::start_kv(cluster, &[]).await;
+    client
+        .publish("kv", vec![kv_batch(0, 20_000)], false)
+        .await
+        .unwrap();
+    let expected = (20_000, (0..20_000).map(|k| k * 10).sum::<i64>());
+    assert_eq!(count_and_sum(&client).await, expected);
+    let placed_before = client.status().await.unwrap().meta.map.partitions;
+
+    // Plan a query, and hold its scans before they read.
+    std::fs::remove_file(&gate).unwrap();
+    let query = tokio::spawn({
+        let client = ClusterClient::new(cluster.addr(1));
+        async move { count_and_sum(&client).await }
+    });
+    wait_until(
+        "a scan to wait at the gate",
+        Duration::from_secs(30),
+        || async { held.exists().then_some(()) },
+    )
+    .await;
+
+    // A fourth node joins and takes its share; the moves finish.
+    let newcomer = cluster.add_node();
+    cluster.start(newcomer);
+    wait_until(
+        "the new node's share to be copied",
+        Duration::from_secs(60),
+        || async {
+            let map = client.status().await.ok()?.meta.map;
+            let settled = map
+                .partitions
+                .iter()
+                .all(|p| p.replicas.len() == 2 && p.stale.is_empty());
+            let share = map
+                .partitions
+                .iter()
+                .filter(|p| p.replicas.contains(&NodeId(newcomer)))
+                .count();
+            (settled && share == PARTITIONS as usize * 2 / 4).then_some(())
+        },
+    )
+    .await;
+    let placed_now = client.status().await.unwrap().meta.map.partitions;
+    let left = placed_before
+        .iter()
+        .zip(&placed_now)
+        .filter(|(before, now)| before.replicas.iter().any(|r| !now.replicas.contains(r)))
+        .count();
+    assert!(left > 0, "no partition left a replica it had when planned");
+
+    // The held scans read now, where the partitions are.
+    std::fs::write(&gate, b"").unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(60), query)
+        .await
+        .expect("the held query to finish")
+        .expect("the query task");
+    assert_eq!(answer, expected);
+}

@@ -60,6 +60,27 @@ impl MetaState {
         }
     }
 
+    /// The live replicas of `partition` that can answer a read at `epoch` in this state
+    /// (those [`holds_through`](Self::holds_through) accepts), its primary first. Where a
+    /// read planned under an older map goes once the partition has moved.
+    pub fn readers_at(&self, partition: PartitionId, epoch: Epoch) -> Vec<NodeId> {
+        let Some(placement) = self.map.partitions.get(partition.0 as usize) else {
+            return Vec::new();
+        };
+        let mut readers: Vec<NodeId> = placement
+            .primary
+            .into_iter()
+            .chain(placement.replicas.iter().copied())
+            .filter(|&id| {
+                self.nodes.get(&id).is_some_and(|n| n.alive)
+                    && self.holds_through(id, partition, epoch).is_ok()
+            })
+            .collect();
+        let mut seen = BTreeSet::new();
+        readers.retain(|id| seen.insert(*id));
+        readers
+    }
+
     /// Refuses `node`'s replica of `partition` (its versions do not reproduce the signed
     /// version ids): it is marked stale from the first epoch, so it serves nothing until
     /// the rebalance copies the partition whole from a good replica, and a primary moves

@@ -70,6 +70,38 @@ fn a_replica_holds_a_partition_through_an_epoch_only_if_it_missed_none_up_to_it(
 }
 
 #[test]
+fn the_readers_of_a_partition_are_its_live_replicas_holding_the_epoch_primary_first() {
+    let mut state = bootstrapped(4);
+    let placement = state.map.partitions[0].clone();
+    let primary = placement.primary.unwrap();
+    let others: Vec<NodeId> = placement
+        .replicas
+        .iter()
+        .copied()
+        .filter(|&id| id != primary)
+        .collect();
+    assert_eq!(others.len(), 2);
+    let readers = state.readers_at(PartitionId(0), Epoch(9));
+    assert_eq!(readers[0], primary);
+    assert_eq!(readers.len(), 3, "{readers:?}");
+    // A replica stale from epoch 5 still reads epoch 4, not epoch 5.
+    state.map.partitions[0].stale.insert(others[0], Epoch(5));
+    assert!(state
+        .readers_at(PartitionId(0), Epoch(4))
+        .contains(&others[0]));
+    assert!(!state
+        .readers_at(PartitionId(0), Epoch(5))
+        .contains(&others[0]));
+    // A dead replica is no reader; a node moved off the partition is none either.
+    state.nodes.get_mut(&others[1]).unwrap().alive = false;
+    assert_eq!(state.readers_at(PartitionId(0), Epoch(5)), vec![primary]);
+    state.map.partitions[0].replicas.retain(|&id| id != primary);
+    state.map.partitions[0].primary = None;
+    assert!(state.readers_at(PartitionId(0), Epoch(5)).is_empty());
+    assert!(state.readers_at(PartitionId(99), Epoch(1)).is_empty());
+}
+
+#[test]
 fn the_invariant_check_names_a_stale_primary_and_a_shared_lease() {
     let mut state = bootstrapped(3);
     assert_eq!(state.broken_invariant(), None);
