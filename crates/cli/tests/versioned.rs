@@ -727,6 +727,7 @@ async fn every_replica_diffs_updates_and_deletes_from_their_own_epochs() {
         ("store.memtable_flush_bytes", "1"),
         ("store.checkpoint_log_bytes", "1"),
         ("store.merge_threshold", "1000"),
+        ("store.tiered_merges", "false"),
     ];
     let (cluster, client) =
         common::kv_cluster_with(BINARY, root.path(), PARTITIONS, 3, &options).await;

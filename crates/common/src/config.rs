@@ -27,6 +27,7 @@
 //! idle_checkpoint_ms = 10000  # rows idle in memory this long are checkpointed (0: never)
 //! bulk_publish_bytes = 8388608
 //! merge_threshold = 8
+//! tiered_merges = true     # merge before the threshold once the smaller components reach half the largest
 //! max_publish_bytes = 8589934592
 //!
 //! [replicas]               # how replicas follow their primaries
@@ -216,6 +217,10 @@ pub struct StoreSettings {
     /// A partition with more components than this is merged at the next checkpoint.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub merge_threshold: Option<usize>,
+    /// Also merge a partition's components before they number more than the threshold,
+    /// once all but the largest add up to half of it (default true).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tiered_merges: Option<bool>,
     /// The largest publish accepted, in bytes of its rows' Arrow data: by a single store,
     /// and by a cluster node coordinating a publish (which holds a few times that).
     #[serde(skip_serializing_if = "Option::is_none")]

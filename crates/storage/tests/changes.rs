@@ -121,11 +121,13 @@ fn merging_store(dir: &std::path::Path) -> std::sync::Arc<Store> {
 }
 
 /// A store of table `kv` over `partitions` partitions that merges as soon as a partition
-/// has more than 2 components.
+/// has more than 2 components, and only then (no tiered merges: the tests here say which
+/// components a diff may open).
 fn merging_store_of(dir: &std::path::Path, partitions: u32) -> std::sync::Arc<Store> {
     let config = StoreConfig {
         partitions,
         merge_threshold: 2,
+        tiered_merges: false,
         ..StoreConfig::default()
     };
     let store = Store::open(dir, config).unwrap();

@@ -129,6 +129,7 @@ async fn measure(
     // holds them until its merges.
     let config = StoreConfig {
         merge_threshold: publishes.unwrap_or(1),
+        tiered_merges: publishes.is_none(),
         ..config
     };
     let store = Store::open(&bench_dir.join("tessera"), config)?;

@@ -7,13 +7,15 @@ use datafusion::prelude::SessionContext;
 use tessera_storage::{Store, StoreConfig};
 
 /// A store of 8 partitions whose table `t (k, v = 10 k)` holds keys 1..=rows, checkpointed
-/// into one plain component per partition.
+/// into one plain component per partition (later checkpoints' components are kept apart:
+/// no tiered merges).
 async fn store_with_rows(rows: i64) -> (tempfile::TempDir, Arc<Store>) {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(
         dir.path(),
         StoreConfig {
             partitions: 8,
+            tiered_merges: false,
             ..StoreConfig::default()
         },
     )

@@ -6,13 +6,15 @@ use datafusion::prelude::SessionContext;
 use tessera_storage::{Store, StoreConfig};
 
 /// A store of 8 partitions whose table `t` (`ddl`) was loaded in one publish per range of
-/// `loads` (`v = 10 k`), each checkpointed into components of its own.
+/// `loads` (`v = 10 k`), each checkpointed into components of its own (kept apart: no
+/// tiered merges).
 async fn loaded(ddl: &str, loads: &[(i64, i64)]) -> (tempfile::TempDir, Arc<Store>, Engine) {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(
         dir.path(),
         StoreConfig {
             partitions: 8,
+            tiered_merges: false,
             ..StoreConfig::default()
         },
     )

@@ -390,6 +390,7 @@ impl Store {
                 &p.manifest.components,
                 state.horizon(&table.def.name),
                 self.config.merge_threshold,
+                self.config.tiered_merges,
             )
         };
         let crowded: Vec<(String, PartitionId)> = {
@@ -596,6 +597,7 @@ impl MergePlan {
         components: &[ComponentMeta],
         horizon: Epoch,
         threshold: usize,
+        tiered: bool,
     ) -> Option<MergePlan> {
         // Decided by counting, so the many idle partitions of a checkpoint copy nothing.
         let live = |c: &ComponentMeta| !c.is_history();
@@ -604,7 +606,13 @@ impl MergePlan {
         let crowded = |kind: &dyn Fn(&ComponentMeta) -> bool| {
             components.iter().filter(|c| kind(c)).count() > threshold
         };
-        let (merge_live, merge_history) = (crowded(&live), crowded(&kept_history));
+        let live_bytes: Vec<u64> = components
+            .iter()
+            .filter(|c| live(c))
+            .map(|c| c.bytes)
+            .collect();
+        let merge_live = crowded(&live) || (tiered && tiered_merge_due(&live_bytes));
+        let merge_history = crowded(&kept_history);
         let drop_expired = components.iter().any(expired);
         if !(merge_live || merge_history || drop_expired) {
             return None;
@@ -628,6 +636,21 @@ impl MergePlan {
     }
 }
 
+/// Whether a partition's live components (their sizes in bytes) are merged before they
+/// crowd: two or more, and all but the largest add up to at least half of it. A table
+/// loaded in a few large publishes (a cluster loads SF 1 lineitem as three) is then read as
+/// one file per partition, which scans much faster than several. Small changes after a
+/// large base wait for the count rule instead. Each merge this allows grows the partition's
+/// largest component by half or more, so a byte is rewritten a bounded number of times
+/// (about three in all for steady appends), not once per checkpoint.
+pub(crate) fn tiered_merge_due(live_bytes: &[u64]) -> bool {
+    let Some(&largest) = live_bytes.iter().max() else {
+        return false;
+    };
+    let rest: u64 = live_bytes.iter().sum::<u64>() - largest;
+    live_bytes.len() >= 2 && rest.saturating_mul(2) >= largest
+}
+
 /// The log positions a merge's output covers: those of all its inputs.
 fn lsn_range(inputs: &[ComponentMeta]) -> (Lsn, Lsn) {
     let min = inputs.iter().map(|c| c.min_lsn).min();
@@ -636,4 +659,25 @@ fn lsn_range(inputs: &[ComponentMeta]) -> (Lsn, Lsn) {
         min.expect("a merge has inputs"),
         max.expect("a merge has inputs"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tiered_merge_due;
+
+    #[test]
+    fn components_merge_early_once_the_smaller_ones_reach_half_the_largest() {
+        const MB: u64 = 1 << 20;
+        // A table loaded as three equal publishes, and the steps a load passes through.
+        assert!(tiered_merge_due(&[3 * MB / 2, 3 * MB / 2, 3 * MB / 2]));
+        assert!(tiered_merge_due(&[3 * MB / 2, 3 * MB / 2]));
+        assert!(tiered_merge_due(&[3 * MB, 3 * MB / 2]));
+        // Small changes after a large base wait for the count rule.
+        assert!(!tiered_merge_due(&[45 * MB / 10, MB / 1024]));
+        assert!(!tiered_merge_due(&[4 * MB, MB, MB / 2]));
+        assert!(tiered_merge_due(&[4 * MB, MB, MB]));
+        // One component, or none, is never merged for this.
+        assert!(!tiered_merge_due(&[MB]));
+        assert!(!tiered_merge_due(&[]));
+    }
 }

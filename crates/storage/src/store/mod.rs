@@ -69,6 +69,12 @@ pub struct StoreConfig {
     pub bulk_publish_bytes: usize,
     /// A partition with more components than this is merged at the next checkpoint.
     pub merge_threshold: usize,
+    /// Also merge a partition's live components before they crowd, once all but the
+    /// largest add up to half of it (`maintenance::tiered_merge_due`):
+    /// a table loaded or changed in a few large publishes is then read as one file per
+    /// partition. Off, only the count decides (tests and benchmarks that keep publishes
+    /// apart).
+    pub tiered_merges: bool,
     /// The largest publish accepted, in bytes of Arrow data.
     pub max_publish_bytes: usize,
     /// A checkpoint also runs once rows have waited in memory this long with no more
@@ -105,6 +111,7 @@ impl StoreConfig {
                 .bulk_publish_bytes
                 .unwrap_or(default.bulk_publish_bytes),
             merge_threshold: settings.merge_threshold.unwrap_or(default.merge_threshold),
+            tiered_merges: settings.tiered_merges.unwrap_or(default.tiered_merges),
             max_publish_bytes: settings
                 .max_publish_bytes
                 .unwrap_or(default.max_publish_bytes),
@@ -123,6 +130,7 @@ impl Default for StoreConfig {
             checkpoint_log_bytes: Self::DEFAULT_CHECKPOINT_LOG_BYTES,
             bulk_publish_bytes: Self::DEFAULT_BULK_PUBLISH_BYTES,
             merge_threshold: Self::DEFAULT_MERGE_THRESHOLD,
+            tiered_merges: true,
             max_publish_bytes: Self::DEFAULT_MAX_PUBLISH_BYTES,
             idle_checkpoint_ms: Self::DEFAULT_IDLE_CHECKPOINT_MS,
         }
