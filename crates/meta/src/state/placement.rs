@@ -67,18 +67,20 @@ impl MetaState {
         let Some(placement) = self.map.partitions.get(partition.0 as usize) else {
             return Vec::new();
         };
-        let mut readers: Vec<NodeId> = placement
+        let others = placement
+            .replicas
+            .iter()
+            .copied()
+            .filter(|&id| Some(id) != placement.primary);
+        placement
             .primary
             .into_iter()
-            .chain(placement.replicas.iter().copied())
+            .chain(others)
             .filter(|&id| {
                 self.nodes.get(&id).is_some_and(|n| n.alive)
                     && self.holds_through(id, partition, epoch).is_ok()
             })
-            .collect();
-        let mut seen = BTreeSet::new();
-        readers.retain(|id| seen.insert(*id));
-        readers
+            .collect()
     }
 
     /// Refuses `node`'s replica of `partition` (its versions do not reproduce the signed
