@@ -138,12 +138,25 @@ fn cut_short(error: DataFusionError, rows_sent: u64) -> DataFusionError {
     }
 }
 
+/// What each channel of a query that survived a node's loss did and when, rebuilt ones
+/// included, in the log: where the recovery's time went.
+pub(crate) fn trace_recovered_channels(outcome: &QueryOutcome) {
+    if outcome.recoveries.is_empty() {
+        return;
+    }
+    for report in &outcome.reports {
+        let channel = crate::explain::channel_line(report);
+        tracing::info!(stage = %report.stage, %channel, "a recovered query's channel");
+    }
+}
+
 /// What lineage recovery rebuilt while an answer streamed: the statement's notices, its
 /// entry among the node's statements (the console), the log and the node's metrics.
 fn note_recoveries(outcome: QueryOutcome, statement: Option<u64>, recoveries: &Recoveries) {
     for recovery in &outcome.recoveries {
         tracing::warn!(%recovery, "a streamed answer survived the loss of a node");
     }
+    trace_recovered_channels(&outcome);
     tessera_common::metrics::metrics()
         .query_recoveries
         .inc_by(outcome.recoveries.len() as u64);

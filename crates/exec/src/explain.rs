@@ -112,7 +112,7 @@ fn ms(us: u64) -> String {
     format!("{:.1}", us as f64 / 1000.0)
 }
 
-fn channel_line(report: &ChannelReport) -> String {
+pub(crate) fn channel_line(report: &ChannelReport) -> String {
     let spilled = match report.spilled_bytes {
         0 => String::new(),
         bytes => format!(" spilled_bytes={bytes}"),

@@ -238,6 +238,7 @@ pub async fn run_query(
                     Ok(whole) => {
                         // The stream ended without error, so the outcome was sent.
                         if let Ok(outcome) = outcome.await {
+                            crate::answer::trace_recovered_channels(&outcome);
                             recoveries.extend(outcome.recoveries);
                         }
                         Ok(whole)
