@@ -4,6 +4,7 @@
 //! waits for the count rule. With tiered merges off, the loads stay apart.
 
 use std::sync::Arc;
+use tessera_common::PartitionId;
 use tessera_storage::{Store, StoreConfig, TableChanges};
 
 mod common;
@@ -71,4 +72,59 @@ fn without_tiered_merges_loads_stay_apart_until_they_crowd() {
         load(&store, load_index * 4_000, (load_index + 1) * 4_000);
     }
     assert_eq!(live_components(&store), vec![3; PARTITIONS as usize]);
+}
+
+/// A cold standby takes its primary's components, merged by the primary: it does not
+/// merge them early itself. Its primary flushes (without merging) when the standby is
+/// about to checkpoint, so without this the standby merged each load it was shipped, work
+/// thrown away when the primary's own merge arrived.
+#[test]
+fn a_cold_standby_leaves_tiered_merges_to_its_primary() {
+    let (primary_dir, standby_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let primary = open(primary_dir.path(), true);
+    let standby = open(standby_dir.path(), true);
+    let all: std::collections::BTreeSet<PartitionId> = (0..PARTITIONS).map(PartitionId).collect();
+    standby.set_standby_partitions(all.clone());
+    let ship = || {
+        for &partition in &all {
+            let (components, covered) = primary.shipped_manifest("kv", partition).unwrap();
+            let fetched = components
+                .iter()
+                .map(|c| (c.hash, primary.component_bytes(&c.hash).unwrap()))
+                .collect();
+            standby
+                .install_shipped_components("kv", partition, components, fetched, covered)
+                .unwrap();
+        }
+    };
+    for load_index in 0..3 {
+        let rows = || kv_rows(load_index * 4_000, (load_index + 1) * 4_000);
+        for store in [&primary, &standby] {
+            store
+                .publish(vec![TableChanges::upserts("kv", vec![rows()])])
+                .unwrap();
+        }
+        // What a standby's checkpoint does: its primary flushes, it takes the components.
+        primary.flush().unwrap();
+        ship();
+        standby.checkpoint().unwrap();
+        let loads = load_index as usize + 1;
+        assert_eq!(
+            live_components(&standby),
+            vec![loads; PARTITIONS as usize],
+            "the standby merged what its primary had not"
+        );
+    }
+    // The primary's own checkpoint merges; the standby takes the merged components.
+    primary.checkpoint().unwrap();
+    assert_eq!(live_components(&primary), vec![1; PARTITIONS as usize]);
+    ship();
+    assert_eq!(live_components(&standby), vec![1; PARTITIONS as usize]);
+    let promoted = standby.set_standby_partitions(Default::default());
+    standby.promote(&promoted).unwrap();
+    let epoch = standby.snapshot("kv", None).unwrap().epoch;
+    assert_eq!(
+        visible_keys(&standby, epoch),
+        (0..12_000).collect::<Vec<_>>()
+    );
 }

@@ -382,15 +382,23 @@ impl Store {
     /// the gate shared) wait for one partition's merge, not for every crowded partition's
     /// in turn (at SF 10 that held a node's prepares past the progress deadline). The gate
     /// goes to the waiting prepares between two merges ([`gate`](super::gate)).
+    ///
+    /// A cold standby's partitions hold its primary's components, which the primary
+    /// merges itself and ships once merged (the standby then deletes whatever it merged):
+    /// they are merged here by the count rule only, for a standby whose primary stops
+    /// shipping, never early by the tiered rule. Each standby once merged every partition
+    /// its primary had flushed for it (the flush a standby asks for before its own
+    /// checkpoint does not merge), only to throw that merge away at the next shipment.
     pub(super) fn merge_crowded_partitions(&self) -> Result<Merged> {
         let plan_of = |state: &State, table: &TableState, partition, p: &PartitionState| {
+            let cold_standby = state.standby.contains(&partition);
             MergePlan::of(
                 &table.def,
                 partition,
                 &p.manifest.components,
                 state.horizon(&table.def.name),
                 self.config.merge_threshold,
-                self.config.tiered_merges,
+                self.config.tiered_merges && !cold_standby,
             )
         };
         let crowded: Vec<(String, PartitionId)> = {
