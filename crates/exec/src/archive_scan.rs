@@ -24,6 +24,7 @@ pub async fn read_archived(
     archive: &[ArchivedComponent],
     predicate: Option<Arc<dyn PhysicalExpr>>,
     context: Arc<TaskContext>,
+    reads: &crate::scan::ReadCounts,
 ) -> DfResult<SendableRecordBatchStream> {
     let cache: &Arc<ComponentCache> = node.cache.as_ref().ok_or_else(|| {
         DataFusionError::Execution("reading the archive needs the node's component cache".into())
@@ -81,6 +82,7 @@ pub async fn read_archived(
         (snapshot, pins),
         predicate,
         context,
+        reads,
     )
 }
 

@@ -117,8 +117,20 @@ pub(crate) fn channel_line(report: &ChannelReport) -> String {
         0 => String::new(),
         bytes => format!(" spilled_bytes={bytes}"),
     };
+    let scanned = &report.scanned;
+    let read: String = [
+        ("read_parquet", scanned.parquet),
+        ("read_decoded", scanned.decoded),
+        ("read_versioned", scanned.versioned),
+        ("read_files", scanned.files),
+        ("read_remote", scanned.remote),
+    ]
+    .into_iter()
+    .filter(|&(_, count)| count > 0)
+    .map(|(key, count)| format!(" {key}={count}"))
+    .collect();
     format!(
-        "channel {} on node {}: rows={} batches={} bytes_sent={} started_ms={} first_input_ms={} finished_ms={}{spilled}",
+        "channel {} on node {}: rows={} batches={} bytes_sent={} started_ms={} first_input_ms={} finished_ms={}{read}{spilled}",
         report.channel,
         report.node,
         report.rows,

@@ -370,10 +370,44 @@ pub struct ChannelReport {
     /// memory limits.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub spilled_bytes: u64,
+    /// How the channel's table scans read their storage partitions.
+    #[serde(default, skip_serializing_if = "ScanReads::is_empty")]
+    pub scanned: ScanReads,
 }
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
+}
+
+/// How a channel's table scans read their storage partitions, each counted once, by the
+/// reader that took it ([`tessera_sql::provider::ReadLayout`] on this node, or another
+/// replica's answer): what `EXPLAIN ANALYZE` shows beside the channel's rows.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ScanReads {
+    /// Partitions read here through DataFusion's Parquet reader.
+    pub parquet: u64,
+    /// Partitions read here from the decoded cache.
+    pub decoded: u64,
+    /// Partitions read here with their versions resolved as they were read.
+    pub versioned: u64,
+    /// The component files of the partitions read here.
+    pub files: u64,
+    /// Partitions read from another node (a replica, or this node's component cache).
+    pub remote: u64,
+}
+
+impl ScanReads {
+    pub fn is_empty(&self) -> bool {
+        *self == ScanReads::default()
+    }
+
+    pub fn add(&mut self, other: ScanReads) {
+        self.parquet += other.parquet;
+        self.decoded += other.decoded;
+        self.versioned += other.versioned;
+        self.files += other.files;
+        self.remote += other.remote;
+    }
 }
 
 /// Visits `exprs` in order for `ExecutionPlan::apply_expressions`, stopping where `f` says.

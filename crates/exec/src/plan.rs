@@ -83,9 +83,11 @@ pub enum Leaf {
         exchange: StageId,
         bucket: usize,
     },
-    /// A storage partition, with its replicas best first.
+    /// A scan's output partition (a group of storage partitions), with its replicas best
+    /// first, and how it has read them so far.
     Scan {
         replicas: Vec<NodeId>,
+        reads: crate::ScanReads,
     },
 }
 
@@ -109,6 +111,7 @@ pub fn leaves_of(plan: &Arc<dyn ExecutionPlan>, partition: usize, out: &mut Vec<
         if let Some(replicas) = scan.spec.replicas.get(partition) {
             out.push(Leaf::Scan {
                 replicas: replicas.clone(),
+                reads: scan.reads(Some(partition)),
             });
         }
         return;
@@ -306,7 +309,7 @@ fn place(
             let mut leaves = Vec::new();
             leaves_of(root, channel, &mut leaves);
             let by_data = leaves.iter().find_map(|leaf| match leaf {
-                Leaf::Scan { replicas } => replicas
+                Leaf::Scan { replicas, .. } => replicas
                     .iter()
                     .find(|r| !avoid.contains(r))
                     .or(replicas.first())

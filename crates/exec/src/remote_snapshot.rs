@@ -107,6 +107,7 @@ pub async fn read_through_cache(
     replicas: &[NodeId],
     predicate: Option<Arc<dyn PhysicalExpr>>,
     context: Arc<TaskContext>,
+    reads: &crate::scan::ReadCounts,
 ) -> Result<SendableRecordBatchStream, String> {
     let mut tried = Vec::new();
     for &replica in replicas {
@@ -124,6 +125,7 @@ pub async fn read_through_cache(
                     (snapshot, pins),
                     predicate.clone(),
                     context.clone(),
+                    reads,
                 )
                 .map_err(|e| format!("reading cached components: {e}")),
                 Err(why) => Err(why),

@@ -8,6 +8,7 @@ pub use crate::replica_read::{read_from, ReadRows};
 use crate::Exec;
 use crate::ExecError;
 use crate::NodeId;
+use crate::ScanReads;
 use arrow::datatypes::SchemaRef;
 use datafusion::common::config::TableParquetOptions;
 use datafusion::common::stats::Precision;
@@ -16,6 +17,9 @@ use datafusion::common::{DataFusionError, Result as DfResult, Statistics};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::metrics::{
+    Count, ExecutionPlanMetricsSet, MetricBuilder, MetricValue, MetricsSet,
+};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
@@ -25,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::{ComponentHash, Epoch, PartitionId};
-use tessera_sql::provider::{plan_in_id_order, FileGrouping, InIdOrder, SnapshotScan};
+use tessera_sql::provider::{plan_in_id_order, FileGrouping, InIdOrder, ReadLayout, SnapshotScan};
 use tessera_sql::SqlError;
 use tessera_storage::versions::stored_user_schema;
 use tessera_storage::TableDef;
@@ -115,6 +119,8 @@ pub struct DistributedScanExec {
     node: Arc<Exec>,
     schema: SchemaRef,
     properties: Arc<PlanProperties>,
+    /// How each output partition read its storage partitions ([`ReadCounts`]).
+    metrics: ExecutionPlanMetricsSet,
 }
 
 impl DistributedScanExec {
@@ -147,6 +153,7 @@ impl DistributedScanExec {
             node,
             schema,
             properties,
+            metrics: ExecutionPlanMetricsSet::new(),
         })
     }
 }
@@ -190,6 +197,29 @@ impl DistributedScanExec {
         DistributedScanExec::try_new(spec, self.predicate.clone(), self.node.clone())
     }
 
+    /// How output partition `partition` (every one, for `None`) read its storage
+    /// partitions so far.
+    pub fn reads(&self, partition: Option<usize>) -> ScanReads {
+        let mut reads = ScanReads::default();
+        for metric in self.metrics.clone_inner().iter() {
+            if partition.is_some_and(|p| metric.partition() != Some(p)) {
+                continue;
+            }
+            if let MetricValue::Count { name, count } = metric.value() {
+                let value = count.value() as u64;
+                match name.as_ref() {
+                    READ_PARQUET => reads.parquet += value,
+                    READ_DECODED => reads.decoded += value,
+                    READ_VERSIONED => reads.versioned += value,
+                    READ_FILES => reads.files += value,
+                    READ_REMOTE => reads.remote += value,
+                    _ => {}
+                }
+            }
+        }
+        reads
+    }
+
     /// Gives the optimizer the table's statistics (on the planning node).
     pub fn with_statistics(mut self, statistics: Option<TableStatistics>) -> Self {
         self.statistics = statistics;
@@ -226,6 +256,10 @@ impl DisplayAs for DistributedScanExec {
 
 impl ExecutionPlan for DistributedScanExec {
     tessera_sql::leaf_plan_methods!("DistributedScanExec");
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
+    }
 
     fn apply_expressions(
         &self,
@@ -283,6 +317,7 @@ impl ExecutionPlan for DistributedScanExec {
         let node = self.node.clone();
         let spec = self.spec.clone();
         let predicate = self.predicate.clone();
+        let reads = ReadCounts::new(&self.metrics, partition);
         let open = async move {
             crate::scan_gate::pass().await;
             if let Some(archive) = &spec.archive {
@@ -293,26 +328,38 @@ impl ExecutionPlan for DistributedScanExec {
                     archive,
                     predicate,
                     context,
+                    &reads,
                 )
                 .await;
             }
+            let read_elsewhere = |from: Vec<NodeId>| {
+                let (node, spec, partitions, reads) = (&node, &spec, &storage_partitions, &reads);
+                async move {
+                    let stream = read_remotely(node, spec, partitions, &from).await?;
+                    reads.read_elsewhere(partitions.len());
+                    Ok::<_, DataFusionError>(stream)
+                }
+            };
             if spec.changes_since.is_some() && replicas.contains(&node.id()) {
                 // A diff is computed by the store, not planned as a Parquet scan: read here
                 // like a replica would answer, else from the others.
                 let mut ordered = vec![node.id()];
                 ordered.extend(replicas.iter().copied().filter(|&r| r != node.id()));
-                return read_remotely(&node, &spec, &storage_partitions, &ordered).await;
+                return read_elsewhere(ordered).await;
             }
             if replicas.contains(&node.id()) {
                 let partitions = storage_partitions.clone();
-                match read_here(&node, &spec, partitions, predicate, context).await? {
+                match read_here(&node, &spec, partitions, predicate, context, &reads).await? {
                     Some(stream) => Ok(stream),
                     None => {
                         // Not held here (any more), or damaged and not repairable by hash:
                         // the rows are read from the other replicas instead.
-                        let others: Vec<NodeId> =
-                            replicas.into_iter().filter(|&r| r != node.id()).collect();
-                        read_remotely(&node, &spec, &storage_partitions, &others).await
+                        let others: Vec<NodeId> = replicas
+                            .iter()
+                            .copied()
+                            .filter(|&r| r != node.id())
+                            .collect();
+                        read_elsewhere(others).await
                     }
                 }
             } else {
@@ -327,6 +374,7 @@ impl ExecutionPlan for DistributedScanExec {
                         &replicas,
                         predicate,
                         context,
+                        &reads,
                     )
                     .await
                     {
@@ -339,7 +387,7 @@ impl ExecutionPlan for DistributedScanExec {
                         ),
                     }
                 }
-                read_remotely(&node, &spec, &storage_partitions, &replicas).await
+                read_elsewhere(replicas.clone()).await
             }
         };
         let stream = futures::stream::once(open).try_flatten();
@@ -361,6 +409,7 @@ async fn read_here(
     partitions: Vec<PartitionId>,
     predicate: Option<Arc<dyn PhysicalExpr>>,
     context: Arc<TaskContext>,
+    reads: &ReadCounts,
 ) -> DfResult<Option<SendableRecordBatchStream>> {
     let snapshot = match replica_snapshot(
         node,
@@ -423,6 +472,7 @@ async fn read_here(
         keep,
         predicate,
         context,
+        reads,
     )
     .map(Some)
 }
@@ -440,6 +490,7 @@ pub(crate) fn stream_snapshot<K: Send + Sync + 'static>(
     keep: K,
     predicate: Option<Arc<dyn PhysicalExpr>>,
     context: Arc<TaskContext>,
+    reads: &ReadCounts,
 ) -> DfResult<SendableRecordBatchStream> {
     let mut parquet = TableParquetOptions::default();
     parquet.global = context.session_config().options().execution.parquet.clone();
@@ -452,6 +503,7 @@ pub(crate) fn stream_snapshot<K: Send + Sync + 'static>(
     let InIdOrder {
         plan,
         reading_order,
+        layout,
     } = plan_in_id_order(SnapshotScan {
         store: files,
         snapshot: &snapshot,
@@ -465,6 +517,7 @@ pub(crate) fn stream_snapshot<K: Send + Sync + 'static>(
         runtime: &context.runtime_env(),
         parquet,
     })?;
+    reads.read_here(layout);
     let schema = plan.schema();
     let stream = futures::stream::iter(reading_order)
         .map(move |i| {
@@ -473,6 +526,48 @@ pub(crate) fn stream_snapshot<K: Send + Sync + 'static>(
         })
         .try_flatten();
     Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
+}
+
+const READ_PARQUET: &str = "read_parquet";
+const READ_DECODED: &str = "read_decoded";
+const READ_VERSIONED: &str = "read_versioned";
+const READ_FILES: &str = "read_files";
+const READ_REMOTE: &str = "read_remote";
+
+/// One output partition's count of how it read its storage partitions, kept as the scan's
+/// DataFusion metrics ([`DistributedScanExec::reads`] adds them up).
+pub struct ReadCounts {
+    parquet: Count,
+    decoded: Count,
+    versioned: Count,
+    files: Count,
+    remote: Count,
+}
+
+impl ReadCounts {
+    fn new(metrics: &ExecutionPlanMetricsSet, partition: usize) -> ReadCounts {
+        let count = |name: &'static str| MetricBuilder::new(metrics).counter(name, partition);
+        ReadCounts {
+            parquet: count(READ_PARQUET),
+            decoded: count(READ_DECODED),
+            versioned: count(READ_VERSIONED),
+            files: count(READ_FILES),
+            remote: count(READ_REMOTE),
+        }
+    }
+
+    /// Partitions read from components on this node, as `layout` planned them.
+    pub(crate) fn read_here(&self, layout: ReadLayout) {
+        self.parquet.add(layout.parquet);
+        self.decoded.add(layout.decoded);
+        self.versioned.add(layout.versioned);
+        self.files.add(layout.files);
+    }
+
+    /// Partitions whose rows another node sent.
+    fn read_elsewhere(&self, partitions: usize) {
+        self.remote.add(partitions);
+    }
 }
 
 /// Waits until this node has applied `epoch` (and `table`'s creation), then refuses

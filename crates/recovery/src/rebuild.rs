@@ -112,7 +112,7 @@ impl Recovery {
                 let mut leaves = Vec::new();
                 leaves_of(writer.input(), channel, &mut leaves);
                 let replica = leaves.iter().find_map(|leaf| match leaf {
-                    Leaf::Scan { replicas } => {
+                    Leaf::Scan { replicas, .. } => {
                         replicas.iter().copied().find(|r| survivors.contains(r))
                     }
                     Leaf::Exchange { .. } => None,

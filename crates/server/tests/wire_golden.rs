@@ -577,6 +577,7 @@ fn samples() -> Samples {
             error: None,
             sqlstate: None,
             spilled_bytes: 0,
+            scanned: Default::default(),
         }),
     );
     s.value("stages event done", &StagesEvent::AllDone);

@@ -5,7 +5,7 @@ use crate::decoded::DecodedComponents;
 use crate::error::SqlError;
 use crate::key_bounds::KeyBounds;
 pub use crate::snapshot_scan::{
-    plan_in_id_order, plan_snapshot_scan, FileGrouping, InIdOrder, SnapshotScan,
+    plan_in_id_order, plan_snapshot_scan, FileGrouping, InIdOrder, ReadLayout, SnapshotScan,
 };
 use crate::system;
 use crate::time_travel::{base_table_name, split_as_of};

@@ -76,6 +76,23 @@ pub struct InIdOrder {
     pub plan: Arc<dyn ExecutionPlan>,
     /// The plan's output partitions, in the order of the storage partitions they read.
     pub reading_order: Vec<usize>,
+    /// Which reader takes how many storage partitions, and their component files.
+    pub layout: ReadLayout,
+}
+
+/// How a snapshot scan reads its storage partitions: each by exactly one reader.
+/// `EXPLAIN ANALYZE` shows it per channel, since the same query reads differently from a
+/// freshly loaded table (many components, versioned) than after its merges.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadLayout {
+    /// Partitions read as written through DataFusion's Parquet reader.
+    pub parquet: usize,
+    /// Partitions read as written from the decoded cache (all their components small).
+    pub decoded: usize,
+    /// Partitions whose versions are resolved as they are read ([`VersionedScanExec`]).
+    pub versioned: usize,
+    /// The component files of all of them.
+    pub files: usize,
 }
 
 /// [`plan_snapshot_scan`] grouped [`FileGrouping::InIdRuns`] (whatever `scan` asks), and
@@ -90,6 +107,7 @@ pub fn plan_in_id_order(mut scan: SnapshotScan<'_>) -> Result<InIdOrder> {
         plan,
         plain,
         versioned,
+        layout,
     } = plan_readers(scan)?;
     let mut by_id: Vec<(PartitionId, usize)> = plain
         .into_iter()
@@ -107,6 +125,7 @@ pub fn plan_in_id_order(mut scan: SnapshotScan<'_>) -> Result<InIdOrder> {
     Ok(InIdOrder {
         plan,
         reading_order,
+        layout,
     })
 }
 
@@ -117,6 +136,7 @@ struct Readers {
     plan: Arc<dyn ExecutionPlan>,
     plain: Vec<PartitionId>,
     versioned: Vec<PartitionId>,
+    layout: ReadLayout,
 }
 
 fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
@@ -180,6 +200,14 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
     let merged_statistics =
         Statistics::try_merge_iter(file_statistics.iter().map(|s| s.as_ref()), &stored)?;
     let plain_decoded = decoded.filter(|cache| plain.iter().flatten().all(|c| cache.admits(c)));
+    let plain_read_decoded = plain_decoded.is_some();
+    let layout = ReadLayout {
+        parquet: if plain_read_decoded { 0 } else { plain.len() },
+        decoded: if plain_read_decoded { plain.len() } else { 0 },
+        versioned: versioned.len(),
+        files: plain.iter().map(Vec::len).sum::<usize>()
+            + versioned.iter().map(|p| p.components.len()).sum::<usize>(),
+    };
     if let (Some(cache), false) = (plain_decoded, plain.is_empty()) {
         children.push(Arc::new(DecodedScanExec::new(DecodedScan {
             snapshot: snapshot.clone(),
@@ -273,6 +301,7 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
         plan,
         plain: plain_firsts,
         versioned: versioned_ids,
+        layout,
     })
 }
 

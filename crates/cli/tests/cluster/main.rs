@@ -17,7 +17,7 @@ mod common;
 /// Where replicas live as the cluster changes: joins, losses, failover and failback,
 /// standbys, and `tessera up`.
 mod replicas;
-use common::{load_tpch, load_tpch_tables, plan_text, wait_formed, wait_until};
+use common::{flush_everywhere, load_tpch, load_tpch_tables, plan_text, wait_formed, wait_until};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 
@@ -97,6 +97,10 @@ struct AnalyzedStage {
     first_input_ms: Option<f64>,
     finished_ms: f64,
     channel_rows: Vec<u64>,
+    /// Per channel, the storage partitions its scans read (by any reader, here or on
+    /// another node) and their component files.
+    channel_partitions_read: Vec<u64>,
+    channel_files_read: Vec<u64>,
     bytes_sent: u64,
     fragment: String,
 }
@@ -132,6 +136,19 @@ fn parse_analyzed(text: &str) -> Vec<AnalyzedStage> {
                 stage
                     .channel_rows
                     .push(field(line, "rows").unwrap().parse().unwrap());
+                let count = |key| field(line, key).map_or(0, |v| v.parse::<u64>().unwrap());
+                stage.channel_partitions_read.push(
+                    [
+                        "read_parquet",
+                        "read_decoded",
+                        "read_versioned",
+                        "read_remote",
+                    ]
+                    .into_iter()
+                    .map(count)
+                    .sum(),
+                );
+                stage.channel_files_read.push(count("read_files"));
             } else {
                 stage.fragment.push_str(line);
                 stage.fragment.push('\n');
@@ -149,6 +166,8 @@ async fn queries_run_as_pipelined_stages_placed_over_every_node() {
     cluster.start_all();
     wait_formed(&cluster, 1, 3).await;
     let loaded = load_tpch_tables(&cluster, 0.1, &["orders", "lineitem"]).await;
+    // Every partition in component files, so the scans' reads below count files.
+    flush_everywhere(&cluster).await;
     let client = ClusterClient::new(cluster.addr(2));
     let sql = "SELECT o_orderpriority, count(*) AS n FROM lineitem JOIN orders \
                ON l_orderkey = o_orderkey GROUP BY o_orderpriority ORDER BY o_orderpriority";
@@ -217,6 +236,17 @@ async fn queries_run_as_pipelined_stages_placed_over_every_node() {
     assert!(
         lineitem.bytes_sent > 0,
         "scan channels send to other nodes:\n{analyzed}"
+    );
+    // How the scans read: every storage partition of lineitem once, by one reader, from
+    // at least one component file each (every replica flushed).
+    assert_eq!(
+        lineitem.channel_partitions_read.iter().sum::<u64>(),
+        PARTITIONS as u64,
+        "each storage partition is read once:\n{analyzed}"
+    );
+    assert!(
+        lineitem.channel_files_read.iter().sum::<u64>() >= PARTITIONS as u64,
+        "every partition read here is in component files:\n{analyzed}"
     );
 
     // Pipelining: the stage that consumes the lineitem scan received its first batch

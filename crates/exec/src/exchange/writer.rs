@@ -159,6 +159,13 @@ impl ExchangeWriteExec {
             .get(&channel)
             .cloned()?;
         report.spilled_bytes = spilled_bytes(&self.input, channel);
+        let mut leaves = Vec::new();
+        crate::plan::leaves_of(&self.input, channel, &mut leaves);
+        for leaf in leaves {
+            if let crate::plan::Leaf::Scan { reads, .. } = leaf {
+                report.scanned.add(reads);
+            }
+        }
         Some(report)
     }
 }

@@ -334,7 +334,25 @@ async fn reading_in_id_order_gives_storage_partitions_by_id_whichever_reader_tak
     let InIdOrder {
         plan,
         reading_order,
+        layout,
     } = planned(None);
+    let components: usize = store
+        .snapshot("t", None)
+        .unwrap()
+        .partitions
+        .iter()
+        .map(|p| p.components.len())
+        .sum();
+    assert_eq!(
+        layout,
+        ReadLayout {
+            parquet: 7,
+            decoded: 0,
+            versioned: 1,
+            files: components,
+        },
+        "each partition counted once, by the reader that takes it"
+    );
     // Each storage partition alone, by id: the order a replica of any layout reads in.
     let mut by_id = Vec::new();
     for p in (0..8).map(PartitionId) {
