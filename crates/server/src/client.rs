@@ -216,6 +216,14 @@ impl ClusterClient {
             .await
     }
 
+    /// Flushes this node's in-memory rows, merges each partition it leads down to one
+    /// component (however many publishes loaded it) and ships them to the standbys: what
+    /// a bulk load ends with, so that queries open one file per partition.
+    pub async fn settle(&self) -> Result<()> {
+        self.unit_action(crate::rpc::ACTION_SETTLE, (), Duration::from_secs(600))
+            .await
+    }
+
     async fn unit_action(
         &self,
         action: &str,

@@ -894,6 +894,22 @@ impl Node {
         crate::shipping::announce(&self.replication).await;
         Ok(())
     }
+
+    /// [`Store::settle`](tessera_storage::Store::settle) (a flush, then every partition
+    /// this node leads merged down to one component), and ships the result to the
+    /// standbys, which take it in place of their own copies.
+    pub async fn settle_and_ship(self: &Arc<Self>) -> Result<()> {
+        let store = self.store.clone();
+        let merged = tokio::task::spawn_blocking(move || store.settle())
+            .await
+            .map_err(|e| ClusterError::Task {
+                what: "settling the store",
+                reason: e.to_string(),
+            })??;
+        tracing::info!(merged, "settled: every led partition in one component");
+        crate::shipping::announce(&self.replication).await;
+        Ok(())
+    }
 }
 
 /// Binds a client-facing port if it is configured (`what` names its setting in errors).

@@ -327,6 +327,14 @@ impl NodeService {
                     .map_err(|e| Refusal::Failed(e.to_string()));
                 reply(&result)
             }
+            ACTION_SETTLE => {
+                self.open_from_client::<()>(&caller, body)?;
+                let result = node
+                    .settle_and_ship()
+                    .await
+                    .map_err(|e| Refusal::Failed(e.to_string()));
+                reply(&result)
+            }
             ACTION_SHIPPED_MANIFEST => {
                 let (table, generation, partition): (String, u64, PartitionId) =
                     self.open(&caller, body)?;

@@ -232,6 +232,7 @@ fn samples() -> Samples {
     s.request(ACTION_QUERY_END, 0xfeedu64);
     s.request(ACTION_DECOMMISSION, 3u64);
     s.request(ACTION_FLUSH, ());
+    s.request(ACTION_SETTLE, ());
     s.request(
         ACTION_SHIPPED_MANIFEST,
         ("kv".to_string(), 7u64, PartitionId(3)),
@@ -747,6 +748,7 @@ fn every_action_has_a_sample() {
         ACTION_QUERY_END,
         ACTION_DECOMMISSION,
         ACTION_FLUSH,
+        ACTION_SETTLE,
         ACTION_SHIPPED_MANIFEST,
         ACTION_COMPONENTS_READY,
         ACTION_COPY_PARTITIONS,

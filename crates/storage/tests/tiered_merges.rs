@@ -78,25 +78,29 @@ fn without_tiered_merges_loads_stay_apart_until_they_crowd() {
 /// merge them early itself. Its primary flushes (without merging) when the standby is
 /// about to checkpoint, so without this the standby merged each load it was shipped, work
 /// thrown away when the primary's own merge arrived.
+/// What a primary's announcement makes its cold standby do: take the primary's components
+/// of every partition in place of its own.
+fn ship(primary: &Store, standby: &Store) {
+    for partition in (0..PARTITIONS).map(PartitionId) {
+        let (components, covered) = primary.shipped_manifest("kv", partition).unwrap();
+        let fetched = components
+            .iter()
+            .map(|c| (c.hash, primary.component_bytes(&c.hash).unwrap()))
+            .collect();
+        standby
+            .install_shipped_components("kv", partition, components, fetched, covered)
+            .unwrap();
+    }
+}
+
 #[test]
 fn a_cold_standby_leaves_tiered_merges_to_its_primary() {
     let (primary_dir, standby_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let primary = open(primary_dir.path(), true);
     let standby = open(standby_dir.path(), true);
     let all: std::collections::BTreeSet<PartitionId> = (0..PARTITIONS).map(PartitionId).collect();
-    standby.set_standby_partitions(all.clone());
-    let ship = || {
-        for &partition in &all {
-            let (components, covered) = primary.shipped_manifest("kv", partition).unwrap();
-            let fetched = components
-                .iter()
-                .map(|c| (c.hash, primary.component_bytes(&c.hash).unwrap()))
-                .collect();
-            standby
-                .install_shipped_components("kv", partition, components, fetched, covered)
-                .unwrap();
-        }
-    };
+    standby.set_standby_partitions(all);
+    let ship = || ship(&primary, &standby);
     for load_index in 0..3 {
         let rows = || kv_rows(load_index * 4_000, (load_index + 1) * 4_000);
         for store in [&primary, &standby] {
@@ -127,4 +131,44 @@ fn a_cold_standby_leaves_tiered_merges_to_its_primary() {
         visible_keys(&standby, epoch),
         (0..12_000).collect::<Vec<_>>()
     );
+}
+
+/// A load that ends with a small publish keeps a second component per partition under the
+/// merge rules (the count rule waits for more). Settling, as a bulk load ends, merges each
+/// led partition down to one; a cold standby's partitions are left for its primary's.
+#[test]
+fn settling_merges_each_led_partition_down_to_one_component() {
+    let (primary_dir, standby_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let primary = open(primary_dir.path(), true);
+    let standby = open(standby_dir.path(), true);
+    let all: std::collections::BTreeSet<PartitionId> = (0..PARTITIONS).map(PartitionId).collect();
+    standby.set_standby_partitions(all);
+    for (from, to) in [(0, 8_000), (8_000, 8_400)] {
+        for store in [&primary, &standby] {
+            store
+                .publish(vec![TableChanges::upserts("kv", vec![kv_rows(from, to)])])
+                .unwrap();
+        }
+        primary.checkpoint().unwrap();
+    }
+    assert_eq!(
+        live_components(&primary),
+        vec![2; PARTITIONS as usize],
+        "the small last load is not merged by the rules"
+    );
+    ship(&primary, &standby);
+    assert_eq!(primary.settle().unwrap(), PARTITIONS as usize);
+    assert_eq!(live_components(&primary), vec![1; PARTITIONS as usize]);
+    let epoch = primary.snapshot("kv", None).unwrap().epoch;
+    assert_eq!(
+        visible_keys(&primary, epoch),
+        (0..8_400).collect::<Vec<_>>()
+    );
+    assert_eq!(primary.settle().unwrap(), 0, "nothing left to settle");
+
+    // The standby holds the primary's two components per partition, and merges none.
+    assert_eq!(standby.settle().unwrap(), 0);
+    assert_eq!(live_components(&standby), vec![2; PARTITIONS as usize]);
+    ship(&primary, &standby);
+    assert_eq!(live_components(&standby), vec![1; PARTITIONS as usize]);
 }

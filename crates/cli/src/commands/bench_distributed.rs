@@ -49,11 +49,12 @@ pub(super) async fn ensure_tpch(
         );
         super::load::tpch(&target, sf, &[], true).await?;
     }
-    // Every node flushes what its memtables hold (and ships it to the standbys), as it
-    // would by itself after `store.idle_checkpoint_ms`: each cluster a benchmark compares
-    // then scans components alone, however much of its load the thresholds flushed.
+    // Every node settles what it leads (flushes, merges each partition down to one
+    // component, ships them to the standbys), as a bulk load ends: each cluster a benchmark
+    // compares then scans one file per partition, however its load was cut into publishes
+    // and whenever its checkpoints ran.
     for index in 0..cluster.addrs.len() {
-        cluster.client(index).flush().await?;
+        cluster.client(index).settle().await?;
     }
     Ok(())
 }

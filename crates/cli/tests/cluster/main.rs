@@ -333,6 +333,62 @@ async fn count_and_sum(client: &ClusterClient) -> (i64, i64) {
     (n, s)
 }
 
+/// The storage partitions a query's scans read, and their component files, from the
+/// channel lines of its `EXPLAIN ANALYZE`.
+async fn partitions_and_files_read(client: &ClusterClient, sql: &str) -> (u64, u64) {
+    let analyzed = plan_text(
+        client,
+        &format!("EXPLAIN ANALYZE {sql}"),
+        "Plan with Metrics",
+    )
+    .await;
+    let stages = parse_analyzed(&analyzed);
+    let partitions = stages.iter().flat_map(|s| &s.channel_partitions_read).sum();
+    let files = stages.iter().flat_map(|s| &s.channel_files_read).sum();
+    (partitions, files)
+}
+
+/// A table loaded in two publishes of unequal size keeps two components per partition
+/// (the merge rules wait for more); settling every node, as a bulk load ends, leaves one
+/// per partition on every replica, and `EXPLAIN ANALYZE` shows each layout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settling_a_loaded_table_leaves_one_component_per_partition() {
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let (cluster, client) = kv_cluster(root.path(), 3).await;
+    for (from, to) in [(0, 20_000), (20_000, 20_500)] {
+        client
+            .publish("kv", vec![kv_batch(from, to)], false)
+            .await
+            .unwrap();
+        flush_everywhere(&cluster).await;
+    }
+    let sql = "SELECT count(*) FROM kv";
+    let (partitions, files) = partitions_and_files_read(&client, sql).await;
+    assert_eq!(partitions, PARTITIONS as u64, "each partition read once");
+    assert_eq!(
+        files,
+        2 * PARTITIONS as u64,
+        "two publishes, two components each"
+    );
+
+    for id in cluster.node_ids() {
+        ClusterClient::new(cluster.addr(id)).settle().await.unwrap();
+    }
+    // Standbys take their primaries' settled components in the background; a query may
+    // read any replica, so every node is asked.
+    for id in cluster.node_ids() {
+        let on = ClusterClient::new(cluster.addr(id));
+        let one_file_each = (PARTITIONS as u64, PARTITIONS as u64);
+        let what = format!("node {id}'s scans to read one file per partition");
+        wait_until(&what, Duration::from_secs(30), || async {
+            (partitions_and_files_read(&on, sql).await == one_file_each).then_some(())
+        })
+        .await;
+        assert_eq!(count_and_sum(&on).await.0, 20_500);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_leader_loses_no_committed_epoch() {
     let _exclusive = exclusive();

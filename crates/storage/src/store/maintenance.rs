@@ -39,6 +39,17 @@ impl FrozenRows {
     }
 }
 
+/// Which partitions a merge takes.
+#[derive(Debug, Clone, Copy)]
+enum MergeRule {
+    /// Those whose components crowd: more than the merge threshold, or (tiered merges)
+    /// smaller ones adding up to half the largest. What every checkpoint does.
+    Crowded,
+    /// Every partition with more than one live component that is not a cold standby's
+    /// ([`Store::settle`]).
+    Settle,
+}
+
 /// What [`Store::merge_crowded_partitions`] did: how many partitions it merged, and the
 /// longest any one held the gate.
 #[derive(Debug, Default)]
@@ -132,6 +143,19 @@ impl Store {
     /// a cold standby of its partitions wants components before truncating its own log.
     pub fn flush(&self) -> Result<()> {
         self.flush_in_stages(LogAfterFlush::Keep).map(|_| ())
+    }
+
+    /// Flushes memory to components (keeping the log, as [`Store::flush`]), then merges
+    /// every partition this store is not a cold standby of down to one live component:
+    /// what a client asks for once a bulk load is done. The merge rules leave a table
+    /// loaded in a few publishes of unequal size in two or three components per partition
+    /// (a small last publish waits for the count rule, which a table that stopped changing
+    /// never reaches), and every query then opens them all. A cold standby's partitions
+    /// take their primary's settled components when it ships them. Returns how many
+    /// partitions were merged.
+    pub fn settle(&self) -> Result<usize> {
+        self.flush()?;
+        Ok(self.merge_partitions(MergeRule::Settle)?.partitions)
     }
 
     /// Flushes the memtables in three stages, so that the gate is held exclusively only
@@ -390,15 +414,29 @@ impl Store {
     /// its primary had flushed for it (the flush a standby asks for before its own
     /// checkpoint does not merge), only to throw that merge away at the next shipment.
     pub(super) fn merge_crowded_partitions(&self) -> Result<Merged> {
+        self.merge_partitions(MergeRule::Crowded)
+    }
+
+    /// Merges the partitions `rule` picks, each under the exclusive gate on its own (see
+    /// [`Store::merge_crowded_partitions`]).
+    fn merge_partitions(&self, rule: MergeRule) -> Result<Merged> {
         let plan_of = |state: &State, table: &TableState, partition, p: &PartitionState| {
             let cold_standby = state.standby.contains(&partition);
+            let (threshold, tiered) = match rule {
+                MergeRule::Crowded => (
+                    self.config.merge_threshold,
+                    self.config.tiered_merges && !cold_standby,
+                ),
+                MergeRule::Settle if cold_standby => return None,
+                MergeRule::Settle => (1, false),
+            };
             MergePlan::of(
                 &table.def,
                 partition,
                 &p.manifest.components,
                 state.horizon(&table.def.name),
-                self.config.merge_threshold,
-                self.config.tiered_merges && !cold_standby,
+                threshold,
+                tiered,
             )
         };
         let crowded: Vec<(String, PartitionId)> = {
