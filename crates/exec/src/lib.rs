@@ -392,7 +392,8 @@ pub struct ScanReads {
     pub versioned: u64,
     /// The component files of the partitions read here.
     pub files: u64,
-    /// Partitions read from another node (a replica, or this node's component cache).
+    /// Partitions whose rows a replica answered with: another node's answer (also for a
+    /// diff, which a replica's store computes, this node's own included).
     pub remote: u64,
 }
 

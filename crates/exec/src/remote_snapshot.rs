@@ -99,6 +99,7 @@ fn encode_rows(batches: &[RecordBatch]) -> Result<Option<String>, arrow::error::
 /// Reads `partitions` through `cache` from the first replica that describes them and
 /// supplies the components missing here; `Err` names why none did (the caller then reads
 /// rows from the replicas).
+#[allow(clippy::too_many_arguments)]
 pub async fn read_through_cache(
     node: &Arc<Exec>,
     cache: &Arc<ComponentCache>,

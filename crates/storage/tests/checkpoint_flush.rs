@@ -13,7 +13,7 @@ use tessera_common::{Epoch, PartitionId};
 use tessera_storage::{Store, StoreConfig};
 
 mod common;
-use common::{def, kv_rows, routed_kv, visible_keys};
+use common::{def, kv_rows, routed_kv, ship_partition, visible_keys};
 
 const PARTITIONS: u32 = 8;
 /// What each component's fsync takes more; the flush writes one component per partition.
@@ -215,15 +215,7 @@ fn a_standby_whose_primarys_components_arrive_during_its_flush_keeps_each_row_on
     let checkpoint = checkpoint_in_background(&standby);
     std::thread::sleep(Duration::from_millis(SLOW_FSYNC_MS));
     for &partition in &all {
-        let (components, covered) = primary.shipped_manifest("kv", partition).unwrap();
-        assert_eq!(covered, Epoch(2));
-        let fetched = components
-            .iter()
-            .map(|c| (c.hash, primary.component_bytes(&c.hash).unwrap()))
-            .collect();
-        standby
-            .install_shipped_components("kv", partition, components, fetched, covered)
-            .unwrap();
+        assert_eq!(ship_partition(&primary, &standby, partition), Epoch(2));
     }
     assert!(
         !checkpoint.is_finished(),

@@ -8,7 +8,7 @@ use tessera_common::PartitionId;
 use tessera_storage::{Store, StoreConfig, TableChanges};
 
 mod common;
-use common::{def, kv_rows, visible_keys};
+use common::{def, kv_rows, ship_partition, visible_keys};
 
 const PARTITIONS: u32 = 4;
 
@@ -78,28 +78,27 @@ fn without_tiered_merges_loads_stay_apart_until_they_crowd() {
 /// merge them early itself. Its primary flushes (without merging) when the standby is
 /// about to checkpoint, so without this the standby merged each load it was shipped, work
 /// thrown away when the primary's own merge arrived.
+/// Two stores with tiered merges, the second a cold standby of every partition of the
+/// first (and the directories they live in).
+fn primary_and_cold_standby() -> ([tempfile::TempDir; 2], Arc<Store>, Arc<Store>) {
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let primary = open(dirs[0].path(), true);
+    let standby = open(dirs[1].path(), true);
+    standby.set_standby_partitions((0..PARTITIONS).map(PartitionId).collect());
+    (dirs, primary, standby)
+}
+
 /// What a primary's announcement makes its cold standby do: take the primary's components
 /// of every partition in place of its own.
 fn ship(primary: &Store, standby: &Store) {
     for partition in (0..PARTITIONS).map(PartitionId) {
-        let (components, covered) = primary.shipped_manifest("kv", partition).unwrap();
-        let fetched = components
-            .iter()
-            .map(|c| (c.hash, primary.component_bytes(&c.hash).unwrap()))
-            .collect();
-        standby
-            .install_shipped_components("kv", partition, components, fetched, covered)
-            .unwrap();
+        ship_partition(primary, standby, partition);
     }
 }
 
 #[test]
 fn a_cold_standby_leaves_tiered_merges_to_its_primary() {
-    let (primary_dir, standby_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let primary = open(primary_dir.path(), true);
-    let standby = open(standby_dir.path(), true);
-    let all: std::collections::BTreeSet<PartitionId> = (0..PARTITIONS).map(PartitionId).collect();
-    standby.set_standby_partitions(all);
+    let (_dirs, primary, standby) = primary_and_cold_standby();
     let ship = || ship(&primary, &standby);
     for load_index in 0..3 {
         let rows = || kv_rows(load_index * 4_000, (load_index + 1) * 4_000);
@@ -138,11 +137,7 @@ fn a_cold_standby_leaves_tiered_merges_to_its_primary() {
 /// led partition down to one; a cold standby's partitions are left for its primary's.
 #[test]
 fn settling_merges_each_led_partition_down_to_one_component() {
-    let (primary_dir, standby_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let primary = open(primary_dir.path(), true);
-    let standby = open(standby_dir.path(), true);
-    let all: std::collections::BTreeSet<PartitionId> = (0..PARTITIONS).map(PartitionId).collect();
-    standby.set_standby_partitions(all);
+    let (_dirs, primary, standby) = primary_and_cold_standby();
     for (from, to) in [(0, 8_000), (8_000, 8_400)] {
         for store in [&primary, &standby] {
             store

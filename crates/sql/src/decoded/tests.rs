@@ -75,6 +75,17 @@ async fn scan_columns(
 }
 
 /// Every (v, k) row of the batches, sorted by k.
+/// How many components the partitions of `table` hold now, all told.
+pub(crate) fn components_held(store: &Store, table: &str) -> usize {
+    store
+        .snapshot(table, None)
+        .unwrap()
+        .partitions
+        .iter()
+        .map(|p| p.components.len())
+        .sum()
+}
+
 pub(crate) fn rows_of(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
     let mut rows = rows_in_order(batches);
     rows.sort_by_key(|&(_, k)| k);
@@ -220,13 +231,7 @@ async fn a_versioned_scan_reads_its_small_components_decoded() {
         .await
         .unwrap();
     store.checkpoint().unwrap();
-    let held: usize = store
-        .snapshot("t", None)
-        .unwrap()
-        .partitions
-        .iter()
-        .map(|p| p.components.len())
-        .sum();
+    let held = components_held(&store, "t");
     let cache = Arc::new(DecodedComponents::default());
     let expected: Vec<(i64, i64)> = (1..=1000)
         .map(|k| (k * 10 + i64::from(k % 3 == 0), k))

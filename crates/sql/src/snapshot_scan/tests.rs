@@ -1,5 +1,5 @@
 use super::*;
-use crate::decoded::tests::{rows_in_order, rows_of};
+use crate::decoded::tests::{components_held, rows_in_order, rows_of};
 use crate::Engine;
 use datafusion::physical_plan::{collect, displayable};
 use datafusion::prelude::SessionContext;
@@ -336,13 +336,7 @@ async fn reading_in_id_order_gives_storage_partitions_by_id_whichever_reader_tak
         reading_order,
         layout,
     } = planned(None);
-    let components: usize = store
-        .snapshot("t", None)
-        .unwrap()
-        .partitions
-        .iter()
-        .map(|p| p.components.len())
-        .sum();
+    let components = components_held(&store, "t");
     assert_eq!(
         layout,
         ReadLayout {

@@ -5,7 +5,7 @@ use arrow::array::Array;
 use arrow::array::{Int64Array, RecordBatch};
 use arrow::datatypes::{DataType, Field, Schema};
 use std::sync::Arc;
-use tessera_common::{Epoch, PartitionRing};
+use tessera_common::{Epoch, PartitionId, PartitionRing};
 use tessera_storage::routing::split_by_partition;
 use tessera_storage::{PartitionChanges, Store, StoreConfig, TableDef};
 
@@ -108,6 +108,20 @@ pub fn routed_kv(batch: &RecordBatch, partitions: u32) -> Vec<PartitionChanges> 
             before_images: vec![],
         })
         .collect()
+}
+
+/// What a primary's announcement makes a cold standby do for one partition of `kv`: take
+/// the primary's components in place of its own. Returns the epoch they cover.
+pub fn ship_partition(primary: &Store, standby: &Store, partition: PartitionId) -> Epoch {
+    let (components, covered) = primary.shipped_manifest("kv", partition).unwrap();
+    let fetched = components
+        .iter()
+        .map(|c| (c.hash, primary.component_bytes(&c.hash).unwrap()))
+        .collect();
+    standby
+        .install_shipped_components("kv", partition, components, fetched, covered)
+        .unwrap();
+    covered
 }
 
 /// The keys of `kv` visible at `epoch`, sorted.
