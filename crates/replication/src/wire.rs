@@ -370,7 +370,7 @@ pub const ACTION_PREFETCH_COMPONENTS: &str = "prefetch-components";
 /// A standby asks a primary to checkpoint (flush) now, before it truncates its own log.
 pub const ACTION_FLUSH: &str = "flush";
 /// A client asks a node, once a bulk load is done, to flush and merge each partition it
-/// leads down to one component, then ship them to the standbys.
+/// holds (but a cold standby's) down to one component, then ship them to the standbys.
 pub const ACTION_SETTLE: &str = "settle";
 /// A standby asks a primary for one partition's components: `(table, generation,
 /// partition)`, answered by a [`ShippedManifest`].

@@ -216,9 +216,10 @@ impl ClusterClient {
             .await
     }
 
-    /// Flushes this node's in-memory rows, merges each partition it leads down to one
-    /// component (however many publishes loaded it) and ships them to the standbys: what
-    /// a bulk load ends with, so that queries open one file per partition.
+    /// Flushes this node's in-memory rows, merges each partition it holds down to one
+    /// component (however many publishes loaded it; a cold standby's partitions take their
+    /// primary's instead) and ships them to the standbys: what a bulk load ends with, so
+    /// that queries open one file per partition.
     pub async fn settle(&self) -> Result<()> {
         self.unit_action(crate::rpc::ACTION_SETTLE, (), Duration::from_secs(600))
             .await

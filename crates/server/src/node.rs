@@ -896,8 +896,9 @@ impl Node {
     }
 
     /// [`Store::settle`](tessera_storage::Store::settle) (a flush, then every partition
-    /// this node leads merged down to one component), and ships the result to the
-    /// standbys, which take it in place of their own copies.
+    /// this node holds merged down to one component, but those it keeps as a cold
+    /// standby), and ships the ones it leads to their cold standbys, which take them in
+    /// place of their own copies.
     pub async fn settle_and_ship(self: &Arc<Self>) -> Result<()> {
         let store = self.store.clone();
         let merged = tokio::task::spawn_blocking(move || store.settle())
@@ -906,7 +907,10 @@ impl Node {
                 what: "settling the store",
                 reason: e.to_string(),
             })??;
-        tracing::info!(merged, "settled: every led partition in one component");
+        tracing::info!(
+            merged,
+            "settled: every partition held here (but a cold standby's) in one component"
+        );
         crate::shipping::announce(&self.replication).await;
         Ok(())
     }

@@ -134,9 +134,10 @@ fn a_cold_standby_leaves_tiered_merges_to_its_primary() {
 
 /// A load that ends with a small publish keeps a second component per partition under the
 /// merge rules (the count rule waits for more). Settling, as a bulk load ends, merges each
-/// led partition down to one; a cold standby's partitions are left for its primary's.
+/// partition a store holds down to one; a cold standby's partitions are left for its
+/// primary's.
 #[test]
-fn settling_merges_each_led_partition_down_to_one_component() {
+fn settling_merges_each_partition_held_down_to_one_component() {
     let (_dirs, primary, standby) = primary_and_cold_standby();
     for (from, to) in [(0, 8_000), (8_000, 8_400)] {
         for store in [&primary, &standby] {

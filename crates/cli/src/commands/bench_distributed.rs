@@ -49,7 +49,7 @@ pub(super) async fn ensure_tpch(
         );
         super::load::tpch(&target, sf, &[], true).await?;
     }
-    // Every node settles what it leads (flushes, merges each partition down to one
+    // Every node settles what it holds (flushes, merges each partition down to one
     // component, ships them to the standbys), as a bulk load ends: each cluster a benchmark
     // compares then scans one file per partition, however its load was cut into publishes
     // and whenever its checkpoints ran.
