@@ -82,7 +82,7 @@ pub async fn tpch_in_publishes(
         }
     }
     let chunk_limit = match engine {
-        Target::Local(_) => LOAD_CHUNK_BYTES,
+        Target::Local(..) => LOAD_CHUNK_BYTES,
         Target::Cluster(_) => CLUSTER_LOAD_CHUNK_BYTES,
     };
     let started = Instant::now();
@@ -136,6 +136,12 @@ pub async fn tpch_in_publishes(
             };
             println!("loaded {rows:>10} rows into {:<9} as {epochs}", table.name);
         }
+    }
+    // A load in as few publishes as its size allows ends settled: one component per
+    // partition. One asked to be cut into publishes keeps them apart, as a table appended
+    // to over time would hold them.
+    if publishes.is_none() {
+        engine.settle().await?;
     }
     if report {
         println!(

@@ -14,22 +14,42 @@ use tessera_sql::{Engine, StatementOutput};
 use tessera_storage::{Store, TableChanges, TableDef};
 
 pub enum Target {
-    Local(Engine),
+    /// A store on this machine, and the engine over it.
+    Local(Engine, Arc<Store>),
     Cluster(ClusterClient),
 }
 
 impl Target {
     pub fn local(store: Arc<Store>) -> Target {
-        Target::Local(Engine::new(store))
+        Target::Local(Engine::new(store.clone()), store)
     }
 
     pub fn cluster(addr: &str) -> Target {
         Target::Cluster(ClusterClient::new(addr))
     }
 
+    /// Ends a bulk load: every live node (or the local store) flushes and merges each
+    /// partition it holds down to one component, so queries open one file per partition
+    /// however the load was cut into publishes.
+    pub async fn settle(&self) -> Result<()> {
+        match self {
+            Target::Local(_, store) => {
+                let store = store.clone();
+                tokio::task::spawn_blocking(move || store.settle()).await??;
+            }
+            Target::Cluster(client) => {
+                let status = client.status().await?;
+                for node in status.meta.live_nodes() {
+                    ClusterClient::new(&node.addr).settle().await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     pub async fn execute(&self, sql: &str) -> Result<Vec<StatementOutput>> {
         Ok(match self {
-            Target::Local(engine) => engine.execute(sql).await?,
+            Target::Local(engine, _) => engine.execute(sql).await?,
             Target::Cluster(client) => {
                 let (outputs, notices) = client.sql_with_notices(sql).await?;
                 for notice in notices {
@@ -49,7 +69,7 @@ impl Target {
         out: &mut impl std::io::Write,
     ) -> Result<()> {
         match self {
-            Target::Local(engine) => {
+            Target::Local(engine, _) => {
                 for output in engine.execute(sql).await? {
                     crate::output::print_output(&output, format, out)?;
                 }
@@ -69,7 +89,7 @@ impl Target {
         sql: &str,
     ) -> Result<(SchemaRef, BoxStream<'static, Result<RecordBatch>>)> {
         match self {
-            Target::Local(engine) => match engine.execute_streaming(sql).await?.pop() {
+            Target::Local(engine, _) => match engine.execute_streaming(sql).await?.pop() {
                 Some(StatementOutput::Rows { schema, batches }) => Ok((
                     schema,
                     futures::stream::iter(batches.into_iter().map(Ok)).boxed(),
@@ -115,7 +135,7 @@ impl Target {
 
     pub async fn table_def(&self, name: &str) -> Result<Option<TableDef>> {
         Ok(match self {
-            Target::Local(engine) => engine.backend().table_def(name),
+            Target::Local(engine, _) => engine.backend().table_def(name),
             // The current catalog, not the node's own view: a node just restarted may not
             // have applied the latest CREATE or DROP yet.
             Target::Cluster(client) => client.current_metadata().await?.tables.remove(name),
@@ -126,7 +146,7 @@ impl Target {
     pub async fn publish(&self, changes: TableChanges) -> Result<Epoch> {
         match self {
             // Rows from a file, not computed from a read of the table: nothing to conflict.
-            Target::Local(engine) => Ok(engine
+            Target::Local(engine, _) => Ok(engine
                 .backend()
                 .publish(vec![changes], &Default::default())
                 .await?),

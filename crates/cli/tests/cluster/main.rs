@@ -389,6 +389,38 @@ async fn settling_a_loaded_table_leaves_one_component_per_partition() {
     }
 }
 
+/// `tessera load tpch` into a cluster ends settled: right after it, with no flush and no
+/// idle checkpoint, every node's scans read each partition from one component file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tpch_load_from_the_cli_ends_with_one_component_per_partition() {
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    // No idle checkpoints: only the load's own settle can have flushed its rows.
+    let (cluster, _) = kv_cluster_with(root.path(), 3, &[("store.idle_checkpoint_ms", "0")]).await;
+    let loaded = std::process::Command::new(BINARY)
+        .args(["--node", cluster.addr(1)])
+        .args(["load", "tpch", "--sf", "0.01", "--tables", "orders"])
+        .output()
+        .unwrap();
+    assert!(
+        loaded.status.success(),
+        "{}",
+        String::from_utf8_lossy(&loaded.stderr)
+    );
+    let sql = "SELECT count(*) FROM orders";
+    let one_file_each = (PARTITIONS as u64, PARTITIONS as u64);
+    // Standbys take the settled components in the background; a query may read any
+    // replica, so every node is asked.
+    for id in cluster.node_ids() {
+        let on = ClusterClient::new(cluster.addr(id));
+        let what = format!("node {id}'s scans to read one file per partition");
+        wait_until(&what, Duration::from_secs(20), || async {
+            (partitions_and_files_read(&on, sql).await == one_file_each).then_some(())
+        })
+        .await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_leader_loses_no_committed_epoch() {
     let _exclusive = exclusive();
