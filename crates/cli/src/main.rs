@@ -135,6 +135,10 @@ enum Command {
     },
     /// Flush memory to components and trim the log.
     Checkpoint,
+    /// Merge every partition down to one component, as `load` ends: for a table that a
+    /// bulk load left in several (with --node, every live node settles and ships its
+    /// partitions to their standbys).
+    Settle,
     /// Tables, rows, components and the visible epoch; with --node, the cluster: nodes,
     /// liveness, partitions, primaries, replicas and epochs.
     Status,
@@ -690,6 +694,11 @@ async fn run(cli: Cli) -> Result<()> {
             let store = open_store(&cli)?;
             store.checkpoint()?;
             println!("checkpoint done; visible epoch {}", store.visible_epoch());
+            Ok(())
+        }
+        Command::Settle => {
+            target(&cli)?.settle().await?;
+            println!("settled: every partition in one component");
             Ok(())
         }
         Command::Status => match &cli.node {

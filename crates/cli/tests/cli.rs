@@ -245,6 +245,68 @@ fn publish_reads_csv_upserts_and_deletes() {
     );
 }
 
+/// The table `tessera status` lists: (stored rows, components) of `table`.
+fn stored_rows_and_components(cwd: &Path, table: &str) -> (u64, u64) {
+    let status = stdout_of(&tessera(cwd, &["status"], None));
+    let row = status
+        .lines()
+        .find(|line| line.split_whitespace().next() == Some(table))
+        .unwrap_or_else(|| panic!("no row for {table} in: {status}"));
+    let fields: Vec<u64> = row
+        .split_whitespace()
+        .skip(1)
+        .map(|field| field.parse().unwrap())
+        .collect();
+    (fields[0], fields[2])
+}
+
+/// A table published in a large batch and then a small one keeps two components per
+/// partition (the small one waits for the merge threshold); `tessera settle` merges each
+/// partition down to one, and every row stays.
+#[test]
+fn settle_merges_what_a_bulk_load_left_into_one_component_per_partition() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let create = "CREATE TABLE t (k BIGINT, v VARCHAR, PRIMARY KEY (k))";
+    stdout_of(&tessera(cwd, &["sql", "-c", create], None));
+    let padding = "x".repeat(100);
+    let rows = |keys: std::ops::Range<u64>| {
+        let mut csv = String::from("k,v\n");
+        for k in keys {
+            csv.push_str(&format!("{k},{padding}\n"));
+        }
+        csv
+    };
+    std::fs::write(cwd.join("large.csv"), rows(0..20_000)).unwrap();
+    std::fs::write(cwd.join("small.csv"), rows(20_000..20_040)).unwrap();
+    for file in ["large.csv", "small.csv"] {
+        stdout_of(&tessera(cwd, &["publish", "--table", "t", file], None));
+        stdout_of(&tessera(cwd, &["checkpoint"], None));
+    }
+    let (rows_before, components_before) = stored_rows_and_components(cwd, "t");
+    assert_eq!(rows_before, 20_040);
+    assert!(
+        components_before > 4,
+        "two publishes should leave more components than the 4 partitions: {components_before}"
+    );
+
+    let settled = stdout_of(&tessera(cwd, &["settle"], None));
+    assert!(settled.contains("settled"), "{settled}");
+    assert_eq!(stored_rows_and_components(cwd, "t"), (20_040, 4));
+    let count = stdout_of(&tessera(
+        cwd,
+        &[
+            "sql",
+            "--format",
+            "csv",
+            "-c",
+            "SELECT count(DISTINCT k) AS n FROM t",
+        ],
+        None,
+    ));
+    assert_eq!(count, "n\n20040\n");
+}
+
 #[test]
 fn a_second_process_on_the_same_data_dir_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
