@@ -16,20 +16,8 @@
 //! routed window's columns) was faulted in and zeroed afresh. [`JEMALLOC_OPTIONS`] turns
 //! that arena off. On three-node clusters publishing lineitem SF 1 (6M rows), it cut the
 //! coordinating node's page faults per publish from about 1.45 M to 0.75 M, and the nodes'
-//! CPU per publish by about a tenth at r = 1 and at r = 3 alike.
-//!
-//! jemalloc also asks for transparent huge pages (`thp:always`: it marks the memory it maps
-//! `MADV_HUGEPAGE`, which the kernel honours where THP is `always` or `madvise`). The reason
-//! is how a node dies: a SIGKILLed process frees its memory before it closes its sockets,
-//! so its peers see its connections drop only once every page is freed. With 4 KiB pages
-//! that took 33–47 ms for 500 MiB on the 2-core benchmark machine (a node's size while it
-//! queries), and it was the largest part of the time from a kill to a query's rebuild;
-//! with 2 MiB pages it takes about 2 ms. Fewer pages also means fewer page faults for the
-//! large buffers a publish or a query allocates. The cost is memory held in 2 MiB pieces
-//! where a partly used extent would have held fewer 4 KiB pages.
-//!
-//! `_RJEM_MALLOC_CONF` in a node's environment overrides these options (jemalloc reads it
-//! afterwards): `thp:default` leaves pages as the kernel's settings have them.
+//! CPU per publish by about a tenth at r = 1 and at r = 3 alike. `_RJEM_MALLOC_CONF` in a
+//! node's environment still overrides it (jemalloc reads that afterwards).
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,7 +25,7 @@ use tikv_jemallocator::Jemalloc;
 
 /// jemalloc's options for a process that allocates with [`Allocator`] (see the module's
 /// comment), as the C string jemalloc reads before `main`.
-pub const JEMALLOC_OPTIONS: &[u8; 32] = b"oversize_threshold:0,thp:always\0";
+pub const JEMALLOC_OPTIONS: &[u8; 21] = b"oversize_threshold:0\0";
 
 /// Makes [`Allocator`] the global allocator of the binary that invokes it, and gives
 /// jemalloc [`JEMALLOC_OPTIONS`]: every `tessera` process, and the tests that measure or
