@@ -83,6 +83,7 @@ async fn receive_logged(
     wait_for_table(node, &request.table).await;
     let (outlets, shipping) = start_shipping(node, &request);
     let outlets = Arc::new(tokio::sync::Mutex::new(outlets));
+    let started = Instant::now();
     let mut logger = ChunkLogger::new({
         let (node, request, outlets) = (node.clone(), Arc::new(request.clone()), outlets.clone());
         move |chunk| log_and_ship(node.clone(), request.clone(), chunk, outlets.clone()).boxed()
@@ -123,6 +124,7 @@ async fn receive_logged(
         }
     }
     logged.and(received)?;
+    let logged_here = started.elapsed();
     let mut unreachable = Vec::new();
     for (replica, task) in shipping {
         match task.await {
@@ -142,6 +144,13 @@ async fn receive_logged(
             Err(join_error) => return Err(ReplicationError::task("log shipping")(join_error)),
         }
     }
+    // How much of a prepare the replicas add: the wait past this node's own logging.
+    tracing::debug!(
+        logged_here_ms = logged_here.as_millis() as u64,
+        replicas_logged_ms = started.elapsed().as_millis() as u64,
+        replicas = request.forward.len(),
+        "prepare logged"
+    );
     Ok(PrepareReply { unreachable })
 }
 
@@ -342,15 +351,26 @@ async fn log_and_ship(
     outlets: Arc<tokio::sync::Mutex<Vec<Outlet>>>,
 ) -> Result<()> {
     let epoch = request.epoch;
+    let started = Instant::now();
     let entries = on_store_catching_up(&node, "encoding prepared rows", move |store| {
         store.encode_prepared(epoch, &chunk)
     })
     .await?;
+    let encoded = started.elapsed();
     ship(&mut outlets.lock().await, &entries).await;
+    let shipped = started.elapsed();
+    let bytes: usize = entries.iter().map(|e| e.rows.bytes()).sum();
     node.on_store("logging prepared rows", move |store| {
         store.log_prepared(epoch, entries)
     })
     .await?;
+    tracing::debug!(
+        bytes,
+        encoded_ms = encoded.as_millis() as u64,
+        shipped_ms = shipped.as_millis() as u64,
+        logged_ms = started.elapsed().as_millis() as u64,
+        "chunk encoded, shipped on and logged"
+    );
     discard_if_late(&node, &request).await
 }
 
