@@ -364,7 +364,10 @@ async fn log_and_ship(
         store.log_prepared(epoch, entries)
     })
     .await?;
+    // Logged from the chunk's own task, outside the stream's span: it names its epoch.
     tracing::debug!(
+        %epoch,
+        table = %request.table,
         bytes,
         encoded_ms = encoded.as_millis() as u64,
         shipped_ms = shipped.as_millis() as u64,
