@@ -588,7 +588,7 @@ impl Store {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(StorageError::io(&path, e)),
             }
-            self.verified.lock().expect("verified lock").remove(&hash);
+            self.verified.remove(&hash);
         }
         Ok(())
     }
@@ -600,13 +600,18 @@ impl Store {
         for entry in std::fs::read_dir(dir).map_err(|e| StorageError::io(dir, e))? {
             let entry = entry.map_err(|e| StorageError::io(dir, e))?;
             let name = entry.file_name().to_string_lossy().to_string();
-            let orphan = match name.strip_suffix(".parquet") {
-                Some(hex) => ComponentHash::from_hex(hex).is_some_and(|h| !referenced.contains(&h)),
+            let hash = name.strip_suffix(".parquet").map(ComponentHash::from_hex);
+            let orphan = match hash {
+                Some(hash) => hash.is_some_and(|h| !referenced.contains(&h)),
                 None => name.ends_with(".tmp"),
             };
             if orphan {
                 let path = entry.path();
                 std::fs::remove_file(&path).map_err(|e| StorageError::io(&path, e))?;
+                // An earlier process may have checked it: a copy must fetch it again.
+                if let Some(Some(hash)) = hash {
+                    self.verified.remove(&hash);
+                }
             }
         }
         Ok(())

@@ -47,6 +47,7 @@ mod scrub;
 mod snapshot;
 mod standby;
 mod transfer;
+mod verified;
 
 pub use maintenance::MEMTABLE_STALL_FACTOR;
 use publish::PreparedChanges;
@@ -699,7 +700,7 @@ pub struct Store {
     /// flushes too): one flush at a time (see `maintenance.rs`). Taken before the gate.
     flushing: Mutex<()>,
     wal: Wal,
-    verified: Mutex<HashSet<ComponentHash>>,
+    verified: verified::VerifiedComponents,
     readers: Arc<Mutex<ReaderRegistry>>,
     poisoned: Mutex<Option<String>>,
     /// The erasure-coded archive's fragments this node holds.
@@ -763,6 +764,9 @@ impl Store {
         let (state, report) = replay(checkpoint, log.records, log.torn_bytes)?;
         // Appending to the last segment is safe: recovery cut any torn tail off it.
         let wal = Wal::start(&wal_dir, log.last_segment.max(1))?;
+        // Checks an earlier process of this boot made of components unchanged since.
+        let verified =
+            verified::VerifiedComponents::open(dir, &components_dir, verified::current_boot_id());
         let store = Store {
             dir: dir.to_path_buf(),
             components_dir,
@@ -772,7 +776,7 @@ impl Store {
             gate: gate::Gate::default(),
             flushing: Mutex::new(()),
             wal,
-            verified: Mutex::new(HashSet::new()),
+            verified,
             readers: Arc::new(Mutex::new(ReaderRegistry::default())),
             poisoned: Mutex::new(None),
             fragments: crate::archive::FragmentStore::open(&dir.join("fragments"))?,

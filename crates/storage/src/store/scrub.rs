@@ -1,6 +1,7 @@
 //! Scrubbing: listing the components this node's manifests name, and hashing one again
 //! now, whatever an earlier check in this process said (the disk may have changed it).
 
+use super::verified::FileStamp;
 use super::*;
 
 /// A component some of this node's partitions hold.
@@ -49,11 +50,11 @@ impl Store {
     /// gone), readers stop trusting the earlier check, and the error says what is wrong;
     /// if it does, readers need not hash it again.
     pub fn rehash_component(&self, hash: &ComponentHash) -> Result<()> {
+        let stamp = FileStamp::of(&component::component_path(&self.components_dir, hash));
         let checked = component::verify_component(&self.components_dir, hash);
-        let mut verified = self.verified.lock().expect("verified lock");
         match &checked {
-            Ok(()) => verified.insert(*hash),
-            Err(_) => verified.remove(hash),
+            Ok(()) => self.verified.insert(*hash, stamp),
+            Err(_) => self.verified.remove(hash),
         };
         checked
     }

@@ -1,6 +1,7 @@
 //! What readers see: a table's snapshot at an epoch, component verification, table
 //! versions and statistics.
 
+use super::verified::FileStamp;
 use super::*;
 
 /// Which components a snapshot names.
@@ -128,14 +129,29 @@ impl Store {
         self.state().horizon(table)
     }
 
-    /// Checks, once per process, that a component's bytes hash to its name.
+    /// Checks that a component's bytes hash to its name: once per process, or once per
+    /// boot for a file unchanged since (see `verified.rs`).
     pub fn verify_component(&self, hash: &ComponentHash) -> Result<()> {
-        if self.verified.lock().expect("verified lock").contains(hash) {
+        if self.verified.contains(hash) {
             return Ok(());
         }
+        // The file's identity before its bytes are read: a change since shows after a restart.
+        let stamp = FileStamp::of(&component::component_path(&self.components_dir, hash));
         component::verify_component(&self.components_dir, hash)?;
-        self.verified.lock().expect("verified lock").insert(*hash);
+        self.verified.insert(*hash, stamp);
         Ok(())
+    }
+
+    /// True if reads of component `hash` skip hashing it: this process checked it, or an
+    /// earlier one of this boot did and its file has not changed since.
+    pub fn is_verified(&self, hash: &ComponentHash) -> bool {
+        self.verified.contains(hash)
+    }
+
+    /// Trusts a component this node just wrote from bytes it hashed.
+    pub(super) fn trust_written(&self, hash: ComponentHash) {
+        let stamp = FileStamp::of(&component::component_path(&self.components_dir, &hash));
+        self.verified.insert(hash, stamp);
     }
 
     /// The row versions of a component, its bytes checked against its name first.

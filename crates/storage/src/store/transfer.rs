@@ -114,7 +114,7 @@ impl Store {
     /// from another replica, after checking them against `hash`.
     pub fn repair_component(&self, hash: &ComponentHash, bytes: &[u8]) -> Result<()> {
         component::replace_component(&self.components_dir, hash, bytes)?;
-        self.verified.lock().expect("verified lock").insert(*hash);
+        self.trust_written(*hash);
         Ok(())
     }
 
@@ -132,7 +132,8 @@ impl Store {
     /// True if this node holds a component under `hash` whose bytes hash to it: a copy
     /// need not fetch it again.
     pub fn has_component(&self, hash: &ComponentHash) -> bool {
-        self.verify_component(hash).is_ok()
+        component::component_path(&self.components_dir, hash).exists()
+            && self.verify_component(hash).is_ok()
     }
 
     /// Replaces one partition of `table` with copied components and in-memory versions
@@ -497,7 +498,7 @@ impl Store {
                         &meta.hash,
                         bytes,
                     ))?;
-                    self.verified.lock().expect("verified lock").insert(actual);
+                    self.trust_written(actual);
                 }
                 None => self.verify_component(&meta.hash)?,
             }

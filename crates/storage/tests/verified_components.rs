@@ -1,0 +1,118 @@
+//! A component checked against its name is not hashed again by the next process of the
+//! same boot, unless its file changed: a node restarted after a crash serves its first
+//! queries without reading every component they touch twice.
+
+use std::path::Path;
+use std::sync::Arc;
+use tessera_common::ComponentHash;
+use tessera_storage::component::component_path;
+use tessera_storage::{StorageError, Store, StoreConfig, TableChanges};
+
+mod common;
+use common::{def, kv_rows};
+
+fn open(dir: &Path) -> Arc<Store> {
+    let store = Store::open(
+        dir,
+        StoreConfig {
+            partitions: 4,
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    store.ensure_table(def()).unwrap();
+    store
+}
+
+/// A store with `kv` flushed to components; their hashes.
+fn flushed(dir: &Path) -> Vec<ComponentHash> {
+    let store = open(dir);
+    store
+        .publish(vec![TableChanges::upserts("kv", vec![kv_rows(0, 4000)])])
+        .unwrap();
+    store.flush().unwrap();
+    let snapshot = store.snapshot("kv", None).unwrap();
+    let hashes: Vec<ComponentHash> = snapshot
+        .partitions
+        .iter()
+        .flat_map(|p| p.components.iter().map(|c| c.hash))
+        .collect();
+    assert!(hashes.len() >= 2, "rows in several components");
+    hashes
+}
+
+#[test]
+fn components_checked_before_a_restart_are_trusted_after_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let hashes = flushed(dir.path());
+    let store = open(dir.path());
+    for hash in &hashes {
+        assert!(
+            store.is_verified(hash),
+            "{hash} checked by the last process"
+        );
+    }
+}
+
+#[test]
+fn a_component_changed_while_the_node_was_down_is_hashed_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let hashes = flushed(dir.path());
+    let (damaged, intact) = (hashes[0], hashes[1]);
+    let path = component_path(&dir.path().join("components"), &damaged);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0xff;
+    std::fs::write(&path, bytes).unwrap();
+
+    let store = open(dir.path());
+    assert!(store.is_verified(&intact));
+    assert!(
+        !store.is_verified(&damaged),
+        "its file changed since its check"
+    );
+    let error = store.verify_component(&damaged).unwrap_err();
+    assert!(
+        matches!(error, StorageError::CorruptComponent { hash, .. } if hash == damaged),
+        "{error}"
+    );
+    assert!(!store.is_verified(&damaged));
+}
+
+/// A component a crash left unreferenced is deleted at start: a copy that needs it again
+/// must fetch it, though an earlier process checked it.
+#[test]
+fn a_component_deleted_at_start_is_no_longer_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let hashes = flushed(dir.path());
+    // Drop every manifest's first component, as an edited or older checkpoint would.
+    let checkpoint = dir.path().join("checkpoint.json");
+    let mut saved: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&checkpoint).unwrap()).unwrap();
+    let mut dropped = Vec::new();
+    for manifest in saved["tables"][0]["manifests"].as_array_mut().unwrap() {
+        if let Some(components) = manifest["components"].as_array_mut() {
+            if !components.is_empty() {
+                dropped.push(components.remove(0)["hash"].clone());
+            }
+        }
+    }
+    assert!(!dropped.is_empty());
+    std::fs::write(&checkpoint, serde_json::to_vec(&saved).unwrap()).unwrap();
+
+    let store = open(dir.path());
+    let gone: Vec<ComponentHash> = hashes
+        .iter()
+        .copied()
+        .filter(|h| !component_path(&dir.path().join("components"), h).exists())
+        .collect();
+    assert_eq!(
+        gone.len(),
+        dropped.len(),
+        "the unreferenced files were deleted"
+    );
+    for hash in &gone {
+        assert!(!store.is_verified(hash), "{hash}");
+        assert!(!store.has_component(hash), "{hash}");
+    }
+}
