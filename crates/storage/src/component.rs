@@ -120,16 +120,31 @@ pub fn write_component(dir: &Path, bytes: &[u8]) -> Result<ComponentHash> {
 /// missing copy): the bytes are checked against `hash` first, and the file is replaced
 /// atomically.
 pub fn replace_component(dir: &Path, hash: &ComponentHash, bytes: &[u8]) -> Result<()> {
+    check_named_bytes(dir, hash, bytes)?;
+    replace_checked_component(dir, hash, bytes)
+}
+
+/// Checks that `bytes` hash to `hash`, the name of a component in `dir`.
+pub(crate) fn check_named_bytes(dir: &Path, hash: &ComponentHash, bytes: &[u8]) -> Result<()> {
     let actual = ComponentHash::of_bytes(bytes);
-    let path = component_path(dir, hash);
     if actual != *hash {
         return Err(StorageError::CorruptComponent {
             hash: *hash,
-            path,
+            path: component_path(dir, hash),
             actual,
         });
     }
-    fsio::write_atomically(&path, bytes)
+    Ok(())
+}
+
+/// [`replace_component`] of bytes the caller has checked against `hash` already: hashing
+/// a component costs as much as reading it, and a copied one was hashed on arrival.
+pub(crate) fn replace_checked_component(
+    dir: &Path,
+    hash: &ComponentHash,
+    bytes: &[u8],
+) -> Result<()> {
+    fsio::write_atomically(&component_path(dir, hash), bytes)
 }
 
 /// Checks that a component's bytes hash to its name.
@@ -147,6 +162,26 @@ pub fn read_verified(dir: &Path, hash: &ComponentHash) -> Result<Vec<u8>> {
     )
 }
 
+/// The bytes of a component already checked against its name (by this process, or an
+/// earlier one of this boot: see `store/verified.rs`).
+pub(crate) fn read_checked_component(dir: &Path, hash: &ComponentHash) -> Result<Vec<u8>> {
+    read_bytes(&component_path(dir, hash), hash, |hash, path| {
+        StorageError::MissingComponent { hash, path }
+    })
+}
+
+fn read_bytes(
+    path: &Path,
+    hash: &ComponentHash,
+    missing: impl FnOnce(ComponentHash, PathBuf) -> StorageError,
+) -> Result<Vec<u8>> {
+    match disk::read(path) {
+        Ok(bytes) => Ok(bytes),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(missing(*hash, path.into())),
+        Err(e) => Err(StorageError::io(path, e)),
+    }
+}
+
 /// The bytes of a file named by their hash (a component, an archive fragment), checked
 /// against it; `missing` and `corrupt` say what kind of file is wrong.
 pub(crate) fn read_named(
@@ -155,11 +190,7 @@ pub(crate) fn read_named(
     missing: impl FnOnce(ComponentHash, PathBuf) -> StorageError,
     corrupt: impl FnOnce(ComponentHash, PathBuf, ComponentHash) -> StorageError,
 ) -> Result<Vec<u8>> {
-    let bytes = match disk::read(&path) {
-        Ok(bytes) => bytes,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(missing(*hash, path)),
-        Err(e) => return Err(StorageError::io(&path, e)),
-    };
+    let bytes = read_bytes(&path, hash, missing)?;
     let actual = ComponentHash::of_bytes(&bytes);
     if actual != *hash {
         return Err(corrupt(*hash, path, actual));

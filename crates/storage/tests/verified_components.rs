@@ -116,3 +116,46 @@ fn a_component_deleted_at_start_is_no_longer_held() {
         assert!(!store.has_component(hash), "{hash}");
     }
 }
+
+/// A copied component is checked against its name once, on arrival: bytes that do not
+/// hash to it are refused and nothing is written under its name.
+#[test]
+fn a_copied_component_that_does_not_match_its_name_is_refused() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    flushed(a.path());
+    let (primary, replica) = (open(a.path()), open(b.path()));
+    let partition = tessera_common::PartitionId(0);
+    let (components, memtable) = primary.export_partition("kv", partition).unwrap();
+    assert!(!components.is_empty());
+    let mut fetched: std::collections::HashMap<ComponentHash, Vec<u8>> = components
+        .iter()
+        .map(|c| (c.hash, primary.component_bytes(&c.hash).unwrap()))
+        .collect();
+    let damaged = components[0].hash;
+    let bytes = fetched.get_mut(&damaged).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x01;
+
+    let refused = replica.install_partition_components(
+        "kv",
+        partition,
+        components.clone(),
+        fetched.clone(),
+        memtable.clone(),
+        None,
+    );
+    assert!(
+        matches!(refused, Err(StorageError::CorruptComponent { hash, .. }) if hash == damaged),
+        "{refused:?}"
+    );
+    assert!(!component_path(&b.path().join("components"), &damaged).exists());
+    assert!(!replica.has_component(&damaged));
+
+    fetched.insert(damaged, primary.component_bytes(&damaged).unwrap());
+    replica
+        .install_partition_components("kv", partition, components.clone(), fetched, memtable, None)
+        .unwrap();
+    for component in &components {
+        assert!(replica.has_component(&component.hash));
+    }
+}

@@ -1,6 +1,7 @@
 //! Moving partitions between replicas: a partition's versions (all, or since an epoch),
 //! its export (components and in-memory versions), and installing what was fetched.
 
+use super::verified::FileStamp;
 use super::*;
 
 /// One partition of one table copied whole from a replica
@@ -105,9 +106,16 @@ impl Store {
         Ok((part.components.clone(), part.memtable.clone()))
     }
 
-    /// The bytes of a component, checked against its hash before they leave this node.
+    /// The bytes of a component, checked against its hash before they leave this node
+    /// (once: a component checked before is read as it is; the receiver checks them again).
     pub fn component_bytes(&self, hash: &ComponentHash) -> Result<Vec<u8>> {
-        component::read_verified(&self.components_dir, hash)
+        if self.verified.contains(hash) {
+            return component::read_checked_component(&self.components_dir, hash);
+        }
+        let stamp = FileStamp::of(&component::component_path(&self.components_dir, hash));
+        let bytes = component::read_verified(&self.components_dir, hash)?;
+        self.verified.insert(*hash, stamp);
+        Ok(bytes)
     }
 
     /// Replaces this node's copy of a component (found damaged or missing) with `bytes`
@@ -483,22 +491,15 @@ impl Store {
         for meta in components {
             match fetched.get(&meta.hash) {
                 Some(bytes) => {
-                    let actual = ComponentHash::of_bytes(bytes);
-                    if actual != meta.hash {
-                        return Err(StorageError::CorruptComponent {
-                            hash: meta.hash,
-                            path: component::component_path(&self.components_dir, &meta.hash),
-                            actual,
-                        });
-                    }
+                    component::check_named_bytes(&self.components_dir, &meta.hash, bytes)?;
                     // Fetched because this node's copy is missing or damaged: a damaged
                     // file under the same name is replaced, not kept.
-                    self.or_poison(component::replace_component(
+                    self.or_poison(component::replace_checked_component(
                         &self.components_dir,
                         &meta.hash,
                         bytes,
                     ))?;
-                    self.trust_written(actual);
+                    self.trust_written(meta.hash);
                 }
                 None => self.verify_component(&meta.hash)?,
             }
