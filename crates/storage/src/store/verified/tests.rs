@@ -19,15 +19,31 @@ fn boot(id: &str) -> Option<String> {
     Some(id.to_string())
 }
 
+/// A process of boot `boot-1`, started again.
+fn reopen(dir: &Path, components: &Path) -> VerifiedComponents {
+    VerifiedComponents::open(dir, components, boot("boot-1"))
+}
+
+/// A process of boot `boot-1` that has checked `hashes`.
+fn checked(dir: &Path, components: &Path, hashes: &[ComponentHash]) -> VerifiedComponents {
+    let verified = reopen(dir, components);
+    for &hash in hashes {
+        verified.insert(hash, checked_now(components, hash));
+    }
+    verified
+}
+
+/// A process of boot `boot-1` that checked `hashes` and ended.
+fn checked_then_stopped(dir: &Path, components: &Path, hashes: &[ComponentHash]) {
+    drop(checked(dir, components, hashes));
+}
+
 #[test]
 fn checks_survive_a_restart_on_the_same_boot_only() {
     let (dir, components, [a, b]) = two_components();
-    let first = VerifiedComponents::open(dir.path(), &components, boot("boot-1"));
-    first.insert(a, checked_now(&components, a));
-    first.insert(b, checked_now(&components, b));
-    drop(first);
+    checked_then_stopped(dir.path(), &components, &[a, b]);
 
-    let again = VerifiedComponents::open(dir.path(), &components, boot("boot-1"));
+    let again = reopen(dir.path(), &components);
     assert!(
         again.contains(&a) && again.contains(&b),
         "same boot: trusted"
@@ -40,7 +56,7 @@ fn checks_survive_a_restart_on_the_same_boot_only() {
         "a new boot trusts nothing"
     );
     drop(rebooted);
-    let back = VerifiedComponents::open(dir.path(), &components, boot("boot-1"));
+    let back = reopen(dir.path(), &components);
     assert!(
         !back.contains(&a),
         "the new boot's journal replaced the old one's"
@@ -50,14 +66,11 @@ fn checks_survive_a_restart_on_the_same_boot_only() {
 #[test]
 fn a_file_changed_since_its_check_is_not_trusted() {
     let (dir, components, [a, b]) = two_components();
-    let first = VerifiedComponents::open(dir.path(), &components, boot("boot-1"));
-    first.insert(a, checked_now(&components, a));
-    first.insert(b, checked_now(&components, b));
-    drop(first);
+    checked_then_stopped(dir.path(), &components, &[a, b]);
     // Same length, other bytes: only the file's change time tells.
     std::fs::write(component_path(&components, &a), b"component A").unwrap();
     std::fs::remove_file(component_path(&components, &b)).unwrap();
-    let again = VerifiedComponents::open(dir.path(), &components, boot("boot-1"));
+    let again = reopen(dir.path(), &components);
     assert!(!again.contains(&a), "rewritten since its check");
     assert!(!again.contains(&b), "gone");
 }
@@ -65,16 +78,14 @@ fn a_file_changed_since_its_check_is_not_trusted() {
 #[test]
 fn distrust_survives_a_restart() {
     let (dir, components, [a, b]) = two_components();
-    let first = VerifiedComponents::open(dir.path(), &components, boot("boot-1"));
-    first.insert(a, checked_now(&components, a));
-    first.insert(b, checked_now(&components, b));
+    let first = checked(dir.path(), &components, &[a, b]);
     // The scrubber found `a` damaged (bit rot leaves the file's identity as it was).
     first.remove(&a);
     // `b` checked again, its identity not known this time: the older line must not count.
     first.insert(b, None);
     assert!(first.contains(&b));
     drop(first);
-    let again = VerifiedComponents::open(dir.path(), &components, boot("boot-1"));
+    let again = reopen(dir.path(), &components);
     assert!(!again.contains(&a), "found damaged before the restart");
     assert!(
         !again.contains(&b),
@@ -85,9 +96,7 @@ fn distrust_survives_a_restart() {
 #[test]
 fn a_damaged_journal_costs_only_the_damaged_lines() {
     let (dir, components, [a, b]) = two_components();
-    let first = VerifiedComponents::open(dir.path(), &components, boot("boot-1"));
-    first.insert(a, checked_now(&components, a));
-    drop(first);
+    checked_then_stopped(dir.path(), &components, &[a]);
     let journal = dir.path().join(JOURNAL_FILE);
     let mut text = std::fs::read_to_string(&journal).unwrap();
     // A torn last line and some garbage, then a good line again.
@@ -95,22 +104,22 @@ fn a_damaged_journal_costs_only_the_damaged_lines() {
     text.push_str(&checked_now(&components, b).unwrap().to_line(&b));
     text.push_str(&format!("+ {} 1 2 3", a.to_hex()));
     std::fs::write(&journal, text).unwrap();
-    let again = VerifiedComponents::open(dir.path(), &components, boot("boot-1"));
+    let again = reopen(dir.path(), &components);
     assert!(again.contains(&a) && again.contains(&b));
 
     std::fs::write(&journal, [0xff, 0xfe, 0x00, 0x01]).unwrap();
-    let unreadable = VerifiedComponents::open(dir.path(), &components, boot("boot-1"));
+    let unreadable = reopen(dir.path(), &components);
     assert!(!unreadable.contains(&a), "not a journal: nothing trusted");
     unreadable.insert(a, checked_now(&components, a));
     drop(unreadable);
-    let rewritten = VerifiedComponents::open(dir.path(), &components, boot("boot-1"));
+    let rewritten = reopen(dir.path(), &components);
     assert!(rewritten.contains(&a), "the journal was started afresh");
 }
 
 #[test]
 fn the_journal_is_rewritten_once_deleted_components_crowd_it() {
     let (dir, components, [a, _]) = two_components();
-    let verified = VerifiedComponents::open(dir.path(), &components, boot("boot-1"));
+    let verified = reopen(dir.path(), &components);
     let stamp = checked_now(&components, a);
     for _ in 0..3000 {
         verified.insert(a, stamp);
@@ -123,7 +132,7 @@ fn the_journal_is_rewritten_once_deleted_components_crowd_it() {
         .count();
     assert!(lines < 1100, "{lines} lines for one trusted component");
     drop(verified);
-    let again = VerifiedComponents::open(dir.path(), &components, boot("boot-1"));
+    let again = reopen(dir.path(), &components);
     assert!(again.contains(&a));
 }
 
