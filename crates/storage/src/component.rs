@@ -98,12 +98,27 @@ pub fn encode_parquet(batches: &[RecordBatch]) -> Result<Vec<u8>> {
 /// Writes Parquet bytes as a component named by their hash; returns the hash. Writing a
 /// component that already exists is a no-op: same name, same bytes.
 pub fn write_component(dir: &Path, bytes: &[u8]) -> Result<ComponentHash> {
+    write_new_component(dir, bytes).map(|(hash, _)| hash)
+}
+
+/// Whether [`write_new_component`] wrote the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    /// The file holds the bytes just written.
+    New,
+    /// A file of that name was there already, left as it was: it should hold the same
+    /// bytes, unless it was damaged since.
+    AlreadyThere,
+}
+
+/// [`write_component`], saying whether it wrote the file.
+pub fn write_new_component(dir: &Path, bytes: &[u8]) -> Result<(ComponentHash, Written)> {
     let hash = ComponentHash::of_bytes(bytes);
     let path = component_path(dir, &hash);
     // Writers of the same bytes take turns: they would share the temporary file.
     let _turn = disk::writing(&path);
     if path.exists() {
-        return Ok(hash);
+        return Ok((hash, Written::AlreadyThere));
     }
     let tmp = path.with_extension("parquet.tmp");
     {
@@ -113,7 +128,7 @@ pub fn write_component(dir: &Path, bytes: &[u8]) -> Result<ComponentHash> {
     }
     fs::rename(&tmp, &path).map_err(|e| StorageError::io(&path, e))?;
     fsio::sync_dir(dir)?;
-    Ok(hash)
+    Ok((hash, Written::New))
 }
 
 /// Writes `bytes` over the component they hash to, whatever is there now (a damaged or

@@ -231,7 +231,11 @@ impl Store {
         let batch = concat_batches(&versions::stored_schema(def), &batches)?;
         let stats = versions::version_stats(&batch, &def.primary_key_indices(), def.append_only)?;
         let bytes = component::encode_parquet(std::slice::from_ref(&batch))?;
-        let hash = component::write_component(&self.components_dir, &bytes)?;
+        let (hash, written) = component::write_new_component(&self.components_dir, &bytes)?;
+        if written == component::Written::AlreadyThere && self.verify_component(&hash).is_err() {
+            // A damaged file under this name: the bytes in hand are the component.
+            component::replace_checked_component(&self.components_dir, &hash, &bytes)?;
+        }
         self.trust_written(hash);
         Ok(ComponentMeta {
             hash,
