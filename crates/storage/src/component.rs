@@ -103,7 +103,7 @@ pub fn write_component(dir: &Path, bytes: &[u8]) -> Result<ComponentHash> {
 
 /// Whether [`write_new_component`] wrote the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Written {
+pub(crate) enum Written {
     /// The file holds the bytes just written.
     New,
     /// A file of that name was there already, left as it was: it should hold the same
@@ -112,7 +112,7 @@ pub enum Written {
 }
 
 /// [`write_component`], saying whether it wrote the file.
-pub fn write_new_component(dir: &Path, bytes: &[u8]) -> Result<(ComponentHash, Written)> {
+pub(crate) fn write_new_component(dir: &Path, bytes: &[u8]) -> Result<(ComponentHash, Written)> {
     let hash = ComponentHash::of_bytes(bytes);
     let path = component_path(dir, &hash);
     // Writers of the same bytes take turns: they would share the temporary file.

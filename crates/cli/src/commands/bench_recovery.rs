@@ -67,7 +67,12 @@ async fn kill_midway(
     let (elapsed, result) = run.await?;
     let (answer, notices) = result?;
     let recovery = notices.iter().find_map(|n| n.recovery.as_ref());
-    let killed = Killed {
+    cluster.spawn(victim)?;
+    cluster.wait_formed(Duration::from_secs(120)).await?;
+    let client = cluster.client(0);
+    let (after_rejoin, (answer_after_rejoin, _)) =
+        timed(|| query_in_mode(&client, mode, sql)).await?;
+    Ok(Killed {
         elapsed,
         recovered: recovery.map(|recovery| match recovery {
             RecoveryOutcome::Rebuilt { .. } => "rebuilt",
@@ -88,18 +93,8 @@ async fn kill_midway(
             _ => None,
         },
         answer,
-        after_rejoin: Duration::ZERO,
-        answer_after_rejoin: Vec::new(),
-    };
-    cluster.spawn(victim)?;
-    cluster.wait_formed(Duration::from_secs(120)).await?;
-    let client = cluster.client(0);
-    let (after_rejoin, (answer_after_rejoin, _)) =
-        timed(|| query_in_mode(&client, mode, sql)).await?;
-    Ok(Killed {
         after_rejoin,
         answer_after_rejoin,
-        ..killed
     })
 }
 

@@ -232,11 +232,16 @@ impl Store {
         let stats = versions::version_stats(&batch, &def.primary_key_indices(), def.append_only)?;
         let bytes = component::encode_parquet(std::slice::from_ref(&batch))?;
         let (hash, written) = component::write_new_component(&self.components_dir, &bytes)?;
-        if written == component::Written::AlreadyThere && self.verify_component(&hash).is_err() {
+        match written {
+            component::Written::New => self.trust_written(hash),
+            // Already there, and intact: checked now (or before) and trusted since.
+            component::Written::AlreadyThere if self.verify_component(&hash).is_ok() => {}
             // A damaged file under this name: the bytes in hand are the component.
-            component::replace_checked_component(&self.components_dir, &hash, &bytes)?;
+            component::Written::AlreadyThere => {
+                component::replace_checked_component(&self.components_dir, &hash, &bytes)?;
+                self.trust_written(hash);
+            }
         }
-        self.trust_written(hash);
         Ok(ComponentMeta {
             hash,
             rows: batch.num_rows() as u64,

@@ -1,7 +1,6 @@
 //! Scrubbing: listing the components this node's manifests name, and hashing one again
 //! now, whatever an earlier check in this process said (the disk may have changed it).
 
-use super::verified::FileStamp;
 use super::*;
 
 /// A component some of this node's partitions hold.
@@ -50,12 +49,6 @@ impl Store {
     /// gone), readers stop trusting the earlier check, and the error says what is wrong;
     /// if it does, readers need not hash it again.
     pub fn rehash_component(&self, hash: &ComponentHash) -> Result<()> {
-        let stamp = FileStamp::of(&component::component_path(&self.components_dir, hash));
-        let checked = component::verify_component(&self.components_dir, hash);
-        match &checked {
-            Ok(()) => self.verified.insert(*hash, stamp),
-            Err(_) => self.verified.remove(hash),
-        };
-        checked
+        self.hash_component_now(hash).map(|_| ())
     }
 }

@@ -135,11 +135,24 @@ impl Store {
         if self.verified.contains(hash) {
             return Ok(());
         }
+        self.hash_component_now(hash).map(|_| ())
+    }
+
+    /// Reads component `hash`'s file and checks it against its name now, whatever an
+    /// earlier check said; readers then trust it, or stop trusting it. Returns its bytes.
+    pub(super) fn hash_component_now(&self, hash: &ComponentHash) -> Result<Vec<u8>> {
         // The file's identity before its bytes are read: a change since shows after a restart.
-        let stamp = FileStamp::of(&component::component_path(&self.components_dir, hash));
-        component::verify_component(&self.components_dir, hash)?;
-        self.verified.insert(*hash, stamp);
-        Ok(())
+        let stamp = self.file_stamp(hash);
+        let checked = component::read_verified(&self.components_dir, hash);
+        match &checked {
+            Ok(_) => self.verified.insert(*hash, stamp),
+            Err(_) => self.verified.remove(hash),
+        }
+        checked
+    }
+
+    fn file_stamp(&self, hash: &ComponentHash) -> Option<FileStamp> {
+        FileStamp::of(&component::component_path(&self.components_dir, hash))
     }
 
     /// True if reads of component `hash` skip hashing it: this process checked it, or an
@@ -150,8 +163,7 @@ impl Store {
 
     /// Trusts a component this node just wrote from bytes it hashed.
     pub(super) fn trust_written(&self, hash: ComponentHash) {
-        let stamp = FileStamp::of(&component::component_path(&self.components_dir, &hash));
-        self.verified.insert(hash, stamp);
+        self.verified.insert(hash, self.file_stamp(&hash));
     }
 
     /// The row versions of a component, its bytes checked against its name first.

@@ -1,7 +1,6 @@
 //! Moving partitions between replicas: a partition's versions (all, or since an epoch),
 //! its export (components and in-memory versions), and installing what was fetched.
 
-use super::verified::FileStamp;
 use super::*;
 
 /// One partition of one table copied whole from a replica
@@ -112,10 +111,7 @@ impl Store {
         if self.verified.contains(hash) {
             return component::read_checked_component(&self.components_dir, hash);
         }
-        let stamp = FileStamp::of(&component::component_path(&self.components_dir, hash));
-        let bytes = component::read_verified(&self.components_dir, hash)?;
-        self.verified.insert(*hash, stamp);
-        Ok(bytes)
+        self.hash_component_now(hash)
     }
 
     /// Replaces this node's copy of a component (found damaged or missing) with `bytes`
