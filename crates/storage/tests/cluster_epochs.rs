@@ -467,6 +467,13 @@ fn a_cold_standby_does_not_install_components_covering_an_epoch_it_has_only_prep
             !installed,
             "partition {p}: installed components covering epoch 2, which it has only prepared"
         );
+        for hash in fetched.keys() {
+            let path = tessera_storage::component::component_path(standby.components_dir(), hash);
+            assert!(
+                !path.exists(),
+                "partition {p}: the refused shipment left component {hash} behind"
+            );
+        }
     }
     assert!(standby.commit_epoch(Epoch(2)).unwrap());
     standby.advance_visible(Epoch(2));

@@ -215,6 +215,12 @@ impl Store {
     /// `covered` prepared but undecided for this partition (its metadata lags the
     /// primary's: the commit, arriving later, would apply the epoch's rows again over
     /// components that hold them): a later shipment covers them.
+    ///
+    /// The fetched components are checked, written and fsynced before the gate is taken:
+    /// that is most of an install's time, and the publishes on this node wait while the gate
+    /// is held exclusively. Nothing references them until the swap, which checks they are
+    /// still here; a shipment refused after all deletes them again, and a node that dies in
+    /// between deletes them when it starts (they are unreferenced).
     pub fn install_shipped_components(
         &self,
         table: &str,
@@ -223,38 +229,20 @@ impl Store {
         fetched: HashMap<ComponentHash, Vec<u8>>,
         covered: Epoch,
     ) -> Result<bool> {
-        let _gate = self.gate.exclusive();
         self.check_poisoned()?;
-        {
-            let state = self.state();
-            let part = state.partition(table, partition)?;
-            let same = part
-                .manifest
-                .components
-                .iter()
-                .map(|c| c.hash)
-                .eq(components.iter().map(|c| c.hash));
-            let nothing_to_drop = part.memtable.iter().all(|e| e.epoch > covered)
-                && part.unapplied.iter().all(|l| l.epoch > covered);
-            let undecided_covered = state.pending.range(..=covered).any(|(_, entries)| {
-                entries
-                    .iter()
-                    .any(|e| e.table == table && e.partition == partition)
-            });
-            if undecided_covered {
-                return Ok(false);
-            }
-            if part
-                .manifest
-                .components
-                .iter()
-                .any(|c| c.max_epoch > covered)
-                || (same && nothing_to_drop)
-            {
-                return Ok(false);
-            }
+        if !self.shipment_applies(table, partition, &components, covered)? {
+            return Ok(false);
         }
         self.store_fetched_components(&components, &fetched)?;
+        let _gate = self.gate.exclusive();
+        self.check_poisoned()?;
+        // Checked again: an epoch may have been prepared, or a checkpoint taken, meanwhile.
+        if !self.shipment_applies(table, partition, &components, covered)? {
+            let state = self.state();
+            self.collect_garbage(fetched.into_keys().collect(), &state)?;
+            return Ok(false);
+        }
+        self.confirm_stored_components(&components, &fetched)?;
         let mut state = self.state();
         let part = state.held_partition_mut(table, partition);
         // Everything at or below this LSN is now in the components: the dropped rows' log
@@ -289,5 +277,37 @@ impl Store {
         self.write_checkpoint(&state)?;
         self.collect_garbage(dropped, &state)?;
         Ok(true)
+    }
+
+    /// Whether a shipment of `components` covering `covered` changes one partition of
+    /// `table` on this standby, and may (see [`Store::install_shipped_components`]).
+    fn shipment_applies(
+        &self,
+        table: &str,
+        partition: PartitionId,
+        components: &[ComponentMeta],
+        covered: Epoch,
+    ) -> Result<bool> {
+        let state = self.state();
+        let part = state.partition(table, partition)?;
+        let same = part
+            .manifest
+            .components
+            .iter()
+            .map(|c| c.hash)
+            .eq(components.iter().map(|c| c.hash));
+        let nothing_to_drop = part.memtable.iter().all(|e| e.epoch > covered)
+            && part.unapplied.iter().all(|l| l.epoch > covered);
+        let undecided_covered = state.pending.range(..=covered).any(|(_, entries)| {
+            entries
+                .iter()
+                .any(|e| e.table == table && e.partition == partition)
+        });
+        let holds_newer = part
+            .manifest
+            .components
+            .iter()
+            .any(|c| c.max_epoch > covered);
+        Ok(!undecided_covered && !holds_newer && !(same && nothing_to_drop))
     }
 }

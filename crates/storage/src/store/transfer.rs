@@ -170,25 +170,49 @@ impl Store {
     ///
     /// A copy refused by its checks stops the batch there: those before it stay installed,
     /// durably, and the error is returned.
+    ///
+    /// The fetched components are written before the gate is taken, as a standby's install
+    /// does (see [`Store::install_shipped_components`]); a copy whose components cannot be
+    /// stored ends the batch there too.
     pub fn install_partitions_components(
         &self,
         copies: Vec<PartitionCopy>,
         fence: Option<Epoch>,
     ) -> Result<()> {
-        self.install_batch(copies, |copy| self.install_copy_holding_gate(copy, fence))
+        self.check_poisoned()?;
+        let mut stored = Vec::with_capacity(copies.len());
+        let mut refused = Ok(());
+        for copy in copies {
+            if let Err(error) = self.store_fetched_components(&copy.components, &copy.fetched) {
+                refused = Err(error);
+                break;
+            }
+            stored.push(copy);
+        }
+        let written = stored
+            .iter()
+            .flat_map(|copy| copy.fetched.keys().copied())
+            .collect();
+        self.install_batch(stored, written, |copy| {
+            self.install_copy_holding_gate(copy, fence)
+        })
+        .and(refused)
     }
 
     /// Installs each of `items` with `install` under one hold of the gate, then writes one
     /// checkpoint for all that were installed and collects the components they replaced.
     /// Stops at the first refused item; those before it stay installed, durably.
+    /// `written`: components stored for the items before the gate; those none of the
+    /// installed items references (a refused one's) are collected too.
     fn install_batch<T>(
         &self,
         items: Vec<T>,
+        written: Vec<ComponentHash>,
         mut install: impl FnMut(T) -> Result<Vec<ComponentHash>>,
     ) -> Result<()> {
         let _gate = self.gate.exclusive();
         self.check_poisoned()?;
-        let mut dropped = Vec::new();
+        let mut dropped = written;
         let mut installed = 0;
         let mut outcome = Ok(());
         for item in items {
@@ -204,9 +228,11 @@ impl Store {
             }
         }
         // A failed write poisoned the store: nothing more is written, checkpoint included.
-        if installed > 0 && self.poisoned_by().is_none() {
+        if self.poisoned_by().is_none() {
             let state = self.state();
-            self.write_checkpoint(&state)?;
+            if installed > 0 {
+                self.write_checkpoint(&state)?;
+            }
             self.collect_garbage(dropped, &state)?;
         }
         outcome
@@ -230,7 +256,7 @@ impl Store {
         self.refuse_undecided(table, partition, Epoch::ZERO)?;
         self.refuse_newer_than(table, partition, fence)?;
         let def = self.state().table(table)?.def.clone();
-        self.store_fetched_components(&components, &fetched)?;
+        self.confirm_stored_components(&components, &fetched)?;
         let mut installed = Vec::with_capacity(components.len() + 1);
         for mut meta in components {
             let lsn = self.state().allocate_lsn(partition);
@@ -309,7 +335,7 @@ impl Store {
         deltas: Vec<PartitionDelta>,
         fence: Option<Epoch>,
     ) -> Result<()> {
-        self.install_batch(deltas, |delta| {
+        self.install_batch(deltas, Vec::new(), |delta| {
             self.install_delta_holding_gate(delta, fence)
         })
     }
@@ -498,6 +524,40 @@ impl Store {
                     self.trust_written(meta.hash);
                 }
                 None => self.verify_component(&meta.hash)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Under the exclusive gate, for `components` stored by [`Store::store_fetched_components`]
+    /// before it was taken: each is still here. Until the swap that follows references them,
+    /// a collection of garbage in between may have deleted one (dropped elsewhere, it was
+    /// unreferenced); a fetched one is written again from its bytes, checked already.
+    pub(super) fn confirm_stored_components(
+        &self,
+        components: &[ComponentMeta],
+        fetched: &HashMap<ComponentHash, Vec<u8>>,
+    ) -> Result<()> {
+        for meta in components {
+            let path = component::component_path(&self.components_dir, &meta.hash);
+            if path.exists() {
+                continue;
+            }
+            match fetched.get(&meta.hash) {
+                Some(bytes) => {
+                    self.or_poison(component::replace_checked_component(
+                        &self.components_dir,
+                        &meta.hash,
+                        bytes,
+                    ))?;
+                    self.trust_written(meta.hash);
+                }
+                None => {
+                    return Err(StorageError::MissingComponent {
+                        hash: meta.hash,
+                        path,
+                    })
+                }
             }
         }
         Ok(())
