@@ -494,6 +494,9 @@ fn main() {
                 .unwrap_or_else(|_| "warn,openraft=error".into()),
         )
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: a node's log is usually a file (`tessera up`, a
+        // service manager), read with grep and pagers.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     tessera_common::tls::install_ring_provider();

@@ -612,6 +612,11 @@ async fn a_slow_last_copy_is_waited_for(nodes: usize, slow: u64) {
         "node 1 says why it waits on node {slow}"
     );
     assert!(!log.contains("giving up on it"), "log:\n{log}");
+    // A log written to a file is plain text: colours are for a terminal.
+    assert!(
+        !log.contains('\u{1b}'),
+        "node 1's log file holds terminal escape codes"
+    );
     assert!(cluster.panics_logged().is_empty());
 }
 
