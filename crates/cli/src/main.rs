@@ -2,6 +2,7 @@
 //! flags and calls into the library crates.
 
 mod commands;
+mod logging;
 mod output;
 
 use anyhow::Result;
@@ -488,16 +489,7 @@ fn target(cli: &Cli) -> Result<Target> {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TESSERA_LOG")
-                .unwrap_or_else(|_| "warn,openraft=error".into()),
-        )
-        .with_writer(std::io::stderr)
-        // Colours only on a terminal: a node's log is usually a file (`tessera up`, a
-        // service manager), read with grep and pagers.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    logging::init();
     let cli = Cli::parse();
     tessera_common::tls::install_ring_provider();
     // More workers than cores: a long CPU-bound poll (a query operator, a large batch) then

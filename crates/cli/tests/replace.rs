@@ -145,9 +145,29 @@ async fn a_wiped_node_refuses_to_start_and_rejoins_empty_with_replace() {
 
     // Node 1 dies; rows are published without it; its data directory is wiped.
     cluster.kill9(1);
+    let killed = std::time::Instant::now();
     declared_failed(&client, 1).await;
     insert(&client, 3001, 4000).await;
     std::fs::remove_dir_all(root.path().join("node-1/data")).unwrap();
+    // The leader retried node 1 several times a second meanwhile, and openraft logs every
+    // failed try: each distinct line is written once per 30 s (`logging.rs`).
+    if killed.elapsed() < Duration::from_secs(25) {
+        for id in 2..=3 {
+            let log = std::fs::read_to_string(cluster.log_path(id)).unwrap();
+            let lines: Vec<&str> = log
+                .lines()
+                .filter(|l| l.contains("RPCError") && l.contains("node 1 at"))
+                .map(|l| l.split_once(' ').map_or(l, |(_timestamp, rest)| rest))
+                .collect();
+            let distinct: std::collections::HashSet<&&str> = lines.iter().collect();
+            assert_eq!(
+                lines.len(),
+                distinct.len(),
+                "node {id} repeated openraft's errors about node 1:\n{}",
+                lines.join("\n")
+            );
+        }
+    }
 
     // Without --replace it refuses, and says why.
     cluster.start(1);
