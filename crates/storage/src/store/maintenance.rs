@@ -51,7 +51,7 @@ enum MergeRule {
 }
 
 /// What [`Store::merge_crowded_partitions`] did: how many partitions it merged, and the
-/// longest any one held the gate.
+/// longest any one's install held the gate.
 #[derive(Debug, Default)]
 pub(super) struct Merged {
     partitions: usize,
@@ -134,7 +134,7 @@ impl Store {
             merged_partitions = merged.partitions,
             longest_merge_s = merged.longest.as_secs_f64(),
             total_s = started.elapsed().as_secs_f64(),
-            "checkpoint (the flush holds the store's gate only to freeze and to install; each merge holds it for one partition)"
+            "checkpoint (the flush and each partition's merge hold the store's gate only to freeze and to install)"
         );
         Ok(())
     }
@@ -401,11 +401,12 @@ impl Store {
     /// merged among themselves when they crowd, and dropped whole once the retention
     /// horizon passes the epoch that superseded them.
     ///
-    /// Each partition is merged under the exclusive gate on its own, planned afresh there:
-    /// a merge of a large partition takes seconds, and prepares and publishes (which take
-    /// the gate shared) wait for one partition's merge, not for every crowded partition's
-    /// in turn (at SF 10 that held a node's prepares past the progress deadline). The gate
-    /// goes to the waiting prepares between two merges ([`gate`](super::gate)).
+    /// Each partition is merged on its own, planned afresh, and without the gate: a merge of
+    /// a large partition reads, merges and writes for seconds, and prepares and publishes
+    /// (which take the gate shared) waited for it (at SF 10, 1.1 to 1.6 s per prepare,
+    /// dozens of times during a 3-node load). The gate is held only to put the merged
+    /// components in place of their inputs, if those are all still there
+    /// ([`Store::install_merge`]).
     ///
     /// A cold standby's partitions hold its primary's components, which the primary
     /// merges itself and ships once merged (the standby then deletes whatever it merged):
@@ -417,8 +418,8 @@ impl Store {
         self.merge_partitions(MergeRule::Crowded)
     }
 
-    /// Merges the partitions `rule` picks, each under the exclusive gate on its own (see
-    /// [`Store::merge_crowded_partitions`]).
+    /// Merges the partitions `rule` picks, one after another, each installed under the
+    /// exclusive gate on its own (see [`Store::merge_crowded_partitions`]).
     fn merge_partitions(&self, rule: MergeRule) -> Result<Merged> {
         let plan_of = |state: &State, table: &TableState, partition, p: &PartitionState| {
             let cold_standby = state.standby.contains(&partition);
@@ -449,9 +450,6 @@ impl Store {
         };
         let mut merged = Merged::default();
         for (table, partition) in crowded {
-            let started = std::time::Instant::now();
-            let _gate = self.gate.exclusive();
-            self.check_poisoned()?;
             let plan = {
                 let state = self.state();
                 // Merged meanwhile by another checkpoint, or moved away: nothing to do.
@@ -462,99 +460,130 @@ impl Store {
                 plan_of(&state, t, partition, p)
             };
             let Some(plan) = plan else { continue };
-            let key = plan.def.primary_key_indices();
-            let mut new_history = Vec::new();
-            let mut new_current = None;
-            if !plan.live.is_empty() {
-                let batches = self.read_components(&plan.def, &plan.live)?;
-                let split = versions::merge_and_split_versions(
-                    &batches,
-                    &key,
-                    plan.horizon,
-                    plan.def.append_only,
-                    plan.tombstones_droppable,
-                )?;
-                let (min_lsn, max_lsn) = lsn_range(&plan.live);
-                let superseded_at = plan
-                    .live
-                    .iter()
-                    .map(|c| c.max_epoch)
-                    .max()
-                    .expect("a merge has inputs");
-                if split.history.num_rows() > 0 {
-                    let mut meta =
-                        self.write_component(&plan.def, &[split.history], min_lsn, max_lsn)?;
-                    meta.superseded_at = superseded_at;
-                    new_history.push(meta);
-                }
-                if split.current.num_rows() > 0 {
-                    new_current = Some(self.write_component(
-                        &plan.def,
-                        &[split.current],
-                        min_lsn,
-                        max_lsn,
-                    )?);
-                }
+            self.check_poisoned()?;
+            let written = self.write_merge(&plan)?;
+            let installing = std::time::Instant::now();
+            let _gate = self.gate.exclusive();
+            self.check_poisoned()?;
+            if self.install_merge(&plan, written)? {
+                merged.partitions += 1;
             }
-            if !plan.history.is_empty() {
-                let batches = self.read_components(&plan.def, &plan.history)?;
-                // Every version here is older than its key's versions in the current and
-                // newer components, so retention may judge them among themselves.
-                let merged = versions::merge_versions(&batches, &key, plan.horizon, false)?;
-                if merged.num_rows() > 0 {
-                    let (min_lsn, max_lsn) = lsn_range(&plan.history);
-                    let mut meta = self.write_component(&plan.def, &[merged], min_lsn, max_lsn)?;
-                    meta.superseded_at = plan
-                        .history
-                        .iter()
-                        .map(|c| c.superseded_at)
-                        .max()
-                        .expect("a merge has inputs");
-                    new_history.insert(0, meta);
-                }
-            }
-            let removed: Vec<ComponentHash> = plan
+            merged.longest = merged.longest.max(installing.elapsed());
+        }
+        Ok(merged)
+    }
+
+    /// Reads, merges and writes the components `plan` merges, without the gate: the inputs
+    /// are immutable, and nothing references the outputs until [`Store::install_merge`].
+    fn write_merge(&self, plan: &MergePlan) -> Result<MergeOutput> {
+        let key = plan.def.primary_key_indices();
+        let mut output = MergeOutput::default();
+        if !plan.live.is_empty() {
+            let batches = self.read_components(&plan.def, &plan.live)?;
+            let split = versions::merge_and_split_versions(
+                &batches,
+                &key,
+                plan.horizon,
+                plan.def.append_only,
+                plan.tombstones_droppable,
+            )?;
+            let (min_lsn, max_lsn) = lsn_range(&plan.live);
+            let superseded_at = plan
                 .live
                 .iter()
-                .chain(&plan.history)
-                .chain(&plan.expired)
-                .map(|c| c.hash)
-                .collect();
-            let mut state = self.state();
-            let manifest = &mut state
-                .held_partition_mut(&plan.def.name, plan.partition)
-                .manifest;
-            assert!(
-                removed
+                .map(|c| c.max_epoch)
+                .max()
+                .expect("a merge has inputs");
+            if split.history.num_rows() > 0 {
+                let mut meta =
+                    self.write_component(&plan.def, &[split.history], min_lsn, max_lsn)?;
+                meta.superseded_at = superseded_at;
+                output.history.push(meta);
+            }
+            if split.current.num_rows() > 0 {
+                output.current =
+                    Some(self.write_component(&plan.def, &[split.current], min_lsn, max_lsn)?);
+            }
+        }
+        if !plan.history.is_empty() {
+            let batches = self.read_components(&plan.def, &plan.history)?;
+            // Every version here is older than its key's versions in the current and
+            // newer components, so retention may judge them among themselves.
+            let merged = versions::merge_versions(&batches, &key, plan.horizon, false)?;
+            if merged.num_rows() > 0 {
+                let (min_lsn, max_lsn) = lsn_range(&plan.history);
+                let mut meta = self.write_component(&plan.def, &[merged], min_lsn, max_lsn)?;
+                meta.superseded_at = plan
+                    .history
                     .iter()
-                    .all(|h| manifest.components.iter().any(|c| c.hash == *h)),
-                "manifests change only under the exclusive gate"
-            );
-            let (kept_history, kept_live): (Vec<_>, Vec<_>) =
-                std::mem::take(&mut manifest.components)
-                    .into_iter()
-                    .filter(|c| !removed.contains(&c.hash))
-                    .partition(|c| c.is_history());
-            manifest.components = kept_history
-                .into_iter()
-                .chain(new_history)
-                .chain(new_current)
-                .chain(kept_live)
-                .collect();
-            self.write_checkpoint(&state)?;
+                    .map(|c| c.superseded_at)
+                    .max()
+                    .expect("a merge has inputs");
+                output.history.insert(0, meta);
+            }
+        }
+        Ok(output)
+    }
+
+    /// Under the exclusive gate: puts a merge's output in place of its inputs, if the
+    /// partition still holds every input and its table's horizon has not moved back (else
+    /// a copy, a standby's install or another merge replaced them, or a longer retention
+    /// keeps versions the merge dropped: the output is deleted, and the next checkpoint
+    /// plans afresh). Returns whether it did.
+    fn install_merge(&self, plan: &MergePlan, output: MergeOutput) -> Result<bool> {
+        let removed: Vec<ComponentHash> = plan
+            .live
+            .iter()
+            .chain(&plan.history)
+            .chain(&plan.expired)
+            .map(|c| c.hash)
+            .collect();
+        let mut state = self.state();
+        // A horizon that moved on since is fine: the output only keeps versions it no
+        // longer needs. One that moved back (a longer retention) wants versions it dropped.
+        let unchanged = state.horizon(&plan.def.name) >= plan.horizon
+            && state
+                .partition(&plan.def.name, plan.partition)
+                .is_ok_and(|p| {
+                    removed
+                        .iter()
+                        .all(|h| p.manifest.components.iter().any(|c| c.hash == *h))
+                });
+        if !unchanged {
             tracing::debug!(
                 table = %plan.def.name,
                 partition = %plan.partition,
-                merged = plan.live.len(),
-                history_merged = plan.history.len(),
-                history_expired = plan.expired.len(),
-                "merged components"
+                "a merge's inputs changed while it ran; its output is dropped"
             );
-            self.collect_garbage(removed, &state)?;
-            merged.partitions += 1;
-            merged.longest = merged.longest.max(started.elapsed());
+            self.collect_garbage(output.hashes(), &state)?;
+            return Ok(false);
         }
-        Ok(merged)
+        let manifest = &mut state
+            .held_partition_mut(&plan.def.name, plan.partition)
+            .manifest;
+        // Components flushed while the merge ran are newer than its inputs: they stay
+        // after its current component, in the order they were logged.
+        let (kept_history, kept_live): (Vec<_>, Vec<_>) = std::mem::take(&mut manifest.components)
+            .into_iter()
+            .filter(|c| !removed.contains(&c.hash))
+            .partition(|c| c.is_history());
+        manifest.components = kept_history
+            .into_iter()
+            .chain(output.history)
+            .chain(output.current)
+            .chain(kept_live)
+            .collect();
+        self.write_checkpoint(&state)?;
+        tracing::debug!(
+            table = %plan.def.name,
+            partition = %plan.partition,
+            merged = plan.live.len(),
+            history_merged = plan.history.len(),
+            history_expired = plan.expired.len(),
+            "merged components"
+        );
+        self.collect_garbage(removed, &state)?;
+        Ok(true)
     }
 
     /// Queues components no manifest references for deletion once no snapshot can read them.
@@ -638,6 +667,25 @@ struct MergePlan {
     /// `superseded_at` (found by the versioned model test: deleted keys seen again `AS OF`
     /// an epoch above the horizon).
     tombstones_droppable: bool,
+}
+
+/// The components a merge wrote: what replaces its inputs.
+#[derive(Debug, Default)]
+struct MergeOutput {
+    /// The merged history, oldest first.
+    history: Vec<ComponentMeta>,
+    /// Each merged key's newest version.
+    current: Option<ComponentMeta>,
+}
+
+impl MergeOutput {
+    fn hashes(&self) -> Vec<ComponentHash> {
+        self.history
+            .iter()
+            .chain(&self.current)
+            .map(|c| c.hash)
+            .collect()
+    }
 }
 
 impl MergePlan {

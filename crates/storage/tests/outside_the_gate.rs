@@ -1,8 +1,9 @@
-//! A store installing components fetched from a peer (a cold standby taking its primary's,
-//! a new replica copying a partition) keeps taking publishes meanwhile: the components are
-//! checked, written and fsynced before the store's gate is taken, and the gate is held only
-//! to swap them in. The standby's component fsyncs are slowed here
-//! with the disk-fault layer (`TESSERA_DISK_FAULTS`), the way a loaded disk slows them.
+//! A store that writes components keeps taking publishes meanwhile: components fetched from
+//! a peer (a cold standby taking its primary's, a new replica copying a partition) and a
+//! partition's merge are written and fsynced before the store's gate is taken, and the
+//! gate is held only to put them in place. The component fsyncs of the stores under test
+//! are slowed with the disk-fault layer (`TESSERA_DISK_FAULTS`), the way a loaded disk
+//! slows them.
 //!
 //! One test per file: the fault rules are read once per process, at its first I/O.
 
@@ -47,8 +48,8 @@ fn wait_for_fsync_under(dir: &Path) {
 }
 
 #[test]
-fn a_store_takes_publishes_while_it_writes_components_fetched_from_a_peer() {
-    let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+fn a_store_takes_publishes_while_it_writes_components() {
+    let dirs: Vec<tempfile::TempDir> = (0..5).map(|_| tempfile::tempdir().unwrap()).collect();
     let slowed: Vec<PathBuf> = dirs[1..]
         .iter()
         .map(|d| d.path().join("components"))
@@ -61,6 +62,9 @@ fn a_store_takes_publishes_while_it_writes_components_fetched_from_a_peer() {
     let primary = Store::open(dirs[0].path(), config()).unwrap();
     a_standby_takes_publishes_while_it_installs(&primary, dirs[1].path(), &slowed[0]);
     a_new_replica_takes_publishes_while_it_copies(&primary, dirs[2].path(), &slowed[1]);
+    a_store_takes_publishes_while_it_merges(dirs[3].path(), &slowed[2]);
+    a_merge_whose_inputs_were_replaced_meanwhile_is_dropped(dirs[4].path(), &slowed[3]);
+    drop(dirs);
 }
 
 fn a_standby_takes_publishes_while_it_installs(
@@ -160,5 +164,107 @@ fn a_new_replica_takes_publishes_while_it_copies(
     assert_eq!(
         visible_keys(&replica, Epoch(2)),
         (0..1100).collect::<Vec<_>>()
+    );
+}
+
+fn merging_config() -> StoreConfig {
+    StoreConfig {
+        merge_threshold: 2,
+        tiered_merges: false,
+        ..config()
+    }
+}
+
+/// A store in `dir` whose one partition holds three components (one per flush) and
+/// merges once it holds more than two. They are written in a directory beside it, whose
+/// fsyncs are not slowed, and moved in.
+fn store_with_three_components(dir: &Path) -> std::sync::Arc<Store> {
+    let built = dir.with_extension("built");
+    {
+        let store = Store::open(&built, merging_config()).unwrap();
+        store.ensure_table(def()).unwrap();
+        for (epoch, from, to) in [(1, 0, 1000), (2, 500, 1500), (3, 2000, 2100)] {
+            commit(&store, Epoch(epoch), from, to);
+            store.flush().unwrap();
+        }
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+    std::fs::rename(&built, dir).unwrap();
+    let store = Store::open(dir, merging_config()).unwrap();
+    assert_eq!(components_of(&store).len(), 3);
+    store
+}
+
+fn components_of(store: &Store) -> Vec<tessera_storage::component::ComponentMeta> {
+    store.snapshot("kv", None).unwrap().partitions[0]
+        .components
+        .clone()
+}
+
+/// The checkpoint's merge, on a thread of its own, once it is in the middle of writing.
+fn merging(
+    store: &std::sync::Arc<Store>,
+    components: &Path,
+) -> std::thread::JoinHandle<Result<(), tessera_storage::StorageError>> {
+    let handle = {
+        let store = store.clone();
+        std::thread::spawn(move || store.checkpoint())
+    };
+    wait_for_fsync_under(components);
+    handle
+}
+
+fn a_store_takes_publishes_while_it_merges(dir: &Path, components: &Path) {
+    let store = store_with_three_components(dir);
+    let merge = merging(&store, components);
+    commit(&store, Epoch(4), 3000, 3010);
+    assert!(
+        !merge.is_finished(),
+        "the publish waited for the merge to end"
+    );
+    merge.join().unwrap().unwrap();
+    assert_eq!(
+        components_of(&store).len(),
+        1,
+        "the merge's current component replaces the three (no retention: no history)"
+    );
+    let mut expected: Vec<i64> = (0..1500).chain(2000..2100).chain(3000..3010).collect();
+    expected.sort_unstable();
+    assert_eq!(visible_keys(&store, Epoch(4)), expected);
+}
+
+/// A copy installed while a merge of the same partition writes: the merge's inputs are
+/// gone when it comes to install, so its output is dropped, files included.
+fn a_merge_whose_inputs_were_replaced_meanwhile_is_dropped(dir: &Path, components: &Path) {
+    let store = store_with_three_components(dir);
+    let before = components_of(&store);
+    let merge = merging(&store, components);
+    // The copy's one component is already here: it writes nothing, and goes in first.
+    store
+        .install_partition_components(
+            "kv",
+            PartitionId(0),
+            vec![before[0].clone()],
+            Default::default(),
+            vec![],
+            None,
+        )
+        .unwrap();
+    merge.join().unwrap().unwrap();
+    let after = components_of(&store);
+    assert_eq!(
+        after.iter().map(|c| c.hash).collect::<Vec<_>>(),
+        vec![before[0].hash],
+        "the copy's component alone, not the merge's"
+    );
+    let files = std::fs::read_dir(components)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| !name.ends_with(".tmp"))
+        .count();
+    assert_eq!(files, 1, "the dropped merge's components were deleted");
+    assert_eq!(
+        visible_keys(&store, Epoch(3)),
+        (0..1000).collect::<Vec<_>>()
     );
 }
