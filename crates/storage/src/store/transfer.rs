@@ -516,16 +516,22 @@ impl Store {
                     component::check_named_bytes(&self.components_dir, &meta.hash, bytes)?;
                     // Fetched because this node's copy is missing or damaged: a damaged
                     // file under the same name is replaced, not kept.
-                    self.or_poison(component::replace_checked_component(
-                        &self.components_dir,
-                        &meta.hash,
-                        bytes,
-                    ))?;
-                    self.trust_written(meta.hash);
+                    self.write_checked_bytes(&meta.hash, bytes)?;
                 }
                 None => self.verify_component(&meta.hash)?,
             }
         }
+        Ok(())
+    }
+
+    /// Writes a component's bytes, already checked against its name, under that name.
+    fn write_checked_bytes(&self, hash: &ComponentHash, bytes: &[u8]) -> Result<()> {
+        self.or_poison(component::replace_checked_component(
+            &self.components_dir,
+            hash,
+            bytes,
+        ))?;
+        self.trust_written(*hash);
         Ok(())
     }
 
@@ -544,14 +550,7 @@ impl Store {
                 continue;
             }
             match fetched.get(&meta.hash) {
-                Some(bytes) => {
-                    self.or_poison(component::replace_checked_component(
-                        &self.components_dir,
-                        &meta.hash,
-                        bytes,
-                    ))?;
-                    self.trust_written(meta.hash);
-                }
+                Some(bytes) => self.write_checked_bytes(&meta.hash, bytes)?,
                 None => {
                     return Err(StorageError::MissingComponent {
                         hash: meta.hash,
