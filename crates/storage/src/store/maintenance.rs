@@ -402,11 +402,10 @@ impl Store {
     /// horizon passes the epoch that superseded them.
     ///
     /// Each partition is merged on its own, planned afresh, and without the gate: a merge of
-    /// a large partition reads, merges and writes for seconds, and prepares and publishes
-    /// (which take the gate shared) waited for it (at SF 10, 1.1 to 1.6 s per prepare,
-    /// dozens of times during a 3-node load). The gate is held only to put the merged
-    /// components in place of their inputs, if those are all still there
-    /// ([`Store::install_merge`]).
+    /// a large partition reads, merges and writes for seconds (at SF 10), and prepares and
+    /// publishes (which take the gate shared) would wait for all of it. The gate is held
+    /// only to put the merged components in place of their inputs, if those are all still
+    /// there ([`Store::install_merge`]).
     ///
     /// A cold standby's partitions hold its primary's components, which the primary
     /// merges itself and ships once merged (the standby then deletes whatever it merged):
