@@ -344,7 +344,7 @@ async fn compute_nodes_hold_nothing_run_channels_and_survive_being_killed() {
         if let Some(recovery) = notices.iter().find_map(|n| n.recovery.clone()) {
             assert_eq!(
                 recovery.dead(),
-                NodeId(victim),
+                Some(NodeId(victim)),
                 "the recovery names the dead node"
             );
             recovered = Some(recovery);

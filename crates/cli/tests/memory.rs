@@ -1,7 +1,8 @@
 //! Bounded memory on a real node process: a query held to `tessera.query_memory_limit`
 //! spills its sorts and aggregations to disk and answers exactly what it answers without
-//! the limit; a join whose build side cannot fit fails with an error naming the query,
-//! the node and the limit, and the node serves on. A publish larger than
+//! the limit; a query whose hash join's build side cannot fit runs again with sort-merge
+//! joins, which spill, and says so; one that cannot go on even so fails with an error
+//! naming the query, the node and the limit, and the node serves on. A publish larger than
 //! `store.max_publish_bytes` is refused by its coordinator, naming the limit, and
 //! publishes nothing.
 
@@ -93,16 +94,48 @@ async fn queries_over_their_memory_limit_spill_and_stay_exact_or_fail_naming_the
         spills_and_answers_exactly(&client, sql, "components").await;
     }
 
-    // A hash join's build side does not spill: the query fails, naming what it passed.
-    let join = "/*+ SET tessera.query_memory_limit = '4MB', \
-                SET datafusion.optimizer.hash_join_single_partition_threshold = 0, \
-                SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0 */ \
-                SELECT count(*) FROM lineitem a JOIN lineitem b ON a.l_comment = b.l_comment";
-    let error = client.query(join).await.unwrap_err().to_string();
+    // A hash join's build side does not spill: the query runs again with sort-merge joins,
+    // which sort (and spill) both sides, answers as without the limit, and says so.
+    let join = "SELECT count(*) AS n, sum(a.l_quantity) AS q FROM lineitem a \
+                JOIN lineitem b ON a.l_comment = b.l_comment";
+    let build_sides_over = |limit: &str| {
+        format!(
+            "/*+ SET tessera.query_memory_limit = '{limit}', \
+             SET datafusion.optimizer.hash_join_single_partition_threshold = 0, \
+             SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0 */ {join}"
+        )
+    };
+    let free = client.query(join).await.unwrap();
+    let (held, notices) = client
+        .query_with_notices(&build_sides_over("8MB"))
+        .await
+        .unwrap_or_else(|e| panic!("the join under 8 MiB, with sort-merge joins: {e}"));
+    tessera_tpch::compare::same_answer(&free, &held, 0.0)
+        .unwrap_or_else(|diff| panic!("the join ran again with sort-merge joins: {diff}"));
+    let replanned = notices
+        .iter()
+        .find_map(|n| n.recovery.as_ref())
+        .unwrap_or_else(|| panic!("no notice says the join ran again: {notices:?}"));
+    assert!(
+        matches!(
+            replanned,
+            tessera_server::RecoveryOutcome::SpillingJoins { .. }
+        ),
+        "{replanned}"
+    );
+    let said = replanned.to_string();
+    for part in ["sort-merge joins", "HashJoinInput", "its limit of 8.0 MiB"] {
+        assert!(said.contains(part), "{part:?} missing from: {said}");
+    }
+    // A limit even a sort cannot make do with fails, naming it.
+    let error = client
+        .query(&build_sides_over("256KB"))
+        .await
+        .unwrap_err()
+        .to_string();
     for part in [
         "needs more memory on node 1",
-        "its limit of 4.0 MiB (tessera.query_memory_limit",
-        "cannot spill",
+        "its limit of 256.0 KiB (tessera.query_memory_limit",
         "query ",
     ] {
         assert!(error.contains(part), "{part:?} missing from: {error}");

@@ -260,7 +260,9 @@ async fn a_query_goes_on_when_its_initiator_cannot_reach_a_node_others_see_alive
         );
         if round == 0 {
             assert!(
-                rerouted.iter().all(|r| r.dead().0 == unreachable),
+                rerouted
+                    .iter()
+                    .all(|r| r.dead().is_some_and(|dead| dead.0 == unreachable)),
                 "a reroute names the unreachable node"
             );
         } else {

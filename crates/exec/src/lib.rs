@@ -211,8 +211,8 @@ impl Exec {
     }
 }
 
-/// How a query survived the death of a node it ran on: the typed record behind the
-/// client's notice and `EXPLAIN ANALYZE`'s `Recovery:` line (whose text is its `Display`).
+/// How a query survived the death of a node it ran on (or a build side too large for its
+/// memory): the typed record behind the client's notice and `EXPLAIN ANALYZE`'s `Recovery:` line (whose text is its `Display`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum RecoveryOutcome {
     /// Only the dead node's channels ran again, on the survivors, replaying their logged
@@ -247,6 +247,14 @@ pub enum RecoveryOutcome {
         query: QueryId,
         restart: usize,
     },
+    /// A hash join's build side did not fit in the memory the query may hold on a node
+    /// (a build side cannot spill): the whole query ran again with sort-merge joins, which
+    /// spill their sorts to disk.
+    SpillingJoins {
+        query: QueryId,
+        /// The refusal, as the first run failed with it.
+        refused: String,
+    },
 }
 
 /// How one statement's runs survived node failures. A handle: the statement's answer keeps
@@ -280,13 +288,15 @@ impl Recoveries {
 }
 
 impl RecoveryOutcome {
-    /// The node the query went on without: dead, or unreachable from the initiator.
-    pub fn dead(&self) -> NodeId {
+    /// The node the query went on without: dead, or unreachable from the initiator
+    /// (`None`: the query ran again for want of memory, on every node).
+    pub fn dead(&self) -> Option<NodeId> {
         match self {
             RecoveryOutcome::Rebuilt { dead, .. } | RecoveryOutcome::Restarted { dead, .. } => {
-                *dead
+                Some(*dead)
             }
-            RecoveryOutcome::Rerouted { unreachable, .. } => *unreachable,
+            RecoveryOutcome::Rerouted { unreachable, .. } => Some(*unreachable),
+            RecoveryOutcome::SpillingJoins { .. } => None,
         }
     }
 }
@@ -332,6 +342,11 @@ impl std::fmt::Display for RecoveryOutcome {
             } => write!(
                 f,
                 "node {unreachable} stopped answering node {initiator} during query {query:x} but the metadata leader still counts it alive (a partial partition); the query was restarted with no channel on node {unreachable}, reading its partitions from other replicas (restart {restart})"
+            ),
+            RecoveryOutcome::SpillingJoins { query, refused } => write!(
+                f,
+                "query {query:x} ran again with sort-merge joins, which spill to disk, after a hash join's build side did not fit in its memory ({})",
+                clipped(refused, 300)
             ),
         }
     }

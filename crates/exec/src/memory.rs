@@ -4,16 +4,20 @@
 //! groups, a join's build side) from the node's pool, a DataFusion `FairSpillPool` of
 //! `[exec] memory_limit_bytes`; the channels of one query also share that query's limit,
 //! `tessera.query_memory_limit` (per node; the node's whole pool if unset). Sorts and
-//! aggregations that reach a limit spill sorted runs to `data_dir/spill` and go on; an
-//! operator that cannot spill (a hash join's build side) fails the query with an error
-//! naming the query, the node and the limit it would pass.
+//! aggregations that reach a limit spill sorted runs to `data_dir/spill` and go on. A hash
+//! join's build side cannot spill: a query whose build side does not fit runs again with
+//! sort-merge joins, which do ([`is_build_side_refusal`], `tessera_recovery::restart`). A
+//! query that cannot go on even so fails with an error naming the query, the node and the
+//! limit it would pass.
 //!
 //! Under a query limit, each of the query's channels on a node is held to an equal share
 //! of it, and its spilling consumers to half of that: a sort merging its spilled runs
 //! takes what its pool has left, and must not take what another stage's merge waits for.
 //! A join's build side is the exception ([`holds_its_input_whole`]): it cannot spill or
 //! make do with less, it is as large as its data, and the channels of a stage rarely need
-//! the same, so it draws on whatever is left of the query's whole limit on the node.
+//! the same, so it draws on whatever is left of the query's whole limit on the node (as
+//! does a top-k heap, [`outside_the_share`]). So does any consumer's first step ([`takes_its_first_step`]): one that holds nothing has
+//! nothing to spill, and a share can be smaller than one batch.
 
 use crate::{NodeId, QueryId};
 use datafusion::common::{DataFusionError, Result as DfResult};
@@ -188,12 +192,42 @@ impl NodeMemory {
     }
 }
 
+/// Whether a consumer named `name` draws on whatever is left of the query's whole limit
+/// on the node rather than on its channel's share: a join's build side, and a top-k heap.
+/// A top-k holds k rows, but pins the batch its rows came in until a later batch lets it
+/// compact, and an aggregation's output batch can pin the buffers of many more rows; it
+/// cannot spill, and held in the share it would starve the aggregation feeding it.
+fn outside_the_share(name: &str) -> bool {
+    holds_its_input_whole(name) || name.starts_with("TopK") || name.starts_with("PartitionedTopK")
+}
+
+/// How a refusal of a join's build side ends its message (see [`is_build_side_refusal`]).
+const BUILD_SIDE_REFUSED: &str = "and a hash join's build side cannot spill to disk";
+
+/// Whether a query failed because a hash join's build side did not fit in its memory
+/// limit: `detail` is the error's text, as it reached the initiator from any node. Such
+/// a query can run again with joins that spill (sort-merge joins).
+pub fn is_build_side_refusal(detail: &str) -> bool {
+    detail.contains(BUILD_SIDE_REFUSED)
+}
+
 /// Whether a consumer named `name` must hold its whole input in memory (a join's build
 /// side), so that it fails rather than adapt when refused; DataFusion names them so.
 fn holds_its_input_whole(name: &str) -> bool {
     ["HashJoinInput", "NestedLoopJoinLoad", "CrossJoinExec"]
         .iter()
         .any(|prefix| name.starts_with(prefix))
+}
+
+/// Whether `reservation` holds nothing yet: such a consumer is granted the step it asks
+/// for beyond its channel's share (never beyond the query's limit or the node's). It has
+/// nothing to spill, so a refusal would fail the query while the query may hold far less
+/// than its limit: split over many channels and halved for what spills, a share can be
+/// smaller than one batch of wide rows (an aggregation's first groups, a sort's first
+/// batch, a top-k's first batch, which pins the whole output its rows were sliced from).
+/// Its next steps are held to the share again, so it spills from there.
+fn takes_its_first_step(reservation: &MemoryReservation) -> bool {
+    reservation.size() == 0
 }
 
 /// One channel's view of a node's pool. A query with a limit of its own is held to it in
@@ -231,6 +265,8 @@ impl QueryPool {
         let consumer = reservation.consumer();
         let spills = if consumer.can_spill() {
             "even after spilling"
+        } else if holds_its_input_whole(consumer.name()) {
+            BUILD_SIDE_REFUSED
         } else {
             "and it cannot spill to disk"
         };
@@ -270,7 +306,7 @@ impl QueryPool {
         change: fn(&AtomicUsize, usize, Ordering) -> usize,
     ) {
         change(&self.reserved, bytes, Ordering::SeqCst);
-        if !holds_its_input_whole(consumer.name()) {
+        if !outside_the_share(consumer.name()) {
             change(&self.in_share, bytes, Ordering::SeqCst);
         }
         if let Some(query_held) = &self.query_held {
@@ -345,20 +381,23 @@ impl MemoryPool for QueryPool {
         self.count(consumer, additional, AtomicUsize::fetch_add);
         let undo = || self.count(consumer, additional, AtomicUsize::fetch_sub);
         let held = |counter: &AtomicUsize| counter.load(Ordering::SeqCst);
+        let first_step = takes_its_first_step(reservation);
         if let Some(query_held) = &self.query_held {
             if held(query_held) > self.query_limit {
                 undo();
                 return Err(self.refusal(reservation, additional, query_limit()));
             }
-            let in_share = !holds_its_input_whole(consumer.name());
-            if in_share && held(&self.in_share) > self.limit {
+            let in_share = !outside_the_share(consumer.name());
+            if in_share && !first_step && held(&self.in_share) > self.limit {
                 undo();
                 return Err(self.refusal(reservation, additional, channel_share()));
             }
         }
         let own = self.own_share(reservation.consumer());
         if let Some(own) = own {
-            if own.try_grow(reservation, additional).is_err() {
+            if first_step {
+                own.grow(reservation, additional);
+            } else if own.try_grow(reservation, additional).is_err() {
                 undo();
                 let spilling_half = format!(
                     "what its spilling operators share, {}, of {}",
@@ -482,5 +521,45 @@ mod tests {
         consumer(&again, "HashJoinInput[2]")
             .try_grow(1 << 20)
             .unwrap();
+    }
+
+    /// Under a limit of 1 MiB for 8 channels (128 KiB each, 64 KiB for what spills), an
+    /// aggregation holding nothing takes a 300 KiB first step, a merge beside it another,
+    /// and each is then held to the share again; a top-k is held to the query's limit
+    /// only; a first step is still held to the query's limit.
+    #[test]
+    fn a_consumer_holding_nothing_takes_its_first_step_beyond_its_share() {
+        let dir = tempfile::tempdir().unwrap();
+        let memory = NodeMemory::new(NodeId(3), 64 << 20, &dir.path().join("spill")).unwrap();
+        let channel = memory.task_context(QueryId(9), Some(1 << 20), 8);
+        let aggregate = MemoryConsumer::new("FinalHashAggregateStream[0]")
+            .with_can_spill(true)
+            .register(channel.memory_pool());
+        aggregate.try_grow(300 << 10).unwrap();
+        let error = aggregate.try_grow(1 << 10).unwrap_err().to_string();
+        assert!(error.contains("a channel's share, 128.0 KiB"), "{error}");
+        assert!(error.contains("even after spilling"), "{error}");
+        let merge =
+            MemoryConsumer::new("SortPreservingMergeExec[0]").register(channel.memory_pool());
+        merge.try_grow(300 << 10).unwrap();
+        let error = merge.try_grow(1 << 10).unwrap_err().to_string();
+        assert!(error.contains("a channel's share, 128.0 KiB"), "{error}");
+        merge.free();
+        // A top-k is not held to the share at all, so the aggregation feeding it is not
+        // starved by the batch it pins.
+        let top_k = MemoryConsumer::new("TopK[0]").register(channel.memory_pool());
+        top_k.try_grow(200 << 10).unwrap();
+        top_k.try_grow(100 << 10).unwrap();
+        // After spilling everything it held, the aggregation steps out again.
+        aggregate.free();
+        aggregate.try_grow(300 << 10).unwrap();
+
+        let sort = MemoryConsumer::new("ExternalSorter[1]")
+            .with_can_spill(true)
+            .register(channel.memory_pool());
+        let error = sort.try_grow(500 << 10).unwrap_err().to_string();
+        assert!(error.contains("its limit of 1.0 MiB"), "{error}");
+        assert_eq!(memory.reserved(), 600 << 10, "a refused step holds nothing");
+        sort.try_grow(400 << 10).unwrap();
     }
 }

@@ -28,11 +28,26 @@ pub async fn run_restarting(
 ) -> Result<StatementOutput, ExecError> {
     let mode = tessera_sql::options::tessera_options(ctx.state().config()).recovery;
     let mut restarts = 0;
+    // Set once the query runs again with joins that spill.
+    let mut spilling_joins: Option<SessionContext> = None;
     loop {
         let pinned = view();
+        let ctx = spilling_joins.as_ref().unwrap_or(ctx);
         let run = tessera_exec::session::run_query(exec, &pinned, ctx, plan.clone(), recoveries);
         match run.await {
             Ok(output) => return Ok(output),
+            Err(error) if spilling_joins.is_none() && build_side_did_not_fit(ctx, &error) => {
+                let query = match &error {
+                    ExecError::Failed { query, .. } => *query,
+                    _ => tessera_exec::QueryId(0),
+                };
+                tracing::warn!(%query, %error, "running a query again with sort-merge joins: a hash join's build side did not fit in its memory");
+                spilling_joins = Some(with_spilling_joins(ctx)?);
+                recoveries.push(RecoveryOutcome::SpillingJoins {
+                    query,
+                    refused: error.to_string(),
+                });
+            }
             Err(ExecError::NodeLost {
                 node: lost,
                 query,
@@ -86,4 +101,31 @@ pub async fn run_restarting(
             Err(other) => return Err(other),
         }
     }
+}
+
+/// Whether `error` is a hash join's build side refused its memory (by the query's limit
+/// or its node's), in a run whose joins were hash joins.
+fn build_side_did_not_fit(ctx: &SessionContext, error: &ExecError) -> bool {
+    let hash_joins = ctx.state().config().options().optimizer.prefer_hash_join;
+    let refused = match error {
+        ExecError::Failed { detail, .. } => tessera_exec::memory::is_build_side_refusal(detail),
+        ExecError::Plan(error) => tessera_exec::memory::is_build_side_refusal(&error.to_string()),
+        _ => false,
+    };
+    hash_joins && refused
+}
+
+/// `ctx` with sort-merge joins in place of partitioned hash joins: they sort both sides,
+/// and a sort spills. Joins are then not co-located (Tessera co-locates hash joins only):
+/// both sides of each join are hashed alike across the nodes.
+fn with_spilling_joins(ctx: &SessionContext) -> Result<SessionContext, ExecError> {
+    let mut state = ctx.state();
+    let options = state.config_mut().options_mut();
+    for (name, value) in [
+        ("datafusion.optimizer.prefer_hash_join", "false"),
+        ("tessera.colocate", "false"),
+    ] {
+        options.set(name, value).map_err(ExecError::Plan)?;
+    }
+    Ok(SessionContext::new_with_state(state))
 }

@@ -78,6 +78,7 @@ async fn kill_midway(
             RecoveryOutcome::Rebuilt { .. } => "rebuilt",
             RecoveryOutcome::Restarted { .. } => "restarted",
             RecoveryOutcome::Rerouted { .. } => "rerouted",
+            RecoveryOutcome::SpillingJoins { .. } => "ran again with spilling joins",
         }),
         rebuilt: match recovery {
             Some(RecoveryOutcome::Rebuilt {

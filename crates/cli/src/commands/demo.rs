@@ -387,6 +387,7 @@ fn describe(outcome: &RecoveryOutcome) -> &'static str {
         }
         RecoveryOutcome::Restarted { .. } => "it was restarted on the surviving nodes",
         RecoveryOutcome::Rerouted { .. } => "it was rerouted around the dead node",
+        RecoveryOutcome::SpillingJoins { .. } => "it ran again with joins that spill to disk",
     }
 }
 

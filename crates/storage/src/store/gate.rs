@@ -11,45 +11,139 @@
 //! partitions of lineitem merging back to back held a one-node cluster's prepare past its
 //! progress deadline.
 
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::{Duration, Instant};
+
 /// See the module docs.
 #[derive(Default)]
-pub(super) struct Gate(parking_lot::RwLock<()>);
+pub(super) struct Gate {
+    lock: parking_lot::RwLock<()>,
+    /// What holds the gate exclusively now (a [`Holder`] as `u8`, [`NO_HOLDER`] if none):
+    /// a prepare that waits long names it in its warning.
+    holder: AtomicU8,
+}
+
+const NO_HOLDER: u8 = 0;
+
+/// What holds the gate exclusively.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(super) enum Holder {
+    /// A flush putting its components in place, or trimming the log after one.
+    Flush = 1,
+    /// A merge putting its output in place of its inputs.
+    Merge,
+    /// A publish too large for the log, written straight to components.
+    BulkPublish,
+    /// A standby's partitions promoted to primary, or a standby replaying its log.
+    Promotion,
+    /// A standby installing the components its primary shipped.
+    Install,
+    /// A new replica installing the partitions it copied.
+    Copy,
+    /// A table created, changed or dropped.
+    Ddl,
+    /// A tag made or dropped.
+    Tag,
+}
+
+impl Holder {
+    fn from_u8(value: u8) -> Option<Holder> {
+        use Holder::*;
+        [
+            Flush,
+            Merge,
+            BulkPublish,
+            Promotion,
+            Install,
+            Copy,
+            Ddl,
+            Tag,
+        ]
+        .into_iter()
+        .find(|holder| *holder as u8 == value)
+    }
+
+    /// What the holder is doing, for a person: "a merge".
+    pub(super) fn describe(self) -> &'static str {
+        match self {
+            Holder::Flush => "a flush",
+            Holder::Merge => "a merge",
+            Holder::BulkPublish => "a bulk publish",
+            Holder::Promotion => "a promotion or standby replay",
+            Holder::Install => "a standby's install of shipped components",
+            Holder::Copy => "a new replica's copy",
+            Holder::Ddl => "a table's creation, change or drop",
+            Holder::Tag => "a tag's creation or drop",
+        }
+    }
+}
+
+/// How long [`Gate::shared_timed`] waited, and behind what.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Waited {
+    pub(super) waited: std::time::Duration,
+    /// What held the gate exclusively when the wait began (`None`: nothing did, or it let
+    /// go at that moment).
+    pub(super) behind: Option<Holder>,
+}
 
 /// Holds the gate shared until dropped.
 pub(super) type Shared<'a> = parking_lot::RwLockReadGuard<'a, ()>;
 
 /// Holds the gate exclusively until dropped; then hands it to those waiting.
-pub(super) struct Exclusive<'a>(Option<parking_lot::RwLockWriteGuard<'a, ()>>);
+pub(super) struct Exclusive<'a> {
+    guard: Option<parking_lot::RwLockWriteGuard<'a, ()>>,
+    holder: &'a AtomicU8,
+}
 
 impl Gate {
-    /// Waits for the publishes in flight to finish, and holds off new ones.
-    pub(super) fn exclusive(&self) -> Exclusive<'_> {
-        Exclusive(Some(self.0.write()))
+    /// Waits for the publishes in flight to finish, and holds off new ones; `holder` says
+    /// what for.
+    pub(super) fn exclusive(&self, holder: Holder) -> Exclusive<'_> {
+        let guard = self.lock.write();
+        self.holder.store(holder as u8, Ordering::SeqCst);
+        Exclusive {
+            guard: Some(guard),
+            holder: &self.holder,
+        }
     }
 
-    /// Waits for any exclusive section to end; others may share the gate meanwhile. The
-    /// wait is counted in `tessera_store_gate_wait_seconds`.
+    /// Waits for any exclusive section to end; others may share the gate meanwhile.
     pub(super) fn shared(&self) -> Shared<'_> {
-        if let Some(free) = self.0.try_read() {
+        self.shared_timed().0
+    }
+
+    /// [`Gate::shared`], saying how long it waited and behind what. The wait is counted in
+    /// `tessera_store_gate_wait_seconds`.
+    pub(super) fn shared_timed(&self) -> (Shared<'_>, Waited) {
+        let observe = |waited| {
             tessera_common::metrics::observe_seconds(
                 &tessera_common::metrics::metrics().store_gate_wait_seconds,
-                std::time::Duration::ZERO,
-            );
-            return free;
+                waited,
+            )
+        };
+        if let Some(free) = self.lock.try_read() {
+            observe(Duration::ZERO);
+            let waited = Waited {
+                waited: Duration::ZERO,
+                behind: None,
+            };
+            return (free, waited);
         }
-        let waited_from = std::time::Instant::now();
-        let shared = self.0.read();
-        tessera_common::metrics::observe_seconds(
-            &tessera_common::metrics::metrics().store_gate_wait_seconds,
-            waited_from.elapsed(),
-        );
-        shared
+        let behind = Holder::from_u8(self.holder.load(Ordering::SeqCst));
+        let waited_from = Instant::now();
+        let shared = self.lock.read();
+        let waited = waited_from.elapsed();
+        observe(waited);
+        (shared, Waited { waited, behind })
     }
 }
 
 impl Drop for Exclusive<'_> {
     fn drop(&mut self) {
-        if let Some(guard) = self.0.take() {
+        if let Some(guard) = self.guard.take() {
+            self.holder.store(NO_HOLDER, Ordering::SeqCst);
             parking_lot::RwLockWriteGuard::unlock_fair(guard);
         }
     }
@@ -58,9 +152,8 @@ impl Drop for Exclusive<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
 
     /// One thread holds the gate exclusively again and again, for 20 ms at a time with no
     /// pause between (a checkpoint's merges); another asks for it shared once the first
@@ -75,7 +168,7 @@ mod tests {
             let (gate, started) = (gate.clone(), started.clone());
             std::thread::spawn(move || {
                 for _ in 0..SECTIONS {
-                    let _exclusive = gate.exclusive();
+                    let _exclusive = gate.exclusive(Holder::Merge);
                     started.store(true, Ordering::SeqCst);
                     std::thread::sleep(SECTION);
                 }
@@ -98,5 +191,33 @@ mod tests {
             "a shared holder waited {waited:?}, through {} of the {SECTIONS} sections",
             waited.as_millis() / SECTION.as_millis()
         );
+    }
+
+    /// A shared holder that waits names what held the gate when it began to wait; one that
+    /// did not wait names nothing.
+    #[test]
+    fn a_shared_holder_that_waited_names_the_exclusive_section() {
+        const SECTION: Duration = Duration::from_millis(200);
+        let gate = Arc::new(Gate::default());
+        let (_free, waited) = gate.shared_timed();
+        assert!(waited.behind.is_none() && waited.waited.is_zero());
+        drop(_free);
+        let started = Arc::new(AtomicBool::new(false));
+        let section = {
+            let (gate, started) = (gate.clone(), started.clone());
+            std::thread::spawn(move || {
+                let _exclusive = gate.exclusive(Holder::Install);
+                started.store(true, Ordering::SeqCst);
+                std::thread::sleep(SECTION);
+            })
+        };
+        while !started.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        let (_shared, waited) = gate.shared_timed();
+        section.join().unwrap();
+        assert_eq!(waited.behind, Some(Holder::Install));
+        assert!(waited.waited >= SECTION / 2, "{waited:?}");
+        assert_eq!(gate.holder.load(Ordering::SeqCst), NO_HOLDER);
     }
 }

@@ -37,7 +37,7 @@ impl Store {
 
     /// Names `epoch` (the visible one if `None`) `name`, durably; returns the epoch.
     pub fn create_tag(&self, name: &str, epoch: Option<Epoch>) -> Result<Epoch> {
-        let _gate = self.gate.exclusive();
+        let _gate = self.gate.exclusive(gate::Holder::Tag);
         self.check_poisoned()?;
         let mut state = self.state();
         let visible = state.visible;
@@ -51,7 +51,7 @@ impl Store {
 
     /// Drops tag `name`, durably.
     pub fn drop_tag(&self, name: &str) -> Result<()> {
-        let _gate = self.gate.exclusive();
+        let _gate = self.gate.exclusive(gate::Holder::Tag);
         self.check_poisoned()?;
         let mut state = self.state();
         state.history.drop_tag(name)?;

@@ -180,7 +180,7 @@ impl Store {
         let mut gate_held = std::time::Duration::ZERO;
         let froze = std::time::Instant::now();
         let (frozen, segment) = {
-            let _gate = self.gate.exclusive();
+            let _gate = self.gate.exclusive(gate::Holder::Flush);
             self.check_poisoned()?;
             // The segments about to go may hold a cold standby's only copy of committed
             // rows not yet covered by components from its primary: apply them, so the
@@ -211,7 +211,7 @@ impl Store {
         let written = self.write_frozen(frozen)?;
         let installing = std::time::Instant::now();
         {
-            let _gate = self.gate.exclusive();
+            let _gate = self.gate.exclusive(gate::Holder::Flush);
             self.check_poisoned()?;
             let all_installed = self.install_flushed(written)?;
             if let Some(segment) = segment {
@@ -228,20 +228,22 @@ impl Store {
     /// [`MEMTABLE_STALL_FACTOR`] times the flush threshold and a flush is under way: until
     /// it frees them. Rows arriving faster than flushes write them would otherwise grow
     /// memory without bound, now that a flush no longer holds the gate while it writes.
-    pub(super) fn wait_while_memory_is_full(&self) {
+    pub(super) fn wait_while_memory_is_full(&self) -> std::time::Duration {
         let full = self
             .config
             .memtable_flush_bytes
             .saturating_mul(MEMTABLE_STALL_FACTOR);
         if self.state().memtable_bytes < full {
-            return;
+            return std::time::Duration::ZERO;
         }
         let waited_from = std::time::Instant::now();
         drop(self.one_flush_at_a_time());
+        let waited = waited_from.elapsed();
         tracing::debug!(
-            waited_s = waited_from.elapsed().as_secs_f64(),
+            waited_s = waited.as_secs_f64(),
             "new rows waited for a flush: the memtables were full"
         );
+        waited
     }
 
     /// Waits for any flush under way, and holds off others until dropped. (A flush that
@@ -462,7 +464,7 @@ impl Store {
             self.check_poisoned()?;
             let written = self.write_merge(&plan)?;
             let installing = std::time::Instant::now();
-            let _gate = self.gate.exclusive();
+            let _gate = self.gate.exclusive(gate::Holder::Merge);
             self.check_poisoned()?;
             if self.install_merge(&plan, written)? {
                 merged.partitions += 1;

@@ -889,7 +889,7 @@ impl Store {
     }
 
     pub fn create_table(&self, mut def: TableDef) -> Result<()> {
-        let _gate = self.gate.exclusive();
+        let _gate = self.gate.exclusive(gate::Holder::Ddl);
         self.check_poisoned()?;
         let mut state = self.state();
         if state.tables.contains_key(&def.name) {
@@ -907,7 +907,7 @@ impl Store {
         name: &str,
         alter: &crate::evolution::AlterColumn,
     ) -> Result<TableDef> {
-        let _gate = self.gate.exclusive();
+        let _gate = self.gate.exclusive(gate::Holder::Ddl);
         self.check_poisoned()?;
         let mut state = self.state();
         let from = state.next_epoch;
@@ -919,7 +919,7 @@ impl Store {
     }
 
     pub fn drop_table(&self, name: &str) -> Result<()> {
-        let _gate = self.gate.exclusive();
+        let _gate = self.gate.exclusive(gate::Holder::Ddl);
         self.check_poisoned()?;
         let mut state = self.state();
         let table = state

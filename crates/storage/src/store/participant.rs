@@ -3,8 +3,8 @@
 
 use super::*;
 
-/// A prepare's wait for the store's gate worth a line in the log.
-const SLOW_GATE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+/// A prepare's wait (for a flush to free memory, or for the store's gate) worth a line in the log.
+const SLOW_PREPARE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Store {
     /// Creates a table exactly as the cluster catalog defines it. A table of that name and
@@ -15,7 +15,7 @@ impl Store {
             if existing.generation == def.generation && existing.layout() < def.layout() {
                 // An ALTER TABLE: the same table under a newer definition. Rows and files
                 // already here are conformed when read.
-                let _gate = self.gate.exclusive();
+                let _gate = self.gate.exclusive(gate::Holder::Ddl);
                 self.check_poisoned()?;
                 let mut state = self.state();
                 let name = def.name.clone();
@@ -27,7 +27,7 @@ impl Store {
             }
             self.drop_table_generation(&def.name, existing.generation)?;
         }
-        let _gate = self.gate.exclusive();
+        let _gate = self.gate.exclusive(gate::Holder::Ddl);
         self.check_poisoned()?;
         let mut state = self.state();
         state.tables.insert(def.name.clone(), self.empty_table(def));
@@ -161,17 +161,26 @@ impl Store {
             .iter()
             .map(|e| wal::PreparedFrame::new(&e.table, e.partition, epoch, &e.rows))
             .collect();
-        let waited_from = std::time::Instant::now();
-        self.wait_while_memory_is_full();
-        let _gate = self.gate.shared();
-        let gate_wait = waited_from.elapsed();
-        if gate_wait >= SLOW_GATE_WAIT {
-            // A checkpoint or merge holds the gate exclusively, or memory waits for a
-            // flush; a coordinator's progress deadline counts this wait against the node.
+        // A coordinator's progress deadline counts these waits against the node, so a long
+        // one is named with its cause.
+        let memory_wait = self.wait_while_memory_is_full();
+        if memory_wait >= SLOW_PREPARE_WAIT {
             tracing::warn!(
                 %epoch,
-                waited_s = gate_wait.as_secs_f64(),
-                "a prepare waited for a checkpoint, merge or copy holding the store, or for a flush to free memory"
+                waited_s = memory_wait.as_secs_f64(),
+                "a prepare waited for a flush to free memory: the memtables were full"
+            );
+        }
+        let (_gate, gate_wait) = self.gate.shared_timed();
+        if gate_wait.waited >= SLOW_PREPARE_WAIT {
+            let behind = gate_wait.behind.map_or(
+                "an exclusive section that had ended",
+                gate::Holder::describe,
+            );
+            tracing::warn!(
+                %epoch,
+                waited_s = gate_wait.waited.as_secs_f64(),
+                "a prepare waited for the store's gate, held by {behind}"
             );
         }
         let mut state = self.state();

@@ -159,7 +159,7 @@ impl Store {
     /// the commit point.
     fn publish_bulk(&self, prepared: Vec<PreparedChanges>, read_at: &ReadEpochs) -> Result<Epoch> {
         let _one_flush_at_a_time = self.one_flush_at_a_time();
-        let gate = self.gate.exclusive();
+        let gate = self.gate.exclusive(gate::Holder::BulkPublish);
         self.check_poisoned()?;
         // Flushing first keeps LSNs rising within each manifest.
         self.flush_memtables()?;

@@ -25,7 +25,7 @@ impl Store {
     /// from now on (unless they became standbys again meanwhile). Returns how many row
     /// batches were replayed.
     pub fn promote(&self, promoted: &BTreeSet<PartitionId>) -> Result<usize> {
-        let _gate = self.gate.exclusive();
+        let _gate = self.gate.exclusive(gate::Holder::Promotion);
         self.check_poisoned()?;
         let replayed = self.replay_standby_holding_gate(|p| promoted.contains(p))?;
         let mut state = self.state();
@@ -48,7 +48,7 @@ impl Store {
         if !lagging(&self.state()) {
             return Ok(0);
         }
-        let _gate = self.gate.exclusive();
+        let _gate = self.gate.exclusive(gate::Holder::Promotion);
         self.check_poisoned()?;
         self.replay_standby_holding_gate(|p| partitions.contains(p))
     }
@@ -234,7 +234,7 @@ impl Store {
             return Ok(false);
         }
         self.store_fetched_components(&components, &fetched)?;
-        let _gate = self.gate.exclusive();
+        let _gate = self.gate.exclusive(gate::Holder::Install);
         self.check_poisoned()?;
         // Checked again: an epoch may have been prepared, or a checkpoint taken, meanwhile.
         if !self.shipment_applies(table, partition, &components, covered)? {

@@ -210,7 +210,7 @@ impl Store {
         written: Vec<ComponentHash>,
         mut install: impl FnMut(T) -> Result<Vec<ComponentHash>>,
     ) -> Result<()> {
-        let _gate = self.gate.exclusive();
+        let _gate = self.gate.exclusive(gate::Holder::Copy);
         self.check_poisoned()?;
         let mut dropped = written;
         let mut installed = 0;
