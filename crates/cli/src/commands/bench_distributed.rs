@@ -16,7 +16,7 @@ use anyhow::{bail, Context, Result};
 use arrow::array::{Array, StringArray};
 use std::path::Path;
 use std::time::Duration;
-use tessera_server::ClusterClient;
+use tessera_server::{ClusterClient, RecoveryOutcome};
 
 /// One local cluster for the benchmark, with TPC-H loaded.
 pub(super) async fn cluster(
@@ -132,6 +132,8 @@ struct Limited {
     spilled: u64,
     /// Queries that failed under the limit.
     failed: Vec<usize>,
+    /// Queries that ran again with sort-merge joins: a hash join's build side did not fit.
+    spilling_joins: Vec<usize>,
 }
 
 impl Limited {
@@ -141,6 +143,7 @@ impl Limited {
             hint: format!("/*+ SET tessera.query_memory_limit = '{limit}' */"),
             spilled: 0,
             failed: Vec::new(),
+            spilling_joins: Vec::new(),
         }
     }
 }
@@ -203,8 +206,14 @@ pub async fn run(
         let mut limited_ms = None;
         if let Some(limited) = limited.as_mut() {
             let hinted = format!("{} {sql}", limited.hint);
-            match timed(|| many.query(&hinted)).await {
-                Ok((elapsed, actual)) => {
+            match timed(|| many.query_with_notices(&hinted)).await {
+                Ok((elapsed, (actual, notices))) => {
+                    let ran_again = notices
+                        .iter()
+                        .any(|n| matches!(n.recovery, Some(RecoveryOutcome::SpillingJoins { .. })));
+                    if ran_again {
+                        limited.spilling_joins.push(q);
+                    }
                     if let Err(diff) = tessera_tpch::compare::same_answer(&expected, &actual, 1e-9)
                     {
                         mismatches.push(q);
@@ -214,8 +223,7 @@ pub async fn run(
                         analyzed_number(&many, &limited.hint, sql, "bytes spilled ").await?;
                     limited_ms = Some(elapsed.as_secs_f64() * 1e3);
                 }
-                // A query that cannot fit (a join's build side does not spill) is reported,
-                // and the benchmark goes on.
+                // A query that cannot fit even so is reported, and the benchmark goes on.
                 Err(error) => {
                     limited.failed.push(q);
                     answer = format!("{answer}; FAILED under {}: {error}", limited.limit);
@@ -286,8 +294,8 @@ pub async fn run(
     );
     if let Some(limited) = &limited {
         println!(
-            "with tessera.query_memory_limit = '{}': every answer checked, {} bytes spilled in all, failed: {:?}",
-            limited.limit, limited.spilled, limited.failed
+            "with tessera.query_memory_limit = '{}': every answer checked, {} bytes spilled in all, ran again with sort-merge joins: {:?}, failed: {:?}",
+            limited.limit, limited.spilled, limited.spilling_joins, limited.failed
         );
     }
     if !mismatches.is_empty() {
