@@ -11,26 +11,22 @@
 //! partitions of lineitem merging back to back held a one-node cluster's prepare past its
 //! progress deadline.
 
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 /// See the module docs.
 #[derive(Default)]
 pub(super) struct Gate {
     lock: parking_lot::RwLock<()>,
-    /// What holds the gate exclusively now (a [`Holder`] as `u8`, [`NO_HOLDER`] if none):
-    /// a prepare that waits long names it in its warning.
-    holder: AtomicU8,
+    /// What holds the gate exclusively now: a prepare that waits long names it in its
+    /// warning.
+    holder: parking_lot::Mutex<Option<Holder>>,
 }
-
-const NO_HOLDER: u8 = 0;
 
 /// What holds the gate exclusively.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
 pub(super) enum Holder {
     /// A flush putting its components in place, or trimming the log after one.
-    Flush = 1,
+    Flush,
     /// A merge putting its output in place of its inputs.
     Merge,
     /// A publish too large for the log, written straight to components.
@@ -48,22 +44,6 @@ pub(super) enum Holder {
 }
 
 impl Holder {
-    fn from_u8(value: u8) -> Option<Holder> {
-        use Holder::*;
-        [
-            Flush,
-            Merge,
-            BulkPublish,
-            Promotion,
-            Install,
-            Copy,
-            Ddl,
-            Tag,
-        ]
-        .into_iter()
-        .find(|holder| *holder as u8 == value)
-    }
-
     /// What the holder is doing, for a person: "a merge".
     pub(super) fn describe(self) -> &'static str {
         match self {
@@ -83,8 +63,8 @@ impl Holder {
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Waited {
     pub(super) waited: std::time::Duration,
-    /// What held the gate exclusively when the wait began (`None`: nothing did, or it let
-    /// go at that moment).
+    /// What held the gate exclusively when the wait began (`None`: it was taken or let go
+    /// at that moment).
     pub(super) behind: Option<Holder>,
 }
 
@@ -94,7 +74,7 @@ pub(super) type Shared<'a> = parking_lot::RwLockReadGuard<'a, ()>;
 /// Holds the gate exclusively until dropped; then hands it to those waiting.
 pub(super) struct Exclusive<'a> {
     guard: Option<parking_lot::RwLockWriteGuard<'a, ()>>,
-    holder: &'a AtomicU8,
+    holder: &'a parking_lot::Mutex<Option<Holder>>,
 }
 
 impl Gate {
@@ -102,7 +82,7 @@ impl Gate {
     /// what for.
     pub(super) fn exclusive(&self, holder: Holder) -> Exclusive<'_> {
         let guard = self.lock.write();
-        self.holder.store(holder as u8, Ordering::SeqCst);
+        *self.holder.lock() = Some(holder);
         Exclusive {
             guard: Some(guard),
             holder: &self.holder,
@@ -131,7 +111,7 @@ impl Gate {
             };
             return (free, waited);
         }
-        let behind = Holder::from_u8(self.holder.load(Ordering::SeqCst));
+        let behind = *self.holder.lock();
         let waited_from = Instant::now();
         let shared = self.lock.read();
         let waited = waited_from.elapsed();
@@ -143,7 +123,7 @@ impl Gate {
 impl Drop for Exclusive<'_> {
     fn drop(&mut self) {
         if let Some(guard) = self.guard.take() {
-            self.holder.store(NO_HOLDER, Ordering::SeqCst);
+            *self.holder.lock() = None;
             parking_lot::RwLockWriteGuard::unlock_fair(guard);
         }
     }
@@ -152,7 +132,7 @@ impl Drop for Exclusive<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicBool;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
 
     /// One thread holds the gate exclusively again and again, for 20 ms at a time with no
@@ -218,6 +198,6 @@ mod tests {
         section.join().unwrap();
         assert_eq!(waited.behind, Some(Holder::Install));
         assert!(waited.waited >= SECTION / 2, "{waited:?}");
-        assert_eq!(gate.holder.load(Ordering::SeqCst), NO_HOLDER);
+        assert_eq!(*gate.holder.lock(), None);
     }
 }

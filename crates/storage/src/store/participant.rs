@@ -173,10 +173,9 @@ impl Store {
         }
         let (_gate, gate_wait) = self.gate.shared_timed();
         if gate_wait.waited >= SLOW_PREPARE_WAIT {
-            let behind = gate_wait.behind.map_or(
-                "an exclusive section that had ended",
-                gate::Holder::describe,
-            );
+            let behind = gate_wait
+                .behind
+                .map_or("an exclusive section", gate::Holder::describe);
             tracing::warn!(
                 %epoch,
                 waited_s = gate_wait.waited.as_secs_f64(),
