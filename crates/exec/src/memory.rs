@@ -493,6 +493,7 @@ mod tests {
             error.contains("its limit of 1.0 MiB") && error.contains("over its 4 channels"),
             "{error}"
         );
+        assert!(is_build_side_refusal(&error), "{error}");
         // Another query's channels are not held by this one's bytes.
         let other = memory.task_context(QueryId(8), Some(1 << 20), 4);
         consumer(&other, "HashJoinInput[1]")
@@ -504,6 +505,7 @@ mod tests {
         merge.try_grow(200 << 10).unwrap();
         let error = merge.try_grow(100 << 10).unwrap_err().to_string();
         assert!(error.contains("a channel's share, 256.0 KiB"), "{error}");
+        assert!(!is_build_side_refusal(&error), "{error}");
         merge.free();
         let sort = MemoryConsumer::new("ExternalSorter[0]")
             .with_can_spill(true)

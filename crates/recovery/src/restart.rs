@@ -2,6 +2,10 @@
 //! when lineage recovery could not go on (a second death, a rebuild that failed), the whole
 //! query runs again on the survivors with a fresh partition map, each table still at the
 //! epoch it was resolved at, so the answer is the one the first run would have given.
+//!
+//! A run that failed because a hash join's build side did not fit in the query's memory
+//! (`tessera.query_memory_limit`, or the node's pool) runs again once, before any row
+//! was sent, with sort-merge joins: they sort both sides, and sorts spill to disk.
 
 use datafusion::logical_expr::LogicalPlan;
 use datafusion::prelude::SessionContext;
