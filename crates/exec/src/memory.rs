@@ -16,8 +16,9 @@
 //! A join's build side is the exception ([`holds_its_input_whole`]): it cannot spill or
 //! make do with less, it is as large as its data, and the channels of a stage rarely need
 //! the same, so it draws on whatever is left of the query's whole limit on the node (as
-//! does a top-k heap, [`outside_the_share`]). So does any consumer's first step ([`takes_its_first_step`]): one that holds nothing has
-//! nothing to spill, and a share can be smaller than one batch.
+//! does a top-k heap, [`outside_the_share`]). So does any consumer's first step
+//! ([`takes_its_first_step`]): one that holds nothing has nothing to spill, and a share
+//! can be smaller than one batch.
 
 use crate::{NodeId, QueryId};
 use datafusion::common::{DataFusionError, Result as DfResult};
@@ -232,7 +233,7 @@ fn takes_its_first_step(reservation: &MemoryReservation) -> bool {
 
 /// One channel's view of a node's pool. A query with a limit of its own is held to it in
 /// total over its channels on the node, each channel to an equal share of it (a join's
-/// build side excepted), and each channel's spilling consumers to half of that share;
+/// build side, a top-k heap and a first step excepted), and each channel's spilling consumers to half of that share;
 /// every byte must also fit in the node's pool.
 #[derive(Debug)]
 struct QueryPool {
