@@ -212,7 +212,8 @@ impl Exec {
 }
 
 /// How a query survived the death of a node it ran on (or a build side too large for its
-/// memory): the typed record behind the client's notice and `EXPLAIN ANALYZE`'s `Recovery:` line (whose text is its `Display`).
+/// memory): the typed record behind the client's notice and `EXPLAIN ANALYZE`'s
+/// `Recovery:` line (whose text is its `Display`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum RecoveryOutcome {
     /// Only the dead node's channels ran again, on the survivors, replaying their logged

@@ -62,7 +62,7 @@ impl Holder {
 /// How long [`Gate::shared_timed`] waited, and behind what.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Waited {
-    pub(super) waited: std::time::Duration,
+    pub(super) waited: Duration,
     /// What held the gate exclusively when the wait began (`None`: it was taken or let go
     /// at that moment).
     pub(super) behind: Option<Holder>,
@@ -135,6 +135,33 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
 
+    /// Holds `gate` exclusively for `holder` on another thread, `sections` times for
+    /// `section` each with no pause between; returns once the first section is under way.
+    /// The thread answers when its last section ended.
+    fn hold_in_sections(
+        gate: &Arc<Gate>,
+        holder: Holder,
+        sections: u32,
+        section: Duration,
+    ) -> std::thread::JoinHandle<Instant> {
+        let started = Arc::new(AtomicBool::new(false));
+        let handle = {
+            let (gate, started) = (gate.clone(), started.clone());
+            std::thread::spawn(move || {
+                for _ in 0..sections {
+                    let _exclusive = gate.exclusive(holder);
+                    started.store(true, Ordering::SeqCst);
+                    std::thread::sleep(section);
+                }
+                Instant::now()
+            })
+        };
+        while !started.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        handle
+    }
+
     /// One thread holds the gate exclusively again and again, for 20 ms at a time with no
     /// pause between (a checkpoint's merges); another asks for it shared once the first
     /// section is under way. It gets it when that section ends, not after all of them.
@@ -143,21 +170,7 @@ mod tests {
         const SECTION: Duration = Duration::from_millis(20);
         const SECTIONS: u32 = 50;
         let gate = Arc::new(Gate::default());
-        let started = Arc::new(AtomicBool::new(false));
-        let sections = {
-            let (gate, started) = (gate.clone(), started.clone());
-            std::thread::spawn(move || {
-                for _ in 0..SECTIONS {
-                    let _exclusive = gate.exclusive(Holder::Merge);
-                    started.store(true, Ordering::SeqCst);
-                    std::thread::sleep(SECTION);
-                }
-                Instant::now()
-            })
-        };
-        while !started.load(Ordering::SeqCst) {
-            std::thread::yield_now();
-        }
+        let sections = hold_in_sections(&gate, Holder::Merge, SECTIONS, SECTION);
         let asked = Instant::now();
         drop(gate.shared());
         let waited = asked.elapsed();
@@ -179,21 +192,10 @@ mod tests {
     fn a_shared_holder_that_waited_names_the_exclusive_section() {
         const SECTION: Duration = Duration::from_millis(200);
         let gate = Arc::new(Gate::default());
-        let (_free, waited) = gate.shared_timed();
+        let (free, waited) = gate.shared_timed();
         assert!(waited.behind.is_none() && waited.waited.is_zero());
-        drop(_free);
-        let started = Arc::new(AtomicBool::new(false));
-        let section = {
-            let (gate, started) = (gate.clone(), started.clone());
-            std::thread::spawn(move || {
-                let _exclusive = gate.exclusive(Holder::Install);
-                started.store(true, Ordering::SeqCst);
-                std::thread::sleep(SECTION);
-            })
-        };
-        while !started.load(Ordering::SeqCst) {
-            std::thread::yield_now();
-        }
+        drop(free);
+        let section = hold_in_sections(&gate, Holder::Install, 1, SECTION);
         let (_shared, waited) = gate.shared_timed();
         section.join().unwrap();
         assert_eq!(waited.behind, Some(Holder::Install));

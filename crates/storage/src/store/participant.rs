@@ -3,7 +3,8 @@
 
 use super::*;
 
-/// A prepare's wait (for a flush to free memory, or for the store's gate) worth a line in the log.
+/// A prepare's wait (for a flush to free memory, or for the store's gate) worth a line in
+/// the log.
 const SLOW_PREPARE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Store {
