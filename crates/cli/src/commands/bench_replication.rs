@@ -23,6 +23,10 @@ const DELTA_ROWS: usize = 1000;
 struct Throughput {
     times: Vec<Duration>,
     cpu_seconds: Vec<f64>,
+    /// CPU seconds the other clusters' nodes used while this one's publish was timed:
+    /// background work they had left (an idle checkpoint, a merge) that the publish shared
+    /// the cores with.
+    others_cpu_seconds: Vec<f64>,
 }
 
 impl Throughput {
@@ -147,6 +151,7 @@ async fn interleaved_publish_times(
         .map(|_| Throughput {
             times: Vec::new(),
             cpu_seconds: Vec::new(),
+            others_cpu_seconds: Vec::new(),
         })
         .collect();
     let clients: Vec<ClusterClient> = clusters.iter().map(|nodes| nodes.client(0)).collect();
@@ -156,10 +161,19 @@ async fn interleaved_publish_times(
                 not_quiet += 1;
             }
             let pids = nodes.pids();
+            let others: Vec<u32> = every_node
+                .iter()
+                .copied()
+                .filter(|pid| !pids.contains(pid))
+                .collect();
             let cpu_before = cpu_seconds(&pids);
+            let others_before = cpu_seconds(&others);
             let started = Instant::now();
             client.publish("lineitem", rows.to_vec(), false).await?;
             throughput.times.push(started.elapsed());
+            throughput
+                .others_cpu_seconds
+                .push(cpu_seconds(&others) - others_before);
             wait_quiet(&every_node, QUIET_PATIENCE).await;
             throughput.cpu_seconds.push(cpu_seconds(&pids) - cpu_before);
         }
@@ -426,6 +440,15 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
         cpu(&throughput[2]),
         cpu(&throughput[2]) / cpu(&throughput[0]),
         cpu(&hot_r3)
+    );
+    let others = |t: &Throughput| t.others_cpu_seconds.iter().sum::<f64>();
+    println!(
+        "{:<30} {:>18.2} {:>18.2} {:>18.2}   (CPU seconds the other clusters' nodes used while this cluster's publishes were timed, all rounds; hot standby r=3 {:.2} s)",
+        "others' CPU during publishes",
+        others(&throughput[0]),
+        others(&throughput[1]),
+        others(&throughput[2]),
+        others(&hot_r3)
     );
     println!(
         "each publish started once every node was quiet ({not_quiet} of {} timed before they were)",
