@@ -16,7 +16,9 @@
 //! A join's build side is the exception ([`holds_its_input_whole`]): it cannot spill or
 //! make do with less, it is as large as its data, and the channels of a stage rarely need
 //! the same, so it draws on whatever is left of the query's whole limit on the node (as
-//! does a top-k heap, [`outside_the_share`]). So does any consumer's first step
+//! does a top-k heap, [`outside_the_share`], and an operator past the point where it can
+//! spill, such as an aggregation reading back its spilled runs, [`replays_its_spill`]).
+//! So does any consumer's first step
 //! ([`takes_its_first_step`]): one that holds nothing has nothing to spill, and a share
 //! can be smaller than one batch.
 
@@ -153,6 +155,7 @@ impl NodeMemory {
             node_pool: self.pool.clone(),
             reserved: AtomicUsize::new(0),
             in_share: AtomicUsize::new(0),
+            spilling: Mutex::default(),
         });
         let runtime = Arc::new(RuntimeEnv {
             memory_pool: pool,
@@ -233,7 +236,8 @@ fn takes_its_first_step(reservation: &MemoryReservation) -> bool {
 
 /// One channel's view of a node's pool. A query with a limit of its own is held to it in
 /// total over its channels on the node, each channel to an equal share of it (a join's
-/// build side, a top-k heap and a first step excepted), and each channel's spilling consumers to half of that share;
+/// build side, a top-k heap, an operator past spilling and a first step excepted), and
+/// each channel's spilling consumers to half of that share;
 /// every byte must also fit in the node's pool.
 #[derive(Debug)]
 struct QueryPool {
@@ -252,8 +256,11 @@ struct QueryPool {
     node_pool: Arc<dyn MemoryPool>,
     /// What the channel holds.
     reserved: AtomicUsize,
-    /// What the channel holds but for its join build sides: held to its share.
+    /// What the channel holds but for what is placed outside its share: held to it.
     in_share: AtomicUsize,
+    /// What each of the channel's spilling consumers holds, by consumer id, if the query
+    /// has a limit of its own.
+    spilling: Mutex<HashMap<usize, SpillingConsumer>>,
 }
 
 impl QueryPool {
@@ -296,23 +303,118 @@ impl std::fmt::Display for QueryPool {
     }
 }
 
+/// Where a consumer's step counts: in its channel's share, or only in the query's whole
+/// limit on the node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    InShare,
+    Outside,
+}
+
+/// What one spilling consumer holds over all its reservations in a channel, and how much
+/// of that it was granted outside the channel's share.
+#[derive(Debug, Default)]
+struct SpillingConsumer {
+    held: usize,
+    outside: usize,
+}
+
+/// Whether `reservation`, whose consumer spills and holds `consumer_held` bytes over all
+/// its reservations, is a step of an operator past the point where it can spill: another
+/// reservation of the same consumer holds bytes. DataFusion gives an aggregation reading
+/// back its spilled runs (a merge of them, and the table it aggregates them into) and a
+/// sort emitting its sorted batches reservations of their operator's consumer; refused,
+/// they fail the query, and they are bounded by the data, as a join's build side is. So
+/// they draw on the query's whole limit on the node, not on the channel's share: held to
+/// half of it, a final aggregation's replay failed TPC-H Q10 and Q16 at SF 1 under 24 MB.
+fn replays_its_spill(reservation: &MemoryReservation, consumer_held: usize) -> bool {
+    consumer_held > reservation.size()
+}
+
 impl QueryPool {
-    /// Adds `bytes` to (`AtomicUsize::fetch_add`) or takes them from the counters
-    /// `consumer`'s bytes count in: the channel's, its share's (a join's build side
-    /// excepted) and the query's. No allocation: this runs on every reservation change.
-    fn count(
-        &self,
-        consumer: &MemoryConsumer,
-        bytes: usize,
-        change: fn(&AtomicUsize, usize, Ordering) -> usize,
-    ) {
-        change(&self.reserved, bytes, Ordering::SeqCst);
-        if !outside_the_share(consumer.name()) {
-            change(&self.in_share, bytes, Ordering::SeqCst);
+    /// Adds `bytes` to the counters `reservation`'s bytes count in: the channel's, its
+    /// share's (unless `placement` is outside it), the query's and its consumer's. No
+    /// allocation: this runs on every reservation change.
+    fn count_in(&self, reservation: &MemoryReservation, bytes: usize, placement: Placement) {
+        self.reserved.fetch_add(bytes, Ordering::SeqCst);
+        if placement == Placement::InShare {
+            self.in_share.fetch_add(bytes, Ordering::SeqCst);
         }
         if let Some(query_held) = &self.query_held {
-            change(query_held, bytes, Ordering::SeqCst);
+            query_held.fetch_add(bytes, Ordering::SeqCst);
         }
+        self.spilling(reservation, |consumer| {
+            consumer.held += bytes;
+            if placement == Placement::Outside {
+                consumer.outside += bytes;
+            }
+        });
+    }
+
+    /// Takes `bytes` from the counters `reservation`'s bytes count in: from its share's as
+    /// `placement` says (undoing a refused step); else, for a spilling consumer, from what
+    /// it was granted outside the share first (a shrink does not say which of its
+    /// reservations' bytes it frees, and those outside are the ones to end first).
+    fn count_out(
+        &self,
+        reservation: &MemoryReservation,
+        bytes: usize,
+        placement: Option<Placement>,
+    ) {
+        self.reserved.fetch_sub(bytes, Ordering::SeqCst);
+        if let Some(query_held) = &self.query_held {
+            query_held.fetch_sub(bytes, Ordering::SeqCst);
+        }
+        let from_outside = self
+            .spilling(reservation, |consumer| {
+                let from_outside = match placement {
+                    Some(Placement::Outside) => bytes,
+                    Some(Placement::InShare) => 0,
+                    None => bytes.min(consumer.outside),
+                };
+                consumer.held -= bytes;
+                consumer.outside -= from_outside;
+                from_outside
+            })
+            .unwrap_or_else(|| match placement.unwrap_or(self.placement(reservation)) {
+                Placement::Outside => bytes,
+                Placement::InShare => 0,
+            });
+        self.in_share
+            .fetch_sub(bytes - from_outside, Ordering::SeqCst);
+    }
+
+    /// Where a step of `reservation` counts: outside the channel's share for a join's
+    /// build side and a top-k heap ([`outside_the_share`]), and for a spilling consumer
+    /// past the point where it can spill ([`replays_its_spill`]).
+    fn placement(&self, reservation: &MemoryReservation) -> Placement {
+        let outside = outside_the_share(reservation.consumer().name())
+            || self
+                .spilling(reservation, |consumer| {
+                    replays_its_spill(reservation, consumer.held)
+                })
+                .unwrap_or(false);
+        if outside {
+            Placement::Outside
+        } else {
+            Placement::InShare
+        }
+    }
+
+    /// `change` applied to what `reservation`'s consumer holds here over all its
+    /// reservations, if it spills and the query has a limit of its own (the entry its
+    /// registration made; none for the others, which are placed by name).
+    fn spilling<R>(
+        &self,
+        reservation: &MemoryReservation,
+        change: impl FnOnce(&mut SpillingConsumer) -> R,
+    ) -> Option<R> {
+        let consumer = reservation.consumer();
+        if !consumer.can_spill() || self.query_held.is_none() {
+            return None;
+        }
+        let mut consumers = self.spilling.lock().expect("spilling consumers lock");
+        consumers.get_mut(&consumer.id()).map(change)
     }
 
     /// The query's own pool, for a consumer that spills (the others are held to the
@@ -330,6 +432,8 @@ impl MemoryPool for QueryPool {
     fn register(&self, consumer: &MemoryConsumer) {
         if let Some(own) = self.own_share(consumer) {
             own.register(consumer);
+            let mut consumers = self.spilling.lock().expect("spilling consumers lock");
+            consumers.insert(consumer.id(), SpillingConsumer::default());
         }
         self.node_pool.register(consumer);
     }
@@ -337,6 +441,8 @@ impl MemoryPool for QueryPool {
     fn unregister(&self, consumer: &MemoryConsumer) {
         if let Some(own) = self.own_share(consumer) {
             own.unregister(consumer);
+            let mut consumers = self.spilling.lock().expect("spilling consumers lock");
+            consumers.remove(&consumer.id());
         }
         self.node_pool.unregister(consumer);
     }
@@ -346,7 +452,7 @@ impl MemoryPool for QueryPool {
             own.grow(reservation, additional);
         }
         self.node_pool.grow(reservation, additional);
-        self.count(reservation.consumer(), additional, AtomicUsize::fetch_add);
+        self.count_in(reservation, additional, self.placement(reservation));
     }
 
     fn shrink(&self, reservation: &MemoryReservation, shrink: usize) {
@@ -354,7 +460,7 @@ impl MemoryPool for QueryPool {
             own.shrink(reservation, shrink);
         }
         self.node_pool.shrink(reservation, shrink);
-        self.count(reservation.consumer(), shrink, AtomicUsize::fetch_sub);
+        self.count_out(reservation, shrink, None);
     }
 
     fn try_grow(&self, reservation: &MemoryReservation, additional: usize) -> DfResult<()> {
@@ -378,9 +484,9 @@ impl MemoryPool for QueryPool {
             ),
         }
         };
-        let consumer = reservation.consumer();
-        self.count(consumer, additional, AtomicUsize::fetch_add);
-        let undo = || self.count(consumer, additional, AtomicUsize::fetch_sub);
+        let placement = self.placement(reservation);
+        self.count_in(reservation, additional, placement);
+        let undo = || self.count_out(reservation, additional, Some(placement));
         let held = |counter: &AtomicUsize| counter.load(Ordering::SeqCst);
         let first_step = takes_its_first_step(reservation);
         if let Some(query_held) = &self.query_held {
@@ -388,7 +494,7 @@ impl MemoryPool for QueryPool {
                 undo();
                 return Err(self.refusal(reservation, additional, query_limit()));
             }
-            let in_share = !outside_the_share(consumer.name());
+            let in_share = placement == Placement::InShare;
             if in_share && !first_step && held(&self.in_share) > self.limit {
                 undo();
                 return Err(self.refusal(reservation, additional, channel_share()));
@@ -396,7 +502,7 @@ impl MemoryPool for QueryPool {
         }
         let own = self.own_share(reservation.consumer());
         if let Some(own) = own {
-            if first_step {
+            if first_step || placement == Placement::Outside {
                 own.grow(reservation, additional);
             } else if own.try_grow(reservation, additional).is_err() {
                 undo();
@@ -564,5 +670,49 @@ mod tests {
         assert!(error.contains("its limit of 1.0 MiB"), "{error}");
         assert_eq!(memory.reserved(), 600 << 10, "a refused step holds nothing");
         sort.try_grow(400 << 10).unwrap();
+    }
+
+    /// Under a limit of 1 MiB for 4 channels (256 KiB each, 128 KiB for what spills), a
+    /// final aggregation is held to the spilling half while it can spill; reading back its
+    /// runs (a merge and a table, both reservations of its consumer) it cannot, and grows
+    /// to the query's limit; once it is done, its channel's share is whole again.
+    #[test]
+    fn an_aggregation_replaying_its_spill_draws_on_the_querys_whole_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let memory = NodeMemory::new(NodeId(4), 64 << 20, &dir.path().join("spill")).unwrap();
+        let channel = memory.task_context(QueryId(11), Some(1 << 20), 4);
+        let aggregate = MemoryConsumer::new("FinalHashAggregateStream[0]")
+            .with_can_spill(true)
+            .register(channel.memory_pool());
+        aggregate.try_grow(100 << 10).unwrap();
+        let error = aggregate.try_grow(100 << 10).unwrap_err().to_string();
+        assert!(
+            error.contains("what its spilling operators share, 128.0 KiB"),
+            "{error}"
+        );
+        aggregate.free();
+
+        let merge = aggregate.new_empty();
+        merge.try_grow(100 << 10).unwrap();
+        let table = aggregate.new_empty();
+        table.try_grow(100 << 10).unwrap();
+        table.try_grow(300 << 10).unwrap();
+        table.try_grow(300 << 10).unwrap();
+        assert_eq!(memory.reserved(), 800 << 10);
+        let error = table.try_grow(300 << 10).unwrap_err().to_string();
+        assert!(error.contains("its limit of 1.0 MiB"), "{error}");
+        table.try_resize(50 << 10).unwrap();
+        table.try_grow(100 << 10).unwrap();
+        merge.free();
+        table.free();
+        assert_eq!(memory.reserved(), 0);
+
+        // Nothing of the replay is left counted in the channel's share.
+        let sort_merge =
+            MemoryConsumer::new("SortPreservingMergeExec[0]").register(channel.memory_pool());
+        sort_merge.try_grow(200 << 10).unwrap();
+        sort_merge.try_grow(50 << 10).unwrap();
+        let error = sort_merge.try_grow(10 << 10).unwrap_err().to_string();
+        assert!(error.contains("a channel's share, 256.0 KiB"), "{error}");
     }
 }
