@@ -20,27 +20,33 @@ const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
 
 /// The query's channels on the node share the limit (about 13 MiB each); sorting or
 /// grouping 600,000 rows needs several times a sort channel's spilling half of that.
-const LIMITED: &str = "/*+ SET tessera.query_memory_limit = '64MB' */";
+const LIMIT: &str = "64MB";
 
-/// `sql` under [`LIMITED`] spills and answers what it answers without the limit, where
+/// `sql` under a `limit` spills and answers what it answers without the limit, where
 /// nothing spills.
-async fn spills_and_answers_exactly(client: &ClusterClient, sql: &str, rows_from: &str) {
+async fn spills_and_answers_exactly(
+    client: &ClusterClient,
+    sql: &str,
+    rows_from: &str,
+    limit: &str,
+) {
+    let limited = format!("/*+ SET tessera.query_memory_limit = '{limit}' */");
     let free = client.query(sql).await.unwrap();
     let held = client
-        .query(&format!("{LIMITED} {sql}"))
+        .query(&format!("{limited} {sql}"))
         .await
-        .unwrap_or_else(|e| panic!("{sql} under 64 MiB, rows from {rows_from}: {e}"));
+        .unwrap_or_else(|e| panic!("{sql} under {limit}, rows from {rows_from}: {e}"));
     tessera_tpch::compare::same_answer(&free, &held, 0.0)
         .unwrap_or_else(|diff| panic!("{sql}, rows from {rows_from}: {diff}"));
     let analyzed = plan_text(
         client,
-        &format!("{LIMITED} EXPLAIN ANALYZE {sql}"),
+        &format!("{limited} EXPLAIN ANALYZE {sql}"),
         "Plan with Metrics",
     )
     .await;
     assert!(
         reported(&analyzed, "bytes spilled") > 0,
-        "held to 64 MiB, {sql} spilled (rows from {rows_from}):\n{analyzed}"
+        "held to {limit}, {sql} spilled (rows from {rows_from}):\n{analyzed}"
     );
     let unlimited = plan_text(
         client,
@@ -80,7 +86,7 @@ async fn queries_over_their_memory_limit_spill_and_stay_exact_or_fail_naming_the
     // session's size, so the sort's share fits them (one batch per partition did not).
     assert_eq!(components(), 0, "lineitem is read from memtables");
     for sql in [sort, group] {
-        spills_and_answers_exactly(&client, sql, "memtables").await;
+        spills_and_answers_exactly(&client, sql, "memtables", LIMIT).await;
     }
 
     // The same rows in components, as a checkpoint leaves them.
@@ -91,8 +97,15 @@ async fn queries_over_their_memory_limit_spill_and_stay_exact_or_fail_naming_the
         "lineitem is read from components: {written} written"
     );
     for sql in [sort, group] {
-        spills_and_answers_exactly(&client, sql, "components").await;
+        spills_and_answers_exactly(&client, sql, "components", LIMIT).await;
     }
+    // Tighter: an aggregation reading back the runs it spilled cannot spill again, and the
+    // merge of 16 partitions' sorted groups holds a batch of each; neither fits a channel's
+    // share (a fifth of the limit), both fit the query's.
+    spills_and_answers_exactly(&client, group, "components", "16MB").await;
+    let wide_groups = "SELECT l_orderkey, l_comment, sum(l_quantity) AS q FROM lineitem \
+                       GROUP BY l_orderkey, l_comment";
+    spills_and_answers_exactly(&client, wide_groups, "components", "8MB").await;
 
     // A hash join's build side does not spill: the query runs again with sort-merge joins,
     // which sort (and spill) both sides, answers as without the limit, and says so.

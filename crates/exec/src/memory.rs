@@ -197,12 +197,18 @@ impl NodeMemory {
 }
 
 /// Whether a consumer named `name` draws on whatever is left of the query's whole limit
-/// on the node rather than on its channel's share: a join's build side, and a top-k heap.
-/// A top-k holds k rows, but pins the batch its rows came in until a later batch lets it
-/// compact, and an aggregation's output batch can pin the buffers of many more rows; it
-/// cannot spill, and held in the share it would starve the aggregation feeding it.
+/// on the node rather than on its channel's share: a join's build side, a top-k heap and
+/// a merge of sorted streams. A top-k holds k rows, but pins the batch its rows came in
+/// until a later batch lets it compact, and an aggregation's output batch can pin the
+/// buffers of many more rows; it cannot spill, and held in the share it would starve the
+/// aggregation feeding it. A merge holds a batch of each stream it merges: bounded by its
+/// fan-in, not by the data, but a merge of 16 partitions' sorted strings outgrew a
+/// channel's share of 32 MB, and it cannot spill either.
 fn outside_the_share(name: &str) -> bool {
-    holds_its_input_whole(name) || name.starts_with("TopK") || name.starts_with("PartitionedTopK")
+    holds_its_input_whole(name)
+        || ["TopK", "PartitionedTopK", "SortPreservingMergeExec"]
+            .iter()
+            .any(|prefix| name.starts_with(prefix))
 }
 
 /// How a refusal of a join's build side ends its message (see [`is_build_side_refusal`]).
@@ -608,7 +614,7 @@ mod tests {
             .unwrap();
 
         big.free();
-        let merge = consumer(&third, "SortPreservingMergeExec[0]");
+        let merge = consumer(&third, "ExternalSorterMerge[0]");
         merge.try_grow(200 << 10).unwrap();
         let error = merge.try_grow(100 << 10).unwrap_err().to_string();
         assert!(error.contains("a channel's share, 256.0 KiB"), "{error}");
@@ -634,8 +640,8 @@ mod tests {
 
     /// Under a limit of 1 MiB for 8 channels (128 KiB each, 64 KiB for what spills), an
     /// aggregation holding nothing takes a 300 KiB first step, a merge beside it another,
-    /// and each is then held to the share again; a top-k is held to the query's limit
-    /// only; a first step is still held to the query's limit.
+    /// and each is then held to the share again; a top-k and a merge of sorted streams are
+    /// held to the query's limit only; a first step is still held to the query's limit.
     #[test]
     fn a_consumer_holding_nothing_takes_its_first_step_beyond_its_share() {
         let dir = tempfile::tempdir().unwrap();
@@ -648,8 +654,7 @@ mod tests {
         let error = aggregate.try_grow(1 << 10).unwrap_err().to_string();
         assert!(error.contains("a channel's share, 128.0 KiB"), "{error}");
         assert!(error.contains("even after spilling"), "{error}");
-        let merge =
-            MemoryConsumer::new("SortPreservingMergeExec[0]").register(channel.memory_pool());
+        let merge = MemoryConsumer::new("ExternalSorterMerge[0]").register(channel.memory_pool());
         merge.try_grow(300 << 10).unwrap();
         let error = merge.try_grow(1 << 10).unwrap_err().to_string();
         assert!(error.contains("a channel's share, 128.0 KiB"), "{error}");
@@ -659,6 +664,12 @@ mod tests {
         let top_k = MemoryConsumer::new("TopK[0]").register(channel.memory_pool());
         top_k.try_grow(200 << 10).unwrap();
         top_k.try_grow(100 << 10).unwrap();
+        // Nor is a merge of sorted streams, which holds a batch of each.
+        let streams_merge =
+            MemoryConsumer::new("SortPreservingMergeExec[0]").register(channel.memory_pool());
+        streams_merge.try_grow(200 << 10).unwrap();
+        streams_merge.try_grow(100 << 10).unwrap();
+        streams_merge.free();
         // After spilling everything it held, the aggregation steps out again.
         aggregate.free();
         aggregate.try_grow(300 << 10).unwrap();
@@ -709,7 +720,7 @@ mod tests {
 
         // Nothing of the replay is left counted in the channel's share.
         let sort_merge =
-            MemoryConsumer::new("SortPreservingMergeExec[0]").register(channel.memory_pool());
+            MemoryConsumer::new("ExternalSorterMerge[0]").register(channel.memory_pool());
         sort_merge.try_grow(200 << 10).unwrap();
         sort_merge.try_grow(50 << 10).unwrap();
         let error = sort_merge.try_grow(10 << 10).unwrap_err().to_string();
