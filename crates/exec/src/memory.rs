@@ -155,7 +155,7 @@ impl NodeMemory {
             node_pool: self.pool.clone(),
             reserved: AtomicUsize::new(0),
             in_share: AtomicUsize::new(0),
-            spilling: Mutex::default(),
+            consumers: Mutex::default(),
         });
         let runtime = Arc::new(RuntimeEnv {
             memory_pool: pool,
@@ -264,9 +264,9 @@ struct QueryPool {
     reserved: AtomicUsize,
     /// What the channel holds but for what is placed outside its share: held to it.
     in_share: AtomicUsize,
-    /// What each of the channel's spilling consumers holds, by consumer id, if the query
-    /// has a limit of its own.
-    spilling: Mutex<HashMap<usize, SpillingConsumer>>,
+    /// What each of the channel's consumers holds, by consumer id, if the query has a
+    /// limit of its own.
+    consumers: Mutex<HashMap<usize, ConsumerHeld>>,
 }
 
 impl QueryPool {
@@ -285,14 +285,36 @@ impl QueryPool {
             "and it cannot spill to disk"
         };
         DataFusionError::ResourcesExhausted(format!(
-            "query {} needs more memory on node {} than {why}: {} asked for {} more while the {} held {} ({spills})",
+            "query {} needs more memory on node {} than {why}: {} asked for {} more while the {} held {}{} ({spills})",
             self.query,
             self.node,
             consumer.name(),
             human(additional),
             if self.channels > 1 { "channel" } else { "query" },
             human(self.reserved.load(Ordering::SeqCst)),
+            self.largest_holders(),
         ))
+    }
+
+    /// What the channel's largest holders hold, for a refusal: `, of which TopK[2]
+    /// 9.0 MiB, FinalHashAggregateStream[2] 5.7 MiB` (nothing without a query limit).
+    fn largest_holders(&self) -> String {
+        const NAMED: usize = 3;
+        let consumers = self.consumers.lock().expect("query consumers lock");
+        let mut holders: Vec<&ConsumerHeld> = consumers
+            .values()
+            .filter(|consumer| consumer.held > 0)
+            .collect();
+        holders.sort_by_key(|consumer| std::cmp::Reverse(consumer.held));
+        let named: Vec<String> = holders
+            .iter()
+            .take(NAMED)
+            .map(|consumer| format!("{} {}", consumer.name, human(consumer.held)))
+            .collect();
+        match named.is_empty() {
+            true => String::new(),
+            false => format!(", of which {}", named.join(", ")),
+        }
     }
 }
 
@@ -317,10 +339,11 @@ enum Placement {
     Outside,
 }
 
-/// What one spilling consumer holds over all its reservations in a channel, and how much
-/// of that it was granted outside the channel's share.
-#[derive(Debug, Default)]
-struct SpillingConsumer {
+/// What one consumer holds over all its reservations in a channel, and how much of that
+/// it was granted outside the channel's share.
+#[derive(Debug)]
+struct ConsumerHeld {
+    name: String,
     held: usize,
     outside: usize,
 }
@@ -349,7 +372,7 @@ impl QueryPool {
         if let Some(query_held) = &self.query_held {
             query_held.fetch_add(bytes, Ordering::SeqCst);
         }
-        self.spilling(reservation, |consumer| {
+        self.consumer_held(reservation, |consumer| {
             consumer.held += bytes;
             if placement == Placement::Outside {
                 consumer.outside += bytes;
@@ -358,8 +381,8 @@ impl QueryPool {
     }
 
     /// Takes `bytes` from the counters `reservation`'s bytes count in: from its share's as
-    /// `placement` says (undoing a refused step); else, for a spilling consumer, from what
-    /// it was granted outside the share first (a shrink does not say which of its
+    /// `placement` says (undoing a refused step); else from what its consumer was granted
+    /// outside the share first (a shrink does not say which of its
     /// reservations' bytes it frees, and those outside are the ones to end first).
     fn count_out(
         &self,
@@ -372,7 +395,7 @@ impl QueryPool {
             query_held.fetch_sub(bytes, Ordering::SeqCst);
         }
         let from_outside = self
-            .spilling(reservation, |consumer| {
+            .consumer_held(reservation, |consumer| {
                 let from_outside = match placement {
                     Some(Placement::Outside) => bytes,
                     Some(Placement::InShare) => 0,
@@ -395,11 +418,12 @@ impl QueryPool {
     /// past the point where it can spill ([`replays_its_spill`]).
     fn placement(&self, reservation: &MemoryReservation) -> Placement {
         let outside = outside_the_share(reservation.consumer().name())
-            || self
-                .spilling(reservation, |consumer| {
-                    replays_its_spill(reservation, consumer.held)
-                })
-                .unwrap_or(false);
+            || (reservation.consumer().can_spill()
+                && self
+                    .consumer_held(reservation, |consumer| {
+                        replays_its_spill(reservation, consumer.held)
+                    })
+                    .unwrap_or(false));
         if outside {
             Placement::Outside
         } else {
@@ -408,19 +432,16 @@ impl QueryPool {
     }
 
     /// `change` applied to what `reservation`'s consumer holds here over all its
-    /// reservations, if it spills and the query has a limit of its own (the entry its
-    /// registration made; none for the others, which are placed by name).
-    fn spilling<R>(
+    /// reservations, if the query has a limit of its own (the entry its registration
+    /// made; none without, where nothing is held to a share).
+    fn consumer_held<R>(
         &self,
         reservation: &MemoryReservation,
-        change: impl FnOnce(&mut SpillingConsumer) -> R,
+        change: impl FnOnce(&mut ConsumerHeld) -> R,
     ) -> Option<R> {
-        let consumer = reservation.consumer();
-        if !consumer.can_spill() || self.query_held.is_none() {
-            return None;
-        }
-        let mut consumers = self.spilling.lock().expect("spilling consumers lock");
-        consumers.get_mut(&consumer.id()).map(change)
+        self.query_held.as_ref()?;
+        let mut consumers = self.consumers.lock().expect("query consumers lock");
+        consumers.get_mut(&reservation.consumer().id()).map(change)
     }
 
     /// The query's own pool, for a consumer that spills (the others are held to the
@@ -438,8 +459,15 @@ impl MemoryPool for QueryPool {
     fn register(&self, consumer: &MemoryConsumer) {
         if let Some(own) = self.own_share(consumer) {
             own.register(consumer);
-            let mut consumers = self.spilling.lock().expect("spilling consumers lock");
-            consumers.insert(consumer.id(), SpillingConsumer::default());
+        }
+        if self.query_held.is_some() {
+            let held = ConsumerHeld {
+                name: consumer.name().to_string(),
+                held: 0,
+                outside: 0,
+            };
+            let mut consumers = self.consumers.lock().expect("query consumers lock");
+            consumers.insert(consumer.id(), held);
         }
         self.node_pool.register(consumer);
     }
@@ -447,7 +475,9 @@ impl MemoryPool for QueryPool {
     fn unregister(&self, consumer: &MemoryConsumer) {
         if let Some(own) = self.own_share(consumer) {
             own.unregister(consumer);
-            let mut consumers = self.spilling.lock().expect("spilling consumers lock");
+        }
+        if self.query_held.is_some() {
+            let mut consumers = self.consumers.lock().expect("query consumers lock");
             consumers.remove(&consumer.id());
         }
         self.node_pool.unregister(consumer);
@@ -712,6 +742,10 @@ mod tests {
         assert_eq!(memory.reserved(), 800 << 10);
         let error = table.try_grow(300 << 10).unwrap_err().to_string();
         assert!(error.contains("its limit of 1.0 MiB"), "{error}");
+        assert!(
+            error.contains("held 800.0 KiB, of which FinalHashAggregateStream[0] 800.0 KiB"),
+            "the refusal names what holds the channel's bytes: {error}"
+        );
         table.try_resize(50 << 10).unwrap();
         table.try_grow(100 << 10).unwrap();
         merge.free();
