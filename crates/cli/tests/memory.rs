@@ -154,6 +154,21 @@ async fn queries_over_their_memory_limit_spill_and_stay_exact_or_fail_naming_the
         assert!(error.contains(part), "{part:?} missing from: {error}");
     }
 
+    // A scalar subquery runs first, on its own, and under the query's limit too.
+    let error = client
+        .query(
+            "/*+ SET tessera.query_memory_limit = '256KB' */ \
+             SELECT count(*) AS n FROM lineitem \
+             WHERE l_quantity < (SELECT count(DISTINCT l_comment) FROM lineitem)",
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("its limit of 256.0 KiB (tessera.query_memory_limit"),
+        "{error}"
+    );
+
     // A limit that is not a size is refused by name.
     let error = client
         .query("/*+ SET tessera.query_memory_limit = 'lots' */ SELECT count(*) FROM lineitem")

@@ -48,6 +48,7 @@ pub mod run;
 pub mod scan;
 pub mod scan_gate;
 pub mod session;
+pub mod settings;
 pub mod split;
 pub mod subquery;
 pub mod wire;
@@ -118,17 +119,18 @@ impl Exec {
         self
     }
 
-    /// The context one of `query`'s `channels` here runs in, sharing `query_limit` bytes
-    /// with the others if set.
+    /// The context one of `query`'s `channels` here runs in, with its session's `config`
+    /// ([`settings::ExecutionSettings`]), sharing `query_limit` bytes with the others if set.
     pub(crate) fn task_context(
         &self,
         query: QueryId,
         query_limit: Option<u64>,
         channels: usize,
+        config: &datafusion::execution::config::SessionConfig,
     ) -> Arc<datafusion::execution::TaskContext> {
         match &self.memory {
-            Some(memory) => memory.task_context(query, query_limit, channels),
-            None => run::task_context(),
+            Some(memory) => memory.task_context(query, query_limit, channels, config),
+            None => run::task_context_with(config.clone(), run::task_context().runtime_env()),
         }
     }
 

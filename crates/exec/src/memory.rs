@@ -24,6 +24,7 @@
 
 use crate::{NodeId, QueryId};
 use datafusion::common::{DataFusionError, Result as DfResult};
+use datafusion::execution::config::SessionConfig;
 use datafusion::execution::disk_manager::{DiskManagerBuilder, DiskManagerMode};
 use datafusion::execution::memory_pool::{
     FairSpillPool, MemoryConsumer, MemoryLimit, MemoryPool, MemoryReservation,
@@ -132,6 +133,7 @@ impl NodeMemory {
         query: QueryId,
         query_limit: Option<u64>,
         channels: usize,
+        config: &SessionConfig,
     ) -> Arc<TaskContext> {
         let own = query_limit.is_some_and(|l| (l as usize) < self.limit);
         let query_limit = query_limit.map_or(self.limit, |l| (l as usize).min(self.limit));
@@ -163,23 +165,13 @@ impl NodeMemory {
             cache_manager: self.runtime.cache_manager.clone(),
             object_store_registry: self.runtime.object_store_registry.clone(),
         });
-        let base = crate::run::task_context();
-        let mut config = base.session_config().clone();
+        let mut config = config.clone();
         // Each sort sets aside this much, unspillable, to merge its spilled runs: sized
         // for large pools by default, it would take a small limit whole.
         let execution = &mut config.options_mut().execution;
         execution.sort_spill_reservation_bytes =
             execution.sort_spill_reservation_bytes.min(limit / 16);
-        Arc::new(TaskContext::new(
-            None,
-            base.session_id(),
-            config,
-            base.scalar_functions().clone(),
-            base.higher_order_functions().clone(),
-            base.aggregate_functions().clone(),
-            base.window_functions().clone(),
-            runtime,
-        ))
+        crate::run::task_context_with(config, runtime)
     }
 
     /// The bytes `query` holds here over all its channels, shared with the contexts made
@@ -584,7 +576,7 @@ mod tests {
     fn a_query_is_held_to_its_limit_and_the_node_to_its_own() {
         let dir = tempfile::tempdir().unwrap();
         let memory = NodeMemory::new(NodeId(2), 10 << 20, &dir.path().join("spill")).unwrap();
-        let query = memory.task_context(QueryId(0xabc), Some(1 << 20), 1);
+        let query = memory.task_context(QueryId(0xabc), Some(1 << 20), 1, &SessionConfig::new());
         let pool = query.memory_pool();
         let sort = MemoryConsumer::new("a sort")
             .with_can_spill(true)
@@ -606,7 +598,7 @@ mod tests {
         assert_eq!(memory.reserved(), 0);
 
         // Without a limit of its own a query may take the node's whole pool, and no more.
-        let big = memory.task_context(QueryId(1), None, 3);
+        let big = memory.task_context(QueryId(1), None, 3, &SessionConfig::new());
         let join = MemoryConsumer::new("a join's build side").register(big.memory_pool());
         join.try_grow(9 << 20).unwrap();
         let error = join.try_grow(2 << 20).unwrap_err().to_string();
@@ -622,7 +614,7 @@ mod tests {
     fn a_joins_build_side_draws_on_the_querys_whole_limit_across_its_channels() {
         let dir = tempfile::tempdir().unwrap();
         let memory = NodeMemory::new(NodeId(1), 64 << 20, &dir.path().join("spill")).unwrap();
-        let channel = || memory.task_context(QueryId(7), Some(1 << 20), 4);
+        let channel = || memory.task_context(QueryId(7), Some(1 << 20), 4, &SessionConfig::new());
         let (first, second, third) = (channel(), channel(), channel());
         let consumer = |ctx: &Arc<TaskContext>, name: &str| {
             MemoryConsumer::new(name).register(ctx.memory_pool())
@@ -638,7 +630,7 @@ mod tests {
         );
         assert!(is_build_side_refusal(&error), "{error}");
         // Another query's channels are not held by this one's bytes.
-        let other = memory.task_context(QueryId(8), Some(1 << 20), 4);
+        let other = memory.task_context(QueryId(8), Some(1 << 20), 4, &SessionConfig::new());
         consumer(&other, "HashJoinInput[1]")
             .try_grow(900 << 10)
             .unwrap();
@@ -662,7 +654,7 @@ mod tests {
         small.free();
         sort.free();
         drop((first, second, third));
-        let again = memory.task_context(QueryId(7), Some(1 << 20), 4);
+        let again = memory.task_context(QueryId(7), Some(1 << 20), 4, &SessionConfig::new());
         consumer(&again, "HashJoinInput[2]")
             .try_grow(1 << 20)
             .unwrap();
@@ -676,7 +668,7 @@ mod tests {
     fn a_consumer_holding_nothing_takes_its_first_step_beyond_its_share() {
         let dir = tempfile::tempdir().unwrap();
         let memory = NodeMemory::new(NodeId(3), 64 << 20, &dir.path().join("spill")).unwrap();
-        let channel = memory.task_context(QueryId(9), Some(1 << 20), 8);
+        let channel = memory.task_context(QueryId(9), Some(1 << 20), 8, &SessionConfig::new());
         let aggregate = MemoryConsumer::new("FinalHashAggregateStream[0]")
             .with_can_spill(true)
             .register(channel.memory_pool());
@@ -721,7 +713,7 @@ mod tests {
     fn an_aggregation_replaying_its_spill_draws_on_the_querys_whole_limit() {
         let dir = tempfile::tempdir().unwrap();
         let memory = NodeMemory::new(NodeId(4), 64 << 20, &dir.path().join("spill")).unwrap();
-        let channel = memory.task_context(QueryId(11), Some(1 << 20), 4);
+        let channel = memory.task_context(QueryId(11), Some(1 << 20), 4, &SessionConfig::new());
         let aggregate = MemoryConsumer::new("FinalHashAggregateStream[0]")
             .with_can_spill(true)
             .register(channel.memory_pool());

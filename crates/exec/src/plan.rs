@@ -57,6 +57,8 @@ pub struct DistributedPlan {
     pub lineage: bool,
     /// The most memory the query may hold on each node (`tessera.query_memory_limit`).
     pub memory_limit: Option<u64>,
+    /// The session's execution settings, which every channel runs with.
+    pub execution: crate::settings::ExecutionSettings,
     pub initiator: NodeId,
     pub started_at_us: u64,
     pub map_version: u64,
@@ -568,7 +570,7 @@ fn restore_input_distributions(
 }
 
 /// How a query is cut and placed, from its session's settings.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct PlanOptions {
     /// Recover from a node's death by write-ahead lineage (`tessera.recovery = lineage`).
     pub lineage: bool,
@@ -577,6 +579,8 @@ pub struct PlanOptions {
     pub scans_on_compute: bool,
     /// The most memory the query may hold on each node (`tessera.query_memory_limit`).
     pub memory_limit: Option<u64>,
+    /// The session's execution settings, which every channel runs with.
+    pub execution: crate::settings::ExecutionSettings,
 }
 
 /// Cuts `plan` into stages for `query`, placed by the snapshot `state`.
@@ -593,6 +597,7 @@ pub fn distribute(
         lineage,
         scans_on_compute,
         memory_limit,
+        execution,
     } = options;
     let initiator = node.id();
     let plan = adapt_joins_for_distribution(plan, buckets)?;
@@ -695,6 +700,7 @@ pub fn distribute(
         query,
         lineage,
         memory_limit,
+        execution,
         initiator,
         started_at_us,
         map_version: state.map.version,

@@ -6,6 +6,7 @@
 use crate::codec::TesseraCodec;
 use crate::exchange::{ExchangeMode, ExchangeReadExec, ExchangeWriteExec, InboxKey, ReadSpec};
 use crate::plan::{leaves_of, DistributedPlan, Leaf};
+use crate::settings::ExecutionSettings;
 use crate::Exec;
 use crate::ExecError;
 use crate::NodeId;
@@ -45,6 +46,9 @@ pub struct RunRequest {
     /// The most memory the query may hold on the node (`tessera.query_memory_limit`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_limit: Option<u64>,
+    /// The session's execution settings, which the channels run with.
+    #[serde(default, skip_serializing_if = "ExecutionSettings::is_empty")]
+    pub execution: ExecutionSettings,
 }
 
 impl tessera_net::WireRequest for RunRequest {
@@ -99,6 +103,25 @@ pub fn task_context() -> Arc<TaskContext> {
         .clone()
 }
 
+/// A channel's task context: [`task_context`]'s functions with a query's `config` (its
+/// session's execution settings) and `runtime` (its memory pool).
+pub fn task_context_with(
+    config: SessionConfig,
+    runtime: Arc<datafusion::execution::runtime_env::RuntimeEnv>,
+) -> Arc<TaskContext> {
+    let base = task_context();
+    Arc::new(TaskContext::new(
+        None,
+        base.session_id(),
+        config,
+        base.scalar_functions().clone(),
+        base.higher_order_functions().clone(),
+        base.aggregate_functions().clone(),
+        base.window_functions().clone(),
+        runtime,
+    ))
+}
+
 /// Starts the channels `request` names on this node. The receiver yields each channel's
 /// report as it ends, and closes when all have.
 pub fn run_stages(
@@ -126,7 +149,13 @@ pub fn run_stages(
             task.channels.iter().map(|c| c.0).collect(),
         ));
     }
-    start_plans(node, request.query, request.memory_limit, plans)
+    start_plans(
+        node,
+        request.query,
+        request.memory_limit,
+        &request.execution,
+        plans,
+    )
 }
 
 /// Starts channels of stage plans already in memory (the initiator's own share).
@@ -134,10 +163,12 @@ fn start_plans(
     node: &Arc<Exec>,
     query: QueryId,
     memory_limit: Option<u64>,
+    execution: &ExecutionSettings,
     plans: Vec<(Arc<dyn ExecutionPlan>, StageId, Vec<usize>)>,
 ) -> Result<mpsc::Receiver<ChannelReport>, ExecError> {
     let here: usize = plans.iter().map(|(_, _, channels)| channels.len()).sum();
-    let ctx = || node.task_context(query, memory_limit, here);
+    let config = execution.session_config()?;
+    let ctx = || node.task_context(query, memory_limit, here, &config);
     let (tx, rx) = mpsc::channel(256);
     for (plan, stage, channels) in plans {
         start_stage(node, query, stage, plan, channels, &ctx, &tx)?;
@@ -426,6 +457,7 @@ pub fn encode(node: &Arc<Exec>, plan: &DistributedPlan) -> DfResult<Work> {
                     stages: vec![],
                     lineage: plan.lineage,
                     memory_limit: plan.memory_limit,
+                    execution: plan.execution.clone(),
                 })
                 .stages
                 .push(StageTask {
@@ -588,7 +620,7 @@ async fn execute_here(
     // RunStages calls not yet done, per node.
     let mut outstanding: BTreeMap<NodeId, usize> = BTreeMap::new();
     {
-        let mut reports = start_plans(node, plan.query, plan.memory_limit, local)?;
+        let mut reports = start_plans(node, plan.query, plan.memory_limit, &plan.execution, local)?;
         let events = events.clone();
         tokio::spawn(async move {
             while let Some(report) = reports.recv().await {

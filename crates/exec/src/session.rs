@@ -103,15 +103,17 @@ pub async fn prepare(
     let physical = state.create_physical_plan(plan).await.map_err(sql_error)?;
     let schema = physical.schema();
     let started_at_us = now_us();
-    let physical = crate::subquery::resolve(node, view, physical, started_at_us, buckets).await?;
-    let query = crate::QueryId(rand::random());
-    // Scalar subqueries above ran on their own; a node's death there restarts the query.
     let settings = tessera_sql::options::tessera_options(ctx.state().config());
     let options = crate::plan::PlanOptions {
         lineage: settings.recovery == tessera_sql::options::RecoveryMode::Lineage,
         scans_on_compute: settings.scans_on_compute,
         memory_limit: settings.query_memory_limit,
+        execution: crate::settings::ExecutionSettings::of(ctx.state().config().options()),
     };
+    // Scalar subqueries run first, on their own; a node's death there restarts the query.
+    let physical =
+        crate::subquery::resolve(node, view, physical, started_at_us, buckets, &options).await?;
+    let query = crate::QueryId(rand::random());
     let not_distributable = |error: DataFusionError| match error {
         DataFusionError::NotImplemented(reason) => Ok(Prepared::InProcess { reason }),
         other => Err(sql_error(other)),

@@ -7,7 +7,7 @@
 //! `ScalarSubqueryExec`, and [`LiteralSubqueries`] sends every filled subquery expression
 //! as the literal value it now stands for.
 
-use crate::plan::distribute;
+use crate::plan::{distribute, PlanOptions};
 use crate::run::{encode, execute};
 use crate::Exec;
 use crate::ExecError;
@@ -35,30 +35,34 @@ use tessera_meta::MetaView;
 type Resolved<'a> =
     Pin<Box<dyn Future<Output = Result<Arc<dyn ExecutionPlan>, ExecError>> + Send + 'a>>;
 
-/// Runs every scalar subquery in `plan` on the cluster and returns the plan without its
-/// `ScalarSubqueryExec`s, their expressions filled in.
+/// Runs every scalar subquery in `plan` on the cluster, under the session's `options`
+/// (its memory limit, its execution settings; a subquery restarts rather than recovers
+/// by lineage), and returns the plan without its `ScalarSubqueryExec`s, their expressions
+/// filled in.
 pub fn resolve<'a>(
     node: &'a Arc<Exec>,
     view: &'a MetaView,
     plan: Arc<dyn ExecutionPlan>,
     started_at_us: u64,
     buckets: usize,
+    options: &'a PlanOptions,
 ) -> Resolved<'a> {
     Box::pin(async move {
+        let resolve = |plan| resolve(node, view, plan, started_at_us, buckets, options);
         if let Some(exec) = plan.downcast_ref::<ScalarSubqueryExec>() {
             for link in exec.subqueries() {
-                let subquery =
-                    resolve(node, view, link.plan.clone(), started_at_us, buckets).await?;
-                let value = run_scalar(node, view, subquery, started_at_us, buckets).await?;
+                let subquery = resolve(link.plan.clone()).await?;
+                let value =
+                    run_scalar(node, view, subquery, started_at_us, buckets, options).await?;
                 exec.results()
                     .set(link.index, value)
                     .map_err(ExecError::Plan)?;
             }
-            return resolve(node, view, exec.input().clone(), started_at_us, buckets).await;
+            return resolve(exec.input().clone()).await;
         }
         let mut children = Vec::new();
         for child in plan.children() {
-            children.push(resolve(node, view, child.clone(), started_at_us, buckets).await?);
+            children.push(resolve(child.clone()).await?);
         }
         if children.is_empty() {
             return Ok(plan);
@@ -74,6 +78,7 @@ async fn run_scalar(
     plan: Arc<dyn ExecutionPlan>,
     started_at_us: u64,
     buckets: usize,
+    options: &PlanOptions,
 ) -> Result<ScalarValue, ExecError> {
     let schema = plan.schema();
     if schema.fields().len() != 1 {
@@ -89,7 +94,10 @@ async fn run_scalar(
         &view.state,
         started_at_us,
         buckets,
-        crate::plan::PlanOptions::default(),
+        PlanOptions {
+            lineage: false,
+            ..options.clone()
+        },
     )
     .map_err(ExecError::Plan)?;
     let work = encode(node, &distributed).map_err(ExecError::Plan)?;

@@ -170,6 +170,7 @@ impl Recovery {
                     stages: vec![],
                     lineage: true,
                     memory_limit: plan.memory_limit,
+                    execution: plan.execution.clone(),
                 })
                 .stages
                 .push(task)

@@ -410,6 +410,7 @@ fn samples() -> Samples {
             }],
             lineage: true,
             memory_limit: None,
+            execution: Default::default(),
         },
     );
     s.tagged(

@@ -266,6 +266,56 @@ async fn queries_run_as_pipelined_stages_placed_over_every_node() {
         lineitem.finished_ms
     );
 
+    // The session's execution settings reach every channel, wherever it runs: told to give
+    // up partial aggregation at once (which DataFusion reads as the aggregation runs), the
+    // scan channels on every node send on about a row per row read, not one per group.
+    let grouped = "SELECT l_linenumber, count(*) AS n FROM lineitem GROUP BY l_linenumber";
+    let no_partials = "/*+ SET datafusion.execution.skip_partial_aggregation_probe_rows_threshold = 1, \
+                       SET datafusion.execution.skip_partial_aggregation_probe_ratio_threshold = 0.0 */";
+    let scan_rows_sent = |analyzed: String| {
+        let stages = parse_analyzed(&analyzed);
+        let scan = stages
+            .into_iter()
+            .find(|s| s.fragment.contains("DistributedScanExec: table=lineitem"))
+            .unwrap_or_else(|| panic!("no lineitem scan stage:\n{analyzed}"));
+        assert!(
+            scan.fragment.contains("mode=Partial"),
+            "the scan stage aggregates:\n{analyzed}"
+        );
+        (scan.channel_rows, analyzed)
+    };
+    let (partials, analyzed) = scan_rows_sent(
+        plan_text(
+            &client,
+            &format!("EXPLAIN ANALYZE {grouped}"),
+            "Plan with Metrics",
+        )
+        .await,
+    );
+    assert!(
+        partials.iter().sum::<u64>() < 1000,
+        "partial aggregation sends a row per group:\n{analyzed}"
+    );
+    let (skipped, analyzed) = scan_rows_sent(
+        plan_text(
+            &client,
+            &format!("{no_partials} EXPLAIN ANALYZE {grouped}"),
+            "Plan with Metrics",
+        )
+        .await,
+    );
+    assert!(
+        skipped.len() >= 3 && skipped.iter().all(|&rows| rows > 1000),
+        "every scan channel, on every node, skipped partial aggregation:\n{analyzed}"
+    );
+    let free = client.query(grouped).await.unwrap();
+    let held = client
+        .query(&format!("{no_partials} {grouped}"))
+        .await
+        .unwrap();
+    tessera_tpch::compare::same_answer(&free, &held, 0.0)
+        .unwrap_or_else(|diff| panic!("without partial aggregation: {diff}"));
+
     // Every node initiates, and the answer is the same.
     let oracle = SessionContext::new();
     for table in ["orders", "lineitem"] {
