@@ -11,6 +11,8 @@ use datafusion::common::config::ConfigOptions;
 use datafusion::common::{DataFusionError, Result as DfResult};
 use datafusion::execution::config::SessionConfig;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::OnceLock;
 
 /// Where DataFusion's settings read while a plan runs live.
 const EXECUTION: &str = "datafusion.execution.";
@@ -27,13 +29,13 @@ pub struct ExecutionSettings(Vec<(String, String)>);
 impl ExecutionSettings {
     /// The execution settings of a session's `options` that are not DataFusion's defaults.
     pub fn of(options: &ConfigOptions) -> ExecutionSettings {
-        let defaults = SessionConfig::new().options().entries();
-        let default_of = |key: &str| {
-            defaults
-                .iter()
-                .find(|entry| entry.key == key)
-                .and_then(|entry| entry.value.clone())
-        };
+        // Each query's preparation asks: DataFusion's defaults are read once per process.
+        static DEFAULTS: OnceLock<HashMap<String, Option<String>>> = OnceLock::new();
+        let defaults = DEFAULTS.get_or_init(|| {
+            let entries = SessionConfig::new().options().entries();
+            entries.into_iter().map(|e| (e.key, e.value)).collect()
+        });
+        let default_of = |key: &str| defaults.get(key).cloned().flatten();
         let mut settings: Vec<(String, String)> = options
             .entries()
             .into_iter()
