@@ -381,7 +381,7 @@ fn the_cluster_benchmark_compares_nodes_with_one_node_and_datafusion() {
             "--queries",
             "3,13",
             "--memory-limit",
-            "256KB",
+            "64KB",
         ],
         None,
     );
@@ -389,7 +389,7 @@ fn the_cluster_benchmark_compares_nodes_with_one_node_and_datafusion() {
     // A limit far below the working set: each query fails naming it, and the benchmark
     // reports that and goes on.
     assert!(
-        stdout.contains("with tessera.query_memory_limit = '256KB'")
+        stdout.contains("with tessera.query_memory_limit = '64KB'")
             && stdout.contains("failed: [3, 13]"),
         "{stdout}"
     );

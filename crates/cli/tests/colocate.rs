@@ -23,6 +23,7 @@ const TABLES: [&str; 8] = [
 const NO_BROADCAST: &str = "datafusion.optimizer.hash_join_single_partition_threshold = 0, \
      datafusion.optimizer.hash_join_single_partition_threshold_rows = 0";
 const APART: &str = "tessera.colocate = false";
+const MERGE_JOINS: &str = "datafusion.optimizer.prefer_hash_join = false";
 
 fn oracle() -> SessionContext {
     let oracle = SessionContext::new();
@@ -133,6 +134,17 @@ async fn joins_and_aggregations_on_the_partition_key_run_where_the_partitions_ar
     for hints in [&[NO_BROADCAST][..], &[NO_BROADCAST, APART], &[]] {
         assert_exact(&client, &oracle, hints, on_key).await;
     }
+    // Sort-merge joins on the key run where the partitions are too, each side sorted there.
+    let plan = explain(&client, &[MERGE_JOINS], on_key).await;
+    let scans = stages(&plan)
+        .into_iter()
+        .find(|s| s.contains("table=lineitem"))
+        .unwrap();
+    assert!(
+        scans.contains("table=orders") && scans.contains("SortMergeJoinExec"),
+        "{plan}"
+    );
+    assert_exact(&client, &oracle, &[MERGE_JOINS], on_key).await;
 
     // One day's orders are few enough to collect and send to every node, as DataFusion
     // plans them; but both sides are partitioned alike on the key, so the join runs where
@@ -176,6 +188,19 @@ async fn joins_and_aggregations_on_the_partition_key_run_where_the_partitions_ar
     assert!(customer.contains("HashJoinExec"), "{plan}");
     assert!(plan.contains("Storage-hash exchange"), "{plan}");
     for hints in [&[NO_BROADCAST][..], &[NO_BROADCAST, APART]] {
+        assert_exact(&client, &oracle, hints, mixed).await;
+    }
+    // So with sort-merge joins (what a query runs again with when a hash join's build
+    // side does not fit its memory): the grouped side is hashed as the storage hashes,
+    // under its sort, and customer is sorted where it is.
+    let plan = explain(&client, &[NO_BROADCAST, MERGE_JOINS], mixed).await;
+    let customer = stages(&plan)
+        .into_iter()
+        .find(|s| s.contains("table=customer"))
+        .unwrap_or_else(|| panic!("no customer scan:\n{plan}"));
+    assert!(customer.contains("SortMergeJoinExec"), "{plan}");
+    assert!(plan.contains("Storage-hash exchange"), "{plan}");
+    for hints in [&[MERGE_JOINS][..], &[MERGE_JOINS, APART]] {
         assert_exact(&client, &oracle, hints, mixed).await;
     }
 

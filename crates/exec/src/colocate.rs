@@ -26,12 +26,13 @@ use arrow::datatypes::DataType;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::{DataFusionError, Result as DfResult};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::physical_expr::{Distribution, PhysicalExpr};
+use datafusion::physical_expr::{Distribution, LexOrdering, PhysicalExpr, PhysicalSortExpr};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::execution_plan::replace_children_if_necessary;
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
-use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode, SortMergeJoinExec};
 use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::union::InterleaveExec;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, Partitioning,
@@ -197,6 +198,12 @@ pub fn colocate(plan: Arc<dyn ExecutionPlan>) -> DfResult<Arc<dyn ExecutionPlan>
                 None => Transformed::no(node),
             });
         }
+        if let Some(join) = node.downcast_ref::<SortMergeJoinExec>() {
+            return Ok(match colocate_sort_merge_join(&node, join)? {
+                Some(rewritten) => Transformed::yes(rewritten),
+                None => Transformed::no(node),
+            });
+        }
         if node.is::<InterleaveExec>() {
             return rehash_storage_inputs(node);
         }
@@ -205,25 +212,30 @@ pub fn colocate(plan: Arc<dyn ExecutionPlan>) -> DfResult<Arc<dyn ExecutionPlan>
     .map(|t| t.data)
 }
 
-/// The join with its inputs co-located, or `None` if neither side is partitioned by the
-/// storage on its keys (both then hash by DataFusion, as planned).
-fn colocate_join(join: &HashJoinExec) -> DfResult<Option<Arc<dyn ExecutionPlan>>> {
-    let (left_keys, right_keys): (Vec<_>, Vec<_>) = join.on().iter().cloned().unzip();
-    let left = Side::of(join.left(), &left_keys);
-    let right = Side::of(join.right(), &right_keys);
+/// The inputs of a join on `left_keys` = `right_keys`, partitioned so that partition `k`
+/// of each holds the same keys, moving as little as it can: `None` if neither side is
+/// partitioned by the storage on its keys (both then hash by DataFusion, as planned).
+fn co_located_inputs(
+    left: &Arc<dyn ExecutionPlan>,
+    right: &Arc<dyn ExecutionPlan>,
+    left_keys: Vec<Arc<dyn PhysicalExpr>>,
+    right_keys: Vec<Arc<dyn PhysicalExpr>>,
+) -> DfResult<Option<[Arc<dyn ExecutionPlan>; 2]>> {
+    let left = Side::of(left, &left_keys);
+    let right = Side::of(right, &right_keys);
     let storage_hashed = |input: Arc<dyn ExecutionPlan>, keys, layout: &StorageLayout| {
         StorageRepartitionExec::try_new(input, keys, layout.clone())
             .map(|exec| Arc::new(exec) as Arc<dyn ExecutionPlan>)
     };
-    let children = match (&left.aligned, &right.aligned) {
-        (Some(l), Some(r)) if l == r => vec![left.input, right.input],
+    Ok(Some(match (&left.aligned, &right.aligned) {
+        (Some(l), Some(r)) if l == r => [left.input, right.input],
         (Some(layout), _) => {
             let right = storage_hashed(right.input, right_keys, layout)?;
-            vec![left.input, right]
+            [left.input, right]
         }
         (None, Some(layout)) => {
             let left = storage_hashed(left.input, left_keys, layout)?;
-            vec![left, right.input]
+            [left, right.input]
         }
         (None, None) => {
             // Partitioned on a part of the keys, the same part on both sides: equal keys
@@ -231,17 +243,80 @@ fn colocate_join(join: &HashJoinExec) -> DfResult<Option<Arc<dyn ExecutionPlan>>
             let left_part = storage_key_positions(&left.input, &left_keys);
             let right_part = storage_key_positions(&right.input, &right_keys);
             match (left_part, right_part) {
-                (Some(l), Some(r)) if l == r => vec![left.input, right.input],
+                (Some(l), Some(r)) if l == r => [left.input, right.input],
                 _ => return Ok(None),
             }
         }
+    }))
+}
+
+/// The join with its inputs co-located ([`co_located_inputs`]), or `None`.
+fn colocate_join(join: &HashJoinExec) -> DfResult<Option<Arc<dyn ExecutionPlan>>> {
+    let (left_keys, right_keys): (Vec<_>, Vec<_>) = join.on().iter().cloned().unzip();
+    let Some(inputs) = co_located_inputs(join.left(), join.right(), left_keys, right_keys)? else {
+        return Ok(None);
     };
     let rewritten = join
         .builder()
-        .with_new_children(children)?
+        .with_new_children(inputs.to_vec())?
         .recompute_properties()
         .build_exec()?;
     Ok(Some(rewritten))
+}
+
+/// A sort-merge join (a query run again with joins that spill, or a session's choice)
+/// with its inputs co-located as a hash join's are. Each side is sorted within its
+/// partitions, so the exchange to change sits under the sort, which stays.
+fn colocate_sort_merge_join(
+    node: &Arc<dyn ExecutionPlan>,
+    join: &SortMergeJoinExec,
+) -> DfResult<Option<Arc<dyn ExecutionPlan>>> {
+    let (left_keys, right_keys): (Vec<_>, Vec<_>) = join.on().iter().cloned().unzip();
+    let (left_sort, left) = under_its_sort(join.left());
+    let (right_sort, right) = under_its_sort(join.right());
+    let Some([left, right]) =
+        co_located_inputs(&left, &right, left_keys.clone(), right_keys.clone())?
+    else {
+        return Ok(None);
+    };
+    // An exchange put above a side's sort (one not directly under the join, such as a
+    // sort under a projection) interleaves its producers' rows: that side is sorted again.
+    let sorted = |sort: Option<Arc<dyn ExecutionPlan>>, input, keys: Vec<_>| {
+        let input = match sort {
+            Some(sort) => replace_children_if_necessary(sort, vec![input])?,
+            None => input,
+        };
+        let ordering: Vec<PhysicalSortExpr> = keys
+            .into_iter()
+            .zip(join.sort_options())
+            .map(|(expr, options)| PhysicalSortExpr::new(expr, *options))
+            .collect();
+        if input
+            .equivalence_properties()
+            .ordering_satisfy(ordering.clone())?
+        {
+            return Ok(input);
+        }
+        let ordering = LexOrdering::new(ordering).expect("a join has keys");
+        let sort = SortExec::new(ordering, input).with_preserve_partitioning(true);
+        Ok::<_, DataFusionError>(Arc::new(sort) as Arc<dyn ExecutionPlan>)
+    };
+    let children = vec![
+        sorted(left_sort, left, left_keys)?,
+        sorted(right_sort, right, right_keys)?,
+    ];
+    Ok(Some(replace_children_if_necessary(node.clone(), children)?))
+}
+
+/// A sort-merge join's input without the sort of each partition above it, if any, and
+/// that sort.
+fn under_its_sort(
+    child: &Arc<dyn ExecutionPlan>,
+) -> (Option<Arc<dyn ExecutionPlan>>, Arc<dyn ExecutionPlan>) {
+    match child.downcast_ref::<SortExec>() {
+        Some(sort) if sort.preserve_partitioning() => (Some(child.clone()), sort.input().clone()),
+        _ => (None, child.clone()),
+    }
 }
 
 /// A join planned to collect its (small) build side whole, whose two sides are both
@@ -356,6 +431,36 @@ pub fn check(plan: &Arc<dyn ExecutionPlan>) -> DfResult<()> {
     .map(|_| ())
 }
 
+/// The other invariant of a plan [`colocate`] rewrote: every operator's inputs come in the
+/// order it requires. A storage exchange interleaves its producers' rows, so a sort-merge
+/// join's side behind a new one must be sorted again. (DataFusion's own sanity check
+/// would also refuse joins paired on a part of their keys, which are exact.)
+pub fn check_orderings(plan: &Arc<dyn ExecutionPlan>) -> DfResult<()> {
+    plan.apply(|node| {
+        let required = node.required_input_ordering();
+        for (child, required) in node.children().into_iter().zip(required) {
+            let Some(required) = required else {
+                continue;
+            };
+            let required = required.into_single();
+            let ordered = child
+                .equivalence_properties()
+                .ordering_satisfy_requirement(required.clone())?;
+            if !ordered {
+                let keys: Vec<String> = required.iter().map(|key| key.to_string()).collect();
+                return Err(DataFusionError::Internal(format!(
+                    "{} needs its input ordered by [{}], and its input {} is not",
+                    node.name(),
+                    keys.join(", "),
+                    child.name()
+                )));
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    })
+    .map(|_| ())
+}
+
 /// Rows hashed on `exprs` with the storage's partition hash into the storage layout's
 /// groups: a plan node only the cluster's planner makes and `distribute` cuts into an
 /// exchange (it does not run in one process).
@@ -383,8 +488,13 @@ impl StorageRepartitionExec {
                 )));
             }
         }
+        // Each output partition interleaves rows of every input partition: no order and no
+        // per-partition constant survives (as through a DataFusion repartition).
+        let mut equivalence = input.equivalence_properties().clone();
+        equivalence.clear_orderings();
+        equivalence.clear_per_partition_constants();
         let properties = Arc::new(PlanProperties::new(
-            input.equivalence_properties().clone(),
+            equivalence,
             Partitioning::Hash(exprs.clone(), layout.groups.len()),
             EmissionType::Incremental,
             Boundedness::Bounded,

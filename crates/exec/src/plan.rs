@@ -20,7 +20,9 @@
 //! order. Finally each stage gets an [`ExchangeWriteExec`] root naming,
 //! for each bucket, the nodes hosting a consumer channel that reads it.
 
-use crate::colocate::{check as check_colocation, colocate, StorageRepartitionExec};
+use crate::colocate::{
+    check as check_colocation, check_orderings, colocate, StorageRepartitionExec,
+};
 use crate::exchange::{ExchangeMode, ExchangeReadExec, ExchangeWriteExec, ReadSpec, WriteSpec};
 use crate::existence::deduplicate_existence_sides;
 use crate::scan::DistributedScanExec;
@@ -604,6 +606,7 @@ pub fn distribute(
     let plan = colocate(plan)?;
     let plan = deduplicate_existence_sides(plan)?;
     check_colocation(&plan)?;
+    check_orderings(&plan)?;
     let plan = single_partition(plan);
     let mut cutter = Cutter {
         query,

@@ -120,16 +120,12 @@ fn build_side_did_not_fit(ctx: &SessionContext, error: &ExecError) -> bool {
 }
 
 /// `ctx` with sort-merge joins in place of partitioned hash joins: they sort both sides,
-/// and a sort spills. Joins are then not co-located (Tessera co-locates hash joins only):
-/// both sides of each join are hashed alike across the nodes.
+/// and a sort spills. They are co-located as hash joins are (`tessera_exec::colocate`).
 fn with_spilling_joins(ctx: &SessionContext) -> Result<SessionContext, ExecError> {
     let mut state = ctx.state();
     let options = state.config_mut().options_mut();
-    for (name, value) in [
-        ("datafusion.optimizer.prefer_hash_join", "false"),
-        ("tessera.colocate", "false"),
-    ] {
-        options.set(name, value).map_err(ExecError::Plan)?;
-    }
+    options
+        .set("datafusion.optimizer.prefer_hash_join", "false")
+        .map_err(ExecError::Plan)?;
     Ok(SessionContext::new_with_state(state))
 }

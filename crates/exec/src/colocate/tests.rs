@@ -256,3 +256,101 @@ fn a_collected_build_side_partitioned_like_the_probe_side_is_joined_in_place() {
         assert!(same.children()[0].is::<CoalescePartitionsExec>());
     }
 }
+
+fn sorted(input: Arc<dyn ExecutionPlan>, name: &str) -> Arc<dyn ExecutionPlan> {
+    use datafusion::physical_expr::{LexOrdering, PhysicalSortExpr};
+    let ordering = LexOrdering::new(vec![PhysicalSortExpr::new_default(column(name))]).unwrap();
+    Arc::new(SortExec::new(ordering, input).with_preserve_partitioning(true))
+}
+
+fn sort_merge_join(
+    left: Arc<dyn ExecutionPlan>,
+    right: Arc<dyn ExecutionPlan>,
+) -> Arc<dyn ExecutionPlan> {
+    Arc::new(
+        SortMergeJoinExec::try_new(
+            sorted(left, "a"),
+            sorted(right, "b"),
+            vec![(column("a"), column("b"))],
+            None,
+            JoinType::Inner,
+            vec![arrow::compute::SortOptions::default()],
+            NullEquality::NullEqualsNothing,
+        )
+        .unwrap(),
+    )
+}
+
+/// A sort-merge join (what a query runs again with when a hash join's build side does
+/// not fit) is co-located too: the DataFusion repartition under the other side's sort
+/// hashes as the storage does, and the sorts stay.
+#[test]
+fn a_sort_merge_join_is_colocated_under_its_sorts() {
+    let mixed = sort_merge_join(storage_side("a"), datafusion_side("b", 2));
+    let error = check(&mixed).unwrap_err().to_string();
+    assert!(
+        error.contains("SortMergeJoinExec pairs the partitions"),
+        "{error}"
+    );
+    let fixed = colocate(mixed).unwrap();
+    check(&fixed).unwrap();
+    let [left, right] = [0, 1].map(|i| fixed.children()[i].clone());
+    for side in [&left, &right] {
+        assert!(side.is::<SortExec>(), "{}", side.name());
+    }
+    assert!(left.children()[0].is::<StorageRepartitionExec>());
+    let storage = right.children()[0]
+        .downcast_ref::<StorageRepartitionExec>()
+        .expect("the DataFusion repartition under the sort became a storage one");
+    assert_eq!(storage.layout, layout());
+    assert!(storage.input().is::<EmptyExec>());
+    // A sort under a projection: the storage exchange goes above it, and that side is
+    // sorted again above the exchange (whose producers' rows interleave).
+    use datafusion::physical_plan::projection::ProjectionExec;
+    let projected: Arc<dyn ExecutionPlan> = Arc::new(
+        ProjectionExec::try_new(
+            vec![(column("b"), "b".to_string())],
+            sorted(datafusion_side("b", 2), "b"),
+        )
+        .unwrap(),
+    );
+    let under_projection = Arc::new(
+        SortMergeJoinExec::try_new(
+            sorted(storage_side("a"), "a"),
+            projected,
+            vec![(column("a"), column("b"))],
+            None,
+            JoinType::Inner,
+            vec![arrow::compute::SortOptions::default()],
+            NullEquality::NullEqualsNothing,
+        )
+        .unwrap(),
+    );
+    let fixed = colocate(under_projection).unwrap();
+    check(&fixed).unwrap();
+    check_orderings(&fixed).unwrap();
+    let right = fixed.children()[1].clone();
+    assert!(right.is::<SortExec>(), "{}", right.name());
+    assert!(right.children()[0].is::<StorageRepartitionExec>());
+    // Without that sort, the ordering invariant refuses the plan.
+    let unsorted = replace_children_if_necessary(
+        fixed.clone(),
+        vec![fixed.children()[0].clone(), right.children()[0].clone()],
+    )
+    .unwrap();
+    let error = check_orderings(&unsorted).unwrap_err().to_string();
+    assert!(
+        error.contains("SortMergeJoinExec needs its input ordered by [b@0 ASC")
+            && error.contains("StorageRepartitionExec is not"),
+        "{error}"
+    );
+    // Two DataFusion sides stay as they are.
+    let plain = colocate(sort_merge_join(
+        datafusion_side("a", 2),
+        datafusion_side("b", 2),
+    ))
+    .unwrap();
+    for side in plain.children() {
+        assert!(side.children()[0].is::<RepartitionExec>());
+    }
+}
