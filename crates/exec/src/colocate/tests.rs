@@ -263,14 +263,15 @@ fn sorted(input: Arc<dyn ExecutionPlan>, name: &str) -> Arc<dyn ExecutionPlan> {
     Arc::new(SortExec::new(ordering, input).with_preserve_partitioning(true))
 }
 
+/// A sort-merge join of `left` and `right` (each sorted on its key: `a`, `b`).
 fn sort_merge_join(
     left: Arc<dyn ExecutionPlan>,
     right: Arc<dyn ExecutionPlan>,
 ) -> Arc<dyn ExecutionPlan> {
     Arc::new(
         SortMergeJoinExec::try_new(
-            sorted(left, "a"),
-            sorted(right, "b"),
+            left,
+            right,
             vec![(column("a"), column("b"))],
             None,
             JoinType::Inner,
@@ -286,7 +287,10 @@ fn sort_merge_join(
 /// hashes as the storage does, and the sorts stay.
 #[test]
 fn a_sort_merge_join_is_colocated_under_its_sorts() {
-    let mixed = sort_merge_join(storage_side("a"), datafusion_side("b", 2));
+    let mixed = sort_merge_join(
+        sorted(storage_side("a"), "a"),
+        sorted(datafusion_side("b", 2), "b"),
+    );
     let error = check(&mixed).unwrap_err().to_string();
     assert!(
         error.contains("SortMergeJoinExec pairs the partitions"),
@@ -314,18 +318,7 @@ fn a_sort_merge_join_is_colocated_under_its_sorts() {
         )
         .unwrap(),
     );
-    let under_projection = Arc::new(
-        SortMergeJoinExec::try_new(
-            sorted(storage_side("a"), "a"),
-            projected,
-            vec![(column("a"), column("b"))],
-            None,
-            JoinType::Inner,
-            vec![arrow::compute::SortOptions::default()],
-            NullEquality::NullEqualsNothing,
-        )
-        .unwrap(),
-    );
+    let under_projection = sort_merge_join(sorted(storage_side("a"), "a"), projected);
     let fixed = colocate(under_projection).unwrap();
     check(&fixed).unwrap();
     check_orderings(&fixed).unwrap();
@@ -346,8 +339,8 @@ fn a_sort_merge_join_is_colocated_under_its_sorts() {
     );
     // Two DataFusion sides stay as they are.
     let plain = colocate(sort_merge_join(
-        datafusion_side("a", 2),
-        datafusion_side("b", 2),
+        sorted(datafusion_side("a", 2), "a"),
+        sorted(datafusion_side("b", 2), "b"),
     ))
     .unwrap();
     for side in plain.children() {
