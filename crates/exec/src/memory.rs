@@ -122,8 +122,8 @@ impl NodeMemory {
         self.pool.reserved()
     }
 
-    /// The context one of `query`'s `channels` on this node runs in: the node's runtime
-    /// with a pool that holds the query to `query_limit` bytes over all its channels here,
+    /// The context one of `query`'s `channels` on this node runs in: its session's `config`
+    /// (see `settings.rs`), and the node's runtime with a pool that holds the query to `query_limit` bytes over all its channels here,
     /// and the channel's spilling consumers to half of an equal share of it (no limit of
     /// its own if `None` or not below the node's limit). Shares for what spills, not one
     /// pool: a sort merging its spilled runs takes what its pool has left, and would leave
