@@ -455,3 +455,41 @@ fn a_node_refuses_a_bad_setting_and_names_it() {
         "a refused configuration touches no data"
     );
 }
+
+#[test]
+fn the_replication_benchmark_flushes_after_each_publish_and_sets_a_warm_up_aside() {
+    let tmp = tempfile::tempdir().unwrap();
+    let output = tessera(
+        tmp.path(),
+        &["bench", "replication", "--sf", "0.002", "--runs", "1"],
+        None,
+    );
+    let stdout = stdout_of(&output);
+    assert!(
+        stdout.contains("after a warm-up publish into each cluster"),
+        "{stdout}"
+    );
+    // Every timed publish, the warm-up included, is followed by a flush of every node:
+    // publish/flushed pairs, the flush ending after the publish.
+    for row in ["each round (s)", "warm-up, not in the rounds (s)"] {
+        let line = stdout
+            .lines()
+            .find(|line| line.starts_with(row))
+            .unwrap_or_else(|| panic!("no {row:?} row: {stdout}"));
+        let pairs: Vec<(f64, f64)> = line
+            .split_whitespace()
+            .filter_map(|word| word.trim_end_matches(')').split_once('/'))
+            .filter_map(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+            .collect();
+        assert_eq!(pairs.len(), 4, "r=1, r=2, r=3 and hot standby: {line}");
+        assert!(
+            pairs.iter().all(|(publish, flushed)| publish <= flushed),
+            "{line}"
+        );
+    }
+    assert!(stdout.contains("publish then flush vs r=1"), "{stdout}");
+    assert!(
+        stdout.contains(" of 8 timed before they were"),
+        "a warm-up and one round for each of four clusters: {stdout}"
+    );
+}

@@ -4,6 +4,9 @@
 //! checkpoints), and failback time of the returning node with delta recovery against a full
 //! copy of its stale partitions (a node that kept its components, which fetches none of
 //! them) and against a wiped node's return, which copies every partition again.
+//!
+//! Each publish is timed alone: the one before it flushed what it left in memory and the
+//! nodes went quiet, and each cluster publishes once before the timed rounds.
 
 use super::local_cluster::LocalCluster;
 use super::timing::{cpu_seconds, median_of, poll_until, wait_quiet};
@@ -22,14 +25,28 @@ const DELTA_ROWS: usize = 1000;
 /// publish, the background work it left (checkpoints, component shipping) included.
 struct Throughput {
     times: Vec<Duration>,
+    /// From the publish's start until every node had flushed the rows it left in memory to
+    /// components and shipped them to their standbys (what the idle checkpoint would do
+    /// later).
+    flushed: Vec<Duration>,
     cpu_seconds: Vec<f64>,
     /// CPU seconds the other clusters' nodes used while this one's publish was timed:
     /// background work they had left (an idle checkpoint, a merge) that the publish shared
     /// the cores with.
     others_cpu_seconds: Vec<f64>,
+    /// The first publish into the cluster's fresh processes (publish, then flushed), not
+    /// counted in the rounds: its nodes' allocators and page cache still start empty.
+    warm_up: (Duration, Duration),
 }
 
 impl Throughput {
+    /// Takes the first round off as the warm-up.
+    fn set_warm_up_aside(&mut self) {
+        self.warm_up = (self.times.remove(0), self.flushed.remove(0));
+        self.cpu_seconds.remove(0);
+        self.others_cpu_seconds.remove(0);
+    }
+
     fn median(&self) -> Duration {
         median_of(&self.times)
     }
@@ -37,19 +54,35 @@ impl Throughput {
     /// This configuration's publish time over `baseline`'s in each round (published one
     /// after the other, so both saw the machine in the same state), sorted.
     fn ratios_to(&self, baseline: &Throughput) -> Vec<f64> {
-        let mut ratios: Vec<f64> = self
-            .times
-            .iter()
-            .zip(&baseline.times)
-            .map(|(time, base)| time.as_secs_f64() / base.as_secs_f64())
-            .collect();
-        ratios.sort_by(f64::total_cmp);
-        ratios
+        sorted_ratios(&self.times, &baseline.times)
+    }
+
+    /// [`Throughput::ratios_to`] of the times until the rows were flushed too.
+    fn flushed_ratios_to(&self, baseline: &Throughput) -> Vec<f64> {
+        sorted_ratios(&self.flushed, &baseline.flushed)
     }
 
     fn median_cpu_seconds(&self) -> f64 {
         median_of(&self.cpu_seconds)
     }
+}
+
+/// Each round's `times[i] / baselines[i]`, sorted.
+fn sorted_ratios(times: &[Duration], baselines: &[Duration]) -> Vec<f64> {
+    let mut ratios: Vec<f64> = times
+        .iter()
+        .zip(baselines)
+        .map(|(time, base)| time.as_secs_f64() / base.as_secs_f64())
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    ratios
+}
+
+/// The median of sorted `ratios`, and it described with their range.
+fn median_and_range(ratios: &[f64]) -> (f64, String) {
+    let median = ratios[ratios.len() / 2];
+    let (low, high) = (ratios[0], ratios[ratios.len() - 1]);
+    (median, format!("{median:.2} ({low:.2}-{high:.2})"))
 }
 
 struct Failover {
@@ -134,10 +167,14 @@ async fn start(
 
 /// Publishes `rows` through node 1 of each cluster in turn, `runs` rounds; returns each
 /// cluster's publish times and CPU. Interleaved rounds, rather than one cluster's runs after
-/// another's, let every configuration meet the machine in the same state; each publish
-/// starts once every node of every cluster is quiet, so that the background work one
-/// publish leaves is charged to neither the next nor another cluster's. Returns too how
-/// many publishes were timed before the nodes went quiet (the wait has a deadline).
+/// another's, let every configuration meet the machine in the same state. After each
+/// publish every node of its cluster flushes the rows the publish left in memory (and
+/// ships the components to their standbys), and the next publish starts once every node
+/// of every cluster is quiet: the background work one publish leaves is charged to it, and
+/// not to the next or another cluster's. Left to the idle checkpoint, that work began
+/// `store.idle_checkpoint_ms` after the publish, in the middle of the next cluster's.
+/// Each cluster's first publish is a warm-up, left out of its rounds. Returns too how many
+/// publishes were timed before the nodes went quiet (the wait has a deadline).
 async fn interleaved_publish_times(
     clusters: &[&LocalCluster],
     rows: &[RecordBatch],
@@ -150,13 +187,18 @@ async fn interleaved_publish_times(
         .iter()
         .map(|_| Throughput {
             times: Vec::new(),
+            flushed: Vec::new(),
             cpu_seconds: Vec::new(),
             others_cpu_seconds: Vec::new(),
+            warm_up: (Duration::ZERO, Duration::ZERO),
         })
         .collect();
-    let clients: Vec<ClusterClient> = clusters.iter().map(|nodes| nodes.client(0)).collect();
-    for _ in 0..runs.max(1) {
-        for ((nodes, client), throughput) in clusters.iter().zip(&clients).zip(&mut measured) {
+    let clients: Vec<Vec<ClusterClient>> = clusters
+        .iter()
+        .map(|nodes| (0..NODES as usize).map(|i| nodes.client(i)).collect())
+        .collect();
+    for _ in 0..=runs.max(1) {
+        for ((nodes, clients), throughput) in clusters.iter().zip(&clients).zip(&mut measured) {
             if !wait_quiet(&every_node, QUIET_PATIENCE).await {
                 not_quiet += 1;
             }
@@ -169,8 +211,10 @@ async fn interleaved_publish_times(
             let cpu_before = cpu_seconds(&pids);
             let others_before = cpu_seconds(&others);
             let started = Instant::now();
-            client.publish("lineitem", rows.to_vec(), false).await?;
+            clients[0].publish("lineitem", rows.to_vec(), false).await?;
             throughput.times.push(started.elapsed());
+            futures::future::try_join_all(clients.iter().map(|client| client.flush())).await?;
+            throughput.flushed.push(started.elapsed());
             throughput
                 .others_cpu_seconds
                 .push(cpu_seconds(&others) - others_before);
@@ -178,7 +222,19 @@ async fn interleaved_publish_times(
             throughput.cpu_seconds.push(cpu_seconds(&pids) - cpu_before);
         }
     }
+    measured.iter_mut().for_each(Throughput::set_warm_up_aside);
     Ok((measured, not_quiet))
+}
+
+/// Publishes `rows` through node 1 and waits for the nodes to go quiet, leaving what the
+/// publish left in memory to the cluster's own checkpoints (which the failovers measure).
+async fn publish_and_wait_quiet(nodes: &LocalCluster, rows: &[RecordBatch]) -> Result<()> {
+    nodes
+        .client(0)
+        .publish("lineitem", rows.to_vec(), false)
+        .await?;
+    wait_quiet(&nodes.pids(), Duration::from_secs(20)).await;
+    Ok(())
 }
 
 /// How many times the clusters' metadata leaders declared a node failed, read from the
@@ -348,7 +404,7 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
     let count: usize = rows.iter().map(|b| b.num_rows()).sum();
     let delta = rows[0].slice(0, DELTA_ROWS.min(rows[0].num_rows()));
     let root = data_dir.join(format!("bench-replication-{}", std::process::id()));
-    println!("replication benchmark: {NODES} nodes on this machine, {partitions} partitions, lineitem SF {sf} ({count} rows), {runs} rounds of publishes");
+    println!("replication benchmark: {NODES} nodes on this machine, {partitions} partitions, lineitem SF {sf} ({count} rows), {runs} rounds of publishes after a warm-up publish into each cluster");
 
     let result = async {
         let mut clusters = Vec::new();
@@ -371,7 +427,7 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
         ] {
             let dir = root.join(format!("failover-{standby:?}"));
             let mut nodes = start(&dir, partitions, 3, true, standby).await?;
-            interleaved_publish_times(&[&nodes], &rows, 1).await?;
+            publish_and_wait_quiet(&nodes, &rows).await?;
             // Let the last checkpoints' component shipments land.
             tokio::time::sleep(Duration::from_secs(2)).await;
             failovers.push((standby, failover(&mut nodes, 3).await?));
@@ -382,7 +438,7 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
         let full_failback = {
             let dir = root.join("full-copy");
             let mut nodes = start(&dir, partitions, 3, false, Standby::ColdCheckpointed).await?;
-            interleaved_publish_times(&[&nodes], &rows, 1).await?;
+            publish_and_wait_quiet(&nodes, &rows).await?;
             failover(&mut nodes, 3).await?;
             let kept = failbacks(&mut nodes, 3, &delta, Return::Kept).await?;
             (kept, failbacks(&mut nodes, 3, &delta, Return::Wiped).await?)
@@ -410,18 +466,26 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
         rows_per_second(&throughput[1]),
         rows_per_second(&throughput[2])
     );
-    let spread = |t: &Throughput| {
-        let ratios = t.ratios_to(&throughput[0]);
-        let median = ratios[ratios.len() / 2];
-        let (low, high) = (ratios[0], ratios[ratios.len() - 1]);
-        (median, format!("{median:.2} ({low:.2}-{high:.2})"))
-    };
+    let spread = |t: &Throughput| median_and_range(&t.ratios_to(&throughput[0]));
     println!(
         "{:<30} {:>18} {:>18} {:>18}   (publish time / r=1 time in the same round: median (lowest-highest); goal for r=3: <= 1.10)",
         "overhead vs r=1",
         "1.00",
         spread(&throughput[1]).1,
         spread(&throughput[2]).1
+    );
+    let flushed_spread = |t: &Throughput| median_and_range(&t.flushed_ratios_to(&throughput[0])).1;
+    let flushed_s = |t: &Throughput| median_of(&t.flushed).as_secs_f64();
+    println!(
+        "{:<30} {:>18} {:>18} {:>18}   (to every node's rows flushed to components and shipped to their standbys: {:.2} / {:.2} / {:.2} s; hot standby r=3 {})",
+        "publish then flush vs r=1",
+        "1.00",
+        flushed_spread(&throughput[1]),
+        flushed_spread(&throughput[2]),
+        flushed_s(&throughput[0]),
+        flushed_s(&throughput[1]),
+        flushed_s(&throughput[2]),
+        flushed_spread(&hot_r3)
     );
     println!(
         "{:<30} {:>18} {:>18} {:>18}   (hot standby: {:.0} rows/s)",
@@ -430,6 +494,37 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
         "",
         spread(&hot_r3).1,
         rows_per_second(&hot_r3)
+    );
+    let rounds = |t: &Throughput| {
+        let seconds: Vec<String> = (t.times.iter().zip(&t.flushed))
+            .map(|(publish, flushed)| {
+                format!("{:.2}/{:.2}", publish.as_secs_f64(), flushed.as_secs_f64())
+            })
+            .collect();
+        seconds.join(" ")
+    };
+    println!(
+        "{:<30} {:>18} {:>18} {:>18}   (publish/flushed seconds in each round, in order; hot standby r=3 {})",
+        "each round (s)",
+        rounds(&throughput[0]),
+        rounds(&throughput[1]),
+        rounds(&throughput[2]),
+        rounds(&hot_r3)
+    );
+    let warm_up = |t: &Throughput| {
+        format!(
+            "{:.2}/{:.2}",
+            t.warm_up.0.as_secs_f64(),
+            t.warm_up.1.as_secs_f64()
+        )
+    };
+    println!(
+        "{:<30} {:>18} {:>18} {:>18}   (publish/flushed seconds of each cluster's first publish, before the rounds; hot standby r=3 {})",
+        "warm-up, not in the rounds (s)",
+        warm_up(&throughput[0]),
+        warm_up(&throughput[1]),
+        warm_up(&throughput[2]),
+        warm_up(&hot_r3)
     );
     let cpu = |t: &Throughput| t.median_cpu_seconds();
     println!(
@@ -452,7 +547,7 @@ pub async fn run(data_dir: &Path, sf: f64, partitions: u32, runs: usize) -> Resu
     );
     println!(
         "each publish started once every node was quiet ({not_quiet} of {} timed before they were)",
-        4 * runs.max(1)
+        4 * (runs.max(1) + 1)
     );
     println!(
         "nodes declared failed while the clusters published (none was stopped): {false_failures}"
