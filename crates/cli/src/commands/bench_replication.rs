@@ -213,11 +213,11 @@ async fn interleaved_publish_times(
             let started = Instant::now();
             clients[0].publish("lineitem", rows.to_vec(), false).await?;
             throughput.times.push(started.elapsed());
-            futures::future::try_join_all(clients.iter().map(|client| client.flush())).await?;
-            throughput.flushed.push(started.elapsed());
             throughput
                 .others_cpu_seconds
                 .push(cpu_seconds(&others) - others_before);
+            futures::future::try_join_all(clients.iter().map(|client| client.flush())).await?;
+            throughput.flushed.push(started.elapsed());
             wait_quiet(&every_node, QUIET_PATIENCE).await;
             throughput.cpu_seconds.push(cpu_seconds(&pids) - cpu_before);
         }
