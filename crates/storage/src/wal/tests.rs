@@ -92,7 +92,7 @@ fn cluster_records_round_trip_through_a_segment() {
 }
 
 #[test]
-fn rows_are_logged_compressed_and_an_older_logs_uncompressed_rows_still_read() {
+fn rows_are_logged_compressed_and_older_logs_uncompressed_or_lz4_rows_still_read() {
     let batch = batch(10_000, 7);
     let record = WalRecord::Prepared {
         table: "t".into(),
@@ -102,26 +102,37 @@ fn rows_are_logged_compressed_and_an_older_logs_uncompressed_rows_still_read() {
         batch: batch.clone(),
     };
     let frame = record.encode_frame().unwrap();
-    // The same record as logs were written before their rows were compressed.
-    let mut older = Vec::new();
-    encode_rows(
-        &mut older,
-        KIND_PREPARED,
-        "t",
-        PartitionId(2),
-        Lsn(4),
-        Epoch(7),
-        &batch,
-        IpcWriteOptions::default(),
-    )
-    .unwrap();
-    assert!(
-        frame.len() * 2 < older.len(),
-        "{} bytes logged, {} uncompressed",
-        frame.len(),
-        older.len()
+    // The same record as logs were written before their rows were compressed, and while
+    // they were compressed with LZ4.
+    let older_with = |options: IpcWriteOptions| {
+        let mut older = Vec::new();
+        encode_rows(
+            &mut older,
+            KIND_PREPARED,
+            "t",
+            PartitionId(2),
+            Lsn(4),
+            Epoch(7),
+            &batch,
+            options,
+        )
+        .unwrap();
+        older
+    };
+    let uncompressed = older_with(IpcWriteOptions::default());
+    let lz4 = older_with(
+        IpcWriteOptions::default()
+            .try_with_compression(Some(arrow_ipc::CompressionType::LZ4_FRAME))
+            .unwrap(),
     );
-    for payload in [&frame[FRAME_HEADER_BYTES..], &older[..]] {
+    assert!(
+        frame.len() * 2 < uncompressed.len() && frame.len() < lz4.len(),
+        "{} bytes logged, {} uncompressed, {} with LZ4",
+        frame.len(),
+        uncompressed.len(),
+        lz4.len()
+    );
+    for payload in [&frame[FRAME_HEADER_BYTES..], &uncompressed[..], &lz4[..]] {
         match WalRecord::decode_payload(payload).unwrap() {
             WalRecord::Prepared {
                 epoch: Epoch(7),
