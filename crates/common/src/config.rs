@@ -316,7 +316,8 @@ impl Default for FailureSettings {
 pub struct ExecSettings {
     /// Bytes one exchange bucket may hold unread before its producers wait (flow control).
     pub inbox_budget_bytes: usize,
-    /// Rows a producer gathers per destination bucket before sending a batch.
+    /// Rows a producer gathers per destination bucket before sending a batch (a query whose
+    /// session sets its own `datafusion.execution.batch_size` uses that instead).
     pub send_batch_rows: usize,
     /// How long a rebuilt consumer's request for a producer's spool waits for that producer
     /// to start, before it fails naming the channel (a request for a query that never ran

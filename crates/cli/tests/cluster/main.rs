@@ -97,6 +97,7 @@ struct AnalyzedStage {
     first_input_ms: Option<f64>,
     finished_ms: f64,
     channel_rows: Vec<u64>,
+    channel_batches: Vec<u64>,
     /// Per channel, the storage partitions its scans read (by any reader, here or on
     /// another node) and their component files.
     channel_partitions_read: Vec<u64>,
@@ -136,6 +137,9 @@ fn parse_analyzed(text: &str) -> Vec<AnalyzedStage> {
                 stage
                     .channel_rows
                     .push(field(line, "rows").unwrap().parse().unwrap());
+                stage
+                    .channel_batches
+                    .push(field(line, "batches").unwrap().parse().unwrap());
                 let count = |key| field(line, key).map_or(0, |v| v.parse::<u64>().unwrap());
                 stage.channel_partitions_read.push(
                     [
@@ -282,9 +286,9 @@ async fn queries_run_as_pipelined_stages_placed_over_every_node() {
             scan.fragment.contains("mode=Partial"),
             "the scan stage aggregates:\n{analyzed}"
         );
-        (scan.channel_rows, analyzed)
+        (scan.channel_rows, scan.channel_batches, analyzed)
     };
-    let (partials, analyzed) = scan_rows_sent(
+    let (partials, _, analyzed) = scan_rows_sent(
         plan_text(
             &client,
             &format!("EXPLAIN ANALYZE {grouped}"),
@@ -296,7 +300,7 @@ async fn queries_run_as_pipelined_stages_placed_over_every_node() {
         partials.iter().sum::<u64>() < 1000,
         "partial aggregation sends a row per group:\n{analyzed}"
     );
-    let (skipped, analyzed) = scan_rows_sent(
+    let (skipped, batches, analyzed) = scan_rows_sent(
         plan_text(
             &client,
             &format!("{no_partials} EXPLAIN ANALYZE {grouped}"),
@@ -308,6 +312,30 @@ async fn queries_run_as_pipelined_stages_placed_over_every_node() {
         skipped.len() >= 3 && skipped.iter().all(|&rows| rows > 1000),
         "every scan channel, on every node, skipped partial aggregation:\n{analyzed}"
     );
+    // The session's batch size holds across the exchanges too. Without one, the scan
+    // channels gather what they send into the node's batches (`exec.send_batch_rows`,
+    // 8192 rows); with `batch_size = 1000`, no batch sent holds more than 1000 rows.
+    assert!(
+        batches.iter().sum::<u64>() * 1000 < skipped.iter().sum::<u64>(),
+        "without a session batch size, the channels send the node's larger batches:\n{analyzed}"
+    );
+    let (small_rows, small_batches, analyzed) = scan_rows_sent(
+        plan_text(
+            &client,
+            &format!(
+                "/*+ SET datafusion.execution.batch_size = 1000, {} EXPLAIN ANALYZE {grouped}",
+                no_partials.trim_start_matches("/*+ ")
+            ),
+            "Plan with Metrics",
+        )
+        .await,
+    );
+    for (rows, batches) in small_rows.iter().zip(&small_batches) {
+        assert!(
+            batches * 1000 >= *rows && *rows > 8192,
+            "a channel sent {rows} rows in {batches} batches, more than 1000 rows a batch:\n{analyzed}"
+        );
+    }
     let free = client.query(grouped).await.unwrap();
     let held = client
         .query(&format!("{no_partials} {grouped}"))

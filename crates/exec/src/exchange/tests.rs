@@ -349,3 +349,13 @@ fn a_bucket_taken_from_a_larger_batch_is_sent_with_its_own_strings_only() {
         "{sent} bytes sent for a bucket of 1250 rows"
     );
 }
+
+#[test]
+fn a_session_batch_size_sets_the_rows_of_each_batch_sent() {
+    let default_batch_size = datafusion::prelude::SessionConfig::new().batch_size();
+    // The session left DataFusion's default: the node's setting holds.
+    assert_eq!(writer::send_batch_rows(4096, default_batch_size), 4096);
+    // The session set its own, smaller or larger: the exchanges follow it.
+    assert_eq!(writer::send_batch_rows(8192, 1000), 1000);
+    assert_eq!(writer::send_batch_rows(8192, 32768), 32768);
+}

@@ -243,8 +243,13 @@ impl ExecutionPlan for ExchangeWriteExec {
                 crate::plan::Leaf::Scan { .. } => None,
             })
             .collect();
+        let batch_rows = send_batch_rows(
+            node.settings.send_batch_rows,
+            context.session_config().batch_size(),
+        );
         let input = self.input.execute(channel, context)?;
         let writer = ChannelWriter {
+            batch_rows,
             node,
             spec: self.spec.clone(),
             hash_exprs: self.hash_exprs.clone(),
@@ -298,6 +303,8 @@ struct ChannelWriter {
     /// reading order to be logged.
     reads: Vec<InboxKey>,
     schema: SchemaRef,
+    /// Rows per batch sent ([`send_batch_rows`]).
+    batch_rows: usize,
     /// Arrow IPC with LZ4 frames, the same for every batch this channel sends.
     options: IpcWriteOptions,
 }
@@ -329,6 +336,20 @@ impl Outbox {
     /// How many batches this channel has sent to `bucket`.
     fn sent(&self, bucket: usize) -> u64 {
         self.seqs.get(&bucket).copied().unwrap_or(0)
+    }
+}
+
+/// How many rows a channel gathers into each batch it sends: the node's `send_batch_rows`,
+/// unless the query's session set its own `datafusion.execution.batch_size` (one that is
+/// not DataFusion's default), which then holds across the exchanges too. A session that
+/// asks for small batches to keep its operators' memory down gets them from every stage,
+/// not only from the scans.
+pub(super) fn send_batch_rows(node_send_batch_rows: usize, session_batch_size: usize) -> usize {
+    let default_batch_size = datafusion::prelude::SessionConfig::new().batch_size();
+    if session_batch_size != default_batch_size && session_batch_size > 0 {
+        session_batch_size
+    } else {
+        node_send_batch_rows
     }
 }
 
@@ -547,9 +568,9 @@ impl ChannelWriter {
                 Router::Own => parts.push((own_bucket, batch)),
             }
             for (bucket, part) in parts {
-                let coalescer = pending.entry(bucket).or_insert_with(|| {
-                    BatchCoalescer::new(self.schema.clone(), self.node.settings.send_batch_rows)
-                });
+                let coalescer = pending
+                    .entry(bucket)
+                    .or_insert_with(|| BatchCoalescer::new(self.schema.clone(), self.batch_rows));
                 coalescer.push_batch(part)?;
                 while let Some(full) = coalescer.next_completed_batch() {
                     hand_over(bucket, full).await?;
