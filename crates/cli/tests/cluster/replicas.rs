@@ -426,7 +426,7 @@ async fn kv_rows_held(cluster: &LocalCluster, id: u64) -> (u64, u64) {
 async fn cold_standbys_take_their_primaries_components_and_replay_the_rest_when_promoted() {
     let _exclusive = exclusive();
     let root = tempfile::tempdir().unwrap();
-    // Checkpoints every 16 KiB of log (its rows LZ4-compressed): primaries flush and ship
+    // Checkpoints every 16 KiB of log (its rows zstd-compressed): primaries flush and ship
     // components often.
     let (mut cluster, client) =
         kv_cluster_with(root.path(), 3, &[("store.checkpoint_log_bytes", "16384")]).await;
