@@ -17,6 +17,13 @@ use std::sync::OnceLock;
 /// Where DataFusion's settings read while a plan runs live.
 const EXECUTION: &str = "datafusion.execution.";
 
+/// DataFusion's default `datafusion.execution.batch_size`, read once per process: a
+/// session whose batch size differs from it chose its own.
+pub fn default_batch_size() -> usize {
+    static DEFAULT: OnceLock<usize> = OnceLock::new();
+    *DEFAULT.get_or_init(|| SessionConfig::new().batch_size())
+}
+
 /// Execution settings the cluster decides, not the session: the buckets of every exchange
 /// (already in the plan).
 const DECIDED_BY_THE_CLUSTER: [&str; 1] = ["datafusion.execution.target_partitions"];

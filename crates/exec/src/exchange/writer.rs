@@ -345,8 +345,7 @@ impl Outbox {
 /// asks for small batches to keep its operators' memory down gets them from every stage,
 /// not only from the scans.
 pub(super) fn send_batch_rows(node_send_batch_rows: usize, session_batch_size: usize) -> usize {
-    let default_batch_size = datafusion::prelude::SessionConfig::new().batch_size();
-    if session_batch_size != default_batch_size && session_batch_size > 0 {
+    if session_batch_size != crate::settings::default_batch_size() && session_batch_size > 0 {
         session_batch_size
     } else {
         node_send_batch_rows
