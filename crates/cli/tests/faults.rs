@@ -531,6 +531,7 @@ async fn read_as_peer(
         partitions,
         columns: vec![0, 1],
         changes_since: None,
+        order: Default::default(),
     };
     let stream = peer.get(addr, &request).await.map_err(|e| e.to_string())?;
     stream.try_collect().await.map_err(|e| e.to_string())

@@ -12,6 +12,7 @@ use futures::TryStreamExt;
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_common::{Epoch, PartitionId};
+use tessera_storage::versions::RowOrder;
 use tessera_storage::TableDef;
 
 /// Reads partitions from the first of the query's replicas that answers. If none can (the
@@ -65,6 +66,7 @@ async fn read_from_first(
         let read = ReadRows {
             epoch: spec.epoch,
             changes_since: spec.changes_since,
+            order: spec.order,
         };
         match read_from(node, replica, &spec.def, read, partitions, &spec.projection).await {
             Ok(batches) => return Ok(batches),
@@ -162,6 +164,8 @@ async fn read_runs(
 pub struct ReadRows {
     pub epoch: Epoch,
     pub changes_since: Option<Epoch>,
+    /// The order each partition's rows come in.
+    pub order: RowOrder,
 }
 
 impl ReadRows {
@@ -170,6 +174,7 @@ impl ReadRows {
         ReadRows {
             epoch,
             changes_since: None,
+            order: RowOrder::Logged,
         }
     }
 }
@@ -186,6 +191,7 @@ pub async fn read_from(
     let ReadRows {
         epoch,
         changes_since,
+        order,
     } = read;
     if from == node.id() {
         wait_to_hold(node, &def.name, def.generation, epoch, partitions).await?;
@@ -203,6 +209,7 @@ pub async fn read_from(
                 changes_since,
                 &partitions,
                 &columns,
+                order,
             )
         })
         .await
@@ -232,6 +239,7 @@ pub async fn read_from(
         partitions: partitions.to_vec(),
         columns: columns.to_vec(),
         changes_since,
+        order,
     };
     let classify = |e: tessera_net::CallError| {
         if e.is_transport() {

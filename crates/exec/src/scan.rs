@@ -31,7 +31,7 @@ use std::time::Duration;
 use tessera_common::{ComponentHash, Epoch, PartitionId};
 use tessera_sql::provider::{plan_in_id_order, FileGrouping, InIdOrder, ReadLayout, SnapshotScan};
 use tessera_sql::SqlError;
-use tessera_storage::versions::stored_user_schema;
+use tessera_storage::versions::{stored_user_schema, RowOrder};
 use tessera_storage::TableDef;
 
 /// How long a node waits to learn of the query's epoch before it gives up on a scan.
@@ -68,6 +68,12 @@ pub struct ScanSpec {
     /// (`tessera.colocate`), and declared if the projection keeps every key column.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_partitioned: Option<u32>,
+    /// The order each storage partition's rows come in (see
+    /// `tessera_storage::versions::RowOrder`): by key for a read at an older epoch under
+    /// lineage recovery, so that a replica re-running a dead node's channel sends its
+    /// batches again however it has merged.
+    #[serde(default, skip_serializing_if = "RowOrder::is_logged")]
+    pub order: RowOrder,
 }
 
 impl ScanSpec {
@@ -516,6 +522,7 @@ pub(crate) fn stream_snapshot<K: Send + Sync + 'static>(
         decoded: Some(node.queries.decoded()),
         runtime: &context.runtime_env(),
         parquet,
+        order: spec.order,
     })?;
     reads.read_here(layout);
     let schema = plan.schema();

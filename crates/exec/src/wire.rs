@@ -6,6 +6,7 @@ use crate::{ChannelId, QueryId, StageId};
 use serde::{Deserialize, Serialize};
 use tessera_common::{Epoch, PartitionId};
 use tessera_net::WireRequest;
+use tessera_storage::versions::RowOrder;
 
 /// Opens a producer channel's exchange stream to one node: every batch carries its
 /// bucket and sequence number ([`crate::exchange::BatchTag`]) as metadata, and the
@@ -43,6 +44,9 @@ pub struct ScanRequest {
     /// Return the changes from this epoch to `epoch` instead of the rows at `epoch`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub changes_since: Option<Epoch>,
+    /// The order each partition's rows come in (ignored for a diff).
+    #[serde(default, skip_serializing_if = "RowOrder::is_logged")]
+    pub order: RowOrder,
 }
 
 impl WireRequest for ScanRequest {

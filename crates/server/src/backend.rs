@@ -29,6 +29,7 @@ use tessera_exec::scan::{read_from, DistributedScanExec, ReadRows, ScanSpec};
 use tessera_exec::{ExecError, Recoveries, RecoveryOutcome};
 use tessera_sql::access::AccessStatement;
 use tessera_sql::changes::{ChangesSource, ChangesTable};
+use tessera_sql::options::RecoveryMode;
 use tessera_sql::provider::{RowSource, VersionedTable};
 use tessera_sql::retention::RetentionStatement;
 use tessera_sql::system::{is_system_table, SYSTEM_TABLES};
@@ -37,7 +38,7 @@ use tessera_sql::time_travel::{base_table_name, split_as_of, AsOf};
 use tessera_sql::users::UserChange;
 use tessera_sql::StatementOutput;
 use tessera_sql::{Backend, SqlError};
-use tessera_storage::versions::stored_user_schema;
+use tessera_storage::versions::{stored_user_schema, RowOrder};
 use tessera_storage::{StorageError, TableChanges, TableDef};
 
 /// The SQL error for a right the acting user lacks (or a user dropped while connected).
@@ -557,6 +558,7 @@ impl SchemaProvider for ClusterSchema {
                 node: self.node.clone(),
                 view: self.view.clone(),
                 epoch,
+                time_travel: as_of.is_some(),
                 archive,
             },
         ))))
@@ -588,6 +590,8 @@ struct ClusterRows {
     /// a restarted scan reads from the survivors (at the same epoch).
     view: StatementView,
     epoch: Epoch,
+    /// The statement names the epoch (`AS OF`): older than what some replicas have merged.
+    time_travel: bool,
     /// The epoch is below the table's retention horizon and read from the archive.
     archive: Option<Vec<tessera_meta::archive::ArchivedComponent>>,
 }
@@ -607,6 +611,13 @@ impl RowSource for ClusterRows {
         let key_partitioned = options
             .scans_declare_partitioning()
             .then_some(self.view.get().state.partition_count);
+        // Below a merge's epochs, only key order is the same on every replica, and lineage
+        // recovery re-runs a dead node's scan on another; a read at the current epoch is
+        // the same in the order it was logged (`RowOrder`).
+        let order = match (self.time_travel, options.recovery) {
+            (true, RecoveryMode::Lineage) => RowOrder::ByKey,
+            _ => RowOrder::Logged,
+        };
         let (estimated_rows, statistics) = self
             .node
             .remote_statistics
@@ -623,6 +634,7 @@ impl RowSource for ClusterRows {
             changes_since: None,
             archive: self.archive.clone(),
             key_partitioned,
+            order,
         };
         Ok(Arc::new(
             DistributedScanExec::try_new(spec, predicate, self.node.exec.clone())?
@@ -660,6 +672,7 @@ impl ChangesSource for ClusterChanges {
             changes_since: Some(from),
             archive: None,
             key_partitioned: None,
+            order: RowOrder::Logged,
         };
         Ok(Arc::new(DistributedScanExec::try_new(
             spec,

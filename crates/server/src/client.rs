@@ -266,6 +266,7 @@ impl ClusterClient {
             partitions: vec![partition],
             columns: (0..def.schema.fields().len()).collect(),
             changes_since: None,
+            order: Default::default(),
         };
         let clients = Clients::new(cluster_id, PROTOCOL_VERSION).with_tls(default_tls().as_ref());
         let stream = clients

@@ -624,6 +624,7 @@ impl NodeService {
                 scan.changes_since,
                 &scan.partitions,
                 &scan.columns,
+                scan.order,
             )
         })
         .await

@@ -355,6 +355,7 @@ fn samples() -> Samples {
             partitions: vec![PartitionId(0), PartitionId(2)],
             columns: vec![0, 1],
             changes_since: None,
+            order: Default::default(),
         },
     );
     s.tagged(

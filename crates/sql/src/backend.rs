@@ -23,6 +23,7 @@ use std::sync::Arc;
 use tessera_common::{Epoch, PartitionId, PartitionRing, ReadEpochs};
 use tessera_storage::changes::changes_schema;
 use tessera_storage::evolution::AlterColumn;
+use tessera_storage::versions::RowOrder;
 use tessera_storage::{Store, TableChanges, TableDef};
 
 #[async_trait]
@@ -320,7 +321,17 @@ impl ChangesSource for LocalChanges {
         let columns: Vec<usize> = (0..changes_schema(def).fields().len()).collect();
         let reads = groups.into_iter().map(|partitions| {
             let (store, def, columns) = (self.store.clone(), def.clone(), columns.clone());
-            blocking(move || read_local(&store, &def, Some(to), Some(from), &partitions, &columns))
+            blocking(move || {
+                read_local(
+                    &store,
+                    &def,
+                    Some(to),
+                    Some(from),
+                    &partitions,
+                    &columns,
+                    RowOrder::Logged,
+                )
+            })
         });
         let batches = futures::future::try_join_all(reads)
             .await
@@ -350,13 +361,21 @@ pub fn read_local_partitions(
     partitions: &[PartitionId],
     columns: &[usize],
 ) -> Result<Vec<RecordBatch>> {
-    read_local(store, def, epoch, None, partitions, columns)
+    read_local(
+        store,
+        def,
+        epoch,
+        None,
+        partitions,
+        columns,
+        RowOrder::Logged,
+    )
 }
 
 /// What a read of some partitions of a local store returns: with `changes_since`, the
 /// table's changes from that epoch to `epoch` (columns of
 /// [`tessera_storage::changes::changes_schema`]); without, its live rows at `epoch` (the
-/// store's visible epoch if `None`).
+/// store's visible epoch if `None`), each partition's in `order`.
 pub fn read_local(
     store: &Store,
     def: &TableDef,
@@ -364,6 +383,7 @@ pub fn read_local(
     changes_since: Option<Epoch>,
     partitions: &[PartitionId],
     columns: &[usize],
+    order: RowOrder,
 ) -> Result<Vec<RecordBatch>> {
     // A table dropped and created again under the same name is another table.
     if store
@@ -426,6 +446,7 @@ pub fn read_local(
                 columns,
                 None,
                 usize::MAX,
+                order,
             )?,
         };
         batches.extend(read);

@@ -555,6 +555,7 @@ impl RowSource for LocalRows {
             decoded: Some(&self.decoded),
             runtime: state.runtime_env(),
             parquet: state.table_options().parquet.clone(),
+            order: Default::default(),
         })
     }
 }

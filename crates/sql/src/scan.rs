@@ -24,12 +24,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tessera_common::{Epoch, EPOCH_COLUMN, OP_COLUMN};
 use tessera_storage::component::read_component;
-use tessera_storage::versions::{stored_schema, visible_rows_in_batches};
+use tessera_storage::versions::{stored_schema, visible_rows_in_batches, RowOrder};
 use tessera_storage::{PartitionSnapshot, TableDef, TableSnapshot};
 
 /// The rows of one partition visible at `epoch`, restricted to `columns` of the stored
 /// schema (plus whatever the version resolution needs, dropped again at the end), in
-/// batches of at most `batch_rows` rows.
+/// batches of at most `batch_rows` rows, in `order`.
+#[allow(clippy::too_many_arguments)]
 pub fn read_visible_partition(
     components_dir: &Path,
     def: &TableDef,
@@ -38,6 +39,7 @@ pub fn read_visible_partition(
     columns: &[usize],
     decoded: Option<&DecodedComponents>,
     batch_rows: usize,
+    order: RowOrder,
 ) -> Result<Vec<RecordBatch>, SqlError> {
     let stored = stored_schema(def);
     let epoch_index = stored
@@ -59,7 +61,8 @@ pub fn read_visible_partition(
     // first among the live ones. Only the first, and the components in their order: the
     // rows then come in the order the partition's versions were logged in, whatever its
     // layout, so a replica that has not merged (or flushed) yet reads them in the same
-    // order (`versions::SplitVersions`), as lineage recovery's re-run scans need.
+    // order (`versions::SplitVersions`), as lineage recovery's re-run scans need. A read
+    // below a merge's epochs keeps that order only in key order (`RowOrder::ByKey`).
     let base = partition
         .components
         .first()
@@ -105,6 +108,7 @@ pub fn read_visible_partition(
         epoch,
         def.append_only,
         batch_rows,
+        order,
     )?;
     let output: Vec<usize> = columns.iter().map(|&c| position(c)).collect();
     Ok(visible
@@ -124,6 +128,7 @@ pub struct VersionedScanExec {
     components_dir: PathBuf,
     /// Where small components are kept decoded (`None`: always read Parquet).
     decoded: Option<Arc<DecodedComponents>>,
+    order: RowOrder,
     properties: Arc<PlanProperties>,
 }
 
@@ -134,6 +139,7 @@ impl VersionedScanExec {
         projection: Vec<usize>,
         components_dir: PathBuf,
         decoded: Option<Arc<DecodedComponents>>,
+        order: RowOrder,
     ) -> Result<Self> {
         assert!(
             !partitions.is_empty(),
@@ -153,6 +159,7 @@ impl VersionedScanExec {
             schema,
             components_dir,
             decoded,
+            order,
             properties,
         })
     }
@@ -171,7 +178,11 @@ impl DisplayAs for VersionedScanExec {
             self.snapshot.def.name,
             self.snapshot.epoch,
             partitions.join(", ")
-        )
+        )?;
+        if self.order == RowOrder::ByKey {
+            write!(f, ", in key order")?;
+        }
+        Ok(())
     }
 }
 
@@ -192,6 +203,7 @@ impl ExecutionPlan for VersionedScanExec {
         let projection = self.projection.clone();
         let dir = self.components_dir.clone();
         let decoded = self.decoded.clone();
+        let order = self.order;
         let batch_rows = context.session_config().batch_size();
         let read = async move {
             let batches = tokio::task::spawn_blocking(move || {
@@ -203,6 +215,7 @@ impl ExecutionPlan for VersionedScanExec {
                     &projection,
                     decoded.as_deref(),
                     batch_rows,
+                    order,
                 )
             })
             .await

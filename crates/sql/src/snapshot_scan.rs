@@ -24,7 +24,7 @@ use std::cmp::Ordering;
 use std::sync::Arc;
 use tessera_common::PartitionId;
 use tessera_storage::component::{component_path, ComponentMeta};
-use tessera_storage::versions::stored_schema;
+use tessera_storage::versions::{stored_schema, RowOrder};
 use tessera_storage::{PartitionSnapshot, TableDef, TableSnapshot};
 
 /// How plain components are grouped into output partitions.
@@ -59,6 +59,10 @@ pub struct SnapshotScan<'a> {
     pub decoded: Option<&'a Arc<DecodedComponents>>,
     pub runtime: &'a Arc<RuntimeEnv>,
     pub parquet: TableParquetOptions,
+    /// The order each storage partition's rows come in. [`RowOrder::ByKey`] sends every
+    /// partition of a keyed table through version resolution, which sorts them: the plain
+    /// readers give the order the rows were written in.
+    pub order: RowOrder,
 }
 
 /// The physical plan that reads `scan`'s partitions of a snapshot: partitions whose
@@ -152,6 +156,7 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
         decoded,
         runtime,
         parquet,
+        order,
     } = scan;
     let epoch = snapshot.epoch;
     let def = &snapshot.def;
@@ -173,7 +178,11 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
                 .verify(&component.hash)
                 .map_err(SqlError::to_datafusion)?;
         }
-        match read_as_written(partition, epoch, def, store, statistics)? {
+        let as_written = match (order, def.append_only) {
+            (RowOrder::ByKey, false) => None,
+            _ => read_as_written(partition, epoch, def, store, statistics)?,
+        };
+        match as_written {
             Some(components) => {
                 plain.push(components.to_vec());
                 plain_ids.push(partition.partition);
@@ -283,6 +292,7 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
             projection.clone(),
             dir,
             decoded.cloned(),
+            order,
         )?));
     }
     let plan = if children.is_empty() {

@@ -67,6 +67,7 @@ async fn scan_columns(
         decoded: Some(cache),
         runtime: &ctx.runtime_env(),
         parquet: Default::default(),
+        order: Default::default(),
     })
     .unwrap();
     let shown = displayable(plan.as_ref()).indent(false).to_string();

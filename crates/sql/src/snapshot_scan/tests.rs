@@ -50,6 +50,7 @@ async fn scan(store: &Arc<Store>) -> (String, usize, Vec<(i64, i64)>) {
         decoded: None,
         runtime: &ctx.runtime_env(),
         parquet: Default::default(),
+        order: Default::default(),
     })
     .unwrap();
     let shown = displayable(plan.as_ref()).indent(false).to_string();
@@ -299,6 +300,7 @@ async fn reading_in_id_order_gives_storage_partitions_by_id_whichever_reader_tak
             decoded: None,
             runtime: &ctx.runtime_env(),
             parquet: Default::default(),
+            order: Default::default(),
         })
         .unwrap()
     };
