@@ -17,6 +17,7 @@
 //! `TESSERA_QUERY_CHAOS_MODES=lineage` runs one mode only; `TESSERA_QUERY_CHAOS_LATE_ROUNDS`
 //! sets the rounds of the late-kill sweep.
 
+use arrow::array::{AsArray, RecordBatch};
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -210,7 +211,7 @@ async fn kill_until(
     fraction: f64,
     what: &str,
     wanted: impl Fn(&[String]) -> bool,
-    expected: &[arrow::array::RecordBatch],
+    expected: &[RecordBatch],
     no_failure: &BTreeMap<usize, Duration>,
 ) -> Vec<String> {
     for attempt in 0..6u64 {
@@ -537,6 +538,13 @@ async fn queries_answer_exactly_when_a_peer_is_killed_at_random() {
 /// components, a few larger ones, or memory. Kills of the streaming join's scans mid-way
 /// must then rebuild a scan channel whole, its surviving consumers checking every batch it
 /// sends again against what they had.
+///
+/// Then the same `AS OF` the load's epoch, after an update of half of lineitem that node 1
+/// merged (each partition into its current versions and a history of the ones they
+/// supersede) and node 4 holds in memory: the read at the older epoch finds some rows among
+/// node 1's current versions and some in its history, and must still send node 4's
+/// batches again (it failed with a restart, "re-sent batch 0 different", before scans at
+/// an older epoch came in key order).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scan_rerun_on_a_replica_laid_out_otherwise_sends_the_same_batches() {
     short_panics();
@@ -566,24 +574,66 @@ async fn a_scan_rerun_on_a_replica_laid_out_otherwise_sends_the_same_batches() {
         .collect()
         .await
         .unwrap();
+    let client = ClusterClient::new(cluster.addr(1));
+    let rebuilt = kill_until_a_scan_is_rebuilt_whole(&mut cluster, STREAMING_JOIN, &expected).await;
+    println!("rebuilt whole, its batches sent again and checked: {rebuilt}");
+
+    let loaded = client
+        .query("SELECT max(epoch) FROM tessera_epochs")
+        .await
+        .unwrap();
+    let loaded = loaded[0]
+        .column(0)
+        .as_primitive::<arrow::datatypes::Int64Type>()
+        .value(0);
+    client
+        .sql("UPDATE lineitem SET l_quantity = l_quantity WHERE l_orderkey % 2 = 0")
+        .await
+        .unwrap();
+    client.settle().await.unwrap();
+    let as_of = STREAMING_JOIN
+        .replace(
+            "FROM lineitem",
+            &format!("FROM lineitem AS OF EPOCH {loaded}"),
+        )
+        .replace(
+            "JOIN partsupp",
+            &format!("JOIN partsupp AS OF EPOCH {loaded}"),
+        );
+    let rebuilt = kill_until_a_scan_is_rebuilt_whole(&mut cluster, &as_of, &expected).await;
+    println!("AS OF epoch {loaded}: rebuilt whole, its batches sent again and checked: {rebuilt}");
+}
+
+/// Runs `sql` from node 1, killing node 4 early in it, until a kill catches one of its
+/// scan channels sending and the recovery rebuilds that channel whole on node 1, whose
+/// layout differs from node 4's. Every answer must equal `expected`, and no recovery may
+/// restart the query. Returns the rebuilt channel's placement.
+async fn kill_until_a_scan_is_rebuilt_whole(
+    cluster: &mut LocalCluster,
+    sql: &str,
+    expected: &[RecordBatch],
+) -> String {
     let initiator = 1;
     let client = ClusterClient::new(cluster.addr(initiator));
-    client.query(STREAMING_JOIN).await.unwrap();
+    client.query(sql).await.unwrap();
     let started = Instant::now();
-    client.query(STREAMING_JOIN).await.unwrap();
+    client.query(sql).await.unwrap();
     let no_failure = started.elapsed();
     // Node 4 holds its rows in memory; its scan channel's first surviving replica is node
     // 1, whose merged components hold them in another layout.
     let (victim, host) = (4, 1);
     let mut rebuilt_whole = None;
-    for attempt in 0..18u64 {
-        // Early: a scan channel is rebuilt whole (not split) only once it has begun to send.
-        let at = 0.3 * 0.8f64.powi((attempt % 9) as i32);
-        let sql = format!("/*+ SET tessera.recovery = lineage */ {STREAMING_JOIN}");
-        client.query(STREAMING_JOIN).await.unwrap();
+    for attempt in 0..34u64 {
+        // A scan channel is rebuilt whole (not split) only once it has begun to send, and
+        // its batches are checked only where they had arrived: from early (a scan of the
+        // current rows sends at once) to late (one at an older epoch resolves and sorts a
+        // whole partition first).
+        let at = 0.1 + 0.05 * (attempt % 17) as f64;
+        let lineage = format!("/*+ SET tessera.recovery = lineage */ {sql}");
+        client.query(sql).await.unwrap();
         let query = {
             let client = ClusterClient::new(cluster.addr(initiator));
-            tokio::spawn(async move { client.query_with_notices(&sql).await })
+            tokio::spawn(async move { client.query_with_notices(&lineage).await })
         };
         tokio::time::sleep(no_failure.mul_f64(at)).await;
         cluster.kill9(victim);
@@ -591,8 +641,8 @@ async fn a_scan_rerun_on_a_replica_laid_out_otherwise_sends_the_same_batches() {
             .await
             .unwrap()
             .unwrap_or_else(|e| panic!("attempt {attempt}: node {victim} killed at {at:.2}: {e}"));
-        rejoin(&mut cluster, victim).await;
-        if let Err(diff) = tessera_tpch::compare::same_answer(&expected, &actual, 1e-9) {
+        rejoin(cluster, victim).await;
+        if let Err(diff) = tessera_tpch::compare::same_answer(expected, &actual, 1e-9) {
             panic!("attempt {attempt}: node {victim} killed: wrong answer: {diff}");
         }
         let recovery = notices.iter().find_map(|n| n.recovery.as_ref());
@@ -604,7 +654,13 @@ async fn a_scan_rerun_on_a_replica_laid_out_otherwise_sends_the_same_batches() {
                     recovery.unwrap()
                 )
             }
-            Some(RecoveryOutcome::Rebuilt { placed, .. }) => {
+            // Its consumer on the dead node had taken logged input (replayed now): the
+            // scan channel had sent batches, to the surviving consumers too.
+            Some(RecoveryOutcome::Rebuilt {
+                placed,
+                replayed_batches,
+                ..
+            }) if *replayed_batches > 0 => {
                 rebuilt_whole = placed
                     .iter()
                     .find(|p| p.starts_with("stage 1 channel(s)"))
@@ -621,5 +677,5 @@ async fn a_scan_rerun_on_a_replica_laid_out_otherwise_sends_the_same_batches() {
         rebuilt_whole.ends_with(&format!("on node {host}")),
         "rebuilt on the replica laid out otherwise: {rebuilt_whole}"
     );
-    println!("rebuilt whole, its batches sent again and checked: {rebuilt_whole}");
+    rebuilt_whole
 }
