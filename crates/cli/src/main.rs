@@ -351,6 +351,12 @@ enum BenchKind {
         runs: usize,
         #[arg(long, default_value_t = 4)]
         nodes: u64,
+        /// Update half of lineitem after the load, settle every node (each partition merged
+        /// into its current versions and their history), and read every table `AS OF` the
+        /// load's epoch: under lineage each partition's rows then come in key order, under
+        /// none and restart in the order they were logged.
+        #[arg(long)]
+        as_of: bool,
     },
     /// TPC-H through each client path on a 3-node cluster: Flight SQL (what ADBC speaks)
     /// and the PostgreSQL wire protocol (as psql) as ratios to Tessera's internal client.
@@ -744,6 +750,7 @@ async fn run(cli: Cli) -> Result<()> {
                     queries,
                     runs,
                     nodes,
+                    as_of,
                 },
         } => {
             commands::bench_recovery::run(
@@ -753,6 +760,7 @@ async fn run(cli: Cli) -> Result<()> {
                 *sf,
                 queries,
                 *runs,
+                *as_of,
             )
             .await
         }

@@ -45,6 +45,11 @@ async fn scanned(engine: &Engine) -> Vec<(i64, i64)> {
         .query("/*+ SET datafusion.execution.target_partitions = 1 */ SELECT k, v FROM t")
         .await
         .unwrap();
+    pairs(&batches)
+}
+
+/// The (k, v) rows of `batches`, in order.
+fn pairs(batches: &[RecordBatch]) -> Vec<(i64, i64)> {
     batches
         .iter()
         .flat_map(|b| {
@@ -184,13 +189,7 @@ async fn scanned_at(store: &Arc<Store>, epoch: Epoch, order: RowOrder) -> Vec<(i
     for i in reading_order {
         let stream = plan.execute(i, ctx.task_ctx()).unwrap();
         let batches: Vec<RecordBatch> = futures::TryStreamExt::try_collect(stream).await.unwrap();
-        rows.extend(batches.iter().flat_map(|b| {
-            let (k, v) = (
-                b.column(0).as_primitive::<Int64Type>(),
-                b.column(1).as_primitive::<Int64Type>(),
-            );
-            (0..b.num_rows()).map(move |i| (k.value(i), v.value(i)))
-        }));
+        rows.extend(pairs(&batches));
     }
     rows
 }

@@ -407,8 +407,11 @@ fn sort_by_key(batch: &RecordBatch, key: &[usize], rows: &mut [u32]) -> Result<(
         .collect::<std::result::Result<_, _>>()?;
     let converted = key_converter(&batch.schema(), key)?.convert_columns(&keys)?;
     let mut by_key: Vec<usize> = (0..rows.len()).collect();
-    // A key has one visible row: an unstable sort is as deterministic as a stable one.
-    by_key.sort_unstable_by(|&a, &b| converted.row(a).cmp(&converted.row(b)));
+    // The stable sort finds the runs already in key order and merges them, in about one
+    // pass where there are few: a load in key order logs one, and a read below a merge
+    // takes its history's rows and its current ones, each such a run. (A key has one
+    // visible row, so either sort gives the same order.)
+    by_key.sort_by(|&a, &b| converted.row(a).cmp(&converted.row(b)));
     let sorted: Vec<u32> = by_key.into_iter().map(|i| rows[i]).collect();
     rows.copy_from_slice(&sorted);
     Ok(())

@@ -238,11 +238,58 @@ pub fn query(n: usize) -> &'static str {
     QUERIES[n - 1]
 }
 
+/// `sql` (a TPC-H query) reading every TPC-H table it names `AS OF EPOCH epoch`: each
+/// table name that follows `FROM`, `JOIN` or a comma (a table list; not a column alias such
+/// as Q9's `n_name AS nation`, nor part of a column name such as `c_orders`) is followed by
+/// the time-travel point, before any alias.
+pub fn read_as_of(sql: &str, epoch: u64) -> String {
+    let is_word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = String::with_capacity(sql.len() + 128);
+    let mut rest = sql;
+    // The word or punctuation before the current word, lowercase.
+    let mut before = String::new();
+    while let Some(start) = rest.find(is_word) {
+        let between = &rest[..start];
+        out.push_str(between);
+        if let Some(mark) = between.trim().chars().last() {
+            before = mark.to_string();
+        }
+        let word_len = rest[start..]
+            .find(|c| !is_word(c))
+            .unwrap_or(rest.len() - start);
+        let word = &rest[start..start + word_len];
+        out.push_str(word);
+        let in_table_list = matches!(before.as_str(), "from" | "join" | ",");
+        if in_table_list && TABLES.iter().any(|t| t.name.eq_ignore_ascii_case(word)) {
+            out.push_str(&format!(" AS OF EPOCH {epoch}"));
+        }
+        before = word.to_ascii_lowercase();
+        rest = &rest[start + word_len..];
+    }
+    out.push_str(rest);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use arrow::array::{Array, Int64Array};
     use std::collections::HashSet;
+
+    #[test]
+    fn queries_read_as_of_name_the_epoch_after_each_table() {
+        assert_eq!(
+            read_as_of("select c_orders from customer, lineitem l1 where x", 7),
+            "select c_orders from customer AS OF EPOCH 7, lineitem AS OF EPOCH 7 l1 where x"
+        );
+        // Q21 reads lineitem three times under aliases, supplier, orders and nation once.
+        let q21 = read_as_of(query(21), 3);
+        assert_eq!(q21.matches(" AS OF EPOCH 3").count(), 6, "{q21}");
+        // Q9 names its six tables once each, and calls a column `nation` too.
+        let q9 = read_as_of(query(9), 3);
+        assert_eq!(q9.matches(" AS OF EPOCH 3").count(), 6, "{q9}");
+        assert!(q9.contains("n_name as nation,"), "{q9}");
+    }
 
     /// Whether generating partsupp at `sf` really yields a key twice.
     fn generated_partsupp_repeats_a_key(sf: f64) -> bool {

@@ -6,6 +6,11 @@
 //!   time, under `restart` and under `lineage`, as ratios to the no-failure time (the
 //!   median of `--runs` kills per mode, the victim rotating over node 1's peers).
 //!
+//! With `--as-of`, half of lineitem is updated after the load and every node settled (each
+//! partition merged into its current versions and their history), and every query reads
+//! its tables `AS OF` the load's epoch: the overhead column then also holds what key order
+//! costs such a read under lineage (see `tessera_storage::versions::RowOrder`).
+//!
 //! Every answer is checked against plain DataFusion on the same data. The killed node is
 //! restarted, and rejoins, before the next measurement; the query then runs once more,
 //! timed on its own (the first query after a rejoin pays the restarted process's cold
@@ -106,6 +111,7 @@ pub async fn run(
     sf: f64,
     queries: &[usize],
     runs: usize,
+    as_of: bool,
 ) -> Result<()> {
     if nodes < 3 {
         bail!("--nodes must be 3 or more: a node is killed and r = 3 replicas must survive it");
@@ -118,11 +124,20 @@ pub async fn run(
     // background).
     tokio::time::sleep(Duration::from_secs(3)).await;
     let baseline = shared_baseline(data_dir, sf).await?;
+    let loaded = match as_of {
+        true => Some(update_half_of_lineitem(&cluster, nodes).await?),
+        false => None,
+    };
 
     println!();
     println!(
         "TPC-H SF {sf} on {nodes} nodes (r = 3): medians of {runs} run(s) per mode, without failures and with a peer SIGKILLed at 50% of the no-failure time"
     );
+    if let Some(epoch) = loaded {
+        println!(
+            "every table read AS OF EPOCH {epoch} (the load), below the update's merges: in key order under lineage, as logged under none and restart"
+        );
+    }
     println!(
         "{:>5} {:>10} {:>12} {:>9} {:>13} {:>9} {:>13} {:>9} {:>9}  answers",
         "query",
@@ -140,8 +155,15 @@ pub async fn run(
     let mut failures = Vec::new();
     let mut rebuilds: Vec<String> = Vec::new();
     for (i, &q) in queries.iter().enumerate() {
-        let sql = tessera_tpch::query(q);
-        let expected = baseline.sql(sql).await?.collect().await?;
+        let expected = baseline
+            .sql(tessera_tpch::query(q))
+            .await?
+            .collect()
+            .await?;
+        let sql = &match loaded {
+            Some(epoch) => tessera_tpch::read_as_of(tessera_tpch::query(q), epoch),
+            None => tessera_tpch::query(q).to_string(),
+        };
         let same = |actual: &[arrow::array::RecordBatch]| {
             tessera_tpch::compare::same_answer(&expected, actual, 1e-9).is_ok()
         };
@@ -251,4 +273,39 @@ pub async fn run(
         bail!("answers differ: {}", failures.join("; "));
     }
     Ok(())
+}
+
+/// Updates every other order's lines (new versions of the same values) and settles every
+/// node, so that each partition's versions at the load's epoch are split between a merge's
+/// current and history components. Returns the load's epoch.
+async fn update_half_of_lineitem(
+    cluster: &super::local_cluster::LocalCluster,
+    nodes: u64,
+) -> Result<u64> {
+    let client = cluster.client(0);
+    let newest = client
+        .query("SELECT max(epoch) FROM tessera_epochs")
+        .await?;
+    let loaded = newest
+        .first()
+        .and_then(|b| {
+            b.column(0)
+                .as_any()
+                .downcast_ref::<arrow::array::Int64Array>()
+        })
+        .map(|epochs| epochs.value(0) as u64)
+        .ok_or_else(|| anyhow::anyhow!("tessera_epochs has no newest epoch"))?;
+    println!("updating half of lineitem (every other order's lines) after epoch {loaded}");
+    let (took, _) = timed(|| {
+        client.sql("UPDATE lineitem SET l_quantity = l_quantity WHERE l_orderkey % 2 = 0")
+    })
+    .await?;
+    println!(
+        "updated in {:.1} s; settling every node",
+        took.as_secs_f64()
+    );
+    for node in 0..nodes as usize {
+        cluster.client(node).settle().await?;
+    }
+    Ok(loaded)
 }
