@@ -451,14 +451,18 @@ impl Store {
         };
         let mut merged = Merged::default();
         for (table, partition) in crowded {
-            let plan = {
+            let (plan, _inputs_pinned) = {
                 let state = self.state();
                 // Merged meanwhile by another checkpoint, or moved away: nothing to do.
                 let Ok(t) = state.table(&table) else { continue };
                 let Ok(p) = state.partition(&table, partition) else {
                     continue;
                 };
-                plan_of(&state, t, partition, p)
+                // Another merge of the partition (a checkpoint's beside a settle), a
+                // standby's install or a copy may replace these inputs while this one
+                // reads them: their files stay until it is done, and its install then
+                // finds them gone from the manifest and drops its output.
+                (plan_of(&state, t, partition, p), self.pin_components())
             };
             let Some(plan) = plan else { continue };
             self.check_poisoned()?;

@@ -668,6 +668,22 @@ struct ReaderGuard {
     generation: u64,
 }
 
+impl Store {
+    /// Keeps every component that some manifest names now on disk until the guard drops,
+    /// even if a merge or an install drops it from its manifest meanwhile (it is then
+    /// deleted once no older guard is left). Take it while holding the state lock that the
+    /// component list to read was taken under.
+    pub(super) fn pin_components(&self) -> ReaderGuard {
+        let mut registry = self.readers.lock().expect("reader registry lock");
+        let generation = registry.generation;
+        *registry.active.entry(generation).or_insert(0) += 1;
+        ReaderGuard {
+            registry: self.readers.clone(),
+            generation,
+        }
+    }
+}
+
 impl Drop for ReaderGuard {
     fn drop(&mut self) {
         let mut registry = self.registry.lock().expect("reader registry lock");

@@ -77,15 +77,8 @@ impl Store {
                 })
             })
             .collect::<Result<_>>()?;
-        let reader = {
-            let mut registry = self.readers.lock().expect("reader registry lock");
-            let generation = registry.generation;
-            *registry.active.entry(generation).or_insert(0) += 1;
-            ReaderGuard {
-                registry: self.readers.clone(),
-                generation,
-            }
-        };
+        // Taken with the state lock still held: no component named above is garbage yet.
+        let reader = self.pin_components();
         Ok(Arc::new(TableSnapshot {
             def: table.def.clone(),
             epoch,
