@@ -286,15 +286,9 @@ async fn update_half_of_lineitem(
     let newest = client
         .query("SELECT max(epoch) FROM tessera_epochs")
         .await?;
-    let loaded = newest
-        .first()
-        .and_then(|b| {
-            b.column(0)
-                .as_any()
-                .downcast_ref::<arrow::array::Int64Array>()
-        })
-        .map(|epochs| epochs.value(0) as u64)
-        .ok_or_else(|| anyhow::anyhow!("tessera_epochs has no newest epoch"))?;
+    let loaded = super::answers::first_int64(&newest)?
+        .ok_or_else(|| anyhow::anyhow!("tessera_epochs has no newest epoch"))?
+        as u64;
     println!("updating half of lineitem (every other order's lines) after epoch {loaded}");
     let (took, _) = timed(|| {
         client.sql("UPDATE lineitem SET l_quantity = l_quantity WHERE l_orderkey % 2 = 0")

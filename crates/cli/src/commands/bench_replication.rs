@@ -12,7 +12,7 @@ use super::local_cluster::LocalCluster;
 use super::timing::{cpu_seconds, median_of, poll_until, wait_quiet};
 use super::up::UpOptions;
 use anyhow::{Context, Result};
-use arrow::array::{Int64Array, RecordBatch};
+use arrow::array::RecordBatch;
 use std::path::Path;
 use std::time::{Duration, Instant};
 use tessera_server::{ClusterClient, NodeId};
@@ -255,12 +255,7 @@ fn failure_declarations(clusters: &[&LocalCluster]) -> usize {
 
 async fn count_rows(client: &ClusterClient) -> Result<i64> {
     let batches = client.query("SELECT count(*) FROM lineitem").await?;
-    Ok(batches[0]
-        .column(0)
-        .as_any()
-        .downcast_ref::<Int64Array>()
-        .context("count(*) is a BIGINT")?
-        .value(0))
+    super::answers::first_int64(&batches)?.context("count(*) answers one number")
 }
 
 /// When `client`'s node first saw `victim` declared failed (polled, up to `patience`).

@@ -162,14 +162,7 @@ pub async fn run(
             "SELECT count(*) AS n FROM tessera_epochs WHERE signature = 'valid ({ORG})'"
         ))
         .await?;
-    let signed = signed
-        .first()
-        .and_then(|b| {
-            b.column(0)
-                .as_any()
-                .downcast_ref::<arrow::array::Int64Array>()
-        })
-        .map_or(0, |n| n.value(0));
+    let signed = super::answers::first_int64(&signed)?.unwrap_or(0);
     println!("signed epochs with a valid signature on the secure cluster: {signed}");
     if signed == 0 {
         bail!("the secure cluster's publishes were not signed");

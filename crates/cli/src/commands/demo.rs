@@ -276,15 +276,7 @@ async fn load_missing(client: &ClusterClient, addr: &str, sf: f64) -> Result<()>
         let count = client
             .query(&format!("SELECT count(*) FROM {}", table.name))
             .await?;
-        let rows = count
-            .first()
-            .and_then(|b| {
-                b.column(0)
-                    .as_any()
-                    .downcast_ref::<arrow::array::Int64Array>()
-            })
-            .map(|c| c.value(0))
-            .context("count(*) answers one number")?;
+        let rows = super::answers::first_int64(&count)?.context("count(*) answers one number")?;
         if rows == 0 {
             // Created, but the run that created it stopped before its rows were published.
             client.sql(&format!("DROP TABLE {}", table.name)).await?;

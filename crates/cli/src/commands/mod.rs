@@ -1,5 +1,6 @@
 //! One module per `tessera` subcommand.
 
+pub mod answers;
 pub mod bench;
 pub mod bench_archive;
 pub mod bench_clients;

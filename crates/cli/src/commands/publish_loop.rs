@@ -30,18 +30,7 @@ pub async fn run(store: Arc<Store>, rows: i64, bulk_every: i64) -> Result<()> {
     let engine = Engine::new(store.clone());
     engine.execute("CREATE TABLE IF NOT EXISTS kv (k BIGINT NOT NULL, tag BIGINT NOT NULL, v VARCHAR, PRIMARY KEY (k))").await?;
     let counter = engine.query("SELECT tag FROM kv WHERE k = -1").await?;
-    let mut n = counter
-        .iter()
-        .find(|b| b.num_rows() > 0)
-        .map(|b| {
-            b.column(0)
-                .as_any()
-                .downcast_ref::<Int64Array>()
-                .expect("tag is BIGINT")
-                .value(0)
-        })
-        .unwrap_or(0)
-        + 1;
+    let mut n = super::answers::first_int64(&counter)?.unwrap_or(0) + 1;
     let schema = Arc::new(Schema::new(vec![
         Field::new("k", DataType::Int64, false),
         Field::new("tag", DataType::Int64, false),

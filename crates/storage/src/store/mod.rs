@@ -673,7 +673,7 @@ impl Store {
     /// even if a merge or an install drops it from its manifest meanwhile (it is then
     /// deleted once no older guard is left). Take it while holding the state lock that the
     /// component list to read was taken under.
-    pub(super) fn pin_components(&self) -> ReaderGuard {
+    fn pin_components(&self) -> ReaderGuard {
         let mut registry = self.readers.lock().expect("reader registry lock");
         let generation = registry.generation;
         *registry.active.entry(generation).or_insert(0) += 1;
