@@ -61,5 +61,19 @@ fn two_merges_of_a_partition_at_once_both_finish_and_keep_every_row() {
             (0..KEYS).collect::<Vec<_>>(),
             "round {round}"
         );
+        // What the pins deferred was deleted by the last install: no file is left that no
+        // manifest names (a dropped merge's output, inputs merged away).
+        let referenced = store.held_components().len();
+        let files = std::fs::read_dir(dir.path().join("components"))
+            .unwrap()
+            .filter(|entry| {
+                let name = entry.as_ref().unwrap().file_name();
+                name.to_string_lossy().ends_with(".parquet")
+            })
+            .count();
+        assert_eq!(
+            files, referenced,
+            "round {round}: component files left over"
+        );
     }
 }

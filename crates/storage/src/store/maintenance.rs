@@ -451,7 +451,7 @@ impl Store {
         };
         let mut merged = Merged::default();
         for (table, partition) in crowded {
-            let (plan, _inputs_pinned) = {
+            let planned = {
                 let state = self.state();
                 // Merged meanwhile by another checkpoint, or moved away: nothing to do.
                 let Ok(t) = state.table(&table) else { continue };
@@ -461,12 +461,19 @@ impl Store {
                 // Another merge of the partition (a checkpoint's beside a settle), a
                 // standby's install or a copy may replace these inputs while this one
                 // reads them: their files stay until it is done, and its install then
-                // finds them gone from the manifest and drops its output.
-                (plan_of(&state, t, partition, p), self.pin_components())
+                // finds them gone from the manifest and drops its output. (Every pin is
+                // followed by an install, whose garbage collection deletes what the pin
+                // kept.)
+                plan_of(&state, t, partition, p).map(|plan| (plan, self.pin_components()))
             };
-            let Some(plan) = plan else { continue };
+            let Some((plan, inputs_pinned)) = planned else {
+                continue;
+            };
             self.check_poisoned()?;
             let written = self.write_merge(&plan)?;
+            // Before the install, whose garbage collection would otherwise keep what it
+            // drops (this merge's inputs, or its output) until the next one.
+            drop(inputs_pinned);
             let installing = std::time::Instant::now();
             let _gate = self.gate.exclusive(gate::Holder::Merge);
             self.check_poisoned()?;
