@@ -20,7 +20,7 @@
 use super::bench::{chosen_queries, median, shared_baseline};
 use super::bench_distributed::cluster;
 use super::timing::timed;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use std::path::Path;
 use std::time::{Duration, Instant};
 use tessera_server::RecoveryOutcome;
@@ -155,14 +155,11 @@ pub async fn run(
     let mut failures = Vec::new();
     let mut rebuilds: Vec<String> = Vec::new();
     for (i, &q) in queries.iter().enumerate() {
-        let expected = baseline
-            .sql(tessera_tpch::query(q))
-            .await?
-            .collect()
-            .await?;
+        let query = tessera_tpch::query(q);
+        let expected = baseline.sql(query).await?.collect().await?;
         let sql = &match loaded {
-            Some(epoch) => tessera_tpch::read_as_of(tessera_tpch::query(q), epoch),
-            None => tessera_tpch::query(q).to_string(),
+            Some(epoch) => tessera_tpch::read_as_of(query, epoch),
+            None => query.to_string(),
         };
         let same = |actual: &[arrow::array::RecordBatch]| {
             tessera_tpch::compare::same_answer(&expected, actual, 1e-9).is_ok()
@@ -286,9 +283,8 @@ async fn update_half_of_lineitem(
     let newest = client
         .query("SELECT max(epoch) FROM tessera_epochs")
         .await?;
-    let loaded = super::answers::first_int64(&newest)?
-        .ok_or_else(|| anyhow::anyhow!("tessera_epochs has no newest epoch"))?
-        as u64;
+    let loaded =
+        super::answers::first_int64(&newest)?.context("tessera_epochs has no newest epoch")? as u64;
     println!("updating half of lineitem (every other order's lines) after epoch {loaded}");
     let (took, _) = timed(|| {
         client.sql("UPDATE lineitem SET l_quantity = l_quantity WHERE l_orderkey % 2 = 0")

@@ -461,9 +461,7 @@ impl Store {
                 // Another merge of the partition (a checkpoint's beside a settle), a
                 // standby's install or a copy may replace these inputs while this one
                 // reads them: their files stay until it is done, and its install then
-                // finds them gone from the manifest and drops its output. (Every pin is
-                // followed by an install, whose garbage collection deletes what the pin
-                // kept.)
+                // finds them gone from the manifest and drops its output.
                 plan_of(&state, t, partition, p).map(|plan| (plan, self.pin_components()))
             };
             let Some((plan, inputs_pinned)) = planned else {
@@ -471,8 +469,8 @@ impl Store {
             };
             self.check_poisoned()?;
             let written = self.write_merge(&plan)?;
-            // Before the install, whose garbage collection would otherwise keep what it
-            // drops (this merge's inputs, or its output) until the next one.
+            // Before the install, whose garbage collection then deletes what the pin kept
+            // (after a failed write, the next install's does).
             drop(inputs_pinned);
             let installing = std::time::Instant::now();
             let _gate = self.gate.exclusive(gate::Holder::Merge);
