@@ -193,6 +193,9 @@ proptest! {
         for epoch in merged_at..11 {
             let got = visible_rows_over_base(&[base.clone(), versions(&after)], 1, &[0], Epoch(epoch), false).unwrap();
             prop_assert_eq!(got.map(|b| pairs(&b)).unwrap_or_default(), model(&rows, epoch));
+            // In key order too: the model's map gives its rows by key.
+            let by_key = visible_rows_in_batches(&[base.clone(), versions(&after)], 1, &[0], Epoch(epoch), false, 3, RowOrder::ByKey).unwrap();
+            prop_assert_eq!(by_key.iter().flat_map(in_order).collect::<Vec<_>>(), model(&rows, epoch));
         }
     }
 
