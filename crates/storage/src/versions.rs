@@ -325,9 +325,7 @@ pub fn visible_rows_over_base(
     epoch: Epoch,
     append_only: bool,
 ) -> Result<Option<RecordBatch>> {
-    let Some((batch, keep)) =
-        visible_row_indices(batches, base, key, epoch, append_only, RowOrder::Logged)?
-    else {
+    let Some((batch, keep)) = visible_row_indices(batches, base, key, epoch, append_only)? else {
         return Ok(None);
     };
     if keep.len() == batch.num_rows() {
@@ -375,12 +373,15 @@ pub fn visible_rows_in_batches(
     order: RowOrder,
 ) -> Result<Vec<RecordBatch>> {
     assert!(batch_rows > 0, "batches hold at least one row");
-    let Some((batch, keep)) = visible_row_indices(batches, base, key, epoch, append_only, order)?
+    let Some((batch, mut keep)) = visible_row_indices(batches, base, key, epoch, append_only)?
     else {
         return Ok(Vec::new());
     };
     if keep.is_empty() {
         return Ok(Vec::new());
+    }
+    if order == RowOrder::ByKey && !append_only {
+        sort_by_key(&batch, key, &mut keep)?;
     }
     let every_row_in_order = keep.len() == batch.num_rows()
         && keep.iter().enumerate().all(|(i, &row)| i == row as usize);
@@ -397,15 +398,33 @@ pub fn visible_rows_in_batches(
         .collect()
 }
 
+/// Puts `rows` (indices into `batch`, one per key) in the order of their keys.
+fn sort_by_key(batch: &RecordBatch, key: &[usize], rows: &mut [u32]) -> Result<()> {
+    let indices = UInt32Array::from(rows.to_vec());
+    let keys: Vec<ArrayRef> = key_columns(batch, key)
+        .iter()
+        .map(|column| arrow::compute::take(column, &indices, None))
+        .collect::<std::result::Result<_, _>>()?;
+    let converted = key_converter(&batch.schema(), key)?.convert_columns(&keys)?;
+    let mut by_key: Vec<usize> = (0..rows.len()).collect();
+    // The stable sort finds the runs already in key order and merges them, in about one
+    // pass where there are few: a load in key order logs one, and a read below a merge
+    // takes its history's rows and its current ones, each such a run. (A key has one
+    // visible row, so either sort gives the same order.)
+    by_key.sort_by(|&a, &b| converted.row(a).cmp(&converted.row(b)));
+    let sorted: Vec<u32> = by_key.into_iter().map(|i| rows[i]).collect();
+    rows.copy_from_slice(&sorted);
+    Ok(())
+}
+
 /// The versions of `batches` in one batch, and the rows of it a reader at `epoch` sees, in
-/// `order` (see [`visible_rows_over_base`]).
+/// order (see [`visible_rows_over_base`]).
 fn visible_row_indices(
     batches: &[RecordBatch],
     base: usize,
     key: &[usize],
     epoch: Epoch,
     append_only: bool,
-    order: RowOrder,
 ) -> Result<Option<(RecordBatch, Vec<u32>)>> {
     let Some(first) = batches.first() else {
         return Ok(None);
@@ -417,138 +436,69 @@ fn visible_row_indices(
         versions.push(without_before_images(batch.clone())?);
     }
     let batch = concat_batches(&first.schema(), &versions)?;
-    let visible = VisibleVersions {
-        epochs: epochs(&batch),
-        ops: ops(&batch),
-        base_rows,
-        epoch,
-    };
+    let epochs = epochs(&batch);
+    let ops = ops(&batch);
+    let is_upsert = |i: u32| ops.value(i as usize) == RowOp::Upsert as u8;
+    let mut keep: Vec<u32> = Vec::new();
     if append_only {
-        // No key, no history: every row at or below the read, as logged.
-        let keep = (0..batch.num_rows() as u32)
-            .filter(|&i| visible.epochs.value(i as usize) <= epoch.0)
-            .collect();
+        keep.extend((0..batch.num_rows() as u32).filter(|&i| epochs.value(i as usize) <= epoch.0));
         return Ok(Some((batch, keep)));
     }
     let converter = key_converter(&batch.schema(), key)?;
-    let keep = match order {
-        RowOrder::Logged => {
-            let others = batch.slice(base_rows, batch.num_rows() - base_rows);
-            let other_keys = converter.convert_columns(&key_columns(&others, key))?;
-            // Converted only where some other version needs looking up; declared here to
-            // outlive the map its rows are looked up in.
-            let base_keys: arrow::row::Rows;
-            let newest = visible.newest_outside_base(other_keys.iter());
-            if newest.is_empty() || base_rows == 0 {
-                visible.keep(newest, std::iter::empty())
-            } else {
-                base_keys =
-                    converter.convert_columns(&key_columns(&batch.slice(0, base_rows), key))?;
-                visible.keep(newest, base_keys.iter())
-            }
+    let others = batch.slice(base_rows, batch.num_rows() - base_rows);
+    let other_keys = converter.convert_columns(&key_columns(&others, key))?;
+    // Converted only where some other version needs looking up; declared here to outlive
+    // the map its rows are looked up in.
+    let base_keys: arrow::row::Rows;
+    // key -> (epoch, row) of the newest version at or below `epoch` outside the base
+    let mut newest: HashMap<arrow::row::Row<'_>, (u64, u32)> =
+        HashMap::with_capacity(others.num_rows());
+    for (offset, row) in other_keys.iter().enumerate() {
+        let i = base_rows + offset;
+        let version = epochs.value(i);
+        if version > epoch.0 {
+            continue;
         }
-        RowOrder::ByKey => {
-            // Every version's key converted once, to look versions up by and then to sort
-            // the visible ones by.
-            let keys = converter.convert_columns(&key_columns(&batch, key))?;
-            let newest =
-                visible.newest_outside_base((base_rows..batch.num_rows()).map(|i| keys.row(i)));
-            let mut keep = visible.keep(newest, (0..base_rows).map(|i| keys.row(i)));
-            // The stable sort finds the runs already in key order and merges them, in
-            // about one pass where there are few: a load in key order logs one, and a read
-            // below a merge takes its history's rows and its current ones, each such a
-            // run. (A key has one visible row, so either sort gives the same order.)
-            keep.sort_by(|&a, &b| keys.row(a as usize).cmp(&keys.row(b as usize)));
-            keep
-        }
-    };
-    Ok(Some((batch, keep)))
-}
-
-/// Chooses the version of each key a read at `epoch` sees, among the rows of one batch of
-/// versions whose first `base_rows` are a base (one version per key, none above the read).
-struct VisibleVersions<'a> {
-    epochs: &'a arrow::array::PrimitiveArray<UInt64Type>,
-    ops: &'a arrow::array::PrimitiveArray<UInt8Type>,
-    base_rows: usize,
-    epoch: Epoch,
-}
-
-/// Marks a version outside the base that a newer base version shadows.
-const SHADOWED: u32 = u32::MAX;
-
-impl VisibleVersions<'_> {
-    fn is_upsert(&self, row: u32) -> bool {
-        self.ops.value(row as usize) == RowOp::Upsert as u8
-    }
-
-    /// Key -> (epoch, row) of the newest version at or below the read outside the base,
-    /// given the keys of the rows after the base, in order.
-    fn newest_outside_base<'k>(
-        &self,
-        other_keys: impl Iterator<Item = arrow::row::Row<'k>>,
-    ) -> HashMap<arrow::row::Row<'k>, (u64, u32)> {
-        let mut newest = HashMap::with_capacity(self.epochs.len() - self.base_rows);
-        for (offset, row) in other_keys.enumerate() {
-            let i = self.base_rows + offset;
-            let version = self.epochs.value(i);
-            if version > self.epoch.0 {
-                continue;
-            }
-            let slot = newest.entry(row).or_insert((version, i as u32));
-            // Two versions of one key in one epoch cannot exist: publishes reject them.
-            debug_assert!(
-                slot.1 == i as u32 || slot.0 != version,
-                "one version per key per epoch"
-            );
-            if version > slot.0 {
-                *slot = (version, i as u32);
-            }
-        }
-        newest
-    }
-
-    /// The visible rows, ascending: each base row no newer version outside the base
-    /// replaces (given the base's keys, in order; none needed when `newest` is empty), and
-    /// each key's newest version outside it that no base version shadows; tombstones
-    /// dropped.
-    fn keep<'k>(
-        &self,
-        mut newest: HashMap<arrow::row::Row<'k>, (u64, u32)>,
-        base_keys: impl Iterator<Item = arrow::row::Row<'k>>,
-    ) -> Vec<u32> {
-        let mut keep: Vec<u32> = Vec::new();
-        if newest.is_empty() {
-            keep.extend((0..self.base_rows as u32).filter(|&i| self.is_upsert(i)));
-        } else {
-            for (i, row) in base_keys.enumerate() {
-                let version = self.epochs.value(i);
-                debug_assert!(
-                    version <= self.epoch.0,
-                    "a base holds no version above the read"
-                );
-                let newer_elsewhere = match newest.get_mut(&row) {
-                    None => false,
-                    Some(slot) if slot.0 > version => true,
-                    Some(slot) => {
-                        slot.1 = SHADOWED;
-                        false
-                    }
-                };
-                if !newer_elsewhere && self.is_upsert(i as u32) {
-                    keep.push(i as u32);
-                }
-            }
-        }
-        keep.extend(
-            newest
-                .into_values()
-                .map(|(_, i)| i)
-                .filter(|&i| i != SHADOWED && self.is_upsert(i)),
+        let slot = newest.entry(row).or_insert((version, i as u32));
+        // Two versions of one key in one epoch cannot exist: publishes reject them.
+        debug_assert!(
+            slot.1 == i as u32 || slot.0 != version,
+            "one version per key per epoch"
         );
-        keep.sort_unstable();
-        keep
+        if version > slot.0 {
+            *slot = (version, i as u32);
+        }
     }
+    /// Marks a version outside the base that a newer base version shadows.
+    const SHADOWED: u32 = u32::MAX;
+    if newest.is_empty() {
+        keep.extend((0..base_rows as u32).filter(|&i| is_upsert(i)));
+    } else if base_rows > 0 {
+        base_keys = converter.convert_columns(&key_columns(&batch.slice(0, base_rows), key))?;
+        for (i, row) in base_keys.iter().enumerate() {
+            let version = epochs.value(i);
+            debug_assert!(version <= epoch.0, "a base holds no version above the read");
+            let newer_elsewhere = match newest.get_mut(&row) {
+                None => false,
+                Some(slot) if slot.0 > version => true,
+                Some(slot) => {
+                    slot.1 = SHADOWED;
+                    false
+                }
+            };
+            if !newer_elsewhere && is_upsert(i as u32) {
+                keep.push(i as u32);
+            }
+        }
+    }
+    keep.extend(
+        newest
+            .into_values()
+            .map(|(_, i)| i)
+            .filter(|&i| i != SHADOWED && is_upsert(i)),
+    );
+    keep.sort_unstable();
+    Ok(Some((batch, keep)))
 }
 
 /// Merges row versions, dropping only those no retained epoch (`>= retain_from`) can see:
