@@ -190,11 +190,12 @@ proptest! {
             true => versions(&[]),
             false => merge_and_split_versions(&[versions(&before)], &[0], Epoch(0), false, true).unwrap().current,
         };
+        let layout = [base, versions(&after)];
         for epoch in merged_at..11 {
-            let got = visible_rows_over_base(&[base.clone(), versions(&after)], 1, &[0], Epoch(epoch), false).unwrap();
+            let got = visible_rows_over_base(&layout, 1, &[0], Epoch(epoch), false).unwrap();
             prop_assert_eq!(got.map(|b| pairs(&b)).unwrap_or_default(), model(&rows, epoch));
             // In key order too: the model's map gives its rows by key.
-            let by_key = visible_rows_in_batches(&[base.clone(), versions(&after)], 1, &[0], Epoch(epoch), false, 3, RowOrder::ByKey).unwrap();
+            let by_key = visible_rows_in_batches(&layout, 1, &[0], Epoch(epoch), false, 3, RowOrder::ByKey).unwrap();
             prop_assert_eq!(by_key.iter().flat_map(in_order).collect::<Vec<_>>(), model(&rows, epoch));
         }
     }
