@@ -7,6 +7,11 @@
 //! Components never change (they are named by the hash of their bytes), so a small one's
 //! decoded rows can be kept and served again for the price of a column selection.
 //!
+//! The cache keeps columns, not whole components: a query keeps the columns it reads, so
+//! `o_orderkey, o_orderdate` of SF 1 orders (18 MB decoded) do not need room for
+//! `o_comment` and the rest (about 250 MB with them), and the tables of one query fit the
+//! budget together instead of evicting each other on every run.
+//!
 //! Plain components (a partition's rows at the epoch are exactly the component's: nothing
 //! to resolve) are read through it, and so are the components of partitions whose versions
 //! are resolved ([`crate::scan::VersionedScanExec`]); only those at most
@@ -15,7 +20,7 @@
 //! going first. A component is decoded on its first read by a query, never while planning.
 
 use crate::error::SqlError;
-use arrow::array::{RecordBatch, RecordBatchOptions};
+use arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions};
 use arrow::compute::concat_batches;
 use arrow::datatypes::SchemaRef;
 use datafusion::common::{Result, Statistics};
@@ -27,7 +32,7 @@ use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
 };
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use tessera_common::ComponentHash;
@@ -55,15 +60,17 @@ impl Default for DecodedLimits {
     }
 }
 
-/// Decoded rows of small plain components, by component hash and the table layout they
-/// were conformed to.
+/// Decoded columns of small components, by component hash, the table layout they were
+/// conformed to, and column of that layout's stored schema.
 #[derive(Debug)]
 pub struct DecodedComponents {
     limits: DecodedLimits,
     state: Mutex<LruState>,
 }
 
-type DecodedKey = (ComponentHash, u32);
+/// A component's column: its hash, the table layout it was conformed to, the column's
+/// index in that layout's stored schema.
+type DecodedKey = (ComponentHash, u32, usize);
 
 #[derive(Debug, Default)]
 struct LruState {
@@ -74,9 +81,11 @@ struct LruState {
     held_bytes: u64,
 }
 
+/// One column of a component, in the batches it was read in (every column of a component
+/// is read in the same batches: the reader cuts them by rows, whatever it projects).
 #[derive(Debug)]
 struct Entry {
-    rows: Arc<[RecordBatch]>,
+    arrays: Arc<[ArrayRef]>,
     bytes: u64,
     last_used: u64,
 }
@@ -84,7 +93,10 @@ struct Entry {
 /// What the cache holds, for `tessera status` and tests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecodedUsage {
+    /// Components with at least one column kept.
     pub components: usize,
+    /// Columns kept, over all components.
+    pub columns: usize,
     pub bytes: u64,
 }
 
@@ -109,45 +121,115 @@ impl DecodedComponents {
 
     pub fn usage(&self) -> DecodedUsage {
         let state = self.state.lock().expect("decoded cache lock");
+        let components: HashSet<(ComponentHash, u32)> = state
+            .entries
+            .keys()
+            .map(|&(hash, layout, _)| (hash, layout))
+            .collect();
         DecodedUsage {
-            components: state.entries.len(),
+            components: components.len(),
+            columns: state.entries.len(),
             bytes: state.held_bytes,
         }
     }
 
-    /// The rows of `component` in `def`'s stored schema: kept ones, or read from
-    /// `components_dir` and kept.
+    /// Every row of `component` in `def`'s stored schema (see [`Self::columns`]).
+    #[cfg(test)]
     pub(crate) fn rows(
         &self,
         components_dir: &std::path::Path,
         def: &TableDef,
         component: &ComponentMeta,
-    ) -> Result<Arc<[RecordBatch]>> {
-        let key = (component.hash, def.layout());
-        if let Some(rows) = self.lookup(&key) {
-            return Ok(rows);
-        }
-        let rows: Arc<[RecordBatch]> = read_component(components_dir, def, &component.hash, None)
-            .map_err(SqlError::to_datafusion)?
-            .into();
-        self.insert(key, rows.clone());
-        Ok(rows)
+    ) -> Result<Vec<RecordBatch>> {
+        let all: Vec<usize> = (0..stored_schema(def).fields().len()).collect();
+        self.columns(components_dir, def, component, &all)
     }
 
-    fn lookup(&self, key: &DecodedKey) -> Option<Arc<[RecordBatch]>> {
+    /// `columns` (indices into `def`'s stored schema, each at most once, in any order) of
+    /// `component`'s rows, in batches with those columns in that order: the kept ones,
+    /// and the rest read from `components_dir` together and kept, each on its own.
+    pub(crate) fn columns(
+        &self,
+        components_dir: &std::path::Path,
+        def: &TableDef,
+        component: &ComponentMeta,
+        columns: &[usize],
+    ) -> Result<Vec<RecordBatch>> {
+        let layout = def.layout();
+        let schema = Arc::new(stored_schema(def).project(columns)?);
+        let mut found: Vec<Option<Arc<[ArrayRef]>>> = columns
+            .iter()
+            .map(|&column| self.lookup(&(component.hash, layout, column)))
+            .collect();
+        let mut missing: Vec<usize> = columns
+            .iter()
+            .zip(&found)
+            .filter(|(_, kept)| kept.is_none())
+            .map(|(&column, _)| column)
+            .collect();
+        missing.sort_unstable();
+        missing.dedup();
+        if !missing.is_empty() {
+            let read = read_component(components_dir, def, &component.hash, Some(&missing))
+                .map_err(SqlError::to_datafusion)?;
+            for (position, &column) in missing.iter().enumerate() {
+                let arrays: Arc<[ArrayRef]> =
+                    read.iter().map(|b| b.column(position).clone()).collect();
+                self.insert((component.hash, layout, column), arrays.clone());
+                for (wanted, slot) in columns.iter().zip(found.iter_mut()) {
+                    if *wanted == column {
+                        *slot = Some(arrays.clone());
+                    }
+                }
+            }
+        }
+        let found: Vec<Arc<[ArrayRef]>> = found
+            .into_iter()
+            .map(|kept| kept.expect("every column kept or read"))
+            .collect();
+        let Some(first) = found.first() else {
+            // No column at all (`count(*)`): the rows are only a count.
+            let rows = usize::try_from(component.rows).expect("a component's rows fit usize");
+            let count = RecordBatchOptions::new().with_row_count(Some(rows));
+            return Ok(vec![RecordBatch::try_new_with_options(
+                schema,
+                vec![],
+                &count,
+            )?]);
+        };
+        assert!(
+            found.iter().all(|a| a.len() == first.len()),
+            "a component's columns are kept in the same batches"
+        );
+        (0..first.len())
+            .map(|batch| {
+                let arrays: Vec<ArrayRef> = found.iter().map(|a| a[batch].clone()).collect();
+                assert!(
+                    arrays.iter().all(|a| a.len() == arrays[0].len()),
+                    "a component's columns are kept in the same batches"
+                );
+                Ok(RecordBatch::try_new(schema.clone(), arrays)?)
+            })
+            .collect()
+    }
+
+    fn lookup(&self, key: &DecodedKey) -> Option<Arc<[ArrayRef]>> {
         let mut state = self.state.lock().expect("decoded cache lock");
         state.tick += 1;
         let tick = state.tick;
         let entry = state.entries.get_mut(key)?;
         let previous = std::mem::replace(&mut entry.last_used, tick);
-        let rows = entry.rows.clone();
+        let arrays = entry.arrays.clone();
         state.by_use.remove(&previous);
         state.by_use.insert(tick, *key);
-        Some(rows)
+        Some(arrays)
     }
 
-    fn insert(&self, key: DecodedKey, rows: Arc<[RecordBatch]>) {
-        let bytes: u64 = rows.iter().map(|b| b.get_array_memory_size() as u64).sum();
+    fn insert(&self, key: DecodedKey, arrays: Arc<[ArrayRef]>) {
+        let bytes: u64 = arrays
+            .iter()
+            .map(|a| a.get_array_memory_size() as u64)
+            .sum();
         if bytes > self.limits.budget_bytes {
             return;
         }
@@ -166,7 +248,7 @@ impl DecodedComponents {
         state.entries.insert(
             key,
             Entry {
-                rows,
+                arrays,
                 bytes,
                 last_used: tick,
             },
@@ -330,19 +412,15 @@ impl GroupReader {
             let Some(component) = self.components.pop_front() else {
                 break;
             };
-            let decoded = self
-                .cache
-                .rows(&self.components_dir, &self.snapshot.def, &component)?;
-            for batch in decoded.iter() {
-                let columns = batch.project(&self.projection)?.columns().to_vec();
-                // `count(*)` reads no column at all: the rows are then only a count.
-                let rows_only = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
-                gathered.push(RecordBatch::try_new_with_options(
-                    self.schema.clone(),
-                    columns,
-                    &rows_only,
-                )?);
+            let decoded = self.cache.columns(
+                &self.components_dir,
+                &self.snapshot.def,
+                &component,
+                &self.projection,
+            )?;
+            for batch in decoded {
                 rows += batch.num_rows();
+                gathered.push(batch);
             }
         }
         let batch = match gathered.len() {

@@ -72,10 +72,7 @@ pub fn read_visible_partition(
     for (i, component) in partition.components.iter().enumerate() {
         match decoded.filter(|cache| cache.admits(component)) {
             Some(cache) => {
-                let rows = cache.rows(components_dir, def, component)?;
-                for batch in rows.iter() {
-                    batches.push(batch.project(&read)?);
-                }
+                batches.extend(cache.columns(components_dir, def, component, &read)?);
             }
             None => batches.extend(read_component(
                 components_dir,

@@ -62,15 +62,37 @@ fn is_zero(layout: &u32) -> bool {
     *layout == 0
 }
 
-/// The writer settings for every component (and for the benchmark's baseline files, so
-/// both sides read identical layouts). LZ4 (raw blocks) rather than Snappy: about the same
-/// size, and it decompresses faster, which is most of what a read that needs few rows of a
-/// large component costs (a diff's rows before: `tessera bench diff` went from 300–350 to
-/// about 240 ms at SF 1). Components written with Snappy before are read as they are.
+/// The most bytes of distinct values a component's column chunk keeps in its dictionary;
+/// past it, the chunk's remaining pages are written plain. A dictionary pays where a
+/// column repeats a few values (dates, flags, discounts: RLE indices into a small table),
+/// and costs where nearly every value is new (prices, keys, comments): then the reader
+/// pays a gather through a dictionary as large as the data, for little or no saving in
+/// size. At the Parquet writer's default of 1 MiB nearly every column of a component
+/// (one storage partition, 94K lineitem rows at SF 1) stayed dictionary encoded, where
+/// a plain file's larger row groups overflow the dictionary and go plain: reading SF 1
+/// lineitem written as 94K-row groups took 1.09 (Q6) and 1.04 (Q1) the time of 128K-row
+/// groups, and 0.92 and 0.95 with this limit (plain DataFusion reading both, a run of 9).
+pub const DICTIONARY_PAGE_BYTES: usize = 64 * 1024;
+
+/// The writer settings for plain Parquet: the benchmark's baseline files and `tessera
+/// export`. LZ4 (raw blocks) rather than Snappy: about the same size, and it decompresses
+/// faster, which is most of what a read that needs few rows of a large component costs
+/// (a diff's rows before: `tessera bench diff` went from 300–350 to about 240 ms at SF 1).
+/// Components written with Snappy before are read as they are.
 pub fn writer_properties() -> WriterProperties {
     WriterProperties::builder()
         .set_compression(Compression::LZ4_RAW)
         .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
+        .build()
+}
+
+/// The writer settings for every component: [`writer_properties`], with dictionaries kept
+/// only for columns whose distinct values fit [`DICTIONARY_PAGE_BYTES`]. Components
+/// written with larger dictionaries before are read as they are.
+pub fn component_writer_properties() -> WriterProperties {
+    writer_properties()
+        .into_builder()
+        .set_dictionary_page_size_limit(DICTIONARY_PAGE_BYTES)
         .build()
 }
 
@@ -86,8 +108,8 @@ pub fn encode_parquet(batches: &[RecordBatch]) -> Result<Vec<u8>> {
         path: PathBuf::from("<in memory>"),
         source,
     };
-    let mut writer =
-        ArrowWriter::try_new(&mut bytes, schema, Some(writer_properties())).map_err(parquet_err)?;
+    let mut writer = ArrowWriter::try_new(&mut bytes, schema, Some(component_writer_properties()))
+        .map_err(parquet_err)?;
     for batch in batches {
         writer.write(batch).map_err(parquet_err)?;
     }
@@ -298,5 +320,48 @@ mod tests {
             });
             verify_component(dir.path(), &hash).expect("the component is whole");
         }
+    }
+
+    /// A column whose distinct values outgrow [`DICTIONARY_PAGE_BYTES`] goes plain; one
+    /// that repeats a few values keeps its dictionary. With the writer's default limit
+    /// (1 MiB) both stay dictionary encoded, and the first assertion fails.
+    #[test]
+    fn only_columns_with_few_distinct_values_keep_a_dictionary() {
+        use arrow::array::Int64Array;
+        use arrow::datatypes::{DataType, Field, Schema};
+        use parquet::basic::Encoding;
+        use parquet::file::reader::{FileReader, SerializedFileReader};
+        use std::sync::Arc;
+        let rows = 100_000i64;
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("price", DataType::Int64, false),
+            Field::new("flag", DataType::Int64, false),
+        ]));
+        let batch = RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(Int64Array::from_iter_values((0..rows).map(|i| i * 7919))),
+                Arc::new(Int64Array::from_iter_values((0..rows).map(|i| i % 3))),
+            ],
+        )
+        .unwrap();
+        let bytes = encode_parquet(&[batch]).unwrap();
+        let reader = SerializedFileReader::new(bytes::Bytes::from(bytes)).unwrap();
+        let chunk = reader.metadata().row_group(0);
+        let data_pages = |column: usize| {
+            chunk
+                .column(column)
+                .page_encoding_stats_mask()
+                .expect("the writer records its data pages' encodings")
+                .clone()
+        };
+        assert!(
+            data_pages(0).is_set(Encoding::PLAIN),
+            "a column of distinct values falls back to plain pages"
+        );
+        assert!(
+            data_pages(1).is_only(Encoding::RLE_DICTIONARY),
+            "a column of three values stays dictionary encoded"
+        );
     }
 }

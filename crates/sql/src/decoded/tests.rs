@@ -139,6 +139,29 @@ async fn small_components_are_read_decoded_kept_and_exact() {
     assert_eq!(cache.usage(), usage, "nothing decoded twice");
 }
 
+/// A scan keeps the columns it reads and no others; a later scan of more columns reads
+/// only the missing ones and puts them beside the kept ones, row for row. Were whole
+/// components kept, the first scan would hold both columns.
+#[tokio::test]
+async fn the_cache_keeps_the_columns_a_scan_reads() {
+    let (_dir, store) = store_with_rows(1000).await;
+    let cache = Arc::new(DecodedComponents::default());
+    let components = store.snapshot("t", None).unwrap().partitions.len();
+
+    let (_, batches) = scan_columns(&store, &cache, vec![1], None, 2).await;
+    assert_eq!(batches.iter().map(|b| b.num_columns()).max(), Some(1));
+    let usage = cache.usage();
+    assert_eq!(usage.components, components);
+    assert_eq!(usage.columns, components, "only v is kept");
+
+    let (_, both) = scan(&store, &cache, None, 2).await;
+    let expected: Vec<(i64, i64)> = (1..=1000).map(|k| (k * 10, k)).collect();
+    assert_eq!(rows_of(&both), expected, "kept v and newly read k line up");
+    let usage = cache.usage();
+    assert_eq!(usage.components, components);
+    assert_eq!(usage.columns, 2 * components, "k is kept beside v");
+}
+
 #[tokio::test]
 async fn a_scan_of_no_columns_counts_the_rows() {
     let (_dir, store) = store_with_rows(1000).await;
@@ -206,16 +229,21 @@ async fn the_budget_evicts_the_least_recently_read() {
         let usage = cache.usage();
         assert!(usage.bytes <= 2 * largest + largest / 2, "{usage:?}");
     }
-    let state = cache.state.lock().unwrap();
-    assert!(state.entries.len() < components.len(), "some were evicted");
     assert!(
-        state.entries.contains_key(&(first.hash, def.layout())),
-        "the most recently read stays"
+        cache.usage().components < components.len(),
+        "some were evicted"
     );
+    let state = cache.state.lock().unwrap();
+    let every_column_kept = |component: &ComponentMeta| {
+        (0..stored_schema(def).fields().len()).all(|column| {
+            state
+                .entries
+                .contains_key(&(component.hash, def.layout(), column))
+        })
+    };
+    assert!(every_column_kept(first), "the most recently read stays");
     assert!(
-        state
-            .entries
-            .contains_key(&(components.last().unwrap().hash, def.layout())),
+        every_column_kept(components.last().unwrap()),
         "the newest stays"
     );
 }
