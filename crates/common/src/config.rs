@@ -335,6 +335,9 @@ pub struct ExecSettings {
     pub decoded_cache_bytes: u64,
     /// The largest component file (bytes) kept decoded.
     pub decoded_component_max_bytes: u64,
+    /// The most memory (bytes) the columns one scan reads may take decoded for the scan to
+    /// be kept decoded whatever its files' sizes.
+    pub decoded_scan_max_bytes: u64,
 }
 
 impl Default for ExecSettings {
@@ -347,6 +350,7 @@ impl Default for ExecSettings {
             memory_limit_bytes: 0,
             decoded_cache_bytes: 512 << 20,
             decoded_component_max_bytes: 1 << 20,
+            decoded_scan_max_bytes: 128 << 20,
         }
     }
 }

@@ -14,9 +14,14 @@
 //!
 //! Plain components (a partition's rows at the epoch are exactly the component's: nothing
 //! to resolve) are read through it, and so are the components of partitions whose versions
-//! are resolved ([`crate::scan::VersionedScanExec`]); only those at most
-//! `max_component_bytes` on disk are kept;
-//! all of them together hold at most `budget_bytes` of memory, the least recently read
+//! are resolved ([`crate::scan::VersionedScanExec`]). A plain scan goes through it when
+//! every one of its components is at most `max_component_bytes` on disk (the fixed cost
+//! per file is then most of the scan), or when the columns it reads, decoded, take at most
+//! `max_scan_bytes` over all its components (SF 10's customer and part are 64 files of
+//! 1-4 MiB, but a query reads two or three of their columns: tens of MB decoded). The
+//! second bound keeps one large scan from taking the whole budget and evicting every other
+//! table's columns; a scan of a large table's wide columns is read from Parquet as before.
+//! All columns together hold at most `budget_bytes` of memory, the least recently read
 //! going first. A component is decoded on its first read by a query, never while planning.
 
 use crate::error::SqlError;
@@ -49,6 +54,9 @@ pub struct DecodedLimits {
     /// ones are read from Parquet by every query, where the fixed cost per file is small
     /// next to decoding their rows.
     pub max_component_bytes: u64,
+    /// The most memory the columns one scan reads may take decoded, over all of its
+    /// components, for the scan to go through the cache whatever its files' sizes.
+    pub max_scan_bytes: u64,
 }
 
 impl Default for DecodedLimits {
@@ -56,6 +64,7 @@ impl Default for DecodedLimits {
         DecodedLimits {
             budget_bytes: 512 << 20,
             max_component_bytes: 1 << 20,
+            max_scan_bytes: 128 << 20,
         }
     }
 }
@@ -114,9 +123,16 @@ impl DecodedComponents {
         }
     }
 
-    /// Whether `component` is small enough to be read through the cache.
+    /// Whether `component` is small enough on disk to be read through the cache.
     pub fn admits(&self, component: &ComponentMeta) -> bool {
         self.limits.budget_bytes > 0 && component.bytes <= self.limits.max_component_bytes
+    }
+
+    /// Whether a scan whose columns take `decoded_bytes` of memory decoded, over all of
+    /// its components, may be read through the cache.
+    pub fn admits_scan(&self, decoded_bytes: u64) -> bool {
+        self.limits.budget_bytes > 0
+            && decoded_bytes <= self.limits.max_scan_bytes.min(self.limits.budget_bytes)
     }
 
     pub fn usage(&self) -> DecodedUsage {

@@ -68,7 +68,8 @@ pub struct SnapshotScan<'a> {
 /// The physical plan that reads `scan`'s partitions of a snapshot: partitions whose
 /// components can be read as written ([`read_as_written`]) go to DataFusion's Parquet scan
 /// (projection, pruning by the predicate, the runtime's footer cache), or, when every such
-/// component is small, to the decoded cache ([`DecodedScanExec`]); the rest through
+/// component is small or the columns read are small decoded, to the decoded cache
+/// ([`DecodedScanExec`]); the rest through
 /// [`VersionedScanExec`]. Every component read is verified against its hash first.
 pub fn plan_snapshot_scan(scan: SnapshotScan<'_>) -> Result<Arc<dyn ExecutionPlan>> {
     Ok(plan_readers(scan)?.plan)
@@ -91,7 +92,8 @@ pub struct InIdOrder {
 pub struct ReadLayout {
     /// Partitions read as written through DataFusion's Parquet reader.
     pub parquet: usize,
-    /// Partitions read as written from the decoded cache (all their components small).
+    /// Partitions read as written from the decoded cache (all their components small, or
+    /// the columns read small decoded).
     pub decoded: usize,
     /// Partitions whose versions are resolved as they are read ([`VersionedScanExec`]).
     pub versioned: usize,
@@ -198,8 +200,9 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
         }
     }
     let mut children: Vec<Arc<dyn ExecutionPlan>> = Vec::new();
-    // A table is read decoded only if all of its plain components are small: mixing the
-    // two readers would double the scan's output partitions.
+    // A table's plain components are read decoded all or none (all small on disk, or the
+    // columns read small decoded over all of them): mixing the two readers would double
+    // the scan's output partitions.
     // Every component's statistics, merged once for whichever reader takes them.
     let file_statistics = plain
         .iter()
@@ -208,7 +211,11 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
         .collect::<Result<Vec<_>>>()?;
     let merged_statistics =
         Statistics::try_merge_iter(file_statistics.iter().map(|s| s.as_ref()), &stored)?;
-    let plain_decoded = decoded.filter(|cache| plain.iter().flatten().all(|c| cache.admits(c)));
+    let plain_decoded = decoded.filter(|cache| {
+        plain.iter().flatten().all(|c| cache.admits(c))
+            || decoded_bytes(&file_statistics, &projection, &stored)
+                .is_some_and(|bytes| cache.admits_scan(bytes))
+    });
     let plain_read_decoded = plain_decoded.is_some();
     let layout = ReadLayout {
         parquet: if plain_read_decoded { 0 } else { plain.len() },
@@ -313,6 +320,40 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
         versioned: versioned_ids,
         layout,
     })
+}
+
+/// About how much memory `projection`'s columns (of the stored schema) take decoded, over
+/// the components whose statistics are `statistics`; `None` where a size is not known.
+/// DataFusion's statistics give a fixed-width column's size exactly and a variable-width
+/// one's as its uncompressed Parquet bytes, which leave out the views or offsets every
+/// row has once decoded (and, where the column is dictionary-encoded, nearly all of it).
+fn decoded_bytes(
+    statistics: &[Arc<Statistics>],
+    projection: &[usize],
+    stored: &arrow::datatypes::Schema,
+) -> Option<u64> {
+    let per_row = |column: usize| -> u64 {
+        use arrow::datatypes::DataType::*;
+        match stored.field(column).data_type() {
+            Utf8View | BinaryView => 16,
+            Utf8 | Binary => 4,
+            LargeUtf8 | LargeBinary => 8,
+            _ => 0,
+        }
+    };
+    let mut total = 0u64;
+    for component in statistics {
+        let rows = *component.num_rows.get_value()? as u64;
+        for &column in projection {
+            let bytes = *component
+                .column_statistics
+                .get(column)?
+                .byte_size
+                .get_value()?;
+            total += bytes as u64 + rows * per_row(column);
+        }
+    }
+    Some(total)
 }
 
 /// Lays files, given per storage partition, out as `grouping` says: one group per storage

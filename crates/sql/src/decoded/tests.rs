@@ -187,12 +187,43 @@ async fn components_over_the_size_limit_are_read_from_parquet() {
     let cache = Arc::new(DecodedComponents::new(DecodedLimits {
         budget_bytes: 1 << 30,
         max_component_bytes: smallest / 2,
+        max_scan_bytes: 0,
     }));
     let (shown, batches) = scan(&store, &cache, None, 2).await;
     assert!(shown.contains("DataSourceExec"), "{shown}");
     assert!(!shown.contains("DecodedScanExec"), "{shown}");
     assert_eq!(rows_of(&batches).len(), 1000);
     assert_eq!(cache.usage().components, 0);
+}
+
+/// Components too large on disk for the cache are read through it all the same when the
+/// columns a scan reads take little memory decoded; a scan of more columns than that
+/// bound allows reads Parquet and keeps nothing.
+#[tokio::test]
+async fn a_scan_of_few_small_columns_is_kept_whatever_its_files_sizes() {
+    let (_dir, store) = store_with_rows(1000).await;
+    let components = store.snapshot("t", None).unwrap().partitions.len();
+    // `v` alone is 8 bytes a row decoded, 8000 over the table; `v, k` twice that.
+    let cache = Arc::new(DecodedComponents::new(DecodedLimits {
+        budget_bytes: 1 << 30,
+        max_component_bytes: 0,
+        max_scan_bytes: 12_000,
+    }));
+    let (shown, batches) = scan_columns(&store, &cache, vec![1], None, 2).await;
+    assert!(shown.contains("DecodedScanExec"), "{shown}");
+    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 1000);
+    assert_eq!(
+        cache.usage().columns,
+        components,
+        "v of every component kept"
+    );
+
+    let (shown, both) = scan(&store, &cache, None, 2).await;
+    assert!(shown.contains("DataSourceExec"), "{shown}");
+    assert!(!shown.contains("DecodedScanExec"), "{shown}");
+    let expected: Vec<(i64, i64)> = (1..=1000).map(|k| (k * 10, k)).collect();
+    assert_eq!(rows_of(&both), expected);
+    assert_eq!(cache.usage().columns, components, "nothing more kept");
 }
 
 #[tokio::test]
@@ -219,6 +250,7 @@ async fn the_budget_evicts_the_least_recently_read() {
     let cache = DecodedComponents::new(DecodedLimits {
         budget_bytes: 2 * largest + largest / 2,
         max_component_bytes: u64::MAX,
+        max_scan_bytes: u64::MAX,
     });
     let first = &components[0];
     cache.rows(dir, def, first).unwrap();
