@@ -18,7 +18,7 @@
 //! every one of its components is at most `max_component_bytes` on disk (the fixed cost
 //! per file is then most of the scan), or when the columns it reads, decoded, take at most
 //! `max_scan_bytes` over all its components (SF 10's customer and part are 64 files of
-//! 1-4 MiB, but a query reads two or three of their columns: tens of MB decoded). The
+//! 1-2 MiB, but a query reads two or three of their columns: tens of MB decoded). The
 //! second bound keeps one large scan from taking the whole budget and evicting every other
 //! table's columns; a scan of a large table's wide columns is read from Parquet as before.
 //! All columns together hold at most `budget_bytes` of memory, the least recently read
