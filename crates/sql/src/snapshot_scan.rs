@@ -213,7 +213,7 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
         Statistics::try_merge_iter(file_statistics.iter().map(|s| s.as_ref()), &stored)?;
     let plain_decoded = decoded.filter(|cache| {
         plain.iter().flatten().all(|c| cache.admits(c))
-            || decoded_bytes(&file_statistics, &projection, &stored)
+            || decoded_bytes(&merged_statistics, &projection, &stored)
                 .is_some_and(|bytes| cache.admits_scan(bytes))
     });
     let plain_read_decoded = plain_decoded.is_some();
@@ -322,38 +322,35 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
     })
 }
 
-/// About how much memory `projection`'s columns (of the stored schema) take decoded, over
-/// the components whose statistics are `statistics`; `None` where a size is not known.
+/// About how much memory `projection`'s columns (of the stored schema) take decoded, given
+/// the scan's components' merged `statistics`; `None` where a size is not known.
 /// DataFusion's statistics give a fixed-width column's size exactly and a variable-width
 /// one's as its uncompressed Parquet bytes, which leave out the views or offsets every
 /// row has once decoded (and, where the column is dictionary-encoded, nearly all of it).
 fn decoded_bytes(
-    statistics: &[Arc<Statistics>],
+    statistics: &Statistics,
     projection: &[usize],
     stored: &arrow::datatypes::Schema,
 ) -> Option<u64> {
-    let per_row = |column: usize| -> u64 {
-        use arrow::datatypes::DataType::*;
-        match stored.field(column).data_type() {
-            Utf8View | BinaryView => 16,
-            Utf8 | Binary => 4,
-            LargeUtf8 | LargeBinary => 8,
-            _ => 0,
-        }
-    };
-    let mut total = 0u64;
-    for component in statistics {
-        let rows = *component.num_rows.get_value()? as u64;
-        for &column in projection {
-            let bytes = *component
+    let rows = *statistics.num_rows.get_value()? as u64;
+    projection
+        .iter()
+        .map(|&column| {
+            use arrow::datatypes::DataType::*;
+            let per_row = match stored.field(column).data_type() {
+                Utf8View | BinaryView => 16,
+                Utf8 | Binary => 4,
+                LargeUtf8 | LargeBinary => 8,
+                _ => 0,
+            };
+            let bytes = *statistics
                 .column_statistics
                 .get(column)?
                 .byte_size
                 .get_value()?;
-            total += bytes as u64 + rows * per_row(column);
-        }
-    }
-    Some(total)
+            Some(bytes as u64 + rows * per_row)
+        })
+        .sum()
 }
 
 /// Lays files, given per storage partition, out as `grouping` says: one group per storage
