@@ -23,6 +23,8 @@
 //! table's columns; a scan of a large table's wide columns is read from Parquet as before.
 //! All columns together hold at most `budget_bytes` of memory, the least recently read
 //! going first. A component is decoded on its first read by a query, never while planning.
+//! A scan with a filter skips the kept batches the filter cannot match ([`pruning`]), as
+//! the Parquet reader skips row groups.
 
 use crate::error::SqlError;
 use arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions};
@@ -31,12 +33,17 @@ use arrow::datatypes::SchemaRef;
 use datafusion::common::{Result, Statistics};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::EquivalenceProperties;
+use datafusion::physical_optimizer::pruning::PruningPredicate;
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::metrics::{
+    ExecutionPlanMetricsSet, MetricBuilder, MetricsSet, PruningMetrics,
+};
 use datafusion::physical_plan::statistics::StatisticsArgs;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
 };
+use pruning::{KeptBatches, KeptColumn};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -90,11 +97,9 @@ struct LruState {
     held_bytes: u64,
 }
 
-/// One column of a component, in the batches it was read in (every column of a component
-/// is read in the same batches: the reader cuts them by rows, whatever it projects).
 #[derive(Debug)]
 struct Entry {
-    arrays: Arc<[ArrayRef]>,
+    column: Arc<KeptColumn>,
     bytes: u64,
     last_used: u64,
 }
@@ -171,9 +176,43 @@ impl DecodedComponents {
         component: &ComponentMeta,
         columns: &[usize],
     ) -> Result<Vec<RecordBatch>> {
+        let kept = self.kept_columns(components_dir, def, component, columns)?;
+        batches_of(def, component, columns, &kept, None)
+    }
+
+    /// [`Self::columns`], without the batches `predicate` cannot match (by their bounds).
+    pub(crate) fn matching_columns(
+        &self,
+        components_dir: &std::path::Path,
+        def: &TableDef,
+        component: &ComponentMeta,
+        columns: &[usize],
+        predicate: &PruningPredicate,
+        pruned: &PruningMetrics,
+    ) -> Result<Vec<RecordBatch>> {
+        let kept = self.kept_columns(components_dir, def, component, columns)?;
+        let matching = KeptBatches {
+            stored: &stored_schema(def),
+            columns,
+            kept: &kept,
+        }
+        .matching(predicate);
+        let matched = matching.iter().filter(|&&m| m).count();
+        pruned.add_matched(matched);
+        pruned.add_pruned(matching.len() - matched);
+        batches_of(def, component, columns, &kept, Some(&matching))
+    }
+
+    /// `columns` of `component`, each kept or read (see [`Self::columns`]).
+    fn kept_columns(
+        &self,
+        components_dir: &std::path::Path,
+        def: &TableDef,
+        component: &ComponentMeta,
+        columns: &[usize],
+    ) -> Result<Vec<Arc<KeptColumn>>> {
         let layout = def.layout();
-        let schema = Arc::new(stored_schema(def).project(columns)?);
-        let mut found: Vec<Option<Arc<[ArrayRef]>>> = columns
+        let mut found: Vec<Option<Arc<KeptColumn>>> = columns
             .iter()
             .map(|&column| self.lookup(&(component.hash, layout, column)))
             .collect();
@@ -191,58 +230,43 @@ impl DecodedComponents {
             for (position, &column) in missing.iter().enumerate() {
                 let arrays: Arc<[ArrayRef]> =
                     read.iter().map(|b| b.column(position).clone()).collect();
-                self.insert((component.hash, layout, column), arrays.clone());
+                let kept = Arc::new(KeptColumn::new(arrays));
+                self.insert((component.hash, layout, column), kept.clone());
                 for (wanted, slot) in columns.iter().zip(found.iter_mut()) {
                     if *wanted == column {
-                        *slot = Some(arrays.clone());
+                        *slot = Some(kept.clone());
                     }
                 }
             }
         }
-        let found: Vec<Arc<[ArrayRef]>> = found
+        let found: Vec<Arc<KeptColumn>> = found
             .into_iter()
             .map(|kept| kept.expect("every column kept or read"))
             .collect();
-        let Some(first) = found.first() else {
-            // No column at all (`count(*)`): the rows are only a count.
-            let rows = usize::try_from(component.rows).expect("a component's rows fit usize");
-            let count = RecordBatchOptions::new().with_row_count(Some(rows));
-            return Ok(vec![RecordBatch::try_new_with_options(
-                schema,
-                vec![],
-                &count,
-            )?]);
-        };
         assert!(
-            found.iter().all(|a| a.len() == first.len()),
+            found
+                .iter()
+                .all(|k| k.arrays.len() == found[0].arrays.len()),
             "a component's columns are kept in the same batches"
         );
-        (0..first.len())
-            .map(|batch| {
-                let arrays: Vec<ArrayRef> = found.iter().map(|a| a[batch].clone()).collect();
-                assert!(
-                    arrays.iter().all(|a| a.len() == arrays[0].len()),
-                    "a component's columns are kept in the same batches"
-                );
-                Ok(RecordBatch::try_new(schema.clone(), arrays)?)
-            })
-            .collect()
+        Ok(found)
     }
 
-    fn lookup(&self, key: &DecodedKey) -> Option<Arc<[ArrayRef]>> {
+    fn lookup(&self, key: &DecodedKey) -> Option<Arc<KeptColumn>> {
         let mut state = self.state.lock().expect("decoded cache lock");
         state.tick += 1;
         let tick = state.tick;
         let entry = state.entries.get_mut(key)?;
         let previous = std::mem::replace(&mut entry.last_used, tick);
-        let arrays = entry.arrays.clone();
+        let column = entry.column.clone();
         state.by_use.remove(&previous);
         state.by_use.insert(tick, *key);
-        Some(arrays)
+        Some(column)
     }
 
-    fn insert(&self, key: DecodedKey, arrays: Arc<[ArrayRef]>) {
-        let bytes: u64 = arrays
+    fn insert(&self, key: DecodedKey, column: Arc<KeptColumn>) {
+        let bytes: u64 = column
+            .arrays
             .iter()
             .map(|a| a.get_array_memory_size() as u64)
             .sum();
@@ -264,7 +288,7 @@ impl DecodedComponents {
         state.entries.insert(
             key,
             Entry {
-                arrays,
+                column,
                 bytes,
                 last_used: tick,
             },
@@ -272,6 +296,40 @@ impl DecodedComponents {
         state.held_bytes += bytes;
         debug_assert_eq!(state.entries.len(), state.by_use.len());
     }
+}
+
+/// `component`'s rows in batches of `columns` (indices into `def`'s stored schema) from
+/// their kept values, `kept[i]` being column `columns[i]`; only the batches `matching`
+/// says, where given.
+fn batches_of(
+    def: &TableDef,
+    component: &ComponentMeta,
+    columns: &[usize],
+    kept: &[Arc<KeptColumn>],
+    matching: Option<&[bool]>,
+) -> Result<Vec<RecordBatch>> {
+    let schema = Arc::new(stored_schema(def).project(columns)?);
+    let Some(first) = kept.first() else {
+        // No column at all (`count(*)`): the rows are only a count.
+        let rows = usize::try_from(component.rows).expect("a component's rows fit usize");
+        let count = RecordBatchOptions::new().with_row_count(Some(rows));
+        return Ok(vec![RecordBatch::try_new_with_options(
+            schema,
+            vec![],
+            &count,
+        )?]);
+    };
+    (0..first.arrays.len())
+        .filter(|&batch| matching.is_none_or(|m| m[batch]))
+        .map(|batch| {
+            let arrays: Vec<ArrayRef> = kept.iter().map(|k| k.arrays[batch].clone()).collect();
+            assert!(
+                arrays.iter().all(|a| a.len() == arrays[0].len()),
+                "a component's columns are kept in the same batches"
+            );
+            Ok(RecordBatch::try_new(schema.clone(), arrays)?)
+        })
+        .collect()
 }
 
 /// Scans plain components through the decoded cache: each output partition reads a group
@@ -286,10 +344,13 @@ pub struct DecodedScanExec {
     /// Columns of the stored schema to output.
     projection: Vec<usize>,
     limit: Option<usize>,
+    /// Skips kept batches whose bounds it cannot match (see [`pruning`]).
+    predicate: Option<Arc<PruningPredicate>>,
     schema: SchemaRef,
     /// The components' statistics, merged (in the stored schema, all columns).
     statistics: Arc<Statistics>,
     properties: Arc<PlanProperties>,
+    metrics: ExecutionPlanMetricsSet,
 }
 
 /// What a [`DecodedScanExec`] reads.
@@ -300,6 +361,8 @@ pub struct DecodedScan {
     pub cache: Arc<DecodedComponents>,
     pub projection: Vec<usize>,
     pub limit: Option<usize>,
+    /// A predicate over the stored schema, to skip kept batches (never to drop rows).
+    pub predicate: Option<Arc<PruningPredicate>>,
     pub statistics: Statistics,
 }
 
@@ -325,9 +388,11 @@ impl DecodedScanExec {
             cache: scan.cache,
             projection: scan.projection,
             limit: scan.limit,
+            predicate: scan.predicate.filter(|p| !p.always_true()),
             schema,
             statistics,
             properties,
+            metrics: ExecutionPlanMetricsSet::new(),
         })
     }
 }
@@ -371,11 +436,20 @@ impl ExecutionPlan for DecodedScanExec {
             schema: self.schema.clone(),
             batch_rows: context.session_config().batch_size(),
             remaining: self.limit,
+            predicate: self.predicate.clone().map(|predicate| {
+                let pruned = MetricBuilder::new(&self.metrics)
+                    .pruning_metrics("batches_pruned_statistics", partition);
+                (predicate, pruned)
+            }),
         };
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             self.schema.clone(),
             futures::stream::iter(reader),
         )))
+    }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
     }
 
     fn statistics_from_inputs(
@@ -412,6 +486,8 @@ struct GroupReader {
     batch_rows: usize,
     /// Rows still wanted under the scan's limit.
     remaining: Option<usize>,
+    /// The scan's predicate, and the count of kept batches it skipped and matched.
+    predicate: Option<(Arc<PruningPredicate>, PruningMetrics)>,
 }
 
 impl GroupReader {
@@ -428,12 +504,18 @@ impl GroupReader {
             let Some(component) = self.components.pop_front() else {
                 break;
             };
-            let decoded = self.cache.columns(
-                &self.components_dir,
-                &self.snapshot.def,
-                &component,
-                &self.projection,
-            )?;
+            let (dir, def) = (&self.components_dir, &self.snapshot.def);
+            let decoded = match &self.predicate {
+                Some((predicate, pruned)) => self.cache.matching_columns(
+                    dir,
+                    def,
+                    &component,
+                    &self.projection,
+                    predicate,
+                    pruned,
+                )?,
+                None => self.cache.columns(dir, def, &component, &self.projection)?,
+            };
             for batch in decoded {
                 rows += batch.num_rows();
                 gathered.push(batch);
@@ -463,6 +545,8 @@ impl Iterator for GroupReader {
         self.next_batch().transpose()
     }
 }
+
+mod pruning;
 
 #[cfg(test)]
 pub(crate) mod tests;

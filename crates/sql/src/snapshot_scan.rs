@@ -17,6 +17,7 @@ use datafusion::datasource::source::DataSourceExec;
 use datafusion::execution::object_store::ObjectStoreUrl;
 use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_optimizer::pruning::PruningPredicateBuilder;
 use datafusion::physical_plan::empty::EmptyExec;
 use datafusion::physical_plan::union::UnionExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
@@ -232,6 +233,11 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
             cache: cache.clone(),
             projection: projection.clone(),
             limit,
+            predicate: predicate.clone().and_then(|predicate| {
+                PruningPredicateBuilder::new()
+                    .with_file_schema(stored.clone())
+                    .build(predicate)
+            }),
             statistics: merged_statistics,
         })?));
     } else if !plain.is_empty() {

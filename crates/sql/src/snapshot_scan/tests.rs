@@ -368,3 +368,82 @@ async fn reading_in_id_order_gives_storage_partitions_by_id_whichever_reader_tak
         "partition {versioned} (versioned) is listed after the plain ones, out of id order"
     );
 }
+
+/// Both plain readers skip what the scan's predicate excludes: the Parquet reader the row
+/// groups whose footer statistics rule it out, the decoded reader the kept batches whose
+/// bounds do; each returns the rows the predicate wants, and fewer than all.
+#[tokio::test]
+async fn both_plain_readers_skip_what_the_predicate_excludes() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(
+        dir.path(),
+        StoreConfig {
+            partitions: 1,
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    let engine = Engine::new(store.clone());
+    engine.execute(KEYED).await.unwrap();
+    // In key order, so each row group (and each decoded batch) holds one range of keys.
+    engine
+        .execute(
+            "INSERT INTO t SELECT value, value * 10 FROM generate_series(1, 300000) \
+             ORDER BY value",
+        )
+        .await
+        .unwrap();
+    store.checkpoint().unwrap();
+    let snapshot = store.snapshot("t", None).unwrap();
+    let stored = stored_schema(&snapshot.def);
+    let predicate: Arc<dyn PhysicalExpr> =
+        Arc::new(datafusion::physical_expr::expressions::BinaryExpr::new(
+            datafusion::physical_expr::expressions::col("k", &stored).unwrap(),
+            datafusion::logical_expr::Operator::Gt,
+            datafusion::physical_expr::expressions::lit(290_000i64),
+        ));
+    let cache = Arc::new(DecodedComponents::default());
+    let ctx = SessionContext::new();
+    for (reader, decoded, metric) in [
+        ("parquet", None, "row_groups_pruned_statistics="),
+        ("decoded", Some(&cache), "batches_pruned_statistics="),
+        ("decoded, kept", Some(&cache), "batches_pruned_statistics="),
+    ] {
+        let plan = plan_snapshot_scan(SnapshotScan {
+            store: store.as_ref(),
+            snapshot: &snapshot,
+            partitions: None,
+            projection: vec![1, 0],
+            predicate: Some(predicate.clone()),
+            limit: None,
+            grouping: FileGrouping::Packed(1),
+            statistics: &ComponentStatistics::default(),
+            decoded,
+            runtime: &ctx.runtime_env(),
+            parquet: Default::default(),
+            order: Default::default(),
+        })
+        .unwrap();
+        let rows = rows_of(&collect(plan.clone(), ctx.task_ctx()).await.unwrap());
+        let wanted = rows.iter().filter(|&&(_, k)| k > 290_000).count();
+        assert_eq!(wanted, 10_000, "{reader}: every row the predicate wants");
+        assert!(
+            rows.len() < 150_000,
+            "{reader}: most rows skipped, {} read",
+            rows.len()
+        );
+        let shown = datafusion::physical_plan::display::DisplayableExecutionPlan::with_metrics(
+            plan.as_ref(),
+        )
+        .indent(false)
+        .to_string();
+        let counts = shown
+            .split(metric)
+            .nth(1)
+            .unwrap_or_else(|| panic!("{reader}: no {metric} in {shown}"));
+        assert!(
+            !counts.starts_with("0 total"),
+            "{reader}: pruned by statistics: {counts:.60}"
+        );
+    }
+}
