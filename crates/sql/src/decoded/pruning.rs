@@ -17,7 +17,8 @@ use std::sync::{Arc, OnceLock};
 
 /// One column of a component, as kept: its values in the batches it was read in (every
 /// column of a component is read in the same batches: the reader cuts them by rows,
-/// whatever it projects), and their bounds once a predicate has needed them.
+/// whatever it projects), and their bounds once a predicate has needed them (two values
+/// per batch of thousands of rows: not counted against the cache's budget).
 #[derive(Debug)]
 pub(crate) struct KeptColumn {
     pub(crate) arrays: Arc<[ArrayRef]>,
