@@ -177,22 +177,24 @@ impl DecodedComponents {
         columns: &[usize],
     ) -> Result<Vec<RecordBatch>> {
         let kept = self.kept_columns(components_dir, def, component, columns)?;
-        batches_of(def, component, columns, &kept, None)
+        let schema = Arc::new(stored_schema(def).project(columns)?);
+        batches_of(&schema, component, &kept, None)
     }
 
-    /// [`Self::columns`], without the batches `predicate` cannot match (by their bounds).
-    pub(crate) fn matching_columns(
+    /// [`Self::columns`] in `scan`'s output schema, without the batches its predicate
+    /// cannot match (by their bounds).
+    fn matching_columns(
         &self,
-        components_dir: &std::path::Path,
-        def: &TableDef,
+        scan: &GroupReader,
         component: &ComponentMeta,
-        columns: &[usize],
         predicate: &PruningPredicate,
         pruned: &PruningMetrics,
     ) -> Result<Vec<RecordBatch>> {
-        let kept = self.kept_columns(components_dir, def, component, columns)?;
+        let def = &scan.snapshot.def;
+        let columns = &scan.projection;
+        let kept = self.kept_columns(&scan.components_dir, def, component, columns)?;
         let matching = KeptBatches {
-            stored: &stored_schema(def),
+            stored: &scan.stored,
             columns,
             kept: &kept,
         }
@@ -200,7 +202,7 @@ impl DecodedComponents {
         let matched = matching.iter().filter(|&&m| m).count();
         pruned.add_matched(matched);
         pruned.add_pruned(matching.len() - matched);
-        batches_of(def, component, columns, &kept, Some(&matching))
+        batches_of(&scan.schema, component, &kept, Some(&matching))
     }
 
     /// `columns` of `component`, each kept or read (see [`Self::columns`]).
@@ -298,23 +300,20 @@ impl DecodedComponents {
     }
 }
 
-/// `component`'s rows in batches of `columns` (indices into `def`'s stored schema) from
-/// their kept values, `kept[i]` being column `columns[i]`; only the batches `matching`
-/// says, where given.
+/// `component`'s rows in batches of `schema` (the kept columns', in order) from their kept
+/// values; only the batches `matching` says, where given.
 fn batches_of(
-    def: &TableDef,
+    schema: &SchemaRef,
     component: &ComponentMeta,
-    columns: &[usize],
     kept: &[Arc<KeptColumn>],
     matching: Option<&[bool]>,
 ) -> Result<Vec<RecordBatch>> {
-    let schema = Arc::new(stored_schema(def).project(columns)?);
     let Some(first) = kept.first() else {
         // No column at all (`count(*)`): the rows are only a count.
         let rows = usize::try_from(component.rows).expect("a component's rows fit usize");
         let count = RecordBatchOptions::new().with_row_count(Some(rows));
         return Ok(vec![RecordBatch::try_new_with_options(
-            schema,
+            schema.clone(),
             vec![],
             &count,
         )?]);
@@ -344,6 +343,8 @@ pub struct DecodedScanExec {
     /// Columns of the stored schema to output.
     projection: Vec<usize>,
     limit: Option<usize>,
+    /// The table's stored schema, which `projection` and the predicate refer to.
+    stored: SchemaRef,
     /// Skips kept batches whose bounds it cannot match (see [`pruning`]).
     predicate: Option<Arc<PruningPredicate>>,
     schema: SchemaRef,
@@ -361,7 +362,8 @@ pub struct DecodedScan {
     pub cache: Arc<DecodedComponents>,
     pub projection: Vec<usize>,
     pub limit: Option<usize>,
-    /// A predicate over the stored schema, to skip kept batches (never to drop rows).
+    /// A predicate over the stored schema, to skip kept batches (never to drop rows);
+    /// `None` where it could skip nothing.
     pub predicate: Option<Arc<PruningPredicate>>,
     pub statistics: Statistics,
 }
@@ -388,7 +390,8 @@ impl DecodedScanExec {
             cache: scan.cache,
             projection: scan.projection,
             limit: scan.limit,
-            predicate: scan.predicate.filter(|p| !p.always_true()),
+            stored,
+            predicate: scan.predicate,
             schema,
             statistics,
             properties,
@@ -433,6 +436,7 @@ impl ExecutionPlan for DecodedScanExec {
             components_dir: self.components_dir.clone(),
             cache: self.cache.clone(),
             projection: self.projection.clone(),
+            stored: self.stored.clone(),
             schema: self.schema.clone(),
             batch_rows: context.session_config().batch_size(),
             remaining: self.limit,
@@ -482,6 +486,8 @@ struct GroupReader {
     components_dir: PathBuf,
     cache: Arc<DecodedComponents>,
     projection: Vec<usize>,
+    stored: SchemaRef,
+    /// `stored` projected: the batches' schema.
     schema: SchemaRef,
     batch_rows: usize,
     /// Rows still wanted under the scan's limit.
@@ -504,17 +510,16 @@ impl GroupReader {
             let Some(component) = self.components.pop_front() else {
                 break;
             };
-            let (dir, def) = (&self.components_dir, &self.snapshot.def);
             let decoded = match &self.predicate {
-                Some((predicate, pruned)) => self.cache.matching_columns(
-                    dir,
-                    def,
+                Some((predicate, pruned)) => self
+                    .cache
+                    .matching_columns(self, &component, predicate, pruned)?,
+                None => self.cache.columns(
+                    &self.components_dir,
+                    &self.snapshot.def,
                     &component,
                     &self.projection,
-                    predicate,
-                    pruned,
                 )?,
-                None => self.cache.columns(dir, def, &component, &self.projection)?,
             };
             for batch in decoded {
                 rows += batch.num_rows();
