@@ -1,5 +1,8 @@
 //! The process's log, on stderr: filtered by `TESSERA_LOG` (default `warn,openraft=error`),
-//! coloured only on a terminal, and without openraft's repeats.
+//! coloured only on a terminal, and without openraft's repeats. With `TESSERA_LOG_SPANS=1`
+//! every span the filter lets through is logged when it closes, with the time it was busy
+//! and idle: where a query's channels spent their time, in the order they ended (a
+//! channel's span carries its query, stage and channel).
 //!
 //! openraft logs every failed try of an RPC: a leader whose follower stays down retries it
 //! five times a second, and each try writes the same ERROR line ("RPCError ... Unreachable
@@ -29,12 +32,23 @@ pub fn init() {
         .with(RepeatedLines::new(REPEAT_WINDOW))
         .with(
             tracing_subscriber::fmt::layer()
+                .with_span_events(span_events())
                 .with_writer(std::io::stderr)
                 // Colours only on a terminal: a node's log is usually a file (`tessera up`,
                 // a service manager), read with grep and pagers.
                 .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
         )
         .init();
+}
+
+/// The span events the log writes: closes (with their busy and idle times) under
+/// `TESSERA_LOG_SPANS=1`, none otherwise.
+fn span_events() -> tracing_subscriber::fmt::format::FmtSpan {
+    use tracing_subscriber::fmt::format::FmtSpan;
+    match std::env::var("TESSERA_LOG_SPANS").as_deref() {
+        Ok("1") | Ok("true") | Ok("close") => FmtSpan::CLOSE,
+        _ => FmtSpan::NONE,
+    }
 }
 
 /// Drops a warning or error of openraft's that repeats one written less than `window` ago.

@@ -677,6 +677,7 @@ async fn execute_here(
                 }
                 Some(Event::NodeDone(at)) => settle(&mut outstanding, at),
                 Some(Event::NodeFailed(at, error)) => {
+                    tracing::info!(node = at.0, %error, "a participant's stream broke");
                     settle(&mut outstanding, at);
                     let Some(events) = events.as_ref().filter(|_| recovery.can_recover(at)) else {
                         break Some(Failure::Node(at, error));

@@ -69,6 +69,11 @@ impl Recovery {
         if !node.confirm_failed(dead).await {
             return Err(LineageError::Unconfirmed { node: dead });
         }
+        tracing::info!(
+            dead = dead.0,
+            confirm_ms = noticed.elapsed().as_millis() as u64,
+            "the metadata counts the node failed"
+        );
         // The membership and addresses as this node applied the death: the leader's commit
         // of it is in this view, so nobody dead before it is taken for alive. A linearizable
         // read would only add a round trip to the leader on the rebuild's path; a node that

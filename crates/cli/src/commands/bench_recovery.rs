@@ -68,6 +68,7 @@ async fn kill_midway(
         })
     };
     tokio::time::sleep(delay).await;
+    tracing::info!(victim, mode, "SIGKILL");
     cluster.kill9(victim);
     let (elapsed, result) = run.await?;
     let (answer, notices) = result?;
