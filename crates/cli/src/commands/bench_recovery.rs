@@ -68,8 +68,11 @@ async fn kill_midway(
         })
     };
     tokio::time::sleep(delay).await;
-    tracing::info!(victim, mode, "SIGKILL");
+    let killed = Instant::now();
     cluster.kill9(victim);
+    // A killed process's sockets close as it exits: its peers hear of it no sooner.
+    let exit_ms = killed.elapsed().as_millis() as u64;
+    tracing::info!(victim, mode, exit_ms, "SIGKILLed, and exited");
     let (elapsed, result) = run.await?;
     let (answer, notices) = result?;
     let recovery = notices.iter().find_map(|n| n.recovery.as_ref());
