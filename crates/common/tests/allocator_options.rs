@@ -71,8 +71,8 @@ fn a_large_buffer_is_held_in_huge_pages() {
         Some("always"),
         "jemalloc's memory is not marked for huge pages"
     );
-    let kernel = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-        .unwrap_or_default();
+    let kernel =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
     if !kernel.contains("[always]") && !kernel.contains("[madvise]") {
         eprintln!("this kernel gives no process huge pages ({kernel:?}): nothing to measure");
         return;
