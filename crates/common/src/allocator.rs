@@ -25,9 +25,12 @@
 //! memory back, page table entry by entry, so its peers' streams stay open meanwhile. On
 //! this 2-core machine that took about 90 ms per GiB of 4 KiB pages and 6 ms per GiB of
 //! 2 MiB pages; in `bench recovery` (SF 1, nodes of 150-400 MB) the initiator heard of a
-//! SIGKILLed node 20-70 ms after the kill with 4 KiB pages and 11-17 ms with huge pages,
-//! on queries of 100-600 ms that lineage recovery finishes after rebuilding the dead
-//! node's channels. A large buffer also takes one page fault per 2 MiB instead of 512.
+//! SIGKILLed node 20-70 ms after the kill with 4 KiB pages and 11-31 ms with huge pages
+//! (what is left is the dying threads' and the initiator's wait for a core), on queries of
+//! 100-600 ms that lineage recovery finishes after rebuilding the dead node's channels. A
+//! large buffer also takes one page fault per 2 MiB instead of 512; the replication
+//! benchmark's publishes took no more CPU with huge pages than without (r = 3: 48.4
+//! against 50.2 s per publish, all nodes).
 //! `_RJEM_MALLOC_CONF` in a node's environment still overrides these options (jemalloc
 //! reads it afterwards).
 
