@@ -245,42 +245,24 @@ async fn verify_names_corrupt_replicas_and_forged_records_and_the_cluster_repair
         .find(|n| n.id.0 == 1)
         .unwrap()
         .incarnation;
-    let allocate = MetaCommand::As {
+    let head = state.table_head("readings");
+    let allocate = |request: u64| MetaCommand::As {
         user: "ada".into(),
         command: Box::new(MetaCommand::AllocateEpoch {
             coordinator: tessera_common::NodeId(1),
             incarnation,
             tables: vec!["readings".into()],
-            request: 77,
+            request,
             read_at: Default::default(),
         }),
     };
-    // The repair just verified may still hold the table's lease for a moment (its copy
-    // is an open epoch): wait for it to end, with a deadline.
+    // Node 1 does not know of the epochs allocated here in its name, so its next heartbeat
+    // says it gave them up and the leader aborts them. Each forgery gets its own epoch, and
+    // one aborted before its forged commit arrived is allocated again (with a deadline).
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let allocated = loop {
-        match write_as_node(&cluster, &clients, allocate.clone())
-            .await
-            .unwrap()
-        {
-            MetaResponse::TableBusy(why) if std::time::Instant::now() < deadline => {
-                println!("readings busy ({why}); trying again");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            response => break response,
-        }
-    };
-    let MetaResponse::Epoch(forged_epoch) = allocated else {
-        panic!("expected an epoch, got {allocated:?}");
-    };
-    let head = state.table_head("readings");
-    let versions = vec![TableVersion {
-        table: "readings".into(),
-        previous: head,
-        version: tessera_common::ComponentHash([7; 32]),
-    }];
     let stranger = SigningKey::generate();
     let replayed = signed_record.seal.unwrap().signature.unwrap();
+    let mut forged_epochs = Vec::new();
     for (how, signature) in [
         (
             "signed with another key",
@@ -291,38 +273,80 @@ async fn verify_names_corrupt_replicas_and_forged_records_and_the_cluster_repair
         ),
         ("lab_a's signature of another epoch", replayed),
     ] {
-        let forged = MetaCommand::CommitEpoch {
-            epoch: forged_epoch,
-            missed: vec![],
-            changes: Some(vec![]),
-            seal: Some(EpochSeal {
-                versions: versions.clone(),
-                signature: Some(signature),
-                digest_format: tessera_storage::digest::DigestFormat::CURRENT,
-            }),
-            min_copies: None,
-        };
-        let response = write_as_node(&cluster, &clients, forged).await.unwrap();
-        let MetaResponse::Refused(reason) = response else {
-            panic!("{how}: a forged record was accepted: {response:?}");
+        let reason = loop {
+            // The repair just verified may still hold the table's lease for a moment (its
+            // copy is an open epoch): wait for it to end.
+            let allocated = loop {
+                match write_as_node(
+                    &cluster,
+                    &clients,
+                    allocate(77 + forged_epochs.len() as u64),
+                )
+                .await
+                .unwrap()
+                {
+                    MetaResponse::TableBusy(why) if std::time::Instant::now() < deadline => {
+                        println!("readings busy ({why}); trying again");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    response => break response,
+                }
+            };
+            let MetaResponse::Epoch(forged_epoch) = allocated else {
+                panic!("expected an epoch, got {allocated:?}");
+            };
+            forged_epochs.push(forged_epoch);
+            let forged = MetaCommand::CommitEpoch {
+                epoch: forged_epoch,
+                missed: vec![],
+                changes: Some(vec![]),
+                seal: Some(EpochSeal {
+                    versions: vec![TableVersion {
+                        table: "readings".into(),
+                        previous: head,
+                        version: tessera_common::ComponentHash([7; 32]),
+                    }],
+                    signature: Some(signature.clone()),
+                    digest_format: tessera_storage::digest::DigestFormat::CURRENT,
+                }),
+                min_copies: None,
+            };
+            match write_as_node(&cluster, &clients, forged).await.unwrap() {
+                MetaResponse::Refused(reason) => break reason,
+                MetaResponse::Fenced(why)
+                    if why.contains("no longer working on it")
+                        && std::time::Instant::now() < deadline =>
+                {
+                    println!("{how}: epoch {forged_epoch} was given up first ({why}); again");
+                }
+                response => panic!("{how}: the forged record was not refused: {response:?}"),
+            }
         };
         assert!(reason.contains("signature is refused"), "{how}: {reason}");
+        // Ended here, so the next forgery's allocation finds the table free.
+        let forged_epoch = *forged_epochs.last().unwrap();
+        let aborted = write_as_node(
+            &cluster,
+            &clients,
+            MetaCommand::AbortEpoch {
+                epoch: forged_epoch,
+                reason: "forged".into(),
+            },
+        )
+        .await
+        .unwrap();
+        assert!(
+            matches!(&aborted, MetaResponse::Done)
+                || matches!(&aborted, MetaResponse::Fenced(why) if why.contains("no longer working on it")),
+            "{aborted:?}"
+        );
     }
-    let aborted = write_as_node(
-        &cluster,
-        &clients,
-        MetaCommand::AbortEpoch {
-            epoch: forged_epoch,
-            reason: "forged".into(),
-        },
-    )
-    .await
-    .unwrap();
-    assert!(matches!(aborted, MetaResponse::Done), "{aborted:?}");
     let state = admin.current_metadata().await.unwrap();
-    assert!(!state.epoch_log.contains_key(&forged_epoch));
+    for forged_epoch in forged_epochs {
+        assert!(!state.epoch_log.contains_key(&forged_epoch));
+        assert!(signed_epoch < forged_epoch && forged_epoch > Epoch::ZERO);
+    }
     assert_eq!(state.table_head("readings"), head, "the chain did not move");
-    assert!(signed_epoch < forged_epoch && forged_epoch > Epoch::ZERO);
     let (ok, text) = verify(&cluster, &certs);
     assert!(ok, "{text}");
     assert!(
