@@ -426,6 +426,53 @@ fn a_cold_standby_never_drops_uncovered_rows_when_it_truncates_its_log() {
     }
 }
 
+/// A standby whose primaries have not covered its logged rows yet (they came while the
+/// primaries flushed for it) checkpoints keeping its log: the rows stay unapplied and
+/// logged, for the primaries' components, and a restart recovers them from the log. Once the log has grown
+/// to twice its checkpoint size, that is no longer offered.
+#[test]
+fn a_cold_standby_checkpoint_keeping_its_log_leaves_uncovered_rows_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference_dir = tempfile::tempdir().unwrap();
+    let config = StoreConfig {
+        checkpoint_log_bytes: 64 << 10,
+        ..config()
+    };
+    let standby = Store::open(dir.path(), config.clone()).unwrap();
+    let reference = Store::open(reference_dir.path(), config.clone()).unwrap();
+    standby.set_standby_partitions(all_partitions());
+    for store in [&standby, &reference] {
+        store.ensure_table(def()).unwrap();
+        commit(store, Epoch(1), &rows(0, 100));
+        commit(store, Epoch(2), &rows(50, 120));
+        store.advance_visible(Epoch(2));
+    }
+    assert!(!standby.log_outgrew_its_checkpoints());
+    standby.checkpoint_keeping_log().unwrap();
+    assert_eq!(standby.standby_lag().len(), 4, "nothing applied");
+    assert!(standby
+        .snapshot("kv", None)
+        .unwrap()
+        .partitions
+        .iter()
+        .all(|p| p.rows_in_log && p.components.is_empty()));
+    drop(standby);
+    // The log kept them: a restart recovers them from it.
+    let standby = Store::open(dir.path(), config.clone()).unwrap();
+    for epoch in 1..=2 {
+        assert_eq!(keys(&standby, Epoch(epoch)), keys(&reference, Epoch(epoch)));
+    }
+    // Past twice the checkpoint size of log, a standby applies what is uncovered.
+    standby.set_standby_partitions(all_partitions());
+    let mut next = 120;
+    let mut epoch = 3;
+    while !standby.log_outgrew_its_checkpoints() {
+        commit(&standby, Epoch(epoch), &rows(next, next + 1000));
+        (next, epoch) = (next + 1000, epoch + 1);
+        assert!(epoch < 10_000, "the log never outgrew its bound");
+    }
+}
+
 /// A shipment that covers an epoch this standby has prepared but not yet seen committed
 /// (its metadata lags the primary's) is not installed: the epoch's rows, once its commit
 /// arrives, would be applied a second time over components that already hold them,

@@ -482,6 +482,75 @@ async fn cold_standbys_take_their_primaries_components_and_replay_the_rest_when_
     );
 }
 
+/// A cold standby checkpointing while publishes commit leaves the flushing to its primaries:
+/// rows committed while they flushed for it are asked for again, not decoded and flushed
+/// here too (which costs a standby what its primary pays once more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_checkpointing_while_publishes_commit_leaves_the_flushing_to_primaries() {
+    let _exclusive = exclusive();
+    let root = tempfile::tempdir().unwrap();
+    let mut cluster = LocalCluster::configure(Path::new(BINARY), root.path(), 3, PARTITIONS, 3);
+    cluster.log_to_files();
+    for id in 1..=3 {
+        cluster.set_node_env(
+            id,
+            "TESSERA_LOG",
+            "warn,tessera_storage::store::standby=info",
+        );
+    }
+    // Checkpoints every 64 KiB of memtables: one begins on some node during nearly every
+    // publish, and the next publish commits while it runs.
+    let (cluster, client) =
+        common::start_kv(cluster, &[("store.memtable_flush_bytes", "65536")]).await;
+    const BATCHES: i64 = 40;
+    for b in 0..BATCHES {
+        client
+            .publish("kv", vec![kv_batch(b * 2000, (b + 1) * 2000)], false)
+            .await
+            .unwrap();
+    }
+    let total = (BATCHES * 2000) as u64;
+    for id in 1..=3 {
+        wait_until(
+            "components shipped to the standbys",
+            Duration::from_secs(60),
+            || async {
+                let (rows, logged) = kv_rows_held(&cluster, id).await;
+                (rows == total && logged < total / 2).then_some(())
+            },
+        )
+        .await;
+    }
+    let checkpoints = checkpoints_written(&cluster).await;
+    assert!(
+        checkpoints.iter().all(|&c| c >= 5),
+        "every node checkpointed during the publishes: {checkpoints:?}"
+    );
+    let applied_here: Vec<String> = (1..=3)
+        .flat_map(|id| {
+            std::fs::read_to_string(cluster.log_path(id))
+                .unwrap()
+                .lines()
+                .filter(|line| {
+                    // The replays, and why: a primary that did not flush or ship for it.
+                    line.contains("replayed cold-standby rows from the log")
+                        || line.contains("applying its logged rows here")
+                        || line.contains("applying logged rows here")
+                })
+                .map(|line| format!("node {id}: {line}"))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        applied_here.is_empty(),
+        "standbys applied rows their live primaries flush: {applied_here:#?}"
+    );
+    assert_eq!(
+        count_and_sum(&client).await,
+        (total as i64, (0..total as i64).map(|k| k * 10).sum::<i64>())
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hot_standbys_apply_rows_as_they_commit() {
     let _exclusive = exclusive();

@@ -118,9 +118,30 @@ impl Store {
     /// [`Store::flush_in_stages`]): prepares, commits and publishes go on while it writes
     /// the components, which at SF 10 takes seconds.
     pub fn checkpoint(&self) -> Result<()> {
+        self.checkpoint_then(LogAfterFlush::Truncate)
+    }
+
+    /// A checkpoint that keeps the log: for a cold standby whose primaries, alive and
+    /// answering, have not yet shipped components covering all the rows it logged for them
+    /// (rows committed while they flushed for it). Its own rows are flushed and merged as
+    /// by [`Store::checkpoint`]; the log stays until a later checkpoint finds the rest
+    /// covered, instead of this node decoding and flushing them as their primary does.
+    /// Bounded by [`Store::log_outgrew_its_checkpoints`].
+    pub fn checkpoint_keeping_log(&self) -> Result<()> {
+        self.checkpoint_then(LogAfterFlush::Keep)
+    }
+
+    /// Whether the log has grown to twice the size at which it asks for a checkpoint
+    /// since one last truncated it: a standby then stops keeping it for its primaries'
+    /// components, and its checkpoint applies what they have not covered.
+    pub fn log_outgrew_its_checkpoints(&self) -> bool {
+        self.state().logged_bytes >= self.config.checkpoint_log_bytes.saturating_mul(2)
+    }
+
+    fn checkpoint_then(&self, log: LogAfterFlush) -> Result<()> {
         let started = std::time::Instant::now();
         let memtable_bytes = self.state().memtable_bytes;
-        let flushed = self.flush_in_stages(LogAfterFlush::Truncate)?;
+        let flushed = self.flush_in_stages(log)?;
         let flushed_at = started.elapsed();
         let merged = self.merge_crowded_partitions()?;
         {
@@ -129,6 +150,7 @@ impl Store {
         }
         tracing::info!(
             memtable_bytes,
+            log_kept = matches!(log, LogAfterFlush::Keep),
             flush_s = flushed_at.as_secs_f64(),
             gate_held_s = flushed.gate_held.as_secs_f64(),
             merged_partitions = merged.partitions,
