@@ -422,6 +422,37 @@ async fn kv_rows_held(cluster: &LocalCluster, id: u64) -> (u64, u64) {
         .map_or((0, 0), |t| (t.rows, t.logged_rows))
 }
 
+/// Publishes `batches` kv batches of `rows` consecutive keys, one epoch each, and waits
+/// until every node holds every row (three copies on three nodes) and, as a standby that
+/// logged them without applying them, has taken its primaries' components for most of
+/// them. Returns how many rows were published.
+async fn publish_until_shipped(
+    cluster: &LocalCluster,
+    client: &ClusterClient,
+    batches: i64,
+    rows: i64,
+) -> u64 {
+    for b in 0..batches {
+        client
+            .publish("kv", vec![kv_batch(b * rows, (b + 1) * rows)], false)
+            .await
+            .unwrap();
+    }
+    let total = (batches * rows) as u64;
+    for id in 1..=3 {
+        wait_until(
+            "components shipped to the standbys",
+            Duration::from_secs(60),
+            || async {
+                let (held, logged) = kv_rows_held(cluster, id).await;
+                (held == total && logged < total / 2).then_some(())
+            },
+        )
+        .await;
+    }
+    total
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cold_standbys_take_their_primaries_components_and_replay_the_rest_when_promoted() {
     let _exclusive = exclusive();
@@ -430,27 +461,7 @@ async fn cold_standbys_take_their_primaries_components_and_replay_the_rest_when_
     // components often.
     let (mut cluster, client) =
         kv_cluster_with(root.path(), 3, &[("store.checkpoint_log_bytes", "16384")]).await;
-    const BATCHES: i64 = 20;
-    for b in 0..BATCHES {
-        client
-            .publish("kv", vec![kv_batch(b * 500, (b + 1) * 500)], false)
-            .await
-            .unwrap();
-    }
-    let total = (BATCHES * 500) as u64;
-    // Every node holds every row (three copies on three nodes). As a standby it logged
-    // them without applying them; its primaries' components now cover most of them.
-    for id in 1..=3 {
-        wait_until(
-            "components shipped to the standbys",
-            Duration::from_secs(30),
-            || async {
-                let (rows, logged) = kv_rows_held(&cluster, id).await;
-                (rows == total && logged < total / 2).then_some(())
-            },
-        )
-        .await;
-    }
+    let total = publish_until_shipped(&cluster, &client, 20, 500).await;
     let expected = (total as i64, (0..total as i64).map(|k| k * 10).sum::<i64>());
     // Node 1 dies; its partitions' standbys are promoted and replay what their logs hold
     // beyond the shipped components. Every answer stays exact, and writes go on.
@@ -502,25 +513,7 @@ async fn a_standby_checkpointing_while_publishes_commit_leaves_the_flushing_to_p
     // publish, and the next publish commits while it runs.
     let (cluster, client) =
         common::start_kv(cluster, &[("store.memtable_flush_bytes", "65536")]).await;
-    const BATCHES: i64 = 40;
-    for b in 0..BATCHES {
-        client
-            .publish("kv", vec![kv_batch(b * 2000, (b + 1) * 2000)], false)
-            .await
-            .unwrap();
-    }
-    let total = (BATCHES * 2000) as u64;
-    for id in 1..=3 {
-        wait_until(
-            "components shipped to the standbys",
-            Duration::from_secs(60),
-            || async {
-                let (rows, logged) = kv_rows_held(&cluster, id).await;
-                (rows == total && logged < total / 2).then_some(())
-            },
-        )
-        .await;
-    }
+    let total = publish_until_shipped(&cluster, &client, 40, 2000).await;
     let checkpoints = checkpoints_written(&cluster).await;
     assert!(
         checkpoints.iter().all(|&c| c >= 5),
