@@ -255,6 +255,10 @@ fn plan_readers(scan: SnapshotScan<'_>) -> Result<Readers> {
         // evaluation per row group per query (about 0.1 ms each, 6 ms of a Q6 at SF 1)
         // and can prune nothing.
         options.global.bloom_filter_on_read = false;
+        // Filters stay above the scan (the session's `pushdown_filters`, off by default):
+        // evaluating them inside the Parquet decoder, with the hash joins' dynamic filters,
+        // made TPC-H SF 10's Q3, Q4, Q9 and Q13 1.2-1.5x slower on a 2-core machine
+        // (Q4 1039 -> 1557 ms, Q9 4984 -> 7067 ms; Q22 unchanged).
         let mut source = ParquetSource::new(stored.clone())
             .with_table_parquet_options(options)
             .with_parquet_file_reader_factory(Arc::new(CachedParquetFileReaderFactory::new(
