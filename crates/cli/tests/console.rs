@@ -7,6 +7,7 @@ mod common;
 use common::kv_cluster_with;
 use std::collections::BTreeMap;
 use std::path::Path;
+use tessera_server::ClusterClient;
 use tessera_testkit::{kv_batch, LocalCluster};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_tessera");
@@ -68,8 +69,12 @@ async fn metrics_parse_as_openmetrics_and_move_with_the_work() {
             .await
             .unwrap();
     }
+    // Flushed to components, the rows are scanned through each node's decoded cache.
+    for id in cluster.node_ids() {
+        ClusterClient::new(cluster.addr(id)).flush().await.unwrap();
+    }
     for _ in 0..4 {
-        client.query("SELECT count(*) AS n FROM kv").await.unwrap();
+        client.query("SELECT sum(v) AS n FROM kv").await.unwrap();
     }
     client
         .query("SELECT * FROM nosuch")
@@ -117,6 +122,20 @@ async fn metrics_parse_as_openmetrics_and_move_with_the_work() {
         status.leader.unwrap().0 as f64
     );
     assert!(after.value("tessera_raft_term{}") >= 1.0);
+    let decoded = status.decoded.expect("the node reports its decoded cache");
+    assert!(
+        after.value("tessera_decoded_cache_bytes{}") > 0.0 && decoded.bytes > 0,
+        "node 1's scans kept the columns they read: {decoded:?}"
+    );
+    let machine = tessera_common::memory::machine_memory_bytes().unwrap();
+    assert_eq!(
+        (
+            after.value("tessera_decoded_cache_budget_bytes{}") as u64,
+            decoded.budget_bytes
+        ),
+        (machine / 4, machine / 4),
+        "unset, the cache takes a quarter of the machine's memory"
+    );
     assert!(after.value("tessera_raft_applied_index{}") > 0.0);
     assert_eq!(
         after.value("tessera_pg_connections{}"),

@@ -330,14 +330,49 @@ pub struct ExecSettings {
     /// join build sides), in bytes; sorts and aggregations past it spill to
     /// `data_dir/spill`. 0: half of this machine's memory.
     pub memory_limit_bytes: u64,
-    /// Memory for small components kept decoded, so a scan of a small table does not pay
-    /// a Parquet file's fixed cost per storage partition (0: keep none).
-    pub decoded_cache_bytes: u64,
+    /// Memory for components kept decoded, so a scan does not pay a Parquet file's fixed
+    /// cost per storage partition nor decode the same columns again (0: keep none).
+    /// Unset: a quarter of this machine's memory ([`ExecSettings::decoded_cache_budget`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decoded_cache_bytes: Option<u64>,
     /// The largest component file (bytes) kept decoded.
     pub decoded_component_max_bytes: u64,
     /// The most memory (bytes) the columns one scan reads may take decoded for the scan to
-    /// be kept decoded whatever its files' sizes.
-    pub decoded_scan_max_bytes: u64,
+    /// be kept decoded whatever its files' sizes. Unset: a third of the cache's budget, so
+    /// one large scan leaves room for the columns of two others.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decoded_scan_max_bytes: Option<u64>,
+}
+
+/// The decoded cache's budget where `[exec] decoded_cache_bytes` is unset: a quarter of the
+/// machine's memory (the query pool takes half by default, and the rest is left to the
+/// operating system's page cache, the memtables and the process), 1 GiB where the
+/// machine's memory cannot be read.
+fn default_decoded_cache_bytes() -> u64 {
+    crate::memory::machine_memory_bytes().map_or(1 << 30, |bytes| bytes / 4)
+}
+
+impl ExecSettings {
+    /// The most memory the decoded cache holds, in bytes.
+    pub fn decoded_cache_budget(&self) -> u64 {
+        self.decoded_cache_bytes
+            .unwrap_or_else(default_decoded_cache_bytes)
+    }
+
+    /// The most memory one scan's columns may take decoded to be kept, in bytes.
+    pub fn decoded_scan_max(&self) -> u64 {
+        self.decoded_scan_max_bytes
+            .unwrap_or_else(|| self.decoded_cache_budget() / 3)
+    }
+
+    /// The settings of one of `nodes` nodes that share this machine (a local cluster):
+    /// each node's decoded cache takes its share of what one node would take alone.
+    pub fn sharing_machine(nodes: usize) -> ExecSettings {
+        ExecSettings {
+            decoded_cache_bytes: Some(default_decoded_cache_bytes() / nodes.max(1) as u64),
+            ..ExecSettings::default()
+        }
+    }
 }
 
 impl Default for ExecSettings {
@@ -348,9 +383,9 @@ impl Default for ExecSettings {
             spool_start_timeout_ms: 30_000,
             cache_bytes: 1 << 30,
             memory_limit_bytes: 0,
-            decoded_cache_bytes: 512 << 20,
+            decoded_cache_bytes: None,
             decoded_component_max_bytes: 1 << 20,
-            decoded_scan_max_bytes: 128 << 20,
+            decoded_scan_max_bytes: None,
         }
     }
 }
@@ -746,6 +781,41 @@ mod tests {
         assert_eq!(
             NodeConfig::parse(&round_trip, Path::new("x")).unwrap(),
             config
+        );
+    }
+
+    #[test]
+    fn the_decoded_cache_is_sized_by_the_machine_unless_set() {
+        let machine = crate::memory::machine_memory_bytes().expect("/proc/meminfo here");
+        let defaults = NodeConfig::parse(GOOD, Path::new("n")).unwrap().exec;
+        assert_eq!(defaults.decoded_cache_budget(), machine / 4);
+        assert_eq!(defaults.decoded_scan_max(), machine / 4 / 3);
+        let shared = ExecSettings::sharing_machine(3);
+        assert_eq!(shared.decoded_cache_budget(), machine / 4 / 3);
+        assert_eq!(shared.decoded_scan_max(), machine / 4 / 3 / 3);
+        // Written out and read back (a local cluster's node.toml), the share stays.
+        let written = toml::to_string(&shared).unwrap();
+        assert_eq!(toml::from_str::<ExecSettings>(&written).unwrap(), shared);
+        assert!(!toml::to_string(&defaults)
+            .unwrap()
+            .contains("decoded_cache_bytes"));
+        let none =
+            NodeConfig::parse_with(GOOD, Path::new("n"), &["exec.decoded_cache_bytes=0".into()])
+                .unwrap()
+                .exec;
+        assert_eq!(
+            (none.decoded_cache_budget(), none.decoded_scan_max()),
+            (0, 0)
+        );
+        let set = NodeConfig::parse(
+            &format!("{GOOD}\n[exec]\ndecoded_cache_bytes = 3000\ndecoded_scan_max_bytes = 2000\n"),
+            Path::new("n"),
+        )
+        .unwrap()
+        .exec;
+        assert_eq!(
+            (set.decoded_cache_budget(), set.decoded_scan_max()),
+            (3000, 2000)
         );
     }
 

@@ -1,4 +1,4 @@
-//! What a record batch holds in memory.
+//! What a record batch holds in memory, and how much memory this machine has.
 //!
 //! `RecordBatch::get_array_memory_size` adds up every array's buffers, each at the size of
 //! its whole allocation. Arrays decoded from one Arrow IPC or Flight message all point into
@@ -11,6 +11,17 @@
 
 use arrow::array::{Array, ArrayData, RecordBatch};
 use std::collections::HashSet;
+
+/// This machine's memory (`MemTotal` in `/proc/meminfo`), in bytes, or `None` where it
+/// cannot be read. Defaults sized by memory (the query pool, the decoded cache) start here.
+pub fn machine_memory_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let total = meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemTotal:"))?;
+    let kib: u64 = total.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib * 1024)
+}
 
 /// The bytes of memory `batch` keeps alive: every allocation its arrays (and their
 /// children and null masks) point into, each counted once, at its capacity.

@@ -83,8 +83,10 @@ pub struct Metrics {
     pub pg_connections: Gauge,
     /// Queries with channels running on this node now.
     pub queries_running: Gauge,
-    /// Memory held by small components kept decoded for scans.
+    /// Memory held by components kept decoded for scans.
     pub decoded_cache_bytes: Gauge,
+    /// The most memory the decoded cache may hold (`[exec] decoded_cache_bytes`).
+    pub decoded_cache_budget_bytes: Gauge,
     /// Memory held by the store's memtables (rows not yet flushed to components).
     pub store_memtable_bytes: Gauge,
     /// The allocator's live allocations, and the memory it has mapped and touched (live,
@@ -129,6 +131,7 @@ impl Metrics {
             pg_connections: Gauge::default(),
             queries_running: Gauge::default(),
             decoded_cache_bytes: Gauge::default(),
+            decoded_cache_budget_bytes: Gauge::default(),
             store_memtable_bytes: Gauge::default(),
             allocator_allocated_bytes: Gauge::default(),
             allocator_resident_bytes: Gauge::default(),
@@ -283,8 +286,13 @@ impl Metrics {
             );
             r.register(
                 "decoded_cache_bytes",
-                "Memory held by small components kept decoded for scans",
+                "Memory held by components kept decoded for scans",
                 metrics.decoded_cache_bytes.clone(),
+            );
+            r.register(
+                "decoded_cache_budget_bytes",
+                "The most memory the decoded cache may hold ([exec] decoded_cache_bytes)",
+                metrics.decoded_cache_budget_bytes.clone(),
             );
             r.register(
                 "store_memtable_bytes",

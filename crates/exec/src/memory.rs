@@ -51,20 +51,7 @@ pub struct NodeMemory {
 
 /// Half of this machine's memory, or 4 GiB where it cannot be read.
 fn default_limit() -> usize {
-    let total_kib = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find_map(|line| line.strip_prefix("MemTotal:"))
-                .and_then(|rest| {
-                    rest.trim()
-                        .trim_end_matches("kB")
-                        .trim()
-                        .parse::<usize>()
-                        .ok()
-                })
-        });
-    total_kib.map_or(4 << 30, |kib| kib * 1024 / 2)
+    tessera_common::memory::machine_memory_bytes().map_or(4 << 30, |bytes| bytes as usize / 2)
 }
 
 /// `bytes` for a person: `512.0 MiB`.

@@ -102,6 +102,8 @@ impl tessera_console::NodeView for NodeConsole {
         m.queries_running.set(running as i64);
         let decoded = self.node.exec.queries().decoded().usage();
         m.decoded_cache_bytes.set(decoded.bytes as i64);
+        m.decoded_cache_budget_bytes
+            .set(decoded.budget_bytes as i64);
         if let Some(held) = tessera_common::allocator::stats() {
             m.allocator_allocated_bytes.set(held.allocated as i64);
             m.allocator_resident_bytes.set(held.resident as i64);

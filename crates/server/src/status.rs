@@ -38,6 +38,9 @@ pub struct NodeStatus {
     /// The node's component cache (archived components; a compute node's reads).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache: Option<tessera_exec::cache::CacheStatus>,
+    /// The node's cache of decoded columns (absent from a node too old to report it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decoded: Option<tessera_sql::decoded::DecodedUsage>,
     /// On the metadata leader: archives retention wants that could not be made yet, and why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub archive_waiting: Vec<String>,
@@ -144,6 +147,7 @@ pub fn node_status(node: &crate::node::Node) -> NodeStatus {
         insecure: node.mtls.is_none(),
         last_scrub: crate::scrub::last_scrub(),
         cache: node.exec.cache_status(),
+        decoded: Some(node.exec.queries().decoded().usage()),
         archive_waiting: node
             .archive_waiting
             .lock()

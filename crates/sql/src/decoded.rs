@@ -47,6 +47,7 @@ use pruning::{KeptBatches, KeptColumn};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use tessera_common::config::ExecSettings;
 use tessera_common::ComponentHash;
 use tessera_storage::component::{read_component, ComponentMeta};
 use tessera_storage::versions::stored_schema;
@@ -66,13 +67,20 @@ pub struct DecodedLimits {
     pub max_scan_bytes: u64,
 }
 
+impl From<&ExecSettings> for DecodedLimits {
+    fn from(settings: &ExecSettings) -> Self {
+        DecodedLimits {
+            budget_bytes: settings.decoded_cache_budget(),
+            max_component_bytes: settings.decoded_component_max_bytes,
+            max_scan_bytes: settings.decoded_scan_max(),
+        }
+    }
+}
+
+/// A quarter of this machine's memory, a third of it for one scan (`[exec]`'s defaults).
 impl Default for DecodedLimits {
     fn default() -> Self {
-        DecodedLimits {
-            budget_bytes: 512 << 20,
-            max_component_bytes: 1 << 20,
-            max_scan_bytes: 128 << 20,
-        }
+        DecodedLimits::from(&ExecSettings::default())
     }
 }
 
@@ -104,14 +112,16 @@ struct Entry {
     last_used: u64,
 }
 
-/// What the cache holds, for `tessera status` and tests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What the cache holds, for `tessera status`, the metrics and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DecodedUsage {
     /// Components with at least one column kept.
     pub components: usize,
     /// Columns kept, over all components.
     pub columns: usize,
     pub bytes: u64,
+    /// The most it may hold (`[exec] decoded_cache_bytes`).
+    pub budget_bytes: u64,
 }
 
 impl Default for DecodedComponents {
@@ -151,6 +161,7 @@ impl DecodedComponents {
             components: components.len(),
             columns: state.entries.len(),
             bytes: state.held_bytes,
+            budget_bytes: self.limits.budget_bytes,
         }
     }
 

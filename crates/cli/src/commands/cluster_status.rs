@@ -50,6 +50,15 @@ pub async fn run(addr: &str) -> Result<()> {
             ))
         );
     }
+    if let Some(decoded) = &status.decoded {
+        println!(
+            "decoded cache:  {} of {} allowed: {} columns of {} components",
+            super::scrub::human_bytes(decoded.bytes),
+            super::scrub::human_bytes(decoded.budget_bytes),
+            decoded.columns,
+            decoded.components
+        );
+    }
     println!("visible epoch:  {}", meta.visible);
     println!("next epoch:     {}", meta.next_epoch);
     if !meta.open.is_empty() {

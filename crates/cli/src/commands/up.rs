@@ -7,7 +7,9 @@ use super::node::wait_for_shutdown;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use tessera_server::config::{MtlsSettings, NodeRole, ReplicaSettings, StoreSettings};
+use tessera_server::config::{
+    ExecSettings, MtlsSettings, NodeRole, ReplicaSettings, StoreSettings,
+};
 use tessera_server::{NodeConfig, NodeId, Peer};
 
 pub struct UpOptions {
@@ -148,7 +150,8 @@ pub fn local_configs(root: &Path, options: &UpOptions) -> Result<Vec<PathBuf>> {
                 ..Default::default()
             },
             failure: Default::default(),
-            exec: Default::default(),
+            // The nodes share this machine: each keeps its share of a decoded cache.
+            exec: ExecSettings::sharing_machine(all.len()),
             scrub: Default::default(),
             archive: Default::default(),
             replace: false,

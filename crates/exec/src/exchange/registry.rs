@@ -43,11 +43,7 @@ impl QueryRegistry {
             ended_now: Notify::new(),
             running: Mutex::default(),
             statistics: Default::default(),
-            decoded: Arc::new(DecodedComponents::new(DecodedLimits {
-                budget_bytes: settings.decoded_cache_bytes,
-                max_component_bytes: settings.decoded_component_max_bytes,
-                max_scan_bytes: settings.decoded_scan_max_bytes,
-            })),
+            decoded: Arc::new(DecodedComponents::new(DecodedLimits::from(settings))),
         }
     }
 
