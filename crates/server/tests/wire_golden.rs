@@ -626,6 +626,12 @@ fn samples() -> Samples {
                 leased_components: 1,
             },
             insecure: true,
+            decoded: Some(tessera_sql::decoded::DecodedUsage {
+                components: 22,
+                columns: 44,
+                bytes: 9 << 20,
+                budget_bytes: 2 << 30,
+            }),
             last_scrub: Some(tessera_server::scrub::ScrubReport {
                 node: NodeId(1),
                 started_at_ms: 1_763_632_800_250,
