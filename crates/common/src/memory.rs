@@ -14,13 +14,17 @@ use std::collections::HashSet;
 
 /// This machine's memory (`MemTotal` in `/proc/meminfo`), in bytes, or `None` where it
 /// cannot be read. Defaults sized by memory (the query pool, the decoded cache) start here.
+/// Read once per process: it does not change, and every engine's cache asks for it.
 pub fn machine_memory_bytes() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let total = meminfo
-        .lines()
-        .find_map(|line| line.strip_prefix("MemTotal:"))?;
-    let kib: u64 = total.trim().trim_end_matches("kB").trim().parse().ok()?;
-    Some(kib * 1024)
+    static MEM_TOTAL: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *MEM_TOTAL.get_or_init(|| {
+        let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let total = meminfo
+            .lines()
+            .find_map(|line| line.strip_prefix("MemTotal:"))?;
+        let kib: u64 = total.trim().trim_end_matches("kB").trim().parse().ok()?;
+        Some(kib * 1024)
+    })
 }
 
 /// The bytes of memory `batch` keeps alive: every allocation its arrays (and their
