@@ -77,7 +77,7 @@ impl From<&ExecSettings> for DecodedLimits {
     }
 }
 
-/// A quarter of this machine's memory, a third of it for one scan (`[exec]`'s defaults).
+/// A quarter of this machine's memory, all of it for one scan (`[exec]`'s defaults).
 impl Default for DecodedLimits {
     fn default() -> Self {
         DecodedLimits::from(&ExecSettings::default())
@@ -456,6 +456,8 @@ impl ExecutionPlan for DecodedScanExec {
                     .pruning_metrics("batches_pruned_statistics", partition);
                 (predicate, pruned)
             }),
+            pending: VecDeque::new(),
+            pending_rows: 0,
         };
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             self.schema.clone(),
@@ -505,6 +507,9 @@ struct GroupReader {
     remaining: Option<usize>,
     /// The scan's predicate, and the count of kept batches it skipped and matched.
     predicate: Option<(Arc<PruningPredicate>, PruningMetrics)>,
+    /// Batches of the components read so far that have not gone out yet, and their rows.
+    pending: VecDeque<RecordBatch>,
+    pending_rows: usize,
 }
 
 impl GroupReader {
@@ -515,9 +520,7 @@ impl GroupReader {
         if wanted == 0 {
             return Ok(None);
         }
-        let mut gathered: Vec<RecordBatch> = Vec::new();
-        let mut rows = 0;
-        while rows < wanted {
+        while self.pending_rows < wanted {
             let Some(component) = self.components.pop_front() else {
                 break;
             };
@@ -532,11 +535,26 @@ impl GroupReader {
                     &self.projection,
                 )?,
             };
-            for batch in decoded {
-                rows += batch.num_rows();
-                gathered.push(batch);
-            }
+            self.pending_rows += decoded.iter().map(RecordBatch::num_rows).sum::<usize>();
+            self.pending.extend(decoded);
         }
+        // The first pending batch goes out as it is, with the next ones only while they
+        // fit in `wanted`: a large component's kept batches (as many rows as a batch is
+        // read with) leave unchanged, and only small components' are copied together.
+        // Gathering a large component's batches into one copied all its rows into fresh
+        // memory on every scan (a 60 M-row lineitem scan through the cache took 1.7-2.3x
+        // the time of decoding its Parquet, a third of it in that copy and page zeroing).
+        let mut gathered: Vec<RecordBatch> = Vec::new();
+        let mut rows = 0;
+        while let Some(next) = self.pending.front() {
+            if !gathered.is_empty() && rows + next.num_rows() > wanted {
+                break;
+            }
+            let next = self.pending.pop_front().expect("a front batch");
+            rows += next.num_rows();
+            gathered.push(next);
+        }
+        self.pending_rows -= rows;
         let batch = match gathered.len() {
             0 => return Ok(None),
             1 => gathered.pop().expect("one batch"),
