@@ -32,7 +32,7 @@ pub mod transaction;
 pub mod users;
 
 pub use backend::{Backend, LocalBackend};
-pub use engine::{Engine, StatementOutput};
+pub use engine::{Engine, StatementOutput, LOCAL_COLLECT_JOIN_BYTES};
 pub use error::SqlError;
 pub use provider::ScanLayout;
 

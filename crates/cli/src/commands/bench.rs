@@ -1,5 +1,7 @@
 //! `tessera bench tpch`: TPC-H on Tessera against plain DataFusion over the same data, in
-//! the same process, with the same session settings.
+//! the same process, with the same session settings but one: a local Tessera engine
+//! collects a hash join's build side into one shared table up to
+//! `tessera_sql::LOCAL_COLLECT_JOIN_BYTES` (4 MiB) where DataFusion's default is 1 MiB.
 //!
 //! The baseline reads one Parquet file per table, written with the same writer settings as
 //! Tessera's components. Each query runs once untimed on both engines (warming caches and
