@@ -457,7 +457,6 @@ impl ExecutionPlan for DecodedScanExec {
                 (predicate, pruned)
             }),
             pending: VecDeque::new(),
-            pending_rows: 0,
         };
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             self.schema.clone(),
@@ -507,9 +506,8 @@ struct GroupReader {
     remaining: Option<usize>,
     /// The scan's predicate, and the count of kept batches it skipped and matched.
     predicate: Option<(Arc<PruningPredicate>, PruningMetrics)>,
-    /// Batches of the components read so far that have not gone out yet, and their rows.
+    /// Batches of the components read so far that have not gone out yet.
     pending: VecDeque<RecordBatch>,
-    pending_rows: usize,
 }
 
 impl GroupReader {
@@ -520,7 +518,13 @@ impl GroupReader {
         if wanted == 0 {
             return Ok(None);
         }
-        while self.pending_rows < wanted {
+        while self
+            .pending
+            .iter()
+            .map(RecordBatch::num_rows)
+            .sum::<usize>()
+            < wanted
+        {
             let Some(component) = self.components.pop_front() else {
                 break;
             };
@@ -535,7 +539,6 @@ impl GroupReader {
                     &self.projection,
                 )?,
             };
-            self.pending_rows += decoded.iter().map(RecordBatch::num_rows).sum::<usize>();
             self.pending.extend(decoded);
         }
         // The first pending batch goes out as it is, with the next ones only while they
@@ -554,7 +557,6 @@ impl GroupReader {
             rows += next.num_rows();
             gathered.push(next);
         }
-        self.pending_rows -= rows;
         let batch = match gathered.len() {
             0 => return Ok(None),
             1 => gathered.pop().expect("one batch"),

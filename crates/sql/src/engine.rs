@@ -117,10 +117,8 @@ pub const LOCAL_COLLECT_JOIN_BYTES: usize = 4 << 20;
 
 /// `config` with [`LOCAL_COLLECT_JOIN_BYTES`] where it holds DataFusion's default bound.
 fn with_local_join_selection(mut config: SessionConfig) -> SessionConfig {
-    let default = SessionConfig::new()
-        .options()
-        .optimizer
-        .hash_join_single_partition_threshold;
+    let default =
+        datafusion::config::OptimizerOptions::default().hash_join_single_partition_threshold;
     let optimizer = &mut config.options_mut().optimizer;
     if optimizer.hash_join_single_partition_threshold == default {
         optimizer.hash_join_single_partition_threshold = LOCAL_COLLECT_JOIN_BYTES;
